@@ -1,0 +1,72 @@
+from libc.stdint cimport int64_t, int32_t, uint64_t, uint8_t
+
+cdef class CellTable:
+    cdef readonly int64_t capacity
+    cdef readonly int64_t max_seqs
+    cdef readonly int64_t max_write
+    cdef readonly int64_t owner_words     # ceil(max_seqs / 64): words of one owner bitset
+    cdef int64_t n_free_words             # ceil(capacity / 64)
+    cdef int64_t n_sum_words              # ceil(n_free_words / 64)
+
+    # per cell; owners are word-major: the bit of seq s for cell c is in
+    # owners[(s >> 6) * capacity + c], so one sequence's bits for a run of cells are contiguous
+    cdef int64_t* cell_pos
+    cdef uint64_t* owners
+    cdef int32_t* n_owners
+    # free bitmap (bit set = free) and two summaries with one bit per bitmap word:
+    # sum_free (the word has a free cell), sum_used (the word has an occupied cell)
+    cdef uint64_t* free_bits
+    cdef uint64_t* sum_free
+    cdef uint64_t* sum_used
+    cdef int64_t used_count_
+    cdef int64_t used_end_
+
+    # per sequence; [seq_lo, seq_hi) bounds the cells the sequence owns (0, 0 when none)
+    cdef uint64_t* live_bits
+    cdef int64_t n_live
+    cdef int64_t* seq_cells_
+    cdef int64_t* seq_pos_
+    cdef int64_t* seq_lo
+    cdef int64_t* seq_hi
+
+    # the declared step and what the last place() did (for undo_place)
+    cdef int64_t* decl
+    cdef int64_t n_decl
+    cdef bint declared_
+    cdef uint8_t* seq_declared
+    cdef int64_t* scratch            # per-seq scratch counters, kept all zero between calls
+    cdef int64_t* placed_cells
+    cdef int64_t n_placed
+    cdef int64_t undo_used_end
+    cdef int64_t* undo_summary       # 4 per declared token: cells, pos, lo, hi of its seq
+
+    # optional change log for a device mirror (cells whose pos or owner words changed)
+    cdef bint track_changes
+    cdef uint8_t* cell_dirty
+    cdef int64_t* dirty_cells
+    cdef int64_t n_dirty
+
+    cdef void _reset_cells(self, int64_t end) noexcept nogil
+    cdef void _reset(self) noexcept nogil
+    cdef void _mark(self, int64_t c) noexcept nogil
+    cdef uint64_t _valid(self, int64_t w) noexcept nogil
+    cdef void _update_summaries(self, int64_t w) noexcept nogil
+    cdef bint _is_live(self, int64_t s) noexcept nogil
+    cdef int64_t _seq(self, object value) except -1
+    cdef object _declare_view(self, const int64_t[::1] view)
+    cdef int _check_width(self, Py_ssize_t n) except -1
+    cdef object _declare_checked(self, Py_ssize_t n)
+    cdef void _drop_declaration(self) noexcept
+    cdef int _check_sequence(self, int64_t s) except -1
+    cdef void _set_free(self, int64_t c) noexcept nogil
+    cdef void _set_used(self, int64_t c) noexcept nogil
+    cdef int64_t _next_free(self, int64_t c) noexcept nogil
+    cdef int64_t _last_used_below(self, int64_t e) noexcept nogil
+    cdef void _shrink_used_end(self) noexcept nogil
+    cdef void _drop_from(self, int64_t seq, int64_t position) noexcept nogil
+    cdef int64_t _lowest_non_live(self) noexcept nogil
+    cdef void _cancel_if_declared(self, int64_t seq) noexcept nogil
+    cdef int64_t _place(self, int64_t* cells, int64_t* positions) except -1
+    cdef void fill_mask_rows(self, const int64_t* seq_ids, const int64_t* positions,
+                             int64_t width, int64_t read_len, int64_t window,
+                             uint8_t* out, int64_t row_stride) noexcept nogil

@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""cellcache benchmarks: print a table of side-by-side measurements and write JSON.
+
+Sections:
+  table  the Cython CellTable against the pure-Python reference (placement of a decode
+         step; seq_clone / rewind / seq_rm of a 32,768-token sequence at two pool sizes).
+  gpu    prepare_step of the CUDA backend against a host-built-mask baseline (needs a GPU).
+
+Targets are checked by ratios measured in the same run, printed with the table; the exit
+code is 0 whether or not a target is met (the numbers go into the docs and closing notes),
+and non-zero only when a measurement itself fails (e.g. the two tables disagree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def median_ns(fn, reps: int, setup=None) -> float:
+    """Median wall time of ``fn()`` in ns over ``reps`` runs; ``setup()`` runs untimed before each."""
+    times = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times)
+
+
+def reference_copy(table):
+    """A ReferenceTable holding the same cells as ``table`` (built directly, not replayed)."""
+    from cellcache import ReferenceTable
+
+    ref = ReferenceTable(table.capacity, table.max_seqs, table.max_write)
+    ref.cell_pos = table.positions_array().tolist()
+    words = table.owner_words_array()
+    owners = [set() for _ in range(table.capacity)]
+    for w in range(words.shape[0]):
+        col = words[w]
+        for bit in range(64):
+            seq = 64 * w + bit
+            if seq >= table.max_seqs:
+                break
+            for c in np.nonzero((col >> np.uint64(bit)) & np.uint64(1))[0].tolist():
+                owners[c].add(seq)
+    ref.cell_owners = owners
+    ref.live = set(table.live_seqs())
+    return ref
+
+
+def fill_pool(table, n_seqs: int, tokens_each: int, chunk: int, rng) -> list[int]:
+    """Prefill ``n_seqs`` sequences in interleaved chunks; returns their ids."""
+    seqs = [table.seq_new() for _ in range(n_seqs)]
+    remaining = {s: tokens_each for s in seqs}
+    while remaining:
+        for s in list(remaining):
+            n = min(chunk, remaining[s], table.max_write)
+            assert table.declare_step([s] * n)
+            table.place()
+            remaining[s] -= n
+            if remaining[s] == 0:
+                del remaining[s]
+    return seqs
+
+
+def bench_decode(args, rng) -> dict:
+    from cellcache import CellTable
+
+    cap, n_live, width = 1 << 20, 256, 64
+    log(f"[table] decode placement: capacity {cap}, {n_live} live sequences, width {width}")
+    t = CellTable(cap, max_seqs=n_live, max_write=4096)
+    seqs = fill_pool(t, n_live, 2048, 512, rng)
+    # churn: finish a quarter of the sequences and start new ones, leaving holes behind
+    for s in seqs[::4]:
+        t.seq_rm(s)
+    for _ in seqs[::4]:
+        s = t.seq_new()
+        assert t.declare_step([s] * 100)
+        t.place()
+    live = np.array(t.live_seqs(), dtype=np.int64)
+    steps = [rng.permutation(live)[:width].astype(np.int64) for _ in range(args.reps)]
+    cells = np.empty(width, np.int64)
+    positions = np.empty(width, np.int64)
+    it = iter(steps)
+
+    def one():
+        t.declare_step(next(it))
+        t.place_into(cells, positions)
+
+    fast = median_ns(one, args.reps)
+    t.check_invariants()
+    log("[table]   reference copy of the pool (slow by design)...")
+    ref = reference_copy(t)
+    ids = [int(x) for x in steps[0]]
+    t0 = time.perf_counter_ns()
+    ref.declare_step(ids)
+    rcells, rpos, rlen = ref.place()
+    slow = time.perf_counter_ns() - t0
+    assert t.declare_step(ids)
+    c2, p2, l2 = t.place()
+    if rcells != c2.tolist() or rpos != p2.tolist() or rlen != l2:
+        raise SystemExit("bench: CellTable and the reference placed the decode step differently")
+    return {
+        "case": "decode placement (64 tokens, 256 live, cap 1M)",
+        "cython_us": fast / 1e3, "reference_us": slow / 1e3, "speedup": slow / fast,
+        "used_cells": t.capacity - t.free_cells,
+    }
+
+
+def bench_verbs(args, rng, cap: int) -> list[dict]:
+    from cellcache import CellTable
+
+    L = 32768
+    log(f"[table] verbs on a {L}-token sequence at capacity {cap}")
+    t = CellTable(cap, max_seqs=256, max_write=L)
+    others = cap - L - 1024
+    fill_pool(t, 64, others // 64, 1024, rng)
+    s = t.seq_new()
+    assert t.declare_step([s] * L)
+    t.place()
+    state = {"s": s}
+
+    def place_s():
+        assert t.declare_step([state["s"]] * L)
+        t.place()
+
+    out = {}
+    holder = {}
+    out["seq_clone"] = median_ns(lambda: holder.__setitem__("c", t.seq_clone(state["s"])),
+                                 args.reps, setup=lambda: holder.get("c") is not None and t.seq_rm(holder["c"]))
+    t.seq_rm(holder["c"])
+    out["rewind"] = median_ns(lambda: t.rewind(state["s"], 0), args.reps,
+                              setup=lambda: t.pos(state["s"]) == 0 and place_s())
+    place_s()
+
+    def rm_setup():
+        if state["s"] is None or t.pos(state["s"]) == 0:
+            state["s"] = t.seq_new()
+            place_s()
+
+    def rm():
+        t.seq_rm(state["s"])
+        state["s"] = None
+
+    out["seq_rm"] = median_ns(rm, args.reps, setup=rm_setup)
+    rm_setup()
+    t.check_invariants()
+
+    log(f"[table]   reference at capacity {cap} (slow by design)...")
+    ref = reference_copy(t)
+    s = state["s"]
+    ref_times = {}
+    t0 = time.perf_counter_ns(); c = ref.seq_clone(s); ref_times["seq_clone"] = time.perf_counter_ns() - t0
+    ref.seq_rm(c)
+    t0 = time.perf_counter_ns(); ref.rewind(s, 0); ref_times["rewind"] = time.perf_counter_ns() - t0
+    ref2 = reference_copy(t)
+    t0 = time.perf_counter_ns(); ref2.seq_rm(s); ref_times["seq_rm"] = time.perf_counter_ns() - t0
+    return [
+        {"case": f"{verb} of 32K-token seq, cap {cap}", "verb": verb, "capacity": cap,
+         "cython_us": out[verb] / 1e3, "reference_us": ref_times[verb] / 1e3,
+         "speedup": ref_times[verb] / out[verb]}
+        for verb in ("seq_clone", "rewind", "seq_rm")
+    ]
+
+
+def section_table(args) -> dict:
+    rng = np.random.default_rng(args.seed)
+    rows = [bench_decode(args, rng)]
+    small = bench_verbs(args, rng, 1 << 16)
+    large = bench_verbs(args, rng, 1 << 20)
+    rows += small + large
+    scaling = {
+        r1["verb"]: r2["cython_us"] / r1["cython_us"] for r1, r2 in zip(small, large)
+    }
+    targets = {
+        "decode placement <= 10 us": rows[0]["cython_us"] <= 10.0,
+        "verbs at 1M within 1.5x of 64K": all(v <= 1.5 for v in scaling.values()),
+        "Cython >= 50x reference on each": all(r["speedup"] >= 50 for r in rows),
+    }
+    print()
+    print(f"{'case':<48} {'cython us':>10} {'ref us':>12} {'speedup':>9}")
+    for r in rows:
+        print(f"{r['case']:<48} {r['cython_us']:>10.2f} {r['reference_us']:>12.0f} {r['speedup']:>8.0f}x")
+    print("verb time at 1M / at 64K: " + ", ".join(f"{k} {v:.2f}x" for k, v in scaling.items()))
+    for name, ok in targets.items():
+        print(f"target {'met ' if ok else 'MISSED'}: {name}")
+    return {"rows": rows, "scaling_1M_over_64K": scaling, "targets": targets}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--section", choices=["table", "gpu", "all"], default="table")
+    p.add_argument("--reps", type=int, default=200, help="timed repetitions per case (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None,
+                   help="where to write the JSON (default: benchmarks/results/<section>-<date>.json)")
+    args = p.parse_args(argv)
+    result = {
+        "date": _dt.date.today().isoformat(),
+        "command": "python3 tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+                    "numpy": np.__version__},
+    }
+    if args.section in ("table", "all"):
+        result["table"] = section_table(args)
+    if args.section in ("gpu", "all"):
+        from cellcache.cuda import bench as gpu_bench  # noqa: PLC0415 - only with a GPU
+
+        result["gpu"] = gpu_bench.run(args)
+    path = args.json or ROOT / "benchmarks" / "results" / f"{args.section}-{result['date']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
