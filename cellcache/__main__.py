@@ -1,0 +1,29 @@
+"""``python -m cellcache demo [...]`` (also the ``cellcache`` console script)."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: cellcache COMMAND [options]
+
+commands:
+  demo    simulated serving session, every token checked (cellcache demo --help)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    print(f"cellcache: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
