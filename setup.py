@@ -6,6 +6,9 @@ suite once that way).
 """
 
 import os
+import shutil
+import subprocess
+import sys
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -29,8 +32,13 @@ extensions = [
         [f"pyx/_{name}.pyx"],
         extra_compile_args=["-O2"] if not DEBUG else ["-O0", "-g"],
     )
-    for name in ("table",)
+    for name in ("table", "driver")
 ]
+
+# The PTX in cellcache/ptx/ is package data built from cuda/*.cu. Rebuild it only when a
+# source changed and nvcc is here; without nvcc the shipped PTX is used as it is.
+if shutil.which("nvcc") and os.path.exists("tools/build_ptx.py"):
+    subprocess.run([sys.executable, "tools/build_ptx.py", "--if-stale"], check=True)
 
 setup(
     ext_modules=cythonize(

@@ -67,6 +67,8 @@ cdef class CellTable:
     cdef int64_t _lowest_non_live(self) noexcept nogil
     cdef void _cancel_if_declared(self, int64_t seq) noexcept nogil
     cdef int64_t _place(self, int64_t* cells, int64_t* positions) except -1
+    cdef int64_t _export_changes(self, int64_t* records, int64_t max_n) noexcept nogil
+    cdef void _mark_all(self) noexcept nogil
     cdef void fill_mask_rows(self, const int64_t* seq_ids, const int64_t* positions,
                              int64_t width, int64_t read_len, int64_t window,
                              uint8_t* out, int64_t row_stride) noexcept nogil

@@ -30,11 +30,16 @@ def _as_host(array) -> np.ndarray:
 def write_kv(cache, layer: int, k: np.ndarray, v: np.ndarray, width: int) -> None:
     """Writes the step's K and V (``[width, n_kv_heads, head_dim]``) at ``cells[:width]``.
 
-    Host backend only (it writes the pool arrays in place); the CUDA twin is a kernel.
+    On the host backend this is numpy fancy assignment into the pools; on the CUDA backend
+    the cache's ``write_kv`` runs the ``scatter_rows`` kernel, which reads ``cells`` on the
+    device exactly as a forward's own K/V write would.
     """
-    cells = np.asarray(cache.buffer("cells"))[:width]
     k_pool = cache.buffer(f"layer_{layer}_k")
     v_pool = cache.buffer(f"layer_{layer}_v")
+    if not isinstance(k_pool, np.ndarray):
+        cache.write_kv(layer, k, v, width)
+        return
+    cells = np.asarray(cache.buffer("cells"))[:width]
     k_pool[cells] = k.astype(k_pool.dtype)
     v_pool[cells] = v.astype(v_pool.dtype)
 

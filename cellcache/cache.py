@@ -114,7 +114,11 @@ class CellCache:
         raise NotImplementedError
 
     def _resolve_stream(self, stream: object) -> int:
+        """The stream's handle; refuses a bad or unusable stream without side effects."""
         return stream_handle(stream)
+
+    def _before_step(self, stream: int) -> None:
+        """Orders the step after earlier committed work (called once the step will run)."""
 
     def _copy_rows(self, src: Any, dst: Any, nbytes: int, stream: int) -> None:
         raise NotImplementedError
@@ -251,6 +255,7 @@ class CellCache:
             handle = self._resolve_stream(stream)
             if self._prepared is not None:
                 self._commit_locked()
+            self._before_step(handle)
             grew = self._grow(min(self.config.capacity, self._table.used_end + width), handle)
             ids = self._table.declared
             assert ids is not None

@@ -711,6 +711,30 @@ cdef class CellTable:
         """Cells in the change log (0 unless built with track_changes)."""
         return self.n_dirty
 
+    cdef int64_t _export_changes(self, int64_t* records, int64_t max_n) noexcept nogil:
+        # Pops up to max_n logged cells into records of (2 + owner_words) int64 each:
+        # {cell, pos, owner word 0, ...}; returns how many were written.
+        cdef int64_t n = 0, c, w, stride = 2 + self.owner_words
+        cdef int64_t* rec
+        while self.n_dirty > 0 and n < max_n:
+            self.n_dirty -= 1
+            c = self.dirty_cells[self.n_dirty]
+            self.cell_dirty[c] = 0
+            rec = records + n * stride
+            rec[0] = c
+            rec[1] = self.cell_pos[c]
+            for w in range(self.owner_words):
+                rec[2 + w] = <int64_t>self.owners[w * self.capacity + c]
+            n += 1
+        return n
+
+    cdef void _mark_all(self) noexcept nogil:
+        # Logs every cell (a mirror that may have missed changes is rebuilt from scratch).
+        cdef int64_t c
+        if self.track_changes:
+            for c in range(self.capacity):
+                self._mark(c)
+
     def take_changes(self):
         """The cells whose pos or owners changed since the last call, ascending; clears the log."""
         cells = np.array([self.dirty_cells[i] for i in range(self.n_dirty)], dtype=np.int64)
