@@ -21,13 +21,14 @@ cdef class CellTable:
     cdef int64_t used_count_
     cdef int64_t used_end_
 
-    # per sequence; [seq_lo, seq_hi) bounds the cells the sequence owns (0, 0 when none)
+    # per sequence: a live sequence owns exactly one cell at each position in [0, pos), so
+    # seq_map[s][q] is the cell of position q (seq_map_cap[s] entries allocated)
     cdef uint64_t* live_bits
     cdef int64_t n_live
     cdef int64_t* seq_cells_
     cdef int64_t* seq_pos_
-    cdef int64_t* seq_lo
-    cdef int64_t* seq_hi
+    cdef int64_t** seq_map
+    cdef int64_t* seq_map_cap
 
     # the declared step and what the last place() did (for undo_place)
     cdef int64_t* decl
@@ -38,7 +39,7 @@ cdef class CellTable:
     cdef int64_t* placed_cells
     cdef int64_t n_placed
     cdef int64_t undo_used_end
-    cdef int64_t* undo_summary       # 4 per declared token: cells, pos, lo, hi of its seq
+    cdef int64_t* undo_summary       # 2 per declared token: cells and pos of its seq
 
     # optional change log for a device mirror (cells whose pos or owner words changed)
     cdef bint track_changes
@@ -64,9 +65,11 @@ cdef class CellTable:
     cdef int64_t _last_used_below(self, int64_t e) noexcept nogil
     cdef void _shrink_used_end(self) noexcept nogil
     cdef void _drop_from(self, int64_t seq, int64_t position) noexcept nogil
+    cdef int _ensure_map(self, int64_t seq, int64_t n) except -1
+    cdef void _free_map(self, int64_t seq) noexcept nogil
     cdef int64_t _lowest_non_live(self) noexcept nogil
     cdef void _cancel_if_declared(self, int64_t seq) noexcept nogil
-    cdef int64_t _place(self, int64_t* cells, int64_t* positions) except -1
+    cdef int64_t _place(self, int64_t* cells, int64_t* positions, int64_t* seq_ids) except -1
     cdef int64_t _export_changes(self, int64_t* records, int64_t max_n) noexcept nogil
     cdef void _mark_all(self) noexcept nogil
     cdef void fill_mask_rows(self, const int64_t* seq_ids, const int64_t* positions,

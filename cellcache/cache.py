@@ -257,10 +257,7 @@ class CellCache:
                 self._commit_locked()
             self._before_step(handle)
             grew = self._grow(min(self.config.capacity, self._table.used_end + width), handle)
-            ids = self._table.declared
-            assert ids is not None
-            self._seq_ids[:width] = ids
-            read_len = self._table.place_into(self._cells, self._positions)
+            read_len = self._table.place_into(self._cells, self._positions, self._seq_ids)
             try:
                 self._write_step(width, read_len, handle)
             except BaseException:

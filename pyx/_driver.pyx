@@ -16,6 +16,7 @@ from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from ._table cimport CellTable
 
@@ -77,6 +78,12 @@ cdef int check(CUresult r, str what) except -1:
     return 0
 
 
+cdef inline int64_t now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
 cdef inline int64_t cdiv(int64_t a, int64_t b) noexcept nogil:
     return (a + b - 1) // b
 
@@ -121,6 +128,7 @@ cdef class StepEngine:
     cdef readonly int64_t records_sent
     cdef readonly int64_t copies
     cdef readonly int64_t launches
+    cdef int64_t phase[5]      # host ns spent staging, copying, launching delta, masks, events
 
     def __init__(self, CellTable table, dict h, seq_ids, positions, cells):
         cdef const int64_t[::1] v_ids = seq_ids
@@ -218,8 +226,10 @@ cdef class StepEngine:
         cdef int32_t n_windows = self.n_windows
         cdef int32_t rpb32
         cdef void* args[13]
+        cdef int64_t t0, t1
         check(cu_ctx_set_current(self.ctx), "cuCtxSetCurrent")
         while True:
+            t0 = now_ns()
             buf = self._acquire()
             memcpy(buf, self.seq_ids, width * 8)
             memcpy(buf + width, self.positions, width * 8)
@@ -228,7 +238,9 @@ cdef class StepEngine:
             last = self.table.n_dirty == 0
             nbytes = (rec_off + n * self.rec_words) * 8
             dslot = self.dev_slot[self.slot]
+            t1 = now_ns(); self.phase[0] += t1 - t0; t0 = t1
             check(cu_memcpy_htod_async(dslot, buf, nbytes, stream), "cuMemcpyHtoDAsync")
+            t1 = now_ns(); self.phase[1] += t1 - t0; t0 = t1
             self.copies += 1
             self.records_sent += n
             if n:
@@ -242,6 +254,7 @@ cdef class StepEngine:
                 check(cu_launch(self.fn_delta, <unsigned int>cdiv(n, 256), 1, 1, 256, 1, 1, 0,
                                 stream, args, NULL), "cuLaunchKernel(apply_delta)")
                 self.launches += 1
+            t1 = now_ns(); self.phase[2] += t1 - t0; t0 = t1
             if last:
                 gx = cdiv(read_len, THREADS * COLS_PER_THREAD)
                 ty = cdiv(self.target_blocks, gx)
@@ -265,10 +278,22 @@ cdef class StepEngine:
                 check(cu_launch(self.fn_masks, <unsigned int>gx, <unsigned int>gy, 1, THREADS, 1, 1,
                                 0, stream, args, NULL), "cuLaunchKernel(fill_masks)")
                 self.launches += 1
+            t1 = now_ns(); self.phase[3] += t1 - t0; t0 = t1
             check(cu_event_record(self.slot_event[self.slot], stream), "cuEventRecord")
+            self.phase[4] += now_ns() - t0
             self.slot_pending[self.slot] = True
             if last:
                 return 0
+
+    def phase_ns(self, bint reset=True):
+        """Host nanoseconds spent so far in staging, the copy, the delta launch, the mask
+        launch and event records (a profile of write_step); ``reset`` zeroes them."""
+        out = {name: self.phase[k] for k, name in
+               enumerate(("stage", "copy", "launch_delta", "launch_masks", "event"))}
+        if reset:
+            for k in range(5):
+                self.phase[k] = 0
+        return out
 
     cpdef int scatter_rows(self, uint64_t src, int64_t width, uint64_t pool, int64_t row_bytes,
                            uint64_t stream) except -1:

@@ -4,14 +4,17 @@ Same contract as :mod:`cellcache.reference` (SPEC §3); the tests drive both sid
 The public ``def`` methods validate and raise; the ``cdef ... nogil`` helpers trust them.
 
 Costs: placement finds each free cell through the free bitmap a word at a time, skipping
-full words through a summary with one bit per word; ``seq_clone``, ``seq_rm`` and ``rewind``
-scan only ``[seq_lo, seq_hi)``, the span of the sequence's own cells; ``used_end`` shrinks by
-searching the bitmap backwards, also a word (or 4096 cells) at a time.
+full words through a summary with one bit per word. Every live sequence owns exactly one
+cell at each position in ``[0, pos)``, so a per-sequence map from position to cell makes
+``seq_clone`` cost the positions it shares, ``rewind`` the positions it drops and ``seq_rm``
+the sequence's length, however its cells are spread over the pool; ``used_end`` shrinks by
+searching the bitmap backwards, a word (or 4096 cells) at a time. The host mask fill walks
+each query's window through the same map.
 """
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint64_t
-from libc.stdlib cimport calloc, free
+from libc.stdlib cimport calloc, free, realloc
 from libc.string cimport memset
 
 from ._bitset cimport bit, bits_below, bits_from, cc_clz64, cc_ctz64
@@ -92,13 +95,13 @@ cdef class CellTable:
         self.live_bits = <uint64_t*>_calloc(<size_t>self.owner_words, 8, "live ids")
         self.seq_cells_ = <int64_t*>_calloc(ns, sizeof(int64_t), "sequence summaries")
         self.seq_pos_ = <int64_t*>_calloc(ns, sizeof(int64_t), "sequence summaries")
-        self.seq_lo = <int64_t*>_calloc(ns, sizeof(int64_t), "sequence summaries")
-        self.seq_hi = <int64_t*>_calloc(ns, sizeof(int64_t), "sequence summaries")
+        self.seq_map = <int64_t**>_calloc(ns, sizeof(int64_t*), "sequence maps")
+        self.seq_map_cap = <int64_t*>_calloc(ns, sizeof(int64_t), "sequence maps")
         self.seq_declared = <uint8_t*>_calloc(ns, 1, "declaration marks")
         self.scratch = <int64_t*>_calloc(ns, sizeof(int64_t), "scratch")
         self.decl = <int64_t*>_calloc(<size_t>self.max_write, sizeof(int64_t), "declaration")
         self.placed_cells = <int64_t*>_calloc(<size_t>self.max_write, sizeof(int64_t), "undo")
-        self.undo_summary = <int64_t*>_calloc(<size_t>self.max_write * 4, sizeof(int64_t), "undo")
+        self.undo_summary = <int64_t*>_calloc(<size_t>self.max_write * 2, sizeof(int64_t), "undo")
         self.track_changes = track_changes
         if track_changes:
             self.cell_dirty = <uint8_t*>_calloc(cap, 1, "change log")
@@ -108,9 +111,14 @@ cdef class CellTable:
         self._reset()
 
     def __dealloc__(self):
+        cdef int64_t s
+        if self.seq_map != NULL:
+            for s in range(self.max_seqs):
+                free(self.seq_map[s])
+        free(self.seq_map); free(self.seq_map_cap)
         free(self.cell_pos); free(self.owners); free(self.n_owners)
         free(self.free_bits); free(self.sum_free); free(self.sum_used); free(self.live_bits)
-        free(self.seq_cells_); free(self.seq_pos_); free(self.seq_lo); free(self.seq_hi)
+        free(self.seq_cells_); free(self.seq_pos_)
         free(self.seq_declared); free(self.scratch); free(self.decl)
         free(self.placed_cells); free(self.undo_summary)
         free(self.cell_dirty); free(self.dirty_cells)
@@ -144,8 +152,7 @@ cdef class CellTable:
         for s in range(self.max_seqs):
             self.seq_cells_[s] = 0
             self.seq_pos_[s] = 0
-            self.seq_lo[s] = 0
-            self.seq_hi[s] = 0
+            self._free_map(s)
             self.seq_declared[s] = 0
         self.n_live = 0
         self.used_count_ = 0
@@ -258,49 +265,67 @@ cdef class CellTable:
             self.n_decl = 0
 
     cdef void _drop_from(self, int64_t seq, int64_t position) noexcept nogil:
-        # Drops seq's bit from its cells with pos >= position, freeing cells left unowned.
-        # Free bits are set in the loop; the bitmap summaries of the span's words are
-        # brought up to date once afterwards (a word at a time, not a cell at a time).
+        # Drops seq's claim on its positions [position, pos), freeing cells left unowned.
+        # A sequence's cells come in runs, so the free bits of one bitmap word are gathered
+        # in a register and written (with the word's summaries) once per run, not per cell.
         cdef uint64_t* ow = self.owners + (seq >> 6) * self.capacity
         cdef int64_t* cell_pos = self.cell_pos
         cdef int32_t* n_owners = self.n_owners
-        cdef uint64_t* free_bits = self.free_bits
-        cdef uint64_t b = bit(seq), nb = ~bit(seq)
-        cdef int64_t c, w, lo = self.seq_lo[seq], hi = self.seq_hi[seq]
-        cdef int64_t new_lo = hi, new_hi = lo, dropped = 0, freed = 0
+        cdef int64_t* seq_map = self.seq_map[seq]
+        cdef uint64_t nb = ~bit(seq), acc = 0
+        cdef int64_t q, c, w, cur_w = -1, top = self.seq_pos_[seq], freed = 0
+        cdef int32_t left
         cdef bint track = self.track_changes
-        if hi <= lo:
+        if position >= top:
             return
-        for c in range(lo, hi):
-            if ow[c] & b:
-                if cell_pos[c] >= position:
-                    ow[c] &= nb
-                    n_owners[c] -= 1
-                    dropped += 1
-                    if n_owners[c] == 0:
-                        cell_pos[c] = POS_FREE
-                        free_bits[c >> 6] |= bit(c)
-                        freed += 1
-                    if track:
-                        self._mark(c)
-                else:
-                    if c < new_lo:
-                        new_lo = c
-                    new_hi = c + 1
-        self.seq_cells_[seq] -= dropped
-        if self.seq_cells_[seq] == 0:
-            self.seq_lo[seq] = 0
-            self.seq_hi[seq] = 0
-        else:
-            self.seq_lo[seq] = new_lo
-            self.seq_hi[seq] = new_hi
-        if position < self.seq_pos_[seq]:
-            self.seq_pos_[seq] = position
+        for q in range(position, top):
+            c = seq_map[q]
+            ow[c] &= nb
+            left = n_owners[c] - 1
+            n_owners[c] = left
+            if left == 0:
+                cell_pos[c] = POS_FREE
+                w = c >> 6
+                if w != cur_w:
+                    if acc:
+                        self.free_bits[cur_w] |= acc
+                        self._update_summaries(cur_w)
+                    cur_w = w
+                    acc = 0
+                acc |= bit(c)
+                freed += 1
+            if track:
+                self._mark(c)
+        if acc:
+            self.free_bits[cur_w] |= acc
+            self._update_summaries(cur_w)
+        self.seq_cells_[seq] = position
+        self.seq_pos_[seq] = position
         if freed:
             self.used_count_ -= freed
-            for w in range(lo >> 6, ((hi - 1) >> 6) + 1):
-                self._update_summaries(w)
             self._shrink_used_end()
+
+    cdef int _ensure_map(self, int64_t seq, int64_t n) except -1:
+        # Room for n positions in seq's map (grown by doubling); OutOfMemory on failure.
+        cdef int64_t cap = self.seq_map_cap[seq]
+        cdef int64_t* grown
+        if n <= cap:
+            return 0
+        if cap < 16:
+            cap = 16
+        while cap < n:
+            cap *= 2
+        grown = <int64_t*>realloc(self.seq_map[seq], <size_t>cap * sizeof(int64_t))
+        if grown == NULL:
+            raise OutOfMemory(f"could not grow the position map of sequence {seq} to {cap} entries")
+        self.seq_map[seq] = grown
+        self.seq_map_cap[seq] = cap
+        return 0
+
+    cdef void _free_map(self, int64_t seq) noexcept nogil:
+        free(self.seq_map[seq])
+        self.seq_map[seq] = NULL
+        self.seq_map_cap[seq] = 0
 
     cdef int64_t _seq(self, object value) except -1:
         # Fast path for plain ints; anything else goes through the shared check.
@@ -354,14 +379,17 @@ cdef class CellTable:
     def seq_cells(self, seq):
         """The cells seq owns, ascending."""
         cdef int64_t s = self._seq(seq)
-        cdef uint64_t* ow = self.owners + (s >> 6) * self.capacity
-        cdef uint64_t b = bit(s)
-        return [c for c in range(self.seq_lo[s], self.seq_hi[s]) if ow[c] & b]
+        if not self._is_live(s):
+            return []
+        return sorted([self.seq_map[s][q] for q in range(self.seq_pos_[s])])
 
-    def seq_span(self, seq):
-        """``(lo, hi)``: every cell seq owns is in ``[lo, hi)``; ``(0, 0)`` when none."""
+    def seq_cell_at(self, seq, position):
+        """The cell holding ``position`` of seq; -1 when seq does not own that position."""
         cdef int64_t s = self._seq(seq)
-        return self.seq_lo[s], self.seq_hi[s]
+        cdef int64_t q = check_int(position, "position", -(2**62), 2**62)
+        if not self._is_live(s) or not 0 <= q < self.seq_pos_[s]:
+            return -1
+        return self.seq_map[s][q]
 
     def cell_pos_at(self, int64_t c):
         """``pos`` of cell c (``POS_FREE`` when free)."""
@@ -391,50 +419,44 @@ cdef class CellTable:
         """Returns a new id co-owning src's cells with ``pos < upto`` (all if None).
 
         Returns None when src is not live, owns no cell, or every id is live. Nothing is
-        copied: the new id's bit is set on the shared cells. Costs the span of src's cells.
+        copied but the position map: the new id's bit is set on the shared cells. Costs the
+        number of positions shared.
         """
         cdef int64_t s = self._seq(src)
         cdef int64_t limit = -1 if upto is None else check_int(upto, "upto", 0, 2**62)
-        cdef int64_t new, c, lo, hi, count = 0, top = 0, new_lo = 0, new_hi = 0
-        cdef uint64_t *ow_src
-        cdef uint64_t *ow_new
-        cdef uint64_t b_src, b_new
+        cdef int64_t new, q, c, n
+        cdef uint64_t* ow_new
+        cdef uint64_t b_new
+        cdef int64_t* src_map
+        cdef int64_t* new_map
+        cdef int32_t* n_owners = self.n_owners
+        cdef bint track = self.track_changes
         if not self._is_live(s) or self.seq_cells_[s] == 0:
             return None
         new = self._lowest_non_live()
         if new < 0:
             return None
+        n = self.seq_pos_[s]
+        if 0 <= limit < n:
+            n = limit
+        self._ensure_map(new, n)
         self.live_bits[new >> 6] |= bit(new)
         self.n_live += 1
         self.n_placed = 0
-        ow_src = self.owners + (s >> 6) * self.capacity
         ow_new = self.owners + (new >> 6) * self.capacity
-        b_src = bit(s)
         b_new = bit(new)
-        lo = self.seq_lo[s]
-        hi = self.seq_hi[s]
-        cdef int64_t* cell_pos = self.cell_pos
-        cdef int32_t* n_owners = self.n_owners
-        cdef bint track = self.track_changes
-        if limit < 0:
-            limit = INT64_MAX
+        src_map = self.seq_map[s]
+        new_map = self.seq_map[new]
         with nogil:
-            for c in range(lo, hi):
-                if (ow_src[c] & b_src) and cell_pos[c] < limit:
-                    ow_new[c] |= b_new
-                    n_owners[c] += 1
-                    if track:
-                        self._mark(c)
-                    if count == 0:
-                        new_lo = c
-                    new_hi = c + 1
-                    count += 1
-                    if cell_pos[c] >= top:
-                        top = cell_pos[c] + 1
-        self.seq_cells_[new] = count
-        self.seq_pos_[new] = top
-        self.seq_lo[new] = new_lo
-        self.seq_hi[new] = new_hi
+            for q in range(n):
+                c = src_map[q]
+                new_map[q] = c
+                ow_new[c] |= b_new
+                n_owners[c] += 1
+                if track:
+                    self._mark(c)
+        self.seq_cells_[new] = n
+        self.seq_pos_[new] = n
         return new
 
     def seq_rm(self, seq):
@@ -450,7 +472,7 @@ cdef class CellTable:
             self._drop_from(s, 0)
         self.live_bits[s >> 6] &= ~bit(s)
         self.n_live -= 1
-        self.seq_pos_[s] = 0
+        self._free_map(s)
         return True
 
     def rewind(self, seq, position):
@@ -543,8 +565,9 @@ cdef class CellTable:
         """Tokens in the declared step; 0 when nothing is declared."""
         return self.n_decl if self.declared_ else 0
 
-    cdef int64_t _place(self, int64_t* cells, int64_t* positions) except -1:
-        # Places the declared step into cells[:n], positions[:n]; returns read_len.
+    cdef int64_t _place(self, int64_t* cells, int64_t* positions, int64_t* seq_ids) except -1:
+        # Places the declared step into cells[:n], positions[:n] (and seq_ids[:n] when not
+        # NULL); returns read_len. Nothing is claimed until every cell is found.
         cdef int64_t i, n = self.n_decl, s, c
         cdef int64_t* u
         if not self.declared_:
@@ -554,15 +577,19 @@ cdef class CellTable:
                 s = self.decl[i]
                 positions[i] = self.seq_pos_[s] + self.scratch[s]
                 self.scratch[s] += 1
+            for i in range(n):
+                self.scratch[self.decl[i]] = 0
+        for i in range(n):
+            self._ensure_map(self.decl[i], positions[i] + 1)
+        with nogil:
             c = -1
             for i in range(n):
                 s = self.decl[i]
-                self.scratch[s] = 0
                 c = self._next_free(c + 1)
                 cells[i] = c
-                u = self.undo_summary + 4 * i
-                u[0] = self.seq_cells_[s]; u[1] = self.seq_pos_[s]
-                u[2] = self.seq_lo[s]; u[3] = self.seq_hi[s]
+                u = self.undo_summary + 2 * i
+                u[0] = self.seq_cells_[s]
+                u[1] = self.seq_pos_[s]
         if c < 0:  # declare_step saw enough free cells and nothing claims cells since
             raise AssertionError("placement found too few free cells")
         self.undo_used_end = self.used_end_
@@ -570,19 +597,14 @@ cdef class CellTable:
             for i in range(n):
                 c = cells[i]
                 s = self.decl[i]
+                if seq_ids != NULL:
+                    seq_ids[i] = s
                 self.cell_pos[c] = positions[i]
                 self.owners[(s >> 6) * self.capacity + c] |= bit(s)
                 self.n_owners[c] = 1
                 self._set_used(c)
                 self._mark(c)
-                if self.seq_cells_[s] == 0:
-                    self.seq_lo[s] = c
-                    self.seq_hi[s] = c + 1
-                else:
-                    if c < self.seq_lo[s]:
-                        self.seq_lo[s] = c
-                    if c + 1 > self.seq_hi[s]:
-                        self.seq_hi[s] = c + 1
+                self.seq_map[s][positions[i]] = c
                 self.seq_cells_[s] += 1
                 if positions[i] + 1 > self.seq_pos_[s]:
                     self.seq_pos_[s] = positions[i] + 1
@@ -595,17 +617,22 @@ cdef class CellTable:
         self.declared_ = False
         return self.used_end_
 
-    def place_into(self, int64_t[::1] cells not None, int64_t[::1] positions not None):
-        """Places the declared step into ``cells[:width]`` and ``positions[:width]``.
+    def place_into(self, int64_t[::1] cells not None, int64_t[::1] positions not None,
+                   int64_t[::1] seq_ids=None):
+        """Places the declared step into ``cells[:width]`` and ``positions[:width]`` (and its
+        ids into ``seq_ids[:width]`` when given).
 
         Returns read_len (``used_end`` after placement). The step is consumed; see
         :meth:`undo_place`.
         """
-        if cells.shape[0] < self.n_decl or positions.shape[0] < self.n_decl:
+        cdef Py_ssize_t n = self.n_decl
+        if cells.shape[0] < n or positions.shape[0] < n or (
+                seq_ids is not None and seq_ids.shape[0] < n):
             raise InvalidArgument(
-                f"output arrays hold {min(cells.shape[0], positions.shape[0])} entries; "
-                f"the declared step has {self.n_decl}")
-        return self._place(&cells[0], &positions[0])
+                f"output arrays hold fewer entries than the declared step's {n}")
+        if n == 0:
+            raise InvalidState("no step is declared; call declare_step() first")
+        return self._place(&cells[0], &positions[0], NULL if seq_ids is None else &seq_ids[0])
 
     def place(self):
         """Places the declared step: returns (cells, positions, read_len), arrays of int64."""
@@ -636,9 +663,9 @@ cdef class CellTable:
             self._mark(c)
         for i in range(self.n_placed - 1, -1, -1):
             s = self.decl[i]
-            u = self.undo_summary + 4 * i
-            self.seq_cells_[s] = u[0]; self.seq_pos_[s] = u[1]
-            self.seq_lo[s] = u[2]; self.seq_hi[s] = u[3]
+            u = self.undo_summary + 2 * i
+            self.seq_cells_[s] = u[0]
+            self.seq_pos_[s] = u[1]
             self.seq_declared[s] = 1
         self.used_count_ -= self.n_placed
         self.used_end_ = self.undo_used_end
@@ -650,24 +677,27 @@ cdef class CellTable:
                              int64_t width, int64_t read_len, int64_t window,
                              uint8_t* out, int64_t row_stride) noexcept nogil:
         # Row i of out (stride row_stride) gets the mask rule for query i over [0, read_len).
-        cdef int64_t i, c, s, p, q, lo, hi
+        # The cells a query sees are exactly its sequence's positions (p - window, p], found
+        # through the position map: O(window) per row (O(p) for window 0).
+        cdef int64_t i, q, q0, q1, s, p, c
         cdef uint8_t* row
-        cdef uint64_t* ow
-        cdef uint64_t b
+        cdef int64_t* seq_map
         for i in range(width):
             row = out + i * row_stride
             memset(row, 0, read_len)
             s = seq_ids[i]
             p = positions[i]
-            lo = self.seq_lo[s]
-            hi = self.seq_hi[s] if self.seq_hi[s] < read_len else read_len
-            ow = self.owners + (s >> 6) * self.capacity
-            b = bit(s)
-            for c in range(lo, hi):
-                if ow[c] & b:
-                    q = self.cell_pos[c]
-                    if q <= p and (window == 0 or q > p - window):
-                        row[c] = 1
+            if not self._is_live(s):
+                continue
+            seq_map = self.seq_map[s]
+            q1 = p if p < self.seq_pos_[s] - 1 else self.seq_pos_[s] - 1
+            q0 = 0 if window == 0 else p - window + 1
+            if q0 < 0:
+                q0 = 0
+            for q in range(q0, q1 + 1):
+                c = seq_map[q]
+                if c < read_len:
+                    row[c] = 1
 
     def fill_masks(self, const int64_t[::1] seq_ids not None,
                    const int64_t[::1] positions not None, int64_t read_len,
@@ -825,7 +855,7 @@ cdef class CellTable:
         n = 0
         for s in range(self.max_seqs):
             if not self._is_live(s):
-                if self.seq_cells_[s] or self.seq_pos_[s] or self.seq_lo[s] or self.seq_hi[s]:
+                if self.seq_cells_[s] or self.seq_pos_[s] or self.seq_map[s] != NULL:
                     raise AssertionError(f"sequence {s} is not live but has a summary")
                 if self.seq_declared[s]:
                     raise AssertionError(f"sequence {s} is not live but is declared")
@@ -845,37 +875,22 @@ cdef class CellTable:
     cdef int _check_sequence(self, int64_t s) except -1:
         cdef uint64_t* ow = self.owners + (s >> 6) * self.capacity
         cdef uint64_t b = bit(s)
-        cdef int64_t c, count = 0, lo = -1, hi = 0, p, n = self.seq_pos_[s]
-        cdef uint8_t* seen = <uint8_t*>PyMem_Malloc(n + 1)
-        if seen == NULL:
-            raise MemoryError()
-        memset(seen, 0, n + 1)
-        try:
-            for c in range(self.capacity):
-                if ow[c] & b:
-                    if c < self.seq_lo[s] or c >= self.seq_hi[s]:
-                        raise AssertionError(
-                            f"sequence {s} owns cell {c} outside its span "
-                            f"[{self.seq_lo[s]}, {self.seq_hi[s]})")
-                    p = self.cell_pos[c]
-                    if p >= n:
-                        raise AssertionError(f"sequence {s} owns position {p} >= pos {n}")
-                    if seen[p]:
-                        raise AssertionError(f"sequence {s} owns position {p} twice")
-                    seen[p] = 1
-                    count += 1
-                    if lo < 0:
-                        lo = c
-                    hi = c + 1
-            if count != self.seq_cells_[s]:
+        cdef int64_t c, q, count = 0, n = self.seq_pos_[s]
+        if self.seq_cells_[s] != n:
+            raise AssertionError(f"sequence {s}: {self.seq_cells_[s]} cells but pos is {n}")
+        if n > self.seq_map_cap[s]:
+            raise AssertionError(f"sequence {s}: pos {n} past its map's {self.seq_map_cap[s]}")
+        for q in range(n):
+            c = self.seq_map[s][q]
+            if not 0 <= c < self.capacity:
+                raise AssertionError(f"sequence {s}: position {q} maps to cell {c}")
+            if self.cell_pos[c] != q or not (ow[c] & b):
                 raise AssertionError(
-                    f"sequence {s}: summary says {self.seq_cells_[s]} cells, owns {count}")
-            if count != n:
-                raise AssertionError(f"sequence {s} owns {count} cells but pos is {n}")
-            if count and (lo != self.seq_lo[s] or hi != self.seq_hi[s]):
-                raise AssertionError(
-                    f"sequence {s}: span [{self.seq_lo[s]}, {self.seq_hi[s]}) "
-                    f"but cells lie in [{lo}, {hi})")
-        finally:
-            PyMem_Free(seen)
+                    f"sequence {s}: position {q} maps to cell {c}, which holds pos "
+                    f"{self.cell_pos[c]} and {'has' if ow[c] & b else 'lacks'} its bit")
+        for c in range(self.capacity):
+            if ow[c] & b:
+                count += 1
+        if count != n:
+            raise AssertionError(f"sequence {s} owns {count} cells but pos is {n}")
         return 0

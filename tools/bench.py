@@ -127,13 +127,29 @@ def bench_verbs(args, rng, cap: int) -> list[dict]:
     from cellcache import CellTable
 
     L = 32768
-    log(f"[table] verbs on a {L}-token sequence at capacity {cap}")
+    log(f"[table] verbs on a {L}-token sequence spread over a pool of capacity {cap}")
     t = CellTable(cap, max_seqs=256, max_write=L)
-    others = cap - L - 1024
-    fill_pool(t, 64, others // 64, 1024, rng)
+    # The sequence is prefilled in 512-token chunks interleaved with 63 other sequences'
+    # chunks, as continuous batching does, so its cells are spread over the whole pool.
+    others = [t.seq_new() for _ in range(63)]
     s = t.seq_new()
-    assert t.declare_step([s] * L)
-    t.place()
+    chunk, s_left = 512, L
+    other_total = cap - L - 1024
+    per_s_chunk = max(1, other_total // (L // chunk))
+    while s_left or other_total > 0:
+        if s_left:
+            assert t.declare_step([s] * chunk)
+            t.place()
+            s_left -= chunk
+        n = min(per_s_chunk, other_total)
+        while n > 0:
+            m = min(chunk, n)
+            assert t.declare_step([others[int(rng.integers(len(others)))]] * m)
+            t.place()
+            n -= m
+            other_total -= m
+    cells = t.seq_cells(s)
+    spread = (cells[-1] - cells[0] + 1) / cap
     state = {"s": s}
 
     def place_s():
@@ -173,6 +189,7 @@ def bench_verbs(args, rng, cap: int) -> list[dict]:
     t0 = time.perf_counter_ns(); ref2.seq_rm(s); ref_times["seq_rm"] = time.perf_counter_ns() - t0
     return [
         {"case": f"{verb} of 32K-token seq, cap {cap}", "verb": verb, "capacity": cap,
+         "seq_span_fraction_of_pool": spread,
          "cython_us": out[verb] / 1e3, "reference_us": ref_times[verb] / 1e3,
          "speedup": ref_times[verb] / out[verb]}
         for verb in ("seq_clone", "rewind", "seq_rm")
