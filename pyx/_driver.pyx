@@ -106,6 +106,8 @@ cdef class StepEngine:
     cdef int64_t slot_words
     cdef CUdeviceptr dev_pos
     cdef CUdeviceptr dev_owners
+    cdef CUdeviceptr dev_seqbits
+    cdef int64_t bit_words
     cdef CUdeviceptr cells_out
     cdef CUdeviceptr positions_out
     cdef CUdeviceptr read_len_out
@@ -149,6 +151,8 @@ cdef class StepEngine:
         self.slot_words = h["slot_bytes"] // 8
         self.dev_pos = h["dev_pos"]
         self.dev_owners = h["dev_owners"]
+        self.dev_seqbits = h["dev_seqbits"]
+        self.bit_words = (table.capacity + 63) // 64
         self.cells_out = h["cells"]
         self.positions_out = h["positions"]
         self.read_len_out = h["read_len"]
@@ -161,7 +165,7 @@ cdef class StepEngine:
             self.slot_event[k] = <CUevent><size_t>h["slot_events"][k]
             self.slot_pending[k] = False
         self.commit_event = <CUevent><size_t>h["commit_event"]
-        self.target_blocks = 2 * h["sm_count"]
+        self.target_blocks = 4 * h["sm_count"]
         if 3 * table.max_write + 2 + self.rec_words > self.slot_words:
             raise ValueError("staging slot too small for one step and one change record")
 
@@ -225,7 +229,7 @@ cdef class StepEngine:
         cdef int32_t width32 = <int32_t>width
         cdef int32_t n_windows = self.n_windows
         cdef int32_t rpb32
-        cdef void* args[13]
+        cdef void* args[14]
         cdef int64_t t0, t1
         check(cu_ctx_set_current(self.ctx), "cuCtxSetCurrent")
         while True:
@@ -251,6 +255,8 @@ cdef class StepEngine:
                 args[3] = &self.capacity
                 args[4] = &self.dev_pos
                 args[5] = &self.dev_owners
+                args[6] = &self.dev_seqbits
+                args[7] = &self.bit_words
                 check(cu_launch(self.fn_delta, <unsigned int>cdiv(n, 256), 1, 1, 256, 1, 1, 0,
                                 stream, args, NULL), "cuLaunchKernel(apply_delta)")
                 self.launches += 1
@@ -266,15 +272,16 @@ cdef class StepEngine:
                 args[1] = &width32
                 args[2] = &read_len
                 args[3] = &self.dev_pos
-                args[4] = &self.dev_owners
-                args[5] = &self.capacity
-                args[6] = &self.windows_dev
-                args[7] = &self.masks_dev
-                args[8] = &n_windows
-                args[9] = &self.cells_out
-                args[10] = &self.positions_out
-                args[11] = &self.read_len_out
-                args[12] = &rpb32
+                args[4] = &self.dev_seqbits
+                args[5] = &self.bit_words
+                args[6] = &self.capacity
+                args[7] = &self.windows_dev
+                args[8] = &self.masks_dev
+                args[9] = &n_windows
+                args[10] = &self.cells_out
+                args[11] = &self.positions_out
+                args[12] = &self.read_len_out
+                args[13] = &rpb32
                 check(cu_launch(self.fn_masks, <unsigned int>gx, <unsigned int>gy, 1, THREADS, 1, 1,
                                 0, stream, args, NULL), "cuLaunchKernel(fill_masks)")
                 self.launches += 1

@@ -1,7 +1,8 @@
 """``CudaCellCache``: the cache on a CUDA device through the raw driver API (SPEC §7).
 
 The table lives on the host (Cython); the device keeps a mirror of it (``pos`` as int32,
-owner words word-major) that each step's uploaded change records update, and the kernels
+owner words word-major, and the same bits sequence-major for the masks) that each step's
+uploaded change records update, and the kernels
 in ``cuda/step.cu`` build ``cells``, ``positions``, ``read_len`` and every window's mask
 from that mirror on the step's stream. See :mod:`cellcache._driver` for the per-step path.
 """
@@ -26,6 +27,7 @@ __all__ = ["CudaCellCache", "DeviceAllocation", "DeviceAllocator", "DeviceBuffer
 _DLPACK = {"int64": (0, 64), "bool": (6, 8), "float16": (2, 16), "float32": (2, 32),
            "bfloat16": (4, 16)}
 _entry_points_set = False
+MAX_WINDOWS = 16          # MAX_WINDOWS in cuda/step.cu
 
 
 class DeviceAllocation:
@@ -138,6 +140,10 @@ class CudaCellCache(CellCache):
             raise InvalidArgument(
                 f"capacity={config.capacity} is outside [1, 2**31 - 1] for the CUDA backend "
                 "(the device mirror keeps positions as int32)")
+        if isinstance(config, CacheConfig) and len(config.windows) > MAX_WINDOWS:
+            raise InvalidArgument(
+                f"{len(config.windows)} distinct windows; the CUDA backend builds at most "
+                f"{MAX_WINDOWS} masks per step")
         self._closed = True
         self._owned: list[DeviceAllocation] = []
         self._host_slots: list[int] = []
@@ -193,6 +199,8 @@ class CudaCellCache(CellCache):
             self._ptrs[f"mask_w{w}"] = self._alloc(mw * cap, f"mask_w{w}")
         dev_pos = self._alloc(4 * cap, "device mirror (pos)", fill=0xFFFFFFFF, fill32=True)
         dev_owners = self._alloc(8 * W * cap, "device mirror (owners)")
+        bit_words = (cap + 63) // 64
+        dev_seqbits = self._alloc(8 * cfg.max_seqs * bit_words, "device mirror (sequence bits)")
         windows = np.array(cfg.windows, dtype=np.int64)
         mask_ptrs = np.array([self._ptrs[f"mask_w{w}"] for w in cfg.windows], dtype=np.uint64)
         windows_dev = self._alloc(windows.nbytes, "windows", fill=None)
@@ -209,10 +217,10 @@ class CudaCellCache(CellCache):
         for _ in range(3):
             self._events.append(check(cu.cuEventCreate(flags), "cuEventCreate"))
         check(cu.cuCtxSynchronize(), "cuCtxSynchronize")      # zeroed before first use
-        self._mirror_bytes = 4 * cap + 8 * W * cap
+        self._mirror_bytes = 4 * cap + 8 * W * cap + 8 * cfg.max_seqs * bit_words
         self._engine = _driver.StepEngine(self._table, {
             "ctx": self._ctx.handle, **fns, "slot_bytes": self._slot_bytes,
-            "dev_pos": dev_pos, "dev_owners": dev_owners,
+            "dev_pos": dev_pos, "dev_owners": dev_owners, "dev_seqbits": dev_seqbits,
             "cells": self._ptrs["cells"], "positions": self._ptrs["positions"],
             "read_len": self._ptrs["read_len"], "windows": windows_dev, "masks": masks_dev,
             "n_windows": len(cfg.windows), "host_slots": self._host_slots,
