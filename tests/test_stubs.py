@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-COMPILED = ["cellcache._table"]
+COMPILED = ["cellcache._table", "cellcache._driver"]
 
 
 @pytest.mark.parametrize("module", COMPILED)
