@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "cuda"
 OUT = ROOT / "cellcache" / "ptx"
 TARGET = "compute_80"
-FLAGS = ["-ptx", f"-arch={TARGET}", "-O3", "-std=c++17", "-lineinfo"]
+FLAGS = ["-ptx", f"-arch={TARGET}", "-O3", "-std=c++17"]   # no -lineinfo: it embeds the absolute path
 
 
 def sha256(data: bytes) -> str:
