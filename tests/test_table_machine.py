@@ -18,7 +18,7 @@ from cellcache import CellTable, ReferenceTable
 
 from .helpers import mask_strings
 
-EXAMPLES = int(os.environ.get("CELLCACHE_MACHINE_EXAMPLES", "250"))
+EXAMPLES = int(os.environ.get("CELLCACHE_MACHINE_EXAMPLES", "1000"))
 WINDOWS = [0, 1, 2, 3, 5]
 
 

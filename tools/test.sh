@@ -17,5 +17,5 @@ git ls-files -z | xargs -0 -I{} cp --parents {} "$scratch"
   echo "== bounds-checked build (CELLCACHE_CYTHON_DEBUG=1)"
   CELLCACHE_CYTHON_DEBUG=1 python3 setup.py -q build_ext --inplace >/dev/null
   python3 -c 'import cellcache, os; assert os.path.dirname(cellcache.__file__).startswith(os.getcwd()), cellcache.__file__'
-  CELLCACHE_MACHINE_EXAMPLES=${CELLCACHE_DEBUG_EXAMPLES:-100} python3 -m pytest -q -p no:cacheprovider
+  CELLCACHE_MACHINE_EXAMPLES=${CELLCACHE_DEBUG_EXAMPLES:-200} python3 -m pytest -q -p no:cacheprovider
 )
