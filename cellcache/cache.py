@@ -100,6 +100,7 @@ class CellCache:
         self._positions = np.zeros(config.max_write, np.int64)
         self._seq_ids = np.zeros(config.max_write, np.int64)
         self._prepared: Step | None = None
+        self._prepared_stream = 0
         self._steps = 0
         self._init_step_buffers()
 

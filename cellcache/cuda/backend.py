@@ -96,11 +96,7 @@ class DeviceBuffer:
                                       self._cache.config.device)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (_driver.KDL_CUDA, self.config_device)
-
-    @property
-    def config_device(self) -> int:
-        return self._cache.config.device
+        return (_driver.KDL_CUDA, self._cache.config.device)
 
     def copy_to_host(self) -> np.ndarray:
         """A numpy copy, after all work queued on the device so far (masks as numpy.bool_)."""

@@ -90,7 +90,7 @@ def fill_to(cache: CudaCellCache, read_len: int, n_seqs: int, rng) -> list[int]:
     return seqs
 
 
-def measure(cfg_args: dict, width: int, read_len: int, n_windows: int, max_seqs: int,
+def measure(width: int, read_len: int, n_windows: int, max_seqs: int,
             n_live: int, reps: int, stream: int, rng) -> dict:
     windows = [0, 4096, 128][:n_windows]
     layers = [LayerConfig(1, 8, w) for w in windows]
@@ -128,7 +128,6 @@ def measure(cfg_args: dict, width: int, read_len: int, n_windows: int, max_seqs:
             cache.rewind(s, cache.pos(s) - ids.count(s))
         return step
 
-    phases = None
     for i, ids in enumerate(batches):
         step = one(ids, i >= 5, spin=False)
         if i == 4:
@@ -198,7 +197,7 @@ def run(args) -> dict:
     stream = int(check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate"))
     bw = copy_bandwidth(stream)
     log(f"[gpu] device copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
-    launch = measure({}, 1, 64, 1, 64, 1, reps, stream, rng)["device_us"]
+    launch = measure(1, 64, 1, 64, 1, reps, stream, rng)["device_us"]
     log(f"[gpu] minimal step (width 1, read_len 64): {launch:.1f} us device")
     cases = [(64, 131072, 2, 1024, 256)]                       # the target case first
     for width in (1, 8, 64, 256):
@@ -210,7 +209,7 @@ def run(args) -> dict:
     rows = []
     for width, read_len, n_windows, max_seqs, live in cases:
         log(f"[gpu] width {width}, read_len {read_len}, {n_windows} windows, max_seqs {max_seqs}")
-        r = measure({}, width, read_len, n_windows, max_seqs, live, reps, stream, rng)
+        r = measure(width, read_len, n_windows, max_seqs, live, reps, stream, rng)
         r["floor_us"] = r["mask_bytes"] / bw * 1e6 + launch
         r["speedup_e2e"] = r["baseline_e2e_us"] / r["e2e_us"]
         rows.append(r)
