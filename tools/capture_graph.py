@@ -244,7 +244,7 @@ def run(seqs: int = 16, steps: int = 500, seed: int = 0, width: int = 16, use_to
         stream = int(check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate"))
         handle = stream
     fwd = (TorchForward if use_torch else DriverForward)(cache, stream, max_write)
-    max_len = 400
+    max_len = 240
     live: dict[int, dict] = {}
     stats = dict(steps=0, tokens=0, graph_steps=0, eager_steps=0, captures=0, forks=0, rewinds=0,
                  finished=0, preempted=0, arrivals=0, mismatches=0)
@@ -271,7 +271,9 @@ def run(seqs: int = 16, steps: int = 500, seed: int = 0, width: int = 16, use_to
         return bad
 
     for step_no in range(steps):
-        while len(live) < seqs:                          # arrivals keep the session full
+        # arrivals: the session is topped up to --seqs, and requests keep arriving over time
+        arriving = max(0, seqs - len(live)) + int(rng.random() < 0.15 and len(live) < 3 * seqs)
+        for _ in range(arriving):
             sid = cache.seq_new()
             if sid is None:
                 break
