@@ -9,14 +9,17 @@
 // tokens, int64 each, `width` entries apiece) followed by change records {cell, pos, owner
 // words...} for every cell whose pos or owners changed since the last step. apply_delta
 // writes each record into pos/owners and flips, in seqbits, the bits that differ from the
-// old owner words. Records name distinct cells, so each (sequence, cell) bit is flipped by at
-// most one thread, and XOR commutes: the unordered atomics give the exact state.
+// old owner words. Records name distinct cells and each thread owns one (cell, word), so each
+// (sequence, cell) bit is flipped by at most one thread, and XOR commutes: the unordered
+// atomics give the exact state.
 //
 // fill_masks then writes cells/positions/read_len and every window's mask rows [0,width) x
 // cols [0,read_len): each thread owns 16 consecutive columns and sweeps its rows; a row whose
 // sequence owns none of the 16 cells (the common case) stores zeros without touching pos.
 #include <stdint.h>
 
+// One thread per (record, owner word): every load is independent, so a step's records cost
+// about one memory round trip whatever max_seqs is.
 extern "C" __global__ void apply_delta(const int64_t* __restrict__ records, int64_t n,
                                        int64_t owner_words, int64_t capacity,
                                        int32_t* __restrict__ pos,
@@ -24,21 +27,20 @@ extern "C" __global__ void apply_delta(const int64_t* __restrict__ records, int6
                                        unsigned long long* __restrict__ seqbits,
                                        int64_t bit_words)
 {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    int64_t i = t / owner_words, w = t % owner_words;
     if (i >= n) return;
     const int64_t* rec = records + i * (2 + owner_words);
     int64_t c = rec[0];
-    pos[c] = (int32_t)rec[1];
+    if (w == 0) pos[c] = (int32_t)rec[1];
+    uint64_t now = (uint64_t)rec[2 + w];
+    uint64_t diff = owners[w * capacity + c] ^ now;
+    owners[w * capacity + c] = now;
     unsigned long long cell_bit = 1ull << (c & 63);
-    for (int64_t w = 0; w < owner_words; ++w) {
-        uint64_t now = (uint64_t)rec[2 + w];
-        uint64_t diff = owners[w * capacity + c] ^ now;
-        owners[w * capacity + c] = now;
-        while (diff) {
-            int b = __ffsll((long long)diff) - 1;
-            diff &= diff - 1;
-            atomicXor(seqbits + (64 * w + b) * bit_words + (c >> 6), cell_bit);
-        }
+    while (diff) {
+        int b = __ffsll((long long)diff) - 1;
+        diff &= diff - 1;
+        atomicXor(seqbits + (64 * w + b) * bit_words + (c >> 6), cell_bit);
     }
 }
 
@@ -100,6 +102,7 @@ fill_masks(const int64_t* __restrict__ header, int32_t width, int64_t read_len,
 
     int32_t p[COLS];
     bool have_pos = false;
+#pragma unroll 4
     for (int32_t r = r0; r < r1; ++r) {
         int64_t qp = s_pos[r - r0];
         uint32_t owned = (uint32_t)(s_bits[r - r0][my_word] >> shift) & col_mask;

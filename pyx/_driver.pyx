@@ -165,7 +165,7 @@ cdef class StepEngine:
             self.slot_event[k] = <CUevent><size_t>h["slot_events"][k]
             self.slot_pending[k] = False
         self.commit_event = <CUevent><size_t>h["commit_event"]
-        self.target_blocks = 4 * h["sm_count"]
+        self.target_blocks = 8 * h["sm_count"]
         if 3 * table.max_write + 2 + self.rec_words > self.slot_words:
             raise ValueError("staging slot too small for one step and one change record")
 
@@ -257,7 +257,8 @@ cdef class StepEngine:
                 args[5] = &self.dev_owners
                 args[6] = &self.dev_seqbits
                 args[7] = &self.bit_words
-                check(cu_launch(self.fn_delta, <unsigned int>cdiv(n, 256), 1, 1, 256, 1, 1, 0,
+                check(cu_launch(self.fn_delta, <unsigned int>cdiv(n * self.owner_words, 256),
+                                1, 1, 256, 1, 1, 0,
                                 stream, args, NULL), "cuLaunchKernel(apply_delta)")
                 self.launches += 1
             t1 = now_ns(); self.phase[2] += t1 - t0; t0 = t1
