@@ -306,10 +306,10 @@ class CellCache:
         except BaseException as e:
             for allocation in new.values():
                 self._allocator.release(allocation)
-            if isinstance(e, MemoryError) and not isinstance(e, OutOfMemory):
+            if isinstance(e, MemoryError):
                 raise OutOfMemory(
                     f"growing the pools from {self._rows} to {rows} rows failed ({e}); "
-                    "nothing changed") from e
+                    "nothing changed, the declared step can be retried") from e
             raise
         old = self._allocations
         self._allocations = new
