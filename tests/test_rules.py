@@ -2,7 +2,7 @@
 
 import pytest
 
-from cellcache import POS_FREE, CellTable, InvalidArgument, InvalidState
+from cellcache import POS_FREE, CellTable, InvalidArgument, InvalidState, ReferenceTable
 from cellcache._checks import POS_FREE as CHECKS_POS_FREE
 
 from .helpers import TABLES, make, mask_strings, snapshot, step
@@ -270,3 +270,49 @@ def test_undo_place_restores_table_and_declaration(table_cls):
     with pytest.raises(InvalidState, match="placed"):
         t.undo_place()
     assert snapshot(t) == before
+
+
+def test_queries_agree_with_the_reference():
+    t, ref = CellTable(16, 4), ReferenceTable(16, 4)
+    for table in (t, ref):
+        a, b = table.seq_new(), table.seq_new()
+        step(table, [a, b, a, b, a])
+        table.seq_clone(a, upto=2)
+        table.rewind(b, 1)
+    for s in range(4):
+        assert t.seq_cells(s) == ref.seq_cells(s)
+        assert [t.seq_cell_at(s, q) for q in range(t.pos(s))] == [
+            c for q in range(ref.pos(s)) for c in ref.seq_cells(s) if ref.cell_pos[c] == q]
+    assert t.seq_cell_at(0, 3) == -1 and t.seq_cell_at(3, 0) == -1
+    assert t.positions_array().tolist() == ref.cell_pos
+    words = t.owner_words_array()
+    assert words.shape == (1, 16)
+    assert [[s for s in range(4) if int(words[0, c]) >> s & 1] for c in range(16)] == [
+        sorted(o) for o in ref.cell_owners]
+
+
+def test_change_log_names_every_cell_whose_pos_or_owners_changed():
+    """What the CUDA mirror is fed: checked here without a GPU."""
+    t = CellTable(16, 4, track_changes=True)
+    quiet = CellTable(16, 4)
+    a = t.seq_new()
+    step(t, [a, a, a])
+    assert t.n_changes == 3 and t.take_changes().tolist() == [0, 1, 2]
+    assert t.n_changes == 0 and t.take_changes().tolist() == []
+    b = t.seq_clone(a, upto=2)
+    assert t.take_changes().tolist() == [0, 1]             # b's bit was added there
+    t.rewind(a, 1)
+    assert t.take_changes().tolist() == [1, 2]             # 1 loses a's bit, 2 is freed
+    t.seq_rm(b)
+    t.declare_step([a])
+    t.place()
+    t.undo_place()
+    # rm b: 0 loses b's bit, 1 is freed; placed at 1 and taken back: still one entry
+    assert t.take_changes().tolist() == [0, 1]
+    step(t, [a, a])                                          # cells 1, 2
+    assert t.take_changes().tolist() == [1, 2]
+    t.clear()
+    assert t.take_changes().tolist() == [0, 1, 2]            # every occupied cell
+    a2 = quiet.seq_new()
+    step(quiet, [a2])
+    assert quiet.n_changes == 0                            # no log unless asked for

@@ -107,15 +107,6 @@ class DeviceBuffer:
             check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, self.nbytes), "cuMemcpyDtoH")
         return out
 
-    def copy_from_host(self, array: np.ndarray) -> None:
-        """Overwrites the whole buffer from a host array of the same shape and dtype (tests)."""
-        src = np.ascontiguousarray(array, dtype=self.dtype)
-        if src.shape != self.shape:
-            raise InvalidArgument(f"array of shape {src.shape} for buffer of shape {self.shape}")
-        self._cache._ctx.make_current()
-        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
-        check(cu.cuMemcpyHtoD(self.ptr, src.ctypes.data, self.nbytes), "cuMemcpyHtoD")
-
 
 class CudaCellCache(CellCache):
     """The cache on a CUDA device (the device's primary context, shared with PyTorch).
