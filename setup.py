@@ -1,19 +1,26 @@
-"""Build of the Cython extensions and, when nvcc is present, the shipped PTX.
+"""Build of the Cython extensions (metadata lives in pyproject.toml).
 
-Metadata lives in pyproject.toml. Cython directives are set once, here:
-``CELLCACHE_CYTHON_DEBUG=1`` turns bounds checks and wraparound back on (CI runs the
-suite once that way).
+Each ``pyx/<path>.pyx`` becomes the private module ``cellcache.<path>``; its declarations
+(``.pxd``) and stub (``.pyi``) sit in the package beside the built module. Cython directives
+are set once, here. ``CELLCACHE_CYTHON_DEBUG=1`` turns bounds checks and the table's
+assumption checks on (CI runs the suite once that way); ``CELLCACHE_PROFILE=1`` makes the
+step engine time its host phases. The PTX kernels are package data built by
+``tools/build_ptx.py`` and checked in; installing needs no CUDA compiler, header or GPU.
 """
 
 import os
-import shutil
-import subprocess
 import sys
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-DEBUG = os.environ.get("CELLCACHE_CYTHON_DEBUG", "") not in ("", "0")
+
+def flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+DEBUG = flag("CELLCACHE_CYTHON_DEBUG")
+PROFILE = flag("CELLCACHE_PROFILE")
 
 directives = {
     "language_level": 3,
@@ -22,23 +29,33 @@ directives = {
     "initializedcheck": DEBUG,
     "cdivision": not DEBUG,
     "embedsignature": True,
-    "auto_pickle": False,       # raw pointers: a table is not picklable
+    "auto_pickle": False,       # raw pointers: nothing here is picklable
     "autotestdict": False,
+}
+macros = [("CELLCACHE_DEBUG", "1")] if DEBUG else []
+if PROFILE:
+    macros.append(("CELLCACHE_PROFILE", "1"))
+
+# the debug checks' messages are unused strings in a release build
+WARNINGS = [] if sys.platform == "win32" else ["-Wno-unused-const-variable"]
+
+# module -> source: pyx/<path>.pyx builds cellcache.<path>
+MODULES = {
+    "cellcache._table": "pyx/_table.pyx",
+    "cellcache.cuda._engine": "pyx/cuda/_engine.pyx",
 }
 
 extensions = [
     Extension(
-        f"cellcache._{name}",
-        [f"pyx/_{name}.pyx"],
-        extra_compile_args=["-O2"] if not DEBUG else ["-O0", "-g"],
+        name,
+        [source],
+        include_dirs=["."],
+        define_macros=macros,
+        extra_compile_args=(["-O0", "-g"] if DEBUG else ["-O2"]) + WARNINGS,
+        depends=["cuda/abi.h", "cellcache/_table.pxd", "cellcache/_bitset.pxd"],
     )
-    for name in ("table", "driver")
+    for name, source in MODULES.items()
 ]
-
-# The PTX in cellcache/ptx/ is package data built from cuda/*.cu. Rebuild it only when a
-# source changed and nvcc is here; without nvcc the shipped PTX is used as it is.
-if shutil.which("nvcc") and os.path.exists("tools/build_ptx.py"):
-    subprocess.run([sys.executable, "tools/build_ptx.py", "--if-stale"], check=True)
 
 setup(
     ext_modules=cythonize(

@@ -1,12 +1,21 @@
 """cellcache: the KV cache of a batched LLM runner, as cells shared by many sequences."""
 
 from ._table import CellTable
-from .cache import CellCache, Step
+from .cache import CellCache, LayerBuffers, Step
 from .config import CacheConfig, LayerConfig
-from .errors import CellCacheError, CudaError, InvalidArgument, InvalidState, OutOfMemory
+from .errors import (
+    CellCacheError, CudaError, InvalidArgument, InvalidState, OutOfMemory, StepTooLarge,
+)
 from .host import HostCellCache
 from .reference import POS_FREE, ReferenceTable
 from .registry import build, register_builder
+
+try:
+    from importlib.metadata import version as _version
+
+    __version__ = _version("cellcache")
+except Exception:  # noqa: BLE001 - running from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "POS_FREE",
@@ -18,15 +27,13 @@ __all__ = [
     "HostCellCache",
     "InvalidArgument",
     "InvalidState",
+    "LayerBuffers",
     "LayerConfig",
     "OutOfMemory",
     "ReferenceTable",
     "Step",
+    "StepTooLarge",
+    "__version__",
     "build",
     "register_builder",
 ]
-
-from .registry import _register_defaults  # noqa: E402
-
-_register_defaults()
-del _register_defaults

@@ -1,12 +1,14 @@
-from libc.stdint cimport int64_t, int32_t, uint64_t, uint8_t
+# Declarations of cellcache._table (source: pyx/_table.pyx), for cimport by the CUDA engine.
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+
 
 cdef class CellTable:
     cdef readonly int64_t capacity
     cdef readonly int64_t max_seqs
     cdef readonly int64_t max_write
-    cdef readonly int64_t owner_words     # ceil(max_seqs / 64): words of one owner bitset
-    cdef int64_t n_free_words             # ceil(capacity / 64)
-    cdef int64_t n_sum_words              # ceil(n_free_words / 64)
+    cdef readonly int64_t owner_words    # ceil(max_seqs / 64): 64-bit words of one owner bitset
+    cdef int64_t n_free_words            # ceil(capacity / 64)
+    cdef int64_t n_sum_words             # ceil(n_free_words / 64)
 
     # per cell; owners are word-major: the bit of seq s for cell c is in
     # owners[(s >> 6) * capacity + c], so one sequence's bits for a run of cells are contiguous
@@ -21,57 +23,59 @@ cdef class CellTable:
     cdef int64_t used_count_
     cdef int64_t used_end_
 
-    # per sequence: a live sequence owns exactly one cell at each position in [0, pos), so
-    # seq_map[s][q] is the cell of position q (seq_map_cap[s] entries allocated)
+    # per sequence: a live sequence owns exactly one cell at each position in [0, seq_pos_[s]),
+    # and seq_map[s][q] is the cell of position q (seq_map_cap[s] entries allocated)
     cdef uint64_t* live_bits
     cdef int64_t n_live
-    cdef int64_t* seq_cells_
     cdef int64_t* seq_pos_
     cdef int64_t** seq_map
     cdef int64_t* seq_map_cap
 
-    # the declared step and what the last place() did (for undo_place)
-    cdef int64_t* decl
-    cdef int64_t n_decl
-    cdef bint declared_
+    # the declared step (step_width ids in step_seq while has_step) and its marks
+    cdef int64_t* step_seq
+    cdef int64_t step_width
+    cdef bint has_step
     cdef uint8_t* seq_declared
-    cdef int64_t* scratch            # per-seq scratch counters, kept all zero between calls
+    cdef int64_t* ids_in             # a declaration's ids, collected before any state changes
+    cdef int64_t* scratch            # per-sequence counters, all zero between calls
+    # what the last placement did, for undo_place
     cdef int64_t* placed_cells
     cdef int64_t n_placed
     cdef int64_t undo_used_end
-    cdef int64_t* undo_summary       # 2 per declared token: cells and pos of its seq
+    cdef int64_t* undo_pos           # seq_pos_ of each placed token's sequence before placement
 
-    # optional change log for a device mirror (cells whose pos or owner words changed)
+    # optional change log for a device mirror: cells whose pos or owner words changed
     cdef bint track_changes
     cdef uint8_t* cell_dirty
     cdef int64_t* dirty_cells
-    cdef int64_t n_dirty
+    cdef readonly int64_t n_dirty
 
-    cdef void _reset_cells(self, int64_t end) noexcept nogil
-    cdef void _reset(self) noexcept nogil
-    cdef void _mark(self, int64_t c) noexcept nogil
-    cdef uint64_t _valid(self, int64_t w) noexcept nogil
-    cdef void _update_summaries(self, int64_t w) noexcept nogil
-    cdef bint _is_live(self, int64_t s) noexcept nogil
+    cdef void _reset(self) noexcept
+    cdef void _mark(self, int64_t c) noexcept
+    cdef void _mark_all(self) noexcept
+    cdef uint64_t _valid(self, int64_t w) noexcept
+    cdef void _update_summaries(self, int64_t w) noexcept
+    cdef bint _is_live(self, int64_t s) noexcept
     cdef int64_t _seq(self, object value) except -1
-    cdef object _declare_view(self, const int64_t[::1] view)
-    cdef int _check_width(self, Py_ssize_t n) except -1
-    cdef object _declare_checked(self, Py_ssize_t n)
+    cdef Py_ssize_t _collect(self, object seq_ids) except -1
+    cdef object _declare_collected(self, Py_ssize_t n)
     cdef void _drop_declaration(self) noexcept
     cdef int _check_sequence(self, int64_t s) except -1
-    cdef void _set_free(self, int64_t c) noexcept nogil
-    cdef void _set_used(self, int64_t c) noexcept nogil
-    cdef int64_t _next_free(self, int64_t c) noexcept nogil
-    cdef int64_t _last_used_below(self, int64_t e) noexcept nogil
-    cdef void _shrink_used_end(self) noexcept nogil
-    cdef void _drop_from(self, int64_t seq, int64_t position) noexcept nogil
+    cdef void _set_used(self, int64_t c) noexcept
+    cdef void _set_free(self, int64_t c) noexcept
+    cdef int64_t _next_free(self, int64_t c) noexcept
+    cdef int64_t _last_used_below(self, int64_t e) noexcept
+    cdef void _shrink_used_end(self) noexcept
+    cdef void _drop_from(self, int64_t seq, int64_t position) noexcept
     cdef int _ensure_map(self, int64_t seq, int64_t n) except -1
-    cdef void _free_map(self, int64_t seq) noexcept nogil
-    cdef int64_t _lowest_non_live(self) noexcept nogil
-    cdef void _cancel_if_declared(self, int64_t seq) noexcept nogil
+    cdef void _free_map(self, int64_t seq) noexcept
+    cdef int64_t _lowest_non_live(self) noexcept
+    cdef void _cancel_if_declared(self, int64_t seq) noexcept
     cdef int64_t _place(self, int64_t* cells, int64_t* positions, int64_t* seq_ids) except -1
-    cdef int64_t _export_changes(self, int64_t* records, int64_t max_n) noexcept nogil
-    cdef void _mark_all(self) noexcept nogil
-    cdef void fill_mask_rows(self, const int64_t* seq_ids, const int64_t* positions,
-                             int64_t width, int64_t read_len, int64_t window,
-                             uint8_t* out, int64_t row_stride) noexcept nogil
+    cdef int64_t _export_changes(self, int64_t* records, int64_t max_n) noexcept
+    cdef int64_t _plan_runs(self, const int64_t* seq_ids, const int64_t* positions,
+                            int64_t width, int64_t pad_to, int64_t* qo_indptr,
+                            int64_t* kv_indptr, int64_t* run_seq, int64_t* run_last) noexcept
+    cdef void _fill_mask_rows(self, const int64_t* seq_ids, const int64_t* positions,
+                              int64_t width, int64_t read_len, int64_t window,
+                              uint8_t* out, int64_t row_stride, bint bits) noexcept

@@ -1,8 +1,22 @@
 """The backend-neutral cache: cell table + K/V pools + step buffers + one re-entrant lock.
 
-A backend (host, cuda) supplies the storage: an allocator, the step buffers, how live
-pool rows are copied on growth, how the step buffers are written, and what a commit does.
-Everything the spec says about order, growth and rollback is decided here, once.
+A backend (host, cuda) supplies the storage: the pools (a :class:`Pools`), the step buffers,
+how the step buffers are written and what a commit does. Everything about order, growth,
+padding and rollback is decided here, once::
+
+    declare_step(ids)          table: ids checked, step declared (paged: its kv lists fit)
+    prepare_step(...)
+      1. resolve caller input  width, pad_to, stream: caller code runs here and only here
+      2. check the declaration nothing declared / width differs -> InvalidState
+      3. plan growth           pools.plan(rows): every allocation a growth needs, or
+                               OutOfMemory with nothing changed (no commit either)
+      4. commit the last step  a prepared, uncommitted step is committed now
+      5. apply growth          copy or map live rows (ordered after committed forwards)
+      6. place                 table: cells claimed, positions continue each sequence
+      7. write buffers         backend: cells, positions, read_len, width, masks, paged view;
+                               a failure undoes the placement
+    forward                    the runner reads the buffers, writes K/V at cells
+    commit_step()              later growth and frees wait for that forward
 """
 
 from __future__ import annotations
@@ -10,24 +24,32 @@ from __future__ import annotations
 import operator
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from ._checks import check_int
 from ._table import CellTable
 from .config import CacheConfig
-from .errors import InvalidArgument, InvalidState, OutOfMemory
+from .errors import InvalidArgument, InvalidState, OutOfMemory, StepTooLarge
 
-__all__ = ["Allocator", "CellCache", "Step", "stream_handle"]
+__all__ = ["Allocator", "CellCache", "CopyPools", "LayerBuffers", "PoolKey", "Pools", "Step",
+           "stream_handle"]
+
+#: A pool's key: (layer index, "k" or "v").
+PoolKey = tuple[int, str]
 
 
 @dataclass(frozen=True)
 class Step:
     """What ``prepare_step`` placed: host copies of the step's buffers.
 
-    ``grew`` is True when the pools' addresses changed (the first step, or a growth):
-    captured graphs that read the pools must be recaptured.
+    ``width`` real tokens; the forward runs at ``pad_to`` rows (``padded`` of them padding,
+    whose K/V go to the sink row and whose outputs are to be discarded). ``grew`` is True
+    when the pools' addresses changed (the first step, or a growth by copy): graphs that
+    read the pools must be recaptured. ``rows`` is the pools' row count after the step.
+    With the paged view, ``qo_indptr`` and ``kv_indptr`` are host copies of entries
+    ``[0, n_requests]``: ``n_runs`` real runs, then one request per padding row.
     """
 
     width: int
@@ -36,16 +58,116 @@ class Step:
     positions: np.ndarray
     seq_ids: np.ndarray
     grew: bool
+    pad_to: int
+    rows: int
+    n_runs: int = 0
+    qo_indptr: np.ndarray | None = None
+    kv_indptr: np.ndarray | None = None
+
+    @property
+    def padded(self) -> int:
+        """Padding rows: ``pad_to - width``."""
+        return self.pad_to - self.width
+
+    @property
+    def n_requests(self) -> int:
+        """Requests of the paged view: real runs plus one per padding row."""
+        return self.n_runs + self.padded
+
+
+class LayerBuffers(NamedTuple):
+    """One layer's buffers: its K and V pools, its window and its mask (None without
+    masks)."""
+
+    k: Any
+    v: Any
+    window: int
+    mask: Any
 
 
 class Allocator(Protocol):
-    """Where pool storage comes from; tests wrap one to fail at a chosen allocation."""
+    """Where copy-growth pool storage comes from; tests wrap one to fail at a chosen call."""
 
     def allocate(self, nbytes: int, what: str) -> Any:
         """Returns an allocation of ``nbytes`` bytes, or raises OutOfMemory."""
 
     def release(self, allocation: Any) -> None:
         """Gives an allocation back (the backend ensures no queued work still reads it)."""
+
+
+class Pools(Protocol):
+    """The K/V pools of a cache: one per (layer, "k"|"v"), ``rows`` cell rows plus the sink.
+
+    Growth is two-phase so that a failure changes nothing: :meth:`plan` acquires everything
+    a growth needs (raising OutOfMemory, nothing changed), :meth:`apply` finishes it once
+    the cache has ordered the stream after earlier forwards, :meth:`cancel` gives a plan
+    back.
+    """
+
+    rows: int
+    moves: bool          # whether a growth changes the pools' addresses
+
+    @property
+    def sink(self) -> int:
+        """The row padding writes to: the last row of every pool's view."""
+
+    def plan(self, rows: int) -> Any: ...
+    def apply(self, plan: Any, live_rows: int, stream: int) -> bool: ...
+    def cancel(self, plan: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+class CopyPools:
+    """Pools that grow by allocating larger storage and copying the live rows (then the
+    addresses change). Each pool has ``rows + 1`` rows; the last is the sink.
+
+    ``copy(src, dst, nbytes, stream)`` and ``retire(allocation, stream)`` are the backend's:
+    a copy on the step's stream, and a release once no queued work reads the allocation.
+    """
+
+    moves = True
+
+    def __init__(self, row_bytes: dict[PoolKey, int], allocator: Any, copy: Any, retire: Any):
+        self.row_bytes = row_bytes
+        self.allocator = allocator
+        self._copy, self._retire = copy, retire
+        self.rows = 0
+        self.allocations: dict[PoolKey, Any] = {}
+
+    @property
+    def sink(self) -> int:
+        return self.rows
+
+    def plan(self, rows: int) -> tuple[int, dict[PoolKey, Any]]:
+        new: dict[PoolKey, Any] = {}
+        try:
+            for key, nbytes in self.row_bytes.items():
+                new[key] = self.allocator.allocate((rows + 1) * nbytes, f"pool layer_{key[0]}_{key[1]}")
+        except BaseException:
+            self.cancel((rows, new))
+            raise
+        return rows, new
+
+    def apply(self, plan: tuple[int, dict[PoolKey, Any]], live_rows: int, stream: int) -> bool:
+        rows, new = plan
+        if self.allocations:
+            for key, nbytes in self.row_bytes.items():
+                self._copy(self.allocations[key], new[key], live_rows * nbytes, stream)
+        old = self.allocations
+        self.allocations = new
+        self.rows = rows
+        for allocation in old.values():
+            self._retire(allocation, stream)
+        return True
+
+    def cancel(self, plan: tuple[int, dict[PoolKey, Any]]) -> None:
+        for allocation in plan[1].values():
+            self.allocator.release(allocation)
+
+    def close(self) -> None:
+        for allocation in self.allocations.values():
+            self.allocator.release(allocation)
+        self.allocations = {}
 
 
 def stream_handle(stream: object) -> int:
@@ -58,57 +180,60 @@ def stream_handle(stream: object) -> int:
         if hasattr(stream, attr):
             value = getattr(stream, attr)
             break
-    if isinstance(value, bool):
-        value = None
-    try:
-        handle = operator.index(value)
-    except TypeError:
-        try:  # cuda.bindings' CUstream and friends convert through int()
-            handle = int(value)  # type: ignore[call-overload]
-        except (TypeError, ValueError):
-            raise InvalidArgument(
-                f"stream {stream!r} is not a stream: give None, an int handle, or an object "
-                "with .cuda_stream (torch), .handle or .ptr (cupy, cuda.core)"
-            ) from None
-    if handle < 0:
-        raise InvalidArgument(f"stream handle {handle} is negative")
+    handle = None
+    if not isinstance(value, (bool, float, str, bytes)):
+        try:
+            handle = operator.index(value)
+        except TypeError:
+            try:  # cuda.bindings' CUstream and friends convert through int()
+                handle = int(value)
+            except (TypeError, ValueError, OverflowError):
+                handle = None
+    if handle is None:
+        raise InvalidArgument(
+            f"stream of type {type(stream).__name__} is not a stream: give None, an int handle, "
+            "or an object with .cuda_stream (torch), .handle or .ptr (cupy, cuda.core)")
+    if not 0 <= handle < 1 << 64:
+        raise InvalidArgument(f"stream handle {handle} is outside [0, 2**64)")
     return handle
 
 
 class CellCache:
-    """The cache of SPEC §3-5 over some storage backend. Use a backend class
-    (:class:`cellcache.HostCellCache`, ``CudaCellCache``) or :func:`cellcache.build`.
+    """The cache over some storage backend. Use a backend class
+    (:class:`cellcache.HostCellCache`, ``cellcache.cuda.CudaCellCache``) or
+    :func:`cellcache.build`.
 
-    Every public method takes the cache's re-entrant lock.
+    Every public method takes the cache's re-entrant lock, so any mix of calls from any
+    threads is safe; one thread should drive the steps (declare, prepare, forward, commit).
     """
 
     backend = "abstract"
 
-    def __init__(self, config: CacheConfig, allocator: Allocator | None = None):
+    def __init__(self, config: CacheConfig):
         if not isinstance(config, CacheConfig):
-            raise InvalidArgument(f"config={config!r} is not a CacheConfig")
+            raise InvalidArgument(f"config of type {type(config).__name__} is not a CacheConfig")
         self.config = config
         self._lock = threading.RLock()
         self._table = CellTable(config.capacity, config.max_seqs, config.max_write,
                                 track_changes=self._tracks_changes())
-        self._allocator = allocator if allocator is not None else self._default_allocator()
-        self._rows = 0
+        self._row_bytes = {(i, kv): layer.row_elems * config.np_dtype.itemsize
+                           for i, layer in enumerate(config.layers) for kv in "kv"}
         self._growth_count = 0
-        self._allocations: dict[str, Any] = {}      # pool name -> allocation
-        self._row_bytes = [layer.row_elems * config.np_dtype.itemsize for layer in config.layers]
-        self._cells = np.zeros(config.max_write, np.int64)       # placement output (host)
-        self._positions = np.zeros(config.max_write, np.int64)
-        self._seq_ids = np.zeros(config.max_write, np.int64)
+        mw = config.max_write
+        self._cells = np.zeros(mw, np.int64)       # placement output (host)
+        self._positions = np.zeros(mw, np.int64)
+        self._seq_ids = np.zeros(mw, np.int64)
         self._prepared: Step | None = None
         self._prepared_stream = 0
         self._steps = 0
+        self._pools: Pools = self._make_pools()
         self._init_step_buffers()
 
     # -- backend hooks ---------------------------------------------------------------------
     def _tracks_changes(self) -> bool:
         return False
 
-    def _default_allocator(self) -> Allocator:
+    def _make_pools(self) -> Pools:
         raise NotImplementedError
 
     def _init_step_buffers(self) -> None:
@@ -121,17 +246,11 @@ class CellCache:
     def _before_step(self, stream: int) -> None:
         """Orders the step after earlier committed work (called once the step will run)."""
 
-    def _copy_rows(self, src: Any, dst: Any, nbytes: int, stream: int) -> None:
-        raise NotImplementedError
-
-    def _retire(self, allocation: Any, stream: int) -> None:
-        """Release an old pool once no queued work can read it."""
-        self._allocator.release(allocation)
-
     def _pools_changed(self) -> None:
-        """Called after the pools moved (the backend rebuilds its views)."""
+        """Called after the pools' rows or addresses changed (the backend rebuilds views)."""
 
-    def _write_step(self, width: int, read_len: int, stream: int) -> None:
+    def _write_step(self, width: int, pad_to: int, read_len: int, stream: int) -> tuple:
+        """Writes the step buffers; returns (n_runs, qo_indptr, kv_indptr) for the Step."""
         raise NotImplementedError
 
     def _commit(self, stream: int) -> None:
@@ -144,65 +263,90 @@ class CellCache:
     @property
     def buffer_names(self) -> list[str]:
         """Every buffer a forward may read or write, by name."""
-        names = ["cells", "positions", "read_len"]
-        names += [f"mask_w{w}" for w in self.config.windows]
-        for i in range(len(self.config.layers)):
+        cfg = self.config
+        names = ["cells", "positions", "read_len", "width"]
+        if cfg.mask_format != "none":
+            names += [f"mask_w{w}" for w in cfg.windows]
+        if cfg.paged:
+            names += ["qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"]
+        for i in range(len(cfg.layers)):
             names += [f"layer_{i}_k", f"layer_{i}_v"]
         return names
 
     def _unknown_buffer(self, name: object) -> InvalidArgument:
+        shown = repr(name) if isinstance(name, str) else f"of type {type(name).__name__}"
         return InvalidArgument(
-            f"no buffer named {name!r}; buffers are: {', '.join(self.buffer_names)}")
+            f"no buffer named {shown}; buffers are: {', '.join(self.buffer_names)}")
 
-    def _pool_names(self) -> list[str]:
-        return [n for n in self.buffer_names if n.startswith("layer_")]
+    def layer(self, index: int) -> LayerBuffers:
+        """Layer ``index``'s K pool, V pool, window and mask buffer (None without masks),
+        so a forward needs no buffer names."""
+        with self._lock:
+            i = check_int(index, "layer", 0, len(self.config.layers) - 1)
+            window = self.config.layers[i].window
+            mask = None if self.config.mask_format == "none" else self.buffer(f"mask_w{window}")
+            return LayerBuffers(self.buffer(f"layer_{i}_k"), self.buffer(f"layer_{i}_v"),
+                                window, mask)
 
-    # -- verbs (SPEC §3) -----------------------------------------------------------------------
+    # -- verbs -------------------------------------------------------------------------------
     def seq_new(self) -> int | None:
         """Returns the lowest id that is not live, now live; None when every id is live."""
         with self._lock:
             return self._table.seq_new()
 
     def seq_clone(self, src: int, upto: int | None = None) -> int | None:
-        """Returns a new id co-owning src's cells with ``pos < upto`` (all if None), or None."""
+        """Returns a new id co-owning src's cells with ``pos < upto`` (all if None), or None
+        (src not live, src owns no cell, or no free id). Nothing is copied."""
         with self._lock:
             return self._table.seq_clone(src, upto)
 
     def seq_rm(self, seq: int) -> bool:
-        """Drops seq everywhere and releases its id; False if not live."""
+        """Drops seq everywhere, frees cells left unowned and releases its id; False if not
+        live."""
         with self._lock:
             return self._table.seq_rm(seq)
 
     def rewind(self, seq: int, position: int) -> bool:
-        """Drops seq's claim on positions >= position; False if not live or out of range."""
+        """Drops seq's claim on positions >= position (the id stays live); False if seq is
+        not live or position is outside ``[0, pos(seq)]``."""
         with self._lock:
             return self._table.rewind(seq, position)
 
     def pos(self, seq: int) -> int:
+        """One past the newest position seq owns; 0 if empty or not live."""
         with self._lock:
             return self._table.pos(seq)
 
     def seq_len(self, seq: int) -> int:
+        """Cells seq owns (0 if not live)."""
         with self._lock:
             return self._table.seq_len(seq)
 
     def live_seqs(self) -> list[int]:
+        """The live ids, ascending."""
         with self._lock:
             return self._table.live_seqs()
 
     def clear(self) -> None:
-        """Frees every cell, releases every id, drops the declaration; pools are kept."""
+        """Frees every cell, releases every id, drops the declaration; pools are kept.
+
+        A prepared step is committed first, so its forward stays ordered before later
+        growth and frees.
+        """
         with self._lock:
+            if self._prepared is not None:
+                self._commit_locked()
             self._table.clear()
-            self._prepared = None
 
     @property
     def free_cells(self) -> int:
+        """Cells no sequence owns."""
         with self._lock:
             return self._table.free_cells
 
     @property
     def used_end(self) -> int:
+        """One past the highest occupied cell (the next step's read_len before placement)."""
         with self._lock:
             return self._table.used_end
 
@@ -216,35 +360,78 @@ class CellCache:
 
     @property
     def rows(self) -> int:
-        """Rows each pool has now (0 before the first step)."""
-        return self._rows
+        """Cell rows each pool has now (0 before the first step)."""
+        return self._pools.rows
+
+    @property
+    def sink(self) -> int:
+        """The pool row padding rows write to (the last row of every pool's view)."""
+        return self._pools.sink
 
     def check_invariants(self) -> None:
         """The cell table's invariants (tests call this after every operation)."""
         with self._lock:
             self._table.check_invariants()
 
-    # -- steps (SPEC §5) -------------------------------------------------------------------------
-    def declare_step(self, seq_ids) -> bool:
-        """Declares the next forward's tokens; False (nothing declared) when cells are short."""
-        with self._lock:
-            return self._table.declare_step(seq_ids)
+    def __copy__(self):
+        raise InvalidState("a cache owns its storage and cannot be copied; build another")
 
-    def prepare_step(self, width: int | None = None, stream: object = None) -> Step:
+    def __deepcopy__(self, memo):
+        raise InvalidState("a cache owns its storage and cannot be copied; build another")
+
+    def __reduce_ex__(self, protocol):
+        raise InvalidState("a cache owns its storage and cannot be pickled; build another")
+
+    # -- steps -------------------------------------------------------------------------------
+    def declare_step(self, seq_ids) -> bool:
+        """Declares the next forward's tokens, one sequence id per token in the forward's
+        order. Returns False (nothing declared) when fewer cells are free than tokens.
+
+        Raises InvalidArgument (not a sequence of ids, empty, wider than max_write, bad id),
+        InvalidState (an id not live), or with the paged view :class:`StepTooLarge` when the
+        step's kv lists would exceed ``max_kv`` (nothing declared).
+        """
+        with self._lock:
+            ok = self._table.declare_step(seq_ids)
+            if ok and self.config.paged:
+                need = self._table.step_kv_entries()
+                if need > self.config.kv_entries:
+                    self._table.undeclare()
+                    raise StepTooLarge(
+                        f"the step's kv lists need {need} entries; the paged view holds "
+                        f"max_kv={self.config.kv_entries}: split the step or build the cache "
+                        "with a larger max_kv")
+            return ok
+
+    def prepare_step(self, width: int | None = None, stream: object = None, *,
+                     pad_to: int | None = None) -> Step:
         """Grows the pools if needed, places the declared step and writes the step buffers.
 
-        Checks, in order: ``width`` outside ``[1, max_write]`` (InvalidArgument); nothing
-        declared or ``width`` != the declared count (InvalidState); growth (OutOfMemory,
-        nothing changed); placement; buffer writes. A failure after placement rolls the
-        placement back, so the same step can be retried. A step prepared and not committed
-        is committed first.
+        ``width`` (default: the declared count) must equal the declared count. ``pad_to``
+        (default ``width``) is the width the forward runs at, ``width <= pad_to <=
+        max_write``: rows ``[width, pad_to)`` write K/V to the sink row, see row 0's mask and
+        position, and their outputs are to be discarded. ``stream``: None (the backend's
+        default), an int handle, or an object with ``cuda_stream``, ``handle`` or ``ptr``.
+
+        Checks, in order: ``width`` outside ``[1, max_write]`` or ``pad_to`` outside
+        ``[width, max_write]`` or a bad stream (InvalidArgument); nothing declared or
+        ``width`` != the declared count (InvalidState); growth (OutOfMemory). Every refusal
+        changes nothing; a failure after placement undoes it, so the same call can be
+        retried. A prepared step not yet committed is committed once growth has succeeded.
         """
         with self._lock:
             mw = self.config.max_write
+            # 1. caller input, all of it, before anything is read or changed
             if width is not None:
                 width = check_int(width, "width", -(1 << 62), 1 << 62)
                 if not 1 <= width <= mw:
                     raise InvalidArgument(f"step width {width} is outside [1, max_write={mw}]")
+            if pad_to is not None:
+                pad_to = check_int(pad_to, "pad_to", -(1 << 62), 1 << 62)
+                if not 1 <= pad_to <= mw:
+                    raise InvalidArgument(f"pad_to={pad_to} is outside [width, max_write={mw}]")
+            handle = self._resolve_stream(stream)
+            # 2. the declaration
             declared = self._table.declared_width
             if declared == 0:
                 raise InvalidState("no step is declared; call declare_step() first")
@@ -253,19 +440,22 @@ class CellCache:
             elif width != declared:
                 raise InvalidState(
                     f"step width {width} differs from the declared step's {declared} tokens")
-            handle = self._resolve_stream(stream)
-            if self._prepared is not None:
-                self._commit_locked()
-            self._before_step(handle)
+            if pad_to is None:
+                pad_to = width
+            elif pad_to < width:
+                raise InvalidArgument(f"pad_to={pad_to} is outside [width={width}, max_write={mw}]")
+            # 3-5. growth, with the implicit commit only once nothing can run short
             grew = self._grow(min(self.config.capacity, self._table.used_end + width), handle)
+            # 6-7. placement and buffers
             read_len = self._table.place_into(self._cells, self._positions, self._seq_ids)
             try:
-                self._write_step(width, read_len, handle)
+                n_runs, qo, kv = self._write_step(width, pad_to, read_len, handle)
             except BaseException:
                 self._table.undo_place()
                 raise
             step = Step(width, int(read_len), self._cells[:width].copy(),
-                        self._positions[:width].copy(), self._seq_ids[:width].copy(), grew)
+                        self._positions[:width].copy(), self._seq_ids[:width].copy(), grew,
+                        pad_to, self._pools.rows, n_runs, qo, kv)
             self._prepared = step
             self._prepared_stream = handle
             self._steps += 1
@@ -283,60 +473,68 @@ class CellCache:
         self._prepared = None
 
     def _grow(self, needed: int, stream: int) -> bool:
-        """Gives the pools ``needed`` rows (SPEC §4), all or nothing; True if they moved."""
-        if needed <= self._rows:
+        """Gives the pools ``needed`` rows, all or nothing; True if their addresses changed.
+
+        The first step allocates ``max(initial_capacity, needed)`` rows; later, when
+        ``needed > rows``, rows become ``min(capacity, max(needed, 2 * rows))``.
+        """
+        pools = self._pools
+        first = pools.rows == 0
+        if needed <= pools.rows:
+            if self._prepared is not None:
+                self._commit_locked()
+            self._before_step(stream)
             return False
         cfg = self.config
-        if self._rows == 0:
+        if first:
             rows = max(cfg.initial_capacity, needed)
         else:
-            rows = min(cfg.capacity, max(needed, 2 * self._rows))
-        names = self._pool_names()
-        new: dict[str, Any] = {}
+            rows = min(cfg.capacity, max(needed, 2 * pools.rows))
         try:
-            for name in names:
-                layer = int(name.split("_")[1])
-                new[name] = self._allocator.allocate(rows * self._row_bytes[layer], name)
-            live = self._table.used_end
-            if self._rows:
-                for name in names:
-                    layer = int(name.split("_")[1])
-                    self._copy_rows(self._allocations[name], new[name],
-                                    live * self._row_bytes[layer], stream)
-        except BaseException as e:
-            for allocation in new.values():
-                self._allocator.release(allocation)
-            if isinstance(e, MemoryError):
-                raise OutOfMemory(
-                    f"growing the pools from {self._rows} to {rows} rows failed ({e}); "
-                    "nothing changed, the declared step can be retried") from e
+            plan = pools.plan(rows)
+        except MemoryError as e:
+            raise OutOfMemory(
+                f"growing the pools from {pools.rows} to {rows} rows failed ({e}); nothing "
+                "changed, the declared step can be retried") from e
+        try:
+            if self._prepared is not None:
+                self._commit_locked()
+            self._before_step(stream)
+            moved = pools.apply(plan, self._table.used_end, stream)
+        except BaseException:
+            pools.cancel(plan)
             raise
-        old = self._allocations
-        self._allocations = new
-        if self._rows:
+        if not first:
             self._growth_count += 1
-        self._rows = rows
-        for allocation in old.values():
-            self._retire(allocation, stream)
         self._pools_changed()
-        return True
+        return first or moved
 
     # -- metrics ------------------------------------------------------------------------------
     def _step_buffer_bytes(self) -> int:
         cfg = self.config
-        return 8 * (2 * cfg.max_write + 1) + len(cfg.windows) * cfg.max_write * cfg.capacity
+        mw, cap = cfg.max_write, cfg.capacity
+        total = 8 * (2 * mw + 2)
+        if cfg.mask_format == "bool":
+            total += len(cfg.windows) * mw * cap
+        elif cfg.mask_format == "bits":
+            total += len(cfg.windows) * mw * ((cap + 7) // 8)
+        if cfg.paged:
+            total += 4 * (2 * (mw + 1) + cfg.kv_entries + mw + mw)
+        return total
 
     def metrics(self) -> dict:
         """Counters: logical_length (= used_end), flat_capacity (pool rows), growth_count,
-        allocated_bytes (K/V pools), step_buffer_bytes, free_cells, live_seqs, and more."""
+        allocated_bytes (K/V pool rows in use), step_buffer_bytes, free_cells, live_seqs,
+        and more."""
         with self._lock:
             t = self._table
+            rows = self._pools.rows
             return {
                 "backend": self.backend,
                 "logical_length": t.used_end,
-                "flat_capacity": self._rows,
+                "flat_capacity": rows,
                 "growth_count": self._growth_count,
-                "allocated_bytes": 2 * self._rows * sum(self._row_bytes),
+                "allocated_bytes": rows * sum(self._row_bytes.values()),
                 "step_buffer_bytes": self._step_buffer_bytes(),
                 "free_cells": t.free_cells,
                 "used_cells": t.used_count,
@@ -344,5 +542,6 @@ class CellCache:
                 "capacity": self.config.capacity,
                 "max_seqs": self.config.max_seqs,
                 "windows": list(self.config.windows),
+                "pools_move": self._pools.moves,
                 "steps": self._steps,
             }

@@ -1,4 +1,4 @@
-"""Cache configuration (SPEC §2), validated on construction."""
+"""Cache configuration, validated on construction."""
 
 from __future__ import annotations
 
@@ -7,16 +7,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._checks import check_int
+from ._checks import CAPACITY_LIMIT, MAX_SEQS_LIMIT, check_int
 from .errors import InvalidArgument
 
-__all__ = ["DTYPES", "CacheConfig", "LayerConfig", "storage_dtype"]
+__all__ = ["DTYPES", "MASK_FORMATS", "CacheConfig", "LayerConfig", "storage_dtype"]
 
 #: K/V storage dtypes by name.
 DTYPES = ("float16", "bfloat16", "float32")
-
-MAX_SEQS_LIMIT = 1 << 20
-CAPACITY_LIMIT = 1 << 40
+#: How the per-window visibility masks are stored: one bool per (row, cell), one bit per
+#: (row, cell) packed little-endian into bytes, or no masks at all (paged view only).
+MASK_FORMATS = ("bool", "bits", "none")
+#: Largest entry count of the paged view (its indices are int32).
+MAX_KV_LIMIT = (1 << 31) - 1
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -26,6 +28,19 @@ def storage_dtype(name: str) -> np.dtype:
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+def _dtype_name(value: object) -> str:
+    """A K/V dtype given as a name, a numpy dtype or a torch dtype, as its name in DTYPES."""
+    name = value if isinstance(value, str) else None
+    if name is None:
+        try:
+            name = np.dtype(value).name  # type: ignore[call-overload]
+        except TypeError:
+            name = str(value).removeprefix("torch.")   # torch.float16 and friends
+    if name not in DTYPES:
+        raise InvalidArgument(f"dtype={value!r} is not one of {', '.join(DTYPES)}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -55,10 +70,26 @@ class LayerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """What a cache is built from (SPEC §2).
+    """What a cache is built from.
 
-    ``initial_capacity`` is clamped to ``[1, capacity]``. Invalid fields raise
-    ``InvalidArgument`` naming the field and the accepted range.
+    - ``capacity``: cells in the table, the most rows a pool can grow to (>= 1).
+    - ``layers``: one :class:`LayerConfig` per attention layer.
+    - ``max_write``: widest step (and widest padded step), ``1 <= max_write <= capacity``.
+    - ``initial_capacity``: pool rows at the first step, clamped to ``[1, capacity]``.
+    - ``dtype``: K/V storage, ``"float16"``, ``"bfloat16"`` or ``"float32"`` (a numpy or
+      torch dtype of those names is accepted and stored as its name).
+    - ``max_seqs``: sequence ids are ``[0, max_seqs)``.
+    - ``device``: CUDA device ordinal (the CUDA backend).
+    - ``paged``: also build the paged view (FlashInfer's page-size-1 CSR buffers).
+    - ``max_kv``: entries of the paged view's ``kv_indices`` a step may use (default
+      ``4 * capacity + max_write``, at most ``2**31 - 1``); a wider step is refused at
+      ``declare_step`` with :class:`StepTooLarge`.
+    - ``mask_format``: ``"bool"`` (``mask_w{W}`` of shape ``[1, 1, max_write, capacity]``),
+      ``"bits"`` (uint8 ``[max_write, ceil(capacity / 8)]``, bit j of a row = column j,
+      little-endian) or ``"none"`` (no masks; with ``paged=True`` for kernels that read the
+      view).
+
+    Invalid fields raise ``InvalidArgument`` naming the field and the accepted range.
 
     Example
     -------
@@ -75,6 +106,9 @@ class CacheConfig:
     dtype: str = "bfloat16"
     max_seqs: int = 64
     device: int = 0
+    paged: bool = False
+    max_kv: int | None = None
+    mask_format: str = "bool"
     _windows: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
@@ -82,7 +116,7 @@ class CacheConfig:
         object.__setattr__(self, "capacity", cap)
         if isinstance(self.layers, (str, bytes)) or not isinstance(self.layers, Sequence):
             raise InvalidArgument(
-                f"layers={self.layers!r} is not a sequence of LayerConfig")
+                f"layers of type {type(self.layers).__name__} is not a sequence of LayerConfig")
         layers = tuple(self.layers)
         if not layers:
             raise InvalidArgument("layers is empty; give at least one LayerConfig")
@@ -90,20 +124,43 @@ class CacheConfig:
             if not isinstance(layer, LayerConfig):
                 raise InvalidArgument(f"layers[{i}]={layer!r} is not a LayerConfig")
         object.__setattr__(self, "layers", layers)
-        object.__setattr__(self, "max_write", check_int(self.max_write, "max_write", 1, cap))
+        mw = check_int(self.max_write, "max_write", 1, cap)
+        object.__setattr__(self, "max_write", mw)
         initial = check_int(self.initial_capacity, "initial_capacity", -(1 << 62), 1 << 62)
         object.__setattr__(self, "initial_capacity", min(max(initial, 1), cap))
-        if self.dtype not in DTYPES:
-            raise InvalidArgument(f"dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype))
         object.__setattr__(self, "max_seqs", check_int(self.max_seqs, "max_seqs", 1, MAX_SEQS_LIMIT))
         object.__setattr__(self, "device", check_int(self.device, "device", 0, 1 << 16))
+        if not isinstance(self.paged, (bool, np.bool_)):
+            raise InvalidArgument(f"paged of type {type(self.paged).__name__} is not a bool")
+        object.__setattr__(self, "paged", bool(self.paged))
+        if self.max_kv is None:
+            max_kv = min(MAX_KV_LIMIT - mw, 4 * cap + mw)
+        else:
+            max_kv = check_int(self.max_kv, "max_kv", 1, MAX_KV_LIMIT - mw)
+        object.__setattr__(self, "max_kv", max_kv)
+        if self.mask_format not in MASK_FORMATS:
+            raise InvalidArgument(
+                f"mask_format={self.mask_format!r} is not one of {', '.join(MASK_FORMATS)}")
         object.__setattr__(self, "_windows", tuple(sorted({layer.window for layer in layers})))
 
     @property
     def windows(self) -> tuple[int, ...]:
-        """The distinct windows, ascending: one mask buffer each."""
+        """The distinct windows, ascending: one mask buffer each (unless ``mask_format`` is
+        ``"none"``)."""
         return self._windows
 
     @property
     def np_dtype(self) -> np.dtype:
         return storage_dtype(self.dtype)
+
+    @property
+    def kv_entries(self) -> int:
+        """``max_kv`` as resolved (the default filled in)."""
+        return int(self.max_kv)  # type: ignore[arg-type]
+
+    @property
+    def sink(self) -> int:
+        """The pool row padding rows write to: ``capacity``, one past the last cell, so no
+        mask column and no paged-view entry of a real query ever names it."""
+        return self.capacity

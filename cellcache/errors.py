@@ -10,10 +10,11 @@ from __future__ import annotations
 
 __all__ = [
     "CellCacheError",
+    "CudaError",
     "InvalidArgument",
     "InvalidState",
     "OutOfMemory",
-    "CudaError",
+    "StepTooLarge",
 ]
 
 
@@ -23,6 +24,15 @@ class CellCacheError(Exception):
 
 class InvalidArgument(CellCacheError, ValueError):
     """An argument is out of range or of the wrong type (a bad id, width, config field)."""
+
+
+class StepTooLarge(InvalidArgument):
+    """A declared step would not fit a fixed-size step buffer (the paged view's ``max_kv``).
+
+    Raised by ``declare_step`` with nothing declared; unlike ``False`` (too few free cells)
+    it does not go away by freeing cells: split the step, or build the cache with a larger
+    ``max_kv``.
+    """
 
 
 class InvalidState(CellCacheError, RuntimeError):

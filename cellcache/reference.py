@@ -1,4 +1,4 @@
-"""The executable spec of the cell table (SPEC sections 3-4): plain Python, slow and obvious.
+"""The executable spec of the cell table: plain Python, slow and obvious.
 
 Every rule is written the most literal way: a cell is a ``pos`` and a ``set`` of owners,
 "the lowest free cell" is found by looking at every cell from 0 up, ``pos(seq)`` is
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ._checks import POS_FREE, check_int, check_seq_id, check_table_shape
+from ._checks import POS_FREE, check_any_int, check_int, check_seq_id, check_table_shape, step_ids
 from .errors import InvalidArgument, InvalidState
 
-__all__ = ["POS_FREE", "ReferenceTable", "mask_rows"]
+__all__ = ["POS_FREE", "ReferenceTable", "mask_rows", "packed_rows", "paged_view"]
 
 
 class ReferenceTable:
-    """The cell table of SPEC §3, one Python object per cell.
+    """The cell table, one Python object per cell.
 
     ``max_write`` bounds a declared step (None: ``capacity``).
     """
@@ -116,7 +116,7 @@ class ReferenceTable:
     def rewind(self, seq: int, position: int) -> bool:
         """Drops seq's claim on positions >= position; False if not live or out of [0, pos]."""
         seq = check_seq_id(seq, self.max_seqs)
-        position = check_int(position, "position", -(2**62), 2**62)
+        position = check_any_int(position, "position")
         if seq not in self.live or not 0 <= position <= self.pos(seq):
             return False
         self._cancel_declaration_of(seq)
@@ -145,17 +145,14 @@ class ReferenceTable:
 
     # -- steps -----------------------------------------------------------------------------
     def declare_step(self, seq_ids: Iterable[int]) -> bool:
-        """Declares the next step's tokens; False (nothing declared) if too few cells are free."""
+        """Declares the next step's tokens; False (nothing declared) if too few cells are free.
+
+        Refuses, in order: something that is not a sequence of ids, an empty step, one wider
+        than max_write, a bad id, an id that is not live.
+        """
         self.declared = None
         self._placed = None
-        raw = list(seq_ids)
-        if not raw:
-            raise InvalidArgument("a step needs at least one token; got an empty list")
-        if len(raw) > self.max_write:
-            raise InvalidArgument(
-                f"a step of {len(raw)} tokens is wider than max_write={self.max_write}"
-            )
-        ids = [check_seq_id(s, self.max_seqs) for s in raw]
+        ids = step_ids(seq_ids, self.max_write, self.max_seqs)
         for seq in ids:
             if seq not in self.live:
                 raise InvalidState(f"sequence {seq} is not live; call seq_new() first")
@@ -163,6 +160,24 @@ class ReferenceTable:
             return False
         self.declared = ids
         return True
+
+    def undeclare(self) -> None:
+        """Drops the declaration, if any."""
+        self.declared = None
+        self._placed = None
+
+    def step_kv_entries(self) -> int:
+        """Entries the paged view needs for the declared step: per run, its last position + 1."""
+        if self.declared is None:
+            return 0
+        ids = self.declared
+        seen = {s: self.pos(s) for s in ids}
+        total = 0
+        for i, s in enumerate(ids):
+            seen[s] += 1
+            if i + 1 == len(ids) or ids[i + 1] != s:
+                total += seen[s]
+        return total
 
     def place(self) -> tuple[list[int], list[int], int]:
         """Places the declared tokens: returns (cells, positions, read_len).
@@ -226,7 +241,7 @@ def mask_rows(
     read_len: int,
     window: int,
 ) -> list[list[bool]]:
-    """SPEC §3's mask rule: row i, column j < read_len is True when query i attends cell j.
+    """The mask rule: row i, column j < read_len is True when query i attends cell j.
 
     ``attend = pos[j] >= 0 and s in owners[j] and pos[j] <= p and (W == 0 or pos[j] > p - W)``
     for the query's sequence ``s`` and position ``p``.
@@ -244,3 +259,54 @@ def mask_rows(
             )
         rows.append(row)
     return rows
+
+
+def packed_rows(rows: Sequence[Sequence[bool]]) -> list[bytes]:
+    """Mask rows as bit-packed bytes: bit j % 8 of byte j // 8 is column j (little-endian
+    within a byte), ceil(len(row) / 8) bytes a row, bits past the row's end zero."""
+    out = []
+    for row in rows:
+        data = bytearray((len(row) + 7) // 8)
+        for j, on in enumerate(row):
+            if on:
+                data[j // 8] |= 1 << (j % 8)
+        out.append(bytes(data))
+    return out
+
+
+def paged_view(
+    cell_pos: Sequence[int],
+    cell_owners: Sequence[Iterable[int]],
+    seq_ids: Sequence[int],
+    positions: Sequence[int],
+    pad_to: int,
+    sink: int,
+) -> tuple[list[int], list[int], list[int], int]:
+    """The paged view of a placed step: (qo_indptr, kv_indptr, kv_indices, real runs).
+
+    One request per maximal run of consecutive tokens of one sequence; its kv list is the
+    sequence's cells with position <= the run's last position, in position order. Then one
+    request of one entry (``sink``) per padding row; both indptrs have ``pad_to + 1``
+    entries, those past the last request repeating its end.
+    """
+    qo, kv, indices = [0], [0], []
+    width = len(seq_ids)
+    runs = 0
+    for i in range(width):
+        if i + 1 < width and seq_ids[i + 1] == seq_ids[i]:
+            continue
+        s, last = seq_ids[i], positions[i]
+        mine = sorted((cell_pos[c], c) for c in range(len(cell_pos))
+                      if s in cell_owners[c] and 0 <= cell_pos[c] <= last)
+        indices += [c for _, c in mine]
+        qo.append(i + 1)
+        kv.append(len(indices))
+        runs += 1
+    for i in range(width, pad_to):
+        indices.append(sink)
+        qo.append(i + 1)
+        kv.append(len(indices))
+    while len(qo) < pad_to + 1:
+        qo.append(pad_to)
+        kv.append(len(indices))
+    return qo, kv, indices, runs

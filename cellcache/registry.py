@@ -1,4 +1,9 @@
-"""Backends and kinds by name: ``build(backend, kind, config)``."""
+"""Backends and kinds by name: ``build(backend, kind, config)``.
+
+The registry knows the built-in builders by module path and imports them only when asked,
+so ``import cellcache`` loads nothing of the CUDA backend; ``"auto"`` asks the ctypes probe
+:func:`cellcache.cuda.probe.cuda_usable`.
+"""
 
 from __future__ import annotations
 
@@ -7,36 +12,40 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import CacheConfig
-from .errors import InvalidArgument
+from .errors import InvalidArgument, InvalidState
 
-__all__ = ["build", "register_builder", "registered"]
+__all__ = ["build", "register_builder", "registered", "resolve_backend"]
 
 Builder = Callable[[CacheConfig], Any]
-_BUILDERS: dict[tuple[str, str], Builder] = {}
-_cuda_probe: Callable[[], bool] | None = None
+_KINDS = ("batched-cell", "batched")
+# built-in builders as "module:attribute", imported on first use
+_BUILDERS: dict[tuple[str, str], Builder | str] = {
+    **{("host", kind): "cellcache.host:HostCellCache" for kind in _KINDS},
+    **{("cuda", kind): "cellcache.cuda.backend:CudaCellCache" for kind in _KINDS},
+}
+
+
+def _check_name(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{name} of type {type(value).__name__} is not a non-empty string"
+                              if not isinstance(value, str) else f"{name} is an empty string")
+    return value
 
 
 def register_builder(backend: str, kind: str, fn: Builder) -> None:
     """Registers ``fn(config) -> cache`` for (backend, kind). Insertion only: a pair that is
     already registered raises InvalidArgument."""
-    for name, value in (("backend", backend), ("kind", kind)):
-        if not isinstance(value, str) or not value:
-            raise InvalidArgument(f"{name}={value!r} is not a non-empty string")
+    _check_name("backend", backend)
+    _check_name("kind", kind)
     if backend == "auto":
         raise InvalidArgument("backend 'auto' is reserved: it picks cuda or host")
     if not callable(fn):
-        raise InvalidArgument(f"builder {fn!r} is not callable")
+        raise InvalidArgument(f"builder of type {type(fn).__name__} is not callable")
     if (backend, kind) in _BUILDERS:
         raise InvalidArgument(
             f"a builder for backend {backend!r}, kind {kind!r} is already registered; "
             f"registered: {_describe()}")
     _BUILDERS[(backend, kind)] = fn
-
-
-def set_cuda_probe(probe: Callable[[], bool]) -> None:
-    """How ``auto`` decides that a CUDA device is usable (set by the CUDA backend)."""
-    global _cuda_probe
-    _cuda_probe = probe
 
 
 def registered() -> dict[str, list[str]]:
@@ -52,16 +61,19 @@ def _describe() -> str:
 
 
 def resolve_backend(backend: str) -> str:
-    """'auto' becomes 'cuda' when a CUDA device is usable, else 'host'."""
+    """'auto' becomes 'cuda' when a CUDA device is usable here, else 'host'."""
+    _check_name("backend", backend)
     if backend == "auto":
-        if ("cuda" in registered()) and _cuda_probe is not None and _cuda_probe():
-            return "cuda"
-        return "host"
+        from .cuda.probe import cuda_usable
+
+        return "cuda" if cuda_usable()[0] else "host"
     return backend
 
 
 def build(backend: str, kind: str, config: CacheConfig) -> Any:
-    """Builds a cache: backend 'cuda', 'host' or 'auto'; kind 'batched-cell' or 'batched'."""
+    """Builds a cache: backend 'cuda', 'host' or 'auto' (cuda when a device is usable);
+    kind 'batched-cell' or 'batched' (both this library's batched cell layout)."""
+    _check_name("kind", kind)
     name = resolve_backend(backend)
     kinds = registered()
     if name not in kinds:
@@ -70,18 +82,11 @@ def build(backend: str, kind: str, config: CacheConfig) -> Any:
     if (name, kind) not in _BUILDERS:
         raise InvalidArgument(
             f"unknown kind {kind!r} for backend {name!r}; its kinds: {', '.join(kinds[name])}")
-    return _BUILDERS[(name, kind)](config)
-
-
-def _register_defaults() -> None:
-    from .host import HostCellCache
-
-    for kind in ("batched-cell", "batched"):
-        register_builder("host", kind, HostCellCache)
-    # The CUDA backend registers itself when its module imports (cuda-bindings present);
-    # whether a device is usable is decided later, by the probe, when 'auto' is resolved.
-    try:
-        backend = importlib.import_module("cellcache.cuda.backend")
-    except ImportError:
-        return
-    backend.register()
+    builder = _BUILDERS[(name, kind)]
+    if isinstance(builder, str):
+        module, attr = builder.split(":")
+        try:
+            builder = getattr(importlib.import_module(module), attr)
+        except ImportError as e:
+            raise InvalidState(f"backend {name!r} cannot be loaded here: {e}") from e
+    return builder(config)

@@ -1,149 +1,231 @@
 // Kernels that build a step on the device from the device mirror of the cell table.
 //
-// The mirror: pos[capacity] (int32, -1 = free); owners[owner_words][capacity] (uint64,
-// word-major like the host table: the state the change records are diffed against); and
-// seqbits[max_seqs][bit_words] (one bit per (sequence, cell), sequence-major, what the masks
-// read: 16 columns of one sequence are 16 bits of one word).
+// The mirror: pos[capacity] (int32, -1 = free); owners[owner_words][capacity] (u64,
+// word-major like the host table: the state change records are diffed against); and
+// seqbits[max_seqs][bit_words] (one bit per (sequence, cell), sequence-major: what the masks
+// and the paged view read; 64 cells of one sequence are one word).
 //
-// Each step the host uploads, in one copy, a header (seq_ids, positions, cells of the step's
-// tokens, int64 each, `width` entries apiece) followed by change records {cell, pos, owner
-// words...} for every cell whose pos or owners changed since the last step. apply_delta
-// writes each record into pos/owners and flips, in seqbits, the bits that differ from the
-// old owner words. Records name distinct cells and each thread owns one (cell, word), so each
-// (sequence, cell) bit is flipped by at most one thread, and XOR commutes: the unordered
-// atomics give the exact state.
-//
-// fill_masks then writes cells/positions/read_len and every window's mask rows [0,width) x
-// cols [0,read_len): each thread owns 16 consecutive columns and sweeps its rows; a row whose
-// sequence owns none of the 16 cells (the common case) stores zeros without touching pos.
-#include <stdint.h>
+// Per step the host writes into pinned staging (layout in abi.h) the header, the
+// step's ids, positions and cells, the paged view's runs and indptrs, and one change record
+// per cell whose pos or owners changed. Two launches follow:
+//   apply_step  reads the staging straight from host memory: applies the records to the
+//               mirror and writes the small step buffers (cells, positions, read_len, width,
+//               ids, indptrs, runs, the padding rows' sink entries).
+//   build_step  blocks [0, mask_blocks) write every window's mask rows [0, pad_to) x
+//               columns [0, read_len) (bytes or bits); the rest fill each run's kv_indices.
+#include "abi.h"
 
-// One thread per (record, owner word): every load is independent, so a step's records cost
-// about one memory round trip whatever max_seqs is.
-extern "C" __global__ void apply_delta(const int64_t* __restrict__ records, int64_t n,
-                                       int64_t owner_words, int64_t capacity,
-                                       int32_t* __restrict__ pos,
-                                       uint64_t* __restrict__ owners,
-                                       unsigned long long* __restrict__ seqbits,
-                                       int64_t bit_words)
+// One thread per (record, owner word), then the header's arrays. Records name distinct
+// cells and each thread owns one (cell, word), so each (sequence, cell) bit of seqbits is
+// flipped by at most one thread, and XOR commutes: unordered atomics give the exact state.
+extern "C" __global__ void __launch_bounds__(CC_APPLY_THREADS)
+apply_step(const cc_step_params* __restrict__ P, const cc_i64* __restrict__ stage,
+           const cc_i64* __restrict__ records, cc_i64 n_records)
 {
-    int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    int64_t i = t / owner_words, w = t % owner_words;
-    if (i >= n) return;
-    const int64_t* rec = records + i * (2 + owner_words);
-    int64_t c = rec[0];
-    if (w == 0) pos[c] = (int32_t)rec[1];
-    uint64_t now = (uint64_t)rec[2 + w];
-    uint64_t diff = owners[w * capacity + c] ^ now;
-    owners[w * capacity + c] = now;
-    unsigned long long cell_bit = 1ull << (c & 63);
-    while (diff) {
-        int b = __ffsll((long long)diff) - 1;
-        diff &= diff - 1;
-        atomicXor(seqbits + (64 * w + b) * bit_words + (c >> 6), cell_bit);
+    const cc_i64 ow = P->owner_words, capacity = P->capacity, mw = P->max_write;
+    const cc_i64 t = (cc_i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const cc_i64 stride = (cc_i64)gridDim.x * blockDim.x;
+    cc_i32* pos = (cc_i32*)P->pos;
+    cc_u64* owners = (cc_u64*)P->owners;
+    unsigned long long* seqbits = (unsigned long long*)P->seqbits;
+    for (cc_i64 k = t; k < n_records * ow; k += stride) {
+        cc_i64 i = k / ow, w = k % ow;
+        const cc_i64* rec = records + i * (2 + ow);
+        cc_i64 c = rec[0];
+        if (w == 0) pos[c] = (cc_i32)rec[1];
+        cc_u64 now = (cc_u64)rec[2 + w];
+        cc_u64 diff = owners[w * capacity + c] ^ now;
+        owners[w * capacity + c] = now;
+        unsigned long long cell_bit = 1ull << (c & 63);
+        while (diff) {
+            int b = __ffsll((long long)diff) - 1;
+            diff &= diff - 1;
+            atomicXor(seqbits + (64 * w + b) * P->bit_words + (c >> 6), cell_bit);
+        }
+    }
+    const cc_i64 width = stage[CC_HDR_WIDTH], pad_to = stage[CC_HDR_PAD_TO];
+    const cc_i64 sink = stage[CC_HDR_SINK];
+    const cc_i64* s_seq = stage + CC_OFF_SEQ(mw);
+    const cc_i64* s_pos = stage + CC_OFF_POS(mw);
+    const cc_i64* s_cells = stage + CC_OFF_CELLS(mw);
+    cc_i64* cells = (cc_i64*)P->cells;
+    cc_i64* positions = (cc_i64*)P->positions;
+    cc_i64* seq_ids = (cc_i64*)P->seq_ids;
+    for (cc_i64 i = t; i < pad_to; i += stride) {
+        bool real = i < width;
+        cells[i] = real ? s_cells[i] : sink;
+        positions[i] = s_pos[real ? i : 0];
+        seq_ids[i] = s_seq[real ? i : 0];
+    }
+    if (P->paged) {
+        const cc_i64 n_runs = stage[CC_HDR_N_RUNS];
+        const cc_i64* s_qo = stage + CC_OFF_QO(mw);
+        const cc_i64* s_kv = stage + CC_OFF_KV(mw);
+        cc_i32* qo = (cc_i32*)P->qo_indptr;
+        cc_i32* kv = (cc_i32*)P->kv_indptr;
+        cc_i32* kv_indices = (cc_i32*)P->kv_indices;
+        for (cc_i64 i = t; i <= pad_to; i += stride) {
+            qo[i] = (cc_i32)s_qo[i];
+            kv[i] = (cc_i32)s_kv[i];
+        }
+        for (cc_i64 i = t; i < n_runs; i += stride) {
+            ((cc_i64*)P->run_seq)[i] = stage[CC_OFF_RUN_SEQ(mw) + i];
+            ((cc_i64*)P->run_last)[i] = stage[CC_OFF_RUN_LAST(mw) + i];
+            ((cc_i64*)P->run_kv)[i] = s_kv[i];
+        }
+        for (cc_i64 i = t; i < pad_to - width; i += stride)
+            kv_indices[s_kv[n_runs + i]] = (cc_i32)sink;
+    }
+    if (t == 0) {
+        *(cc_i64*)P->read_len = stage[CC_HDR_READ_LEN];
+        *(cc_i64*)P->width = width;
     }
 }
 
-#define COLS 16
-#define MAX_ROWS 64
-#define MAX_WINDOWS 16
-#define THREADS 128
-#define BLOCK_WORDS (THREADS * COLS / 64)   // seqbits words one block's columns span
+#define BLOCK_WORDS (CC_STEP_THREADS * CC_MASK_COLS / 64)   // seqbits words a mask block spans
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-fill_masks(const int64_t* __restrict__ header, int32_t width, int64_t read_len,
-           const int32_t* __restrict__ pos, const uint64_t* __restrict__ seqbits,
-           int64_t bit_words, int64_t capacity, const int64_t* __restrict__ windows,
-           uint8_t* const* __restrict__ masks, int32_t n_windows,
-           int64_t* __restrict__ cells_out, int64_t* __restrict__ positions_out,
-           int64_t* __restrict__ read_len_out, int32_t rows_per_block)
+// Mask rows [r0, r1) x this block's 2048 columns. Each thread owns CC_MASK_COLS consecutive
+// columns; a row whose sequence owns none of them (the common case) stores zeros without
+// reading pos.
+__device__ __forceinline__ void mask_tile(const cc_step_params* __restrict__ P, cc_i64 bx,
+                                          cc_i32 r0, cc_i32 r1, cc_i64 read_len)
 {
-    __shared__ int64_t s_seq[MAX_ROWS];
-    __shared__ int64_t s_pos[MAX_ROWS];
-    __shared__ uint64_t s_bits[MAX_ROWS][BLOCK_WORDS];   // this block's columns, per row
-    __shared__ int64_t s_win[MAX_WINDOWS];
-    __shared__ uint8_t* s_mask[MAX_WINDOWS];
-    const int64_t* seq_ids = header;
-    const int64_t* positions = header + width;
-    const int64_t* cells = header + 2 * (int64_t)width;
-    int32_t r0 = blockIdx.y * rows_per_block;
-    int32_t r1 = min(width, r0 + rows_per_block);
-    int32_t nrows = r1 - r0;
-    for (int32_t r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
-        s_seq[r - r0] = seq_ids[r];
-        s_pos[r - r0] = positions[r];
-        if (blockIdx.x == 0) {
-            cells_out[r] = cells[r];
-            positions_out[r] = positions[r];
-        }
+    __shared__ cc_i64 s_seq[CC_MASK_MAX_ROWS];
+    __shared__ cc_i64 s_pos[CC_MASK_MAX_ROWS];
+    __shared__ cc_u64 s_bits[CC_MASK_MAX_ROWS][BLOCK_WORDS];
+    const cc_i64 capacity = P->capacity, bit_words = P->bit_words;
+    const cc_i32* pos = (const cc_i32*)P->pos;
+    const cc_u64* seqbits = (const cc_u64*)P->seqbits;
+    const cc_i32 nrows = r1 - r0;
+    for (cc_i32 r = threadIdx.x; r < nrows; r += blockDim.x) {
+        s_seq[r] = ((const cc_i64*)P->seq_ids)[r0 + r];
+        s_pos[r] = ((const cc_i64*)P->positions)[r0 + r];
     }
-    for (int32_t k = threadIdx.x; k < n_windows; k += blockDim.x) {
-        s_win[k] = windows[k];
-        s_mask[k] = masks[k];
-    }
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) read_len_out[0] = read_len;
     __syncthreads();
-    // every row's bit words for this block's 2048 columns, loaded once, coalesced
-    int64_t word0 = (int64_t)blockIdx.x * BLOCK_WORDS;
-    for (int32_t idx = threadIdx.x; idx < nrows * BLOCK_WORDS; idx += blockDim.x) {
-        int32_t r = idx / BLOCK_WORDS, j = idx % BLOCK_WORDS;
-        int64_t w = word0 + j;
+    const cc_i64 word0 = bx * BLOCK_WORDS;
+    for (cc_i32 idx = threadIdx.x; idx < nrows * BLOCK_WORDS; idx += blockDim.x) {
+        cc_i32 r = idx / BLOCK_WORDS, j = idx % BLOCK_WORDS;
+        cc_i64 w = word0 + j;
         s_bits[r][j] = w < bit_words ? seqbits[s_seq[r] * bit_words + w] : 0ull;
     }
     __syncthreads();
 
-    int64_t col0 = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * COLS;
+    const cc_i64 col0 = (bx * blockDim.x + threadIdx.x) * CC_MASK_COLS;
     if (col0 >= read_len) return;
-    int ncols = (int)min((int64_t)COLS, read_len - col0);   // columns this thread writes
-    bool full = ncols == COLS && (capacity % COLS) == 0;     // 16-byte aligned rows
-    uint32_t col_mask = ncols == COLS ? 0xFFFFu : ((1u << ncols) - 1u);
-    int my_word = threadIdx.x >> 2;                          // 4 threads per 64-bit word
-    int shift = (threadIdx.x & 3) * COLS;
+    const int ncols = (int)min((cc_i64)CC_MASK_COLS, read_len - col0);
+    const cc_u32 col_mask = ncols == CC_MASK_COLS ? 0xFFFFu : ((1u << ncols) - 1u);
+    const int my_word = threadIdx.x >> 2;                       // 4 threads per 64-bit word
+    const int shift = (threadIdx.x & 3) * CC_MASK_COLS;
+    const bool bits_fmt = P->mask_format == CC_MASKS_BITS;
+    const cc_i64 row_bytes = P->mask_row_bytes;
+    const bool wide_store = ncols == CC_MASK_COLS &&
+        (bits_fmt ? (row_bytes % 2) == 0 : (capacity % CC_MASK_COLS) == 0);
+    const cc_i32 n_windows = (cc_i32)P->n_windows;
 
-    int32_t p[COLS];
+    cc_i32 p[CC_MASK_COLS];
     bool have_pos = false;
 #pragma unroll 4
-    for (int32_t r = r0; r < r1; ++r) {
-        int64_t qp = s_pos[r - r0];
-        uint32_t owned = (uint32_t)(s_bits[r - r0][my_word] >> shift) & col_mask;
-        uint32_t visible = 0;
+    for (cc_i32 r = 0; r < nrows; ++r) {
+        const cc_i64 qp = s_pos[r];
+        const cc_u32 owned = (cc_u32)(s_bits[r][my_word] >> shift) & col_mask;
+        cc_u32 visible = 0;
         if (owned) {
             if (!have_pos) {
                 have_pos = true;
-                if (col0 + COLS <= capacity) {
+                if (col0 + CC_MASK_COLS <= capacity && (col0 & 3) == 0) {
                     const int4* src = reinterpret_cast<const int4*>(pos + col0);
 #pragma unroll
-                    for (int q = 0; q < COLS / 4; ++q) {
+                    for (int q = 0; q < CC_MASK_COLS / 4; ++q) {
                         int4 v = src[q];
                         p[4 * q] = v.x; p[4 * q + 1] = v.y; p[4 * q + 2] = v.z; p[4 * q + 3] = v.w;
                     }
                 } else {
 #pragma unroll
-                    for (int k = 0; k < COLS; ++k) p[k] = (col0 + k < capacity) ? pos[col0 + k] : -1;
+                    for (int k = 0; k < CC_MASK_COLS; ++k)
+                        p[k] = (col0 + k < capacity) ? pos[col0 + k] : -1;
                 }
             }
             // owned cells are occupied; visible: not in the query's future
 #pragma unroll
-            for (int k = 0; k < COLS; ++k)
-                visible |= (uint32_t)(((owned >> k) & 1u) && p[k] <= qp) << k;
+            for (int k = 0; k < CC_MASK_COLS; ++k)
+                visible |= (cc_u32)(((owned >> k) & 1u) && p[k] <= qp) << k;
         }
-        for (int32_t wi = 0; wi < n_windows; ++wi) {
-            uint32_t b[4] = {0u, 0u, 0u, 0u};
+        const cc_i64 row = r0 + r;
+        for (cc_i32 wi = 0; wi < n_windows; ++wi) {
+            cc_u32 on = 0;                                   // bit k = column col0 + k
             if (visible) {
-                int64_t win = s_win[wi];
-                int64_t lo = win == 0 ? -1 : qp - win;   // visible positions are > lo
+                const cc_i64 win = P->windows[wi];
+                const cc_i64 lo = win == 0 ? -1 : qp - win;   // visible positions are > lo
 #pragma unroll
-                for (int k = 0; k < COLS; ++k) {
-                    uint32_t on = ((visible >> k) & 1u) && (p[k] > lo);
-                    b[k >> 2] |= on << (8 * (k & 3));
+                for (int k = 0; k < CC_MASK_COLS; ++k)
+                    on |= (cc_u32)(((visible >> k) & 1u) && (p[k] > lo)) << k;
+            }
+            if (bits_fmt) {
+                cc_u8* dst = (cc_u8*)P->masks[wi] + row * row_bytes + (col0 >> 3);
+                if (wide_store) {
+                    *reinterpret_cast<unsigned short*>(dst) = (unsigned short)on;
+                } else {
+                    dst[0] = (cc_u8)(on & 0xFFu);
+                    if (ncols > 8) dst[1] = (cc_u8)(on >> 8);
+                }
+            } else {
+                cc_u8* dst = (cc_u8*)P->masks[wi] + row * capacity + col0;
+                if (wide_store) {
+                    cc_u32 b[4];
+#pragma unroll
+                    for (int q = 0; q < 4; ++q)
+                        b[q] = ((on >> (4 * q)) & 1u) | (((on >> (4 * q + 1)) & 1u) << 8) |
+                               (((on >> (4 * q + 2)) & 1u) << 16) | (((on >> (4 * q + 3)) & 1u) << 24);
+                    *reinterpret_cast<uint4*>(dst) = make_uint4(b[0], b[1], b[2], b[3]);
+                } else {
+                    for (int k = 0; k < ncols; ++k) dst[k] = (cc_u8)((on >> k) & 1u);
                 }
             }
-            uint8_t* dst = s_mask[wi] + (int64_t)r * capacity + col0;
-            if (full) {
-                *reinterpret_cast<uint4*>(dst) = make_uint4(b[0], b[1], b[2], b[3]);
-            } else {
-                for (int k = 0; k < ncols; ++k) dst[k] = (uint8_t)((b[k >> 2] >> (8 * (k & 3))) & 1u);
-            }
         }
+    }
+}
+
+// Run `run`'s kv list, for this block's chunk of seqbits words: every cell of the run's
+// sequence at a position <= the run's last goes to kv_indices[offset + position], so the
+// list comes out in position order whatever order the cells lie in.
+__device__ __forceinline__ void paged_chunk(const cc_step_params* __restrict__ P, cc_i64 run,
+                                            cc_i64 chunk, cc_i64 read_len)
+{
+    const cc_i64 s = ((const cc_i64*)P->run_seq)[run];
+    const cc_i64 last = ((const cc_i64*)P->run_last)[run];
+    const cc_i64 off = ((const cc_i64*)P->run_kv)[run];
+    const cc_i64 words = (read_len + 63) >> 6;
+    const cc_i64 w0 = chunk * (CC_STEP_THREADS * CC_PAGED_WORDS);
+    const cc_u64* bits = (const cc_u64*)P->seqbits + s * P->bit_words;
+    const cc_i32* pos = (const cc_i32*)P->pos;
+    cc_i32* kv_indices = (cc_i32*)P->kv_indices;
+#pragma unroll 4
+    for (int k = 0; k < CC_PAGED_WORDS; ++k) {
+        const cc_i64 w = w0 + (cc_i64)k * CC_STEP_THREADS + threadIdx.x;
+        if (w >= words) break;
+        cc_u64 word = bits[w];
+        while (word) {
+            const int b = __ffsll((long long)word) - 1;
+            word &= word - 1;
+            const cc_i64 c = (w << 6) + b;
+            const cc_i64 p = pos[c];
+            if (p <= last) kv_indices[off + p] = (cc_i32)c;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CC_STEP_THREADS)
+build_step(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
+           cc_i64 mask_gx, cc_i64 mask_blocks, cc_i32 rows_per_block, cc_i64 paged_chunks)
+{
+    const cc_i64 b = blockIdx.x;
+    if (b < mask_blocks) {
+        const cc_i64 bx = b % mask_gx, by = b / mask_gx;
+        const cc_i32 r0 = (cc_i32)(by * rows_per_block);
+        const cc_i32 r1 = (cc_i32)min(pad_to, (cc_i64)r0 + rows_per_block);
+        mask_tile(P, bx, r0, r1, read_len);
+    } else {
+        const cc_i64 pb = b - mask_blocks;
+        paged_chunk(P, pb / paged_chunks, pb % paged_chunks, read_len);
     }
 }

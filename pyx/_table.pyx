@@ -1,39 +1,62 @@
 """The cell table at C speed: flat arrays, owner bitsets, a two-level free bitmap.
 
-Same contract as :mod:`cellcache.reference` (SPEC §3); the tests drive both side by side.
-The public ``def`` methods validate and raise; the ``cdef ... nogil`` helpers trust them.
+Same contract as :mod:`cellcache.reference`; the tests drive both side by side. The public
+``def`` methods validate and raise; the ``cdef`` helpers trust their caller, and the
+bounds-checked build (``CELLCACHE_CYTHON_DEBUG=1``) checks what each helper assumes.
+
+Threads: every method runs with the GIL held from its first state change to its last, and
+resolves all caller input (ids, ints, arrays, iterables) before the first state change, so
+no other thread and no callback (``__index__``, ``__iter__``) can observe or change a
+half-done operation. Each call is atomic; a sequence of calls is not (use one lock around
+it, as :class:`cellcache.CellCache` does).
 
 Costs: placement finds each free cell through the free bitmap a word at a time, skipping
 full words through a summary with one bit per word. Every live sequence owns exactly one
 cell at each position in ``[0, pos)``, so a per-sequence map from position to cell makes
 ``seq_clone`` cost the positions it shares, ``rewind`` the positions it drops and ``seq_rm``
 the sequence's length, however its cells are spread over the pool; ``used_end`` shrinks by
-searching the bitmap backwards, a word (or 4096 cells) at a time. The host mask fill walks
-each query's window through the same map.
+searching the bitmap backwards, a word (or 4096 cells) at a time. The host mask fill and the
+paged view walk each query's window through the same map.
 """
 
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.stdint cimport INT64_MAX, int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 from libc.stdlib cimport calloc, free, realloc
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 from ._bitset cimport bit, bits_below, bits_from, cc_clz64, cc_ctz64
 
 import numpy as np
 
 from ._checks import POS_FREE as _POS_FREE_PY
-from ._checks import check_int, check_seq_id, check_table_shape
+from ._checks import check_any_int, check_int, check_seq_id, check_table_shape, step_ids
 from .errors import InvalidArgument, InvalidState, OutOfMemory
 
-cdef enum:
-    POS_FREE = -1   # same value as cellcache._checks.POS_FREE (a test checks)
+cdef extern from *:
+    """
+    #ifdef CELLCACHE_DEBUG
+    #include <stdio.h>
+    #include <stdlib.h>
+    #define CC_ASSUME(cond, what) do { if (!(cond)) { \\
+        fprintf(stderr, "cellcache._table: broken assumption: %s\\n", what); abort(); } } while (0)
+    #else
+    #define CC_ASSUME(cond, what) ((void)0)
+    #endif
+    """
+    void CC_ASSUME(bint cond, const char* what) noexcept nogil
 
-assert _POS_FREE_PY == POS_FREE
+cdef enum:
+    POS_FREE = -1   # same value as cellcache._checks.POS_FREE
+
+if _POS_FREE_PY != POS_FREE:
+    raise ImportError("POS_FREE differs between cellcache._checks and cellcache._table")
 
 cdef uint64_t ALL = ~(<uint64_t>0)
+cdef object _np_ndarray = np.ndarray
+cdef object _np_int64 = np.dtype(np.int64)
 
 
 cdef void* _calloc(size_t n, size_t size, str what) except NULL:
+    # n zeroed elements of size bytes (at least one); OutOfMemory naming what on failure.
     cdef void* p
     if n == 0:
         n = 1
@@ -48,8 +71,12 @@ cdef inline uint64_t bits_upto(int64_t i) noexcept nogil:
     return (bit(i) << 1) - 1
 
 
+cdef inline bint _is_exact_int64_vector(object a):
+    return type(a) is _np_ndarray and a.ndim == 1 and a.dtype == _np_int64
+
+
 cdef class CellTable:
-    """The cell table of SPEC §3 at C speed.
+    """The cell table at C speed: a pool of per-token cells shared by many sequences.
 
     Parameters
     ----------
@@ -74,18 +101,17 @@ cdef class CellTable:
     ([0, 1], [0, 1], 2)
     """
 
-    def __init__(self, capacity, max_seqs=64, max_write=None, *, bint track_changes=False):
+    def __cinit__(self, capacity, max_seqs=64, max_write=None, *, bint track_changes=False):
+        # Everything is allocated here, so a table either exists whole or not at all.
         cdef int64_t c
-        if self.cell_pos != NULL:
-            raise InvalidState("a CellTable is initialised once")
         self.capacity, self.max_seqs, self.max_write = check_table_shape(
-            capacity, max_seqs, max_write
-        )
+            capacity, max_seqs, max_write)
         self.owner_words = (self.max_seqs + 63) // 64
         self.n_free_words = (self.capacity + 63) // 64
         self.n_sum_words = (self.n_free_words + 63) // 64
         cdef size_t cap = <size_t>self.capacity
         cdef size_t ns = <size_t>self.max_seqs
+        cdef size_t mw = <size_t>self.max_write
         self.cell_pos = <int64_t*>_calloc(cap, sizeof(int64_t), "positions")
         self.owners = <uint64_t*>_calloc(cap * <size_t>self.owner_words, 8, "owner bitsets")
         self.n_owners = <int32_t*>_calloc(cap, sizeof(int32_t), "owner counts")
@@ -93,15 +119,15 @@ cdef class CellTable:
         self.sum_free = <uint64_t*>_calloc(<size_t>self.n_sum_words, 8, "free summary")
         self.sum_used = <uint64_t*>_calloc(<size_t>self.n_sum_words, 8, "used summary")
         self.live_bits = <uint64_t*>_calloc(<size_t>self.owner_words, 8, "live ids")
-        self.seq_cells_ = <int64_t*>_calloc(ns, sizeof(int64_t), "sequence summaries")
-        self.seq_pos_ = <int64_t*>_calloc(ns, sizeof(int64_t), "sequence summaries")
+        self.seq_pos_ = <int64_t*>_calloc(ns, sizeof(int64_t), "sequence positions")
         self.seq_map = <int64_t**>_calloc(ns, sizeof(int64_t*), "sequence maps")
         self.seq_map_cap = <int64_t*>_calloc(ns, sizeof(int64_t), "sequence maps")
         self.seq_declared = <uint8_t*>_calloc(ns, 1, "declaration marks")
         self.scratch = <int64_t*>_calloc(ns, sizeof(int64_t), "scratch")
-        self.decl = <int64_t*>_calloc(<size_t>self.max_write, sizeof(int64_t), "declaration")
-        self.placed_cells = <int64_t*>_calloc(<size_t>self.max_write, sizeof(int64_t), "undo")
-        self.undo_summary = <int64_t*>_calloc(<size_t>self.max_write * 2, sizeof(int64_t), "undo")
+        self.step_seq = <int64_t*>_calloc(mw, sizeof(int64_t), "declaration")
+        self.ids_in = <int64_t*>_calloc(mw, sizeof(int64_t), "declaration")
+        self.placed_cells = <int64_t*>_calloc(mw, sizeof(int64_t), "undo log")
+        self.undo_pos = <int64_t*>_calloc(mw, sizeof(int64_t), "undo log")
         self.track_changes = track_changes
         if track_changes:
             self.cell_dirty = <uint8_t*>_calloc(cap, 1, "change log")
@@ -109,6 +135,10 @@ cdef class CellTable:
         for c in range(self.capacity):
             self.cell_pos[c] = POS_FREE
         self._reset()
+
+    def __init__(self, capacity, max_seqs=64, max_write=None, *, bint track_changes=False):
+        # Everything happened in __cinit__; this carries the signature for readers and stubs.
+        pass
 
     def __dealloc__(self):
         cdef int64_t s
@@ -118,29 +148,25 @@ cdef class CellTable:
         free(self.seq_map); free(self.seq_map_cap)
         free(self.cell_pos); free(self.owners); free(self.n_owners)
         free(self.free_bits); free(self.sum_free); free(self.sum_used); free(self.live_bits)
-        free(self.seq_cells_); free(self.seq_pos_)
-        free(self.seq_declared); free(self.scratch); free(self.decl)
-        free(self.placed_cells); free(self.undo_summary)
+        free(self.seq_pos_); free(self.seq_declared); free(self.scratch)
+        free(self.step_seq); free(self.ids_in)
+        free(self.placed_cells); free(self.undo_pos)
         free(self.cell_dirty); free(self.dirty_cells)
 
-    cdef void _reset_cells(self, int64_t end) noexcept nogil:
-        # Frees cells [0, end) and clears the owner words of that range.
-        cdef int64_t c, w
+    def __reduce__(self):
+        raise TypeError("a CellTable owns raw memory and cannot be pickled or copied")
+
+    cdef void _reset(self) noexcept:
+        # Everything free, no id live, nothing declared. Cells at or past used_end are
+        # already free and unowned, so only [0, used_end) is rewritten.
+        cdef int64_t c, w, s, end = self.used_end_
         for c in range(end):
+            if self.cell_pos[c] != POS_FREE:
+                self._mark(c)
             self.cell_pos[c] = POS_FREE
             self.n_owners[c] = 0
         for w in range(self.owner_words):
             memset(self.owners + w * self.capacity, 0, end * 8)
-
-    cdef void _reset(self) noexcept nogil:
-        # Everything free, no id live, nothing declared. Cells at or past used_end are
-        # already free and unowned, so only [0, used_end) needs rewriting.
-        cdef int64_t c, w, s
-        if self.track_changes:
-            for c in range(self.used_end_):
-                if self.cell_pos[c] != POS_FREE:
-                    self._mark(c)
-        self._reset_cells(self.used_end_)
         memset(self.free_bits, 0xFF, self.n_free_words * 8)
         if self.capacity & 63:
             self.free_bits[self.n_free_words - 1] = bits_below(self.capacity)
@@ -150,33 +176,44 @@ cdef class CellTable:
         memset(self.sum_used, 0, self.n_sum_words * 8)
         memset(self.live_bits, 0, self.owner_words * 8)
         for s in range(self.max_seqs):
-            self.seq_cells_[s] = 0
             self.seq_pos_[s] = 0
             self._free_map(s)
             self.seq_declared[s] = 0
         self.n_live = 0
         self.used_count_ = 0
         self.used_end_ = 0
-        self.n_decl = 0
-        self.declared_ = False
+        self.step_width = 0
+        self.has_step = False
         self.n_placed = 0
 
     # -- bitmap helpers (trust the caller) ------------------------------------------------
-    cdef void _mark(self, int64_t c) noexcept nogil:
+    cdef void _mark(self, int64_t c) noexcept:
+        # Logs cell c (0 <= c < capacity) as changed, once, when change tracking is on.
+        CC_ASSUME(0 <= c < self.capacity, "_mark: cell outside [0, capacity)")
         if self.track_changes and not self.cell_dirty[c]:
             self.cell_dirty[c] = 1
             self.dirty_cells[self.n_dirty] = c
             self.n_dirty += 1
 
-    cdef uint64_t _valid(self, int64_t w) noexcept nogil:
-        # Bits of bitmap word w that stand for real cells.
+    cdef void _mark_all(self) noexcept:
+        # Logs every cell (a mirror that may have missed records is rebuilt from scratch).
+        cdef int64_t c
+        if self.track_changes:
+            for c in range(self.capacity):
+                self._mark(c)
+
+    cdef uint64_t _valid(self, int64_t w) noexcept:
+        # Bits of bitmap word w (0 <= w < n_free_words) that stand for real cells.
+        CC_ASSUME(0 <= w < self.n_free_words, "_valid: word outside the bitmap")
         if w == self.n_free_words - 1 and (self.capacity & 63):
             return bits_below(self.capacity)
         return ALL
 
-    cdef void _update_summaries(self, int64_t w) noexcept nogil:
+    cdef void _update_summaries(self, int64_t w) noexcept:
+        # Makes both summary bits of bitmap word w agree with the word.
         cdef uint64_t word = self.free_bits[w]
         cdef int64_t sw = w >> 6
+        CC_ASSUME(0 <= w < self.n_free_words, "_update_summaries: word outside the bitmap")
         if word:
             self.sum_free[sw] |= bit(w)
         else:
@@ -186,18 +223,24 @@ cdef class CellTable:
         else:
             self.sum_used[sw] &= ~bit(w)
 
-    cdef void _set_free(self, int64_t c) noexcept nogil:
+    cdef void _set_free(self, int64_t c) noexcept:
+        # Marks cell c free in the bitmap and its summaries (pos and owners are the caller's).
+        CC_ASSUME(0 <= c < self.capacity, "_set_free: cell outside [0, capacity)")
         self.free_bits[c >> 6] |= bit(c)
         self._update_summaries(c >> 6)
 
-    cdef void _set_used(self, int64_t c) noexcept nogil:
+    cdef void _set_used(self, int64_t c) noexcept:
+        # Marks a free cell c used in the bitmap and its summaries.
+        CC_ASSUME(0 <= c < self.capacity, "_set_used: cell outside [0, capacity)")
+        CC_ASSUME((self.free_bits[c >> 6] & bit(c)) != 0, "_set_used: cell is not free")
         self.free_bits[c >> 6] &= ~bit(c)
         self._update_summaries(c >> 6)
 
-    cdef int64_t _next_free(self, int64_t c) noexcept nogil:
-        # The lowest free cell >= c, or -1.
+    cdef int64_t _next_free(self, int64_t c) noexcept:
+        # The lowest free cell >= c (c >= 0), or -1 when there is none.
         cdef int64_t w = c >> 6, sw, ww
         cdef uint64_t m
+        CC_ASSUME(c >= 0, "_next_free: negative start")
         if c >= self.capacity:
             return -1
         m = self.free_bits[w] & bits_from(c)
@@ -211,16 +254,18 @@ cdef class CellTable:
         while True:
             if m:
                 ww = (sw << 6) + cc_ctz64(m)
+                CC_ASSUME(self.free_bits[ww] != 0, "_next_free: summary names a full word")
                 return (ww << 6) + cc_ctz64(self.free_bits[ww])
             sw += 1
             if sw >= self.n_sum_words:
                 return -1
             m = self.sum_free[sw]
 
-    cdef int64_t _last_used_below(self, int64_t e) noexcept nogil:
-        # The highest occupied cell < e, or -1.
+    cdef int64_t _last_used_below(self, int64_t e) noexcept:
+        # The highest occupied cell < e (e <= capacity), or -1 when there is none.
         cdef int64_t c, w, sw, ww
         cdef uint64_t m
+        CC_ASSUME(e <= self.capacity, "_last_used_below: end past capacity")
         if e <= 0:
             return -1
         c = e - 1
@@ -234,15 +279,19 @@ cdef class CellTable:
             m = self.sum_used[sw] & bits_upto(ww)
             if m:
                 ww = (sw << 6) + 63 - cc_clz64(m)
+                CC_ASSUME(((~self.free_bits[ww]) & self._valid(ww)) != 0,
+                          "_last_used_below: summary names an empty word")
                 return (ww << 6) + 63 - cc_clz64((~self.free_bits[ww]) & self._valid(ww))
             ww = (sw << 6) - 1
         return -1
 
-    cdef void _shrink_used_end(self) noexcept nogil:
+    cdef void _shrink_used_end(self) noexcept:
+        # Moves used_end down past trailing free cells (after cells were freed).
         if self.used_end_ > 0 and self.cell_pos[self.used_end_ - 1] == POS_FREE:
             self.used_end_ = self._last_used_below(self.used_end_) + 1
 
-    cdef int64_t _lowest_non_live(self) noexcept nogil:
+    cdef int64_t _lowest_non_live(self) noexcept:
+        # The lowest id that is not live, or -1 when every id is live.
         cdef int64_t w, s
         cdef uint64_t m
         for w in range(self.owner_words):
@@ -252,22 +301,22 @@ cdef class CellTable:
                 return s if s < self.max_seqs else -1
         return -1
 
-    cdef bint _is_live(self, int64_t s) noexcept nogil:
+    cdef bint _is_live(self, int64_t s) noexcept:
+        # Whether id s (0 <= s < max_seqs) is live.
+        CC_ASSUME(0 <= s < self.max_seqs, "_is_live: id outside [0, max_seqs)")
         return (self.live_bits[s >> 6] & bit(s)) != 0
 
-    cdef void _cancel_if_declared(self, int64_t seq) noexcept nogil:
-        cdef int64_t i
+    cdef void _cancel_if_declared(self, int64_t seq) noexcept:
+        # A verb is about to change seq's cells: drop the declaration if it names seq, and
+        # end the chance to undo the last placement.
         self.n_placed = 0
-        if self.declared_ and self.seq_declared[seq]:
-            for i in range(self.n_decl):
-                self.seq_declared[self.decl[i]] = 0
-            self.declared_ = False
-            self.n_decl = 0
+        if self.has_step and self.seq_declared[seq]:
+            self._drop_declaration()
 
-    cdef void _drop_from(self, int64_t seq, int64_t position) noexcept nogil:
-        # Drops seq's claim on its positions [position, pos), freeing cells left unowned.
-        # A sequence's cells come in runs, so the free bits of one bitmap word are gathered
-        # in a register and written (with the word's summaries) once per run, not per cell.
+    cdef void _drop_from(self, int64_t seq, int64_t position) noexcept:
+        # Drops live seq's claim on its positions [position, pos), freeing cells left with no
+        # owner. A sequence's cells come in runs, so the free bits of one bitmap word are
+        # gathered in a register and written (with the word's summaries) once per run.
         cdef uint64_t* ow = self.owners + (seq >> 6) * self.capacity
         cdef int64_t* cell_pos = self.cell_pos
         cdef int32_t* n_owners = self.n_owners
@@ -276,10 +325,13 @@ cdef class CellTable:
         cdef int64_t q, c, w, cur_w = -1, top = self.seq_pos_[seq], freed = 0
         cdef int32_t left
         cdef bint track = self.track_changes
+        CC_ASSUME(self._is_live(seq), "_drop_from: sequence not live")
+        CC_ASSUME(0 <= position, "_drop_from: negative position")
         if position >= top:
             return
         for q in range(position, top):
             c = seq_map[q]
+            CC_ASSUME((ow[c] & bit(seq)) != 0, "_drop_from: map names a cell seq does not own")
             ow[c] &= nb
             left = n_owners[c] - 1
             n_owners[c] = left
@@ -299,14 +351,14 @@ cdef class CellTable:
         if acc:
             self.free_bits[cur_w] |= acc
             self._update_summaries(cur_w)
-        self.seq_cells_[seq] = position
         self.seq_pos_[seq] = position
         if freed:
             self.used_count_ -= freed
             self._shrink_used_end()
 
     cdef int _ensure_map(self, int64_t seq, int64_t n) except -1:
-        # Room for n positions in seq's map (grown by doubling); OutOfMemory on failure.
+        # Room for n positions in seq's map (grown by doubling); OutOfMemory, nothing
+        # changed, on failure.
         cdef int64_t cap = self.seq_map_cap[seq]
         cdef int64_t* grown
         if n <= cap:
@@ -322,13 +374,15 @@ cdef class CellTable:
         self.seq_map_cap[seq] = cap
         return 0
 
-    cdef void _free_map(self, int64_t seq) noexcept nogil:
+    cdef void _free_map(self, int64_t seq) noexcept:
+        # Releases seq's position map.
         free(self.seq_map[seq])
         self.seq_map[seq] = NULL
         self.seq_map_cap[seq] = 0
 
     cdef int64_t _seq(self, object value) except -1:
-        # Fast path for plain ints; anything else goes through the shared check.
+        # value as an id in [0, max_seqs); InvalidArgument otherwise. Runs no caller code for
+        # a plain int.
         cdef int64_t s
         if type(value) is int:
             try:
@@ -338,6 +392,16 @@ cdef class CellTable:
             if 0 <= s < self.max_seqs:
                 return s
         return check_seq_id(value, self.max_seqs)
+
+    cdef void _drop_declaration(self) noexcept:
+        # Nothing declared, no mark left, no placement to undo.
+        cdef int64_t i
+        if self.has_step:
+            for i in range(self.step_width):
+                self.seq_declared[self.step_seq[i]] = 0
+        self.has_step = False
+        self.step_width = 0
+        self.n_placed = 0
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -358,9 +422,14 @@ cdef class CellTable:
     @property
     def declared(self):
         """The declared step's sequence ids, or None."""
-        if not self.declared_:
+        if not self.has_step:
             return None
-        return [self.decl[i] for i in range(self.n_decl)]
+        return [self.step_seq[i] for i in range(self.step_width)]
+
+    @property
+    def declared_width(self):
+        """Tokens in the declared step; 0 when nothing is declared."""
+        return self.step_width if self.has_step else 0
 
     def live_seqs(self):
         """The live ids, ascending."""
@@ -372,9 +441,9 @@ cdef class CellTable:
         return self.seq_pos_[s] if self._is_live(s) else 0
 
     def seq_len(self, seq):
-        """How many cells seq owns (0 if not live)."""
+        """How many cells seq owns (0 if not live); always equal to ``pos(seq)``."""
         cdef int64_t s = self._seq(seq)
-        return self.seq_cells_[s] if self._is_live(s) else 0
+        return self.seq_pos_[s] if self._is_live(s) else 0
 
     def seq_cells(self, seq):
         """The cells seq owns, ascending."""
@@ -386,23 +455,21 @@ cdef class CellTable:
     def seq_cell_at(self, seq, position):
         """The cell holding ``position`` of seq; -1 when seq does not own that position."""
         cdef int64_t s = self._seq(seq)
-        cdef int64_t q = check_int(position, "position", -(2**62), 2**62)
+        q = check_any_int(position, "position")
         if not self._is_live(s) or not 0 <= q < self.seq_pos_[s]:
             return -1
-        return self.seq_map[s][q]
+        return self.seq_map[s][<int64_t>q]
 
-    def cell_pos_at(self, int64_t c):
+    def cell_pos_at(self, c):
         """``pos`` of cell c (``POS_FREE`` when free)."""
-        if not 0 <= c < self.capacity:
-            raise InvalidArgument(f"cell {c} is outside [0, capacity={self.capacity})")
-        return self.cell_pos[c]
+        cdef int64_t cell = check_int(c, "cell", 0, self.capacity - 1)
+        return self.cell_pos[cell]
 
-    def cell_owners_at(self, int64_t c):
+    def cell_owners_at(self, c):
         """The owners of cell c, ascending."""
-        if not 0 <= c < self.capacity:
-            raise InvalidArgument(f"cell {c} is outside [0, capacity={self.capacity})")
+        cdef int64_t cell = check_int(c, "cell", 0, self.capacity - 1)
         return [s for s in range(self.max_seqs)
-                if self.owners[(s >> 6) * self.capacity + c] & bit(s)]
+                if self.owners[(s >> 6) * self.capacity + cell] & bit(s)]
 
     # -- verbs --------------------------------------------------------------------------------
     def seq_new(self):
@@ -431,7 +498,7 @@ cdef class CellTable:
         cdef int64_t* new_map
         cdef int32_t* n_owners = self.n_owners
         cdef bint track = self.track_changes
-        if not self._is_live(s) or self.seq_cells_[s] == 0:
+        if not self._is_live(s) or self.seq_pos_[s] == 0:
             return None
         new = self._lowest_non_live()
         if new < 0:
@@ -447,15 +514,13 @@ cdef class CellTable:
         b_new = bit(new)
         src_map = self.seq_map[s]
         new_map = self.seq_map[new]
-        with nogil:
-            for q in range(n):
-                c = src_map[q]
-                new_map[q] = c
-                ow_new[c] |= b_new
-                n_owners[c] += 1
-                if track:
-                    self._mark(c)
-        self.seq_cells_[new] = n
+        for q in range(n):
+            c = src_map[q]
+            new_map[q] = c
+            ow_new[c] |= b_new
+            n_owners[c] += 1
+            if track:
+                self._mark(c)
         self.seq_pos_[new] = n
         return new
 
@@ -468,8 +533,7 @@ cdef class CellTable:
         if not self._is_live(s):
             return False
         self._cancel_if_declared(s)
-        with nogil:
-            self._drop_from(s, 0)
+        self._drop_from(s, 0)
         self.live_bits[s >> 6] &= ~bit(s)
         self.n_live -= 1
         self._free_map(s)
@@ -479,15 +543,14 @@ cdef class CellTable:
         """Drops seq's claim on positions >= position; the id stays live, even at 0.
 
         Returns False (nothing changed) when seq is not live or position is outside
-        ``[0, pos(seq)]``.
+        ``[0, pos(seq)]``; a position that is not an int raises InvalidArgument.
         """
         cdef int64_t s = self._seq(seq)
-        cdef int64_t p = check_int(position, "position", -(2**62), 2**62)
-        if not self._is_live(s) or p < 0 or p > self.seq_pos_[s]:
+        p = check_any_int(position, "position")
+        if not self._is_live(s) or not 0 <= p <= self.seq_pos_[s]:
             return False
         self._cancel_if_declared(s)
-        with nogil:
-            self._drop_from(s, p)
+        self._drop_from(s, <int64_t>p)
         return True
 
     def clear(self):
@@ -498,148 +561,172 @@ cdef class CellTable:
     def declare_step(self, seq_ids):
         """Declares the next step: one sequence id per token, in the forward's order.
 
-        Returns False (nothing declared) when fewer cells are free than tokens. Raises
-        InvalidArgument (empty, wider than max_write, bad id) or InvalidState (an id not
-        live). Any earlier declaration is dropped first, whatever the outcome.
+        ``seq_ids`` is a list, tuple, range, 1-D integer array or other iterable of ids (at
+        most ``max_write + 1`` items are read). Returns False (nothing declared) when fewer
+        cells are free than tokens. Raises InvalidArgument (not a sequence of ids, empty,
+        wider than max_write, bad id) or InvalidState (an id not live). Any earlier
+        declaration is dropped, whatever the outcome.
         """
+        cdef Py_ssize_t n
+        try:
+            n = self._collect(seq_ids)
+        except BaseException:
+            self._drop_declaration()
+            raise
+        return self._declare_collected(n)
+
+    cdef Py_ssize_t _collect(self, object seq_ids) except -1:
+        # Reads the ids into ids_in and returns how many; changes no other state. Caller code
+        # (iterators, __index__) runs only inside step_ids(), before ids_in is written.
         cdef Py_ssize_t i, n
         cdef int64_t s
         cdef const int64_t[::1] view
-        self._drop_declaration()
-        if isinstance(seq_ids, (list, tuple)):
-            ids = seq_ids
-        else:
-            try:
-                view = seq_ids
-            except (TypeError, ValueError, BufferError):
-                ids = list(seq_ids)
-            else:
-                return self._declare_view(view)
+        cdef list ids
+        if type(seq_ids) is list or type(seq_ids) is tuple:
+            n = len(seq_ids)
+            if 0 < n <= self.max_write:
+                for i in range(n):
+                    item = seq_ids[i]
+                    if type(item) is not int:
+                        break
+                    try:
+                        s = item
+                    except OverflowError:
+                        break
+                    if not 0 <= s < self.max_seqs:
+                        break
+                    self.ids_in[i] = s
+                else:
+                    return n
+        elif _is_exact_int64_vector(seq_ids):
+            view = seq_ids
+            n = view.shape[0]
+            if 0 < n <= self.max_write:
+                for i in range(n):
+                    if not 0 <= view[i] < self.max_seqs:
+                        break
+                    self.ids_in[i] = view[i]
+                else:
+                    return n
+        ids = step_ids(seq_ids, self.max_write, self.max_seqs)
         n = len(ids)
-        self._check_width(n)
         for i in range(n):
-            self.decl[i] = self._seq(ids[i])
-        return self._declare_checked(n)
+            self.ids_in[i] = ids[i]
+        return n
 
-    cdef object _declare_view(self, const int64_t[::1] view):
-        cdef Py_ssize_t i, n = view.shape[0]
-        self._check_width(n)
-        for i in range(n):
-            if not 0 <= view[i] < self.max_seqs:
-                check_seq_id(int(view[i]), self.max_seqs)
-            self.decl[i] = view[i]
-        return self._declare_checked(n)
-
-    cdef int _check_width(self, Py_ssize_t n) except -1:
-        if n == 0:
-            raise InvalidArgument("a step needs at least one token; got an empty list")
-        if n > self.max_write:
-            raise InvalidArgument(
-                f"a step of {n} tokens is wider than max_write={self.max_write}")
-        return 0
-
-    cdef object _declare_checked(self, Py_ssize_t n):
+    cdef object _declare_collected(self, Py_ssize_t n):
+        # Declares ids_in[:n] (each in [0, max_seqs)) after dropping the old declaration.
         cdef Py_ssize_t i
+        self._drop_declaration()
         for i in range(n):
-            if not self._is_live(self.decl[i]):
-                raise InvalidState(f"sequence {self.decl[i]} is not live; call seq_new() first")
+            CC_ASSUME(0 <= self.ids_in[i] < self.max_seqs, "_declare_collected: bad id")
+            if not self._is_live(self.ids_in[i]):
+                raise InvalidState(f"sequence {self.ids_in[i]} is not live; call seq_new() first")
         if self.capacity - self.used_count_ < n:
             return False
         for i in range(n):
-            self.seq_declared[self.decl[i]] = 1
-        self.n_decl = n
-        self.declared_ = True
+            self.step_seq[i] = self.ids_in[i]
+            self.seq_declared[self.ids_in[i]] = 1
+        self.step_width = n
+        self.has_step = True
         return True
 
-    cdef void _drop_declaration(self) noexcept:
-        cdef int64_t i
-        if self.declared_:
-            for i in range(self.n_decl):
-                self.seq_declared[self.decl[i]] = 0
-        self.declared_ = False
-        self.n_decl = 0
-        self.n_placed = 0
+    def undeclare(self):
+        """Drops the declaration, if any (what every declare_step does first)."""
+        self._drop_declaration()
 
-    @property
-    def declared_width(self):
-        """Tokens in the declared step; 0 when nothing is declared."""
-        return self.n_decl if self.declared_ else 0
+    def step_kv_entries(self):
+        """Entries the paged view needs for the declared step (0 when nothing is declared).
+
+        One run per maximal stretch of consecutive tokens of one sequence; a run's list
+        holds its sequence's cells at positions ``[0, last]``, ``last`` the run's last
+        position, so it has ``last + 1`` entries.
+        """
+        cdef int64_t i, s, total = 0
+        if not self.has_step:
+            return 0
+        for i in range(self.step_width):
+            s = self.step_seq[i]
+            self.scratch[s] += 1
+            if i + 1 == self.step_width or self.step_seq[i + 1] != s:
+                total += self.seq_pos_[s] + self.scratch[s]
+        for i in range(self.step_width):
+            self.scratch[self.step_seq[i]] = 0
+        return total
 
     cdef int64_t _place(self, int64_t* cells, int64_t* positions, int64_t* seq_ids) except -1:
         # Places the declared step into cells[:n], positions[:n] (and seq_ids[:n] when not
-        # NULL); returns read_len. Nothing is claimed until every cell is found.
-        cdef int64_t i, n = self.n_decl, s, c
-        cdef int64_t* u
-        if not self.declared_:
+        # NULL); returns read_len. Every map is grown before the first cell is claimed, so an
+        # OutOfMemory changes nothing.
+        cdef int64_t i, n = self.step_width, s, c
+        if not self.has_step:
             raise InvalidState("no step is declared; call declare_step() first")
-        with nogil:
-            for i in range(n):
-                s = self.decl[i]
-                positions[i] = self.seq_pos_[s] + self.scratch[s]
-                self.scratch[s] += 1
-            for i in range(n):
-                self.scratch[self.decl[i]] = 0
         for i in range(n):
-            self._ensure_map(self.decl[i], positions[i] + 1)
-        with nogil:
-            c = -1
+            s = self.step_seq[i]
+            positions[i] = self.seq_pos_[s] + self.scratch[s]
+            self.scratch[s] += 1
+        try:
             for i in range(n):
-                s = self.decl[i]
-                c = self._next_free(c + 1)
-                cells[i] = c
-                u = self.undo_summary + 2 * i
-                u[0] = self.seq_cells_[s]
-                u[1] = self.seq_pos_[s]
-        if c < 0:  # declare_step saw enough free cells and nothing claims cells since
-            raise AssertionError("placement found too few free cells")
+                self._ensure_map(self.step_seq[i], positions[i] + 1)
+        finally:
+            for i in range(n):
+                self.scratch[self.step_seq[i]] = 0
+        c = -1
+        for i in range(n):
+            c = self._next_free(c + 1)
+            CC_ASSUME(c >= 0, "_place: declare_step saw enough free cells")
+            cells[i] = c
         self.undo_used_end = self.used_end_
-        with nogil:
-            for i in range(n):
-                c = cells[i]
-                s = self.decl[i]
-                if seq_ids != NULL:
-                    seq_ids[i] = s
-                self.cell_pos[c] = positions[i]
-                self.owners[(s >> 6) * self.capacity + c] |= bit(s)
-                self.n_owners[c] = 1
-                self._set_used(c)
-                self._mark(c)
-                self.seq_map[s][positions[i]] = c
-                self.seq_cells_[s] += 1
-                if positions[i] + 1 > self.seq_pos_[s]:
-                    self.seq_pos_[s] = positions[i] + 1
-                self.placed_cells[i] = c
-                self.seq_declared[s] = 0
-            self.used_count_ += n
-            if c + 1 > self.used_end_:
-                self.used_end_ = c + 1
+        for i in range(n):
+            c = cells[i]
+            s = self.step_seq[i]
+            if seq_ids != NULL:
+                seq_ids[i] = s
+            self.undo_pos[i] = self.seq_pos_[s]
+            self.cell_pos[c] = positions[i]
+            self.owners[(s >> 6) * self.capacity + c] |= bit(s)
+            self.n_owners[c] = 1
+            self._set_used(c)
+            self._mark(c)
+            self.seq_map[s][positions[i]] = c
+            if positions[i] + 1 > self.seq_pos_[s]:
+                self.seq_pos_[s] = positions[i] + 1
+            self.placed_cells[i] = c
+            self.seq_declared[s] = 0
+        self.used_count_ += n
+        if c + 1 > self.used_end_:
+            self.used_end_ = c + 1
         self.n_placed = n
-        self.declared_ = False
+        self.has_step = False
         return self.used_end_
 
-    def place_into(self, int64_t[::1] cells not None, int64_t[::1] positions not None,
-                   int64_t[::1] seq_ids=None):
+    def place_into(self, cells, positions, seq_ids=None):
         """Places the declared step into ``cells[:width]`` and ``positions[:width]`` (and its
-        ids into ``seq_ids[:width]`` when given).
+        ids into ``seq_ids[:width]`` when given): writable contiguous int64 arrays.
 
         Returns read_len (``used_end`` after placement). The step is consumed; see
         :meth:`undo_place`.
         """
-        cdef Py_ssize_t n = self.n_decl
-        if cells.shape[0] < n or positions.shape[0] < n or (
-                seq_ids is not None and seq_ids.shape[0] < n):
+        cdef int64_t[::1] c_view, p_view, s_view
+        cdef Py_ssize_t n = self.step_width
+        c_view = _out_vector(cells, "cells")
+        p_view = _out_vector(positions, "positions")
+        if seq_ids is not None:
+            s_view = _out_vector(seq_ids, "seq_ids")
+        if not self.has_step:
+            raise InvalidState("no step is declared; call declare_step() first")
+        if c_view.shape[0] < n or p_view.shape[0] < n or (
+                seq_ids is not None and s_view.shape[0] < n):
             raise InvalidArgument(
                 f"output arrays hold fewer entries than the declared step's {n}")
-        if n == 0:
-            raise InvalidState("no step is declared; call declare_step() first")
-        return self._place(&cells[0], &positions[0], NULL if seq_ids is None else &seq_ids[0])
+        return self._place(&c_view[0], &p_view[0], NULL if seq_ids is None else &s_view[0])
 
     def place(self):
         """Places the declared step: returns (cells, positions, read_len), arrays of int64."""
-        if not self.declared_:
+        if not self.has_step:
             raise InvalidState("no step is declared; call declare_step() first")
-        cells = np.empty(self.n_decl, dtype=np.int64)
-        positions = np.empty(self.n_decl, dtype=np.int64)
+        cells = np.empty(self.step_width, dtype=np.int64)
+        positions = np.empty(self.step_width, dtype=np.int64)
         read_len = self.place_into(cells, positions)
         return cells, positions, read_len
 
@@ -650,41 +737,42 @@ cdef class CellTable:
         it an InvalidState).
         """
         cdef int64_t i, c, s
-        cdef int64_t* u
         if self.n_placed == 0:
             raise InvalidState("nothing was placed since the last verb or declaration")
         for i in range(self.n_placed):
             c = self.placed_cells[i]
-            s = self.decl[i]
+            s = self.step_seq[i]
             self.owners[(s >> 6) * self.capacity + c] &= ~bit(s)
             self.n_owners[c] = 0
             self.cell_pos[c] = POS_FREE
             self._set_free(c)
             self._mark(c)
         for i in range(self.n_placed - 1, -1, -1):
-            s = self.decl[i]
-            u = self.undo_summary + 2 * i
-            self.seq_cells_[s] = u[0]
-            self.seq_pos_[s] = u[1]
+            s = self.step_seq[i]
+            self.seq_pos_[s] = self.undo_pos[i]
             self.seq_declared[s] = 1
         self.used_count_ -= self.n_placed
         self.used_end_ = self.undo_used_end
-        self.declared_ = True
+        self.step_width = self.n_placed
+        self.has_step = True
         self.n_placed = 0
 
-    # -- masks ---------------------------------------------------------------------------------
-    cdef void fill_mask_rows(self, const int64_t* seq_ids, const int64_t* positions,
-                             int64_t width, int64_t read_len, int64_t window,
-                             uint8_t* out, int64_t row_stride) noexcept nogil:
-        # Row i of out (stride row_stride) gets the mask rule for query i over [0, read_len).
-        # The cells a query sees are exactly its sequence's positions (p - window, p], found
-        # through the position map: O(window) per row (O(p) for window 0).
+    # -- masks and the paged view of a placed step ---------------------------------------------
+    cdef void _fill_mask_rows(self, const int64_t* seq_ids, const int64_t* positions,
+                              int64_t width, int64_t read_len, int64_t window,
+                              uint8_t* out, int64_t row_stride, bint bits) noexcept:
+        # Row i of out (stride row_stride bytes) gets the mask rule for query i over columns
+        # [0, read_len): one byte per column, or one bit (little-endian, bits past read_len
+        # in the last byte zero). The cells a query sees are exactly its sequence's positions
+        # (p - window, p], found through the position map: O(window) per row (O(p) for 0).
         cdef int64_t i, q, q0, q1, s, p, c
         cdef uint8_t* row
         cdef int64_t* seq_map
+        cdef int64_t nbytes = (read_len + 7) // 8 if bits else read_len
+        CC_ASSUME(read_len <= self.capacity, "_fill_mask_rows: read_len past capacity")
         for i in range(width):
             row = out + i * row_stride
-            memset(row, 0, read_len)
+            memset(row, 0, nbytes)
             s = seq_ids[i]
             p = positions[i]
             if not self._is_live(s):
@@ -697,43 +785,137 @@ cdef class CellTable:
             for q in range(q0, q1 + 1):
                 c = seq_map[q]
                 if c < read_len:
-                    row[c] = 1
+                    if bits:
+                        row[c >> 3] |= <uint8_t>(1 << (c & 7))
+                    else:
+                        row[c] = 1
 
-    def fill_masks(self, const int64_t[::1] seq_ids not None,
-                   const int64_t[::1] positions not None, int64_t read_len,
-                   windows, outs):
-        """Writes each window's mask rows ``[0, width)`` x cols ``[0, read_len)``.
+    def fill_masks(self, seq_ids, positions, read_len, windows, outs, pad_to=None, bits=False):
+        """Writes each window's mask rows for a placed step.
 
-        ``seq_ids`` and ``positions`` are the placed step's tokens; ``outs[k]`` is a
-        C-contiguous bool or uint8 array of shape ``[rows >= width, cols >= read_len]`` for
-        ``windows[k]``. Columns past read_len and rows past width are left as they were.
+        ``seq_ids`` and ``positions`` (int64 arrays of the step's ``width`` tokens) and
+        ``read_len`` describe the step; ``outs[k]`` (C-contiguous bool or uint8, shape
+        ``[rows >= pad_to, cols]``) receives window ``windows[k]``: rows ``[0, width)``,
+        columns ``[0, read_len)`` (``cols >= read_len``), or with ``bits`` bytes
+        ``[0, ceil(read_len / 8))`` (``cols >= ceil(read_len / 8)``). Rows ``[width, pad_to)``
+        are padding: they get row 0's mask. Everything else keeps its stale value.
         """
-        cdef int64_t width = seq_ids.shape[0], k, w, s
+        cdef const int64_t[::1] ids = _in_vector(seq_ids, "seq_ids")
+        cdef const int64_t[::1] pos = _in_vector(positions, "positions")
+        cdef int64_t width = ids.shape[0], k, s, rl, pad, nbytes
         cdef uint8_t[:, ::1] out
-        if positions.shape[0] != width:
-            raise InvalidArgument(
-                f"positions has {positions.shape[0]} entries; seq_ids has {width}")
-        if not 0 <= read_len <= self.capacity:
-            raise InvalidArgument(f"read_len={read_len} is outside [0, {self.capacity}]")
+        cdef list wins = [], views = []
+        if pos.shape[0] != width:
+            raise InvalidArgument(f"positions has {pos.shape[0]} entries; seq_ids has {width}")
+        if width == 0:
+            raise InvalidArgument("a step needs at least one token; got none")
+        rl = check_int(read_len, "read_len", 0, self.capacity)
+        pad = width if pad_to is None else check_int(pad_to, "pad_to", width, 1 << 40)
         for k in range(width):
-            s = seq_ids[k]
-            if not 0 <= s < self.max_seqs:
-                check_seq_id(int(s), self.max_seqs)
+            if not 0 <= ids[k] < self.max_seqs:
+                check_seq_id(int(ids[k]), self.max_seqs)
+        if not isinstance(windows, (list, tuple)) or not isinstance(outs, (list, tuple)):
+            raise InvalidArgument("windows and outs must be lists (or tuples) of equal length")
         if len(windows) != len(outs):
             raise InvalidArgument(f"{len(windows)} windows but {len(outs)} output arrays")
+        nbytes = (rl + 7) // 8 if bits else rl
         for k in range(len(windows)):
-            w = check_int(windows[k], "window", 0)
+            wins.append(check_int(windows[k], "window", 0))
             arr = outs[k]
-            if getattr(arr, "dtype", None) is not None and arr.dtype == np.bool_:
-                arr = arr.view(np.uint8)
-            out = arr
-            if out.shape[0] < width or out.shape[1] < read_len:
+            if not isinstance(arr, np.ndarray) or arr.dtype not in (np.bool_, np.uint8) \
+                    or arr.ndim != 2 or not arr.flags.c_contiguous or not arr.flags.writeable:
+                raise InvalidArgument(
+                    f"outs[{k}] must be a writable C-contiguous 2-D bool or uint8 array")
+            out = arr.view(np.uint8)
+            if out.shape[0] < pad or out.shape[1] < nbytes:
                 raise InvalidArgument(
                     f"mask array of shape ({out.shape[0]}, {out.shape[1]}) cannot hold "
-                    f"{width} rows x {read_len} columns")
-            with nogil:
-                self.fill_mask_rows(&seq_ids[0], &positions[0], width, read_len, w,
-                                    &out[0, 0], out.shape[1])
+                    f"{pad} rows x {nbytes} {'bytes' if bits else 'columns'}")
+            views.append(arr.view(np.uint8))
+        for k in range(len(wins)):
+            out = views[k]
+            self._fill_mask_rows(&ids[0], &pos[0], width, rl, wins[k], &out[0, 0],
+                                 out.shape[1], bits)
+            for s in range(width, pad):
+                memcpy(&out[s, 0], &out[0, 0], nbytes)
+
+    cdef int64_t _plan_runs(self, const int64_t* seq_ids, const int64_t* positions,
+                            int64_t width, int64_t pad_to, int64_t* qo_indptr,
+                            int64_t* kv_indptr, int64_t* run_seq, int64_t* run_last) noexcept:
+        # The paged view's runs for a placed step of width tokens padded to pad_to: writes
+        # qo_indptr and kv_indptr [0, pad_to] (entries past the last run repeat its end) and,
+        # per real run, its sequence and last position; each padding row is a run of one
+        # entry (the sink). Returns the real run count.
+        cdef int64_t i, r = 0, kv = 0, total
+        qo_indptr[0] = 0
+        kv_indptr[0] = 0
+        for i in range(width):
+            if i + 1 == width or seq_ids[i + 1] != seq_ids[i]:
+                run_seq[r] = seq_ids[i]
+                run_last[r] = positions[i]
+                kv += positions[i] + 1
+                r += 1
+                qo_indptr[r] = i + 1
+                kv_indptr[r] = kv
+        total = r
+        for i in range(width, pad_to):
+            kv += 1
+            total += 1
+            qo_indptr[total] = i + 1
+            kv_indptr[total] = kv
+        for i in range(total + 1, pad_to + 1):
+            qo_indptr[i] = pad_to
+            kv_indptr[i] = kv
+        return r
+
+    def fill_paged(self, seq_ids, positions, pad_to, sink, qo_indptr, kv_indptr, kv_indices):
+        """Writes the paged view of a placed step; returns (real runs, kv entries).
+
+        ``qo_indptr`` and ``kv_indptr`` (int32, ``>= pad_to + 1`` entries) get entries
+        ``[0, pad_to]``; ``kv_indices`` (int32) gets each real run's cells at positions
+        ``[0, last]`` in position order, then one ``sink`` entry per padding row.
+        """
+        cdef const int64_t[::1] ids = _in_vector(seq_ids, "seq_ids")
+        cdef const int64_t[::1] pos = _in_vector(positions, "positions")
+        cdef int64_t width = ids.shape[0], pad, snk, n_runs, r, q, k, s, n_kv, i
+        cdef int32_t[::1] qo, kvp, kvi
+        if pos.shape[0] != width or width == 0:
+            raise InvalidArgument(f"positions has {pos.shape[0]} entries; seq_ids has {width}")
+        pad = check_int(pad_to, "pad_to", width, self.max_write)
+        snk = check_int(sink, "sink", 0, 2**31 - 1)
+        for name, arr, n in (("qo_indptr", qo_indptr, pad + 1), ("kv_indptr", kv_indptr, pad + 1),
+                             ("kv_indices", kv_indices, 0)):
+            if not isinstance(arr, np.ndarray) or arr.dtype != np.int32 or arr.ndim != 1 \
+                    or not arr.flags.c_contiguous or not arr.flags.writeable or arr.shape[0] < n:
+                raise InvalidArgument(
+                    f"{name} must be a writable contiguous 1-D int32 array of >= {n} entries")
+        for k in range(width):
+            s = ids[k]
+            if not 0 <= s < self.max_seqs or not self._is_live(s) or not 0 <= pos[k] < self.seq_pos_[s]:
+                raise InvalidArgument(f"token {k} (sequence {s}, position {pos[k]}) is not placed")
+        qo, kvp, kvi = qo_indptr, kv_indptr, kv_indices
+        run_seq = np.empty(width, np.int64)
+        run_last = np.empty(width, np.int64)
+        qo64 = np.empty(pad + 1, np.int64)
+        kv64 = np.empty(pad + 1, np.int64)
+        cdef int64_t[::1] rs = run_seq, rl = run_last, q64 = qo64, k64 = kv64
+        n_runs = self._plan_runs(&ids[0], &pos[0], width, pad, &q64[0], &k64[0], &rs[0], &rl[0])
+        n_kv = k64[pad]
+        if kvi.shape[0] < n_kv:
+            raise InvalidArgument(f"kv_indices holds {kvi.shape[0]} entries; the step needs {n_kv}")
+        for i in range(pad + 1):
+            qo[i] = <int32_t>q64[i]
+            kvp[i] = <int32_t>k64[i]
+        k = 0
+        for r in range(n_runs):
+            s = rs[r]
+            for q in range(rl[r] + 1):
+                kvi[k] = <int32_t>self.seq_map[s][q]
+                k += 1
+        for i in range(width, pad):
+            kvi[k] = <int32_t>snk
+            k += 1
+        return n_runs, n_kv
 
     # -- change log for a device mirror -------------------------------------------------------------
     @property
@@ -741,7 +923,7 @@ cdef class CellTable:
         """Cells in the change log (0 unless built with track_changes)."""
         return self.n_dirty
 
-    cdef int64_t _export_changes(self, int64_t* records, int64_t max_n) noexcept nogil:
+    cdef int64_t _export_changes(self, int64_t* records, int64_t max_n) noexcept:
         # Pops up to max_n logged cells into records of (2 + owner_words) int64 each:
         # {cell, pos, owner word 0, ...}; returns how many were written.
         cdef int64_t n = 0, c, w, stride = 2 + self.owner_words
@@ -758,15 +940,9 @@ cdef class CellTable:
             n += 1
         return n
 
-    cdef void _mark_all(self) noexcept nogil:
-        # Logs every cell (a mirror that may have missed changes is rebuilt from scratch).
-        cdef int64_t c
-        if self.track_changes:
-            for c in range(self.capacity):
-                self._mark(c)
-
     def take_changes(self):
         """The cells whose pos or owners changed since the last call, ascending; clears the log."""
+        cdef int64_t i
         cells = np.array([self.dirty_cells[i] for i in range(self.n_dirty)], dtype=np.int64)
         for i in range(self.n_dirty):
             self.cell_dirty[self.dirty_cells[i]] = 0
@@ -811,10 +987,10 @@ cdef class CellTable:
         """Verifies every invariant; raises AssertionError naming the first broken one.
 
         pos/owner agreement, owner counts, the free bitmap and its summaries, used_count and
-        used_end, owners all live, and for every live sequence its cell count, newest
-        position, span, and that it owns exactly one cell at each position in [0, pos).
+        used_end, owners all live, declaration marks, and for every live sequence that it
+        owns exactly one cell at each position in [0, pos) and that its map names them.
         """
-        cdef int64_t c, w, s, used = 0, end = 0, n, p
+        cdef int64_t c, w, s, used = 0, end = 0, n, p, marked = 0
         cdef int32_t cnt
         cdef bint free_bit
         cdef uint64_t word, valid
@@ -854,11 +1030,12 @@ cdef class CellTable:
             raise AssertionError(f"used_end {self.used_end_} but the highest used cell ends at {end}")
         n = 0
         for s in range(self.max_seqs):
+            marked += self.seq_declared[s] != 0
             if not self._is_live(s):
-                if self.seq_cells_[s] or self.seq_pos_[s] or self.seq_map[s] != NULL:
-                    raise AssertionError(f"sequence {s} is not live but has a summary")
+                if self.seq_pos_[s] or self.seq_map[s] != NULL:
+                    raise AssertionError(f"sequence {s} is not live but has a position map")
                 if self.seq_declared[s]:
-                    raise AssertionError(f"sequence {s} is not live but is declared")
+                    raise AssertionError(f"sequence {s} is not live but is marked declared")
                 continue
             n += 1
             self._check_sequence(s)
@@ -867,17 +1044,26 @@ cdef class CellTable:
         for s in range(self.max_seqs):
             if self.scratch[s]:
                 raise AssertionError(f"scratch counter of sequence {s} is not zero")
-        if self.declared_:
-            for p in range(self.n_decl):
-                if not self._is_live(self.decl[p]):
-                    raise AssertionError(f"declared sequence {self.decl[p]} is not live")
+        if self.has_step:
+            for p in range(self.step_width):
+                if not self._is_live(self.step_seq[p]):
+                    raise AssertionError(f"declared sequence {self.step_seq[p]} is not live")
+                if not self.seq_declared[self.step_seq[p]]:
+                    raise AssertionError(f"declared sequence {self.step_seq[p]} is not marked")
+            if marked != len(set(self.declared)):
+                raise AssertionError(f"{marked} sequences marked declared; the step names "
+                                     f"{len(set(self.declared))}")
+        elif marked:
+            raise AssertionError(f"{marked} sequences marked declared with nothing declared")
+        if self.track_changes:
+            for c in range(self.n_dirty):
+                if not self.cell_dirty[self.dirty_cells[c]]:
+                    raise AssertionError(f"change log entry {c} is not flagged")
 
     cdef int _check_sequence(self, int64_t s) except -1:
         cdef uint64_t* ow = self.owners + (s >> 6) * self.capacity
         cdef uint64_t b = bit(s)
         cdef int64_t c, q, count = 0, n = self.seq_pos_[s]
-        if self.seq_cells_[s] != n:
-            raise AssertionError(f"sequence {s}: {self.seq_cells_[s]} cells but pos is {n}")
         if n > self.seq_map_cap[s]:
             raise AssertionError(f"sequence {s}: pos {n} past its map's {self.seq_map_cap[s]}")
         for q in range(n):
@@ -894,3 +1080,19 @@ cdef class CellTable:
         if count != n:
             raise AssertionError(f"sequence {s} owns {count} cells but pos is {n}")
         return 0
+
+
+cdef const int64_t[::1] _in_vector(object a, str name) except *:
+    # a as a read-only view of a contiguous 1-D int64 array; InvalidArgument otherwise.
+    if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1 \
+            or not a.flags.c_contiguous:
+        raise InvalidArgument(f"{name} must be a contiguous 1-D int64 array")
+    return a
+
+
+cdef int64_t[::1] _out_vector(object a, str name) except *:
+    # a as a writable view of a contiguous 1-D int64 array; InvalidArgument otherwise.
+    if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1 \
+            or not a.flags.c_contiguous or not a.flags.writeable:
+        raise InvalidArgument(f"{name} must be a writable contiguous 1-D int64 array")
+    return a

@@ -1,9 +1,16 @@
-"""Every refusal of the table: the clear error (or False / None) and nothing changed."""
+"""Every refusal of the table: the library's own error (or False / None) and nothing changed.
+
+Includes the inputs a probe of the public API found leaking builtin errors, being accepted as
+garbage, or (with hostile callbacks) leaving the table inconsistent.
+"""
+
+import array
+import itertools
 
 import numpy as np
 import pytest
 
-from cellcache import CellTable, InvalidArgument, InvalidState, ReferenceTable
+from cellcache import CellTable, InvalidArgument, InvalidState, OutOfMemory, ReferenceTable
 
 from .helpers import TABLES, make, snapshot, step
 
@@ -11,10 +18,12 @@ BAD_IDS = [
     (-1, "outside \\[0, max_seqs=4\\)"),
     (4, "outside \\[0, max_seqs=4\\)"),
     (2**70, "outside"),
-    (1.0, "not an int"),
-    ("1", "not an int"),
-    (True, "not an int"),
-    (None, "not an int"),
+    (1.0, "of type float is not an int"),
+    ("1", "of type str is not an int"),
+    (True, "of type bool is not an int"),
+    (None, "of type NoneType is not an int"),
+    (np.array([0]), "of type ndarray is not an int"),
+    (np.float64(1), "of type float64 is not an int"),
 ]
 
 
@@ -48,16 +57,60 @@ def test_bad_sequence_id(busy, verb, declares, bad, match):
     assert snapshot(busy) == before
 
 
-def test_numpy_integer_ids_are_accepted(busy):
+def test_numpy_and_sequence_ids_are_accepted(busy):
     assert busy.pos(np.int64(0)) == busy.pos(0)
-    assert busy.declare_step(np.array([0, 1], dtype=np.int32)) is True
-    assert busy.declare_step(np.array([0, 1], dtype=np.int64)) is True
-    assert busy.declared == [0, 1]
+    for ids in (np.array([0, 1], dtype=np.int32), np.array([0, 1], dtype=np.int64),
+                np.array([0, 1], dtype=np.uint8), (0, 1), range(2), iter([0, 1]),
+                array.array("q", [0, 1]), [np.int64(0), np.int32(1)]):
+        assert busy.declare_step(ids) is True
+        assert busy.declared == [0, 1]
+
+
+NOT_IDS = [
+    (5, "seq_ids of type int is not a sequence of ids"),
+    (np.int64(0), "seq_ids of type int64 is not a sequence of ids"),
+    (np.array(0), "seq_ids is a 0-D array of int64"),
+    (np.zeros((2, 2), np.int64), "seq_ids is a 2-D array of int64"),
+    (np.array([0.0, 1.0]), "seq_ids is a 1-D array of float64"),
+    (np.array([True, False]), "seq_ids is a 1-D array of bool"),
+    (b"\x00\x00", "seq_ids of type bytes is not a sequence of ids"),
+    (bytearray(b"\x00"), "seq_ids of type bytearray is not a sequence of ids"),
+    ("01", "seq_ids of type str is not a sequence of ids"),
+    ({0: 1}, "seq_ids of type dict is not a sequence of ids"),
+    ({0, 1}, "seq_ids of type set is not a sequence of ids"),
+    (None, "seq_ids of type NoneType is not a sequence of ids"),
+    ([], "a step needs at least one token; got none"),
+    ([0] * 5, "a step of 5 tokens is wider than max_write=4"),
+    (itertools.repeat(0), "a step of more than 4 tokens is wider than max_write=4"),
+    ([0, 1.5], "sequence id of type float is not an int"),
+]
+
+
+@pytest.mark.parametrize("ids,match", NOT_IDS, ids=[repr(i)[:24] for i, _ in NOT_IDS])
+def test_declare_refuses_what_is_not_a_step(busy, ids, match):
+    before = snapshot(busy)
+    with pytest.raises(InvalidArgument, match=match):
+        busy.declare_step(ids)
+    before["declared"] = None
+    assert snapshot(busy) == before
+
+
+def test_declare_reads_at_most_max_write_plus_one_items():
+    consumed = []
+
+    def ids():
+        for k in itertools.count():
+            consumed.append(k)
+            yield 0
+
+    t = CellTable(8, 2, 4)
+    t.seq_new()
+    with pytest.raises(InvalidArgument, match="more than 4 tokens"):
+        t.declare_step(ids())
+    assert len(consumed) == 5
 
 
 @pytest.mark.parametrize("ids,exc,match", [
-    ([], InvalidArgument, "at least one token"),
-    ([0] * 5, InvalidArgument, "wider than max_write=4"),
     ([0, 3], InvalidState, "sequence 3 is not live; call seq_new"),
 ])
 def test_declare_refusals_declare_nothing(busy, ids, exc, match):
@@ -69,6 +122,42 @@ def test_declare_refusals_declare_nothing(busy, ids, exc, match):
     with pytest.raises(InvalidState, match="no step is declared"):
         busy.place()
     assert snapshot(busy) == before
+
+
+class Hostile:
+    """An id whose __index__ runs table verbs from inside the call it is an argument of."""
+
+    def __init__(self, table, value, action):
+        self.table, self.value, self.action = table, value, action
+
+    def __index__(self):
+        self.action(self.table)
+        return self.value
+
+
+@pytest.mark.parametrize("action", [
+    lambda t: t.declare_step([1, 1]),
+    lambda t: t.seq_rm(1),
+    lambda t: t.rewind(0, 0),
+    lambda t: t.clear(),
+], ids=["declare", "seq_rm", "rewind", "clear"])
+def test_reentrant_callbacks_leave_a_consistent_table(action):
+    """Caller code runs before the call changes anything, so whatever it does, the table's
+    invariants hold and the outcome is that of the outer call on the state it left."""
+    for cls in TABLES:
+        t = make(cls, 16, max_seqs=4, max_write=4)
+        a, b = t.seq_new(), t.seq_new()
+        step(t, [a, b, a])
+        try:
+            t.declare_step([a, Hostile(t, b, action)])
+        except (InvalidState, InvalidArgument):
+            pass
+        snapshot(t)                          # check_invariants on the Cython table
+        try:
+            t.declare_step([Hostile(t, a, action)])
+        except InvalidState:                 # the callback released the id
+            assert a not in t.live_seqs()
+        snapshot(t)
 
 
 def test_declare_returns_false_when_cells_are_short():
@@ -101,9 +190,21 @@ def test_undo_without_place(busy):
 
 def test_clone_bad_upto(busy):
     before = snapshot(busy)
-    for bad in (-1, 1.5, "2"):
-        with pytest.raises(InvalidArgument, match="upto"):
+    for bad, match in ((-1, "upto=-1 is outside"), (1.5, "upto of type float"),
+                       ("2", "upto of type str"), (True, "upto of type bool")):
+        with pytest.raises(InvalidArgument, match=match):
             busy.seq_clone(0, upto=bad)
+    assert snapshot(busy) == before
+
+
+def test_rewind_outside_the_sequence_returns_false(busy):
+    before = snapshot(busy)
+    for position in (-1, busy.pos(0) + 1, 2**63, 2**80, -(2**80)):
+        assert busy.rewind(0, position) is False
+    before_declared = snapshot(busy)
+    assert before_declared == before
+    with pytest.raises(InvalidArgument, match="position of type float"):
+        busy.rewind(0, 1.0)
     assert snapshot(busy) == before
 
 
@@ -114,11 +215,21 @@ def test_clone_bad_upto(busy):
     ((8, 0, None), "max_seqs=0 is outside"),
     ((8, 4, 0), "max_write=0 is outside \\[1, 8\\]"),
     ((8, 4, 9), "max_write=9 is outside \\[1, 8\\]"),
-    ((8.0, 4, None), "capacity=8.0 is not an int"),
+    ((8.0, 4, None), "capacity of type float is not an int"),
+    ((2**41, 4, None), "capacity=2199023255552 is outside"),
 ])
 def test_bad_table_shape(cls, args, match):
     with pytest.raises(InvalidArgument, match=match):
         cls(*args)
+
+
+def test_a_table_that_failed_to_build_does_not_exist():
+    with pytest.raises(OutOfMemory, match="could not allocate"):
+        CellTable(2**40, 2**20, 4)            # the owner bitsets alone: 2**54 bytes
+    t = CellTable(8, 2, 4)
+    t.__init__(16, 2, 4)                      # a second __init__ changes nothing
+    assert t.capacity == 8
+    t.check_invariants()
 
 
 def test_cell_table_fill_masks_refusals():
@@ -127,29 +238,75 @@ def test_cell_table_fill_masks_refusals():
     step(t, [a, a, a])
     ids = np.array([a, a], dtype=np.int64)
     pos = np.array([1, 2], dtype=np.int64)
-    out = np.zeros((2, 8), dtype=np.bool_)
-    out[:] = True
-    with pytest.raises(InvalidArgument, match="cannot hold"):
-        t.fill_masks(ids, pos, 3, [0], [np.zeros((1, 8), np.bool_)])
-    with pytest.raises(InvalidArgument, match="read_len=9"):
-        t.fill_masks(ids, pos, 9, [0], [out])
-    with pytest.raises(InvalidArgument, match="positions has 1"):
-        t.fill_masks(ids, pos[:1], 3, [0], [out])
-    with pytest.raises(InvalidArgument, match="window=-1"):
-        t.fill_masks(ids, pos, 3, [-1], [out])
-    with pytest.raises(InvalidArgument, match="2 windows but 1"):
-        t.fill_masks(ids, pos, 3, [0, 1], [out])
-    with pytest.raises(InvalidArgument, match="outside \\[0, max_seqs=4\\)"):
-        t.fill_masks(np.array([a, 9], dtype=np.int64), pos, 3, [0], [out])
+    out = np.ones((2, 8), dtype=np.bool_)
+    for args, match in [
+        ((ids, pos, 3, [0], [np.zeros((1, 8), np.bool_)]), "cannot hold"),
+        ((ids, pos, 9, [0], [out]), "read_len=9 is outside"),
+        ((ids, pos[:1], 3, [0], [out]), "positions has 1"),
+        ((ids, pos, 3, [-1], [out]), "window=-1"),
+        ((ids, pos, 3, [0, 1], [out]), "2 windows but 1"),
+        ((np.array([a, 9], dtype=np.int64), pos, 3, [0], [out]), "outside \\[0, max_seqs=4\\)"),
+        (([a, a], pos, 3, [0], [out]), "seq_ids must be a contiguous 1-D int64 array"),
+        ((ids.astype(np.int32), pos, 3, [0], [out]), "seq_ids must be"),
+        ((ids, pos, 3, [0], [out.astype(np.float32)]), "outs\\[0\\] must be"),
+        ((ids, pos, 3, [0], [out[:, ::2]]), "outs\\[0\\] must be"),
+        ((ids, pos, 3, 0, [out]), "lists"),
+        ((ids, pos, 3, [0], [out], 1), "pad_to=1 is outside"),
+    ]:
+        with pytest.raises(InvalidArgument, match=match):
+            t.fill_masks(*args)
     assert out.all()                           # nothing written by a refused fill
+
+
+def test_place_into_refusals():
+    t = CellTable(8, 4)
+    a = t.seq_new()
+    t.declare_step([a, a])
+    before = snapshot(t)
+    good = np.zeros(2, np.int64)
+    for cells, positions, match in [
+        (np.zeros(1, np.int64), good, "fewer entries"),
+        (np.zeros(2, np.int32), good, "cells must be a writable"),
+        ([0, 0], good, "cells must be"),
+        (good, np.zeros((2, 1), np.int64), "positions must be"),
+        (np.zeros(4, np.int64)[::2], good, "cells must be"),
+    ]:
+        with pytest.raises(InvalidArgument, match=match):
+            t.place_into(cells, positions)
+    ro = np.zeros(2, np.int64)
+    ro.flags.writeable = False
+    with pytest.raises(InvalidArgument, match="cells must be a writable"):
+        t.place_into(ro, good)
+    assert snapshot(t) == before
 
 
 def test_cell_address_refusals():
     t = CellTable(8, 4)
-    with pytest.raises(InvalidArgument, match="cell 8 is outside"):
-        t.cell_pos_at(8)
-    with pytest.raises(InvalidArgument, match="cell -1 is outside"):
-        t.cell_owners_at(-1)
+    for c, match in [(8, "cell=8 is outside"), (-1, "cell=-1 is outside"),
+                     (2**64, "cell=18446744073709551616 is outside"),
+                     (True, "cell of type bool"), (1.0, "cell of type float")]:
+        with pytest.raises(InvalidArgument, match=match):
+            t.cell_pos_at(c)
+        with pytest.raises(InvalidArgument, match=match):
+            t.cell_owners_at(c)
+
+
+def test_paged_view_refusals():
+    t = CellTable(8, 4, 4)
+    a = t.seq_new()
+    cells, positions, _ = t.place() if t.declare_step([a, a]) else None
+    ids = np.array([a, a], np.int64)
+    buf = lambda n: np.zeros(n, np.int32)  # noqa: E731
+    for args, match in [
+        ((ids, positions, 1, 8, buf(5), buf(5), buf(8)), "pad_to=1 is outside"),
+        ((ids, positions, 5, 8, buf(6), buf(6), buf(8)), "pad_to=5 is outside"),
+        ((ids, positions, 2, 8, buf(2), buf(3), buf(8)), "qo_indptr must be"),
+        ((ids, positions, 2, 8, buf(3), buf(3), buf(1)), "kv_indices holds 1 entries; the step needs 2"),
+        ((ids, positions + 5, 2, 8, buf(3), buf(3), buf(8)), "is not placed"),
+        ((ids, positions, 2, 8, buf(3).astype(np.int64), buf(3), buf(8)), "qo_indptr must be"),
+    ]:
+        with pytest.raises(InvalidArgument, match=match):
+            t.fill_paged(*args)
 
 
 def test_reference_and_table_refuse_alike():
@@ -158,6 +315,9 @@ def test_reference_and_table_refuse_alike():
         lambda t: t.pos(9), lambda t: t.seq_rm("x"), lambda t: t.declare_step([]),
         lambda t: t.declare_step([2]), lambda t: t.place(), lambda t: t.undo_place(),
         lambda t: t.seq_clone(0, upto=-3), lambda t: t.rewind(0, 1.5),
+        lambda t: t.declare_step(7), lambda t: t.declare_step(itertools.repeat(0)),
+        lambda t: t.declare_step(np.zeros((1, 1), np.int64)), lambda t: t.declare_step(b"ab"),
+        lambda t: t.declare_step([0] * 9), lambda t: t.declare_step([0, None]),
     ]
     for call in calls:
         errors = []

@@ -1,142 +1,232 @@
 #!/usr/bin/env python3
-"""Build cuda/*.cu to PTX in cellcache/ptx/ and write the manifest; or check them.
+"""Build cuda/*.cu into the shipped PTX (cellcache/ptx/) with a pinned NVRTC, or check it.
 
-  python3 tools/build_ptx.py            build (needs nvcc)
-  python3 tools/build_ptx.py --check    exit 1 if the shipped PTX does not match the sources:
-                                        source hashes always; the PTX bytes too when the local
-                                        nvcc is the one recorded in the manifest
-  python3 tools/build_ptx.py --if-stale build only when a source hash differs (setup.py)
+  python3 tools/build_ptx.py            build (needs the pinned NVRTC, see below)
+  python3 tools/build_ptx.py --check    exit 1 unless the shipped PTX matches the sources:
+                                        source and PTX hashes, PTX ISA <= 8.0, target sm_80,
+                                        and, where the pinned NVRTC is installed, the bytes
+                                        of a fresh build
 
-The manifest records, per kernel file, the source's sha256, the PTX's sha256, the nvcc
-version and the target, so a driver that cannot load the PTX can be named in the error.
+The compiler is NVRTC 12.0.140 from the PyPI wheel ``nvidia-cuda-nvrtc-cu12==12.0.140``
+(``pip install -r tools/ptx-requirements.txt``), driven through ctypes: no CUDA toolkit, no
+GPU and no cuda-bindings are needed. NVRTC 12.0 emits PTX ISA 8.0, which every driver from
+CUDA 12.0 (R525) on can load, for target sm_80 (Ampere and newer). The headers the kernels
+include (``cuda/*.h``) are handed to NVRTC by name, so no file system path enters the PTX
+and any clone builds the same bytes. The manifest records, per kernel file, the hashes of
+its source (with every header) and of its PTX, the ISA, the compiler and the lowest driver.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
+import importlib.util
 import json
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "cuda"
 OUT = ROOT / "cellcache" / "ptx"
+COMPILER = "nvrtc 12.0.140"
 TARGET = "compute_80"
-FLAGS = ["-ptx", f"-arch={TARGET}", "-O3", "-std=c++17"]   # no -lineinfo: it embeds the absolute path
+OPTIONS = [f"--gpu-architecture={TARGET}", "--std=c++17"]
+MAX_ISA = (8, 0)          # loads on every driver from CUDA 12.0 on
+PTX_TARGET = "sm_80"
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def nvcc_version(nvcc: str) -> str:
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"release ([0-9.]+), V([0-9.]+)", out)
-    return m.group(2) if m else out.strip().splitlines()[-1]
-
-
-def compile_one(nvcc: str, src: Path, dst: Path) -> None:
-    subprocess.run([nvcc, *FLAGS, str(src), "-o", str(dst)], check=True)
-
-
 def sources() -> list[Path]:
     return sorted(SRC.glob("*.cu"))
 
 
-def build(nvcc: str, out_dir: Path) -> dict:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    version = nvcc_version(nvcc)
+def headers() -> list[Path]:
+    return sorted(SRC.glob("*.h"))
+
+
+def source_hash(src: Path) -> str:
+    """The hash of a kernel file and every header beside it (any header change rebuilds)."""
+    h = hashlib.sha256(src.read_bytes())
+    for header in headers():
+        h.update(header.name.encode() + b"\0" + header.read_bytes())
+    return h.hexdigest()
+
+
+def driver_for_isa(isa: str) -> str:
+    """The CUDA version whose driver first loads PTX of this ISA.
+
+    ISA 7.x shipped with CUDA 11.x (7.0 with 11.0 ... 7.8 with 11.8), ISA 8.0-8.5 with CUDA
+    12.0-12.4 (8.0 with 12.0, 8.1 with 12.1, 8.2 with 12.2, 8.3 with 12.3, 8.4 and 8.5 with
+    12.4), 8.6 with 12.7, 8.7 with 12.8, 8.8 with 12.9, and ISA 9.0 with CUDA 13.0.
+    """
+    major, minor = (int(x) for x in isa.split("."))
+    if major == 7:
+        return f"11.{minor}"
+    if major == 8:
+        table = {0: "12.0", 1: "12.1", 2: "12.2", 3: "12.3", 4: "12.4", 5: "12.4", 6: "12.7",
+                 7: "12.8", 8: "12.9"}
+        if minor in table:
+            return table[minor]
+    if major == 9 and minor == 0:
+        return "13.0"
+    raise ValueError(f"no known CUDA release for PTX ISA {isa}")
+
+
+def ptx_isa(ptx: bytes) -> str:
+    m = re.search(rb"^\.version ([0-9]+\.[0-9]+)", ptx, re.M)
+    return m.group(1).decode() if m else "unknown"
+
+
+def ptx_target(ptx: bytes) -> str:
+    m = re.search(rb"^\.target (\S+)", ptx, re.M)
+    return m.group(1).decode() if m else "unknown"
+
+
+def find_nvrtc() -> Path | None:
+    """libnvrtc.so.12 of the pinned wheel, if installed."""
+    spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        lib = Path(location) / "lib" / "libnvrtc.so.12"
+        if lib.exists():
+            return lib
+    return None
+
+
+class Nvrtc:
+    """The few NVRTC calls a build needs, through ctypes."""
+
+    def __init__(self, path: Path):
+        # the builtins library is found beside libnvrtc by soname: load it first, globally
+        for builtins in sorted(path.parent.glob("libnvrtc-builtins.so*")):
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+        self.lib = lib = ctypes.CDLL(str(path))
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        self.version = f"{major.value}.{minor.value}"
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            msg = self.lib.nvrtcGetErrorString(code) if hasattr(self, "lib") else b"?"
+            raise RuntimeError(f"{what} failed: {msg.decode() if msg else code}")
+
+    def compile(self, src: Path) -> bytes:
+        lib = self.lib
+        hdrs = headers()
+        prog = ctypes.c_void_p()
+        names = (ctypes.c_char_p * len(hdrs))(*[h.name.encode() for h in hdrs])
+        texts = (ctypes.c_char_p * len(hdrs))(*[h.read_bytes() for h in hdrs])
+        self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), src.read_bytes(),
+                                           src.name.encode(), len(hdrs), texts, names),
+                    "nvrtcCreateProgram")
+        try:
+            opts = (ctypes.c_char_p * len(OPTIONS))(*[o.encode() for o in OPTIONS])
+            code = lib.nvrtcCompileProgram(prog, len(OPTIONS), opts)
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            if code != 0:
+                raise RuntimeError(f"NVRTC could not compile {src.name}:\n{log.value.decode()}")
+            self._check(lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
+            ptx = ctypes.create_string_buffer(size.value)
+            self._check(lib.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+            return ptx.raw.rstrip(b"\0")
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def build(nvrtc: Nvrtc) -> dict:
+    OUT.mkdir(parents=True, exist_ok=True)
     kernels = {}
     for src in sources():
-        dst = out_dir / (src.stem + ".ptx")
-        compile_one(nvcc, src, dst)
-        ptx = dst.read_bytes()
-        m = re.search(rb"^\.version ([0-9.]+)", ptx, re.M)
-        kernels[src.stem] = {
-            "source": f"cuda/{src.name}",
-            "source_sha256": sha256(src.read_bytes()),
-            "ptx_sha256": sha256(ptx),
-            "ptx_isa": m.group(1).decode() if m else "unknown",
-        }
-        print(f"build_ptx: {src.name} -> {dst.relative_to(out_dir.parent.parent) if out_dir == OUT else dst.name}")
-    manifest = {"nvcc": version, "target": TARGET, "flags": FLAGS,
-                "min_driver_cuda": driver_for_isa(kernels), "kernels": kernels}
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        ptx = nvrtc.compile(src)
+        (OUT / f"{src.stem}.ptx").write_bytes(ptx)
+        kernels[src.stem] = {"source": f"cuda/{src.name}", "source_sha256": source_hash(src),
+                             "ptx_sha256": sha256(ptx), "ptx_isa": ptx_isa(ptx),
+                             "ptx_target": ptx_target(ptx)}
+        print(f"build_ptx: {src.name} -> cellcache/ptx/{src.stem}.ptx "
+              f"(ISA {kernels[src.stem]['ptx_isa']}, {len(ptx)} bytes)")
+    newest = max((k["ptx_isa"] for k in kernels.values()), key=lambda v: tuple(map(int, v.split("."))))
+    manifest = {"compiler": f"nvrtc {nvrtc.version}.140" if nvrtc.version == "12.0" else f"nvrtc {nvrtc.version}",
+                "target": TARGET, "options": OPTIONS, "min_driver_cuda": driver_for_isa(newest),
+                "kernels": kernels}
+    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
 
-def driver_for_isa(kernels: dict) -> str:
-    """The CUDA version whose driver first loads the newest PTX ISA here (ISA 9.0: CUDA 13.0)."""
-    isa = max((k["ptx_isa"] for k in kernels.values()), default="0.0")
-    major, minor = (int(x) for x in isa.split("."))
-    if major >= 9:
-        return f"{major + 4}.{minor}"      # ISA 9.x ships with CUDA 13.x
-    return f"12.{minor}" if major == 8 else "11.0"
-
-
-def check(nvcc: str | None) -> list[str]:
+def check(nvrtc: Nvrtc | None) -> list[str]:
     problems = []
-    manifest_path = OUT / "manifest.json"
-    if not manifest_path.exists():
+    path = OUT / "manifest.json"
+    if not path.exists():
         return ["cellcache/ptx/manifest.json is missing: run tools/build_ptx.py"]
-    manifest = json.loads(manifest_path.read_text())
+    manifest = json.loads(path.read_text())
     names = {src.stem for src in sources()}
-    if names != set(manifest["kernels"]):
-        problems.append(f"kernel files {sorted(names)} != manifest {sorted(manifest['kernels'])}")
+    if names != set(manifest.get("kernels", {})):
+        problems.append(f"kernel files {sorted(names)} != manifest {sorted(manifest.get('kernels', {}))}")
+    if manifest.get("compiler") != COMPILER:
+        problems.append(f"manifest compiler {manifest.get('compiler')!r} is not the pinned {COMPILER!r}")
     for src in sources():
         entry = manifest["kernels"].get(src.stem)
         if entry is None:
             continue
-        if sha256(src.read_bytes()) != entry["source_sha256"]:
-            problems.append(f"{src.name} changed since its PTX was built: run tools/build_ptx.py")
-        ptx = OUT / f"{src.stem}.ptx"
-        if not ptx.exists() or sha256(ptx.read_bytes()) != entry["ptx_sha256"]:
-            problems.append(f"{ptx.name} does not match the manifest")
-    if nvcc and not problems and nvcc_version(nvcc) == manifest["nvcc"]:
-        with tempfile.TemporaryDirectory() as tmp:
-            for src in sources():
-                dst = Path(tmp) / (src.stem + ".ptx")
-                compile_one(nvcc, src, dst)
-                if dst.read_bytes() != (OUT / dst.name).read_bytes():
-                    problems.append(f"{dst.name}: rebuilding {src.name} gives different PTX")
+        if source_hash(src) != entry["source_sha256"]:
+            problems.append(f"{src.name} (or a header) changed since its PTX was built: "
+                            "run tools/build_ptx.py")
+        ptx_path = OUT / f"{src.stem}.ptx"
+        ptx = ptx_path.read_bytes() if ptx_path.exists() else b""
+        if sha256(ptx) != entry["ptx_sha256"]:
+            problems.append(f"{ptx_path.name} does not match the manifest")
+        isa = ptx_isa(ptx)
+        if isa == "unknown" or tuple(map(int, isa.split("."))) > MAX_ISA:
+            problems.append(f"{ptx_path.name} is PTX ISA {isa}; at most "
+                            f"{MAX_ISA[0]}.{MAX_ISA[1]} loads on every CUDA 12 driver")
+        if ptx_target(ptx) != PTX_TARGET:
+            problems.append(f"{ptx_path.name} targets {ptx_target(ptx)}, not {PTX_TARGET}")
+    if nvrtc is not None and not problems:
+        for src in sources():
+            if nvrtc.compile(src) != (OUT / f"{src.stem}.ptx").read_bytes():
+                problems.append(f"rebuilding {src.name} with {COMPILER} gives different PTX")
     return problems
 
 
-def stale() -> bool:
-    try:
-        manifest = json.loads((OUT / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return True
-    return any(
-        manifest["kernels"].get(src.stem, {}).get("source_sha256") != sha256(src.read_bytes())
-        for src in sources())
-
-
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--check", action="store_true", help="verify the shipped PTX against cuda/*.cu")
-    g.add_argument("--if-stale", action="store_true", help="build only if a source changed")
-    p.add_argument("--nvcc", default=shutil.which("nvcc"), help="nvcc to use (default: from PATH)")
+    p.add_argument("--check", action="store_true", help="verify the shipped PTX against cuda/*")
+    p.add_argument("--nvrtc", type=Path, default=None,
+                   help="libnvrtc.so.12 to use (default: the nvidia-cuda-nvrtc-cu12 wheel)")
+    p.add_argument("--require-compiler", action="store_true",
+                   help="with --check: fail when the pinned NVRTC is not installed")
     args = p.parse_args(argv)
+    lib = args.nvrtc or find_nvrtc()
+    nvrtc = Nvrtc(lib) if lib else None
+    if nvrtc is not None and nvrtc.version != "12.0":
+        print(f"build_ptx: {lib} is NVRTC {nvrtc.version}, not the pinned {COMPILER}", file=sys.stderr)
+        return 1
     if args.check:
-        problems = check(args.nvcc)
+        if nvrtc is None and args.require_compiler:
+            print("build_ptx --check: the pinned NVRTC is not installed "
+                  "(pip install -r tools/ptx-requirements.txt)", file=sys.stderr)
+            return 1
+        problems = check(nvrtc)
         for msg in problems:
             print(f"build_ptx --check: {msg}", file=sys.stderr)
         if not problems:
-            print("build_ptx --check: shipped PTX matches cuda/*.cu")
+            rebuilt = "rebuilt byte for byte" if nvrtc else "hashes only: NVRTC not installed"
+            print(f"build_ptx --check: shipped PTX matches cuda/* ({rebuilt})")
         return 1 if problems else 0
-    if args.if_stale and not stale():
-        return 0
-    if not args.nvcc:
-        print("build_ptx: nvcc not found; the shipped PTX is used as it is", file=sys.stderr)
-        return 0 if args.if_stale else 1
-    build(args.nvcc, OUT)
+    if nvrtc is None:
+        print("build_ptx: the pinned NVRTC is not installed: pip install -r "
+              "tools/ptx-requirements.txt", file=sys.stderr)
+        return 1
+    build(nvrtc)
     return 0
 
 

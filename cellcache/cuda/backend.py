@@ -1,78 +1,50 @@
-"""``CudaCellCache``: the cache on a CUDA device through the raw driver API (SPEC §7).
+"""``CudaCellCache``: the cache on a CUDA device through the raw driver API.
 
 The table lives on the host (Cython); the device keeps a mirror of it (``pos`` as int32,
-owner words word-major, and the same bits sequence-major for the masks) that each step's
-uploaded change records update, and the kernels
-in ``cuda/step.cu`` build ``cells``, ``positions``, ``read_len`` and every window's mask
-from that mirror on the step's stream. See :mod:`cellcache._driver` for the per-step path.
+owner words word-major, and the same bits sequence-major) that each step's change records
+update, and the kernels in ``cuda/step.cu`` build every step buffer from that mirror on the
+step's stream. See :mod:`cellcache.cuda._engine` for the per-step path and
+:mod:`cellcache.cuda.pools` for the pools.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
 
-from .. import _driver
-from ..cache import CellCache, stream_handle
+from ..cache import CellCache, CopyPools, PoolKey, Pools, stream_handle
 from ..config import CacheConfig
-from ..errors import InvalidArgument, InvalidState, OutOfMemory
-from ..registry import register_builder, set_cuda_probe
+from ..errors import InvalidArgument, InvalidState
+from . import _engine
 from . import driver as drv
 from .driver import check, cu
+from .pools import DeviceAllocation, DeviceAllocator, MappedPools, VmmOps, vmm_supported
 
-__all__ = ["CudaCellCache", "DeviceAllocation", "DeviceAllocator", "DeviceBuffer", "register"]
+__all__ = ["CudaCellCache", "DeviceBuffer"]
 
 # DLPack (code, bits) by numpy dtype name
-_DLPACK = {"int64": (0, 64), "bool": (6, 8), "float16": (2, 16), "float32": (2, 32),
-           "bfloat16": (4, 16)}
-_entry_points_set = False
-MAX_WINDOWS = 16          # MAX_WINDOWS in cuda/step.cu
+_DLPACK = {"int64": (0, 64), "int32": (0, 32), "uint8": (1, 8), "bool": (6, 8),
+           "float16": (2, 16), "float32": (2, 32), "bfloat16": (4, 16)}
+_GROWTH = ("auto", "map", "copy")
+CU_MEMHOSTALLOC_PORTABLE = 0x01
+CU_MEMHOSTALLOC_DEVICEMAP = 0x02
 
 
-class DeviceAllocation:
-    """``nbytes`` of device memory at ``ptr`` (from cuMemAlloc)."""
-
-    __slots__ = ("nbytes", "ptr")
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.ptr, self.nbytes = ptr, nbytes
-
-
-class DeviceAllocator:
-    """cuMemAlloc / cuMemFree in the cache's context; out of memory raises OutOfMemory."""
-
-    def __init__(self, ctx: drv.Context):
-        self.ctx = ctx
-
-    def allocate(self, nbytes: int, what: str) -> DeviceAllocation:
-        self.ctx.make_current()
-        result = cu.cuMemAlloc(max(int(nbytes), 1))
-        code = int(result[0])
-        if code != 0:
-            name = drv.error_name(code)
-            if name == "CUDA_ERROR_OUT_OF_MEMORY":
-                free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
-                raise OutOfMemory(
-                    f"could not allocate {nbytes} bytes on device {self.ctx.device_ordinal} "
-                    f"for {what}: {name} ({free} of {total} bytes free)")
-            drv.raise_cuda_error(code, f"cuMemAlloc({nbytes}) for {what}")
-        return DeviceAllocation(int(result[1]), int(nbytes))
-
-    def release(self, allocation: DeviceAllocation) -> None:
-        self.ctx.make_current()
-        check(cu.cuMemFree(allocation.ptr), "cuMemFree")
+def _release(fn: Any, handle: Any) -> None:
+    """Releases one resource through the one error path (the undo stack's callbacks)."""
+    check(fn(handle), fn.__name__)
 
 
 class DeviceBuffer:
     """A named device buffer of the cache: ``ptr``, ``shape``, ``dtype``, ``nbytes``,
     ``__cuda_array_interface__`` (not for bfloat16, which has no typestr), DLPack
-    (``torch.from_dlpack(buf)`` works for every dtype) and ``copy_to_host()``.
-
-    A pool buffer is valid until the pools grow (``Step.grew``): fetch it again then.
+    (``torch.from_dlpack(buf)`` works for every dtype, ordered after the last step's writes
+    on the consumer's stream) and ``copy_to_host()``.
     """
 
-    def __init__(self, cache: CudaCellCache, name: str, ptr: int, shape: tuple, dtype: np.dtype):
+    def __init__(self, cache: CudaCellCache, name: str, ptr: int, shape: tuple, dtype: Any):
         self._cache = cache
         self.name, self.ptr, self.shape, self.dtype = name, int(ptr), tuple(shape), np.dtype(dtype)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
@@ -91,12 +63,16 @@ class DeviceBuffer:
                    copy: Any = None) -> Any:
         if copy:
             raise BufferError("cellcache buffers are exported without copying")
+        if stream is not None and not isinstance(stream, int):
+            raise InvalidArgument(f"stream of type {type(stream).__name__} is not a DLPack stream")
+        if stream != -1:       # DLPack: make the producer's work visible on the consumer's stream
+            self._cache._order_consumer(0 if stream is None else stream)
         code, bits = _DLPACK[self.dtype.name]
-        return _driver.dlpack_capsule(self, self.ptr, self.shape, code, bits,
+        return _engine.dlpack_capsule(self, self.ptr, self.shape, code, bits,
                                       self._cache.config.device)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (_driver.KDL_CUDA, self._cache.config.device)
+        return (_engine.KDL_CUDA, self._cache.config.device)
 
     def copy_to_host(self) -> np.ndarray:
         """A numpy copy, after all work queued on the device so far (masks as numpy.bool_)."""
@@ -111,38 +87,51 @@ class DeviceBuffer:
 class CudaCellCache(CellCache):
     """The cache on a CUDA device (the device's primary context, shared with PyTorch).
 
+    ``growth``: ``"map"`` reserves each pool's addresses for ``capacity + 1`` rows and maps
+    memory as it grows (pools never move; ``Step.grew`` only on the first step); ``"copy"``
+    allocates larger pools and copies (``Step.grew`` on every growth; ``allocator`` gives
+    the storage); ``"auto"`` (default) maps where the device supports it.
+
     Example
     -------
     >>> cache = CudaCellCache(CacheConfig(capacity=4096, layers=[LayerConfig(8, 128)],
     ...                                   max_write=64))              # doctest: +SKIP
     >>> a = cache.seq_new(); cache.declare_step([a] * 5)              # doctest: +SKIP
     >>> step = cache.prepare_step(stream=torch.cuda.current_stream()) # doctest: +SKIP
-    >>> k_pool = torch.from_dlpack(cache.buffer("layer_0_k"))         # doctest: +SKIP
+    >>> k_pool = torch.from_dlpack(cache.layer(0).k)                  # doctest: +SKIP
     """
 
     backend = "cuda"
 
-    def __init__(self, config: CacheConfig, allocator: Any = None):
-        if isinstance(config, CacheConfig) and config.capacity >= 2**31:
+    def __init__(self, config: CacheConfig, growth: str = "auto", allocator: Any = None):
+        if not isinstance(config, CacheConfig):
+            raise InvalidArgument(f"config of type {type(config).__name__} is not a CacheConfig")
+        if config.capacity > (1 << 31) - 2:
             raise InvalidArgument(
-                f"capacity={config.capacity} is outside [1, 2**31 - 1] for the CUDA backend "
-                "(the device mirror keeps positions as int32)")
-        if isinstance(config, CacheConfig) and len(config.windows) > MAX_WINDOWS:
+                f"capacity={config.capacity} is outside [1, 2**31 - 2] for the CUDA backend "
+                "(the device mirror and the paged view keep cells as int32)")
+        if config.mask_format != "none" and len(config.windows) > _engine.MAX_WINDOWS:
             raise InvalidArgument(
                 f"{len(config.windows)} distinct windows; the CUDA backend builds at most "
-                f"{MAX_WINDOWS} masks per step")
+                f"{_engine.MAX_WINDOWS} masks per step")
+        if growth not in _GROWTH:
+            raise InvalidArgument(f"growth={growth!r} is not one of {', '.join(_GROWTH)}")
+        if allocator is not None and not (callable(getattr(allocator, "allocate", None))
+                                          and callable(getattr(allocator, "release", None))):
+            raise InvalidArgument(
+                f"allocator of type {type(allocator).__name__} has no allocate(nbytes, what) "
+                "and release(allocation) methods")
         self._closed = True
-        self._owned: list[DeviceAllocation] = []
-        self._host_slots: list[int] = []
-        self._events: list[Any] = []
-        self._modules: list[Any] = []
-        self._retired: list[tuple[DeviceAllocation, Any]] = []
-        self._scratch: DeviceAllocation | None = None
-        self._ctx = drv.Context(config.device if isinstance(config, CacheConfig) else 0)
+        self._growth, self._allocator_arg = growth, allocator
+        self._retired: list[tuple[Any, Any]] = []
+        self._undo = contextlib.ExitStack()     # every resource, released in reverse order
         try:
-            super().__init__(config, allocator)
+            self._ctx = drv.Context(config.device)
+            self._undo.callback(self._ctx.release)
+            super().__init__(config)
         except BaseException:
-            self._free_all()
+            with contextlib.suppress(Exception):
+                self._undo.close()
             raise
         self._closed = False
 
@@ -150,94 +139,159 @@ class CudaCellCache(CellCache):
     def _tracks_changes(self) -> bool:
         return True
 
-    def _default_allocator(self) -> DeviceAllocator:
-        return DeviceAllocator(self._ctx)
+    def _make_pools(self) -> Pools:
+        use_copy = self._growth == "copy" or self._allocator_arg is not None
+        if not use_copy:
+            supported = vmm_supported(self._ctx)
+            if self._growth == "map" and not supported:
+                raise InvalidArgument(
+                    "growth='map' but this device does not support virtual memory management; "
+                    "use growth='auto' or 'copy'")
+            use_copy = not supported
+        if use_copy:
+            allocator = self._allocator_arg or DeviceAllocator(self._ctx)
+            pools = CopyPools(self._row_bytes, allocator, self._copy_rows, self._retire)
+            self._undo.callback(pools.close)
+            self._undo.callback(self._free_retired)
+            return pools
+        return MappedPools(self._row_bytes, self.config.capacity,
+                           VmmOps(self.config.device), self._undo)
 
-    def _alloc(self, nbytes: int, what: str, fill: int | None = 0, fill32: bool = False) -> int:
-        alloc = DeviceAllocator(self._ctx).allocate(nbytes, what)
-        self._owned.append(alloc)
+    def _alloc(self, nbytes: int, what: str, fill: int | None = 0) -> int:
+        """Device memory for the cache's lifetime, zeroed (or 32-bit ``fill``ed)."""
+        ptr = int(check(cu.cuMemAlloc(max(int(nbytes), 1)), f"cuMemAlloc({nbytes}) for {what}"))
+        self._undo.callback(_release, cu.cuMemFree, ptr)
         if fill is not None and nbytes:
-            if fill32:
-                check(cu.cuMemsetD32(alloc.ptr, fill, nbytes // 4), "cuMemsetD32")
+            if fill == 0:
+                check(cu.cuMemsetD8(ptr, 0, nbytes), "cuMemsetD8")
             else:
-                check(cu.cuMemsetD8(alloc.ptr, fill, nbytes), "cuMemsetD8")
-        return alloc.ptr
+                check(cu.cuMemsetD32(ptr, fill, nbytes // 4), "cuMemsetD32")
+        return ptr
 
     def _init_step_buffers(self) -> None:
-        global _entry_points_set
-        cfg = self.config
-        mw, cap, W = cfg.max_write, cfg.capacity, self._table.owner_words
-        if not _entry_points_set:
-            _driver.set_entry_points(drv.entry_points(_driver.ENTRY_POINTS))
-            _entry_points_set = True
         self._ctx.make_current()
-        step_mod = drv.load_module("step")
-        self._modules.append(step_mod)
-        kv_mod = drv.load_module("kv")
-        self._modules.append(kv_mod)
-        fns = {name: int(drv.function(step_mod, name)) for name in ("apply_delta", "fill_masks")}
-        fns["scatter_rows"] = int(drv.function(kv_mod, "scatter_rows"))
-        self._ptrs: dict[str, int] = {
-            "cells": self._alloc(8 * mw, "cells"),
-            "positions": self._alloc(8 * mw, "positions"),
-            "read_len": self._alloc(8, "read_len"),
+        self._load_kernels()
+        self._alloc_step_buffers()
+        self._alloc_mirror()
+        self._alloc_staging()
+        self._write_params()
+        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")        # zeroed before first use
+        self._engine = _engine.StepEngine(
+            self._table, self._ctx.handle, int(self._fn_apply), int(self._fn_build),
+            self._params, self._slot_words, tuple(self._host_slots), tuple(self._dev_slots),
+            tuple(int(e) for e in self._events[:2]), int(self._events[2]), self._ctx.sm_count,
+            self.config.paged, self.config.mask_format != "none",
+            self._seq_ids, self._positions, self._cells)
+        self._build_buffers()
+
+    def _load_kernels(self) -> None:
+        if not _engine.entry_points_set():
+            _engine.set_entry_points(drv.entry_points(_engine.ENTRY_POINTS))
+        module = drv.load_module("step")
+        self._undo.callback(_release, cu.cuModuleUnload, module)
+        self._fn_apply = drv.function(module, "apply_step")
+        self._fn_build = drv.function(module, "build_step")
+
+    def _alloc_step_buffers(self) -> None:
+        cfg = self.config
+        mw, cap = cfg.max_write, cfg.capacity
+        p = {name: self._alloc(8 * n, name)
+             for name, n in (("cells", mw), ("positions", mw), ("read_len", 1), ("width", 1),
+                             ("seq_ids", mw))}
+        self._mask_row_bytes = 0
+        if cfg.mask_format != "none":
+            self._mask_row_bytes = cap if cfg.mask_format == "bool" else (cap + 7) // 8
+            for w in cfg.windows:
+                p[f"mask_w{w}"] = self._alloc(mw * self._mask_row_bytes, f"mask_w{w}")
+        if cfg.paged:
+            for name, n in (("qo_indptr", mw + 1), ("kv_indptr", mw + 1),
+                            ("kv_indices", cfg.kv_entries + mw)):
+                p[name] = self._alloc(4 * n, name)
+            p["kv_last_page_len"] = self._alloc(4 * mw, "kv_last_page_len", fill=1)
+            for name in ("run_seq", "run_last", "run_kv"):
+                p[name] = self._alloc(8 * mw, name)
+        self._ptrs = p
+
+    def _alloc_mirror(self) -> None:
+        cfg = self.config
+        cap, words = cfg.capacity, self._table.owner_words
+        self._bit_words = (cap + 63) // 64
+        self._mirror = {
+            "pos": self._alloc(4 * cap, "device mirror (pos)", fill=0xFFFFFFFF),
+            "owners": self._alloc(8 * words * cap, "device mirror (owners)"),
+            "seqbits": self._alloc(8 * cfg.max_seqs * self._bit_words, "device mirror (bits)"),
         }
-        for w in cfg.windows:
-            self._ptrs[f"mask_w{w}"] = self._alloc(mw * cap, f"mask_w{w}")
-        dev_pos = self._alloc(4 * cap, "device mirror (pos)", fill=0xFFFFFFFF, fill32=True)
-        dev_owners = self._alloc(8 * W * cap, "device mirror (owners)")
-        bit_words = (cap + 63) // 64
-        dev_seqbits = self._alloc(8 * cfg.max_seqs * bit_words, "device mirror (sequence bits)")
-        windows = np.array(cfg.windows, dtype=np.int64)
-        mask_ptrs = np.array([self._ptrs[f"mask_w{w}"] for w in cfg.windows], dtype=np.uint64)
-        windows_dev = self._alloc(windows.nbytes, "windows", fill=None)
-        masks_dev = self._alloc(mask_ptrs.nbytes, "mask pointers", fill=None)
-        check(cu.cuMemcpyHtoD(windows_dev, windows.ctypes.data, windows.nbytes), "cuMemcpyHtoD")
-        check(cu.cuMemcpyHtoD(masks_dev, mask_ptrs.ctypes.data, mask_ptrs.nbytes), "cuMemcpyHtoD")
-        records = min(max(2 * mw, 8192), max(64, (64 << 20) // (8 * (2 + W))))
-        self._slot_bytes = 8 * (3 * mw + 2 + records * (2 + W))
-        dev_slots = [self._alloc(self._slot_bytes, "staging", fill=None) for _ in range(2)]
+        self._mirror_bytes = 4 * cap + 8 * words * cap + 8 * cfg.max_seqs * self._bit_words
+
+    def _alloc_staging(self) -> None:
+        mw, words = self.config.max_write, self._table.owner_words
+        records = min(max(2 * mw, 8192), max(64, (64 << 20) // (8 * (2 + words))))
+        self._slot_words = _engine.staging_words(mw, words, records)
+        self._host_slots, self._dev_slots = [], []
         for _ in range(2):
-            ptr = check(cu.cuMemAllocHost(self._slot_bytes), "cuMemAllocHost")
-            self._host_slots.append(int(ptr))
+            host = int(check(cu.cuMemHostAlloc(8 * self._slot_words, CU_MEMHOSTALLOC_PORTABLE
+                                               | CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc"))
+            self._undo.callback(_release, cu.cuMemFreeHost, host)
+            self._host_slots.append(host)
+            self._dev_slots.append(int(check(cu.cuMemHostGetDevicePointer(host, 0),
+                                             "cuMemHostGetDevicePointer")))
+        self._events = []
         flags = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         for _ in range(3):
-            self._events.append(check(cu.cuEventCreate(flags), "cuEventCreate"))
-        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")      # zeroed before first use
-        self._mirror_bytes = 4 * cap + 8 * W * cap + 8 * cfg.max_seqs * bit_words
-        self._engine = _driver.StepEngine(self._table, {
-            "ctx": self._ctx.handle, **fns, "slot_bytes": self._slot_bytes,
-            "dev_pos": dev_pos, "dev_owners": dev_owners, "dev_seqbits": dev_seqbits,
-            "cells": self._ptrs["cells"], "positions": self._ptrs["positions"],
-            "read_len": self._ptrs["read_len"], "windows": windows_dev, "masks": masks_dev,
-            "n_windows": len(cfg.windows), "host_slots": self._host_slots,
-            "dev_slots": dev_slots, "slot_events": [int(e) for e in self._events[:2]],
-            "commit_event": int(self._events[2]), "sm_count": self._ctx.sm_count,
-        }, self._seq_ids, self._positions, self._cells)
-        self._buffers: dict[str, DeviceBuffer] = {}
-        self._build_buffers()
+            event = check(cu.cuEventCreate(flags), "cuEventCreate")
+            self._undo.callback(_release, cu.cuEventDestroy, event)
+            self._events.append(event)
+
+    def _write_params(self) -> None:
+        cfg, p = self.config, self._ptrs
+        blob = _engine.fill_params({
+            "capacity": cfg.capacity, "owner_words": self._table.owner_words,
+            "bit_words": self._bit_words, "max_write": cfg.max_write,
+            "n_windows": len(cfg.windows) if cfg.mask_format != "none" else 0,
+            "paged": int(cfg.paged), "mask_format": _engine.MASK_FORMATS[cfg.mask_format],
+            "mask_row_bytes": self._mask_row_bytes, **self._mirror,
+            **{k: v for k, v in p.items() if not k.startswith("mask_")},
+            "windows": list(cfg.windows) if cfg.mask_format != "none" else [],
+            "masks": [p[f"mask_w{w}"] for w in cfg.windows] if cfg.mask_format != "none" else [],
+        })
+        self._params = self._alloc(len(blob), "step parameters", fill=None)
+        data = np.frombuffer(blob, dtype=np.uint8)
+        check(cu.cuMemcpyHtoD(self._params, data.ctypes.data, len(blob)), "cuMemcpyHtoD")
 
     def _build_buffers(self) -> None:
         cfg = self.config
-        mw, cap = cfg.max_write, cfg.capacity
-        b = {
-            "cells": DeviceBuffer(self, "cells", self._ptrs["cells"], (mw,), np.int64),
-            "positions": DeviceBuffer(self, "positions", self._ptrs["positions"], (mw,), np.int64),
-            "read_len": DeviceBuffer(self, "read_len", self._ptrs["read_len"], (1,), np.int64),
-        }
-        for w in cfg.windows:
-            b[f"mask_w{w}"] = DeviceBuffer(self, f"mask_w{w}", self._ptrs[f"mask_w{w}"],
-                                           (1, 1, mw, cap), np.bool_)
-        for name in self._pool_names():
-            layer = cfg.layers[int(name.split("_")[1])]
-            alloc = self._allocations.get(name)
-            b[name] = DeviceBuffer(self, name, alloc.ptr if alloc else 0,
-                                   (self._rows, layer.n_kv_heads, layer.head_dim), cfg.np_dtype)
+        mw, cap, p = cfg.max_write, cfg.capacity, self._ptrs
+        b = {name: DeviceBuffer(self, name, p[name], shape, dtype) for name, shape, dtype in (
+            ("cells", (mw,), np.int64), ("positions", (mw,), np.int64),
+            ("read_len", (1,), np.int64), ("width", (1,), np.int64))}
+        for w in cfg.windows if cfg.mask_format != "none" else ():
+            shape = (1, 1, mw, cap) if cfg.mask_format == "bool" else (mw, (cap + 7) // 8)
+            dtype = np.bool_ if cfg.mask_format == "bool" else np.uint8
+            b[f"mask_w{w}"] = DeviceBuffer(self, f"mask_w{w}", p[f"mask_w{w}"], shape, dtype)
+        if cfg.paged:
+            for name, n in (("qo_indptr", mw + 1), ("kv_indptr", mw + 1),
+                            ("kv_indices", cfg.kv_entries + mw), ("kv_last_page_len", mw)):
+                b[name] = DeviceBuffer(self, name, p[name], (n,), np.int32)
         self._buffers = b
+        self._pools_changed()
+
+    def _pool_ptr(self, key: PoolKey) -> int:
+        pools = self._pools
+        if isinstance(pools, MappedPools):
+            return pools.ptr(key)
+        assert isinstance(pools, CopyPools)
+        allocation = pools.allocations.get(key)
+        return allocation.ptr if allocation is not None else 0
 
     def _pools_changed(self) -> None:
-        if hasattr(self, "_engine"):
-            self._build_buffers()
+        cfg, pools = self.config, self._pools
+        rows = pools.sink + 1 if (isinstance(pools, MappedPools) or pools.rows) else 0
+        for (i, kv) in self._row_bytes:
+            layer = cfg.layers[i]
+            name = f"layer_{i}_{kv}"
+            self._buffers[name] = DeviceBuffer(self, name, self._pool_ptr((i, kv)),
+                                               (rows, layer.n_kv_heads, layer.head_dim),
+                                               cfg.np_dtype)
 
     # -- the step --------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -264,28 +318,39 @@ class CudaCellCache(CellCache):
 
     def _retire(self, allocation: DeviceAllocation, stream: int) -> None:
         event = check(cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate")
-        check(cu.cuEventRecord(event, stream), "cuEventRecord")
         self._retired.append((allocation, event))
+        check(cu.cuEventRecord(event, stream), "cuEventRecord")
 
     def _reap(self) -> None:
         """Frees retired pools whose last reader has finished."""
         keep = []
         for allocation, event in self._retired:
-            code = int(cu.cuEventQuery(event)[0])
+            code, _ = check(cu.cuEventQuery(event), "cuEventQuery", allowed=(drv.CUDA_ERROR_NOT_READY,))
             if code == 0:
-                self._allocator.release(allocation)
+                self._pools.allocator.release(allocation)           # type: ignore[attr-defined]
                 check(cu.cuEventDestroy(event), "cuEventDestroy")
-            elif drv.error_name(code) == "CUDA_ERROR_NOT_READY":
-                keep.append((allocation, event))
             else:
-                drv.raise_cuda_error(code, "cuEventQuery")
+                keep.append((allocation, event))
         self._retired = keep
 
-    def _write_step(self, width: int, read_len: int, stream: int) -> None:
-        self._engine.write_step(width, read_len, stream)
+    def _free_retired(self) -> None:
+        for allocation, event in self._retired:
+            check(cu.cuEventSynchronize(event), "cuEventSynchronize")
+            self._pools.allocator.release(allocation)               # type: ignore[attr-defined]
+            check(cu.cuEventDestroy(event), "cuEventDestroy")
+        self._retired = []
+
+    def _write_step(self, width: int, pad_to: int, read_len: int, stream: int) -> tuple:
+        return self._engine.write_step(width, pad_to, read_len, self._pools.sink, stream)
 
     def _commit(self, stream: int) -> None:
         self._engine.commit(stream)
+
+    def _order_consumer(self, stream: int) -> None:
+        """Makes ``stream`` wait for the last step's buffer writes (DLPack's contract)."""
+        with self._lock:
+            self._check_open()
+            self._engine.order_after_step(stream)
 
     # -- buffers ---------------------------------------------------------------------------------
     def buffer(self, name: str) -> DeviceBuffer:
@@ -297,71 +362,29 @@ class CudaCellCache(CellCache):
             except (KeyError, TypeError):
                 raise self._unknown_buffer(name) from None
 
-    def write_kv(self, layer: int, k: np.ndarray, v: np.ndarray, width: int,
-                 stream: object = None) -> None:
-        """Writes host K and V rows (``[width, n_kv_heads, head_dim]``) at ``cells[:width]``
-        with the ``scatter_rows`` kernel, as a forward would (tests and the demo)."""
-        with self._lock:
-            self._check_open()
-            cfg = self.config.layers[layer]
-            row_bytes = cfg.row_elems * self.config.np_dtype.itemsize
-            handle = stream_handle(stream)
-            if self._scratch is None:
-                most = max(la.row_elems for la in self.config.layers) * self.config.np_dtype.itemsize
-                self._scratch = DeviceAllocator(self._ctx).allocate(
-                    2 * self.config.max_write * most, "write_kv scratch")
-                self._owned.append(self._scratch)
-            for i, rows in enumerate((k, v)):
-                src = np.ascontiguousarray(rows[:width], dtype=self.config.np_dtype)
-                dst = self._scratch.ptr + i * self.config.max_write * row_bytes
-                check(cu.cuStreamSynchronize(handle), "cuStreamSynchronize")
-                check(cu.cuMemcpyHtoD(dst, src.ctypes.data, src.nbytes), "cuMemcpyHtoD")
-                pool = self._buffers[f"layer_{layer}_{'kv'[i]}"]
-                self._engine.scatter_rows(dst, width, pool.ptr, row_bytes, handle)
-
     def metrics(self) -> dict:
-        m = super().metrics()
-        m["device_mirror_bytes"] = self._mirror_bytes
-        m["staging_bytes"] = 2 * self._slot_bytes
-        m["records_sent"] = self._engine.records_sent
-        m["retired_pending"] = len(self._retired)
-        return m
+        with self._lock:
+            m = super().metrics()
+            m["device_mirror_bytes"] = self._mirror_bytes
+            m["staging_bytes"] = 16 * self._slot_words
+            m["records_sent"] = self._engine.records_sent
+            m["launches"] = self._engine.launches
+            m["retired_pending"] = len(self._retired)
+            if isinstance(self._pools, MappedPools):
+                m["mapped_bytes"] = self._pools.mapped_bytes
+            return m
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Waits for this cache's own recorded work (events, never a caller's stream) and frees
-        every device and pinned allocation. Idempotent."""
+        """Waits for this cache's own recorded work (events, never a caller's stream) and
+        releases every device, pinned and mapped allocation. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._ctx.make_current()
             self._engine.synchronize()
-            for allocation, event in self._retired:
-                check(cu.cuEventSynchronize(event), "cuEventSynchronize")
-                self._allocator.release(allocation)
-                check(cu.cuEventDestroy(event), "cuEventDestroy")
-            self._retired = []
-            for allocation in self._allocations.values():
-                self._allocator.release(allocation)
-            self._allocations = {}
-            self._free_all()
-
-    def _free_all(self) -> None:
-        self._ctx.make_current()
-        for alloc in self._owned:
-            cu.cuMemFree(alloc.ptr)
-        self._owned = []
-        for ptr in self._host_slots:
-            cu.cuMemFreeHost(ptr)
-        self._host_slots = []
-        for event in self._events:
-            cu.cuEventDestroy(event)
-        self._events = []
-        for module in self._modules:
-            cu.cuModuleUnload(module)
-        self._modules = []
-        self._ctx.release()
+            self._undo.close()
 
     def __enter__(self) -> CudaCellCache:
         return self
@@ -374,14 +397,3 @@ class CudaCellCache(CellCache):
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown or a dead context
             pass
-
-
-def register() -> None:
-    """Registers backend 'cuda' for kinds 'batched-cell' and 'batched' (once)."""
-    from ..registry import registered
-
-    if "cuda" in registered():
-        return
-    for kind in ("batched-cell", "batched"):
-        register_builder("cuda", kind, CudaCellCache)
-    set_cuda_probe(drv.device_usable)

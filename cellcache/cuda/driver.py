@@ -1,8 +1,10 @@
-"""The CUDA driver through cuda-bindings: one ``check()``, the primary context, PTX loading.
+"""The CUDA driver through cuda-bindings: the one error path, the primary context, PTX.
 
-Everything here is off the hot path (set-up, allocation, growth, teardown). The per-step
-calls go through :mod:`cellcache._driver`, which gets its entry points from
-:func:`entry_points`.
+Every driver result, from Python here or from the Cython step engine, becomes an exception
+in :func:`raise_cuda_error` and nowhere else: ``CUDA_ERROR_OUT_OF_MEMORY`` is
+:class:`OutOfMemory` (with the device's free and total bytes), anything else
+:class:`CudaError` naming the result. :func:`check` unwraps a cuda-bindings result through
+it. Everything here is off the hot path (set-up, growth, teardown).
 """
 
 from __future__ import annotations
@@ -14,27 +16,26 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CudaError, OutOfMemory
+from ..errors import CudaError, InvalidArgument, OutOfMemory
 
 try:
     from cuda.bindings import driver as cu
-except ImportError as e:  # pragma: no cover - exercised where cuda-bindings is absent
+except ImportError as e:  # pragma: no cover - the registry checks first
     raise ImportError(
         "the CUDA backend needs cuda-bindings: pip install 'cellcache[cuda]'") from e
 
-__all__ = ["Context", "check", "cu", "device_usable", "entry_points", "load_module",
+__all__ = ["Context", "check", "cu", "entry_points", "function", "load_module", "manifest",
            "raise_cuda_error"]
 
-ENTRY_POINT_VERSION = 12000     # these entry points' ABI is the same from CUDA 12.0 on
+ENTRY_POINT_VERSION = 12000     # the hot entry points' ABI is the same from CUDA 12.0 on
+CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_READY = 600
 _init_lock = threading.Lock()
 _initialised = False
 
 
-def _code(result: Any) -> int:
-    return int(result)
-
-
 def error_name(code: int) -> str:
+    """The driver's name of a result code (``CUresult N`` when it has none)."""
     try:
         err, name = cu.cuGetErrorName(cu.CUresult(code))
         if int(err) == 0 and name:
@@ -45,56 +46,44 @@ def error_name(code: int) -> str:
 
 
 def raise_cuda_error(code: int, what: str) -> None:
-    """Raises the exception for a failed driver call (OutOfMemory for CUDA_ERROR_OUT_OF_MEMORY)."""
+    """Raises the exception for driver result ``code`` of the call described by ``what``."""
     name = error_name(code)
     if name == "CUDA_ERROR_OUT_OF_MEMORY":
-        raise OutOfMemory(f"{what} failed: {name} ({code})")
+        detail = ""
+        try:
+            err, free, total = cu.cuMemGetInfo()
+            if int(err) == 0:
+                detail = f"; {int(free)} of {int(total)} bytes free"
+        except Exception:  # noqa: BLE001 - the OOM is the error to report
+            pass
+        raise OutOfMemory(f"{what} failed: {name} ({code}){detail}")
     raise CudaError(f"{what} failed: {name} ({code})", code=code, name=name)
 
 
-def check(result: Any, what: str) -> Any:
-    """The one choke point: unwraps a cuda-bindings result, raising on any error.
+def check(result: Any, what: str, allowed: tuple[int, ...] = ()) -> Any:
+    """Unwraps a cuda-bindings result: raises unless its code is 0 or in ``allowed``.
 
     ``result`` is what a cuda-bindings call returns: a CUresult or a tuple whose first item
-    is one. Returns the remaining item (or tuple of items), or None.
+    is one. Returns the remaining item (or tuple of items), or None; with ``allowed``, the
+    code comes first.
     """
     if isinstance(result, tuple):
-        code, rest = _code(result[0]), result[1:]
+        code, rest = int(result[0]), result[1:]
     else:
-        code, rest = _code(result), ()
-    if code != 0:
+        code, rest = int(result), ()
+    if code != 0 and code not in allowed:
         raise_cuda_error(code, what)
-    if not rest:
-        return None
-    return rest[0] if len(rest) == 1 else rest
+    value = None if not rest else rest[0] if len(rest) == 1 else rest
+    return (code, value) if allowed else value
 
 
 def init() -> None:
+    """cuInit, once per process."""
     global _initialised
     with _init_lock:
         if not _initialised:
             check(cu.cuInit(0), "cuInit")
             _initialised = True
-
-
-def device_usable() -> bool:
-    """True when a driver and at least one device are present.
-
-    False only for "no driver" (libcuda cannot be loaded) and "no device"
-    (CUDA_ERROR_NO_DEVICE, or zero devices); every other failure raises.
-    """
-    try:
-        result = cu.cuInit(0)
-    except RuntimeError as e:
-        if "libcuda" in str(e):
-            return False
-        raise
-    code = _code(result[0] if isinstance(result, tuple) else result)
-    if code == _code(cu.CUresult.CUDA_ERROR_NO_DEVICE):
-        return False
-    if code != 0:
-        raise_cuda_error(code, "cuInit")
-    return check(cu.cuDeviceGetCount(), "cuDeviceGetCount") > 0
 
 
 def driver_version() -> int:
@@ -109,18 +98,18 @@ class Context:
         init()
         count = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
         if not 0 <= device < count:
-            from ..errors import InvalidArgument
-
             raise InvalidArgument(f"device={device} is outside [0, {count}) on this machine")
         self.device_ordinal = device
         self.device = check(cu.cuDeviceGet(device), "cuDeviceGet")
         self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         self.handle = int(self.ctx)
-        self.make_current()
-        self.sm_count = int(check(cu.cuDeviceGetAttribute(
-            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device),
-            "cuDeviceGetAttribute"))
         self._released = False
+        self.make_current()
+        self.sm_count = self.attribute("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
+
+    def attribute(self, name: str) -> int:
+        attr = getattr(cu.CUdevice_attribute, name)
+        return int(check(cu.cuDeviceGetAttribute(attr, self.device), f"cuDeviceGetAttribute({name})"))
 
     def make_current(self) -> None:
         check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
@@ -137,8 +126,8 @@ def entry_points(names: tuple[str, ...]) -> dict[str, int]:
     flags = int(cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM)
     out = {}
     for name in names:
-        result = cu.cuGetProcAddress(name.encode(), ENTRY_POINT_VERSION, flags)
-        pfn = check(result, f"cuGetProcAddress({name})")
+        pfn = check(cu.cuGetProcAddress(name.encode(), ENTRY_POINT_VERSION, flags),
+                    f"cuGetProcAddress({name})")
         if isinstance(pfn, tuple):
             pfn = pfn[0]
         out[name] = int(pfn)
@@ -148,6 +137,7 @@ def entry_points(names: tuple[str, ...]) -> dict[str, int]:
 
 
 def manifest() -> dict:
+    """The shipped PTX's manifest (compiler, ISA, target, minimum driver, hashes)."""
     return json.loads(resources.files("cellcache").joinpath("ptx/manifest.json").read_text())
 
 
@@ -156,25 +146,23 @@ _LOAD_ERRORS = ("CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "CUDA_ERROR_INVALID_PTX",
 
 
 def load_module(name: str) -> Any:
-    """``cuModuleLoadData`` of the shipped ``ptx/<name>.ptx``; a clear CudaError if the driver
-    cannot load it (naming the driver version the PTX needs and the one present)."""
+    """``cuModuleLoadData`` of the shipped ``ptx/<name>.ptx``; a CudaError naming the driver
+    the PTX needs and the one present when the driver cannot load it."""
     data = resources.files("cellcache").joinpath(f"ptx/{name}.ptx").read_bytes() + b"\0"
     image = np.frombuffer(data, dtype=np.uint8)      # NUL-terminated, alive through the call
-    result = cu.cuModuleLoadData(image.ctypes.data)
-    code = _code(result[0])
+    code, module = check(cu.cuModuleLoadData(image.ctypes.data), f"cuModuleLoadData({name}.ptx)",
+                         allowed=tuple(int(getattr(cu.CUresult, n)) for n in _LOAD_ERRORS))
     if code != 0:
+        info = manifest()
+        have = driver_version()
         errname = error_name(code)
-        if errname in _LOAD_ERRORS:
-            info = manifest()
-            have = driver_version()
-            raise CudaError(
-                f"the driver cannot load cellcache's PTX ({name}.ptx, PTX ISA "
-                f"{info['kernels'][name]['ptx_isa']}, built by nvcc {info['nvcc']} for "
-                f"{info['target']}): {errname}. It needs a driver for CUDA "
-                f"{info['min_driver_cuda']} or newer; this driver supports CUDA "
-                f"{have // 1000}.{have % 1000 // 10}.", code=code, name=errname)
-        raise_cuda_error(code, f"cuModuleLoadData({name}.ptx)")
-    return result[1]
+        raise CudaError(
+            f"the driver cannot load cellcache's PTX ({name}.ptx, PTX ISA "
+            f"{info['kernels'][name]['ptx_isa']}, built by {info['compiler']} for "
+            f"{info['target']}): {errname}. It needs a driver for CUDA "
+            f"{info['min_driver_cuda']} or newer; this driver supports CUDA "
+            f"{have // 1000}.{have % 1000 // 10}.", code=code, name=errname)
+    return module
 
 
 def function(module: Any, name: str) -> Any:
