@@ -4,7 +4,12 @@ from ._table import CellTable
 from .cache import CellCache, LayerBuffers, Step
 from .config import CacheConfig, LayerConfig
 from .errors import (
-    CellCacheError, CudaError, InvalidArgument, InvalidState, OutOfMemory, StepTooLarge,
+    CellCacheError,
+    CudaError,
+    InvalidArgument,
+    InvalidState,
+    OutOfMemory,
+    StepTooLarge,
 )
 from .host import HostCellCache
 from .reference import POS_FREE, ReferenceTable

@@ -1,4 +1,4 @@
-"""``python -m cellcache demo [...]`` (also the ``cellcache`` console script)."""
+"""``python -m cellcache COMMAND`` (also the ``cellcache`` console script)."""
 
 from __future__ import annotations
 
@@ -7,21 +7,26 @@ import sys
 USAGE = """usage: cellcache COMMAND [options]
 
 commands:
-  demo    simulated serving session, every token checked (cellcache demo --help)
+  demo       simulated serving session, every token checked (cellcache demo --help)
+  generate   serve a Hugging Face model through the cache (cellcache generate --help)
 """
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, end="")
+        print(USAGE, end="", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
         from .demo import main as demo_main
 
         return demo_main(rest)
-    print(f"cellcache: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
+    if command == "generate":
+        from .generate import main as generate_main
+
+        return generate_main(rest)
+    print(f"cellcache: error: unknown command {command!r} (see --help)", file=sys.stderr)
     return 2
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ._checks import POS_FREE, check_any_int, check_int, check_seq_id, check_table_shape, step_ids
-from .errors import InvalidArgument, InvalidState
+from .errors import InvalidState
 
 __all__ = ["POS_FREE", "ReferenceTable", "mask_rows", "packed_rows", "paged_view"]
 

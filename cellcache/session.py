@@ -50,6 +50,7 @@ class SessionConfig:
     decode_only_every: int = 0         # every k-th step only decodes (0: never)
     buckets: Sequence[int] | None = None
     tolerance: float = 1e-4
+    q_dtype: str | None = None         # round q to this dtype (a forward that reads it so)
 
 
 @dataclass
@@ -163,8 +164,12 @@ class Session:
 
     def _draw(self, width: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         rng, out = self.rng, []
+        q_dtype = storage_dtype(self.cfg.q_dtype) if self.cfg.q_dtype else None
         for la in self.layers:
-            out.append((rng.standard_normal((width, self.cfg.n_heads, la.head_dim), dtype=np.float32),
+            q = rng.standard_normal((width, self.cfg.n_heads, la.head_dim), dtype=np.float32)
+            if q_dtype is not None:
+                q = q.astype(q_dtype).astype(np.float32)
+            out.append((q,
                         rng.standard_normal((width, la.n_kv_heads, la.head_dim), dtype=np.float32),
                         rng.standard_normal((width, la.n_kv_heads, la.head_dim), dtype=np.float32)))
         return out

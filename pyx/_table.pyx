@@ -145,13 +145,24 @@ cdef class CellTable:
         if self.seq_map != NULL:
             for s in range(self.max_seqs):
                 free(self.seq_map[s])
-        free(self.seq_map); free(self.seq_map_cap)
-        free(self.cell_pos); free(self.owners); free(self.n_owners)
-        free(self.free_bits); free(self.sum_free); free(self.sum_used); free(self.live_bits)
-        free(self.seq_pos_); free(self.seq_declared); free(self.scratch)
-        free(self.step_seq); free(self.ids_in)
-        free(self.placed_cells); free(self.undo_pos)
-        free(self.cell_dirty); free(self.dirty_cells)
+        free(self.seq_map)
+        free(self.seq_map_cap)
+        free(self.cell_pos)
+        free(self.owners)
+        free(self.n_owners)
+        free(self.free_bits)
+        free(self.sum_free)
+        free(self.sum_used)
+        free(self.live_bits)
+        free(self.seq_pos_)
+        free(self.seq_declared)
+        free(self.scratch)
+        free(self.step_seq)
+        free(self.ids_in)
+        free(self.placed_cells)
+        free(self.undo_pos)
+        free(self.cell_dirty)
+        free(self.dirty_cells)
 
     def __reduce__(self):
         raise TypeError("a CellTable owns raw memory and cannot be pickled or copied")
@@ -912,9 +923,7 @@ cdef class CellTable:
             for q in range(rl[r] + 1):
                 kvi[k] = <int32_t>self.seq_map[s][q]
                 k += 1
-        for i in range(width, pad):
-            kvi[k] = <int32_t>snk
-            k += 1
+        kvi[k:k + pad - width] = <int32_t>snk
         return n_runs, n_kv
 
     # -- change log for a device mirror -------------------------------------------------------------

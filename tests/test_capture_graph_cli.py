@@ -1,4 +1,4 @@
-"""tools/capture_graph.py without a GPU: --help and the one-line no-GPU exit."""
+"""tools/capture_graph.py without a GPU: --help, usage errors, and the one-line no-GPU exit."""
 
 import importlib.util
 import subprocess
@@ -20,7 +20,7 @@ def load():
 def test_help():
     r = subprocess.run([sys.executable, str(TOOL), "--help"], capture_output=True, text=True)
     assert r.returncode == 0
-    for flag in ("--seqs", "--steps", "--seed", "--torch"):
+    for flag in ("--seqs", "--steps", "--seed", "--torch", "--buckets", "--attention"):
         assert flag in r.stdout
 
 
@@ -32,8 +32,9 @@ def test_no_gpu_message_and_exit_code(capsys):
     assert out == ["capture_graph: no CUDA driver or no CUDA device; this demo needs a GPU (exit 3)"]
 
 
-def test_bad_arguments_exit_2():
-    mod = load()
-    with pytest.raises(SystemExit) as e:
-        mod.main(["--seqs", "8"], probe=lambda: (True, ""))
-    assert e.value.code == 2
+@pytest.mark.parametrize("args", [["--seqs", "0"], ["--steps", "-3"], ["--buckets", "8,16"],
+                                  ["--attention", "flash"], ["--buckets", "x"]])
+def test_bad_arguments_exit_2_with_one_line(args):
+    r = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("capture_graph: error:")

@@ -142,7 +142,8 @@ def test_entry_points_must_all_be_given():
 
 
 def test_import_cellcache_loads_no_cuda_module():
-    code = "import sys, cellcache; print(sorted(m for m in sys.modules if m.startswith('cuda') or m.startswith('cellcache.cuda')))"
+    code = ("import sys, cellcache; print(sorted(m for m in sys.modules "
+            "if m.startswith('cuda') or m.startswith('cellcache.cuda')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
@@ -226,3 +227,32 @@ def test_auto_follows_the_probe(monkeypatch):
     assert resolve_backend("auto") == "host"
     monkeypatch.setattr(probe, "cuda_usable", lambda: (True, ""))
     assert resolve_backend("auto") == "cuda"
+
+
+def test_canonical_ptx_ignores_register_numbers_and_nothing_else():
+    b = load_build_ptx()
+    one = (b".visible .entry f(\n.reg .f32 %f<9>;\nmov.f32 %f5, 0f0;\n"
+           b"add.f32 %f6, %f5, %f5;\nst.f32 [%rd1], %f6;\n}")
+    two = (b".visible .entry f(\n.reg .f32 %f<7>;\nmov.f32 %f3, 0f0;\n"
+           b"add.f32 %f4, %f3, %f3;\nst.f32 [%rd1], %f4;\n}")
+    assert b.canonical(one) == b.canonical(two)
+    assert b.canonical(one) != b.canonical(two.replace(b"add.f32", b"sub.f32"))
+    assert b.canonical(one) != b.canonical(two.replace(b"%f4, %f3, %f3", b"%f4, %f3, %f4"))
+
+
+def test_ptx_check_rebuilds_and_notices_a_changed_instruction(tmp_path):
+    b = load_build_ptx()
+    if b.find_nvrtc() is None:
+        pytest.skip("the pinned NVRTC is not installed (tools/test.sh installs it)")
+    import hashlib
+
+    tree = _tree_copy(tmp_path)
+    ptx = tree / "cellcache" / "ptx" / "step.ptx"
+    text = ptx.read_bytes().replace(b"add.s64", b"sub.s64", 1)
+    ptx.write_bytes(text)
+    manifest = json.loads((tree / "cellcache" / "ptx" / "manifest.json").read_text())
+    manifest["kernels"]["step"]["ptx_sha256"] = hashlib.sha256(text).hexdigest()
+    (tree / "cellcache" / "ptx" / "manifest.json").write_text(json.dumps(manifest))
+    r = subprocess.run([sys.executable, str(tree / "tools" / "build_ptx.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "rebuilding step.cu with nvrtc 12.0.140 gives different PTX" in r.stderr

@@ -1,4 +1,5 @@
-"""The demo runs in the suite (small) and must report zero mismatches."""
+"""The demo (a Session through the reference consumer) in the suite, small, on every view;
+the checker catches wrong masks, wrong views and a visible sink; the CLI's usage errors."""
 
 import subprocess
 import sys
@@ -7,13 +8,19 @@ import pytest
 
 from cellcache import attention, demo
 from cellcache.__main__ import main as cli_main
+from cellcache.host import HostCellCache
 
 
-def test_demo_small_session_has_no_mismatch():
-    s = demo.run(backend="host", seqs=8, steps=60, seed=3, capacity=256, progress=False)
+@pytest.mark.parametrize("view", ["bool", "bits", "paged"])
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
+def test_demo_small_session_has_no_mismatch(view, pad):
+    s = demo.run(backend="host", seqs=8, steps=60, seed=3, capacity=256, view=view, pad=pad,
+                 progress=False)
     assert s["mismatches"] == 0
     assert s["tokens"] > 200 and s["max_error"] < demo.TOLERANCE
     assert s["forks"] + s["rewinds"] > 0 and s["finished"] + s["preempted"] > 0
+    if pad:
+        assert set(s["per_bucket"]) <= {1, 2, 4, 8, 16, 32, 64} and len(s["per_bucket"]) > 1
 
 
 def test_demo_catches_a_wrong_mask(monkeypatch):
@@ -25,20 +32,69 @@ def test_demo_catches_a_wrong_mask(monkeypatch):
     assert s["mismatches"] > 0
 
 
+def test_demo_catches_a_wrong_paged_view(monkeypatch):
+    """A paged view whose lists lost their last entry must be caught."""
+    real = HostCellCache._write_step
+
+    def broken(self, width, pad_to, read_len, stream):
+        out = real(self, width, pad_to, read_len, stream)
+        kv = self._buffers["kv_indptr"]
+        self._buffers["kv_indices"][kv[0]] = self._buffers["kv_indices"][kv[1] - 1]
+        return out
+
+    monkeypatch.setattr(HostCellCache, "_write_step", broken)
+    s = demo.run(backend="host", seqs=8, steps=30, seed=3, capacity=256, view="paged", progress=False)
+    assert s["mismatches"] > 0
+
+
+def test_demo_catches_a_sink_that_is_a_live_cell(monkeypatch):
+    """Padding rows write NaN K/V at their cells: were the sink a live cell, outputs turn NaN."""
+    real = HostCellCache._write_step
+
+    def leaky(self, width, pad_to, read_len, stream):
+        out = real(self, width, pad_to, read_len, stream)
+        self._buffers["cells"][width:pad_to] = self._cells[0]
+        return out
+
+    monkeypatch.setattr(HostCellCache, "_write_step", leaky)
+    s = demo.run(backend="host", seqs=8, steps=30, seed=3, capacity=256, pad=True, progress=False)
+    assert s["mismatches"] > 0
+
+
 def test_demo_cli(capsys):
     assert demo.main(["--backend", "host", "--steps", "10", "--seqs", "4", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "0 mismatches" in out and "demo [host]: 10 steps" in out
+    assert "0 mismatches" in out and "demo [host, bool]: 10 steps" in out
     assert demo.main(["--backend", "host", "--steps", "5", "--seqs", "4", "--quiet", "--json"]) == 0
     assert '"mismatches": 0' in capsys.readouterr().out
 
 
-def test_cli_help_and_errors():
+@pytest.mark.parametrize("args,fragment", [
+    (["--capacity", "0"], "argument --capacity: 0 is outside [64, 16777216]"),
+    (["--capacity", "10"], "argument --capacity: 10 is outside"),
+    (["--capacity", "-1"], "argument --capacity: -1 is outside"),
+    (["--seqs", "2000000"], "argument --seqs: 2000000 is outside [1, 65536]"),
+    (["--seed", "-1"], "argument --seed: -1 is outside"),
+    (["--steps", "0"], "argument --steps: 0 is outside"),
+    (["--steps", "x"], "argument --steps: 'x' is not an int"),
+    (["--view", "dense"], "argument --view: invalid choice"),
+    (["--nonsense"], "unrecognized arguments: --nonsense"),
+])
+def test_demo_usage_errors_are_one_line_and_exit_2(args, fragment):
+    r = subprocess.run([sys.executable, "-m", "cellcache", "demo", *args],
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0] and lines[0].startswith("cellcache demo: error:")
+    assert r.stdout == ""
+
+
+def test_cli_help_and_errors(capsys):
     r = subprocess.run([sys.executable, "-m", "cellcache", "demo", "--help"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "--seqs" in r.stdout and "--backend" in r.stdout
     assert cli_main(["nonsense"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "cellcache: error: unknown command 'nonsense' (see --help)"
     assert cli_main([]) == 2
-    with pytest.raises(SystemExit) as e:
-        demo.main(["--steps", "0"])
-    assert e.value.code == 2
+    assert cli_main(["--help"]) == 0

@@ -2,9 +2,15 @@
 """cellcache benchmarks: print a table of side-by-side measurements and write JSON.
 
 Sections:
-  table  the Cython CellTable against the pure-Python reference (placement of a decode
-         step; seq_clone / rewind / seq_rm of a 32,768-token sequence at two pool sizes).
-  gpu    prepare_step of the CUDA backend against a host-built-mask baseline (needs a GPU).
+  table      the Cython CellTable against the pure-Python reference (placement of a decode
+             step; seq_clone / rewind / seq_rm of a 32,768-token sequence at two pool sizes).
+  soak       10**6 random calls from 8 threads on one host cache: calls/s, peak RSS, RSS
+             drift, invariants after.
+  gpu        prepare_step of the CUDA backend against a host-built-mask baseline (GPU).
+  growth     growing a 1 GiB pool by mapping against by copy (GPU).
+  attention  the paged kernels against SDPA over the dense mask and FlashInfer (GPU).
+  serve      the continuous-batching generator against Hugging Face's own (GPU;
+             tools/bench_serve.py).
 
 Targets are checked by ratios measured in the same run, printed with the table; the exit
 code is 0 whether or not a target is met (the numbers go into the docs and closing notes),
@@ -159,7 +165,8 @@ def bench_verbs(args, rng, cap: int) -> list[dict]:
     out = {}
     holder = {}
     out["seq_clone"] = median_ns(lambda: holder.__setitem__("c", t.seq_clone(state["s"])),
-                                 args.reps, setup=lambda: holder.get("c") is not None and t.seq_rm(holder["c"]))
+                                 args.reps,
+                                 setup=lambda: holder.get("c") is not None and t.seq_rm(holder["c"]))
     t.seq_rm(holder["c"])
     out["rewind"] = median_ns(lambda: t.rewind(state["s"], 0), args.reps,
                               setup=lambda: t.pos(state["s"]) == 0 and place_s())
@@ -182,11 +189,17 @@ def bench_verbs(args, rng, cap: int) -> list[dict]:
     ref = reference_copy(t)
     s = state["s"]
     ref_times = {}
-    t0 = time.perf_counter_ns(); c = ref.seq_clone(s); ref_times["seq_clone"] = time.perf_counter_ns() - t0
+    t0 = time.perf_counter_ns()
+    c = ref.seq_clone(s)
+    ref_times["seq_clone"] = time.perf_counter_ns() - t0
     ref.seq_rm(c)
-    t0 = time.perf_counter_ns(); ref.rewind(s, 0); ref_times["rewind"] = time.perf_counter_ns() - t0
+    t0 = time.perf_counter_ns()
+    ref.rewind(s, 0)
+    ref_times["rewind"] = time.perf_counter_ns() - t0
     ref2 = reference_copy(t)
-    t0 = time.perf_counter_ns(); ref2.seq_rm(s); ref_times["seq_rm"] = time.perf_counter_ns() - t0
+    t0 = time.perf_counter_ns()
+    ref2.seq_rm(s)
+    ref_times["seq_rm"] = time.perf_counter_ns() - t0
     return [
         {"case": f"{verb} of 32K-token seq, cap {cap}", "verb": verb, "capacity": cap,
          "seq_span_fraction_of_pool": spread,
@@ -220,11 +233,103 @@ def section_table(args) -> dict:
     return {"rows": rows, "scaling_1M_over_64K": scaling, "targets": targets}
 
 
+def section_soak(args) -> dict:
+    """Random verbs and steps from 8 threads on one HostCellCache; RSS sampled throughout."""
+    import resource
+    import threading
+
+    from cellcache import CacheConfig, HostCellCache, InvalidArgument, InvalidState, LayerConfig
+
+    total, n_threads = args.soak_calls, 8
+    cfg = CacheConfig(capacity=1 << 14, layers=[LayerConfig(2, 16), LayerConfig(2, 16, 64)],
+                      max_write=64, max_seqs=256, dtype="float16", paged=True, mask_format="bits")
+    cache = HostCellCache(cfg)
+    done = [0] * n_threads
+    errors: list = []
+    rss = []
+
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+    def work(k: int) -> None:
+        rng = np.random.default_rng(args.seed + k)
+        mine = [cache.seq_new()]
+        try:
+            for i in range(total // n_threads):
+                r = rng.random()
+                mine = [s for s in mine if s is not None]
+                try:
+                    if r < 0.1 or not mine:
+                        mine.append(cache.seq_new())
+                    elif r < 0.15:
+                        mine.append(cache.seq_clone(mine[int(rng.integers(len(mine)))],
+                                                    upto=int(rng.integers(0, 64))))
+                    elif r < 0.25:
+                        s = mine.pop(int(rng.integers(len(mine))))
+                        cache.seq_rm(s)
+                    elif r < 0.4:
+                        s = mine[int(rng.integers(len(mine)))]
+                        cache.rewind(s, max(0, cache.pos(s) - int(rng.integers(0, 8))))
+                    elif r < 0.7:
+                        picks = rng.integers(0, len(mine), size=int(rng.integers(1, 16)))
+                        ids = [mine[int(x)] for x in picks]
+                        with cache._lock:              # one thread's step is atomic
+                            if cache.declare_step(ids):
+                                cache.prepare_step(pad_to=16)
+                                cache.commit_step()
+                    elif r < 0.72:
+                        cache.check_invariants()
+                    else:
+                        cache.pos(mine[0])
+                except (InvalidState, InvalidArgument):
+                    pass                               # another thread changed what we named
+                if cache.free_cells < 256:
+                    for s in mine[: len(mine) // 2]:
+                        cache.seq_rm(s)
+                    mine = mine[len(mine) // 2:]
+                done[k] = i + 1
+        except Exception as e:  # noqa: BLE001 - reported after join
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(n_threads)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    while any(th.is_alive() for th in threads):
+        rss.append((time.perf_counter() - t0, rss_mib()))
+        log(f"[soak] {sum(done)}/{total} calls, RSS {rss[-1][1]:.1f} MiB")
+        time.sleep(2.0)
+    for th in threads:
+        th.join()
+    elapsed = time.perf_counter() - t0
+    cache.check_invariants()
+    rss.append((elapsed, rss_mib()))
+    tail = [m for ts, m in rss if ts >= elapsed / 2]
+    res = {"calls": sum(done), "threads": n_threads, "seconds": elapsed,
+           "calls_per_s": sum(done) / elapsed, "peak_rss_mib": max(m for _, m in rss),
+           "rss_first_half_end_mib": rss[len(rss) // 2][1], "rss_end_mib": rss[-1][1],
+           "rss_drift_mib": max(tail) - min(tail), "errors": errors, "invariants_held": not errors}
+    print()
+    print(f"soak: {res['calls']} calls from {n_threads} threads in {elapsed:.1f} s = "
+          f"{res['calls_per_s']:.0f} calls/s; peak RSS {res['peak_rss_mib']:.1f} MiB, drift over "
+          f"the second half {res['rss_drift_mib']:.2f} MiB; invariants held: {res['invariants_held']}")
+    return res
+
+
+SECTIONS = ("table", "soak", "gpu", "growth", "attention")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--section", choices=["table", "gpu", "all"], default="table")
-    p.add_argument("--reps", type=int, default=200, help="timed repetitions per case (median)")
-    p.add_argument("--seed", type=int, default=0)
+    from cellcache._cli import Parser, in_range
+
+    p = Parser(prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--section", choices=SECTIONS + ("all-gpu",), default="table")
+    p.add_argument("--reps", type=in_range(1, 100_000), default=200,
+                   help="timed repetitions per case (median)")
+    p.add_argument("--soak-calls", type=in_range(8, 10**9), default=10**6,
+                   help="calls of the soak section (default 10**6)")
+    p.add_argument("--seed", type=in_range(0, 2**32 - 1), default=0)
     p.add_argument("--json", type=Path, default=None,
                    help="where to write the JSON (default: benchmarks/results/<section>-<date>.json)")
     args = p.parse_args(argv)
@@ -234,15 +339,20 @@ def main(argv=None) -> int:
         "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
                     "numpy": np.__version__},
     }
-    if args.section in ("table", "all"):
-        result["table"] = section_table(args)
-    if args.section in ("gpu", "all"):
-        from cellcache.cuda import bench as gpu_bench  # noqa: PLC0415 - only with a GPU
+    sections = ("gpu", "growth", "attention") if args.section == "all-gpu" else (args.section,)
+    for section in sections:
+        if section == "table":
+            result["table"] = section_table(args)
+        elif section == "soak":
+            result["soak"] = section_soak(args)
+        else:
+            sys.path.insert(0, str(ROOT / "tools"))
+            import bench_gpu
 
-        result["gpu"] = gpu_bench.run(args)
+            result[section] = getattr(bench_gpu, {"gpu": "run"}.get(section, section))(args)
     path = args.json or ROOT / "benchmarks" / "results" / f"{args.section}-{result['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     log(f"wrote {path}")
     return 0
 

@@ -4,15 +4,19 @@
   python3 tools/build_ptx.py            build (needs the pinned NVRTC, see below)
   python3 tools/build_ptx.py --check    exit 1 unless the shipped PTX matches the sources:
                                         source and PTX hashes, PTX ISA <= 8.0, target sm_80,
-                                        and, where the pinned NVRTC is installed, the bytes
-                                        of a fresh build
+                                        and, where the pinned NVRTC is installed, a fresh
+                                        build (compared up to register numbering)
 
 The compiler is NVRTC 12.0.140 from the PyPI wheel ``nvidia-cuda-nvrtc-cu12==12.0.140``
 (``pip install -r tools/ptx-requirements.txt``), driven through ctypes: no CUDA toolkit, no
 GPU and no cuda-bindings are needed. NVRTC 12.0 emits PTX ISA 8.0, which every driver from
 CUDA 12.0 (R525) on can load, for target sm_80 (Ampere and newer). The headers the kernels
-include (``cuda/*.h``) are handed to NVRTC by name, so no file system path enters the PTX
-and any clone builds the same bytes. The manifest records, per kernel file, the hashes of
+include (``cuda/*.h``) are handed to NVRTC by name, so no file system path enters the PTX,
+and each file is compiled in a fresh process with address randomisation off (NVRTC 12.0 can
+number virtual registers differently from run to run otherwise). The check compares a
+rebuild with the shipped PTX after renumbering registers in order of appearance, so it
+fails on any change of instructions, operands or control flow, and on nothing else. The
+manifest records, per kernel file, the hashes of
 its source (with every header) and of its PTX, the ISA, the compiler and the lowest driver.
 """
 
@@ -23,7 +27,10 @@ import ctypes
 import hashlib
 import importlib.util
 import json
+import platform
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -106,6 +113,7 @@ class Nvrtc:
         # the builtins library is found beside libnvrtc by soname: load it first, globally
         for builtins in sorted(path.parent.glob("libnvrtc-builtins.so*")):
             ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+        self.path = path
         self.lib = lib = ctypes.CDLL(str(path))
         major, minor = ctypes.c_int(), ctypes.c_int()
         self._check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
@@ -143,11 +151,43 @@ class Nvrtc:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def compile_fresh(lib: Path, src: Path) -> bytes:
+    """One file's PTX from NVRTC in a process of its own, without address randomisation."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--nvrtc", str(lib), "--compile-one", str(src)]
+    if sys.platform.startswith("linux") and shutil.which("setarch"):
+        cmd = ["setarch", platform.machine(), "-R", *cmd]
+    r = subprocess.run(cmd, capture_output=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr.decode())
+    return r.stdout
+
+
+_REGISTER = re.compile(rb"%[a-z]+[0-9]+")
+
+
+def canonical(ptx: bytes) -> bytes:
+    """The PTX with comments and register declarations dropped and every virtual register
+    renumbered in order of first appearance within its function."""
+    out, names = [], {}
+    for line in ptx.splitlines():
+        s = line.strip()
+        if not s or s.startswith(b"//") or s.startswith(b".reg "):
+            continue
+        if s.startswith((b".visible .entry", b".entry", b".func", b".visible .func")):
+            names = {}
+
+        def rename(m, names=names):
+            return b"%v" + str(names.setdefault(m.group(0), len(names))).encode()
+
+        out.append(_REGISTER.sub(rename, s))
+    return b"\n".join(out)
+
+
 def build(nvrtc: Nvrtc) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     kernels = {}
     for src in sources():
-        ptx = nvrtc.compile(src)
+        ptx = compile_fresh(nvrtc.path, src)
         (OUT / f"{src.stem}.ptx").write_bytes(ptx)
         kernels[src.stem] = {"source": f"cuda/{src.name}", "source_sha256": source_hash(src),
                              "ptx_sha256": sha256(ptx), "ptx_isa": ptx_isa(ptx),
@@ -155,7 +195,7 @@ def build(nvrtc: Nvrtc) -> dict:
         print(f"build_ptx: {src.name} -> cellcache/ptx/{src.stem}.ptx "
               f"(ISA {kernels[src.stem]['ptx_isa']}, {len(ptx)} bytes)")
     newest = max((k["ptx_isa"] for k in kernels.values()), key=lambda v: tuple(map(int, v.split("."))))
-    manifest = {"compiler": f"nvrtc {nvrtc.version}.140" if nvrtc.version == "12.0" else f"nvrtc {nvrtc.version}",
+    manifest = {"compiler": COMPILER,
                 "target": TARGET, "options": OPTIONS, "min_driver_cuda": driver_for_isa(newest),
                 "kernels": kernels}
     (OUT / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -192,7 +232,8 @@ def check(nvrtc: Nvrtc | None) -> list[str]:
             problems.append(f"{ptx_path.name} targets {ptx_target(ptx)}, not {PTX_TARGET}")
     if nvrtc is not None and not problems:
         for src in sources():
-            if nvrtc.compile(src) != (OUT / f"{src.stem}.ptx").read_bytes():
+            fresh = compile_fresh(nvrtc.path, src)
+            if canonical(fresh) != canonical((OUT / f"{src.stem}.ptx").read_bytes()):
                 problems.append(f"rebuilding {src.name} with {COMPILER} gives different PTX")
     return problems
 
@@ -204,9 +245,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="libnvrtc.so.12 to use (default: the nvidia-cuda-nvrtc-cu12 wheel)")
     p.add_argument("--require-compiler", action="store_true",
                    help="with --check: fail when the pinned NVRTC is not installed")
+    p.add_argument("--compile-one", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     lib = args.nvrtc or find_nvrtc()
     nvrtc = Nvrtc(lib) if lib else None
+    if args.compile_one:
+        assert nvrtc is not None
+        sys.stdout.buffer.write(nvrtc.compile(args.compile_one))
+        return 0
     if nvrtc is not None and nvrtc.version != "12.0":
         print(f"build_ptx: {lib} is NVRTC {nvrtc.version}, not the pinned {COMPILER}", file=sys.stderr)
         return 1
@@ -219,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         for msg in problems:
             print(f"build_ptx --check: {msg}", file=sys.stderr)
         if not problems:
-            rebuilt = "rebuilt byte for byte" if nvrtc else "hashes only: NVRTC not installed"
+            rebuilt = "rebuilt, same instructions" if nvrtc else "hashes only: NVRTC not installed"
             print(f"build_ptx --check: shipped PTX matches cuda/* ({rebuilt})")
         return 1 if problems else 0
     if nvrtc is None:

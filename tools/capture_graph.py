@@ -1,30 +1,28 @@
 #!/usr/bin/env python3
-"""One captured CUDA graph serves any mix of sequences.
+"""One captured CUDA graph per width bucket serves every step of a serving session.
 
-A cellcache CudaCellCache writes each step into buffers at fixed device addresses, so the
-attention forward (cuda/attention.cu: write K/V at cells[:width], attend over
-[0, read_len) under each layer's mask) is captured once into a CUDA graph and replayed for
-every decode step, whatever sequences the batch holds and in whatever order. The graph is
-captured after the first step and re-captured only when Step.grew says the pools moved, so
-captures = 1 + growths.
+A CudaCellCache writes each step into buffers at fixed device addresses, and its pools
+reserve their addresses up front, so the attention forward (write K/V at cells[:B], attend
+every row over the paged view, or over the masks with --attention dense) is captured once
+per width bucket B and replayed for every step: each step is padded to the smallest bucket
+that holds it (padding rows write the sink row and are discarded), whatever sequences it
+holds, in whatever order, however the pools have grown. No step runs eagerly; every 10th
+step also runs the forward eagerly to time it against the replay.
 
-The session: at least 16 sequences arrive over time and prefill in chunks (eager steps, any
-width); decode steps take exactly --width decoding sequences, a different random subset in a
-different order each step (graph replays); some sequences fork with seq_clone(upto=...),
-some rewind, some finish. Each decode step runs the forward eagerly and by graph replay,
-both checked, and both timed side by side. Every token's output is checked against a dense
-per-sequence numpy computation (its own history, its own window).
+The session (cellcache.session): arrivals over time, chunked prefill mixed with decode in
+every step, forks, rewinds, finishes and several pool growths. Every real token's output is
+checked against attention over its own sequence's history with no cache; padding rows get
+NaN K/V, which any leak into a real row would turn into a mismatch.
 
---torch runs the same session with the forward in torch over the cache's buffers (DLPack)
-and captures it with torch.cuda.graph.
+--torch runs the forward in torch (cellcache.torch.attention over DLPack views) and captures
+it with torch.cuda.graph.
 
-Exit codes: 0 all outputs matched; 1 a mismatch; 3 no CUDA driver or device here.
+Exit codes: 0 all outputs matched and captures == buckets used; 1 otherwise; 2 bad usage;
+3 no CUDA here.
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
 import json
 import statistics
 import sys
@@ -35,385 +33,300 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cellcache import attention  # noqa: E402
+from cellcache._cli import Parser, in_range  # noqa: E402
 from cellcache.config import CacheConfig, LayerConfig, storage_dtype  # noqa: E402
+from cellcache.session import Session, SessionConfig  # noqa: E402
 
 NO_GPU_EXIT = 3
-TOLERANCE = 2e-3            # float32 math on both sides; bf16 pools rounded identically
+TOLERANCE = 2e-2            # outputs are stored in bfloat16 (paged) / float32 (dense)
 LAYERS = (LayerConfig(2, 32, 0), LayerConfig(2, 32, 16), LayerConfig(2, 32, 0))
 N_HEADS = 4
+MAX_WRITE = 64
+EAGER_EVERY = 10
 
 
 def cuda_usable() -> tuple[bool, str]:
-    try:
-        from cellcache.cuda.driver import device_usable
-    except ImportError as e:
-        return False, f"cuda-bindings is not installed ({e})"
-    return (True, "") if device_usable() else (False, "no CUDA driver or no CUDA device")
+    from cellcache.cuda.probe import cuda_usable as probe
+
+    return probe()
 
 
 class DriverForward:
-    """The forward as PTX kernels launched through the driver API, eagerly or as a graph."""
+    """The forward as cellcache's kernels launched through the driver, one graph per bucket."""
 
-    def __init__(self, cache, stream: int, max_write: int):
-        from cellcache.cuda import driver as drv
+    def __init__(self, cache, stream: int, attention: str):
         from cellcache.cuda.driver import check, cu
+        from cellcache.cuda.kernels import kernels_for
 
         self.cu, self.check, self.cache, self.stream = cu, check, cache, stream
-        self.module = drv.load_module("attention")
-        name = cache.config.dtype
-        self.f_store = drv.function(self.module, f"store_kv_{name}")
-        self.f_attend = drv.function(self.module, f"attend_{name}")
-        self.inputs = []
+        self.attention = attention
+        self.kern = kernels_for(cache)
+        self.dtype = storage_dtype(cache.config.dtype)
+        self.bufs = []
+        q_item = 4 if attention == "dense" else self.dtype.itemsize
         for layer in LAYERS:
-            q = self._alloc(max_write * N_HEADS * layer.head_dim * 4)
-            k = self._alloc(max_write * layer.row_elems * 4)
-            v = self._alloc(max_write * layer.row_elems * 4)
-            out = self._alloc(max_write * N_HEADS * layer.head_dim * 4)
-            self.inputs.append((q, k, v, out))
-        self.graph = self.exec = None
-        self.graph_width = None
+            q = self._alloc(MAX_WRITE * N_HEADS * layer.head_dim * q_item)
+            kv = self._alloc(2 * MAX_WRITE * layer.row_elems * self.dtype.itemsize)
+            out = self._alloc(MAX_WRITE * N_HEADS * layer.head_dim * q_item)
+            self.bufs.append((q, kv, out))
+        self.graphs: dict[int, tuple] = {}
+        self._last = 0
+        names = ("qo_indptr", "kv_indptr", "kv_indices", "width") if cache.config.paged else ("width",)
+        self.view = {n: cache.buffer(n).ptr for n in names}
 
     def _alloc(self, n: int) -> int:
-        return int(self.check(self.cu.cuMemAlloc(n), "cuMemAlloc"))
+        ptr = int(self.check(self.cu.cuMemAlloc(n), "cuMemAlloc"))
+        self.cache._undo.callback(lambda: self.check(self.cu.cuMemFree(ptr), "cuMemFree"))
+        return ptr
 
-    def fill(self, qkv: list) -> None:
-        for (q, k, v, _), arrays in zip(self.inputs, qkv):
-            for ptr, a in zip((q, k, v), arrays):
-                a = np.ascontiguousarray(a, dtype=np.float32)
-                self.check(self.cu.cuMemcpyHtoDAsync(ptr, a.ctypes.data, a.nbytes, self.stream),
-                           "cuMemcpyHtoDAsync")
+    def upload(self, step, qkv) -> None:
+        rows = step.pad_to
+        for (q_ptr, kv_ptr, _), (q, k, v), layer in zip(self.bufs, qkv, LAYERS):
+            qd = np.zeros((rows, N_HEADS, layer.head_dim), np.float32)
+            qd[:step.width] = q
+            kvd = np.full((2, rows, layer.n_kv_heads, layer.head_dim), np.nan, np.float32)
+            kvd[0, :step.width], kvd[1, :step.width] = k, v
+            qd = qd if self.attention == "dense" else qd.astype(self.dtype)
+            kvd = np.ascontiguousarray(kvd.astype(self.dtype))
+            self.check(self.cu.cuMemcpyHtoD(q_ptr, qd.ctypes.data, qd.nbytes), "cuMemcpyHtoD")
+            self.check(self.cu.cuMemcpyHtoD(kv_ptr, kvd.ctypes.data, kvd.nbytes // 2), "cuMemcpyHtoD")
+            self.check(self.cu.cuMemcpyHtoD(kv_ptr + MAX_WRITE * layer.row_elems * self.dtype.itemsize,
+                                            kvd.ctypes.data + kvd.nbytes // 2, kvd.nbytes // 2),
+                       "cuMemcpyHtoD")
 
-    def launch(self, width: int) -> None:
-        cu, c = self.cu, self.cache
-        cells = c.buffer("cells").ptr
-        read_len = c.buffer("read_len").ptr
-        P, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    def launch(self, rows: int) -> None:
+        c = self.cache
         for li, layer in enumerate(LAYERS):
-            q, k, v, out = self.inputs[li]
-            kp, vp = c.buffer(f"layer_{li}_k").ptr, c.buffer(f"layer_{li}_v").ptr
-            mask = c.buffer(f"mask_w{layer.window}").ptr
-            self.check(cu.cuLaunchKernel(
-                self.f_store, (layer.row_elems + 127) // 128, width, 1, 128, 1, 1, 0, self.stream,
-                ((cells, width, k, v, kp, vp, layer.row_elems), (P, I32, P, P, P, P, I32)), 0),
-                "cuLaunchKernel(store_kv)")
-            self.check(cu.cuLaunchKernel(
-                self.f_attend, width, N_HEADS, 1, 128, 1, 1, 0, self.stream,
-                ((read_len, q, kp, vp, mask, c.capacity, N_HEADS, layer.n_kv_heads, layer.head_dim, out),
-                 (P, P, P, P, P, I64, I32, I32, I32, P)), 0), "cuLaunchKernel(attend)")
+            q, kv, out = self.bufs[li]
+            lay = c.layer(li)
+            v_in = kv + MAX_WRITE * layer.row_elems * self.dtype.itemsize
+            self.kern.store_kv(c.buffer("cells").ptr, rows, kv, v_in, layer.row_elems,
+                               layer.head_dim, lay.k.ptr, lay.v.ptr, layer.n_kv_heads,
+                               layer.head_dim, self.stream)
+            if self.attention == "dense":
+                self.kern.attend_dense(c.buffer("read_len").ptr, q, lay.k.ptr, lay.v.ptr,
+                                       lay.mask.ptr, c.capacity, rows, N_HEADS, layer.n_kv_heads,
+                                       layer.head_dim, out, self.stream)
+            else:
+                self.kern.paged(self.view, rows, q, (N_HEADS * layer.head_dim, layer.head_dim),
+                                lay.k.ptr, lay.v.ptr, out, (N_HEADS * layer.head_dim, layer.head_dim),
+                                N_HEADS, layer.n_kv_heads, layer.head_dim, layer.window, self.stream)
 
-    def capture(self, width: int) -> None:
+    def capture(self, rows: int) -> None:
         cu, check = self.cu, self.check
-        self.release_graph()
-        check(cu.cuStreamBeginCapture(self.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-              "cuStreamBeginCapture")
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(cu.cuStreamBeginCapture(self.stream, mode), "cuStreamBeginCapture")
         try:
-            self.launch(width)
+            self.launch(rows)
         finally:
-            self.graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
-        self.exec = check(cu.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
-        self.graph_width = width
+            graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        self.graphs[rows] = (graph, check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))
 
-    def replay(self) -> None:
-        self.check(self.cu.cuGraphLaunch(self.exec, self.stream), "cuGraphLaunch")
-
-    def outputs(self, width: int) -> list[np.ndarray]:
-        self.check(self.cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
-        outs = []
-        for li, layer in enumerate(LAYERS):
-            a = np.empty((width, N_HEADS, layer.head_dim), np.float32)
-            self.check(self.cu.cuMemcpyDtoH(a.ctypes.data, self.inputs[li][3], a.nbytes), "cuMemcpyDtoH")
-            outs.append(a)
-        return outs
+    def replay(self, rows: int) -> None:
+        self.check(self.cu.cuGraphLaunch(self.graphs[rows][1], self.stream), "cuGraphLaunch")
 
     def sync(self) -> None:
         self.check(self.cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
-    def release_graph(self) -> None:
-        if self.exec is not None:
-            self.check(self.cu.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
-            self.check(self.cu.cuGraphDestroy(self.graph), "cuGraphDestroy")
-            self.exec = self.graph = None
+    def outputs(self, width: int) -> list[np.ndarray]:
+        self.sync()
+        outs = []
+        for (_, _, out_ptr), layer in zip(self.bufs, LAYERS):
+            dt = np.float32 if self.attention == "dense" else self.dtype
+            a = np.empty((width, N_HEADS, layer.head_dim), dt)
+            self.check(self.cu.cuMemcpyDtoH(a.ctypes.data, out_ptr, a.nbytes), "cuMemcpyDtoH")
+            outs.append(a.astype(np.float32))
+        return outs
 
     def close(self) -> None:
-        self.release_graph()
-        for bufs in self.inputs:
-            for ptr in bufs:
-                self.cu.cuMemFree(ptr)
-        self.cu.cuModuleUnload(self.module)
+        for graph, exe in self.graphs.values():
+            self.check(self.cu.cuGraphExecDestroy(exe), "cuGraphExecDestroy")
+            self.check(self.cu.cuGraphDestroy(graph), "cuGraphDestroy")
+        self.graphs = {}
 
 
 class TorchForward:
-    """The same forward in torch over the cache's buffers (DLPack), captured by torch.cuda.graph."""
+    """The same forward through cellcache.torch.attention, captured with torch.cuda.graph."""
 
-    def __init__(self, cache, stream, max_write: int):
+    def __init__(self, cache, stream, attention: str):
         import torch
 
-        self.torch, self.cache, self.stream = torch, cache, stream
-        dev = torch.device("cuda", cache.config.device)
-        self.inputs = [tuple(torch.zeros((max_write, n, layer.head_dim), device=dev)
-                             for n in (N_HEADS, layer.n_kv_heads, layer.n_kv_heads, N_HEADS))
-                       for layer in LAYERS]
-        self.graph = None
-        self.graph_width = None
-        self._views()
+        import cellcache.torch as cct
 
-    def _views(self) -> None:
-        t, c = self.torch, self.cache
-        self.cells = t.from_dlpack(c.buffer("cells"))
-        self.read_len = t.from_dlpack(c.buffer("read_len"))
-        self.masks = {w: t.from_dlpack(c.buffer(f"mask_w{w}"))[0, 0] for w in c.config.windows}
-        self.pools = [(t.from_dlpack(c.buffer(f"layer_{i}_k")), t.from_dlpack(c.buffer(f"layer_{i}_v")))
-                      for i in range(len(LAYERS))]
-        self.rows = torch_rows = self.pools[0][0].shape[0]
-        self.arange = t.arange(torch_rows, device=self.cells.device)
+        self.torch, self.cct, self.cache, self.stream = torch, cct, cache, stream
+        self.attention = "paged" if attention == "paged" else "sdpa"
+        self.view = cct.TorchView(cache)
+        dev = self.view.device
+        dt = cct.torch_dtype(cache.config.dtype)
+        self.inputs = [(torch.zeros((MAX_WRITE, N_HEADS, la.head_dim), dtype=dt, device=dev),
+                        torch.zeros((MAX_WRITE, la.n_kv_heads, la.head_dim), dtype=dt, device=dev),
+                        torch.zeros((MAX_WRITE, la.n_kv_heads, la.head_dim), dtype=dt, device=dev))
+                       for la in LAYERS]
+        self.graph_outs: dict[int, list] = {}      # each graph's output tensors
+        self.graphs: dict[int, object] = {}
+        self._last = 0
 
-    def fill(self, qkv: list) -> None:
-        with self.torch.cuda.stream(self.stream):
-            for bufs, arrays in zip(self.inputs, qkv):
-                for dst, a in zip(bufs, arrays):
-                    dst[: a.shape[0]].copy_(self.torch.from_numpy(np.ascontiguousarray(a)), non_blocking=False)
-
-    def _forward(self, width: int, write: bool = True) -> None:
+    def upload(self, step, qkv) -> None:
         t = self.torch
-        cells = self.cells[:width]
-        valid = self.arange < self.read_len          # device-side: graph replays see the new value
-        for li, layer in enumerate(LAYERS):
-            q, k, v, out = self.inputs[li]
-            kp, vp = self.pools[li]
-            if write:
-                kp.index_copy_(0, cells, k[:width].to(kp.dtype))
-                vp.index_copy_(0, cells, v[:width].to(vp.dtype))
-            mask = self.masks[layer.window][:width, : self.rows] & valid
-            group = N_HEADS // layer.n_kv_heads
-            K = kp.float().repeat_interleave(group, dim=1)
-            V = vp.float().repeat_interleave(group, dim=1)
-            scores = t.einsum("whd,rhd->hwr", q[:width], K) / (layer.head_dim ** 0.5)
-            scores = scores.masked_fill(~mask[None], float("-inf"))
-            out[:width] = t.einsum("hwr,rhd->whd", t.softmax(scores, dim=-1), V)
-
-    def launch(self, width: int) -> None:
-        with self.torch.cuda.stream(self.stream):
-            self._forward(width)
-
-    def capture(self, width: int) -> None:
-        t = self.torch
-        self._views()                    # the pools may have moved
-        # Warm up outside capture (allocator, kernels) without the K/V write: cells[:width]
-        # may hold stale entries now, and writing there would clobber live rows.
         with t.cuda.stream(self.stream):
-            self._forward(width, write=False)
-        self.stream.synchronize()
-        self.graph = t.cuda.CUDAGraph()
-        with t.cuda.graph(self.graph, stream=self.stream):
-            self._forward(width)
-        self.graph_width = width
+            for (qb, kb, vb), (q, k, v) in zip(self.inputs, qkv):
+                qb.zero_()
+                kb.fill_(float("nan"))
+                vb.fill_(float("nan"))
+                qb[:step.width].copy_(t.from_numpy(q))
+                kb[:step.width].copy_(t.from_numpy(k))
+                vb[:step.width].copy_(t.from_numpy(v))
 
-    def replay(self) -> None:
+    def _forward(self, rows: int) -> list:
+        return [self.cct.attention(self.view, li, q[:rows], k[:rows], v[:rows], backend=self.attention)
+                for li, (q, k, v) in enumerate(self.inputs)]
+
+    def launch(self, rows: int) -> None:
         with self.torch.cuda.stream(self.stream):
-            self.graph.replay()
+            self._forward(rows)
 
-    def outputs(self, width: int) -> list[np.ndarray]:
-        self.stream.synchronize()
-        return [self.inputs[li][3][:width].cpu().numpy() for li in range(len(LAYERS))]
+    def capture(self, rows: int) -> None:
+        t = self.torch
+        g = t.cuda.CUDAGraph()
+        with t.cuda.graph(g, stream=self.stream):
+            self.graph_outs[rows] = self._forward(rows)
+        self.graphs[rows] = g
+
+    def replay(self, rows: int) -> None:
+        with self.torch.cuda.stream(self.stream):
+            self.graphs[rows].replay()
 
     def sync(self) -> None:
         self.stream.synchronize()
 
+    def outputs(self, width: int) -> list[np.ndarray]:
+        self.sync()
+        return [o[:width].float().cpu().numpy() for o in self.graph_outs[self._last]]
+
     def close(self) -> None:
-        self.graph = None
+        self.graphs = {}
 
 
-def run(seqs: int = 16, steps: int = 500, seed: int = 0, width: int = 16, use_torch: bool = False,
-        capacity: int = 8192, progress: bool = True) -> dict:
+class GraphForward:
+    """The session's forward: upload, capture a bucket on its first use, replay (and every
+    EAGER_EVERY-th step also run eagerly, timed, and checked the same way)."""
+
+    def __init__(self, impl):
+        self.impl = impl
+        self.captures = 0
+        self.replays: dict[int, int] = {}
+        self.t_eager: list[float] = []
+        self.t_graph: list[float] = []
+        self.n = 0
+        self.eager_mismatch = 0
+
+    def __call__(self, cache, step, qkv):
+        impl, rows = self.impl, step.pad_to
+        impl.upload(step, qkv)
+        impl.sync()
+        self.n += 1
+        if rows not in impl.graphs:
+            impl.launch(rows)          # warm-up: allocations and first loads happen outside capture
+            impl.sync()
+            impl.capture(rows)
+            self.captures += 1
+        elif self.n % EAGER_EVERY == 0:
+            t0 = time.perf_counter()
+            impl.launch(rows)
+            impl.sync()
+            self.t_eager.append((time.perf_counter() - t0) * 1e6)
+        impl._last = rows
+        t0 = time.perf_counter()
+        impl.replay(rows)
+        impl.sync()
+        self.t_graph.append((time.perf_counter() - t0) * 1e6)
+        self.replays[rows] = self.replays.get(rows, 0) + 1
+        return impl.outputs(step.width)
+
+
+def run(seqs: int = 24, steps: int = 1000, seed: int = 0, use_torch: bool = False,
+        attention: str = "paged", buckets: list[int] | None = None, capacity: int = 4096,
+        progress: bool = True) -> dict:
     from cellcache.cuda.backend import CudaCellCache
     from cellcache.cuda.driver import check, cu
 
-    rng = np.random.default_rng(seed)
-    max_write = 64
-    cfg = CacheConfig(capacity=capacity, layers=LAYERS, max_write=max_write, initial_capacity=128,
-                      dtype="bfloat16", max_seqs=max(64, 4 * seqs))
+    buckets = sorted(buckets or [1, 2, 4, 8, 16, 32, 64])
+    cfg = CacheConfig(capacity=capacity, layers=LAYERS, max_write=MAX_WRITE, initial_capacity=128,
+                      dtype="bfloat16", max_seqs=max(64, 4 * seqs), paged=attention == "paged",
+                      mask_format="none" if attention == "paged" else "bool")
     cache = CudaCellCache(cfg)
-    st = storage_dtype(cfg.dtype)
     if use_torch:
         import torch
 
         stream = torch.cuda.Stream(device=cfg.device)
-        handle = stream
+        impl = TorchForward(cache, stream, attention)
     else:
-        stream = int(check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate"))
-        handle = stream
-    fwd = (TorchForward if use_torch else DriverForward)(cache, stream, max_write)
-    max_len = 240
-    live: dict[int, dict] = {}
-    stats = dict(steps=0, tokens=0, graph_steps=0, eager_steps=0, captures=0, forks=0, rewinds=0,
-                 finished=0, preempted=0, arrivals=0, mismatches=0)
-    max_err = 0.0
-    t_eager, t_graph = [], []
-
-    def new(sid, prompt):
-        return {"prompt": prompt, "len": 0, "target": int(rng.integers(prompt + 8, max_len)),
-                "k": [np.zeros((max_len, la.n_kv_heads, la.head_dim), np.float32) for la in LAYERS],
-                "v": [np.zeros((max_len, la.n_kv_heads, la.head_dim), np.float32) for la in LAYERS]}
-
-    def check_outputs(step, qkv, outs):
-        nonlocal max_err
-        bad = 0
-        for li, layer in enumerate(LAYERS):
-            q = qkv[li][0]
-            for i in range(step.width):
-                s = live[int(step.seq_ids[i])]
-                p = int(step.positions[i])
-                ref = attention.dense_attention(q[i], s["k"][li], s["v"][li], p, layer.window)
-                err = float(np.max(np.abs(outs[li][i] - ref)))
-                max_err = max(max_err, err)
-                bad += not err <= TOLERANCE
-        return bad
-
-    for step_no in range(steps):
-        # arrivals: the session is topped up to --seqs, and requests keep arriving over time
-        arriving = max(0, seqs - len(live)) + int(rng.random() < 0.15 and len(live) < 3 * seqs)
-        for _ in range(arriving):
-            sid = cache.seq_new()
-            if sid is None:
-                break
-            live[sid] = new(sid, int(rng.integers(8, 96)))
-            stats["arrivals"] += 1
-        prefilling = [s for s, d in live.items() if d["prompt"] > d["len"]]
-        decoding = [s for s, d in live.items() if d["prompt"] <= d["len"]]
-        if prefilling and (step_no % 2 == 0 or len(decoding) < width):
-            batch = []
-            for s in rng.permutation(prefilling)[:3]:
-                d = live[int(s)]
-                batch += [int(s)] * min(int(rng.integers(8, 33)), d["prompt"] - d["len"])
-            batch = batch[:max_write]
-            rng.shuffle(batch)
-            graph_step = False
-        else:
-            batch = [int(s) for s in rng.permutation(decoding)[:width]]     # new order each step
-            graph_step = len(batch) == width
-        if not batch:
-            continue
-        while not cache.declare_step(batch):
-            victim = max(live, key=lambda s: live[s]["len"])
-            cache.seq_rm(victim)
-            del live[victim]
-            stats["preempted"] += 1
-            batch = [s for s in batch if s != victim]
-            graph_step = False
-            if not batch:
-                break
-        if not batch:
-            continue
-        step = cache.prepare_step(stream=handle)
-        if step.grew:                                    # pools moved: (re)capture
-            fwd.capture(width)
-            stats["captures"] += 1
-        qkv = []
-        for layer in LAYERS:
-            w = step.width
-            qkv.append((rng.standard_normal((w, N_HEADS, layer.head_dim), dtype=np.float32),
-                        rng.standard_normal((w, layer.n_kv_heads, layer.head_dim), dtype=np.float32),
-                        rng.standard_normal((w, layer.n_kv_heads, layer.head_dim), dtype=np.float32)))
-        for li in range(len(LAYERS)):                    # the oracle sees the stored (rounded) K/V
-            for i in range(step.width):
-                d, p = live[int(step.seq_ids[i])], int(step.positions[i])
-                d["k"][li][p] = qkv[li][1][i].astype(st).astype(np.float32)
-                d["v"][li][p] = qkv[li][2][i].astype(st).astype(np.float32)
-        fwd.fill(qkv)
-        fwd.sync()
-        t0 = time.perf_counter()
-        fwd.launch(step.width)                           # eager
-        fwd.sync()
-        t1 = time.perf_counter()
-        stats["mismatches"] += check_outputs(step, qkv, fwd.outputs(step.width))
-        if graph_step:
-            t2 = time.perf_counter()
-            fwd.replay()                                 # the same forward, by graph replay
-            fwd.sync()
-            t3 = time.perf_counter()
-            stats["mismatches"] += check_outputs(step, qkv, fwd.outputs(step.width))
-            t_eager.append((t1 - t0) * 1e6)
-            t_graph.append((t3 - t2) * 1e6)
-            stats["graph_steps"] += 1
-        else:
-            stats["eager_steps"] += 1
-        cache.commit_step()
-        stats["steps"] += 1
-        stats["tokens"] += step.width
-        for s in set(int(x) for x in step.seq_ids):
-            live[s]["len"] += int(np.count_nonzero(step.seq_ids == s))
-        for s in list(live):
-            d = live[s]
-            if d["prompt"] > d["len"]:
-                continue
-            if d["len"] >= d["target"]:
-                cache.seq_rm(s)
-                del live[s]
-                stats["finished"] += 1
-                continue
-            r = rng.random()
-            if r < 0.02 and d["len"] > 1:
-                upto = int(rng.integers(1, d["len"] + 1))
-                child = cache.seq_clone(s, upto=upto)
-                if child is not None:
-                    c = new(child, 0)
-                    c["len"] = upto
-                    c["k"] = [a.copy() for a in d["k"]]
-                    c["v"] = [a.copy() for a in d["v"]]
-                    live[child] = c
-                    stats["forks"] += 1
-            elif r < 0.08 and d["len"] > 1:
-                back = int(rng.integers(1, min(4, d["len"]) + 1))
-                assert cache.rewind(s, d["len"] - back)
-                d["len"] -= back
-                stats["rewinds"] += 1
-        if progress and (step_no + 1) % max(1, steps // 10) == 0:
-            print(f"capture_graph: {step_no + 1}/{steps} steps, {stats['graph_steps']} replays, "
-                  f"{stats['mismatches']} mismatches", file=sys.stderr, flush=True)
+        flags = int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        stream = int(check(cu.cuStreamCreate(flags), "cuStreamCreate"))
+        impl = DriverForward(cache, stream, attention)
+    fwd = GraphForward(impl)
+    session = Session(cache, fwd, SessionConfig(
+        n_heads=N_HEADS, max_len=240, prompt=(8, 96), chunk=(8, 33), arrivals=(0, 3),
+        max_live=seqs, p_fork=0.02, p_rewind=0.06, buckets=buckets, tolerance=TOLERANCE,
+        decode_only_every=3, q_dtype="bfloat16" if attention == "paged" else None),
+        seed=seed, stream=stream)
+    summary = session.run(steps, progress, label="capture_graph")
+    impl.close()
     m = cache.metrics()
-    fwd.close()
+    cache.close()
     if not use_torch:
         check(cu.cuStreamDestroy(stream), "cuStreamDestroy")
-    cache.close()
     return {
-        "mode": "torch" if use_torch else "driver", **stats, "growths": m["growth_count"],
-        "rows": m["flat_capacity"], "max_error": max_err,
-        "eager_forward_us": statistics.median(t_eager) if t_eager else 0.0,
-        "graph_forward_us": statistics.median(t_graph) if t_graph else 0.0,
+        "mode": "torch" if use_torch else "driver", "attention": attention, **summary,
+        "captures": fwd.captures, "buckets_used": len(summary["per_bucket"]),
+        "replays_per_bucket": dict(sorted(fwd.replays.items())),
+        "graph_steps": sum(fwd.replays.values()), "eager_only_steps": 0,
+        "mapped_bytes": m.get("mapped_bytes", 0),
+        "eager_forward_us": statistics.median(fwd.t_eager) if fwd.t_eager else 0.0,
+        "graph_forward_us": statistics.median(fwd.t_graph) if fwd.t_graph else 0.0,
     }
 
 
 def main(argv: list[str] | None = None, probe=cuda_usable) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqs", type=int, default=16, help="live sequences to keep (>= 16; default 16)")
-    p.add_argument("--steps", type=int, default=500, help="steps to run (default 500)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--width", type=int, default=16, help="decode batch width the graph is captured for")
-    p.add_argument("--torch", action="store_true", help="forward in torch over DLPack views, torch.cuda.graph")
+    p = Parser(prog="capture_graph", description=__doc__,
+               formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=in_range(1, 256), default=24, help="most live sequences (default 24)")
+    p.add_argument("--steps", type=in_range(1, 1_000_000), default=1000, help="steps (default 1000)")
+    p.add_argument("--seed", type=in_range(0, 2**63 - 1), default=0, help="random seed (default 0)")
+    p.add_argument("--capacity", type=in_range(MAX_WRITE, 1 << 24), default=4096,
+                   help="cells in the pool (default 4096)")
+    p.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help=f"comma-separated widths to capture (default powers of two to {MAX_WRITE})")
+    p.add_argument("--attention", choices=["paged", "dense"], default="paged",
+                   help="paged view with the paged kernels (default), or dense masks")
+    p.add_argument("--torch", action="store_true", help="forward in torch, torch.cuda.graph")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
-    if args.seqs < 16 or args.steps < 1 or not 1 <= args.width <= 64 or args.width > args.seqs:
-        p.error("need --seqs >= 16, --steps >= 1 and 1 <= --width <= min(64, --seqs)")
+    if args.buckets is not None and (not args.buckets or min(args.buckets) < 1
+                                     or max(args.buckets) != MAX_WRITE):
+        p.error(f"--buckets must be positive widths whose largest is {MAX_WRITE}")
     ok, why = probe()
     if not ok:
         print(f"capture_graph: {why}; this demo needs a GPU (exit {NO_GPU_EXIT})")
         return NO_GPU_EXIT
-    s = run(args.seqs, args.steps, args.seed, args.width, args.torch, progress=not args.quiet)
+    s = run(args.seqs, args.steps, args.seed, args.torch, args.attention, args.buckets,
+            args.capacity, progress=not args.quiet)
+    good = s["mismatches"] == 0 and s["captures"] == s["buckets_used"]
     if args.json:
         print(json.dumps(s, indent=2))
     else:
-        print(f"capture_graph [{s['mode']}]: {s['steps']} steps ({s['graph_steps']} graph replays, "
-              f"{s['eager_steps']} eager), {s['tokens']} tokens, {s['arrivals']} arrivals, "
-              f"{s['forks']} forks, {s['rewinds']} rewinds, {s['finished']} finished, "
-              f"{s['preempted']} preempted")
-        print(f"captures {s['captures']} = 1 + growths {s['growths']}: "
-              f"{'yes' if s['captures'] == 1 + s['growths'] else 'NO'}; max error {s['max_error']:.2e}; "
-              f"{s['mismatches']} mismatches")
-        print(f"forward per decode step (width {args.width}, 3 layers): eager {s['eager_forward_us']:.0f} us, "
+        print(f"capture_graph [{s['mode']}, {s['attention']}]: {s['steps']} steps, all by graph "
+              f"replay, {s['tokens']} tokens, {s['arrivals']} arrivals, {s['forks']} forks, "
+              f"{s['rewinds']} rewinds, {s['finished']} finished, {s['preempted']} preempted, "
+              f"{s['growths']} growths")
+        print("replays per bucket: " + ", ".join(f"{b}: {n}" for b, n in s["replays_per_bucket"].items()))
+        print(f"captures {s['captures']} == buckets used {s['buckets_used']} (growths cause none): "
+              f"{'yes' if s['captures'] == s['buckets_used'] else 'NO'}; max error "
+              f"{s['max_error']:.2e}; {s['mismatches']} mismatches")
+        print(f"forward per step (3 layers, median): eager {s['eager_forward_us']:.0f} us, "
               f"graph replay {s['graph_forward_us']:.0f} us")
-    return 1 if s["mismatches"] or s["captures"] != 1 + s["growths"] else 0
+    return 0 if good else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Everything the GPU issues need seen on the device machine, in one call:
-#   build in place, GPU tests, the CPU suite under the device's Python, the GPU benchmark.
-# Logs go to $OUT (or ./gpu-out); usage: bash tools/gpu_check.sh [--no-bench] [pytest args]
+# Everything the GPU work needs seen on the device machine, in one call:
+#   build in place, the GPU tests, the graph demo in both modes, the demo on CUDA, and
+#   (unless --no-bench) the GPU benchmark sections.
+# Logs go to $OUT (or ./gpu-out). Usage: bash tools/gpu_check.sh [--no-bench] [pytest args]
+# FlashInfer, when carried as wheels in .whl/, is installed to /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -9,16 +11,27 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 bench=1
 if [ "${1:-}" = "--no-bench" ]; then bench=0; shift; fi
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import sys, numpy, Cython; print(sys.version.split()[0], numpy.__version__, Cython.__version__)'
+  python3 -c 'import sys, numpy, Cython, torch; print(sys.version.split()[0], numpy.__version__, Cython.__version__, torch.__version__)'
 } 2>&1 | tee "$out/env.log"
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 | tee "$out/build.log" || exit 1
+rc=0
 python3 -m pytest -q -m gpu tests/gpu "$@" 2>&1 | tee "$out/gpu-tests.log"
-rc=${PIPESTATUS[0]}
-python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/gpu --deselect tests/test_stubs.py 2>&1 | tail -3 | tee "$out/cpu-tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+for mode in "" "--torch"; do
+  python3 tools/capture_graph.py --steps 1000 --seed 5 --quiet $mode 2>&1 | tee -a "$out/capture-graph.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+done
+for view in bool paged; do
+  python3 -m cellcache demo --backend cuda --steps 200 --quiet --view $view --pad 2>&1 | tee -a "$out/demo-cuda.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+done
 if [ "$bench" = 1 ]; then
-  python3 tools/bench.py --section gpu --reps 100 --json "$out/gpu-bench.json" 2>&1 | tee "$out/bench.log"
+  python3 tools/bench.py --section all-gpu --reps 100 --json "$out/gpu-bench.json" 2>&1 | tee "$out/bench.log"
 fi
 exit "$rc"

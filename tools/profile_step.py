@@ -1,38 +1,43 @@
 #!/usr/bin/env python3
-"""Runs prepare_step for one benchmark case, for a profiler to look at (ncu, nsys).
+"""Runs prepare_step for one benchmark case in a loop, for a profiler to look at (ncu).
 
-  ncu --clock-control none -k regex:'fill_masks|apply_delta' --launch-skip 20 --launch-count 4 \\
+  ncu --clock-control none -k regex:'apply_step|build_step' --launch-skip 20 --launch-count 4 \\
       python3 tools/profile_step.py --width 64 --read-len 131072 --windows 2 --max-seqs 1024
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cellcache._cli import Parser, in_range  # noqa: E402
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--read-len", type=int, default=131072)
-    p.add_argument("--windows", type=int, default=2, choices=[1, 2, 3])
-    p.add_argument("--max-seqs", type=int, default=1024)
-    p.add_argument("--live", type=int, default=256)
-    p.add_argument("--steps", type=int, default=40)
+    p = Parser(prog="profile_step", description=__doc__)
+    p.add_argument("--width", type=in_range(1, 4096), default=64)
+    p.add_argument("--read-len", type=in_range(128, 1 << 30), default=131072)
+    p.add_argument("--windows", type=in_range(1, 3), default=2)
+    p.add_argument("--max-seqs", type=in_range(1, 1 << 16), default=1024)
+    p.add_argument("--live", type=in_range(1, 1 << 16), default=256)
+    p.add_argument("--format", choices=["bool", "bits", "none"], default="bool")
+    p.add_argument("--steps", type=in_range(1, 100000), default=40)
     args = p.parse_args(argv)
-    from cellcache.cuda.driver import device_usable
+    from cellcache.cuda.probe import cuda_usable
 
-    if not device_usable():
-        print("profile_step: no CUDA driver or no CUDA device")
+    ok, why = cuda_usable()
+    if not ok:
+        print(f"profile_step: {why}")
         return 3
+    from bench_gpu import fill_to
+
     from cellcache.config import CacheConfig, LayerConfig
     from cellcache.cuda.backend import CudaCellCache
-    from cellcache.cuda.bench import fill_to
     from cellcache.cuda.driver import check, cu
 
     rng = np.random.default_rng(0)
@@ -41,7 +46,8 @@ def main(argv=None) -> int:
     cap += (-cap) % 16
     cache = CudaCellCache(CacheConfig(capacity=cap, layers=[LayerConfig(1, 8, w) for w in windows],
                                       max_write=max(64, args.width), initial_capacity=cap,
-                                      max_seqs=args.max_seqs))
+                                      max_seqs=args.max_seqs, mask_format=args.format,
+                                      paged=args.format == "none"))
     seqs = fill_to(cache, args.read_len - args.width, min(args.live, args.max_seqs), rng)
     stream = int(check(cu.cuStreamCreate(1), "cuStreamCreate"))
     for _ in range(args.steps):

@@ -44,8 +44,10 @@ class DeviceBuffer:
     on the consumer's stream) and ``copy_to_host()``.
     """
 
-    def __init__(self, cache: CudaCellCache, name: str, ptr: int, shape: tuple, dtype: Any):
+    def __init__(self, cache: CudaCellCache, name: str, ptr: int, shape: tuple, dtype: Any,
+                 backed_rows: Any = None):
         self._cache = cache
+        self._backed_rows = backed_rows     # pools: how many leading rows have memory now
         self.name, self.ptr, self.shape, self.dtype = name, int(ptr), tuple(shape), np.dtype(dtype)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
@@ -75,12 +77,18 @@ class DeviceBuffer:
         return (_engine.KDL_CUDA, self._cache.config.device)
 
     def copy_to_host(self) -> np.ndarray:
-        """A numpy copy, after all work queued on the device so far (masks as numpy.bool_)."""
-        out = np.empty(self.shape, dtype=self.dtype)
-        if self.nbytes:
+        """A numpy copy, after all work queued on the device so far (masks as numpy.bool_).
+
+        A pool's copy holds the rows that have memory behind them: ``[0, cache.rows)``.
+        """
+        shape = self.shape
+        if self._backed_rows is not None:
+            shape = (min(shape[0], self._backed_rows()),) + shape[1:]
+        out = np.empty(shape, dtype=self.dtype)
+        if out.nbytes:
             self._cache._ctx.make_current()
             check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
-            check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, self.nbytes), "cuMemcpyDtoH")
+            check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
         return out
 
 
@@ -285,13 +293,15 @@ class CudaCellCache(CellCache):
 
     def _pools_changed(self) -> None:
         cfg, pools = self.config, self._pools
-        rows = pools.sink + 1 if (isinstance(pools, MappedPools) or pools.rows) else 0
+        mapped = isinstance(pools, MappedPools)
+        rows = pools.sink + 1 if (mapped or pools.rows) else 0
+        backed = (lambda: pools.rows) if mapped else None
         for (i, kv) in self._row_bytes:
             layer = cfg.layers[i]
             name = f"layer_{i}_{kv}"
             self._buffers[name] = DeviceBuffer(self, name, self._pool_ptr((i, kv)),
                                                (rows, layer.n_kv_heads, layer.head_dim),
-                                               cfg.np_dtype)
+                                               cfg.np_dtype, backed)
 
     # -- the step --------------------------------------------------------------------------------
     def _check_open(self) -> None:

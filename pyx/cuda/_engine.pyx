@@ -165,7 +165,8 @@ def fill_params(dict f):
     p.pos, p.owners, p.seqbits = f["pos"], f["owners"], f["seqbits"]
     p.cells, p.positions, p.read_len, p.width = f["cells"], f["positions"], f["read_len"], f["width"]
     p.seq_ids = f["seq_ids"]
-    p.qo_indptr, p.kv_indptr, p.kv_indices = f.get("qo_indptr", 0), f.get("kv_indptr", 0), f.get("kv_indices", 0)
+    p.qo_indptr, p.kv_indptr = f.get("qo_indptr", 0), f.get("kv_indptr", 0)
+    p.kv_indices = f.get("kv_indices", 0)
     p.run_seq, p.run_last, p.run_kv = f.get("run_seq", 0), f.get("run_last", 0), f.get("run_kv", 0)
     for k in range(len(windows)):
         p.windows[k] = windows[k]

@@ -1,13 +1,11 @@
-"""GPU tests: marked ``gpu``; skipped only when there is no CUDA driver or no device.
-
-Any other failure of the probe (a broken driver, a bad context) fails the tests.
-"""
+"""GPU tests: marked ``gpu``; skipped only when cuda-bindings, the driver or a device is
+missing (the ctypes probe). Any other failure of the probe fails the tests."""
 
 import pytest
 
-from cellcache.cuda.driver import device_usable
+from cellcache.cuda.probe import cuda_usable
 
-_USABLE = device_usable()
+_USABLE, _WHY = cuda_usable()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -15,4 +13,4 @@ def pytest_collection_modifyitems(config, items):
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.gpu)
             if not _USABLE:
-                item.add_marker(pytest.mark.skip(reason="no CUDA driver or no CUDA device"))
+                item.add_marker(pytest.mark.skip(reason=_WHY))

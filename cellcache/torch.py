@@ -1,0 +1,230 @@
+"""PyTorch over the cache: zero-copy tensor views and an attention that writes K/V and reads
+the cache, eager or inside a captured CUDA graph.
+
+>>> import torch, cellcache as cc, cellcache.torch as cct
+>>> cache = cc.build("auto", "batched", cc.CacheConfig(capacity=4096, max_write=64,
+...                  layers=[cc.LayerConfig(2, 64)], paged=True))             # doctest: +SKIP
+>>> view = cct.TorchView(cache)                                               # doctest: +SKIP
+>>> step = cache.prepare_step(stream=torch.cuda.current_stream(), pad_to=16)  # doctest: +SKIP
+>>> out = cct.attention(view, 0, q, k, v)       # q [16, H, D], k/v [16, Hkv, D] # doctest: +SKIP
+
+:class:`TorchView` holds tensors over every buffer (rebuilt only when the pools move, which
+with fixed-address pools is never after the first step). :func:`attention` does, for rows
+``[0, T)`` of a step padded to T:
+
+1. K/V of every row into the layer's pools at ``cells[:T]`` (``index_copy_``; padding rows
+   land in the sink row);
+2. attention of every row: on CUDA over the paged view with cellcache's paged kernels
+   (launched on torch's current stream, so a graph captures them), or FlashInfer's when
+   asked; on the host backend, and on CUDA caches without the paged view, through
+   ``scaled_dot_product_attention`` over the layer's mask, restricted to pool rows
+   ``[0, read_len)`` (host) or ``[0, rows)`` (CUDA: no host sync, so a graph captured at
+   one row count serves until ``Step.rows`` changes).
+
+No host synchronisation happens inside on CUDA, so the call can be captured in a graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .cache import CellCache, Step
+from .errors import InvalidArgument
+
+__all__ = ["TorchView", "as_tensor", "attention", "torch_dtype"]
+
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a K/V dtype name."""
+    return _TORCH_DTYPES[name]
+
+
+def as_tensor(buffer: Any) -> torch.Tensor:
+    """A zero-copy torch view of any cache buffer, on any backend and dtype.
+
+    Host buffers (numpy, bfloat16 included through ml_dtypes) become CPU tensors sharing the
+    memory; CUDA buffers come through DLPack, ordered after the last step's buffer writes
+    on torch's current stream.
+    """
+    if isinstance(buffer, np.ndarray):
+        if buffer.dtype.name == "bfloat16":
+            return torch.from_numpy(buffer.view(np.int16)).view(torch.bfloat16)
+        if buffer.dtype == np.bool_:
+            return torch.from_numpy(buffer)
+        return torch.from_numpy(buffer)
+    if hasattr(buffer, "__dlpack__"):
+        return torch.from_dlpack(buffer)
+    raise InvalidArgument(f"buffer of type {type(buffer).__name__} is not a cache buffer")
+
+
+class TorchView:
+    """Torch tensors over a cache's buffers, by role rather than by name.
+
+    ``cells``, ``positions``, ``read_len``, ``width`` (int64), ``masks[window]``
+    (``[max_write, capacity]`` bool, or ``[max_write, ceil(capacity / 8)]`` uint8 bits),
+    the paged view's ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``
+    (int32), and per layer its K and V pools ``[sink + 1, n_kv_heads, head_dim]``
+    (:meth:`layer`). Call :meth:`refresh` after a step whose ``grew`` is True.
+    """
+
+    def __init__(self, cache: CellCache):
+        if not isinstance(cache, CellCache):
+            raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
+        self.cache = cache
+        self.config = cache.config
+        self.cuda = cache.backend == "cuda"
+        self._kernels = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rebuilds the views (pools that moved, after ``Step.grew``)."""
+        c, cfg = self.cache, self.config
+        t = {name: as_tensor(c.buffer(name)) for name in c.buffer_names}
+        self.cells, self.positions = t["cells"], t["positions"]
+        self.read_len, self.width = t["read_len"], t["width"]
+        self.masks = {}
+        if cfg.mask_format != "none":
+            for w in cfg.windows:
+                m = t[f"mask_w{w}"]
+                self.masks[w] = m.view(cfg.max_write, -1)
+        self.paged = {name: t[name] for name in ("qo_indptr", "kv_indptr", "kv_indices",
+                                                  "kv_last_page_len") if name in t}
+        self.pools = [(t[f"layer_{i}_k"], t[f"layer_{i}_v"]) for i in range(len(cfg.layers))]
+        self.device = self.cells.device
+        self._arange = torch.arange(self.pools[0][0].shape[0], device=self.device)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Layer ``index``'s K pool, V pool and window."""
+        k, v = self.pools[index]
+        return k, v, self.config.layers[index].window
+
+    def kernels(self):
+        """cellcache's attention kernels for this cache (CUDA), loaded once."""
+        if self._kernels is None:
+            from .cuda.kernels import kernels_for
+
+            self._kernels = kernels_for(self.cache)
+        return self._kernels
+
+
+def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              *, step: Step | None = None, backend: str = "auto",
+              scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Writes rows ``[0, T)`` of K/V at ``cells[:T]`` and attends every row; returns
+    ``[T, n_heads, head_dim]`` (rows past the step's real width are padding: discard them).
+
+    ``q`` is ``[T, n_heads, head_dim]``, ``k``/``v`` ``[T, n_kv_heads, head_dim]``, any
+    strides (HF's ``[1, H, T, D]`` transposed is fine). ``backend``: ``"auto"`` (paged
+    kernels on CUDA with the paged view, else SDPA over masks), ``"paged"``, ``"sdpa"`` or
+    ``"flashinfer"`` (needs ``step``: FlashInfer plans from the step's host indptrs).
+    ``step`` is needed on the host backend (its ``read_len`` bounds the pool rows read).
+    """
+    cfg = view.config
+    T = q.shape[0]
+    k_pool, v_pool, window = view.layer(layer)
+    lc = cfg.layers[layer]
+    if q.ndim != 3 or k.shape != (T, lc.n_kv_heads, lc.head_dim) or v.shape != k.shape:
+        raise InvalidArgument(
+            f"q must be [T, n_heads, {lc.head_dim}] and k, v [T, {lc.n_kv_heads}, "
+            f"{lc.head_dim}]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if T > cfg.max_write:
+        raise InvalidArgument(f"{T} rows is more than max_write={cfg.max_write}")
+    cells = view.cells[:T]
+    k_pool.index_copy_(0, cells, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, cells, v.to(v_pool.dtype))
+    if backend == "auto":
+        backend = "paged" if view.cuda and cfg.paged else "sdpa"
+    if backend == "paged":
+        return _paged(view, layer, q, k_pool, v_pool, window, scale, out)
+    if backend == "flashinfer":
+        return _flashinfer(view, layer, q, k_pool, v_pool, window, step, scale)
+    if backend == "sdpa":
+        return _sdpa(view, layer, q, k_pool, v_pool, window, step, scale)
+    raise InvalidArgument(f"backend={backend!r} is not one of auto, paged, sdpa, flashinfer")
+
+
+def _paged(view, layer, q, k_pool, v_pool, window, scale, out):
+    if not (view.cuda and view.config.paged):
+        raise InvalidArgument("backend 'paged' needs a CUDA cache built with paged=True")
+    lc = view.config.layers[layer]
+    T, H, D = q.shape
+    q = q.to(k_pool.dtype)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty((T, H, D), dtype=k_pool.dtype, device=q.device)
+    p = view.paged
+    kern = view.kernels()
+    kern.paged({"qo_indptr": p["qo_indptr"].data_ptr(), "kv_indptr": p["kv_indptr"].data_ptr(),
+                "kv_indices": p["kv_indices"].data_ptr(), "width": view.width.data_ptr()},
+               T, q.data_ptr(), (q.stride(0), q.stride(1)), k_pool.data_ptr(), v_pool.data_ptr(),
+               out.data_ptr(), (out.stride(0), out.stride(1)), H, lc.n_kv_heads, D, window,
+               torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
+    return out
+
+
+def _sdpa(view, layer, q, k_pool, v_pool, window, step, scale):
+    cfg = view.config
+    if cfg.mask_format == "none":
+        raise InvalidArgument("backend 'sdpa' needs masks (mask_format 'bool' or 'bits')")
+    T = q.shape[0]
+    if view.cuda:
+        rows = view.cache.rows          # backed rows: a graph captured here serves until they change
+        live = view._arange[:rows] < view.read_len
+    else:
+        if step is None:
+            raise InvalidArgument("the host backend needs step= (its read_len bounds the rows)")
+        rows = step.read_len
+        live = None
+    mask = view.masks[window][:T]
+    if cfg.mask_format == "bits":
+        mask = _unpack_bits(mask, rows)
+    else:
+        mask = mask[:, :rows]
+    if live is not None:
+        mask = mask & live
+    dtype = q.dtype if q.dtype != torch.float16 or view.cuda else torch.float32
+    k = k_pool[:rows].to(dtype).permute(1, 0, 2)[None]       # [1, Hkv, rows, D]
+    v = v_pool[:rows].to(dtype).permute(1, 0, 2)[None]
+    qq = q.to(dtype).permute(1, 0, 2)[None]                  # [1, H, T, D]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qq, k, v, attn_mask=mask[None, None], scale=scale,
+        enable_gqa=qq.shape[1] != k.shape[1])
+    return o[0].permute(1, 0, 2).to(k_pool.dtype)
+
+
+def _unpack_bits(bits: torch.Tensor, cols: int) -> torch.Tensor:
+    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+    expanded = (bits[:, :, None] >> shifts) & 1                       # little-endian in a byte
+    return expanded.reshape(bits.shape[0], -1)[:, :cols].bool()
+
+
+def _flashinfer(view, layer, q, k_pool, v_pool, window, step, scale):
+    if step is None or step.qo_indptr is None:
+        raise InvalidArgument("backend 'flashinfer' needs step= of a paged cache")
+    import flashinfer
+
+    lc = view.config.layers[layer]
+    T, H, D = q.shape
+    n = step.n_requests
+    key = (n, T, window, H)
+    cache = getattr(view, "_fi", None)
+    if cache is None or cache[0] != (step.qo_indptr.tobytes(), step.kv_indptr.tobytes(), key):
+        ws = getattr(view, "_fi_workspace", None)
+        if ws is None:
+            ws = view._fi_workspace = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        dev = q.device
+        wrapper.plan(torch.as_tensor(step.qo_indptr, device=dev),
+                     torch.as_tensor(step.kv_indptr, device=dev),
+                     view.paged["kv_indices"], view.paged["kv_last_page_len"][:n],
+                     H, lc.n_kv_heads, D, 1, causal=True, window_left=window - 1 if window else -1,
+                     sm_scale=scale, q_data_type=k_pool.dtype, kv_data_type=k_pool.dtype)
+        view._fi = cache = ((step.qo_indptr.tobytes(), step.kv_indptr.tobytes(), key), wrapper)
+    out = cache[1].run(q.to(k_pool.dtype).contiguous(), (k_pool[:, None], v_pool[:, None]))
+    return out
