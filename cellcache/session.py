@@ -198,7 +198,8 @@ class Session:
                 self.stats["finished"] += 1
                 continue
             r = rng.random()
-            if r < cfg.p_fork and seq.length > 1:
+            room = (cfg.max_live or self.cache.config.max_seqs) > len(self.live)
+            if r < cfg.p_fork and seq.length > 1 and room:
                 upto = int(rng.integers(1, seq.length + 1))
                 child = self.cache.seq_clone(sid, upto=upto)
                 if child is not None:

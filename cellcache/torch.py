@@ -120,8 +120,9 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
 
     ``q`` is ``[T, n_heads, head_dim]``, ``k``/``v`` ``[T, n_kv_heads, head_dim]``, any
     strides (HF's ``[1, H, T, D]`` transposed is fine). ``backend``: ``"auto"`` (paged
-    kernels on CUDA with the paged view, else SDPA over masks), ``"paged"``, ``"sdpa"`` or
-    ``"flashinfer"`` (needs ``step``: FlashInfer plans from the step's host indptrs).
+    kernels on CUDA with the paged view, else SDPA over masks), ``"paged"``, ``"prefill"``
+    (the tiled prefill kernel; eager, needs ``step``), ``"sdpa"`` or ``"flashinfer"`` (needs
+    ``step``: FlashInfer plans from the step's host indptrs).
     ``step`` is needed on the host backend (its ``read_len`` bounds the pool rows read).
     """
     cfg = view.config
@@ -134,18 +135,36 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
             f"{lc.head_dim}]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if T > cfg.max_write:
         raise InvalidArgument(f"{T} rows is more than max_write={cfg.max_write}")
+    if backend == "auto":
+        backend = "paged" if view.cuda and cfg.paged else "sdpa"
+    _check_backend(view, backend, step)          # refuse before anything is written
     cells = view.cells[:T]
     k_pool.index_copy_(0, cells, k.to(k_pool.dtype))
     v_pool.index_copy_(0, cells, v.to(v_pool.dtype))
-    if backend == "auto":
-        backend = "paged" if view.cuda and cfg.paged else "sdpa"
     if backend == "paged":
         return _paged(view, layer, q, k_pool, v_pool, window, scale, out)
+    if backend == "prefill":
+        return _prefill(view, layer, q, k_pool, v_pool, window, step, scale)
     if backend == "flashinfer":
         return _flashinfer(view, layer, q, k_pool, v_pool, window, step, scale)
+    return _sdpa(view, layer, q, k_pool, v_pool, window, step, scale)
+
+
+def _check_backend(view: TorchView, backend: str, step: Step | None) -> None:
+    cfg = view.config
+    paged_cuda = view.cuda and cfg.paged
+    if backend not in ("paged", "prefill", "flashinfer", "sdpa"):
+        raise InvalidArgument(f"backend={backend!r} is not one of auto, paged, prefill, sdpa, flashinfer")
+    if backend == "paged" and not paged_cuda:
+        raise InvalidArgument("backend 'paged' needs a CUDA cache built with paged=True")
+    if backend in ("prefill", "flashinfer") and not (paged_cuda and step is not None
+                                                     and step.qo_indptr is not None):
+        raise InvalidArgument(f"backend {backend!r} needs step= of a CUDA cache built with paged=True")
     if backend == "sdpa":
-        return _sdpa(view, layer, q, k_pool, v_pool, window, step, scale)
-    raise InvalidArgument(f"backend={backend!r} is not one of auto, paged, sdpa, flashinfer")
+        if cfg.mask_format == "none":
+            raise InvalidArgument("backend 'sdpa' needs masks (mask_format 'bool' or 'bits')")
+        if not view.cuda and step is None:
+            raise InvalidArgument("the host backend needs step= (its read_len bounds the rows)")
 
 
 def _paged(view, layer, q, k_pool, v_pool, window, scale, out):
@@ -165,6 +184,27 @@ def _paged(view, layer, q, k_pool, v_pool, window, scale, out):
                T, q.data_ptr(), (q.stride(0), q.stride(1)), k_pool.data_ptr(), v_pool.data_ptr(),
                out.data_ptr(), (out.stride(0), out.stride(1)), H, lc.n_kv_heads, D, window,
                torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
+    return out
+
+
+def _prefill(view, layer, q, k_pool, v_pool, window, step, scale):
+    """The tiled prefill kernel over the step's real rows (eager: tiles come from the step's
+    host qo_indptr); padding rows give zeros."""
+    if not (view.cuda and view.config.paged) or step is None or step.qo_indptr is None:
+        raise InvalidArgument("backend 'prefill' needs step= of a CUDA cache built with paged=True")
+    lc = view.config.layers[layer]
+    T, H, D = q.shape
+    q = q.to(k_pool.dtype)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.zeros((T, H, D), dtype=k_pool.dtype, device=q.device)
+    p = view.paged
+    view.kernels().prefill(
+        {"qo_indptr": p["qo_indptr"].data_ptr(), "kv_indptr": p["kv_indptr"].data_ptr(),
+         "kv_indices": p["kv_indices"].data_ptr(), "width": view.width.data_ptr()},
+        step.qo_indptr, step.n_requests, step.width, q.data_ptr(), (q.stride(0), q.stride(1)),
+        k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), (out.stride(0), out.stride(1)),
+        H, lc.n_kv_heads, D, window, torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
     return out
 
 

@@ -273,9 +273,9 @@ def run(seqs: int = 24, steps: int = 1000, seed: int = 0, use_torch: bool = Fals
     summary = session.run(steps, progress, label="capture_graph")
     impl.close()
     m = cache.metrics()
-    cache.close()
-    if not use_torch:
+    if not use_torch:         # the stream lives in the context the cache retains: first
         check(cu.cuStreamDestroy(stream), "cuStreamDestroy")
+    cache.close()
     return {
         "mode": "torch" if use_torch else "driver", "attention": attention, **summary,
         "captures": fwd.captures, "buckets_used": len(summary["per_bucket"]),

@@ -66,15 +66,17 @@ class AttentionKernels:
         self.f_decode = {g: fn(f"paged_decode_{dtype}_g{g}") for g in decode_groups}
         self._workspace = 0
         self._workspace_bytes = 0
+        self._retired: list[int] = []     # outgrown workspaces: captured graphs may still use them
         self._tiles = 0
         self._tiles_bytes = 0
         self._prefill_smem = 0
 
     def close(self) -> None:
-        for ptr in (self._workspace, self._tiles):
+        for ptr in (self._workspace, self._tiles, *self._retired):
             if ptr:
                 check(cu.cuMemFree(ptr), "cuMemFree")
         self._workspace = self._tiles = 0
+        self._retired = []
         if self.module is not None:
             check(cu.cuModuleUnload(self.module), "cuModuleUnload")
             self.module = None
@@ -182,9 +184,11 @@ class AttentionKernels:
 
     # -- scratch ---------------------------------------------------------------------------------
     def _ensure_workspace(self, nbytes: int) -> int:
+        # A graph captured earlier keeps the address it saw, so an outgrown workspace is kept
+        # (until close) rather than freed; call once outside capture with each shape first.
         if nbytes > self._workspace_bytes:
             if self._workspace:
-                check(cu.cuMemFree(self._workspace), "cuMemFree")
+                self._retired.append(self._workspace)
             self._workspace = int(check(cu.cuMemAlloc(nbytes), "cuMemAlloc(attention workspace)"))
             self._workspace_bytes = nbytes
         return self._workspace

@@ -1,0 +1,165 @@
+"""cellcache.hf and the generator on the host backend (CPU torch): greedy output equals
+Hugging Face's own generate token for token, with arrivals over time, chunked prefill,
+forks, speculative rewinds and preemption, for Llama, Qwen2 (a sliding-window layer) and
+Mistral (every layer windowed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from cellcache import CacheConfig, HostCellCache, InvalidArgument, LayerConfig  # noqa: E402
+from cellcache import hf as cchf  # noqa: E402
+from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
+
+ARCHS = ["tiny", "llama-tiny", "mistral-tiny"]
+N_NEW = 20
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model_and_refs(request):
+    model = random_model(request.param, seed=3)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 512, size=int(rng.integers(2, 45))).tolist() for _ in range(7)]
+    refs = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        refs.append(out[0, len(p):].tolist())
+    return model, prompts, refs
+
+
+def test_config_follows_the_model(model_and_refs):
+    model, _, _ = model_and_refs
+    cfg = cchf.cache_config(model, capacity=256, max_write=32)
+    text = model.config
+    assert len(cfg.layers) == text.num_hidden_layers and cfg.mask_format == "bool" and not cfg.paged
+    assert [la.window for la in cfg.layers] == cchf.layer_windows(text)
+    arch = model.config.model_type
+    expect = {"qwen2": [0, 16, 16], "llama": [0, 0], "mistral": [12, 12]}[arch]
+    assert [la.window for la in cfg.layers] == expect
+    assert cfg.dtype == "float32"
+
+
+def test_greedy_equals_hf_generate_with_arrivals_chunks_and_preemption(model_and_refs):
+    model, prompts, refs = model_and_refs
+    # a small pool, so that sequences are preempted and recomputed; small steps and chunks
+    gen = Generator(model, capacity=150, max_batch_tokens=16, max_seqs=16, prefill_chunk=7, eos=[])
+    reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW)) for p in prompts[:3]]
+    for _ in range(4):                                     # the rest arrive over time
+        gen.step()
+    reqs += [gen.add(p, Sampling(max_new_tokens=N_NEW)) for p in prompts[3:]]
+    gen.run()
+    assert [r.outputs[0] for r in reqs] == refs
+    assert gen.stats["preempted"] > 0 and gen.stats["tokens_out"] == N_NEW * len(prompts)
+    gen.cache.check_invariants()
+    assert gen.cache.live_seqs() == [] and gen.cache.free_cells == gen.cache.capacity
+
+
+def test_forks_share_the_prompt_and_continue_alike(model_and_refs):
+    model, prompts, refs = model_and_refs
+    gen = Generator(model, capacity=400, max_batch_tokens=64, max_seqs=32, eos=[])
+    reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW, n=3)) for p in prompts[:3]]
+    seen = []
+    gen.step()                                             # prompts read, first tokens out
+    used_after_prefill = gen.cache.capacity - gen.cache.free_cells
+    seen.append(used_after_prefill)
+    gen.run()
+    for r, ref in zip(reqs, refs[:3]):
+        assert r.outputs == [ref] * 3                      # greedy: every continuation alike
+    assert gen.stats["forks"] == 6
+    # the clones share the prompt's cells: after the prefill step each prompt is stored once
+    assert used_after_prefill == sum(len(p) for p in prompts[:3])
+
+
+def test_speculative_decoding_rewinds_rejected_drafts(model_and_refs):
+    model, prompts, refs = model_and_refs
+    by_prompt = {tuple(p): ref for p, ref in zip(prompts, refs)}
+    rng = np.random.default_rng(5)
+
+    def draft(tokens, k):
+        """Proposes the true continuation for a while, then garbage: some accepted, some not."""
+        for p, ref in by_prompt.items():
+            if tuple(tokens[:len(p)]) == p:
+                done = len(tokens) - len(p)
+                good = ref[done:done + k]
+                cut = int(rng.integers(0, len(good) + 1))
+                return good[:cut] + [int(x) for x in rng.integers(0, 512, size=k - cut)]
+        return []
+
+    gen = Generator(model, capacity=400, max_batch_tokens=32, max_seqs=16, eos=[])
+    reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW), draft=draft, draft_k=4) for p in prompts]
+    gen.run()
+    assert [r.outputs[0] for r in reqs] == refs
+    assert gen.stats["drafted"] > gen.stats["accepted"] > 0     # some kept, some rewound
+    assert gen.stats["steps"] < N_NEW + 10                       # fewer steps than tokens
+
+
+def test_sampling_is_seeded_and_respects_stop_and_streaming(model_and_refs):
+    model, prompts, _ = model_and_refs
+    streamed = []
+
+    def run(seed):
+        gen = Generator(model, capacity=300, max_batch_tokens=32, max_seqs=16, eos=[])
+        reqs = [gen.add(p, Sampling(max_new_tokens=12, temperature=0.8, top_k=50, top_p=0.9,
+                                    seed=seed, n=2),
+                        on_token=lambda r, k, t: streamed.append((r.id, k, t)))
+                for p in prompts[:3]]
+        gen.run()
+        return [r.outputs for r in reqs]
+
+    a, b, c = run(1), run(1), run(2)
+    assert a == b and a != c
+    assert len(streamed) == 3 * 3 * 2 * 12                  # every token of every run streamed
+    first = a[0][0][3]                                     # stop at a token we know comes
+    gen = Generator(model, capacity=300, max_batch_tokens=32, max_seqs=16, eos=[])
+    r = gen.add(prompts[0], Sampling(max_new_tokens=12, temperature=0.8, top_k=50, top_p=0.9,
+                                     seed=1, n=2, stop=[first]))
+    gen.run()
+    assert r.outputs[0][-1] == first and len(r.outputs[0]) <= 4 and r.done
+
+
+def test_attach_refuses_a_cache_that_does_not_fit(model_and_refs):
+    model, _, _ = model_and_refs
+    wrong = HostCellCache(CacheConfig(capacity=64, layers=[LayerConfig(2, 16)], max_write=8))
+    with pytest.raises(InvalidArgument, match="layers"):
+        cchf.attach(model, wrong)
+
+
+def test_generate_cli(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "cellcache", "generate", "--random", "tiny",
+                        "--random-prompts", "3", "--prompt-len", "5", "--max-new-tokens", "4",
+                        "--json", "--quiet", "1 2 3"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["summary"]["requests"] == 4 and out["summary"]["tokens_out"] == 16
+    assert out["summary"]["tokens_per_s"] > 0 and out["results"][0]["outputs"][0]
+    f = tmp_path / "prompts.txt"
+    f.write_text("4 5 6\n7 8\n")
+    r = subprocess.run([sys.executable, "-m", "cellcache", "generate", "--random", "tiny",
+                        "--prompts-file", str(f), "--max-new-tokens", "3", "--quiet"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "tokens/s" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("args,fragment", [
+    ([], "one of the arguments --model --random is required"),
+    (["--random", "tiny"], "no prompts"),
+    (["--random", "tiny", "x y"], "is not token ids"),
+    (["--random", "tiny", "99999"], "token ids must lie in [0, 512)"),
+    (["--random", "tiny", "--random-prompts", "1", "--temperature", "-1"], "--temperature must be"),
+    (["--model", "/nonexistent/model", "--random-prompts", "1"], "cannot load the model"),
+])
+def test_generate_usage_errors(args, fragment):
+    r = subprocess.run([sys.executable, "-m", "cellcache", "generate", *args],
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], r.stderr
