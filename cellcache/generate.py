@@ -209,7 +209,8 @@ class Generator:
             r = s.req
             if r.draft is not None and len(s.tokens) - s.in_cache == 1:
                 left = r.sampling.max_new_tokens - len(r.outputs[s.index]) - 1
-                s.drafts = [int(t) for t in r.draft(list(s.tokens), max(0, min(r.draft_k, left)))][:max(0, left)]
+                proposed = r.draft(list(s.tokens), max(0, min(r.draft_k, left)))
+                s.drafts = [int(t) for t in proposed][:max(0, left)]
                 self.stats["drafted"] += len(s.drafts)
         while True:
             plan, decode_only = self._plan()
@@ -365,7 +366,8 @@ class Generator:
                 if pct // 5 != last:
                     last = pct // 5
                     print(f"generate: {self.stats['tokens_out']} tokens out, step {self.stats['steps']}, "
-                          f"{len(self.running)} running, {len(self.waiting)} waiting", file=sys.stderr, flush=True)
+                          f"{len(self.running)} running, {len(self.waiting)} waiting",
+                          file=sys.stderr, flush=True)
         if self.runner.cuda:
             torch.cuda.synchronize(self.runner.device)
         return self.requests
