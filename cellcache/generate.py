@@ -196,6 +196,7 @@ class Generator:
         if not victims:
             return False
         v = max(victims, key=lambda s: s.in_cache)
+        assert v.sid is not None
         self.cache.seq_rm(v.sid)
         v.sid, v.in_cache, v.drafts = None, 0, []
         self.running.remove(v)
@@ -234,7 +235,9 @@ class Generator:
         step = self.cache.prepare_step(stream=self.stream, pad_to=pad_to)
         # rows whose logits matter: each sequence's last fed token, if it reaches the end of
         # what the sequence knows; every row of a verify run
-        rows, owners, row = [], [], 0
+        rows: list[int] = []
+        owners: list[tuple[_Seq, list[int], int | None]] = []
+        row = 0
         for s, feed in plan:
             end = row + len(feed)
             known_end = s.in_cache + len(feed) >= len(s.tokens)
@@ -280,7 +283,7 @@ class Generator:
             self.stats["accepted"] += accepted
             keep = before + 1 + accepted
             if keep < before + len(feed):
-                assert self.cache.rewind(s.sid, keep)
+                assert s.sid is not None and self.cache.rewind(s.sid, keep)
             s.in_cache = keep if not s.done else s.in_cache
             s.drafts = []
             if s.done:
@@ -299,6 +302,7 @@ class Generator:
     def _fork(self, parent: _Seq, row: torch.Tensor) -> None:
         """Continuations 1..n-1 of parent's request: clones sharing the prompt's cells."""
         req = parent.req
+        assert parent.sid is not None
         for k in range(1, req.sampling.n):
             child = self._seq(req, k, list(req.prompt))
             sid = self.cache.seq_clone(parent.sid)
@@ -395,7 +399,7 @@ def random_model(name: str, dtype: torch.dtype = torch.float32, device: str = "c
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(RANDOM_MODELS[name])
-    arch = spec.pop("arch")
+    arch = str(spec.pop("arch"))
     config = AutoConfig.for_model(arch, **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

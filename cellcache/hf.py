@@ -104,7 +104,7 @@ def cache_config(model_or_config: Any, capacity: int, max_write: int = 512, max_
         mask_format = "none" if on_cuda else "bool"
     if device is None:
         dev = getattr(model_or_config, "device", None)
-        device = dev.index or 0 if getattr(dev, "type", "cpu") == "cuda" else 0
+        device = (getattr(dev, "index", None) or 0) if on_cuda else 0
     return CacheConfig(capacity=capacity, layers=layers, max_write=max_write,
                        initial_capacity=min(initial_capacity, capacity), dtype=dtype,
                        max_seqs=max_seqs, device=device, paged=paged, mask_format=mask_format,
