@@ -153,9 +153,12 @@ class Nvrtc:
 
 def compile_fresh(lib: Path, src: Path) -> bytes:
     """One file's PTX from NVRTC in a process of its own, without address randomisation."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--nvrtc", str(lib), "--compile-one", str(src)]
+    # -I -S: no site-packages, no environment, so the process holds the same libraries
+    # wherever it runs; env -i and setarch -R: the same addresses for them
+    cmd = [sys.executable, "-I", "-S", str(Path(__file__).resolve()), "--nvrtc", str(lib),
+           "--compile-one", str(src)]
     if sys.platform.startswith("linux") and shutil.which("setarch"):
-        cmd = ["setarch", platform.machine(), "-R", *cmd]
+        cmd = ["env", "-i", "setarch", platform.machine(), "-R", *cmd]
     r = subprocess.run(cmd, capture_output=True)
     if r.returncode != 0:
         raise RuntimeError(r.stderr.decode())

@@ -51,7 +51,7 @@ cdef extern from "cuda/abi.h":
         const int32_t* qo_indptr
         const int32_t* kv_indptr
         const int32_t* kv_indices
-        const int64_t* width
+        const long long* width
         int64_t q_s_tok, q_s_head, o_s_tok, o_s_head
         int32_t n_rows, n_heads, n_kv_heads, head_dim, window
         float scale
@@ -185,7 +185,7 @@ def paged_args(uint64_t qo_indptr, uint64_t kv_indptr, uint64_t kv_indices, uint
     a.qo_indptr = <const int32_t*><size_t>qo_indptr
     a.kv_indptr = <const int32_t*><size_t>kv_indptr
     a.kv_indices = <const int32_t*><size_t>kv_indices
-    a.width = <const int64_t*><size_t>width
+    a.width = <const long long*><size_t>width
     a.q_s_tok, a.q_s_head, a.o_s_tok, a.o_s_head = q_s_tok, q_s_head, o_s_tok, o_s_head
     a.n_rows, a.n_heads, a.n_kv_heads, a.head_dim, a.window = n_rows, n_heads, n_kv_heads, head_dim, window
     a.scale = scale
