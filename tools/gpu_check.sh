@@ -3,7 +3,8 @@
 #   build in place, the GPU tests, the graph demo in both modes, the demo on CUDA, and
 #   (unless --no-bench) the GPU benchmark sections.
 # Logs go to $OUT (or ./gpu-out). Usage: bash tools/gpu_check.sh [--no-bench] [pytest args]
-# FlashInfer, when carried as wheels in .whl/, is installed to /tmp/site first.
+# FlashInfer, when carried in .whl/ (wheels, or a wheel's files as .tar.xz to fit the 64 MiB
+# a call carries), is installed to /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -11,10 +12,13 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 bench=1
 if [ "${1:-}" = "--no-bench" ]; then bench=0; shift; fi
+mkdir -p /tmp/site
+for t in .whl/*.tar.xz; do [ -e "$t" ] && tar xJf "$t" -C /tmp/site; done
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    --target /tmp/site .whl/*.whl
 fi
+export PYTHONPATH=/tmp/site
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import sys, numpy, Cython, torch; print(sys.version.split()[0], numpy.__version__, Cython.__version__, torch.__version__)'
