@@ -86,7 +86,7 @@ def test_differential_session(max_seqs, fmt, growth):
     host = HostCellCache(cfg, allocator=HostAllocator() if growth == "copy" else None)
     dev = CudaCellCache(cfg, growth=growth)
     steps = grew = 0
-    for it in range(1500):
+    for it in range(900):
         live = host.live_seqs()
         r = rng.random()
         if r < 0.06 or not live:
@@ -135,7 +135,8 @@ def test_differential_session(max_seqs, fmt, growth):
         if it % 200 == 0:
             assert dev._table.snapshot() == host._table.snapshot()
     dev.check_invariants()
-    assert steps > 1000 and grew >= 3
+    assert steps > 600 and dev.metrics()["growth_count"] >= 3
+    assert grew == (1 + dev.metrics()["growth_count"] if growth == "copy" else 1)
     assert dev.metrics()["growth_count"] == host.metrics()["growth_count"]
     dev.close()
 
@@ -250,12 +251,12 @@ def test_mapped_growth_with_a_failure_at_every_driver_call():
 
 def test_forced_copy_growth_moves_pools_and_reports_it():
     CudaCellCache, *_ = cuda()
-    cfg = CacheConfig(capacity=512, layers=[LayerConfig(2, 8)], max_write=32, initial_capacity=8)
+    cfg = CacheConfig(capacity=512, layers=[LayerConfig(2, 8)], max_write=256, initial_capacity=8)
     dev = CudaCellCache(cfg, growth="copy")
     a = dev.seq_new()
     ptrs, grew = [], []
-    for _ in range(5):
-        dev.declare_step([a] * 32)
+    for width in (32, 32, 64, 128, 256):              # rows 32, 64, 128, 256, 512
+        dev.declare_step([a] * width)
         grew.append(dev.prepare_step().grew)
         dev.commit_step()
         ptrs.append(dev.layer(0).k.ptr)
