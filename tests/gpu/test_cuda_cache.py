@@ -16,6 +16,7 @@ from cellcache import (
     InvalidState,
     LayerConfig,
     OutOfMemory,
+    StepTooLarge,
     attention,
 )
 
