@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Mutation check of the cell table: do the CPU tests catch small bugs in pyx/_table.pyx?
+
+Each mutant is one hand-written edit of the table's source (an off-by-one in the free-cell
+search, a summary scan that stops after the first word, ...). For each, the tree is copied,
+the edit applied, the extension rebuilt and the table's tests run; the mutant is caught when
+they fail (or crash). Prints a table and writes JSON; exit code 1 if any mutant survives,
+2 on bad usage. Takes a few minutes (one build per mutant); not part of CI.
+
+  python3 tools/mutate.py [--examples 300] [--only NAME ...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cellcache._cli import Parser, in_range  # noqa: E402
+
+TESTS = ["tests/test_table_machine.py", "tests/test_rules.py", "tests/test_refusals.py",
+         "tests/test_cache_machine.py", "tests/test_host_cache.py"]
+
+# name: (what it breaks, text in pyx/_table.pyx, replacement)
+MUTANTS = {
+    "free-search-off-by-one": ("the free-cell search skips the cell it starts at",
+                               "m = self.free_bits[w] & bits_from(c)\n",
+                               "m = self.free_bits[w] & bits_from(c + 1)\n"),
+    "summary-scan-first-word": ("the summary scan stops after its first word",
+                                "            if sw >= self.n_sum_words:\n                return -1\n"
+                                "            m = self.sum_free[sw]",
+                                "            if True:\n                return -1\n"
+                                "            m = self.sum_free[sw]"),
+    "last-used-excludes-start": ("the backward search ignores the cell it starts at",
+                                 "m = (~self.free_bits[w]) & bits_upto(c)\n",
+                                 "m = (~self.free_bits[w]) & bits_below(c)\n"),
+    "free-while-owned": ("a cell is freed while one owner is left",
+                         "            if left == 0:\n                cell_pos[c] = POS_FREE",
+                         "            if left <= 1:\n                cell_pos[c] = POS_FREE"),
+    "clone-one-short": ("seq_clone(upto) shares one position too few",
+                        "        if 0 <= limit < n:\n            n = limit\n",
+                        "        if 0 <= limit < n:\n            n = limit - 1 if limit else 0\n"),
+    "positions-ignore-step": ("a sequence's second token in a step repeats its first position",
+                              "positions[i] = self.seq_pos_[s] + self.scratch[s]",
+                              "positions[i] = self.seq_pos_[s]"),
+    "window-one-wide": ("the mask window lets one more position in",
+                        "q0 = 0 if window == 0 else p - window + 1",
+                        "q0 = 0 if window == 0 else p - window"),
+    "used-summary-counts-padding": ("bits past capacity count as used in the last word",
+                                    "        if (~word) & self._valid(w):",
+                                    "        if (~word):"),
+    "paged-list-one-short": ("a run's kv list leaves out its last entry",
+                             "                kv += positions[i] + 1\n",
+                             "                kv += positions[i]\n"),
+    "undo-unlogged": ("undo_place does not log the cells it frees",
+                      "            self._set_free(c)\n            self._mark(c)\n",
+                      "            self._set_free(c)\n"),
+    "rewind-to-end-refused": ("rewind(seq, pos(seq)) is refused",
+                              "if not self._is_live(s) or not 0 <= p <= self.seq_pos_[s]:",
+                              "if not self._is_live(s) or not 0 <= p < self.seq_pos_[s]:"),
+    "shrink-skips-a-cell": ("used_end shrinks past a cell still in use",
+                            "self.used_end_ = self._last_used_below(self.used_end_) + 1",
+                            "self.used_end_ = self._last_used_below(self.used_end_ - 1) + 1"),
+}
+
+
+def copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for f in filter(None, files):
+        target = dst / f
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, target)
+
+
+def run_mutant(name: str, examples: int) -> dict:
+    what, old, new = MUTANTS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        src = tree / "pyx" / "_table.pyx"
+        text = src.read_text()
+        if text.count(old) != 1:
+            return {"mutant": name, "what": what, "status": "not applied (source changed?)"}
+        src.write_text(text.replace(old, new))
+        t0 = time.perf_counter()
+        build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                               cwd=tree, capture_output=True, text=True)
+        if build.returncode != 0:
+            return {"mutant": name, "what": what, "status": "caught (does not build)"}
+        env = dict(os.environ, CELLCACHE_MACHINE_EXAMPLES=str(examples))
+        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                            *TESTS], cwd=tree, capture_output=True, text=True, env=env)
+        failed = [line for line in r.stdout.splitlines() if line.startswith("FAILED")]
+        status = "caught" if r.returncode != 0 else "SURVIVED"
+        if r.returncode < 0:
+            status = f"caught (crash, signal {-r.returncode})"
+        return {"mutant": name, "what": what, "status": status,
+                "first_failure": failed[0][7:] if failed else "", "seconds": time.perf_counter() - t0}
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="mutate", description=__doc__,
+               formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("--examples", type=in_range(10, 100000), default=300,
+                   help="state machine examples per run (default 300)")
+    p.add_argument("--only", nargs="*", choices=sorted(MUTANTS), help="run only these mutants")
+    p.add_argument("--json", type=Path, default=None, help="where to write the JSON")
+    args = p.parse_args(argv)
+    names = args.only or list(MUTANTS)
+    rows = []
+    for k, name in enumerate(names, 1):
+        print(f"mutate: [{k}/{len(names)}] {name} ...", file=sys.stderr, flush=True)
+        rows.append(run_mutant(name, args.examples))
+        print(f"mutate:   {rows[-1]['status']} {rows[-1].get('first_failure', '')}",
+              file=sys.stderr, flush=True)
+    caught = sum(r["status"].startswith("caught") for r in rows)
+    print()
+    print(f"{'mutant':<28} {'status':<24} first failing test")
+    for r in rows:
+        print(f"{r['mutant']:<28} {r['status']:<24} {r.get('first_failure', '')[:70]}")
+    print(f"caught {caught} of {len(rows)} mutants")
+    if args.json:
+        args.json.write_text(json.dumps({"caught": caught, "total": len(rows), "mutants": rows},
+                                        indent=2) + "\n")
+    return 0 if caught == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
