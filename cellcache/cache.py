@@ -34,7 +34,7 @@ from .config import CacheConfig
 from .errors import InvalidArgument, InvalidState, OutOfMemory, StepTooLarge
 
 __all__ = ["Allocator", "CellCache", "CopyPools", "LayerBuffers", "PoolKey", "Pools", "Step",
-           "stream_handle"]
+           "check_allocator", "stream_handle"]
 
 #: A pool's key: (layer index, "k" or "v").
 PoolKey = tuple[int, str]
@@ -168,6 +168,17 @@ class CopyPools:
         for allocation in self.allocations.values():
             self.allocator.release(allocation)
         self.allocations = {}
+
+
+def check_allocator(allocator: Any) -> Any:
+    """``allocator`` when it has ``allocate(nbytes, what)`` and ``release(allocation)``
+    (or is None); InvalidArgument otherwise."""
+    if allocator is not None and not (callable(getattr(allocator, "allocate", None))
+                                      and callable(getattr(allocator, "release", None))):
+        raise InvalidArgument(
+            f"allocator of type {type(allocator).__name__} has no allocate(nbytes, what) "
+            "and release(allocation) methods")
+    return allocator
 
 
 def stream_handle(stream: object) -> int:

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from .cache import CellCache, CopyPools, PoolKey, Pools
+from .cache import CellCache, CopyPools, PoolKey, Pools, check_allocator
 from .config import CacheConfig
-from .errors import InvalidArgument, OutOfMemory
+from .errors import OutOfMemory
 
 __all__ = ["HostAllocator", "HostCellCache", "MappedHostPools"]
 
@@ -109,12 +109,7 @@ class HostCellCache(CellCache):
     backend = "host"
 
     def __init__(self, config: CacheConfig, allocator: Any = None):
-        if allocator is not None and not (callable(getattr(allocator, "allocate", None))
-                                          and callable(getattr(allocator, "release", None))):
-            raise InvalidArgument(
-                f"allocator of type {type(allocator).__name__} has no allocate(nbytes, what) "
-                "and release(allocation) methods")
-        self._allocator = allocator
+        self._allocator = check_allocator(allocator)
         super().__init__(config)
 
     def _make_pools(self) -> Pools:

@@ -103,6 +103,12 @@ class TorchView:
         k, v = self.pools[index]
         return k, v, self.config.layers[index].window
 
+    def paged_pointers(self) -> dict[str, int]:
+        """Device addresses of the paged view and ``width``, as cellcache's kernels take them."""
+        p = self.paged
+        return {"qo_indptr": p["qo_indptr"].data_ptr(), "kv_indptr": p["kv_indptr"].data_ptr(),
+                "kv_indices": p["kv_indices"].data_ptr(), "width": self.width.data_ptr()}
+
     def kernels(self):
         """cellcache's attention kernels for this cache (CUDA), loaded once."""
         if self._kernels is None:
@@ -175,13 +181,10 @@ def _paged(view, layer, q, k_pool, v_pool, window, scale, out):
         q = q.contiguous()
     if out is None:
         out = torch.empty((T, H, D), dtype=k_pool.dtype, device=q.device)
-    p = view.paged
-    kern = view.kernels()
-    kern.paged({"qo_indptr": p["qo_indptr"].data_ptr(), "kv_indptr": p["kv_indptr"].data_ptr(),
-                "kv_indices": p["kv_indices"].data_ptr(), "width": view.width.data_ptr()},
-               T, q.data_ptr(), (q.stride(0), q.stride(1)), k_pool.data_ptr(), v_pool.data_ptr(),
-               out.data_ptr(), (out.stride(0), out.stride(1)), H, lc.n_kv_heads, D, window,
-               torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
+    view.kernels().paged(
+        view.paged_pointers(), T, q.data_ptr(), (q.stride(0), q.stride(1)), k_pool.data_ptr(),
+        v_pool.data_ptr(), out.data_ptr(), (out.stride(0), out.stride(1)), H, lc.n_kv_heads, D,
+        window, torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
     return out
 
 
@@ -194,13 +197,11 @@ def _prefill(view, layer, q, k_pool, v_pool, window, step, scale):
     if q.stride(2) != 1:
         q = q.contiguous()
     out = torch.zeros((T, H, D), dtype=k_pool.dtype, device=q.device)
-    p = view.paged
     view.kernels().prefill(
-        {"qo_indptr": p["qo_indptr"].data_ptr(), "kv_indptr": p["kv_indptr"].data_ptr(),
-         "kv_indices": p["kv_indices"].data_ptr(), "width": view.width.data_ptr()},
-        step.qo_indptr, step.n_requests, step.width, q.data_ptr(), (q.stride(0), q.stride(1)),
-        k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), (out.stride(0), out.stride(1)),
-        H, lc.n_kv_heads, D, window, torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
+        view.paged_pointers(), step.qo_indptr, step.n_requests, step.width, q.data_ptr(),
+        (q.stride(0), q.stride(1)), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
+        (out.stride(0), out.stride(1)), H, lc.n_kv_heads, D, window,
+        torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
     return out
 
 

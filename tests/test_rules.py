@@ -1,4 +1,4 @@
-"""Hand-drawn walks through SPEC §3, run against the Cython table and the reference alike."""
+"""Hand-drawn walks through the table's rules, run against the Cython table and the reference alike."""
 
 import pytest
 

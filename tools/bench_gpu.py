@@ -375,8 +375,7 @@ def attention(args) -> dict:
     out = torch.empty_like(q)
     kern = view.kernels()
     p = view.paged
-    pv = {"qo_indptr": p["qo_indptr"].data_ptr(), "kv_indptr": p["kv_indptr"].data_ptr(),
-          "kv_indices": p["kv_indices"].data_ptr(), "width": view.width.data_ptr()}
+    pv = view.paged_pointers()
     stream = torch.cuda.current_stream().cuda_stream
 
     def ours():
@@ -475,8 +474,7 @@ def prefill_case(reps: int, rng) -> dict:
     out = torch.empty_like(q)
     kern = view.kernels()
     p = view.paged
-    pv = {"qo_indptr": p["qo_indptr"].data_ptr(), "kv_indptr": p["kv_indptr"].data_ptr(),
-          "kv_indices": p["kv_indices"].data_ptr(), "width": view.width.data_ptr()}
+    pv = view.paged_pointers()
     stream = torch.cuda.current_stream().cuda_stream
     res = {}
     res["paged_prefill_ms"] = _timed(lambda: kern.prefill(

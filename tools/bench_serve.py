@@ -103,9 +103,7 @@ def breakdown(gen, model) -> dict:
     q = torch.randn((T, H, D), device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     kern = view.kernels()
-    p = view.paged
-    pv = {"qo_indptr": p["qo_indptr"].data_ptr(), "kv_indptr": p["kv_indptr"].data_ptr(),
-          "kv_indices": p["kv_indices"].data_ptr(), "width": view.width.data_ptr()}
+    pv = view.paged_pointers()
     stream = torch.cuda.current_stream().cuda_stream
     layers = len(gen.cache.config.layers)
 

@@ -39,9 +39,9 @@ MUTANTS = {
                                 "            m = self.sum_free[sw]",
                                 "            if True:\n                return -1\n"
                                 "            m = self.sum_free[sw]"),
-    "last-used-excludes-start": ("the backward search ignores the cell it starts at",
-                                 "m = (~self.free_bits[w]) & bits_upto(c)\n",
-                                 "m = (~self.free_bits[w]) & bits_below(c)\n"),
+    "last-used-skips-a-word": ("the backward search skips the word before the start's",
+                               "m = self.sum_used[sw] & bits_upto(ww)\n",
+                               "m = self.sum_used[sw] & bits_below(ww)\n"),
     "free-while-owned": ("a cell is freed while one owner is left",
                          "            if left == 0:\n                cell_pos[c] = POS_FREE",
                          "            if left <= 1:\n                cell_pos[c] = POS_FREE"),

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import CellCache, CopyPools, PoolKey, Pools, stream_handle
+from ..cache import CellCache, CopyPools, PoolKey, Pools, check_allocator, stream_handle
 from ..config import CacheConfig
 from ..errors import InvalidArgument, InvalidState
 from . import _engine
@@ -124,11 +124,7 @@ class CudaCellCache(CellCache):
                 f"{_engine.MAX_WINDOWS} masks per step")
         if growth not in _GROWTH:
             raise InvalidArgument(f"growth={growth!r} is not one of {', '.join(_GROWTH)}")
-        if allocator is not None and not (callable(getattr(allocator, "allocate", None))
-                                          and callable(getattr(allocator, "release", None))):
-            raise InvalidArgument(
-                f"allocator of type {type(allocator).__name__} has no allocate(nbytes, what) "
-                "and release(allocation) methods")
+        check_allocator(allocator)
         self._closed = True
         self._growth, self._allocator_arg = growth, allocator
         self._retired: list[tuple[Any, Any]] = []
