@@ -163,7 +163,8 @@ class Generator:
         for s in self.running:                        # decode (and verify) rows first
             pending = s.tokens[s.in_cache:]
             if len(pending) == 1 and budget > 0:
-                feed = pending + s.drafts[: max(0, budget - 1)]
+                s.drafts = s.drafts[: max(0, budget - 1)]     # verify only what fits
+                feed = pending + s.drafts
                 plan.append((s, feed))
                 budget -= len(feed)
                 decode_only &= len(feed) == 1
@@ -188,11 +189,10 @@ class Generator:
             decode_only = False
         return plan, decode_only
 
-    def _preempt(self, plan) -> bool:
-        """Frees the running sequence holding the most cells and requeues it (recompute)."""
-        victims = [s for s in self.running if s.sid is not None]
-        if len(victims) <= 1 and not self.cache.free_cells:
-            return False
+    def _preempt(self) -> bool:
+        """Frees the running sequence holding the most cells and requeues it (it is read
+        again later); False when no sequence holds any."""
+        victims = [s for s in self.running if s.sid is not None and s.in_cache > 0]
         if not victims:
             return False
         v = max(victims, key=lambda s: s.in_cache)
@@ -224,7 +224,7 @@ class Generator:
                 ok = False
             if ok:
                 break
-            if not self._preempt(plan):
+            if not self._preempt():
                 raise InvalidArgument(
                     f"a step of {len(ids)} tokens does not fit the cache even alone: raise "
                     "capacity (or max_kv), or lower max_batch_tokens / prefill_chunk")

@@ -102,6 +102,28 @@ def test_speculative_decoding_rewinds_rejected_drafts(model_and_refs):
     assert gen.stats["steps"] < N_NEW + 10                       # fewer steps than tokens
 
 
+def test_drafts_that_do_not_fit_a_step_are_cut(model_and_refs):
+    """Three 2-token prompts read in one step, then all three decode at once drafting 4
+    tokens each in steps of 8 rows: drafts are cut to fit, and the output is still what
+    plain greedy decoding gives."""
+    model, _, _ = model_and_refs
+    prompts = [[5, 9], [17, 3], [250, 1]]
+    refs = [model.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, 2:].tolist() for p in prompts]
+    by_prompt = {tuple(p): ref for p, ref in zip(prompts, refs)}
+
+    def draft(tokens, k):
+        ref = by_prompt[tuple(tokens[:2])]
+        return ref[len(tokens) - 2:len(tokens) - 2 + k]      # always right: accepted if fed
+
+    gen = Generator(model, capacity=400, max_batch_tokens=8, max_seqs=16, eos=[])
+    reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW), draft=draft, draft_k=4) for p in prompts]
+    gen.run()
+    assert [r.outputs[0] for r in reqs] == refs
+    assert 0 < gen.stats["accepted"] < gen.stats["drafted"]  # some drafts were cut, not fed
+    gen.cache.check_invariants()
+
+
 def test_sampling_is_seeded_and_respects_stop_and_streaming(model_and_refs):
     model, prompts, _ = model_and_refs
     streamed = []
