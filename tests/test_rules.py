@@ -316,3 +316,23 @@ def test_change_log_names_every_cell_whose_pos_or_owners_changed():
     a2 = quiet.seq_new()
     step(quiet, [a2])
     assert quiet.n_changes == 0                            # no log unless asked for
+
+
+@pytest.mark.parametrize("capacity,first", [(200, 64), (200, 70), (8200, 4096), (8200, 4100), (8200, 4031)])
+def test_used_end_shrinks_across_bitmap_words(table_cls, capacity, first):
+    # cells:  [0, first) held by a  |  [first, first + 10) held by b  |  free
+    # removing b must bring used_end back to `first` wherever the word boundaries fall
+    # (64-cell bitmap words, 4096-cell summary words)
+    t = make(table_cls, capacity, max_write=capacity)
+    a, b = t.seq_new(), t.seq_new()
+    step(t, [a] * first)
+    step(t, [b] * 10)
+    assert t.used_end == first + 10
+    t.seq_rm(b)
+    assert t.used_end == first
+    t.rewind(a, first - 1)
+    assert t.used_end == first - 1
+    c = t.seq_new()
+    step(t, [c] * 3)                       # the lowest free cells: the one a gave back, then up
+    assert t.used_end == first + 2
+    snapshot(t)

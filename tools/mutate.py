@@ -66,9 +66,9 @@ MUTANTS = {
     "rewind-to-end-refused": ("rewind(seq, pos(seq)) is refused",
                               "if not self._is_live(s) or not 0 <= p <= self.seq_pos_[s]:",
                               "if not self._is_live(s) or not 0 <= p < self.seq_pos_[s]:"),
-    "shrink-skips-a-cell": ("used_end shrinks past a cell still in use",
-                            "self.used_end_ = self._last_used_below(self.used_end_) + 1",
-                            "self.used_end_ = self._last_used_below(self.used_end_ - 1) + 1"),
+    "shrink-stops-at-one": ("used_end stays 1 when the last occupied cell is freed",
+                            "if self.used_end_ > 0 and self.cell_pos[self.used_end_ - 1] == POS_FREE:",
+                            "if self.used_end_ > 1 and self.cell_pos[self.used_end_ - 1] == POS_FREE:"),
 }
 
 
