@@ -115,8 +115,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     """The function transformers calls for every attention layer (see :func:`attach`)."""
     cur = _CURRENT.get()
     if cur is None:
-        raise InvalidState("the model's attention is cellcache's, but no step is running; "
-                           "run forwards through ModelRunner.forward")
+        raise InvalidState("the model's attention is cellcache's, but no step is running: run "
+                           "forwards through ModelRunner.forward, or call "
+                           "model.set_attn_implementation('sdpa') to use the model without cellcache")
     layer = module.layer_idx
     q = query[0].transpose(0, 1)                      # [T, H, D] (a view)
     k = key[0].transpose(0, 1)

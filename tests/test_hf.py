@@ -107,6 +107,7 @@ def test_drafts_that_do_not_fit_a_step_are_cut(model_and_refs):
     tokens each in steps of 8 rows: drafts are cut to fit, and the output is still what
     plain greedy decoding gives."""
     model, _, _ = model_and_refs
+    model.set_attn_implementation("sdpa")              # attached by earlier tests: HF's own again
     prompts = [[5, 9], [17, 3], [250, 1]]
     refs = [model.generate(torch.tensor([p]), max_new_tokens=N_NEW, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, 2:].tolist() for p in prompts]
@@ -146,6 +147,19 @@ def test_sampling_is_seeded_and_respects_stop_and_streaming(model_and_refs):
                                      seed=1, n=2, stop=[first]))
     gen.run()
     assert r.outputs[0][-1] == first and len(r.outputs[0]) <= 4 and r.done
+
+
+def test_an_attached_model_outside_a_step_says_how_to_detach(model_and_refs):
+    from cellcache import InvalidState
+
+    model, prompts, refs = model_and_refs
+    cchf.attach(model, HostCellCache(cchf.cache_config(model, capacity=64, max_write=8)))
+    with pytest.raises(InvalidState, match="set_attn_implementation\\('sdpa'\\)"):
+        model(torch.tensor([prompts[0]]))
+    model.set_attn_implementation("sdpa")
+    out = model.generate(torch.tensor([prompts[0]]), max_new_tokens=N_NEW, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    assert out[0, len(prompts[0]):].tolist() == refs[0]
 
 
 def test_attach_refuses_a_cache_that_does_not_fit(model_and_refs):
