@@ -318,7 +318,8 @@ def test_change_log_names_every_cell_whose_pos_or_owners_changed():
     assert quiet.n_changes == 0                            # no log unless asked for
 
 
-@pytest.mark.parametrize("capacity,first", [(200, 64), (200, 70), (8200, 4096), (8200, 4100), (8200, 4031)])
+@pytest.mark.parametrize("capacity,first", [(200, 1), (200, 64), (200, 70), (8200, 4096), (8200, 4100),
+                                            (8200, 4031)])
 def test_used_end_shrinks_across_bitmap_words(table_cls, capacity, first):
     # cells:  [0, first) held by a  |  [first, first + 10) held by b  |  free
     # removing b must bring used_end back to `first` wherever the word boundaries fall
