@@ -340,13 +340,30 @@ def _timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def _one_step(cache, ids, rows: int, H: int, D: int):
+    """Prepares one step of ``ids``; random pools, q and an output for its ``rows`` rows."""
+    import torch
+
+    import cellcache.torch as cct
+
+    assert cache.declare_step(ids)
+    step = cache.prepare_step()
+    cache.commit_step()
+    view = cct.TorchView(cache)
+    k_pool, v_pool, _ = view.layer(0)
+    k_pool.normal_()
+    v_pool.normal_()
+    q = torch.randn((rows, H, D), device="cuda", dtype=torch.bfloat16)
+    return (step, view, k_pool, v_pool, q, torch.empty_like(q), view.paged_pointers(),
+            torch.cuda.current_stream().cuda_stream)
+
+
 def attention(args) -> dict:
     """Decode over 256 sequences x 4096 tokens in a 1M-cell pool (8 kv heads x 128, 32 query
     heads, bf16): cellcache's paged kernel, SDPA over the dense bool mask, FlashInfer's decode
     wrapper on the same buffers; and one prefill case."""
     import torch
 
-    import cellcache.torch as cct
 
     rng = np.random.default_rng(args.seed)
     reps = max(5, min(args.reps, 50))
@@ -364,19 +381,8 @@ def attention(args) -> dict:
             n = min(chunk, length - 1 - k)
             assert t.declare_step([int(s)] * n)
             t.place()
-    assert cache.declare_step(seqs)
-    step = cache.prepare_step()
-    cache.commit_step()
-    view = cct.TorchView(cache)
-    k_pool, v_pool, _ = view.layer(0)
-    k_pool.normal_()
-    v_pool.normal_()
-    q = torch.randn((n_seq, H, D), device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    kern = view.kernels()
-    p = view.paged
-    pv = view.paged_pointers()
-    stream = torch.cuda.current_stream().cuda_stream
+    step, view, k_pool, v_pool, q, out, pv, stream = _one_step(cache, seqs, n_seq, H, D)
+    kern, p = view.kernels(), view.paged
 
     def ours():
         kern.paged(pv, n_seq, q.data_ptr(), (H * D, D), k_pool.data_ptr(), v_pool.data_ptr(),
@@ -447,7 +453,6 @@ def prefill_case(reps: int, rng) -> dict:
     """16 sequences with 8K-token histories each take a 2048-token chunk."""
     import torch
 
-    import cellcache.torch as cct
 
     n_seq, hist, chunk, H, Hkv, D = 16, 8192, 2048, 32, 8, 128
     cap = n_seq * (hist + chunk) + 64
@@ -462,20 +467,8 @@ def prefill_case(reps: int, rng) -> dict:
             assert t.declare_step([s] * 1024)
             t.place()
     ids = [s for s in seqs for _ in range(chunk)]
-    assert cache.declare_step(ids)
-    step = cache.prepare_step()
-    cache.commit_step()
-    view = cct.TorchView(cache)
-    k_pool, v_pool, _ = view.layer(0)
-    k_pool.normal_()
-    v_pool.normal_()
-    T = n_seq * chunk
-    q = torch.randn((T, H, D), device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    kern = view.kernels()
-    p = view.paged
-    pv = view.paged_pointers()
-    stream = torch.cuda.current_stream().cuda_stream
+    step, view, k_pool, v_pool, q, out, pv, stream = _one_step(cache, ids, n_seq * chunk, H, D)
+    kern, p = view.kernels(), view.paged
     res = {}
     res["paged_prefill_ms"] = _timed(lambda: kern.prefill(
         pv, step.qo_indptr, step.n_requests, step.width, q.data_ptr(), (H * D, D),
