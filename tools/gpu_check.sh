@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU work needs seen on the device machine, in one call:
 #   build in place, the GPU tests, the graph demo in both modes, the demo on CUDA, and
-#   (unless --no-bench) the GPU benchmark sections.
+#   (unless --no-bench) the GPU benchmark sections and the serving benchmark. The whole run
+#   takes longer than one device call (10 minutes): with --no-bench it fits.
 # Logs go to $OUT (or ./gpu-out). Usage: bash tools/gpu_check.sh [--no-bench] [pytest args]
 # FlashInfer, when carried in .whl/ (wheels, or a wheel's files as .tar.xz to fit the 64 MiB
 # a call carries), is installed to /tmp/site first.
@@ -36,6 +37,7 @@ for view in bool paged; do
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 done
 if [ "$bench" = 1 ]; then
-  python3 tools/bench.py --section all-gpu --reps 100 --json "$out/gpu-bench.json" 2>&1 | tee "$out/bench.log"
+  python3 tools/bench.py --section all-gpu --reps 60 --json "$out/gpu-bench.json" 2>&1 | tee "$out/bench.log"
+  python3 tools/bench_serve.py --json "$out/serve.json" 2>&1 | tee "$out/serve.log"
 fi
 exit "$rc"
