@@ -54,8 +54,6 @@ def as_tensor(buffer: Any) -> torch.Tensor:
     if isinstance(buffer, np.ndarray):
         if buffer.dtype.name == "bfloat16":
             return torch.from_numpy(buffer.view(np.int16)).view(torch.bfloat16)
-        if buffer.dtype == np.bool_:
-            return torch.from_numpy(buffer)
         return torch.from_numpy(buffer)
     if hasattr(buffer, "__dlpack__"):
         return torch.from_dlpack(buffer)

@@ -67,10 +67,8 @@ def test_forks_share_the_prompt_and_continue_alike(model_and_refs):
     model, prompts, refs = model_and_refs
     gen = Generator(model, capacity=400, max_batch_tokens=64, max_seqs=32, eos=[])
     reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW, n=3)) for p in prompts[:3]]
-    seen = []
     gen.step()                                             # prompts read, first tokens out
     used_after_prefill = gen.cache.capacity - gen.cache.free_cells
-    seen.append(used_after_prefill)
     gen.run()
     for r, ref in zip(reqs, refs[:3]):
         assert r.outputs == [ref] * 3                      # greedy: every continuation alike

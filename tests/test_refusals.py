@@ -201,8 +201,7 @@ def test_rewind_outside_the_sequence_returns_false(busy):
     before = snapshot(busy)
     for position in (-1, busy.pos(0) + 1, 2**63, 2**80, -(2**80)):
         assert busy.rewind(0, position) is False
-    before_declared = snapshot(busy)
-    assert before_declared == before
+    assert snapshot(busy) == before
     with pytest.raises(InvalidArgument, match="position of type float"):
         busy.rewind(0, 1.0)
     assert snapshot(busy) == before
@@ -294,9 +293,16 @@ def test_cell_address_refusals():
 def test_paged_view_refusals():
     t = CellTable(8, 4, 4)
     a = t.seq_new()
-    cells, positions, _ = t.place() if t.declare_step([a, a]) else None
+    assert t.declare_step([a, a])
+    _, positions, _ = t.place()
     ids = np.array([a, a], np.int64)
-    buf = lambda n: np.zeros(n, np.int32)  # noqa: E731
+    made = []
+
+    def buf(n):                           # poisoned outputs: a refusal must write none of them
+        made.append(np.full(n, -7, np.int32))
+        return made[-1]
+
+    before = snapshot(t)
     for args, match in [
         ((ids, positions, 1, 8, buf(5), buf(5), buf(8)), "pad_to=1 is outside"),
         ((ids, positions, 5, 8, buf(6), buf(6), buf(8)), "pad_to=5 is outside"),
@@ -307,6 +313,7 @@ def test_paged_view_refusals():
     ]:
         with pytest.raises(InvalidArgument, match=match):
             t.fill_paged(*args)
+    assert all((a == -7).all() for a in made) and snapshot(t) == before
 
 
 def test_reference_and_table_refuse_alike():

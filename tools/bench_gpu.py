@@ -358,6 +358,15 @@ def _one_step(cache, ids, rows: int, H: int, D: int):
             torch.cuda.current_stream().cuda_stream)
 
 
+def _flashinfer():
+    """The flashinfer module, or None where it is not installed."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    return flashinfer
+
+
 def attention(args) -> dict:
     """Decode over 256 sequences x 4096 tokens in a 1M-cell pool (8 kv heads x 128, 32 query
     heads, bf16): cellcache's paged kernel, SDPA over the dense bool mask, FlashInfer's decode
@@ -411,10 +420,7 @@ def attention(args) -> dict:
     kd = vd = None                                 # free 16 GB before the next case
     res["speedup_vs_sdpa"] = res["sdpa_ms"] / res["paged_ms"]
     log(f"[attention] SDPA over the dense mask {res['sdpa_ms']:.3f} ms")
-    try:
-        import flashinfer
-    except ImportError:
-        flashinfer = None
+    flashinfer = _flashinfer()
     if flashinfer is not None:
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
@@ -474,10 +480,7 @@ def prefill_case(reps: int, rng) -> dict:
         pv, step.qo_indptr, step.n_requests, step.width, q.data_ptr(), (H * D, D),
         k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), (H * D, D), H, Hkv, D, 0, stream),
         max(2, reps // 10))
-    try:
-        import flashinfer
-    except ImportError:
-        flashinfer = None
+    flashinfer = _flashinfer()
     if flashinfer is not None:
         ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
