@@ -13,13 +13,22 @@ from cellcache import CacheConfig, HostCellCache, InvalidState, LayerConfig
 from .test_host_cache import FailingAllocator
 
 
+MIN_STEPS = 20
+
+
 def test_verbs_and_steps_from_many_threads():
+    """Four verb threads and one step thread on one cache. The verb threads keep one
+    sequence each alive after their random walk until the step thread has committed
+    MIN_STEPS steps, so the test needs no luck from the scheduler (it used to fail whenever
+    the verb threads finished before the step thread ran)."""
     alloc = FailingAllocator()
     cfg = CacheConfig(capacity=512, layers=[LayerConfig(1, 4, 0), LayerConfig(1, 4, 3)],
                       max_write=16, initial_capacity=8, max_seqs=100, dtype="float32")
     cache = HostCellCache(cfg, allocator=alloc)
     errors = []
     stop = threading.Event()
+    enough = threading.Event()          # set by the step thread after MIN_STEPS steps
+    count = [0]
 
     def verbs(seed):
         rng = np.random.default_rng(seed)
@@ -42,14 +51,21 @@ def test_verbs_and_steps_from_many_threads():
                     assert cache.seq_rm(mine.pop(int(rng.integers(len(mine)))))
                 else:
                     cache.check_invariants()
-            for s in mine:
-                assert cache.seq_rm(s)
+            while len(mine) > 1:
+                assert cache.seq_rm(mine.pop())
+            while not mine:               # ids freed by other threads come back
+                s = cache.seq_new()
+                if s is not None:
+                    mine.append(s)
+            # keep one sequence for the step thread until it has stepped enough; the
+            # timeout only turns a broken step thread into a failure instead of a hang
+            assert enough.wait(timeout=300), "the step thread made no progress"
+            assert cache.seq_rm(mine.pop())
         except Exception as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
     def steps():
         rng = np.random.default_rng(99)
-        n = 0
         try:
             while not stop.is_set():
                 live = cache.live_seqs()
@@ -58,6 +74,8 @@ def test_verbs_and_steps_from_many_threads():
                 ids = [int(x) for x in rng.choice(live, size=int(rng.integers(1, 17)))]
                 try:
                     if not cache.declare_step(ids):
+                        for s in set(ids):    # full: make room (a verb like any other)
+                            cache.rewind(s, 0)
                         continue
                     step = cache.prepare_step()
                 except InvalidState:
@@ -66,10 +84,12 @@ def test_verbs_and_steps_from_many_threads():
                 assert step.read_len == int(cache.buffer("read_len")[0])
                 assert cache.buffer("cells")[:step.width].tolist() == step.cells.tolist()
                 cache.commit_step()
-                n += 1
-            steps.count = n
+                count[0] += 1
+                if count[0] >= MIN_STEPS:
+                    enough.set()
         except Exception as e:  # noqa: BLE001
             errors.append(e)
+            enough.set()
 
     workers = [threading.Thread(target=verbs, args=(i,)) for i in range(4)]
     driver = threading.Thread(target=steps)
@@ -81,7 +101,7 @@ def test_verbs_and_steps_from_many_threads():
     stop.set()
     driver.join()
     assert not errors, errors
-    assert steps.count > 0
+    assert count[0] >= MIN_STEPS
     cache.check_invariants()
     assert cache.live_seqs() == []
     assert cache.free_cells == cfg.capacity and cache.used_end == 0
