@@ -11,6 +11,8 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "capture_graph.py"
 
 
 def load():
+    if str(TOOL.parent) not in sys.path:         # what running the tool by path does
+        sys.path.insert(0, str(TOOL.parent))
     spec = importlib.util.spec_from_file_location("capture_graph", TOOL)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -29,7 +31,7 @@ def test_no_gpu_message_and_exit_code(capsys):
     code = mod.main(["--steps", "5"], probe=lambda: (False, "no CUDA driver or no CUDA device"))
     out = capsys.readouterr().out.strip().splitlines()
     assert code == mod.NO_GPU_EXIT == 3
-    assert out == ["capture_graph: no CUDA driver or no CUDA device; this demo needs a GPU (exit 3)"]
+    assert out == ["capture_graph: no CUDA driver or no CUDA device; this tool needs a GPU (exit 3)"]
 
 
 @pytest.mark.parametrize("args", [["--seqs", "0"], ["--steps", "-3"], ["--buckets", "8,16"],

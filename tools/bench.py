@@ -29,12 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+from _common import ROOT, log
 
 
 def median_ns(fn, reps: int, setup=None) -> float:
@@ -346,7 +341,6 @@ def main(argv=None) -> int:
         elif section == "soak":
             result["soak"] = section_soak(args)
         else:
-            sys.path.insert(0, str(ROOT / "tools"))
             import bench_gpu
 
             result[section] = getattr(bench_gpu, {"gpu": "run"}.get(section, section))(args)

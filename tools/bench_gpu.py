@@ -22,18 +22,14 @@ tokens are rewound so ``read_len`` stays put.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 
 import numpy as np
+from _common import log
 
 from cellcache.config import CacheConfig, LayerConfig
 from cellcache.cuda.backend import CudaCellCache
 from cellcache.cuda.driver import Context, check, cu
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 class Events:

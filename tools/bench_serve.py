@@ -20,15 +20,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import ROOT, log, require_gpu
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from cellcache._cli import Parser, in_range  # noqa: E402
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+from cellcache._cli import Parser, in_range
 
 
 def ours(model, prompts, new_tokens, staggered: bool, capacity: int) -> dict:
@@ -176,12 +170,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    from cellcache.cuda.probe import cuda_usable
-
-    ok, why = cuda_usable()
-    if not ok:
-        print(f"bench_serve: {why}; this benchmark needs a GPU")
-        return 3
+    if (code := require_gpu("bench_serve")) is not None:
+        return code
     import torch
 
     from cellcache.generate import random_model

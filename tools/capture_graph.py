@@ -27,28 +27,20 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from _common import NO_GPU_EXIT, cuda_usable, require_gpu
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cellcache._cli import Parser, in_range
+from cellcache.config import CacheConfig, LayerConfig, storage_dtype
+from cellcache.session import Session, SessionConfig
 
-from cellcache._cli import Parser, in_range  # noqa: E402
-from cellcache.config import CacheConfig, LayerConfig, storage_dtype  # noqa: E402
-from cellcache.session import Session, SessionConfig  # noqa: E402
-
-NO_GPU_EXIT = 3
+__all__ = ["NO_GPU_EXIT", "main", "run"]
 TOLERANCE = 2e-2            # outputs are stored in bfloat16 (paged) / float32 (dense)
 LAYERS = (LayerConfig(2, 32, 0), LayerConfig(2, 32, 16), LayerConfig(2, 32, 0))
 N_HEADS = 4
 MAX_WRITE = 64
 EAGER_EVERY = 10
-
-
-def cuda_usable() -> tuple[bool, str]:
-    from cellcache.cuda.probe import cuda_usable as probe
-
-    return probe()
 
 
 class DriverForward:
@@ -306,10 +298,8 @@ def main(argv: list[str] | None = None, probe=cuda_usable) -> int:
     if args.buckets is not None and (not args.buckets or min(args.buckets) < 1
                                      or max(args.buckets) != MAX_WRITE):
         p.error(f"--buckets must be positive widths whose largest is {MAX_WRITE}")
-    ok, why = probe()
-    if not ok:
-        print(f"capture_graph: {why}; this demo needs a GPU (exit {NO_GPU_EXIT})")
-        return NO_GPU_EXIT
+    if (code := require_gpu("capture_graph", probe)) is not None:
+        return code
     s = run(args.seqs, args.steps, args.seed, args.torch, args.attention, args.buckets,
             args.capacity, progress=not args.quiet)
     good = s["mismatches"] == 0 and s["captures"] == s["buckets_used"]

@@ -21,10 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _common import ROOT
 
-from cellcache._cli import Parser, in_range  # noqa: E402
+from cellcache._cli import Parser, in_range
 
 TESTS = ["tests/test_table_machine.py", "tests/test_rules.py", "tests/test_refusals.py",
          "tests/test_cache_machine.py", "tests/test_host_cache.py"]

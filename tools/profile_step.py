@@ -8,14 +8,11 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
+from _common import require_gpu
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cellcache._cli import Parser, in_range  # noqa: E402
+from cellcache._cli import Parser, in_range
 
 
 def main(argv=None) -> int:
@@ -28,12 +25,8 @@ def main(argv=None) -> int:
     p.add_argument("--format", choices=["bool", "bits", "none"], default="bool")
     p.add_argument("--steps", type=in_range(1, 100000), default=40)
     args = p.parse_args(argv)
-    from cellcache.cuda.probe import cuda_usable
-
-    ok, why = cuda_usable()
-    if not ok:
-        print(f"profile_step: {why}")
-        return 3
+    if (code := require_gpu("profile_step")) is not None:
+        return code
     from bench_gpu import fill_to
 
     from cellcache.config import CacheConfig, LayerConfig

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (README, .ci/run). What a newcomer gets, from scratch:
 #   1. a fresh virtual environment, everything installed from the project's own files
-#      (pip install -e '.[test,hf]'), newest packages (tools/ci-constraints.txt only steers
-#      pip to the CPU build of torch where this machine image keeps one);
+#      (pip install -e '.[test,hf]'), newest packages, except that torch is pinned to a
+#      CPU build where pip's find-links offer one for this Python (the tests need torch
+#      only on the CPU; a CUDA build from the index is several GB);
 #   2. the linters the project configures: ruff, mypy on the package, cython-lint on pyx/;
 #   3. the shipped PTX rebuilt with the pinned NVRTC and compared (tools/build_ptx.py);
 #   4. pytest;
@@ -21,7 +22,30 @@ python3 -m venv "$venv"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 python -m pip install -q --upgrade pip
-python -m pip install -q -c tools/ci-constraints.txt -e '.[test,hf]'
+constraints="$work/constraints.txt"
+python - "$constraints" <<'PY'
+"""Writes torch==V+cpu when a find-links folder holds a CPU wheel of torch for this Python."""
+import os, subprocess, sys
+from pathlib import Path
+from pip._vendor.packaging.tags import sys_tags
+from pip._vendor.packaging.utils import parse_wheel_filename
+cfg = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+folders = os.environ.get("PIP_FIND_LINKS", "").split()
+for line in cfg.splitlines():
+    key, _, value = line.partition("=")
+    if key.endswith("find-links"):
+        folders += value.strip("'\"").split()
+ours, best = set(sys_tags()), None
+for folder in folders:
+    folder = folder.removeprefix("file://")
+    for whl in Path(folder).glob("torch-*+cpu-*.whl") if os.path.isdir(folder) else []:
+        name, version, _, tags = parse_wheel_filename(whl.name)
+        if tags & ours and (best is None or version > best):
+            best = version
+Path(sys.argv[1]).write_text(f"torch=={best}\n" if best else "")
+print(f"torch: {'the local CPU build ' + str(best) if best else 'newest from the index'}")
+PY
+python -m pip install -q -c "$constraints" -e '.[test,hf]'
 python -m pip list --format=freeze | grep -iE '^(numpy|cython|torch|transformers|cuda-bindings|hypothesis|ml.dtypes)=' || true
 
 echo "== linters"
