@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import attention
+from .buckets import bucket_for, check_buckets
 from .config import storage_dtype
 
 __all__ = ["Forward", "Progress", "Session", "SessionConfig"]
@@ -54,7 +55,7 @@ class SessionConfig:
 
 
 @dataclass
-class _Seq:
+class _SimSeq:
     target: int
     prompt_left: int
     length: int = 0
@@ -96,13 +97,11 @@ class Session:
         self.stream = stream
         self.layers = cache.config.layers
         self.store = storage_dtype(cache.config.dtype)
-        self.live: dict[int, _Seq] = {}
+        self.live: dict[int, _SimSeq] = {}
         self.max_write = cache.config.max_write
         self.buckets: list[int] | None = None
         if self.cfg.buckets is not None:
-            self.buckets = sorted(set(int(b) for b in self.cfg.buckets))
-            if not self.buckets or self.buckets[0] < 1 or self.buckets[-1] > self.max_write:
-                raise ValueError(f"buckets must lie in [1, max_write={self.max_write}]")
+            self.buckets = check_buckets(self.cfg.buckets, self.max_write)
             self.max_write = self.buckets[-1]
         self.stats = {"steps": 0, "tokens": 0, "arrivals": 0, "forks": 0, "rewinds": 0,
                       "finished": 0, "preempted": 0, "mismatches": 0, "pos_mismatches": 0}
@@ -113,9 +112,9 @@ class Session:
         self._step_no = 0
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def _new(self, prompt: int) -> _Seq:
+    def _new(self, prompt: int) -> _SimSeq:
         cfg = self.cfg
-        s = _Seq(target=int(self.rng.integers(prompt + 4, cfg.max_len)), prompt_left=prompt)
+        s = _SimSeq(target=int(self.rng.integers(prompt + 4, cfg.max_len)), prompt_left=prompt)
         s.k = [np.zeros((cfg.max_len, la.n_kv_heads, la.head_dim), np.float32) for la in self.layers]
         s.v = [np.zeros((cfg.max_len, la.n_kv_heads, la.head_dim), np.float32) for la in self.layers]
         return s
@@ -158,9 +157,7 @@ class Session:
         return batch
 
     def _pad_to(self, width: int) -> int | None:
-        if self.buckets is None:
-            return None
-        return next(b for b in self.buckets if b >= width)
+        return None if self.buckets is None else bucket_for(width, self.buckets)
 
     def _draw(self, width: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         rng, out = self.rng, []
@@ -203,7 +200,7 @@ class Session:
                 upto = int(rng.integers(1, seq.length + 1))
                 child = self.cache.seq_clone(sid, upto=upto)
                 if child is not None:
-                    c = _Seq(target=seq.target, prompt_left=0, length=upto,
+                    c = _SimSeq(target=seq.target, prompt_left=0, length=upto,
                              k=[a.copy() for a in seq.k], v=[a.copy() for a in seq.v])
                     self.live[child] = c
                     self.stats["forks"] += 1

@@ -32,6 +32,7 @@ import numpy as np
 from _common import NO_GPU_EXIT, cuda_usable, require_gpu
 
 from cellcache._cli import Parser, in_range
+from cellcache.buckets import check_buckets, default_buckets
 from cellcache.config import CacheConfig, LayerConfig, storage_dtype
 from cellcache.session import Session, SessionConfig
 
@@ -242,7 +243,7 @@ def run(seqs: int = 24, steps: int = 1000, seed: int = 0, use_torch: bool = Fals
     from cellcache.cuda.backend import CudaCellCache
     from cellcache.cuda.driver import check, cu
 
-    buckets = sorted(buckets or [1, 2, 4, 8, 16, 32, 64])
+    buckets = check_buckets(buckets, MAX_WRITE) if buckets else default_buckets(MAX_WRITE)
     cfg = CacheConfig(capacity=capacity, layers=LAYERS, max_write=MAX_WRITE, initial_capacity=128,
                       dtype="bfloat16", max_seqs=max(64, 4 * seqs), paged=attention == "paged",
                       mask_format="none" if attention == "paged" else "bool")
