@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import numpy as np
 
-from cellcache import CellTable, ReferenceTable
+from cellcache import CacheConfig, CellTable, LayerConfig, ReferenceTable
 
 TABLES = [CellTable, ReferenceTable]
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def load_tool(name: str):
+    """tools/<name>.py as a module, loaded as running it by path would (tools/ on sys.path)."""
+    if str(TOOLS) not in sys.path:
+        sys.path.insert(0, str(TOOLS))
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def make(table_cls, capacity, max_seqs=64, max_write=None):
@@ -39,3 +54,63 @@ def step(table, seq_ids):
     assert table.declare_step(seq_ids) is True
     cells, positions, read_len = table.place()
     return [int(c) for c in cells], [int(p) for p in positions], int(read_len)
+
+
+# -- the CUDA backend against the host backend (tests/gpu) ----------------------------
+
+def cuda():
+    """(CudaCellCache, driver module, check, cu), imported when a test runs."""
+    from cellcache.cuda import driver
+    from cellcache.cuda.backend import CudaCellCache
+
+    return CudaCellCache, driver, driver.check, driver.cu
+
+
+def compare_step(host, dev, hs, ds, cfg):
+    assert hs.cells.tolist() == ds.cells.tolist() and hs.positions.tolist() == ds.positions.tolist()
+    assert (hs.n_runs, hs.pad_to) == (ds.n_runs, ds.pad_to)
+    pad, r = ds.pad_to, ds.read_len
+    for name in ("cells", "positions"):
+        np.testing.assert_array_equal(dev.buffer(name).copy_to_host()[:pad], host.buffer(name)[:pad],
+                                      err_msg=name)
+    for name in ("read_len", "width"):
+        assert int(dev.buffer(name).copy_to_host()[0]) == int(host.buffer(name)[0]), name
+    if cfg.mask_format != "none":
+        for win in cfg.windows:
+            got = dev.buffer(f"mask_w{win}").copy_to_host()
+            want = host.buffer(f"mask_w{win}")
+            if cfg.mask_format == "bool":
+                np.testing.assert_array_equal(got[0, 0, :pad, :r], want[0, 0, :pad, :r],
+                                              err_msg=f"mask_w{win}")
+            else:
+                nb = (r + 7) // 8
+                np.testing.assert_array_equal(got[:pad, :nb], want[:pad, :nb], err_msg=f"mask_w{win}")
+    if cfg.paged:
+        assert ds.qo_indptr.tolist() == hs.qo_indptr.tolist()
+        assert ds.kv_indptr.tolist() == hs.kv_indptr.tolist()
+        for name in ("qo_indptr", "kv_indptr"):
+            np.testing.assert_array_equal(dev.buffer(name).copy_to_host()[:pad + 1],
+                                          host.buffer(name)[:pad + 1], err_msg=name)
+        n_kv = int(hs.kv_indptr[-1])
+        np.testing.assert_array_equal(dev.buffer("kv_indices").copy_to_host()[:n_kv],
+                                      host.buffer("kv_indices")[:n_kv], err_msg="kv_indices")
+
+
+def live_rows_equal(host, dev):
+    """Every live cell's K/V row agrees (host pools vs device pools)."""
+    t = host._table
+    live = np.flatnonzero(t.positions_array() >= 0)
+    for i in range(len(host.config.layers)):
+        lay_h, lay_d = host.layer(i), dev.layer(i)
+        for kv in "kv":
+            got = getattr(lay_d, kv).copy_to_host()
+            want = getattr(lay_h, kv)
+            np.testing.assert_array_equal(got[live], want[live], err_msg=f"layer {i} {kv}")
+
+
+def small_config(**kw):
+    base = dict(capacity=256, layers=[LayerConfig(2, 8, 0), LayerConfig(2, 8, 3)],
+                max_write=16, initial_capacity=16, dtype="bfloat16")
+    base.update(kw)
+    return CacheConfig(**base)
+

@@ -1,22 +1,13 @@
 """tools/capture_graph.py without a GPU: --help, usage errors, and the one-line no-GPU exit."""
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "capture_graph.py"
+from .helpers import TOOLS, load_tool
 
-
-def load():
-    if str(TOOL.parent) not in sys.path:         # what running the tool by path does
-        sys.path.insert(0, str(TOOL.parent))
-    spec = importlib.util.spec_from_file_location("capture_graph", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+TOOL = TOOLS / "capture_graph.py"
 
 
 def test_help():
@@ -27,7 +18,7 @@ def test_help():
 
 
 def test_no_gpu_message_and_exit_code(capsys):
-    mod = load()
+    mod = load_tool("capture_graph")
     code = mod.main(["--steps", "5"], probe=lambda: (False, "no CUDA driver or no CUDA device"))
     out = capsys.readouterr().out.strip().splitlines()
     assert code == mod.NO_GPU_EXIT == 3

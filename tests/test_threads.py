@@ -12,7 +12,6 @@ from cellcache import CacheConfig, HostCellCache, InvalidState, LayerConfig
 
 from .test_host_cache import FailingAllocator
 
-
 MIN_STEPS = 20
 
 

@@ -1,19 +1,9 @@
 """tools/capture_graph.py on the GPU: every step by graph replay, captures == buckets used
 (growth causes none), zero mismatches, in both modes and both attentions."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "capture_graph.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("capture_graph", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from ..helpers import load_tool
 
 
 @pytest.mark.parametrize("use_torch,attention", [(False, "paged"), (False, "dense"), (True, "paged")],
@@ -21,7 +11,7 @@ def load():
 def test_capture_graph_small_session(use_torch, attention):
     if use_torch:
         pytest.importorskip("torch")
-    mod = load()
+    mod = load_tool("capture_graph")
     s = mod.run(seqs=16, steps=150, seed=2, use_torch=use_torch, attention=attention,
                 capacity=1024, progress=False)
     assert s["mismatches"] == 0 and s["max_error"] < mod.TOLERANCE
