@@ -12,6 +12,7 @@ from .errors import (
     StepTooLarge,
 )
 from .host import HostCellCache
+from .prefix import PrefixCache
 from .reference import POS_FREE, ReferenceTable
 from .registry import build, register_builder
 
@@ -35,6 +36,7 @@ __all__ = [
     "LayerBuffers",
     "LayerConfig",
     "OutOfMemory",
+    "PrefixCache",
     "ReferenceTable",
     "Step",
     "StepTooLarge",

@@ -11,6 +11,8 @@ Sections:
   attention  the paged kernels against SDPA over the dense mask and FlashInfer (GPU).
   serve      the continuous-batching generator against Hugging Face's own (GPU;
              tools/bench_serve.py).
+  prefix     PrefixCache lookups on the host: match / peek of an 8K-token prompt against a
+             tree of 100K cached tokens (target: match <= 20 us).
 
 Targets are checked by ratios measured in the same run, printed with the table; the exit
 code is 0 whether or not a target is met (the numbers go into the docs and closing notes),
@@ -312,7 +314,99 @@ def section_soak(args) -> dict:
     return res
 
 
-SECTIONS = ("table", "soak", "gpu", "growth", "attention")
+def section_prefix(args) -> dict:
+    """PrefixCache.match of an 8K-token prompt over 100K cached tokens (host backend)."""
+    from cellcache import CacheConfig, LayerConfig, PrefixCache, build
+
+    rng = np.random.default_rng(args.seed)
+    cfg = CacheConfig(capacity=1 << 17, layers=[LayerConfig(1, 8)], max_write=4096,
+                      initial_capacity=1 << 17, dtype="float16", max_seqs=256,
+                      mask_format="none")
+    cache = build("host", "batched", cfg)
+    prefix = PrefixCache(cache, max_seqs=64)
+
+    def toks(n: int) -> np.ndarray:
+        return rng.integers(0, 150_000, size=n, dtype=np.int32)
+
+    def fill(seq: int, n: int) -> None:
+        while n:
+            k = min(n, cfg.max_write)
+            assert cache.declare_step([seq] * k)
+            cache.prepare_step()
+            cache.commit_step()
+            n -= k
+
+    # a shared 2K system prompt, 8 documents of 4K under it, 4 conversations of 2K under each:
+    # 2048 + 8 * 4096 + 32 * 2048 = 100,352 tokens in 32 leaves; each path is stored as a
+    # server would: match, compute the tail, insert
+    system = toks(2048)
+    docs = [toks(4096) for _ in range(8)]
+    convs = [[toks(2048) for _ in range(4)] for _ in range(8)]
+    for i, doc in enumerate(docs):
+        for conv in convs[i]:
+            path = np.concatenate([system, doc, conv])
+            seq, n = prefix.match(path, max_len=len(path) - 1)
+            if seq is None:
+                seq = cache.seq_new()
+            fill(seq, len(path) - n)
+            prefix.insert(seq, path)
+            cache.seq_rm(seq)
+    m = prefix.metrics()
+    assert m["cached_tokens"] == 2048 + 8 * 4096 + 32 * 2048, m
+    full = np.concatenate([system, docs[3], convs[3][2]])               # 8,192 tokens, cached
+    partial = np.concatenate([system, docs[3], convs[3][2][:1024], toks(1024)])  # 7,168 cached
+    held: list[int] = []
+
+    def release() -> None:
+        while held:
+            cache.seq_rm(held.pop())
+
+    def timed_match(tokens, **kw):
+        def fn():
+            held.append(prefix.match(tokens, **kw)[0])
+        return fn
+
+    leaf_seq = prefix.prefixes()[0][1]
+    # (case, timed call, untimed setup, the prefix length the call must find)
+    cases = [
+        ("peek, 8K array, 7,168 cached", lambda: prefix.peek(partial), None,
+         (partial, None, 7168)),
+        ("match, 8K array, 7,168 cached", timed_match(partial), release, (partial, None, 7168)),
+        ("match, 8K array, full hit, max_len=8191", timed_match(full, max_len=8191), release,
+         (full, 8191, 8191)),
+        ("match, 8K list, full hit, max_len=8191", timed_match(full.tolist(), max_len=8191),
+         release, (full, 8191, 8191)),
+        ("(floor) cache.seq_clone of 8,191 positions",
+         lambda: held.append(cache.seq_clone(leaf_seq, 8191)), release, None),
+    ]
+    rows = []
+    for name, fn, setup, check in cases:
+        if check is not None:
+            query, max_len, want = check
+            assert prefix.peek(query, max_len=max_len) == want, name
+        us = median_ns(fn, args.reps, setup) / 1e3
+        release()
+        rows.append({"case": name, "median_us": us})
+    target_us = 20.0
+    worst = rows[2]["median_us"]
+    targets = {f"match (8K prompt, 100K cached) <= {target_us:g} us": worst <= target_us}
+    prefix.check_invariants()
+    cache.check_invariants()
+    print()
+    print(f"prefix cache: {m['cached_tokens']} cached tokens in {m['nodes']} nodes, "
+          f"{m['leaves']} leaves (host backend, median of {args.reps})")
+    print(f"{'case':<48} {'median us':>10} {'/ target':>9}")
+    for r in rows:
+        print(f"{r['case']:<48} {r['median_us']:>10.2f} {r['median_us'] / target_us:>8.2f}x")
+    for name, ok in targets.items():
+        print(f"target {'met ' if ok else 'MISSED'}: {name} (measured {worst:.2f} us, "
+              f"{worst / target_us:.2f}x the target)")
+    return {"rows": rows, "cached_tokens": m["cached_tokens"], "nodes": m["nodes"],
+            "leaves": m["leaves"], "target_us": target_us, "match_us": worst,
+            "ratio_to_target": worst / target_us, "targets": targets}
+
+
+SECTIONS = ("table", "soak", "prefix", "gpu", "growth", "attention")
 
 
 def main(argv=None) -> int:
@@ -340,6 +434,8 @@ def main(argv=None) -> int:
             result["table"] = section_table(args)
         elif section == "soak":
             result["soak"] = section_soak(args)
+        elif section == "prefix":
+            result["prefix"] = section_prefix(args)
         else:
             import bench_gpu
 

@@ -1,0 +1,752 @@
+"""A prefix cache over a cell cache: a radix tree of token ids whose paths are held by
+sequences the prefix cache owns. A hit is ``seq_clone(upto)``: owner bits on cells that
+already hold the prefix, nothing copied, at any token boundary.
+
+::
+
+    inserted: a b c d e f g h   (by a caller's sequence, cloned into s1)
+              a b c d x y       (cloned into s2)
+              a b z             (cloned into s3)
+
+    root
+     └─ [a b]              internal  covered by any descendant leaf's sequence (s1, s2 or s3)
+         ├─ [c d]          internal  covered by s1 or s2
+         │   ├─ [e f g h]  leaf  owns s1: pos(s1) = 8, s1 holds positions 0..7 = a..h
+         │   └─ [x y]      leaf  owns s2: pos(s2) = 6, s2 holds positions 0..5 = a b c d x y
+         └─ [z]            leaf  owns s3: pos(s3) = 3
+
+    match(a b c d x q)  -> walks root, [a b], [c d], 1 token into [x y]: n = 5,
+                           returns seq_clone(s2, upto=5), a new sequence the caller owns
+    evict [x y]         -> its parent keeps another child: seq_rm(s2) (the id is released;
+                           cells shared with a running sequence stay that sequence's)
+    evict [e f g h]     -> its parent [c d] becomes a leaf: rewind(s1, 4) and [c d] adopts s1
+                           (nothing is copied, no id is needed)
+
+Rules the tree keeps:
+
+- One owned sequence per leaf, none on internal nodes and the root. A leaf's sequence holds
+  exactly its path: ``pos(seq) == leaf.end``, position ``q`` holds the path's token ``q``.
+  An internal node's prefix is held by every descendant leaf's sequence, so the ids the
+  tree needs are its leaves (at most ``max_seqs``, a budget the caller chooses so that
+  running requests keep enough ids).
+- Every prefix of a stored path is cached: ``match`` finds the longest common prefix with
+  any path, ending anywhere inside a node. Node boundaries are insertion ends and branch
+  points; eviction takes whole leaves, least valuable first by the policy, never a pinned
+  one.
+- ``insert(seq, tokens)`` clones the caller's sequence (``upto=len(tokens)``) into one new
+  owned sequence for the new leaf. When the caller's sequence came from ``match`` (the
+  usual path: match, compute the tail, insert), its prefix cells are the tree's own and the
+  clone shares them; when the caller computed the shared part itself, the new leaf holds
+  its own copy of those cells until one of the two leaves is evicted. When the new leaf
+  extends an old leaf, the old leaf's sequence is dropped (the new one covers its path).
+- Eviction drops only the prefix cache's owner bits: a cell that a caller's sequence also
+  owns stays allocated and keeps its contents, so no running sequence loses a cell.
+- Ownership: sequences the prefix cache owns (``owned_seqs()``) must not be touched by
+  anyone else. ``cache.clear()`` releases them: call :meth:`PrefixCache.invalidate` after
+  it. Otherwise the next operation that uses an owned sequence sees that it is no longer
+  what the tree holds (not live, or another length) and forgets the whole tree without
+  touching the cache (``metrics()["invalidations"]``); an id reused in between with the very
+  same length cannot be told apart, hence the rule.
+
+A server uses it so (``prompt`` an int32 array)::
+
+    seq, n = prefix.match(prompt, max_len=len(prompt) - 1, pin=True)   # admission
+    if seq is None:
+        seq, n = cache.seq_new(), 0          # (prefix.evict(n_ids=1) first if no id is free)
+    ...                                      # prefill prompt[n:], the forward commits
+    prefix.insert(seq, prompt)               # once positions [0, len(prompt)) are placed
+    ...                                      # when a step does not fit:
+    prefix.evict(needed - cache.free_cells)  #   before preempting a running request
+    ...                                      # when the request ends (or is preempted):
+    if n:
+        prefix.unpin(prompt, n)              # its cached prefix is evictable again
+
+Pinning is optional: eviction never takes a running sequence's cells anyway, but evicting
+the prefix a running request shares frees nothing and loses the entry.
+
+Tokens are ints in ``[-2**31, 2**31)``, stored as int32; comparisons run on their bytes
+(``bytes.startswith`` per node, numpy at the one node where the match ends), so a lookup
+costs a dict probe per node plus a memcmp, not Python work per token. Pass tokens as a 1-D
+int32 numpy array on hot paths: a list is converted first (about 20 ns a token, 160 us
+for 8K tokens, ten times the lookup).
+
+Each call is atomic under the prefix cache's own lock; each cache verb it makes is atomic
+under the cache's. Drive the prefix cache from the thread that drives the steps, between
+forwards.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import heapq
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._checks import check_int, check_seq_id
+from .errors import InvalidArgument, InvalidState
+
+__all__ = ["POLICIES", "PrefixCache", "PrefixEvent", "PrefixNode", "prefix_key"]
+
+_I32 = np.dtype(np.int32)
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def prefix_key(tokens: Any) -> str:
+    """The key events carry for a prefix: blake2b-128 (hex) of the tokens as int32
+    little-endian bytes. Independent of how a tree splits the prefix into nodes, so a router
+    computes the same key from a prompt's first ``length`` tokens."""
+    arr = np.ascontiguousarray(np.asarray(tokens, dtype="<i4"))
+    return hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
+
+
+class PrefixEvent:
+    """A change of what a prefix cache holds, for a router of several replicas.
+
+    - ``kind``: ``"stored"`` (the prefix ``tokens[:length]`` is now cached; its last ``n``
+      tokens are new), ``"evicted"`` (the prefix ``tokens[:length]`` lost its last ``n``
+      tokens; ``tokens[:length - n]`` may still be cached), ``"cleared"`` (everything
+      dropped by :meth:`PrefixCache.clear`, ``n`` tokens) or ``"invalidated"`` (everything
+      forgotten because the cache was cleared underneath, ``n`` tokens).
+    - ``tokens``: the prefix, a read-only int32 array (empty for cleared/invalidated).
+    - ``key``: :func:`prefix_key` of ``tokens`` (computed when first read).
+    """
+
+    __slots__ = ("_key", "kind", "length", "n", "tokens")
+
+    def __init__(self, kind: str, tokens: np.ndarray, n: int):
+        self.kind = kind
+        self.tokens = tokens
+        self.length = len(tokens)
+        self.n = n
+        self._key: str | None = None
+
+    @property
+    def key(self) -> str:
+        if self._key is None:
+            self._key = prefix_key(self.tokens)
+        return self._key
+
+    def __repr__(self) -> str:
+        return f"PrefixEvent({self.kind!r}, length={self.length}, n={self.n})"
+
+
+class PrefixNode:
+    """A node of the tree: the tokens of positions ``[start, end)`` under its parent.
+
+    Eviction policies read (never change) ``start``, ``end``, ``last_access`` (the prefix
+    cache's operation clock when a match or insert last went through the node), ``hits``
+    (matches and inserts through it), ``priority`` (the highest an insert through it gave)
+    and ``created``.
+    """
+
+    __slots__ = ("children", "created", "end", "hits", "last_access", "parent", "pins",
+                 "priority", "seg", "segb", "seq", "start")
+
+    def __init__(self, segb: bytes, start: int, parent: PrefixNode | None, clock: int,
+                 priority: float = 0.0):
+        self.segb = segb                                 # the tokens as int32 bytes
+        self.seg = np.frombuffer(segb, _I32)             # the same, read-only, no copy
+        self.start = start
+        self.end = start + len(segb) // 4
+        self.parent = parent
+        self.children: dict[bytes, PrefixNode] = {}      # first token's 4 bytes -> child
+        self.seq: int | None = None                      # the owned sequence (leaves only)
+        self.last_access = clock
+        self.created = clock
+        self.hits = 0
+        self.priority = priority
+        self.pins: dict[int, int] | None = None          # depth -> count, depth in (start, end]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.end - self.start
+
+    def path(self) -> np.ndarray:
+        """The tokens of positions ``[0, end)``, a new int32 array."""
+        parts = []
+        node: PrefixNode | None = self
+        while node is not None and node.end > 0:
+            parts.append(node.segb)
+            node = node.parent
+        return np.frombuffer(b"".join(reversed(parts)), _I32)
+
+    def __repr__(self) -> str:
+        return f"PrefixNode([{self.start}, {self.end}), seq={self.seq}, children={len(self.children)})"
+
+
+def _lru(node: PrefixNode) -> Any:
+    return node.last_access
+
+
+def _lfu(node: PrefixNode) -> Any:
+    return (node.hits, node.last_access)
+
+
+def _priority(node: PrefixNode) -> Any:
+    return (node.priority, node.last_access)
+
+
+#: Eviction policies by name: each maps a leaf to a key, the smallest key goes first.
+POLICIES: dict[str, Callable[[PrefixNode], Any]] = {"lru": _lru, "lfu": _lfu, "priority": _priority}
+
+
+def _as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
+    """``tokens`` as a 1-D int32 array (no copy for one); refuses anything else."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise InvalidArgument(
+                f"{name} is a {tokens.ndim}-D array of {tokens.dtype}; give a 1-D integer array "
+                "or a list of ints")
+        if tokens.dtype == _I32:
+            return tokens
+        if tokens.size and (int(tokens.min()) < _I32_MIN or int(tokens.max()) > _I32_MAX):
+            raise InvalidArgument(f"{name} has ids outside [-2**31, 2**31); token ids are int32")
+        return tokens.astype(_I32)
+    if not isinstance(tokens, (list, tuple, range)):
+        raise InvalidArgument(
+            f"{name} of type {type(tokens).__name__} is not a sequence of token ids; give a "
+            "list, tuple, range or 1-D integer array")
+    if len(tokens) == 0:
+        return np.zeros(0, _I32)
+    try:
+        arr = np.frombuffer(array.array("q", tokens), np.int64)   # refuses floats, strings
+    except (OverflowError, TypeError):
+        raise InvalidArgument(
+            f"{name} must be a flat sequence of int token ids in [-2**31, 2**31)") from None
+    if int(arr.min()) < _I32_MIN or int(arr.max()) > _I32_MAX:
+        raise InvalidArgument(f"{name} has ids outside [-2**31, 2**31); token ids are int32")
+    return arr.astype(_I32)
+
+
+class _Operation:
+    """``with prefix._op:`` holds the lock for one operation and delivers the events it
+    queued on the way out, even when the operation raised (a policy key, say)."""
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, prefix: PrefixCache):
+        self.prefix = prefix
+
+    def __enter__(self) -> None:
+        self.prefix._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.prefix._events:
+                self.prefix._deliver()
+        finally:
+            self.prefix._lock.release()
+
+
+class PrefixCache:
+    """Cached prompt prefixes over a :class:`cellcache.CellCache`, shared by cloning.
+
+    Parameters
+    ----------
+    cache
+        The cell cache (any backend). The prefix cache uses only its verbs (``seq_clone``,
+        ``seq_rm``, ``rewind``, ``pos``, ``live_seqs``, ``free_cells``).
+    policy
+        Which unpinned leaf eviction takes first: ``"lru"`` (default), ``"lfu"``,
+        ``"priority"`` (lowest ``insert(priority=)`` first, then LRU), or a callable
+        ``key(node: PrefixNode) -> comparable`` (smallest first).
+    max_seqs
+        Most sequence ids the tree holds at once (one per leaf); default a quarter of the
+        cache's ``max_seqs`` (at least 1). An insert that needs one more evicts a leaf.
+    on_event
+        ``on_event(event: PrefixEvent)``, called after each operation for each prefix
+        stored, evicted or dropped. An exception from it propagates once the operation has
+        finished (the tree and the cache are consistent).
+
+    Example
+    -------
+    >>> from cellcache import CacheConfig, LayerConfig, PrefixCache, build
+    >>> cache = build("host", "batched", CacheConfig(capacity=256, layers=[LayerConfig(1, 8)],
+    ...                                               max_write=16, mask_format="none"))
+    >>> prefix = PrefixCache(cache)
+    >>> prompt = [5, 6, 7, 8, 9]
+    >>> s = cache.seq_new()
+    >>> cache.declare_step([s] * len(prompt))    # the prompt's forward: prepare, run, commit
+    True
+    >>> step = cache.prepare_step(); cache.commit_step()
+    >>> prefix.insert(s, prompt)
+    5
+    >>> t, n = prefix.match([5, 6, 7, 1], max_len=3)   # keep one token to feed
+    >>> n, cache.pos(t)
+    (3, 3)
+    """
+
+    def __init__(self, cache: Any, policy: str | Callable[[PrefixNode], Any] = "lru", *,
+                 max_seqs: int | None = None,
+                 on_event: Callable[[PrefixEvent], Any] | None = None):
+        for verb in ("seq_clone", "seq_rm", "rewind", "pos", "live_seqs", "max_seqs"):
+            if not hasattr(cache, verb):
+                raise InvalidArgument(
+                    f"cache of type {type(cache).__name__} has no {verb}; give a CellCache")
+        if isinstance(policy, str):
+            if policy not in POLICIES:
+                raise InvalidArgument(
+                    f"policy={policy!r} is not one of {', '.join(POLICIES)} or a callable")
+            key = POLICIES[policy]
+        elif callable(policy):
+            key = policy
+        else:
+            raise InvalidArgument(f"policy of type {type(policy).__name__} is not a name or a callable")
+        if on_event is not None and not callable(on_event):
+            raise InvalidArgument(f"on_event of type {type(on_event).__name__} is not callable")
+        if max_seqs is None:
+            max_seqs = max(1, cache.max_seqs // 4)
+        self.max_seqs = check_int(max_seqs, "max_seqs", 1, cache.max_seqs)
+        self.cache = cache
+        self.policy = policy
+        self._key = key
+        self.on_event = on_event
+        self._lock = threading.RLock()
+        self._op = _Operation(self)
+        self._clock = 0
+        self._events: list[PrefixEvent] = []
+        self._reset()
+        self._stats = dict.fromkeys(
+            ("matches", "hits", "hit_tokens", "no_id", "inserts", "stored_tokens",
+             "insert_skipped", "evictions", "evicted_tokens", "evicted_cells",
+             "invalidations"), 0)
+
+    def _reset(self) -> None:
+        self._root = PrefixNode(b"", 0, None, self._clock)
+        self._owned: dict[int, PrefixNode] = {}   # owned sequence -> its leaf
+        self._cached = 0                          # tokens in the tree
+        self._nodes = 0                           # nodes but the root
+        self._pins = 0
+
+    # -- lookup ------------------------------------------------------------------------------
+    def _walk(self, qb: bytes, nq: int) -> tuple[PrefixNode, int]:
+        """The node holding the longest cached prefix of the query (``nq`` tokens as int32
+        bytes ``qb``) and its length n: ``node.start < n <= node.end``, or (root, 0)."""
+        node = self._root
+        d = 0
+        while d < nq:
+            b = 4 * d
+            child = node.children.get(qb[b:b + 4])
+            if child is None:
+                return node, d
+            if qb.startswith(child.segb, b):
+                node = child
+                d = child.end
+                continue
+            # the match ends in this node: where the query ends, or at the first difference
+            m = child.end - child.start
+            if nq - d < m:
+                if child.segb.startswith(qb[b:]):
+                    return child, nq
+                m = nq - d
+            # a difference lies in the first m tokens, so argmin finds the first False
+            eq = np.frombuffer(qb, _I32, m, b) == child.seg[:m]
+            return child, d + int(eq.argmin())
+        return node, d
+
+    def _query(self, tokens: object, max_len: object) -> tuple[np.ndarray, bytes]:
+        arr = _as_tokens(tokens)
+        if max_len is not None:
+            ml = check_int(max_len, "max_len", 0, None)
+            if ml < len(arr):
+                arr = arr[:ml]
+        return arr, arr.tobytes()
+
+    def peek(self, tokens: Any, *, max_len: int | None = None) -> int:
+        """The length of the longest cached prefix of ``tokens[:max_len]``; clones nothing,
+        changes nothing (admission policies use it)."""
+        arr, qb = self._query(tokens, max_len)
+        with self._lock:
+            return self._walk(qb, len(arr))[1]
+
+    def match(self, tokens: Any, *, max_len: int | None = None,
+              pin: bool = False) -> tuple[int | None, int]:
+        """A new live sequence that owns the longest cached prefix of ``tokens[:max_len]``.
+
+        Returns ``(seq_id, n)``: the caller owns ``seq_id`` (positions ``[0, n)`` hold
+        ``tokens[:n]``) and feeds ``tokens[n:]``; ``(None, 0)`` on a miss or when no id is
+        free. ``n == len(tokens)`` is possible: a caller that needs the logits of the last
+        token passes ``max_len=len(tokens) - 1`` so that one token is left to feed.
+        ``pin=True`` also pins the prefix (see :meth:`unpin`).
+        """
+        arr, qb = self._query(tokens, max_len)
+        if not isinstance(pin, (bool, np.bool_)):
+            raise InvalidArgument(f"pin of type {type(pin).__name__} is not a bool")
+        with self._op:
+            self._clock += 1
+            st = self._stats
+            st["matches"] += 1
+            node, n = self._walk(qb, len(arr))
+            if n == 0:
+                return None, 0
+            leaf = node
+            while leaf.seq is None:
+                leaf = next(iter(leaf.children.values()))
+            if self.cache.pos(leaf.seq) != leaf.end:
+                self._invalidate_locked()
+                return (None, 0)
+            sid = self.cache.seq_clone(leaf.seq, n)
+            if sid is None:
+                st["no_id"] += 1
+                return None, 0
+            if sid in self._owned:          # an id the tree holds was free: cleared underneath
+                self.cache.seq_rm(sid)
+                self._invalidate_locked()
+                return (None, 0)
+            st["hits"] += 1
+            st["hit_tokens"] += n
+            self._touch(node)
+            if pin:
+                self._pin_at(node, n)
+            return sid, n
+
+    def _touch(self, node: PrefixNode, priority: float | None = None) -> None:
+        clock = self._clock
+        while node.parent is not None:
+            node.last_access = clock
+            node.hits += 1
+            if priority is not None and priority > node.priority:
+                node.priority = priority
+            node = node.parent
+
+    # -- pins --------------------------------------------------------------------------------
+    def _pin_at(self, node: PrefixNode, depth: int) -> None:
+        if node.pins is None:
+            node.pins = {}
+        node.pins[depth] = node.pins.get(depth, 0) + 1
+        self._pins += 1
+
+    def pin(self, tokens: Any, *, max_len: int | None = None) -> int:
+        """Pins the longest cached prefix of ``tokens[:max_len]`` and returns its length n
+        (0: nothing pinned). A pinned prefix is never evicted until :meth:`unpin`; pins are
+        counted, and dropped by :meth:`clear` and :meth:`invalidate`."""
+        arr, qb = self._query(tokens, max_len)
+        with self._lock:
+            node, n = self._walk(qb, len(arr))
+            if n:
+                self._pin_at(node, n)
+            return n
+
+    def unpin(self, tokens: Any, n: int) -> None:
+        """Takes back one pin of ``tokens[:n]`` (as ``match(pin=True)`` or :meth:`pin`
+        returned n). Raises InvalidState when that prefix holds no pin (nothing changes)."""
+        arr, qb = self._query(tokens, None)
+        n = check_int(n, "n", 1, len(arr))
+        with self._lock:
+            node, d = self._walk(qb[:4 * n], n)
+            if d != n or not node.pins or node.pins.get(n, 0) == 0:
+                raise InvalidState(
+                    f"the first {n} tokens hold no pin; pin them with match(pin=True) or pin()")
+            node.pins[n] -= 1
+            if node.pins[n] == 0:
+                del node.pins[n]
+            self._pins -= 1
+
+    # -- insert ------------------------------------------------------------------------------
+    def insert(self, seq_id: int, tokens: Any, *, priority: float = 0.0) -> int:
+        """Stores ``tokens`` (which the caller's sequence ``seq_id`` holds at positions
+        ``[0, len(tokens))``) in the tree; the caller keeps its sequence.
+
+        Returns the number of tokens newly cached: 0 when the whole of ``tokens`` was
+        already cached, or when no id could be had (the tree's ``max_seqs`` reached and no
+        leaf evictable, or every cache id live). ``priority`` (a real number) is the new
+        leaf's, and raises the priority of the cached path to it (the ``"priority"``
+        policy evicts the lowest first).
+
+        Raises InvalidArgument (a bad id or tokens, an id the prefix cache owns, a bad
+        priority) or InvalidState (``seq_id`` not live, or ``pos(seq_id) < len(tokens)``);
+        a refusal changes nothing. The tokens are the caller's word: the tree cannot see
+        token ids in cells.
+        """
+        s = check_seq_id(seq_id, self.cache.max_seqs)
+        arr = _as_tokens(tokens)
+        if isinstance(priority, (bool, np.bool_)) or not isinstance(
+                priority, (int, float, np.integer, np.floating)) or priority != priority:
+            raise InvalidArgument(f"priority={priority!r} is not a real number")
+        priority = float(priority)
+        n = len(arr)
+        with self._op:
+            if s in self._owned:
+                raise InvalidArgument(
+                    f"sequence {s} is owned by the prefix cache; insert a sequence of yours")
+            p = self.cache.pos(s)
+            if (n == 0 or p < n) and s not in self.cache.live_seqs():
+                raise InvalidState(f"sequence {s} is not live; call seq_new() first")
+            if p < n:
+                raise InvalidState(
+                    f"sequence {s} holds positions [0, {p}); inserting {n} tokens needs "
+                    f"pos(seq) >= {n}")
+            if n == 0:
+                return 0
+            self._clock += 1
+            self._stats["inserts"] += 1
+            qb = arr.tobytes()
+            node, m = self._walk(qb, n)
+            if m == n:
+                self._touch(node, priority)
+                return 0
+            new = self._take_id(qb, n, node, m, s)
+            if new is None:
+                self._stats["insert_skipped"] += 1
+                return 0
+            if new in self._owned:          # an id the tree holds was free: cleared underneath
+                self._invalidate_locked()
+            # evictions for the id keep the cached path but may have made a leaf of its end
+            # (or, finding the cache cleared underneath, forgotten the tree): walk again
+            node, m = self._walk(qb, n)
+            if node.start < m < node.end:
+                node = self._split(node, m)
+            old = node.seq                  # a leaf extended: its sequence is covered now
+            leaf = PrefixNode(qb[4 * m:], m, node, self._clock, priority)
+            leaf.seq = new
+            node.children[leaf.segb[:4]] = leaf
+            self._owned[new] = leaf
+            self._nodes += 1
+            self._cached += n - m
+            self._touch(leaf, priority)
+            if old is not None:
+                node.seq = None
+                del self._owned[old]
+                self.cache.seq_rm(old)
+            self._stats["stored_tokens"] += n - m
+            if self.on_event is not None:
+                self._events.append(PrefixEvent("stored", arr.copy(), n - m))
+            return n - m
+
+    def _take_id(self, qb: bytes, n: int, node: PrefixNode, m: int, s: int) -> int | None:
+        """A clone of caller sequence s (``upto=n``), evicting leaves off the cached path for
+        an id where the tree's budget or the cache's ids run out; None when none is had."""
+        path = set()
+        x: PrefixNode | None = node
+        while x is not None:
+            path.add(x)
+            x = x.parent
+        if not (node.seq is not None and m == node.end) and len(self._owned) >= self.max_seqs:
+            self._evict_locked(0, 1, path)
+            node, m = self._walk(qb, n)
+            if not (node.seq is not None and m == node.end) and len(self._owned) >= self.max_seqs:
+                return None
+        if node.seq is not None and m == node.end and self.cache.pos(node.seq) != node.end:
+            self._invalidate_locked()
+        new = self.cache.seq_clone(s, n)
+        if new is None:
+            self._evict_locked(0, 1, path)
+            new = self.cache.seq_clone(s, n)
+        return new
+
+    def _split(self, node: PrefixNode, m: int) -> PrefixNode:
+        """Cuts ``node`` at depth m (``start < m < end``); returns the new upper part."""
+        k = 4 * (m - node.start)
+        parent = node.parent
+        assert parent is not None
+        upper = PrefixNode(node.segb[:k], node.start, parent, node.created, node.priority)
+        upper.last_access = node.last_access
+        upper.hits = node.hits
+        parent.children[node.segb[:4]] = upper
+        node.segb = node.segb[k:]
+        node.seg = np.frombuffer(node.segb, _I32)
+        node.start = m
+        node.parent = upper
+        upper.children[node.segb[:4]] = node
+        if node.pins:
+            up = {d: c for d, c in node.pins.items() if d <= m}
+            if up:
+                upper.pins = up
+                node.pins = {d: c for d, c in node.pins.items() if d > m} or None
+        self._nodes += 1
+        return upper
+
+    # -- eviction ----------------------------------------------------------------------------
+    def evict(self, n_cells: int = 0, *, n_ids: int = 0) -> int:
+        """Evicts unpinned leaves, the policy's smallest key first, until at least
+        ``n_cells`` cells have been freed and ``n_ids`` sequence ids released, or no leaf is
+        left to evict. Returns the cells freed.
+
+        Only the prefix cache's owner bits are dropped: cells a caller's sequence also owns
+        stay (and count as not freed). A leaf whose parent is left childless hands its
+        sequence to the parent (``rewind`` to the parent's end), so it frees cells but no
+        id; ids come back as leaves under a branching node (or the root) go.
+        """
+        n_cells = check_int(n_cells, "n_cells", 0, None)
+        n_ids = check_int(n_ids, "n_ids", 0, None)
+        with self._op:
+            freed = self._evict_locked(n_cells, n_ids, ())
+            return freed
+
+    def _evictable(self, node: PrefixNode, protect: Any) -> bool:
+        return node.seq is not None and not node.pins and node not in protect
+
+    def _evict_locked(self, n_cells: int, n_ids: int, protect: Any) -> int:
+        if n_cells <= 0 and n_ids <= 0:
+            return 0
+        cache = self.cache
+        key = self._key
+        heap = []
+        tie = 0
+        for leaf in self._owned.values():
+            if self._evictable(leaf, protect):
+                heap.append((key(leaf), tie, leaf))
+                tie += 1
+        heapq.heapify(heap)
+        freed = ids = 0
+        root = self._root
+        while heap and (freed < n_cells or ids < n_ids):
+            _, _, leaf = heapq.heappop(heap)
+            seq = leaf.seq
+            assert seq is not None
+            if cache.pos(seq) != leaf.end:
+                self._invalidate_locked()
+                break
+            if self.on_event is not None:
+                self._events.append(PrefixEvent("evicted", leaf.path(), leaf.n_tokens))
+            before = cache.free_cells
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.segb[:4]]
+            del self._owned[seq]
+            leaf.seq = None
+            leaf.parent = None
+            adopted = parent is not root and not parent.children
+            if adopted:                     # the parent becomes a leaf and takes the sequence
+                ok = cache.rewind(seq, parent.end)
+                assert ok
+                parent.seq = seq
+                self._owned[seq] = parent
+            else:
+                cache.seq_rm(seq)
+                ids += 1
+            got = cache.free_cells - before
+            freed += got
+            self._nodes -= 1
+            self._cached -= leaf.n_tokens
+            st = self._stats
+            st["evictions"] += 1
+            st["evicted_tokens"] += leaf.n_tokens
+            st["evicted_cells"] += got
+            if adopted and self._evictable(parent, protect):
+                heapq.heappush(heap, (key(parent), tie, parent))   # the tree is whole here
+                tie += 1
+        return freed
+
+    # -- whole tree --------------------------------------------------------------------------
+    def validate(self) -> bool:
+        """Checks that every owned sequence is live and as long as its leaf; if one is not
+        (``cache.clear()`` ran underneath), forgets the tree as :meth:`invalidate` does and
+        returns False."""
+        with self._op:
+            ok = self._valid()
+            if not ok:
+                self._invalidate_locked()
+            return ok
+
+    def _valid(self) -> bool:
+        if not self._owned:
+            return True
+        live = set(self.cache.live_seqs())
+        return all(s in live and self.cache.pos(s) == leaf.end for s, leaf in self._owned.items())
+
+    def clear(self) -> int:
+        """Drops every cached prefix and pin, releasing the owned sequences; returns the
+        cells freed (cells a caller's sequence also owns stay). If the cache was cleared
+        underneath, forgets the tree instead (see :meth:`invalidate`) and returns 0."""
+        with self._op:
+            if not self._valid():
+                self._invalidate_locked()
+                return 0
+            before = self.cache.free_cells
+            for s in self._owned:
+                self.cache.seq_rm(s)
+            freed = self.cache.free_cells - before
+            if self.on_event is not None and self._cached:
+                self._events.append(PrefixEvent("cleared", np.zeros(0, _I32), self._cached))
+            self._reset()
+            return freed
+
+    def invalidate(self) -> None:
+        """Forgets the whole tree without touching the cache: call it after
+        ``cache.clear()``, which released the sequences the prefix cache owned."""
+        with self._op:
+            self._invalidate_locked()
+
+    def _invalidate_locked(self) -> None:
+        if self._owned:
+            self._stats["invalidations"] += 1
+            if self.on_event is not None:
+                self._events.append(PrefixEvent("invalidated", np.zeros(0, _I32), self._cached))
+        self._reset()
+
+    def _deliver(self) -> None:
+        """Delivers the events an operation queued; the first exception of the callback
+        propagates after every event was delivered."""
+        events, self._events = self._events, []
+        error: BaseException | None = None
+        for ev in events:
+            try:
+                self.on_event(ev)  # type: ignore[misc]
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                if error is None:
+                    error = e
+        if error is not None:
+            raise error
+
+    # -- queries -----------------------------------------------------------------------------
+    def owned_seqs(self) -> list[int]:
+        """The sequence ids the prefix cache owns, ascending (one per leaf)."""
+        with self._lock:
+            return sorted(self._owned)
+
+    def prefixes(self) -> list[tuple[tuple[int, ...], int]]:
+        """Every leaf's path and the sequence that holds it, as ``(tokens, seq)``, sorted by
+        tokens. Every prefix of a path is cached. O(cached tokens): for tests and tools."""
+        with self._lock:
+            return sorted((tuple(leaf.path().tolist()), s) for s, leaf in self._owned.items())
+
+    def metrics(self) -> dict:
+        """Counters: ``cached_tokens`` (tokens in the tree), ``nodes``, ``leaves`` (= owned
+        sequences), ``pins``, ``max_seqs``; since construction: ``matches``, ``hits``
+        (matches that cloned), ``hit_tokens``, ``no_id`` (hits lost for want of an id),
+        ``inserts``, ``stored_tokens``, ``insert_skipped``, ``evictions`` (leaves),
+        ``evicted_tokens``, ``evicted_cells`` (cells freed by eviction), ``invalidations``."""
+        with self._lock:
+            return {"cached_tokens": self._cached, "nodes": self._nodes,
+                    "leaves": len(self._owned), "pins": self._pins, "max_seqs": self.max_seqs,
+                    **self._stats}
+
+    def check_invariants(self) -> None:
+        """Asserts the tree's structure and that every owned sequence holds its leaf's
+        length (tests call it after every operation)."""
+        with self._lock:
+            seen: dict[int, PrefixNode] = {}
+            total = nodes = pins = 0
+            stack = [self._root]
+            assert self._root.seq is None and self._root.end == 0 and not self._root.pins
+            while stack:
+                node = stack.pop()
+                for k, child in node.children.items():
+                    assert child.parent is node and child.start == node.end
+                    assert child.end > child.start and len(child.segb) == 4 * child.n_tokens
+                    assert k == child.segb[:4]
+                    assert (child.seq is None) == bool(child.children)
+                    if child.seq is not None:
+                        assert child.seq not in seen
+                        seen[child.seq] = child
+                    if child.pins:
+                        assert all(child.start < d <= child.end and c > 0 for d, c in child.pins.items())
+                        pins += sum(child.pins.values())
+                    total += child.n_tokens
+                    nodes += 1
+                    stack.append(child)
+            assert seen == self._owned, (seen, self._owned)
+            assert total == self._cached and nodes == self._nodes and pins == self._pins
+            assert len(self._owned) <= self.max_seqs
+            live = set(self.cache.live_seqs())
+            for s, leaf in self._owned.items():
+                assert s in live and self.cache.pos(s) == leaf.end, (s, leaf)
+
+    def __repr__(self) -> str:
+        return (f"PrefixCache(cached_tokens={self._cached}, nodes={self._nodes}, "
+                f"leaves={len(self._owned)}, policy={self.policy!r})")
