@@ -42,8 +42,12 @@ WARNINGS = [] if sys.platform == "win32" else ["-Wno-unused-const-variable"]
 # module -> source: pyx/<path>.pyx builds cellcache.<path>
 MODULES = {
     "cellcache._table": "pyx/_table.pyx",
+    "cellcache.cuda._launch": "pyx/cuda/_launch.pyx",
+    "cellcache.cuda._dlpack": "pyx/cuda/_dlpack.pyx",
     "cellcache.cuda._engine": "pyx/cuda/_engine.pyx",
 }
+# headers and declarations a module may include or cimport
+DEPENDS = ["cuda/abi.h", "cellcache/_table.pxd", "cellcache/_bitset.pxd", "cellcache/cuda/_launch.pxd"]
 
 extensions = [
     Extension(
@@ -52,7 +56,7 @@ extensions = [
         include_dirs=["."],
         define_macros=macros,
         extra_compile_args=(["-O0", "-g"] if DEBUG else ["-O2"]) + WARNINGS,
-        depends=["cuda/abi.h", "cellcache/_table.pxd", "cellcache/_bitset.pxd"],
+        depends=DEPENDS,
     )
     for name, source in MODULES.items()
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from .errors import CellCacheError
+
 USAGE = """usage: cellcache COMMAND [options]
 
 commands:
@@ -18,16 +20,22 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "demo":
-        from .demo import main as demo_main
+    if command not in ("demo", "generate"):
+        print(f"cellcache: error: unknown command {command!r} (see --help)", file=sys.stderr)
+        return 2
+    try:
+        if command == "demo":
+            from .demo import main as demo_main
 
-        return demo_main(rest)
-    if command == "generate":
+            return demo_main(rest)
         from .generate import main as generate_main
 
         return generate_main(rest)
-    print(f"cellcache: error: unknown command {command!r} (see --help)", file=sys.stderr)
-    return 2
+    except CellCacheError as e:
+        # whatever a command did not catch itself (--device cuda without a driver, a refused
+        # model, a cache that does not fit) is one line and exit code 2, never a traceback
+        print(f"cellcache {command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

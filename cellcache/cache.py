@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -33,8 +34,8 @@ from ._table import CellTable
 from .config import CacheConfig
 from .errors import InvalidArgument, InvalidState, OutOfMemory, StepTooLarge
 
-__all__ = ["Allocator", "CellCache", "CopyPools", "LayerBuffers", "PoolKey", "Pools", "Step",
-           "check_allocator", "stream_handle"]
+__all__ = ["Allocator", "CellCache", "CopyPools", "LayerBuffers", "PoolKey", "PoolReleaseWarning",
+           "Pools", "Step", "check_allocator", "stream_handle"]
 
 #: A pool's key: (layer index, "k" or "v").
 PoolKey = tuple[int, str]
@@ -86,7 +87,13 @@ class LayerBuffers(NamedTuple):
 
 
 class Allocator(Protocol):
-    """Where copy-growth pool storage comes from; tests wrap one to fail at a chosen call."""
+    """Where copy-growth pool storage comes from; tests wrap one to fail at a chosen call.
+
+    The host backend needs a writable contiguous 1-D uint8 numpy array of at least
+    ``nbytes`` bytes; the CUDA backend an object with an int device address ``ptr`` and
+    ``nbytes`` >= the request. Anything else is refused with InvalidArgument before the
+    pools change (and given back through ``release``).
+    """
 
     def allocate(self, nbytes: int, what: str) -> Any:
         """Returns an allocation of ``nbytes`` bytes, or raises OutOfMemory."""
@@ -95,13 +102,23 @@ class Allocator(Protocol):
         """Gives an allocation back (the backend ensures no queued work still reads it)."""
 
 
+class PoolReleaseWarning(RuntimeWarning):
+    """Giving back a retired (or abandoned) pool allocation failed.
+
+    The growth that retired it had already succeeded, so the cache stays as the growth left
+    it; the allocation is kept and given back again at the next growth (and at ``close()``
+    where the backend has one).
+    """
+
+
 class Pools(Protocol):
     """The K/V pools of a cache: one per (layer, "k"|"v"), ``rows`` cell rows plus the sink.
 
     Growth is two-phase so that a failure changes nothing: :meth:`plan` acquires everything
     a growth needs (raising OutOfMemory, nothing changed), :meth:`apply` finishes it once
     the cache has ordered the stream after earlier forwards, :meth:`cancel` gives a plan
-    back.
+    back. ``apply`` either raises with the pools unchanged or switches them and returns;
+    ``cancel`` of a plan that was applied does nothing.
     """
 
     rows: int
@@ -117,57 +134,117 @@ class Pools(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass
+class _CopyPlan:
+    rows: int
+    new: dict                   # PoolKey -> allocation, every one checked
+    stream: int | None = None   # set once copies into ``new`` may be queued
+    applied: bool = False
+
+
 class CopyPools:
     """Pools that grow by allocating larger storage and copying the live rows (then the
     addresses change). Each pool has ``rows + 1`` rows; the last is the sink.
 
-    ``copy(src, dst, nbytes, stream)`` and ``retire(allocation, stream)`` are the backend's:
-    a copy on the step's stream, and a release once no queued work reads the allocation.
+    ``copy(src, dst, nbytes, stream)``, ``retire(allocation, stream)`` and
+    ``check(allocation, nbytes, what)`` are the backend's: a copy on the step's stream, a
+    release once no queued work reads the allocation, and a check that an allocation is
+    what the backend can use (InvalidArgument otherwise).
+
+    All or nothing: every allocation is made and checked in :meth:`plan` (a failure gives
+    back all of them); :meth:`apply` copies into the new storage, then switches; only then
+    are the old allocations retired. A retire that raises cannot undo a growth that has
+    happened: it is reported as a :class:`PoolReleaseWarning` and the allocation is retired
+    again at the next growth (or released at :meth:`close`). The live pools are never given
+    back by a failed growth.
     """
 
     moves = True
 
-    def __init__(self, row_bytes: dict[PoolKey, int], allocator: Any, copy: Any, retire: Any):
+    def __init__(self, row_bytes: dict[PoolKey, int], allocator: Any, copy: Any, retire: Any,
+                 check: Any):
         self.row_bytes = row_bytes
         self.allocator = allocator
-        self._copy, self._retire = copy, retire
+        self._copy, self._retire, self._check = copy, retire, check
         self.rows = 0
         self.allocations: dict[PoolKey, Any] = {}
+        self.unreleased: list[Any] = []     # retired allocations whose retire raised
 
     @property
     def sink(self) -> int:
         return self.rows
 
-    def plan(self, rows: int) -> tuple[int, dict[PoolKey, Any]]:
-        new: dict[PoolKey, Any] = {}
+    def plan(self, rows: int) -> _CopyPlan:
+        plan = _CopyPlan(rows, {})
         try:
             for key, nbytes in self.row_bytes.items():
-                new[key] = self.allocator.allocate((rows + 1) * nbytes, f"pool layer_{key[0]}_{key[1]}")
+                what = f"pool layer_{key[0]}_{key[1]}"
+                allocation = self.allocator.allocate((rows + 1) * nbytes, what)
+                plan.new[key] = allocation      # given back on failure, even if refused
+                self._check(allocation, (rows + 1) * nbytes, what)
         except BaseException:
-            self.cancel((rows, new))
+            self.cancel(plan)
             raise
-        return rows, new
+        return plan
 
-    def apply(self, plan: tuple[int, dict[PoolKey, Any]], live_rows: int, stream: int) -> bool:
-        rows, new = plan
+    def apply(self, plan: _CopyPlan, live_rows: int, stream: int) -> bool:
         if self.allocations:
+            plan.stream = stream
             for key, nbytes in self.row_bytes.items():
-                self._copy(self.allocations[key], new[key], live_rows * nbytes, stream)
-        old = self.allocations
-        self.allocations = new
-        self.rows = rows
-        for allocation in old.values():
-            self._retire(allocation, stream)
+                self._copy(self.allocations[key], plan.new[key], live_rows * nbytes, stream)
+        # the switch: nothing below may raise back into the cache
+        old = list(self.allocations.values()) + self.unreleased
+        plan.applied = True
+        self.allocations, self.rows, self.unreleased = plan.new, plan.rows, []
+        self._retire_all(old, stream)
         return True
 
-    def cancel(self, plan: tuple[int, dict[PoolKey, Any]]) -> None:
-        for allocation in plan[1].values():
-            self.allocator.release(allocation)
+    def _retire_all(self, allocations: list[Any], stream: int) -> None:
+        """Retires each allocation; one whose retire raises is kept in ``unreleased`` (an
+        interrupt keeps the rest too) and reported, never raised into the growth."""
+        pending = list(allocations)
+        while pending:
+            allocation = pending.pop(0)
+            try:
+                self._retire(allocation, stream)
+            except Exception as e:  # noqa: BLE001 - the growth has happened; keep and report
+                self.unreleased.append(allocation)
+                warnings.warn(
+                    f"releasing a retired pool allocation failed ({type(e).__name__}: {e}); the "
+                    "growth succeeded, the allocation is kept and released again at the next "
+                    "growth", PoolReleaseWarning, stacklevel=2)
+            except BaseException:
+                self.unreleased += [allocation, *pending]
+                raise
+
+    def cancel(self, plan: _CopyPlan) -> None:
+        if plan.applied:
+            return
+        new, plan.new = list(plan.new.values()), {}
+        if plan.stream is not None:          # copies into them may be queued
+            self._retire_all(new, plan.stream)
+        else:
+            for allocation in new:
+                release_quietly(self.allocator, allocation)
 
     def close(self) -> None:
-        for allocation in self.allocations.values():
-            self.allocator.release(allocation)
-        self.allocations = {}
+        """Releases every allocation (the caller has waited for queued work)."""
+        held = list(self.allocations.values()) + self.unreleased
+        self.allocations, self.unreleased = {}, []
+        for allocation in held:
+            release_quietly(self.allocator, allocation)
+
+
+def release_quietly(allocator: Any, allocation: Any) -> bool:
+    """``allocator.release(allocation)``; a failure is a PoolReleaseWarning (the caller is
+    already unwinding or closing) and False."""
+    try:
+        allocator.release(allocation)
+    except Exception as e:  # noqa: BLE001 - reported, never raised over the real outcome
+        warnings.warn(f"releasing a pool allocation failed ({type(e).__name__}: {e})",
+                      PoolReleaseWarning, stacklevel=3)
+        return False
+    return True
 
 
 def check_allocator(allocator: Any) -> Any:
@@ -235,6 +312,7 @@ class CellCache:
         self._positions = np.zeros(mw, np.int64)
         self._seq_ids = np.zeros(mw, np.int64)
         self._prepared: Step | None = None
+        self._pools_generation = 0
         self._prepared_stream = 0
         self._steps = 0
         self._pools: Pools = self._make_pools()
@@ -379,6 +457,18 @@ class CellCache:
         """The pool row padding rows write to (the last row of every pool's view)."""
         return self._pools.sink
 
+    @property
+    def prepared_step(self) -> Step | None:
+        """The step prepared and not yet committed (None when there is none): the only step
+        whose forward may write K/V at its ``cells``."""
+        return self._prepared
+
+    @property
+    def pools_generation(self) -> int:
+        """Counts the times the pools' addresses changed (the first step; every copy
+        growth): views over the pools built at another generation are out of date."""
+        return self._pools_generation
+
     def check_invariants(self) -> None:
         """The cell table's invariants (tests call this after every operation)."""
         with self._lock:
@@ -461,12 +551,16 @@ class CellCache:
             read_len = self._table.place_into(self._cells, self._positions, self._seq_ids)
             try:
                 n_runs, qo, kv = self._write_step(width, pad_to, read_len, handle)
-            except BaseException:
+                step = Step(width, int(read_len), self._cells[:width].copy(),
+                            self._positions[:width].copy(), self._seq_ids[:width].copy(), grew,
+                            pad_to, self._pools.rows, n_runs, qo, kv)
+            except BaseException as e:
                 self._table.undo_place()
+                if isinstance(e, MemoryError) and not isinstance(e, OutOfMemory):
+                    raise OutOfMemory(
+                        f"writing the step ran out of memory ({e!r}); the placement was undone, "
+                        "the declared step can be retried") from e
                 raise
-            step = Step(width, int(read_len), self._cells[:width].copy(),
-                        self._positions[:width].copy(), self._seq_ids[:width].copy(), grew,
-                        pad_to, self._pools.rows, n_runs, qo, kv)
             self._prepared = step
             self._prepared_stream = handle
             self._steps += 1
@@ -501,23 +595,33 @@ class CellCache:
             rows = max(cfg.initial_capacity, needed)
         else:
             rows = min(cfg.capacity, max(needed, 2 * pools.rows))
+        old_rows = pools.rows
         try:
             plan = pools.plan(rows)
         except MemoryError as e:
             raise OutOfMemory(
                 f"growing the pools from {pools.rows} to {rows} rows failed ({e}); nothing "
                 "changed, the declared step can be retried") from e
+        except InvalidArgument as e:     # the allocator returned storage the backend refuses
+            raise InvalidArgument(
+                f"growing the pools from {pools.rows} to {rows} rows failed: {e}; nothing "
+                "changed") from e
+        moved = False
         try:
             if self._prepared is not None:
                 self._commit_locked()
             self._before_step(stream)
             moved = pools.apply(plan, self._table.used_end, stream)
         except BaseException:
-            pools.cancel(plan)
+            pools.cancel(plan)       # gives back what the plan holds; nothing once applied
             raise
-        if not first:
-            self._growth_count += 1
-        self._pools_changed()
+        finally:
+            if pools.rows != old_rows:   # switched (even if interrupted after): new views
+                if not first:
+                    self._growth_count += 1
+                if first or pools.moves:
+                    self._pools_generation += 1
+                self._pools_changed()
         return first or moved
 
     # -- metrics ------------------------------------------------------------------------------

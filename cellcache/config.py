@@ -19,6 +19,9 @@ DTYPES = ("float16", "bfloat16", "float32")
 MASK_FORMATS = ("bool", "bits", "none")
 #: Largest entry count of the paged view (its indices are int32).
 MAX_KV_LIMIT = (1 << 31) - 1
+#: Largest capacity with the paged view: its cell indices, the sink (= capacity) included,
+#: are int32.
+PAGED_CAPACITY_LIMIT = (1 << 31) - 1
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -80,10 +83,11 @@ class CacheConfig:
       torch dtype of those names is accepted and stored as its name).
     - ``max_seqs``: sequence ids are ``[0, max_seqs)``.
     - ``device``: CUDA device ordinal (the CUDA backend).
-    - ``paged``: also build the paged view (FlashInfer's page-size-1 CSR buffers).
+    - ``paged``: also build the paged view (FlashInfer's page-size-1 CSR buffers); its
+      indices are int32, so ``capacity`` is then at most ``2**31 - 1``.
     - ``max_kv``: entries of the paged view's ``kv_indices`` a step may use (default
-      ``4 * capacity + max_write``, at most ``2**31 - 1``); a wider step is refused at
-      ``declare_step`` with :class:`StepTooLarge`.
+      ``4 * capacity + max_write``; ``max_kv + max_write`` at most ``2**31 - 1``); a wider
+      step is refused at ``declare_step`` with :class:`StepTooLarge`.
     - ``mask_format``: ``"bool"`` (``mask_w{W}`` of shape ``[1, 1, max_write, capacity]``),
       ``"bits"`` (uint8 ``[max_write, ceil(capacity / 8)]``, bit j of a row = column j,
       little-endian) or ``"none"`` (no masks; with ``paged=True`` for kernels that read the
@@ -134,10 +138,20 @@ class CacheConfig:
         if not isinstance(self.paged, (bool, np.bool_)):
             raise InvalidArgument(f"paged of type {type(self.paged).__name__} is not a bool")
         object.__setattr__(self, "paged", bool(self.paged))
+        if self.paged:
+            # the paged view stores cells (the sink = capacity too) and offsets as int32
+            if cap > PAGED_CAPACITY_LIMIT:
+                raise InvalidArgument(
+                    f"capacity={cap} is outside [1, 2**31 - 1] with paged=True (the paged "
+                    "view's cell indices are int32)")
+            if mw > MAX_KV_LIMIT - 1:
+                raise InvalidArgument(
+                    f"max_write={mw} is outside [1, 2**31 - 2] with paged=True (max_kv + "
+                    "max_write entries must fit int32)")
         if self.max_kv is None:
-            max_kv = min(MAX_KV_LIMIT - mw, 4 * cap + mw)
+            max_kv = max(1, min(MAX_KV_LIMIT - mw, 4 * cap + mw))
         else:
-            max_kv = check_int(self.max_kv, "max_kv", 1, MAX_KV_LIMIT - mw)
+            max_kv = check_int(self.max_kv, "max_kv", 1, max(1, MAX_KV_LIMIT - mw))
         object.__setattr__(self, "max_kv", max_kv)
         if self.mask_format not in MASK_FORMATS:
             raise InvalidArgument(

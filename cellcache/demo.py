@@ -10,11 +10,13 @@ cache (:mod:`cellcache.session`).
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from . import attention
 from ._cli import Parser, in_range
 from .config import CacheConfig, LayerConfig
+from .errors import CellCacheError
 from .registry import build
 from .session import Session, SessionConfig
 
@@ -30,8 +32,13 @@ def run(backend: str = "auto", seqs: int = 32, steps: int = 300, seed: int = 0,
         capacity: int = 2048, dtype: str = "bfloat16", view: str = "bool", pad: bool = False,
         progress: bool = True) -> dict:
     """Runs a session; returns the summary dict (``mismatches`` 0 when every token matched)."""
+    extra = dict(VIEWS[view])
+    if extra.get("paged"):
+        # a step lists at most MAX_WRITE runs, each at most one sequence's length: sized so,
+        # the paged view never refuses the session's steps, whatever the capacity
+        extra["max_kv"] = MAX_WRITE * SessionConfig.max_len
     cfg = CacheConfig(capacity=capacity, layers=LAYERS, max_write=MAX_WRITE, initial_capacity=64,
-                      dtype=dtype, max_seqs=seqs, **VIEWS[view])
+                      dtype=dtype, max_seqs=seqs, **extra)
     cache = build(backend, "batched-cell", cfg)
     buckets = [1, 2, 4, 8, 16, 32, 64] if pad else None
     session = Session(cache, attention.reference_forward,
@@ -56,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="cellcache demo",
         description="Simulated serving session through the cache, every token checked "
                     "against attention over its own sequence with no cache. Exit code 1 on "
-                    "any mismatch, 2 on bad usage.")
+                    "any mismatch, 2 on bad usage or when the cache refuses (one line on "
+                    "stderr, e.g. --backend cuda where CUDA is not usable).")
     p.add_argument("--backend", choices=["auto", "host", "cuda"], default="auto",
                    help="cache backend (default: auto = cuda when a device is usable)")
     p.add_argument("--seqs", type=in_range(1, 1 << 16), default=32,
@@ -74,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    summary = run(args.backend, args.seqs, args.steps, args.seed, capacity=args.capacity,
-                  dtype=args.dtype, view=args.view, pad=args.pad, progress=not args.quiet)
+    try:
+        summary = run(args.backend, args.seqs, args.steps, args.seed, capacity=args.capacity,
+                      dtype=args.dtype, view=args.view, pad=args.pad, progress=not args.quiet)
+    except CellCacheError as e:        # e.g. --backend cuda without a driver: one line
+        print(f"{p.prog}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2) if args.json else summary_line(summary))
     return 1 if summary["mismatches"] else 0

@@ -15,7 +15,7 @@ import numpy as np
 
 from .cache import CellCache, CopyPools, PoolKey, Pools, check_allocator
 from .config import CacheConfig
-from .errors import OutOfMemory
+from .errors import InvalidArgument, OutOfMemory
 
 __all__ = ["HostAllocator", "HostCellCache", "MappedHostPools"]
 
@@ -53,7 +53,8 @@ class MappedHostPools:
             try:
                 self.maps[key] = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
                                            | _MAP_NORESERVE)
-            except (OSError, OverflowError, ValueError) as e:
+            except (OSError, OverflowError, ValueError, MemoryError) as e:
+                self.close()
                 raise OutOfMemory(
                     f"could not reserve {size} bytes of address space for pool layer_{key[0]}_"
                     f"{key[1]} ({capacity + 1} rows): {e}") from e
@@ -73,7 +74,10 @@ class MappedHostPools:
         pass
 
     def close(self) -> None:
-        pass          # the mappings go with the last array that views them
+        """Unmaps the reservations; only for pools no array views yet (a failed build)."""
+        maps, self.maps = self.maps, {}
+        for m in maps.values():
+            m.close()
 
 
 def _zeros(shape: Any, dtype: Any, what: str) -> np.ndarray:
@@ -89,9 +93,16 @@ class HostCellCache(CellCache):
 
     By default the pools are fixed-address mappings of ``capacity + 1`` rows (the last is
     the sink row) that commit memory as rows are touched: they never move, so
-    ``Step.grew`` is True only on the first step. With ``allocator`` (an object with
-    ``allocate(nbytes, what)`` and ``release(allocation)``) the pools instead grow by
-    copying into larger allocations from it, ``rows + 1`` rows each.
+    ``Step.grew`` is True only on the first step. Where that address range cannot be
+    reserved (an address-space limit such as ``ulimit -v``, a huge capacity) the cache grows
+    by copy instead, as with an allocator (``metrics()["pools_move"]`` says which). With
+    ``allocator`` (an object with ``allocate(nbytes, what)`` returning a writable contiguous
+    1-D uint8 array of at least ``nbytes`` bytes, and ``release(allocation)``) the pools grow
+    by copying into larger allocations from it, ``rows + 1`` rows each, all or nothing: an
+    allocation that fails or is refused gives back the attempt's others and changes nothing;
+    a ``release`` of the old pools that raises after a growth is a
+    :class:`cellcache.cache.PoolReleaseWarning` and is retried at the next growth. Memory
+    exhausted while building raises :class:`OutOfMemory`.
 
     Example
     -------
@@ -110,13 +121,25 @@ class HostCellCache(CellCache):
 
     def __init__(self, config: CacheConfig, allocator: Any = None):
         self._allocator = check_allocator(allocator)
-        super().__init__(config)
+        try:
+            super().__init__(config)
+        except MemoryError as e:          # numpy's, Python's: the library's own error
+            if isinstance(e, OutOfMemory):
+                raise
+            raise OutOfMemory(f"building the host cache ran out of memory ({e!r})") from e
 
     def _make_pools(self) -> Pools:
-        if self._allocator is None:
-            return MappedHostPools(self._row_bytes, self.config.capacity)
-        return CopyPools(self._row_bytes, self._allocator, _copy_rows,
-                         lambda allocation, stream: self._allocator.release(allocation))
+        allocator = self._allocator
+        if allocator is None:
+            try:
+                return MappedHostPools(self._row_bytes, self.config.capacity)
+            except OutOfMemory:
+                # no room to reserve every row up front (an address-space limit, a huge
+                # capacity): grow by copy instead; Step.grew then reports each move
+                allocator = HostAllocator()
+        return CopyPools(self._row_bytes, allocator, _copy_rows,
+                         lambda allocation, stream: allocator.release(allocation),
+                         _check_allocation)
 
     def _init_step_buffers(self) -> None:
         cfg = self.config
@@ -155,7 +178,7 @@ class HostCellCache(CellCache):
             if isinstance(pools, MappedHostPools):
                 raw = np.frombuffer(pools.maps[(i, kv)], dtype=np.uint8)
             elif isinstance(pools, CopyPools) and pools.rows:
-                raw = pools.allocations[(i, kv)]
+                raw = pools.allocations[(i, kv)][:(pools.rows + 1) * nbytes]
             else:
                 raw = np.zeros(0, np.uint8)
             rows = raw.nbytes // nbytes
@@ -194,3 +217,21 @@ class HostCellCache(CellCache):
 
 def _copy_rows(src: np.ndarray, dst: np.ndarray, nbytes: int, stream: int) -> None:
     dst[:nbytes] = src[:nbytes]
+
+
+def _check_allocation(allocation: Any, nbytes: int, what: str) -> None:
+    """Refuses (InvalidArgument) an allocation the pools cannot view as ``nbytes`` bytes."""
+    if (isinstance(allocation, np.ndarray) and allocation.dtype == np.uint8
+            and allocation.ndim == 1 and allocation.flags.c_contiguous
+            and allocation.flags.writeable and allocation.size >= nbytes):
+        return
+    if isinstance(allocation, np.ndarray):
+        flags = allocation.flags
+        shown = (f"a {'' if flags.writeable else 'read-only '}"
+                 f"{'' if flags.c_contiguous else 'non-contiguous '}array of dtype "
+                 f"{allocation.dtype} and shape {allocation.shape}")
+    else:
+        shown = f"an object of type {type(allocation).__name__}"
+    raise InvalidArgument(
+        f"the allocator returned {shown} for {what}; it must return a writable contiguous "
+        f"1-D uint8 array of at least {nbytes} bytes")

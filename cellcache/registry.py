@@ -72,7 +72,10 @@ def resolve_backend(backend: str) -> str:
 
 def build(backend: str, kind: str, config: CacheConfig) -> Any:
     """Builds a cache: backend 'cuda', 'host' or 'auto' (cuda when a device is usable);
-    kind 'batched-cell' or 'batched' (both this library's batched cell layout)."""
+    kind 'batched-cell' or 'batched' (both this library's batched cell layout).
+
+    'cuda' where CUDA is not usable (no cuda-bindings, driver or device, or cuda-bindings
+    newer than the driver) raises CudaError with the probe's one-line reason."""
     _check_name("kind", kind)
     name = resolve_backend(backend)
     kinds = registered()
@@ -83,6 +86,10 @@ def build(backend: str, kind: str, config: CacheConfig) -> Any:
         raise InvalidArgument(
             f"unknown kind {kind!r} for backend {name!r}; its kinds: {', '.join(kinds[name])}")
     builder = _BUILDERS[(name, kind)]
+    if name == "cuda" and backend != "auto":
+        from .cuda.probe import require_cuda
+
+        require_cuda()    # CudaError with the probe's reason, before any CUDA module loads
     if isinstance(builder, str):
         module, attr = builder.split(":")
         try:

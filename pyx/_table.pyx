@@ -28,7 +28,14 @@ from ._bitset cimport bit, bits_below, bits_from, cc_clz64, cc_ctz64
 import numpy as np
 
 from ._checks import POS_FREE as _POS_FREE_PY
-from ._checks import check_any_int, check_int, check_seq_id, check_table_shape, step_ids
+from ._checks import CAPACITY_LIMIT as _CAPACITY_LIMIT
+from ._checks import (
+    check_any_int,
+    check_int,
+    check_seq_id,
+    check_table_shape,
+    step_ids,
+)
 from .errors import InvalidArgument, InvalidState, OutOfMemory
 
 cdef extern from *:
@@ -69,6 +76,12 @@ cdef void* _calloc(size_t n, size_t size, str what) except NULL:
 cdef inline uint64_t bits_upto(int64_t i) noexcept nogil:
     # Mask of bits [0, i % 64] of a word.
     return (bit(i) << 1) - 1
+
+
+cdef inline bint _overlaps(const void* a, size_t na, const void* b, size_t nb) noexcept:
+    # Whether the byte ranges [a, a + na) and [b, b + nb) share a byte.
+    return (na != 0 and nb != 0 and <const char*>a < <const char*>b + nb
+            and <const char*>b < <const char*>a + na)
 
 
 cdef inline bint _is_exact_int64_vector(object a):
@@ -730,6 +743,14 @@ cdef class CellTable:
                 seq_ids is not None and s_view.shape[0] < n):
             raise InvalidArgument(
                 f"output arrays hold fewer entries than the declared step's {n}")
+        # placement reads back what it wrote (positions, then cells), so the outputs' first
+        # n entries must not share memory
+        if _overlaps(&c_view[0], 8 * n, &p_view[0], 8 * n):
+            raise InvalidArgument("cells and positions share memory; give separate arrays")
+        if seq_ids is not None and (_overlaps(&s_view[0], 8 * n, &c_view[0], 8 * n)
+                                    or _overlaps(&s_view[0], 8 * n, &p_view[0], 8 * n)):
+            raise InvalidArgument(
+                "seq_ids shares memory with cells or positions; give separate arrays")
         return self._place(&c_view[0], &p_view[0], NULL if seq_ids is None else &s_view[0])
 
     def place(self):
@@ -790,9 +811,7 @@ cdef class CellTable:
                 continue
             seq_map = self.seq_map[s]
             q1 = p if p < self.seq_pos_[s] - 1 else self.seq_pos_[s] - 1
-            q0 = 0 if window == 0 else p - window + 1
-            if q0 < 0:
-                q0 = 0
+            q0 = 0 if window == 0 or p < window else p - window + 1   # never overflows
             for q in range(q0, q1 + 1):
                 c = seq_map[q]
                 if c < read_len:
@@ -810,10 +829,12 @@ cdef class CellTable:
         columns ``[0, read_len)`` (``cols >= read_len``), or with ``bits`` bytes
         ``[0, ceil(read_len / 8))`` (``cols >= ceil(read_len / 8)``). Rows ``[width, pad_to)``
         are padding: they get row 0's mask. Everything else keeps its stale value.
+        Windows are ints in ``[0, 2**40]``; ``seq_ids`` and ``positions`` must not share
+        memory with any of ``outs`` (InvalidArgument).
         """
         cdef const int64_t[::1] ids = _in_vector(seq_ids, "seq_ids")
         cdef const int64_t[::1] pos = _in_vector(positions, "positions")
-        cdef int64_t width = ids.shape[0], k, s, rl, pad, nbytes
+        cdef int64_t width = ids.shape[0], k, s, rl, pad, nbytes, size
         cdef uint8_t[:, ::1] out
         cdef list wins = [], views = []
         if pos.shape[0] != width:
@@ -831,7 +852,7 @@ cdef class CellTable:
             raise InvalidArgument(f"{len(windows)} windows but {len(outs)} output arrays")
         nbytes = (rl + 7) // 8 if bits else rl
         for k in range(len(windows)):
-            wins.append(check_int(windows[k], "window", 0))
+            wins.append(check_int(windows[k], "window", 0, _CAPACITY_LIMIT))
             arr = outs[k]
             if not isinstance(arr, np.ndarray) or arr.dtype not in (np.bool_, np.uint8) \
                     or arr.ndim != 2 or not arr.flags.c_contiguous or not arr.flags.writeable:
@@ -842,7 +863,15 @@ cdef class CellTable:
                 raise InvalidArgument(
                     f"mask array of shape ({out.shape[0]}, {out.shape[1]}) cannot hold "
                     f"{pad} rows x {nbytes} {'bytes' if bits else 'columns'}")
-            views.append(arr.view(np.uint8))
+            # the fill reads ids and positions row by row while it writes: an overlap
+            # would feed it its own output
+            size = out.shape[0] * out.shape[1]
+            if size and (_overlaps(&ids[0], 8 * width, &out[0, 0], size)
+                         or _overlaps(&pos[0], 8 * width, &out[0, 0], size)):
+                raise InvalidArgument(
+                    f"seq_ids or positions share memory with outs[{k}]; give arrays that do "
+                    "not overlap the masks")
+            views.append(out)
         for k in range(len(wins)):
             out = views[k]
             self._fill_mask_rows(&ids[0], &pos[0], width, rl, wins[k], &out[0, 0],

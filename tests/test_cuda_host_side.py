@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cellcache import CudaError
-from cellcache.cuda import _engine, probe
+from cellcache.cuda import _dlpack, _engine, _launch, probe
 from cellcache.registry import resolve_backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,8 +101,8 @@ def test_kernel_abi_has_one_source():
     assert _engine.MAX_WINDOWS == int(values["CC_MAX_WINDOWS"])
     assert _engine.STEP_THREADS == int(values["CC_STEP_THREADS"])
     assert _engine.MASK_COLS == int(values["CC_MASK_COLS"])
-    assert _engine.ATTN_THREADS == int(values["CC_ATTN_THREADS"])
-    assert _engine.PREFILL_PAIRS == int(values["CC_PREFILL_PAIRS"])
+    assert _launch.ATTN_THREADS == int(values["CC_ATTN_THREADS"])
+    assert _launch.PREFILL_PAIRS == int(values["CC_PREFILL_PAIRS"])
     # every field of cc_step_params is 8 bytes: 22 scalars and two windows arrays
     assert _engine.PARAMS_BYTES == 8 * (22 + 2 * _engine.MAX_WINDOWS)
     for path in list((ROOT / "cuda").glob("*.cu")) + list((ROOT / "cellcache").rglob("*.py")):
@@ -112,11 +112,77 @@ def test_kernel_abi_has_one_source():
 
 
 def test_paged_args_pack_every_field():
-    blob = _engine.paged_args(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 0.5)
+    blob = _launch.paged_args(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 0.5)
     import struct
 
     assert len(blob) == 4 * 8 + 4 * 8 + 5 * 4 + 4
     assert struct.unpack("=8q5if", blob) == (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 0.5)
+
+
+def step_param_fields():
+    """The scalar fields of cc_step_params in cuda/abi.h, in order (windows/masks follow)."""
+    header = (ROOT / "cuda" / "abi.h").read_text()
+    body = re.search(r"typedef struct \{(.*?)\} cc_step_params;", header, re.S).group(1)
+    fields = []
+    for line in body.splitlines():
+        decl = line.split("//")[0].strip().rstrip(";")
+        if decl and "[" not in decl:
+            fields += [name.strip() for name in decl.split(None, 1)[1].split(",")]
+    return fields
+
+
+def test_step_params_takes_each_field_by_its_abi_name():
+    import struct
+
+    fields = step_param_fields()
+    assert len(fields) == 22
+    values = {name: 1000 + k for k, name in enumerate(fields)}
+    blob = _engine.step_params(**values, windows=[7, 9], masks=[0xAB, 0xCD])
+    assert len(blob) == _engine.PARAMS_BYTES
+    words = struct.unpack(f"=22q{_engine.MAX_WINDOWS}q{_engine.MAX_WINDOWS}Q", blob)
+    n = _engine.MAX_WINDOWS
+    assert words[:22] == tuple(values[name] for name in fields)
+    assert words[22:22 + n] == (7, 9) + (0,) * (n - 2)
+    assert words[22 + n:] == (0xAB, 0xCD) + (0,) * (n - 2)
+    # the paged view's addresses default to 0; anything not a field is refused at the call
+    paged = {"qo_indptr", "kv_indptr", "kv_indices", "run_seq", "run_last", "run_kv"}
+    base = {k: v for k, v in values.items() if k not in paged}
+    blob = _engine.step_params(**base, windows=[], masks=[])
+    words = struct.unpack("=22q", blob[:22 * 8])
+    assert [words[fields.index(name)] for name in sorted(paged)] == [0] * len(paged)
+    with pytest.raises(TypeError, match="kv_last_page_len"):
+        _engine.step_params(**base, windows=[], masks=[], kv_last_page_len=1)
+    with pytest.raises(TypeError, match="capacity"):
+        _engine.step_params(**{k: v for k, v in base.items() if k != "capacity"}, windows=[], masks=[])
+    with pytest.raises(ValueError, match="at most"):
+        _engine.step_params(**base, windows=[1] * (n + 1), masks=[])
+
+
+def test_engine_resources_are_named_and_checked():
+    good = dict(ctx=1, fn_apply=2, fn_build=3, params=4, slot_words=5, host_slots=(6, 7),
+                dev_slots=(8, 9), slot_events=(10, 11), commit_event=12, sm_count=13,
+                paged=True, masks=False)
+    r = _engine.EngineResources(**good)
+    assert {k: getattr(r, k) for k in good} == good
+    # the signature the docstring declares (what help() and stubtest see) is the real one
+    import inspect
+
+    assert list(inspect.signature(_engine.EngineResources.__init__).parameters)[1:] == list(good)
+    with pytest.raises(TypeError):
+        _engine.EngineResources(*good.values())
+    with pytest.raises(TypeError, match="sm_counts"):
+        _engine.EngineResources(**good, sm_counts=1)
+    with pytest.raises(ValueError, match="host_slots has 1 entries"):
+        _engine.EngineResources(**{**good, "host_slots": (6,)})
+    with pytest.raises(TypeError):
+        _engine.EngineResources(**{**good, "ctx": "ctx"})
+
+
+def test_launch_before_the_entry_points_is_refused():
+    if _launch.entry_points_set():
+        pytest.skip("a CUDA cache in this process has set the entry points")
+    with pytest.raises(RuntimeError, match="entry points not set"):
+        _launch.launch(1, (1, 1, 1), 1, 0, 0, b"", ())
 
 
 class Owner:
@@ -126,7 +192,7 @@ class Owner:
 def test_dlpack_capsule_keeps_its_owner_alive_until_released():
     owner = Owner()
     before = sys.getrefcount(owner)
-    cap = _engine.dlpack_capsule(owner, 0x1000, (2, 3), 2, 32, 0)
+    cap = _dlpack.dlpack_capsule(owner, 0x1000, (2, 3), 2, 32, 0)
     assert sys.getrefcount(owner) == before + 1
     get_name = ctypes.pythonapi.PyCapsule_GetName
     get_name.restype = ctypes.c_char_p
@@ -138,7 +204,7 @@ def test_dlpack_capsule_keeps_its_owner_alive_until_released():
 
 def test_entry_points_must_all_be_given():
     with pytest.raises(RuntimeError, match="not resolved: cuLaunchKernel"):
-        _engine.set_entry_points({n: 1 for n in _engine.ENTRY_POINTS if n != "cuLaunchKernel"})
+        _launch.set_entry_points({n: 1 for n in _launch.ENTRY_POINTS if n != "cuLaunchKernel"})
 
 
 def test_import_cellcache_loads_no_cuda_module():
@@ -163,8 +229,9 @@ def test_auto_without_a_device_loads_no_cuda_bindings():
 # -- the probe, each "absent" cause simulated --------------------------------------------------
 
 class FakeDriver:
-    def __init__(self, init=0, count=1, count_code=0):
+    def __init__(self, init=0, count=1, count_code=0, version=13000, version_code=0):
         self._init, self._count, self._count_code = init, count, count_code
+        self._version, self._version_code = version, version_code
 
     def cuInit(self, flags):
         return self._init
@@ -172,6 +239,10 @@ class FakeDriver:
     def cuDeviceGetCount(self, ptr):
         ctypes.cast(ptr, ctypes.POINTER(ctypes.c_int))[0] = self._count
         return self._count_code
+
+    def cuDriverGetVersion(self, ptr):
+        ctypes.cast(ptr, ctypes.POINTER(ctypes.c_int))[0] = self._version
+        return self._version_code
 
 
 @pytest.fixture
@@ -185,7 +256,9 @@ def test_probe_without_cuda_bindings(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(probe.importlib.util, "find_spec",
                         lambda name, *a: None if name.startswith("cuda") else real(name, *a))
-    assert probe.cuda_usable() == (False, "cuda-bindings is not installed (pip install 'cellcache[cuda]')")
+    assert probe.cuda_usable() == (
+        False, "cuda-bindings is not installed (pip install 'cellcache[cu12]' (drivers for CUDA "
+               "12.0+, R525+) or 'cellcache[cu13]' (CUDA 13.0+, R580+))")
 
 
 def test_probe_without_a_driver_library(monkeypatch, bindings_present):
@@ -218,8 +291,106 @@ def test_probe_other_failures_raise(monkeypatch, bindings_present, driver, match
 
 
 def test_probe_present(monkeypatch, bindings_present):
-    monkeypatch.setattr(probe, "_load_driver", lambda: FakeDriver(count=2))
+    monkeypatch.setattr(probe, "_bindings_version", lambda: "13.5.0")
+    monkeypatch.setattr(probe, "_load_driver", lambda: FakeDriver(count=2, version=13000))
     assert probe.cuda_usable() == (True, "")
+
+
+@pytest.mark.parametrize("bindings,driver,usable", [
+    ("12.9.4", 12000, True), ("12.6.0", 13010, True), ("13.0.0", 13000, True),
+    ("13.5.0", 13020, True), (None, 12040, True),            # a source checkout: no metadata
+    ("13.5.0", 12090, r"pip install 'cellcache\[cu12\]' \(cuda-bindings>=12.6,<13\)"),
+    ("13.0.1", 12000, r"cuda-bindings 13.0.1 needs a driver for CUDA 13.0 or newer \(R580\+\); "
+                      r"this driver supports CUDA 12.0"),
+    ("14.0.0", 13000, r"needs a driver for CUDA 14.0 or newer.*'cellcache\[cu13\]'"),
+    ("12.9.4", 11080, r"this driver supports CUDA 11.8; cellcache needs a driver for CUDA 12.0 or "
+                      r"newer \(R525\+\)"),
+])
+def test_probe_matches_cuda_bindings_to_the_driver(monkeypatch, bindings_present, bindings, driver,
+                                                    usable):
+    """cuda-bindings newer than the driver (13.x on an R525-R575 driver) is named, with the
+    extra that fits, instead of a crash inside cuda-bindings; as a misinstall, not an absent
+    CUDA, it raises (auto does not hide it and the GPU tests fail rather than skip)."""
+    monkeypatch.setattr(probe, "_bindings_version", lambda: bindings)
+    monkeypatch.setattr(probe, "_load_driver", lambda: FakeDriver(version=driver))
+    if usable is True:
+        assert probe.cuda_usable() == (True, "")
+        probe.require_cuda()
+    else:
+        with pytest.raises(CudaError, match=usable):
+            probe.cuda_usable()
+        with pytest.raises(CudaError, match=usable):
+            resolve_backend("auto")
+
+
+def test_probe_driver_version_failure_raises(monkeypatch, bindings_present):
+    monkeypatch.setattr(probe, "_load_driver", lambda: FakeDriver(version_code=999))
+    with pytest.raises(CudaError, match="cuDriverGetVersion failed with CUresult 999"):
+        probe.cuda_usable()
+
+
+def test_extras_match_the_probe():
+    """pyproject's per-major extras are the probe's, and 'cuda' is cu12."""
+    tomllib = pytest.importorskip("tomllib")          # Python 3.11+
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name, requirement, _ in probe.EXTRAS.values():
+        assert extras[name] == [requirement], name
+    assert extras["cuda"] == extras["cu12"]
+    assert [r for r in extras["test"] if r.startswith("cuda-bindings")] == extras["cu12"]
+
+
+# -- every explicit CUDA path goes through the probe --------------------------------------------
+
+CFG_CODE = ("import cellcache as cc; cfg = cc.CacheConfig(capacity=64, layers=[cc.LayerConfig(1, 8)], "
+            "max_write=8)\n")
+
+
+@pytest.mark.parametrize("why", ["no CUDA device", "no CUDA driver (libcuda.so.1 is the toolkit's stub)",
+                                 "cuda-bindings is not installed (pip install 'cellcache[cu12]')"])
+def test_explicit_cuda_without_cuda_is_one_cuda_error(monkeypatch, why):
+    monkeypatch.setattr(probe, "cuda_usable", lambda: (False, why))
+    import cellcache as cc
+    from cellcache.registry import build
+
+    cfg = cc.CacheConfig(capacity=64, layers=[cc.LayerConfig(1, 8)], max_write=8)
+    for kind in ("batched", "batched-cell"):
+        with pytest.raises(CudaError) as info:
+            build("cuda", kind, cfg)
+        assert str(info.value) == f"the CUDA backend is not usable here: {why}"
+    assert build("auto", "batched", cfg).backend == "host"      # auto falls back on the same answer
+    pytest.importorskip("cuda.bindings")
+    from cellcache.cuda.backend import CudaCellCache
+
+    with pytest.raises(CudaError, match=f"not usable here: {re.escape(why)}"):
+        CudaCellCache(cfg)
+
+
+def test_explicit_cuda_on_this_machine_raises_the_probes_reason():
+    """The real path, in a fresh interpreter: no cuda-bindings traceback, one CudaError."""
+    ok, why = probe.cuda_usable()
+    if ok:
+        pytest.skip("a CUDA device is usable here")
+    pytest.importorskip("cuda.bindings")
+    code = CFG_CODE + (
+        "from cellcache.cuda import CudaCellCache\n"
+        "for make in (lambda: cc.build('cuda', 'batched', cfg), lambda: CudaCellCache(cfg)):\n"
+        "    try:\n        make()\n"
+        "    except cc.CudaError as e:\n        print(type(e).__name__, e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"CudaError the CUDA backend is not usable here: {why}"] * 2
+
+
+def test_demo_with_cuda_backend_and_no_cuda_exits_2_with_one_line():
+    if probe.cuda_usable()[0]:
+        pytest.skip("a CUDA device is usable here")
+    r = subprocess.run([sys.executable, "-m", "cellcache", "demo", "--backend", "cuda", "--steps", "2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("cellcache demo: error: CudaError: the CUDA backend is not usable here: ")
 
 
 def test_auto_follows_the_probe(monkeypatch):

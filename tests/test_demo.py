@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from cellcache import attention, demo
+from cellcache import errors as cc_errors
 from cellcache.__main__ import main as cli_main
 from cellcache.host import HostCellCache
 
@@ -98,3 +99,47 @@ def test_cli_help_and_errors(capsys):
     assert err[0] == "cellcache: error: unknown command 'nonsense' (see --help)"
     assert cli_main([]) == 2
     assert cli_main(["--help"]) == 0
+
+
+@pytest.mark.parametrize("capacity", [64, 100, 128])
+def test_demo_paged_view_runs_at_any_capacity(capacity):
+    """The paged view's max_kv is sized for the session's steps (at most MAX_WRITE runs of a
+    sequence's length each), so small capacities no longer end in StepTooLarge."""
+    r = subprocess.run([sys.executable, "-m", "cellcache", "demo", "--backend", "host", "--view",
+                        "paged", "--capacity", str(capacity), "--steps", "150", "--quiet"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "0 mismatches" in r.stdout and r.stderr == ""
+
+
+@pytest.mark.parametrize("error", [
+    lambda: cc_errors.StepTooLarge("the step's kv lists need 349 entries"),
+    lambda: cc_errors.OutOfMemory("could not allocate 4 GiB for the step buffer mask_w0"),
+    lambda: cc_errors.CudaError("the CUDA backend is not usable here: no CUDA device"),
+    lambda: cc_errors.InvalidState("anything else the cache refuses"),
+], ids=["StepTooLarge", "OutOfMemory", "CudaError", "InvalidState"])
+def test_demo_cli_turns_any_cache_error_into_one_line_and_exit_2(monkeypatch, capsys, error):
+    def refuse(*args, **kwargs):
+        raise error()
+
+    monkeypatch.setattr(demo, "run", refuse)
+    assert demo.main(["--backend", "host", "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    exc = error()
+    assert out == "" and err == f"cellcache demo: error: {type(exc).__name__}: {exc}\n"
+
+
+@pytest.mark.parametrize("command", ["demo", "generate"])
+def test_cli_turns_an_uncaught_cache_error_into_one_line_and_exit_2(monkeypatch, capsys, command):
+    """The safety net of ``python -m cellcache``: whatever a command lets through as a
+    CellCacheError (generate --device cuda without a driver, say) is one line, exit 2."""
+    import types
+
+    def main(argv):
+        raise cc_errors.CudaError("the CUDA backend is not usable here: no CUDA device")
+
+    monkeypatch.setitem(sys.modules, f"cellcache.{command}", types.SimpleNamespace(main=main))
+    assert cli_main([command, "--anything"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"cellcache {command}: error: CudaError: the CUDA backend is not "
+                                 "usable here: no CUDA device\n")

@@ -59,6 +59,7 @@ def state(cache):
         "metrics": cache.metrics(),
         "buffers": {n: cache.buffer(n).copy() for n in cache.buffer_names},
         "pool_ptrs": [cache.buffer(n).ctypes.data for n in cache.buffer_names if n.startswith("layer")],
+        "rows": (cache.rows, cache.sink),
     }
 
 
@@ -66,6 +67,7 @@ def assert_same(a, b):
     assert a["table"] == b["table"]
     assert a["metrics"] == b["metrics"]
     assert a["pool_ptrs"] == b["pool_ptrs"]
+    assert a["rows"] == b["rows"]
     for name in a["buffers"]:
         np.testing.assert_array_equal(a["buffers"][name], b["buffers"][name], err_msg=name)
 
@@ -204,7 +206,7 @@ def test_failed_growth_does_not_commit_the_previous_step(monkeypatch):
     alloc.fail_at = alloc.calls
     with pytest.raises(OutOfMemory, match="nothing changed"):
         cache.prepare_step()
-    assert commits == [] and cache._prepared is first
+    assert commits == [] and cache.prepared_step is first
     cache.prepare_step()                               # succeeds: commits the first, then grows
     assert commits == [0]
 
@@ -596,6 +598,14 @@ def test_register_new_builder(monkeypatch):
     (dict(max_kv=0), "max_kv=0 is outside"),
     (dict(max_kv=2**31), "max_kv=2147483648 is outside"),
     (dict(mask_format="dense"), "mask_format='dense' is not one of bool, bits, none"),
+    # the paged view's indices are int32: the sink (= capacity) and max_kv + max_write fit it
+    (dict(capacity=2**31, paged=True), r"capacity=2147483648 is outside \[1, 2\*\*31 - 1\] with "
+                                       r"paged=True \(the paged view's cell indices are int32\)"),
+    (dict(capacity=2**40, paged=True), "capacity=1099511627776 is outside"),
+    (dict(capacity=2**31 - 1, max_write=2**31 - 1, paged=True),
+     r"max_write=2147483647 is outside \[1, 2\*\*31 - 2\] with paged=True"),
+    (dict(paged=True, max_kv=2**31 - 9), r"max_kv=2147483639 is outside \[1, 2147483638\]"),
+    (dict(paged=True, max_kv=2**64), "max_kv=18446744073709551616 is outside"),
 ])
 def test_config_errors(kw, match):
     with pytest.raises(InvalidArgument, match=match):
@@ -619,6 +629,12 @@ def test_config_normalises_what_it_is_given():
     a, b = config(dtype=np.dtype("float16")), config(dtype="float16")
     assert a == b and hash(a) == hash(b) and a.dtype == "float16"
     assert config(paged=True).max_kv == 4 * 32 + 9 and config(paged=True, max_kv=7).kv_entries == 7
+
+
+def test_config_limits_of_the_paged_view():
+    big = config(capacity=2**31 - 1, paged=True)
+    assert big.capacity == 2**31 - 1 and big.max_kv == 2**31 - 1 - 9
+    assert config(capacity=2**35).capacity == 2**35          # without the paged view: fine
 
 
 def test_cache_rejects_non_config():

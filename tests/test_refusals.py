@@ -335,3 +335,78 @@ def test_reference_and_table_refuse_alike():
                 call(t)
             errors.append((type(info.value), str(info.value)))
         assert errors[0] == errors[1]
+
+
+OVERLAP_CHILD = r"""
+import numpy as np
+from cellcache import CellTable, InvalidArgument
+
+def refused(call, match):
+    try:
+        call()
+    except InvalidArgument as e:
+        assert match in str(e), e
+    else:
+        raise AssertionError("accepted")
+
+# place_into with one array for two outputs: placement reads back positions it wrote, so the
+# cells written over them sent it past a sequence's map (heap corruption, then abort)
+t = CellTable(4096, 4, 64)
+a, b = t.seq_new(), t.seq_new()
+for s in (a, b):
+    t.declare_step([s] * 64)
+    t.place()
+t.declare_step([a] * 64)
+before = t.snapshot()
+buf = np.zeros(64, np.int64)
+two = np.zeros(128, np.int64)
+for args in [(buf, buf), (two[:64], two[32:96]), (buf, np.zeros(64, np.int64), buf),
+             (np.zeros(64, np.int64), buf, buf[::1])]:
+    refused(lambda: t.place_into(*args), "share memory" if len(args) == 2 else "shares memory")
+    assert t.snapshot() == before
+t.check_invariants()
+assert t.place_into(two[:64], two[64:]) == 192            # adjacent, not overlapping: fine
+# fill_masks reading ids and positions out of the mask it is filling (SIGSEGV)
+t = CellTable(4096, 4, 16)
+a = t.seq_new()
+t.declare_step([a] * 16)
+cells, positions, read_len = t.place()
+before = t.snapshot()
+out = np.zeros((16, 4096), np.uint8)
+ids = out[0, :128].view(np.int64)
+pos = out[1, :128].view(np.int64)
+ids[:], pos[:] = a, 15
+for args in [(ids, pos), (np.full(16, a), pos), (ids, positions)]:
+    refused(lambda: t.fill_masks(*args, read_len, [0], [out]), "share memory with outs[0]")
+    refused(lambda: t.fill_masks(*args, read_len, [0, 2], [np.zeros((16, 4096), np.bool_), out]),
+            "share memory with outs[1]")
+    assert t.snapshot() == before
+assert (ids == a).all() and (pos == 15).all()              # nothing written
+# windows the fill cannot take: InvalidArgument, not OverflowError or a crash
+for w, match in [(2**64, "window=18446744073709551616 is outside [0, 1099511627776]"),
+                 (2**63, "is outside"), (2**40 + 1, "is outside"), (-1, "window=-1 is outside"),
+                 (1.5, "window of type float"), ("8", "window of type str"), (None, "of type NoneType"),
+                 (True, "window of type bool")]:
+    refused(lambda: t.fill_masks(np.full(16, a), positions, read_len, [w], [out]), match)
+    assert t.snapshot() == before
+# extreme positions with the largest window stay inside the table
+fresh = np.zeros((16, 4096), np.uint8)
+t.fill_masks(np.full(16, a), np.full(16, -2**63), read_len, [2**40], [fresh])
+assert fresh.sum() == 0
+t.fill_masks(np.full(16, a), np.full(16, 2**63 - 1), read_len, [2**40, 0], [fresh, out])
+assert fresh.sum() == 0                                    # the window is far past the cells
+assert out[:, :16].all()                                   # full history: every cell
+print("ok")
+"""
+
+
+def test_overlapping_arrays_and_bad_windows_are_refused_in_a_child():
+    """Calls that crashed the interpreter (SIGSEGV / heap corruption) now raise
+    InvalidArgument with the table unchanged; a child process so a regression cannot take
+    the test run down."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", OVERLAP_CHILD], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])

@@ -1,4 +1,4 @@
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -11,30 +11,79 @@ STEP_THREADS: int
 MASK_COLS: int
 MASK_MAX_ROWS: int
 PARAMS_BYTES: int
-ATTN_THREADS: int
-PREFILL_K: int
-PREFILL_PAIRS: int
 PROFILED: bool
 MASK_FORMATS: dict[str, int]
-ENTRY_POINTS: tuple[str, ...]
-KDL_CUDA: int
 
-def set_entry_points(pointers: dict[str, int]) -> None: ...
-def entry_points_set() -> bool: ...
 def staging_words(max_write: int, owner_words: int, records: int) -> int: ...
-def fill_params(f: dict[str, Any]) -> bytes: ...
-def paged_args(
-    qo_indptr: int, kv_indptr: int, kv_indices: int, width: int, q_s_tok: int, q_s_head: int,
-    o_s_tok: int, o_s_head: int, n_rows: int, n_heads: int, n_kv_heads: int, head_dim: int,
-    window: int, scale: float,
+def step_params(
+    *,
+    capacity: int,
+    owner_words: int,
+    bit_words: int,
+    max_write: int,
+    n_windows: int,
+    paged: int,
+    mask_format: int,
+    mask_row_bytes: int,
+    pos: int,
+    owners: int,
+    seqbits: int,
+    cells: int,
+    positions: int,
+    read_len: int,
+    width: int,
+    seq_ids: int,
+    windows: Sequence[int],
+    masks: Sequence[int],
+    qo_indptr: int = 0,
+    kv_indptr: int = 0,
+    kv_indices: int = 0,
+    run_seq: int = 0,
+    run_last: int = 0,
+    run_kv: int = 0,
 ) -> bytes: ...
-def launch(
-    fn: int, grid: tuple[int, int, int], block: int, smem: int, stream: int, args: bytes,
-    offsets: tuple[int, ...],
-) -> None: ...
-def dlpack_capsule(
-    owner: object, ptr: int, shape: tuple[int, ...], code: int, bits: int, device_id: int
-) -> Any: ...
+@disjoint_base
+class EngineResources:
+    @property
+    def ctx(self) -> int: ...
+    @property
+    def fn_apply(self) -> int: ...
+    @property
+    def fn_build(self) -> int: ...
+    @property
+    def params(self) -> int: ...
+    @property
+    def slot_words(self) -> int: ...
+    @property
+    def host_slots(self) -> tuple[int, int]: ...
+    @property
+    def dev_slots(self) -> tuple[int, int]: ...
+    @property
+    def slot_events(self) -> tuple[int, int]: ...
+    @property
+    def commit_event(self) -> int: ...
+    @property
+    def sm_count(self) -> int: ...
+    @property
+    def paged(self) -> bool: ...
+    @property
+    def masks(self) -> bool: ...
+    def __init__(
+        self,
+        *,
+        ctx: int,
+        fn_apply: int,
+        fn_build: int,
+        params: int,
+        slot_words: int,
+        host_slots: Sequence[int],
+        dev_slots: Sequence[int],
+        slot_events: Sequence[int],
+        commit_event: int,
+        sm_count: int,
+        paged: bool,
+        masks: bool,
+    ) -> None: ...
 @disjoint_base
 class StepEngine:
     @property
@@ -44,18 +93,7 @@ class StepEngine:
     def __init__(
         self,
         table: CellTable,
-        ctx: int,
-        fn_apply: int,
-        fn_build: int,
-        params: int,
-        slot_words: int,
-        host_slots: tuple[int, ...],
-        dev_slots: tuple[int, ...],
-        slot_events: tuple[int, ...],
-        commit_event: int,
-        sm_count: int,
-        paged: bool,
-        masks: bool,
+        resources: EngineResources,
         seq_ids: npt.NDArray[np.int64],
         positions: npt.NDArray[np.int64],
         cells: npt.NDArray[np.int64],

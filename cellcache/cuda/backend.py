@@ -14,13 +14,29 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import CellCache, CopyPools, PoolKey, Pools, check_allocator, stream_handle
+from ..cache import (
+    CellCache,
+    CopyPools,
+    PoolKey,
+    Pools,
+    check_allocator,
+    release_quietly,
+    stream_handle,
+)
 from ..config import CacheConfig
-from ..errors import InvalidArgument, InvalidState
-from . import _engine
+from ..errors import InvalidArgument, InvalidState, OutOfMemory
+from . import _dlpack, _engine, _launch
 from . import driver as drv
 from .driver import check, cu
-from .pools import DeviceAllocation, DeviceAllocator, MappedPools, VmmOps, vmm_supported
+from .pools import (
+    DeviceAllocation,
+    DeviceAllocator,
+    MappedPools,
+    VmmOps,
+    check_device_allocation,
+    vmm_supported,
+)
+from .probe import require_cuda
 
 __all__ = ["CudaCellCache", "DeviceBuffer"]
 
@@ -70,11 +86,11 @@ class DeviceBuffer:
         if stream != -1:       # DLPack: make the producer's work visible on the consumer's stream
             self._cache._order_consumer(0 if stream is None else stream)
         code, bits = _DLPACK[self.dtype.name]
-        return _engine.dlpack_capsule(self, self.ptr, self.shape, code, bits,
+        return _dlpack.dlpack_capsule(self, self.ptr, self.shape, code, bits,
                                       self._cache.config.device)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (_engine.KDL_CUDA, self._cache.config.device)
+        return (_dlpack.KDL_CUDA, self._cache.config.device)
 
     def copy_to_host(self) -> np.ndarray:
         """A numpy copy, after all work queued on the device so far (masks as numpy.bool_).
@@ -98,7 +114,13 @@ class CudaCellCache(CellCache):
     ``growth``: ``"map"`` reserves each pool's addresses for ``capacity + 1`` rows and maps
     memory as it grows (pools never move; ``Step.grew`` only on the first step); ``"copy"``
     allocates larger pools and copies (``Step.grew`` on every growth; ``allocator`` gives
-    the storage); ``"auto"`` (default) maps where the device supports it.
+    the storage: an object with an int device address ``ptr`` and ``nbytes``, checked before
+    the pools switch); ``"auto"`` (default) maps where the device supports it and the full
+    address range can be reserved, else grows by copy.
+
+    Without a usable driver, device or matching cuda-bindings the constructor raises
+    :class:`cellcache.CudaError` with the probe's one-line reason
+    (:func:`cellcache.cuda.probe.require_cuda`).
 
     Example
     -------
@@ -129,13 +151,16 @@ class CudaCellCache(CellCache):
         self._growth, self._allocator_arg = growth, allocator
         self._retired: list[tuple[Any, Any]] = []
         self._undo = contextlib.ExitStack()     # every resource, released in reverse order
+        require_cuda()              # no driver, no device, wrong cuda-bindings: one CudaError
         try:
             self._ctx = drv.Context(config.device)
             self._undo.callback(self._ctx.release)
             super().__init__(config)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(Exception):
                 self._undo.close()
+            if isinstance(e, MemoryError) and not isinstance(e, OutOfMemory):
+                raise OutOfMemory(f"building the CUDA cache ran out of host memory ({e!r})") from e
             raise
         self._closed = False
 
@@ -152,14 +177,21 @@ class CudaCellCache(CellCache):
                     "growth='map' but this device does not support virtual memory management; "
                     "use growth='auto' or 'copy'")
             use_copy = not supported
-        if use_copy:
-            allocator = self._allocator_arg or DeviceAllocator(self._ctx)
-            pools = CopyPools(self._row_bytes, allocator, self._copy_rows, self._retire)
-            self._undo.callback(pools.close)
-            self._undo.callback(self._free_retired)
-            return pools
-        return MappedPools(self._row_bytes, self.config.capacity,
-                           VmmOps(self.config.device), self._undo)
+        if not use_copy:
+            try:
+                return MappedPools(self._row_bytes, self.config.capacity,
+                                   VmmOps(self.config.device), self._undo)
+            except OutOfMemory:
+                if self._growth == "map":
+                    raise
+                # the full address range cannot be reserved: grow by copy (Step.grew on
+                # every growth), as on devices without virtual memory management
+        allocator = self._allocator_arg or DeviceAllocator(self._ctx)
+        pools = CopyPools(self._row_bytes, allocator, self._copy_rows, self._retire,
+                          check_device_allocation)
+        self._undo.callback(pools.close)
+        self._undo.callback(self._free_retired)
+        return pools
 
     def _alloc(self, nbytes: int, what: str, fill: int | None = 0) -> int:
         """Device memory for the cache's lifetime, zeroed (or 32-bit ``fill``ed)."""
@@ -180,17 +212,20 @@ class CudaCellCache(CellCache):
         self._alloc_staging()
         self._write_params()
         check(cu.cuCtxSynchronize(), "cuCtxSynchronize")        # zeroed before first use
-        self._engine = _engine.StepEngine(
-            self._table, self._ctx.handle, int(self._fn_apply), int(self._fn_build),
-            self._params, self._slot_words, tuple(self._host_slots), tuple(self._dev_slots),
-            tuple(int(e) for e in self._events[:2]), int(self._events[2]), self._ctx.sm_count,
-            self.config.paged, self.config.mask_format != "none",
-            self._seq_ids, self._positions, self._cells)
+        resources = _engine.EngineResources(
+            ctx=self._ctx.handle, fn_apply=int(self._fn_apply), fn_build=int(self._fn_build),
+            params=self._params, slot_words=self._slot_words,
+            host_slots=tuple(self._host_slots), dev_slots=tuple(self._dev_slots),
+            slot_events=tuple(int(e) for e in self._events[:2]),
+            commit_event=int(self._events[2]), sm_count=self._ctx.sm_count,
+            paged=self.config.paged, masks=self.config.mask_format != "none")
+        self._engine = _engine.StepEngine(self._table, resources, self._seq_ids, self._positions,
+                                          self._cells)
         self._build_buffers()
 
     def _load_kernels(self) -> None:
-        if not _engine.entry_points_set():
-            _engine.set_entry_points(drv.entry_points(_engine.ENTRY_POINTS))
+        if not _launch.entry_points_set():
+            _launch.set_entry_points(drv.entry_points(_launch.ENTRY_POINTS))
         module = drv.load_module("step")
         self._undo.callback(_release, cu.cuModuleUnload, module)
         self._fn_apply = drv.function(module, "apply_step")
@@ -248,16 +283,21 @@ class CudaCellCache(CellCache):
 
     def _write_params(self) -> None:
         cfg, p = self.config, self._ptrs
-        blob = _engine.fill_params({
-            "capacity": cfg.capacity, "owner_words": self._table.owner_words,
-            "bit_words": self._bit_words, "max_write": cfg.max_write,
-            "n_windows": len(cfg.windows) if cfg.mask_format != "none" else 0,
-            "paged": int(cfg.paged), "mask_format": _engine.MASK_FORMATS[cfg.mask_format],
-            "mask_row_bytes": self._mask_row_bytes, **self._mirror,
-            **{k: v for k, v in p.items() if not k.startswith("mask_")},
-            "windows": list(cfg.windows) if cfg.mask_format != "none" else [],
-            "masks": [p[f"mask_w{w}"] for w in cfg.windows] if cfg.mask_format != "none" else [],
-        })
+        masks, mirror = cfg.mask_format != "none", self._mirror
+        blob = _engine.step_params(
+            capacity=cfg.capacity, owner_words=self._table.owner_words,
+            bit_words=self._bit_words, max_write=cfg.max_write,
+            n_windows=len(cfg.windows) if masks else 0, paged=int(cfg.paged),
+            mask_format=_engine.MASK_FORMATS[cfg.mask_format],
+            mask_row_bytes=self._mask_row_bytes,
+            pos=mirror["pos"], owners=mirror["owners"], seqbits=mirror["seqbits"],
+            cells=p["cells"], positions=p["positions"], read_len=p["read_len"],
+            width=p["width"], seq_ids=p["seq_ids"],
+            windows=list(cfg.windows) if masks else [],
+            masks=[p[f"mask_w{w}"] for w in cfg.windows] if masks else [],
+            # the paged view's addresses; 0 (the default) without it
+            **{k: p[k] for k in ("qo_indptr", "kv_indptr", "kv_indices", "run_seq", "run_last",
+                                 "run_kv") if k in p})
         self._params = self._alloc(len(blob), "step parameters", fill=None)
         data = np.frombuffer(blob, dtype=np.uint8)
         check(cu.cuMemcpyHtoD(self._params, data.ctypes.data, len(blob)), "cuMemcpyHtoD")
@@ -285,7 +325,7 @@ class CudaCellCache(CellCache):
             return pools.ptr(key)
         assert isinstance(pools, CopyPools)
         allocation = pools.allocations.get(key)
-        return allocation.ptr if allocation is not None else 0
+        return int(allocation.ptr) if allocation is not None else 0
 
     def _pools_changed(self) -> None:
         cfg, pools = self.config, self._pools
@@ -320,31 +360,43 @@ class CudaCellCache(CellCache):
     def _copy_rows(self, src: DeviceAllocation, dst: DeviceAllocation, nbytes: int,
                    stream: int) -> None:
         if nbytes:
-            check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, nbytes, stream), "cuMemcpyDtoDAsync")
+            check(cu.cuMemcpyDtoDAsync(int(dst.ptr), int(src.ptr), nbytes, stream),
+                  "cuMemcpyDtoDAsync")
 
     def _retire(self, allocation: DeviceAllocation, stream: int) -> None:
+        """Queues ``allocation``'s release after the work now on ``stream`` (an event that
+        :meth:`_reap` polls). Raises with nothing queued when the event cannot be made."""
         event = check(cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate")
+        try:
+            check(cu.cuEventRecord(event, stream), "cuEventRecord")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                check(cu.cuEventDestroy(event), "cuEventDestroy")
+            raise
         self._retired.append((allocation, event))
-        check(cu.cuEventRecord(event, stream), "cuEventRecord")
 
     def _reap(self) -> None:
-        """Frees retired pools whose last reader has finished."""
-        keep = []
-        for allocation, event in self._retired:
+        """Frees retired pools whose last reader has finished. An allocator whose release
+        raises gets a PoolReleaseWarning and the allocation stays queued for the next reap
+        (or close); each entry leaves the queue only once released, so none is freed twice."""
+        if not self._retired:                   # mapped pools never retire anything
+            return
+        allocator = self._pools.allocator                           # type: ignore[attr-defined]
+        for entry in list(self._retired):
+            allocation, event = entry
             code, _ = check(cu.cuEventQuery(event), "cuEventQuery", allowed=(drv.CUDA_ERROR_NOT_READY,))
-            if code == 0:
-                self._pools.allocator.release(allocation)           # type: ignore[attr-defined]
+            if code == 0 and release_quietly(allocator, allocation):
+                self._retired.remove(entry)
                 check(cu.cuEventDestroy(event), "cuEventDestroy")
-            else:
-                keep.append((allocation, event))
-        self._retired = keep
 
     def _free_retired(self) -> None:
-        for allocation, event in self._retired:
+        """At close: waits for and releases every retired pool (a failing release warns)."""
+        retired, self._retired = self._retired, []
+        allocator = getattr(self._pools, "allocator", None)
+        for allocation, event in retired:
             check(cu.cuEventSynchronize(event), "cuEventSynchronize")
-            self._pools.allocator.release(allocation)               # type: ignore[attr-defined]
+            release_quietly(allocator, allocation)
             check(cu.cuEventDestroy(event), "cuEventDestroy")
-        self._retired = []
 
     def _write_step(self, width: int, pad_to: int, read_len: int, stream: int) -> tuple:
         return self._engine.write_step(width, pad_to, read_len, self._pools.sink, stream)

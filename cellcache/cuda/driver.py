@@ -22,7 +22,8 @@ try:
     from cuda.bindings import driver as cu
 except ImportError as e:  # pragma: no cover - the registry checks first
     raise ImportError(
-        "the CUDA backend needs cuda-bindings: pip install 'cellcache[cuda]'") from e
+        "the CUDA backend needs cuda-bindings: pip install 'cellcache[cu12]' (drivers for "
+        "CUDA 12.0+, R525+) or 'cellcache[cu13]' (CUDA 13.0+, R580+)") from e
 
 __all__ = ["Context", "check", "cu", "entry_points", "function", "load_module", "manifest",
            "raise_cuda_error"]

@@ -13,7 +13,7 @@ import struct
 from typing import Any
 
 from ..errors import InvalidArgument
-from . import _engine
+from . import _launch
 from . import driver as drv
 from .driver import check, cu
 
@@ -89,8 +89,8 @@ class AttentionKernels:
         blob, offs = _pack(("Q", cells), ("i", rows), ("Q", k), ("Q", v), ("q", s_tok),
                            ("q", s_head), ("Q", k_pool), ("Q", v_pool), ("i", n_kv_heads),
                            ("i", head_dim))
-        gx = max(1, min(64, -(-n_kv_heads * head_dim // _engine.ATTN_THREADS)))
-        _engine.launch(self.f_store, (gx, rows, 1), _engine.ATTN_THREADS, 0, stream, blob, offs)
+        gx = max(1, min(64, -(-n_kv_heads * head_dim // _launch.ATTN_THREADS)))
+        _launch.launch(self.f_store, (gx, rows, 1), _launch.ATTN_THREADS, 0, stream, blob, offs)
 
     def attend_dense(self, read_len: int, q: int, k_pool: int, v_pool: int, mask: int,
                      capacity: int, rows: int, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -100,7 +100,7 @@ class AttentionKernels:
         blob, offs = _pack(("Q", read_len), ("Q", q), ("Q", k_pool), ("Q", v_pool), ("Q", mask),
                            ("q", capacity), ("i", n_heads), ("i", n_kv_heads), ("i", head_dim),
                            ("Q", out))
-        _engine.launch(self.f_attend, (rows, n_heads, 1), _engine.ATTN_THREADS, 0, stream, blob, offs)
+        _launch.launch(self.f_attend, (rows, n_heads, 1), _launch.ATTN_THREADS, 0, stream, blob, offs)
 
     def splits_for(self, rows: int, n_kv_heads: int) -> int:
         """Splits per (row, kv head) that fill the device: about 4 blocks per SM."""
@@ -128,7 +128,7 @@ class AttentionKernels:
         maxg = next(g for g in decode_groups if g >= group)
         splits = splits or self.splits_for(rows, n_kv_heads)
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        args = _engine.paged_args(view["qo_indptr"], view["kv_indptr"], view["kv_indices"],
+        args = _launch.paged_args(view["qo_indptr"], view["kv_indptr"], view["kv_indices"],
                                   view["width"], q_strides[0], q_strides[1], out_strides[0],
                                   out_strides[1], rows, n_heads, n_kv_heads, head_dim, window,
                                   scale)
@@ -137,11 +137,11 @@ class AttentionKernels:
             part = self._ensure_workspace(4 * rows * n_heads * splits * (head_dim + 2))
         blob, offs = _pack(("raw", args), ("Q", q), ("Q", k_pool), ("Q", v_pool), ("Q", part),
                            ("Q", out))
-        _engine.launch(self.f_decode[maxg], (rows, n_kv_heads, splits), _engine.ATTN_THREADS, 0,
+        _launch.launch(self.f_decode[maxg], (rows, n_kv_heads, splits), _launch.ATTN_THREADS, 0,
                        stream, blob, offs)
         if splits > 1:
             blob, offs = _pack(("raw", args), ("i", splits), ("Q", part), ("Q", out))
-            _engine.launch(self.f_merge, (rows, n_heads, 1), _engine.ATTN_THREADS, 0, stream,
+            _launch.launch(self.f_merge, (rows, n_heads, 1), _launch.ATTN_THREADS, 0, stream,
                            blob, offs)
 
     def prefill(self, view: dict, qo_indptr_host: Any, n_requests: int, width: int, q: int,
@@ -153,9 +153,9 @@ class AttentionKernels:
         import numpy as np
 
         group = n_heads // n_kv_heads
-        if n_heads % n_kv_heads or group > _engine.PREFILL_PAIRS:
+        if n_heads % n_kv_heads or group > _launch.PREFILL_PAIRS:
             raise InvalidArgument(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
-        qt = max(1, _engine.PREFILL_PAIRS // group)
+        qt = max(1, _launch.PREFILL_PAIRS // group)
         qo = np.asarray(qo_indptr_host, dtype=np.int64)
         tiles = [q0 for r in range(n_requests) for q0 in range(int(qo[r]), int(qo[r + 1]), qt)
                  if q0 < width]
@@ -166,20 +166,20 @@ class AttentionKernels:
         check(cu.cuMemcpyHtoDAsync(ptr, data.ctypes.data, data.nbytes, stream), "cuMemcpyHtoDAsync")
         check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")   # data is a temporary
         pairs = qt * group
-        smem = 4 * (2 * pairs * head_dim + pairs * _engine.PREFILL_K + 3 * pairs) \
-            + 2 * _engine.PREFILL_K * head_dim * _ITEMSIZE[self.dtype]
+        smem = 4 * (2 * pairs * head_dim + pairs * _launch.PREFILL_K + 3 * pairs) \
+            + 2 * _launch.PREFILL_K * head_dim * _ITEMSIZE[self.dtype]
         if smem > self._prefill_smem:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(cu.cuFuncSetAttribute(self.f_prefill, attr, smem), "cuFuncSetAttribute")
             self._prefill_smem = smem
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        args = _engine.paged_args(view["qo_indptr"], view["kv_indptr"], view["kv_indices"],
+        args = _launch.paged_args(view["qo_indptr"], view["kv_indptr"], view["kv_indices"],
                                   view["width"], q_strides[0], q_strides[1], out_strides[0],
                                   out_strides[1], int(qo[n_requests]), n_heads, n_kv_heads,
                                   head_dim, window, scale)
         blob, offs = _pack(("raw", args), ("i", qt), ("Q", ptr), ("Q", q), ("Q", k_pool),
                            ("Q", v_pool), ("Q", out))
-        _engine.launch(self.f_prefill, (len(tiles), n_kv_heads, 1), _engine.ATTN_THREADS, smem,
+        _launch.launch(self.f_prefill, (len(tiles), n_kv_heads, 1), _launch.ATTN_THREADS, smem,
                        stream, blob, offs)
 
     # -- scratch ---------------------------------------------------------------------------------

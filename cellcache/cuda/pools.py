@@ -9,20 +9,25 @@ captured once stays valid. A growth maps everything it needs in :meth:`plan`; if
 fails, whatever the attempt created is unmapped and released, and the error propagates
 (``OutOfMemory`` for a full device) with the pools as they were.
 
-:class:`DeviceAllocator` is the allocator of the copy fallback (``cellcache.host.CopyPools``
+:class:`DeviceAllocator` is the allocator of the copy fallback (``cellcache.cache.CopyPools``
 with device copies), used where ``CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED``
-is 0 or when the cache is built with ``growth="copy"``.
+is 0, where reserving the address range fails with ``growth="auto"``, or when the cache is
+built with ``growth="copy"``. :func:`check_device_allocation` is what copy pools require of
+any allocator's allocation before they switch to it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..cache import PoolKey
+from ..errors import InvalidArgument, OutOfMemory
 from .driver import Context, check, cu
 
-__all__ = ["DeviceAllocation", "DeviceAllocator", "MappedPools", "VmmOps", "vmm_supported"]
+__all__ = ["DeviceAllocation", "DeviceAllocator", "MappedPools", "VmmOps", "check_device_allocation",
+           "vmm_supported"]
 
 
 class DeviceAllocation:
@@ -32,6 +37,29 @@ class DeviceAllocation:
 
     def __init__(self, ptr: int, nbytes: int):
         self.ptr, self.nbytes = ptr, nbytes
+
+
+def check_device_allocation(allocation: Any, nbytes: int, what: str) -> None:
+    """Refuses (InvalidArgument) an allocation copy pools cannot use as ``nbytes`` bytes of
+    device memory: it needs an int device address ``ptr`` (non-zero) and ``nbytes`` at
+    least the request."""
+    ptr = _as_int(getattr(allocation, "ptr", None))
+    size = _as_int(getattr(allocation, "nbytes", None))
+    if ptr is not None and 0 < ptr < 1 << 64 and size is not None and size >= nbytes:
+        return
+    raise InvalidArgument(
+        f"the allocator returned {type(allocation).__name__} (ptr={getattr(allocation, 'ptr', None)!r}, "
+        f"nbytes={getattr(allocation, 'nbytes', None)!r}) for {what}; it must return an "
+        f"object with an int device address .ptr and .nbytes >= {nbytes}")
+
+
+def _as_int(value: Any) -> int | None:
+    if value is None or isinstance(value, (bool, float, str, bytes)):
+        return None
+    try:
+        return int(value)              # ints, numpy ints, cuda-bindings' CUdeviceptr
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 class DeviceAllocator:
@@ -126,11 +154,17 @@ class MappedPools:
         self.rows = 0
         self.granularity = g = ops.granularity()
         self.pools: dict[PoolKey, _Pool] = {}
-        for key, nbytes in row_bytes.items():
-            size = -(-(capacity + 1) * nbytes // g) * g
-            va = ops.reserve(size, g)
-            undo.callback(ops.free_range, va, size)
-            self.pools[key] = _Pool(va, size, (capacity * nbytes) // g * g)
+        with contextlib.ExitStack() as reserved:   # a failure frees what was reserved so far
+            for key, nbytes in row_bytes.items():
+                size = -(-(capacity + 1) * nbytes // g) * g
+                if size >= 1 << 63:
+                    raise OutOfMemory(
+                        f"pool layer_{key[0]}_{key[1]} would need {size} bytes of address space "
+                        f"({capacity + 1} rows of {nbytes} bytes); no device has that much")
+                va = ops.reserve(size, g)
+                reserved.callback(ops.free_range, va, size)
+                self.pools[key] = _Pool(va, size, (capacity * nbytes) // g * g)
+            undo.push(reserved.pop_all())
         undo.callback(self.close)
 
     @property

@@ -1,28 +1,37 @@
-"""The per-step CUDA path, at C speed: staging, two launches, events.
+"""The per-cache step engine, at C speed: staging, two launches, events.
 
-Built as ``cellcache.cuda._engine``. No CUDA header is needed: the few hot driver entry
-points are declared here with plain C types and filled from ``cuGetProcAddress``
-(:func:`set_entry_points`); the kernels' ABI comes from ``cuda/abi.h``. Every failed
-driver result goes to :func:`cellcache.cuda.driver.raise_cuda_error`, the one error path.
+Built as ``cellcache.cuda._engine``. Per step the engine does O(width + changed cells) host
+work: it writes the step (header, ids, positions, cells, the paged view's runs) and the
+table's change records into pinned staging that the device reads directly, launches
+``apply_step`` and ``build_step``, and records an event. Two staging slots alternate; a slot
+is rewritten only after the event behind its last launch has completed.
 
-Per step the engine does O(width + changed cells) host work: it writes the step (header,
-ids, positions, cells, the paged view's runs) and the table's change records into pinned
-staging that the device reads directly, launches ``apply_step`` and ``build_step``, and
-records an event. Two staging slots alternate; a slot is rewritten only after the event
-behind its last launch has completed.
+The kernels' ABI (limits, staging layout, ``cc_step_params``) comes from ``cuda/abi.h``; the
+driver entry points and ``check`` (the one error path) from ``cellcache.cuda._launch``, set
+once per process. What the engine reads and launches is set up by the CUDA backend and
+handed over by name in an :class:`EngineResources`; the engine owns none of it.
 """
 
-from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
-from cpython.ref cimport Py_DECREF, Py_INCREF
+cimport cython
 from libc.stdint cimport int32_t, int64_t, uint64_t
-from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
 from cellcache._table cimport CellTable
+from cellcache.cuda._launch cimport (
+    CUcontext,
+    CUevent,
+    CUfunction,
+    CUstream,
+    check,
+    cu_ctx_set_current,
+    cu_event_record,
+    cu_event_sync,
+    cu_launch,
+    cu_stream_is_capturing,
+    cu_stream_wait_event,
+)
 
 import numpy as np
-
-from .driver import raise_cuda_error
 
 cdef extern from "cuda/abi.h":
     int CC_MAX_WINDOWS, CC_MASK_COLS, CC_MASK_MAX_ROWS, CC_STEP_THREADS, CC_PAGED_WORDS
@@ -46,15 +55,6 @@ cdef extern from "cuda/abi.h":
         uint64_t run_seq, run_last, run_kv
         int64_t windows[16]
         uint64_t masks[16]
-    int CC_ATTN_THREADS, CC_PREFILL_K, CC_PREFILL_PAIRS
-    ctypedef struct cc_paged_args:
-        const int32_t* qo_indptr
-        const int32_t* kv_indptr
-        const int32_t* kv_indices
-        const long long* width
-        int64_t q_s_tok, q_s_head, o_s_tok, o_s_head
-        int32_t n_rows, n_heads, n_kv_heads, head_dim, window
-        float scale
 
 cdef extern from *:
     """
@@ -73,72 +73,16 @@ cdef extern from *:
     int64_t cc_now_ns() noexcept nogil
     bint CC_PROFILE
 
-#: limits shared with the kernels (one source: cuda/abi.h)
+#: limits shared with the step kernels (one source: cuda/abi.h)
 MAX_WINDOWS = CC_MAX_WINDOWS
 STEP_THREADS = CC_STEP_THREADS
 MASK_COLS = CC_MASK_COLS
 MASK_MAX_ROWS = CC_MASK_MAX_ROWS
 #: bytes of the parameter block the kernels read
 PARAMS_BYTES = sizeof(cc_step_params)
-ATTN_THREADS = CC_ATTN_THREADS
-PREFILL_K = CC_PREFILL_K
-PREFILL_PAIRS = CC_PREFILL_PAIRS
 #: whether write_step records its host phases (built with CELLCACHE_PROFILE=1)
 PROFILED = bool(CC_PROFILE)
 MASK_FORMATS = {"none": CC_MASKS_NONE, "bool": CC_MASKS_BOOL, "bits": CC_MASKS_BITS}
-
-ctypedef int CUresult
-ctypedef void* CUstream
-ctypedef void* CUevent
-ctypedef void* CUcontext
-ctypedef void* CUfunction
-
-ctypedef CUresult (*fn_launch_t)(CUfunction, unsigned int, unsigned int, unsigned int,
-                                 unsigned int, unsigned int, unsigned int, unsigned int,
-                                 CUstream, void**, void**) noexcept nogil
-ctypedef CUresult (*fn_event_record_t)(CUevent, CUstream) noexcept nogil
-ctypedef CUresult (*fn_event_sync_t)(CUevent) noexcept nogil
-ctypedef CUresult (*fn_stream_wait_event_t)(CUstream, CUevent, unsigned int) noexcept nogil
-ctypedef CUresult (*fn_ctx_set_current_t)(CUcontext) noexcept nogil
-ctypedef CUresult (*fn_stream_is_capturing_t)(CUstream, int*) noexcept nogil
-
-cdef fn_launch_t cu_launch = NULL
-cdef fn_event_record_t cu_event_record = NULL
-cdef fn_event_sync_t cu_event_sync = NULL
-cdef fn_stream_wait_event_t cu_stream_wait_event = NULL
-cdef fn_ctx_set_current_t cu_ctx_set_current = NULL
-cdef fn_stream_is_capturing_t cu_stream_is_capturing = NULL
-
-#: the entry points this module needs, by the driver's base name
-ENTRY_POINTS = ("cuLaunchKernel", "cuEventRecord", "cuEventSynchronize", "cuStreamWaitEvent",
-                "cuCtxSetCurrent", "cuStreamIsCapturing")
-
-
-def set_entry_points(dict pointers):
-    """Installs the driver entry points (``{name: address}``, every name of ENTRY_POINTS)."""
-    global cu_launch, cu_event_record, cu_event_sync, cu_stream_wait_event
-    global cu_ctx_set_current, cu_stream_is_capturing
-    missing = [n for n in ENTRY_POINTS if not pointers.get(n)]
-    if missing:
-        raise RuntimeError(f"driver entry points not resolved: {', '.join(missing)}")
-    cu_launch = <fn_launch_t><size_t>pointers["cuLaunchKernel"]
-    cu_event_record = <fn_event_record_t><size_t>pointers["cuEventRecord"]
-    cu_event_sync = <fn_event_sync_t><size_t>pointers["cuEventSynchronize"]
-    cu_stream_wait_event = <fn_stream_wait_event_t><size_t>pointers["cuStreamWaitEvent"]
-    cu_ctx_set_current = <fn_ctx_set_current_t><size_t>pointers["cuCtxSetCurrent"]
-    cu_stream_is_capturing = <fn_stream_is_capturing_t><size_t>pointers["cuStreamIsCapturing"]
-
-
-def entry_points_set():
-    """Whether :func:`set_entry_points` has run in this process."""
-    return cu_launch != NULL
-
-
-cdef inline int check(CUresult r, const char* what) except -1:
-    # The Cython side of the one error path.
-    if r != 0:
-        raise_cuda_error(r, what.decode())
-    return 0
 
 
 cdef inline int64_t cdiv(int64_t a, int64_t b) noexcept nogil:
@@ -150,24 +94,31 @@ def staging_words(int64_t max_write, int64_t owner_words, int64_t records):
     return CC_OFF_RECORDS(max_write) + records * (2 + owner_words)
 
 
-def fill_params(dict f):
-    """The parameter block (``cc_step_params``) as bytes, from ``{field: int}``; ``windows``
-    and ``masks`` are lists of at most MAX_WINDOWS ints; a missing address is 0."""
+def step_params(*, int64_t capacity, int64_t owner_words, int64_t bit_words, int64_t max_write,
+                int64_t n_windows, int64_t paged, int64_t mask_format, int64_t mask_row_bytes,
+                uint64_t pos, uint64_t owners, uint64_t seqbits,
+                uint64_t cells, uint64_t positions, uint64_t read_len, uint64_t width,
+                uint64_t seq_ids, windows, masks,
+                uint64_t qo_indptr=0, uint64_t kv_indptr=0, uint64_t kv_indices=0,
+                uint64_t run_seq=0, uint64_t run_last=0, uint64_t run_kv=0):
+    """The parameter block (``cc_step_params`` of ``cuda/abi.h``) as bytes.
+
+    One keyword per field, by the field's name (an unknown or missing name is a TypeError);
+    the paged view's addresses default to 0 (no paged view). ``windows`` and ``masks`` hold
+    at most MAX_WINDOWS ints each; the entries after them are 0.
+    """
     cdef cc_step_params p
     cdef int k
-    windows, masks = f["windows"], f["masks"]
     if len(windows) > CC_MAX_WINDOWS or len(masks) > CC_MAX_WINDOWS:
         raise ValueError(f"at most {CC_MAX_WINDOWS} windows")
     memset(&p, 0, sizeof(cc_step_params))
-    p.capacity, p.owner_words, p.bit_words = f["capacity"], f["owner_words"], f["bit_words"]
-    p.max_write, p.n_windows, p.paged = f["max_write"], f["n_windows"], f["paged"]
-    p.mask_format, p.mask_row_bytes = f["mask_format"], f["mask_row_bytes"]
-    p.pos, p.owners, p.seqbits = f["pos"], f["owners"], f["seqbits"]
-    p.cells, p.positions, p.read_len, p.width = f["cells"], f["positions"], f["read_len"], f["width"]
-    p.seq_ids = f["seq_ids"]
-    p.qo_indptr, p.kv_indptr = f.get("qo_indptr", 0), f.get("kv_indptr", 0)
-    p.kv_indices = f.get("kv_indices", 0)
-    p.run_seq, p.run_last, p.run_kv = f.get("run_seq", 0), f.get("run_last", 0), f.get("run_kv", 0)
+    p.capacity, p.owner_words, p.bit_words, p.max_write = capacity, owner_words, bit_words, max_write
+    p.n_windows, p.paged, p.mask_format, p.mask_row_bytes = n_windows, paged, mask_format, mask_row_bytes
+    p.pos, p.owners, p.seqbits = pos, owners, seqbits
+    p.cells, p.positions, p.read_len, p.width = cells, positions, read_len, width
+    p.seq_ids = seq_ids
+    p.qo_indptr, p.kv_indptr, p.kv_indices = qo_indptr, kv_indptr, kv_indices
+    p.run_seq, p.run_last, p.run_kv = run_seq, run_last, run_kv
     for k in range(len(windows)):
         p.windows[k] = windows[k]
     for k in range(len(masks)):
@@ -175,44 +126,74 @@ def fill_params(dict f):
     return (<char*>&p)[:sizeof(cc_step_params)]
 
 
-def paged_args(uint64_t qo_indptr, uint64_t kv_indptr, uint64_t kv_indices, uint64_t width,
-               int64_t q_s_tok, int64_t q_s_head, int64_t o_s_tok, int64_t o_s_head,
-               int32_t n_rows, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
-               int32_t window, float scale):
-    """The paged attention kernels' argument block (``cc_paged_args``) as bytes."""
-    cdef cc_paged_args a
-    memset(&a, 0, sizeof(cc_paged_args))
-    a.qo_indptr = <const int32_t*><size_t>qo_indptr
-    a.kv_indptr = <const int32_t*><size_t>kv_indptr
-    a.kv_indices = <const int32_t*><size_t>kv_indices
-    a.width = <const long long*><size_t>width
-    a.q_s_tok, a.q_s_head, a.o_s_tok, a.o_s_head = q_s_tok, q_s_head, o_s_tok, o_s_head
-    a.n_rows, a.n_heads, a.n_kv_heads, a.head_dim, a.window = n_rows, n_heads, n_kv_heads, head_dim, window
-    a.scale = scale
-    return (<char*>&a)[:sizeof(cc_paged_args)]
+cdef tuple _pair(str name, values):
+    # The two entries of one per-slot resource, checked as addresses (uint64).
+    if len(values) != 2:
+        raise ValueError(f"{name} has {len(values)} entries; the engine alternates exactly 2 slots")
+    cdef uint64_t a = values[0], b = values[1]
+    return (a, b)
 
 
-def launch(uint64_t fn, tuple grid, unsigned int block, unsigned int smem, uint64_t stream,
-           bytes args, tuple offsets):
-    """cuLaunchKernel of ``fn`` with the kernel's arguments packed in ``args`` (argument k
-    starts at byte ``offsets[k]``, each aligned as the kernel expects)."""
-    cdef void* ptrs[32]
-    cdef const char* base = args
-    cdef int k
-    if len(offsets) > 32:
-        raise ValueError("at most 32 kernel arguments")
-    for k in range(len(offsets)):
-        ptrs[k] = <void*>(base + <size_t>offsets[k])
-    check(cu_launch(<CUfunction><size_t>fn, grid[0], grid[1], grid[2], block, 1, 1, smem,
-                    <CUstream>stream, ptrs, NULL), b"cuLaunchKernel")
-    return None
+cdef class EngineResources:
+    """What the CUDA backend set up for one cache's step engine, by name.
+
+    Handles and addresses are ints. The engine reads them and owns none of them: the
+    backend's undo stack releases them after the engine's last use.
+
+    Example
+    -------
+    >>> EngineResources(ctx=ctx, fn_apply=apply, fn_build=build, params=params,
+    ...                 slot_words=words, host_slots=(h0, h1), dev_slots=(d0, d1),
+    ...                 slot_events=(e0, e1), commit_event=e2, sm_count=132,
+    ...                 paged=True, masks=True)                 # doctest: +SKIP
+    """
+
+    cdef readonly uint64_t ctx            # CUcontext the engine makes current
+    cdef readonly uint64_t fn_apply       # CUfunction apply_step
+    cdef readonly uint64_t fn_build       # CUfunction build_step
+    cdef readonly uint64_t params         # device address of the cc_step_params block
+    cdef readonly int64_t slot_words      # int64 words of one staging slot
+    cdef readonly tuple host_slots        # the two pinned, mapped staging slots (host) ...
+    cdef readonly tuple dev_slots         # ... and where the device reads them
+    cdef readonly tuple slot_events       # CUevent behind each slot's last launch
+    cdef readonly uint64_t commit_event   # CUevent recorded behind each committed forward
+    cdef readonly int64_t sm_count        # the device's SMs (sizes the mask grid)
+    cdef readonly bint paged              # build the paged view (runs, indptrs, kv_indices)
+    cdef readonly bint masks              # build the masks (mask_format is not "none")
+
+    # A cdef class's __init__ shows Python no signature; the docstring's first lines give it
+    # one (Argument Clinic's form, which inspect and stubtest read), so no embedded one.
+    @cython.embedsignature(False)
+    def __init__(self, *, uint64_t ctx, uint64_t fn_apply, uint64_t fn_build, uint64_t params,
+                 int64_t slot_words, host_slots, dev_slots, slot_events,
+                 uint64_t commit_event, int64_t sm_count, bint paged, bint masks):
+        """__init__($self, /, *, ctx, fn_apply, fn_build, params, slot_words, host_slots,
+dev_slots, slot_events, commit_event, sm_count, paged, masks)
+--
+
+Every resource by name; each of ``host_slots``, ``dev_slots`` and ``slot_events`` holds
+the two slots' entries.
+"""
+        self.ctx, self.fn_apply, self.fn_build, self.params = ctx, fn_apply, fn_build, params
+        self.slot_words = slot_words
+        self.host_slots = _pair("host_slots", host_slots)
+        self.dev_slots = _pair("dev_slots", dev_slots)
+        self.slot_events = _pair("slot_events", slot_events)
+        self.commit_event = commit_event
+        self.sm_count = sm_count
+        self.paged, self.masks = paged, masks
+
+    def __repr__(self):
+        return (f"EngineResources(ctx=0x{self.ctx:x}, params=0x{self.params:x}, "
+                f"slot_words={self.slot_words}, sm_count={self.sm_count}, "
+                f"paged={self.paged}, masks={self.masks})")
 
 
 cdef class StepEngine:
     """Writes a placed step into the device step buffers (see the module docstring).
 
-    Everything it touches is allocated by the CUDA backend and handed over as device or
-    host addresses; the engine owns none of it.
+    Everything it touches on the device is set up by the CUDA backend and handed over in
+    ``resources``; the engine owns none of it.
     """
 
     cdef CellTable table
@@ -243,10 +224,10 @@ cdef class StepEngine:
     cdef readonly int64_t launches
     cdef int64_t phase[4]           # host ns staging, launching apply, launching build, event
 
-    def __init__(self, CellTable table, uint64_t ctx, uint64_t fn_apply, uint64_t fn_build,
-                 uint64_t params, int64_t slot_words, tuple host_slots, tuple dev_slots,
-                 tuple slot_events, uint64_t commit_event, int64_t sm_count, bint paged,
-                 bint masks, seq_ids, positions, cells):
+    def __init__(self, CellTable table not None, EngineResources resources not None, seq_ids,
+                 positions, cells):
+        # seq_ids, positions, cells: the cache's host arrays of the declared step (int64,
+        # max_write entries each), read at every write_step; the engine keeps them alive.
         cdef const int64_t[::1] v_ids = seq_ids
         cdef const int64_t[::1] v_pos = positions
         cdef const int64_t[::1] v_cells = cells
@@ -254,22 +235,22 @@ cdef class StepEngine:
         self.table = table
         self.keep = (seq_ids, positions, cells)
         self.seq_ids, self.positions, self.cells = &v_ids[0], &v_pos[0], &v_cells[0]
-        self.ctx = <CUcontext><size_t>ctx
-        self.fn_apply = <CUfunction><size_t>fn_apply
-        self.fn_build = <CUfunction><size_t>fn_build
-        self.params = params
+        self.ctx = <CUcontext><size_t>resources.ctx
+        self.fn_apply = <CUfunction><size_t>resources.fn_apply
+        self.fn_build = <CUfunction><size_t>resources.fn_build
+        self.params = resources.params
         self.max_write = table.max_write
         self.owner_words = table.owner_words
-        self.slot_words = slot_words
-        self.paged, self.masks = paged, masks
+        self.slot_words = resources.slot_words
+        self.paged, self.masks = resources.paged, resources.masks
         for k in range(2):
-            self.host_slot[k] = <int64_t*><size_t>host_slots[k]
-            self.dev_slot[k] = dev_slots[k]
-            self.slot_event[k] = <CUevent><size_t>slot_events[k]
+            self.host_slot[k] = <int64_t*><size_t>resources.host_slots[k]
+            self.dev_slot[k] = resources.dev_slots[k]
+            self.slot_event[k] = <CUevent><size_t>resources.slot_events[k]
             self.slot_pending[k] = False
-        self.commit_event = <CUevent><size_t>commit_event
-        self.target_blocks = 8 * sm_count
-        if staging_words(self.max_write, self.owner_words, 1) > slot_words:
+        self.commit_event = <CUevent><size_t>resources.commit_event
+        self.target_blocks = 8 * resources.sm_count
+        if staging_words(self.max_write, self.owner_words, 1) > resources.slot_words:
             raise ValueError("staging slot too small for one step and one change record")
 
     cpdef int is_capturing(self, uint64_t stream) except -1:
@@ -440,87 +421,3 @@ cdef class StepEngine:
             for k in range(4):
                 self.phase[k] = 0
         return out
-
-
-# -- DLPack --------------------------------------------------------------------------------------
-
-cdef extern from *:
-    """
-    typedef struct { int device_type; int device_id; } cc_DLDevice;
-    typedef struct { unsigned char code; unsigned char bits; unsigned short lanes; } cc_DLDataType;
-    typedef struct {
-        void* data; cc_DLDevice device; int ndim; cc_DLDataType dtype;
-        long long* shape; long long* strides; unsigned long long byte_offset;
-    } cc_DLTensor;
-    typedef struct cc_DLManagedTensor {
-        cc_DLTensor dl_tensor; void* manager_ctx;
-        void (*deleter)(struct cc_DLManagedTensor*);
-    } cc_DLManagedTensor;
-    """
-    ctypedef struct cc_DLDevice:
-        int device_type
-        int device_id
-    ctypedef struct cc_DLDataType:
-        unsigned char code
-        unsigned char bits
-        unsigned short lanes
-    ctypedef struct cc_DLTensor:
-        void* data
-        cc_DLDevice device
-        int ndim
-        cc_DLDataType dtype
-        long long* shape
-        long long* strides
-        unsigned long long byte_offset
-    ctypedef struct cc_DLManagedTensor:
-        cc_DLTensor dl_tensor
-        void* manager_ctx
-        void (*deleter)(cc_DLManagedTensor*) noexcept
-
-
-cdef void _dl_deleter(cc_DLManagedTensor* m) noexcept with gil:
-    if m == NULL:
-        return
-    Py_DECREF(<object>m.manager_ctx)
-    free(m.dl_tensor.shape)
-    free(m)
-
-
-cdef void _capsule_destructor(object capsule) noexcept:
-    cdef cc_DLManagedTensor* m
-    if PyCapsule_IsValid(capsule, b"dltensor"):       # never consumed: we still own it
-        m = <cc_DLManagedTensor*>PyCapsule_GetPointer(capsule, b"dltensor")
-        _dl_deleter(m)
-
-
-KDL_CUDA = 2
-
-
-def dlpack_capsule(owner, uint64_t ptr, tuple shape, int code, int bits, int device_id):
-    """A legacy ``dltensor`` capsule over device memory at ``ptr`` (C-contiguous, no strides).
-
-    ``owner`` is kept alive until the consumer releases the tensor.
-    """
-    cdef cc_DLManagedTensor* m = <cc_DLManagedTensor*>malloc(sizeof(cc_DLManagedTensor))
-    cdef int i, ndim = len(shape)
-    if m == NULL:
-        raise MemoryError()
-    m.dl_tensor.shape = <long long*>malloc(sizeof(long long) * (ndim if ndim else 1))
-    if m.dl_tensor.shape == NULL:
-        free(m)
-        raise MemoryError()
-    for i in range(ndim):
-        m.dl_tensor.shape[i] = shape[i]
-    m.dl_tensor.data = <void*><size_t>ptr
-    m.dl_tensor.device.device_type = KDL_CUDA
-    m.dl_tensor.device.device_id = device_id
-    m.dl_tensor.ndim = ndim
-    m.dl_tensor.dtype.code = code
-    m.dl_tensor.dtype.bits = bits
-    m.dl_tensor.dtype.lanes = 1
-    m.dl_tensor.strides = NULL
-    m.dl_tensor.byte_offset = 0
-    Py_INCREF(owner)
-    m.manager_ctx = <void*>owner
-    m.deleter = _dl_deleter
-    return PyCapsule_New(m, b"dltensor", _capsule_destructor)
