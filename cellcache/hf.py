@@ -14,7 +14,11 @@ cellcache steps, with continuous batching, forks and rewinds underneath.
 ``AttentionInterface`` and switches the model to it; transformers then builds no masks of
 its own (it does so only for the attention functions it knows). The function reads the
 layer's K/V from the model, writes them at the step's cells and attends through
-:func:`cellcache.torch.attention`. One forward carries every sequence of a step as one
+:func:`cellcache.torch.attention`. Before switching, attach checks the cache and the
+runner's options; after, one probe forward of one token (written nowhere) checks that every
+layer calls the function with nothing it does not compute (soft-capping, sinks,
+bidirectional attention, ...): a refused attach leaves the model's attention setting as it
+was. One forward carries every sequence of a step as one
 row of ``[1, T]`` tokens with the step's positions (RoPE needs nothing else).
 :func:`cache_config` maps the model's ``layer_types``/``sliding_window`` to per-layer
 windows. :class:`cellcache.generate.Generator` builds continuous batching on top.
@@ -23,6 +27,7 @@ windows. :class:`cellcache.generate.Generator` builds continuous batching on top
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,14 +35,26 @@ import numpy as np
 import torch
 
 from . import torch as cct
+from ._checks import CAPACITY_LIMIT, check_int
+from .buckets import bucket_for, check_buckets, default_buckets
 from .cache import CellCache, Step
 from .config import CacheConfig, LayerConfig
-from .errors import InvalidArgument, InvalidState
+from .errors import CellCacheError, InvalidArgument, InvalidState
 
 __all__ = ["ATTENTION_NAME", "ModelRunner", "attach", "cache_config", "layer_windows"]
 
 ATTENTION_NAME = "cellcache"
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("cellcache_step", default=None)
+
+#: Keywords transformers passes to attention functions that do not change what attention
+#: computes (the step's positions reach RoPE before attention; cellcache keeps the K/V).
+_IGNORED_KWARGS = frozenset({
+    "position_ids", "cache_position", "position_embeddings", "use_cache", "past_key_values",
+    "past_key_value", "output_attentions", "output_router_logits", "output_hidden_states",
+    "return_dict"})
+#: Keywords that change the scores in ways cellcache's attention does not compute.
+_SCORE_KWARGS = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks",
+                 "sinks": "attention sinks"}
 
 
 @dataclass
@@ -45,10 +62,35 @@ class _Current:
     view: cct.TorchView
     step: Step | None
     backend: str
+    calls: int = 0
+    probe: list | None = None      # attach's probe: (layer, module config) per call; writes nothing
 
 
 def _text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
+
+
+def _config_int(cfg: Any, name: str, lo: int, default: int | None = None) -> int:
+    """``cfg.name`` as an int ``>= lo``; ``default`` when it is absent or None (required
+    when ``default`` is None)."""
+    value = getattr(cfg, name, None)
+    if value is None:
+        if default is None:
+            raise InvalidArgument(f"the model's config ({type(cfg).__name__}) has no {name}; "
+                                  "give a transformers decoder model or its config")
+        return default
+    return check_int(value, f"config.{name}", lo, CAPACITY_LIMIT)
+
+
+def _decoder_config(model_or_config: Any) -> Any:
+    """The text config of a transformers model or config; InvalidArgument for anything else."""
+    config = getattr(model_or_config, "config", model_or_config)
+    cfg = _text_config(config)
+    if getattr(cfg, "num_hidden_layers", None) is None:
+        raise InvalidArgument(
+            f"{type(model_or_config).__name__} is not a transformers decoder model or config "
+            "(it has no num_hidden_layers)")
+    return cfg
 
 
 def layer_windows(config: Any) -> list[int]:
@@ -58,57 +100,129 @@ def layer_windows(config: Any) -> list[int]:
     ``sliding_window``); without it a ``sliding_window`` applies to every layer (Mistral)
     unless the config switches it off (Qwen2's ``use_sliding_window``).
     """
-    cfg = _text_config(config)
-    n = cfg.num_hidden_layers
-    window = getattr(cfg, "sliding_window", None) or 0
+    cfg = _decoder_config(config)
+    n = _config_int(cfg, "num_hidden_layers", 1)
+    window = _config_int(cfg, "sliding_window", 0, default=0)
     if getattr(cfg, "use_sliding_window", True) is False:
         window = 0
     types = getattr(cfg, "layer_types", None)
     if types is None:
-        return [int(window)] * n
+        return [window] * n
+    if isinstance(types, (str, bytes)) or not hasattr(types, "__len__") or len(types) < n:
+        raise InvalidArgument(f"config.layer_types={types!r} does not name a type for each of the "
+                              f"{n} layers")
     out = []
-    for i, kind in enumerate(types[:n]):
+    for i, kind in enumerate(list(types)[:n]):
         if kind == "full_attention":
             out.append(0)
         elif kind == "sliding_attention":
             if not window:
                 raise InvalidArgument(f"layer {i} is sliding_attention but the config has no sliding_window")
-            out.append(int(window))
+            out.append(window)
         else:
             raise InvalidArgument(f"layer {i} has attention type {kind!r}; cellcache serves "
                                   "full_attention and sliding_attention layers")
     return out
 
 
-def cache_config(model_or_config: Any, capacity: int, max_write: int = 512, max_seqs: int = 256,
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(CacheConfig) if f.init)
+
+
+def cache_config(model_or_config: Any, capacity: int, max_write: int | None = None, max_seqs: int = 256,
                  dtype: Any = None, paged: bool | None = None, mask_format: str | None = None,
                  initial_capacity: int = 512, device: int | None = None, **extra: Any) -> CacheConfig:
     """A :class:`CacheConfig` for a transformers decoder: one layer per decoder layer, its KV
-    heads, head_dim and window. ``paged``/``mask_format`` default to the paged view without
-    masks on CUDA models and masks without the paged view on CPU ones."""
-    config = getattr(model_or_config, "config", model_or_config)
-    cfg = _text_config(config)
+    heads, head_dim and window. ``max_write`` defaults to ``min(512, capacity)``; ``paged``
+    to the paged view on CUDA models; ``mask_format`` to no masks where the paged view
+    serves (CUDA) and bool masks otherwise (the host backend and SDPA attend over masks).
+    ``extra``: other :class:`CacheConfig` fields. A config that lacks what a decoder has, or
+    a bad value, raises InvalidArgument.
+    """
+    cfg = _decoder_config(model_or_config)
+    capacity = check_int(capacity, "capacity", 1, CAPACITY_LIMIT)
+    if max_write is None:
+        max_write = min(512, capacity)
+    unknown = sorted(set(extra) - _CONFIG_FIELDS)
+    if unknown:
+        raise InvalidArgument(f"unknown CacheConfig field(s) {', '.join(unknown)}; fields are "
+                              f"{', '.join(sorted(_CONFIG_FIELDS))}")
     if getattr(cfg, "attn_logit_softcapping", None):
         raise InvalidArgument("attention logit soft-capping is not supported by cellcache's attention")
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    heads = _config_int(cfg, "num_attention_heads", 1)
+    kv_heads = _config_int(cfg, "num_key_value_heads", 1, default=heads)
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim is None:
+        hidden = _config_int(cfg, "hidden_size", 1)
+        if hidden % heads:
+            raise InvalidArgument(f"config.hidden_size={hidden} is not a multiple of "
+                                  f"num_attention_heads={heads} and the config has no head_dim")
+        head_dim = hidden // heads
+    head_dim = check_int(head_dim, "config.head_dim", 1, CAPACITY_LIMIT)
+    if heads % kv_heads:
+        raise InvalidArgument(f"config.num_attention_heads={heads} is not a multiple of "
+                              f"num_key_value_heads={kv_heads}")
     layers = [LayerConfig(kv_heads, head_dim, w) for w in layer_windows(cfg)]
     model_dtype = getattr(model_or_config, "dtype", None)
-    on_cuda = getattr(getattr(model_or_config, "device", None), "type", "cpu") == "cuda"
+    dev = getattr(model_or_config, "device", None)
+    on_cuda = getattr(dev, "type", "cpu") == "cuda"
     if dtype is None:
         dtype = str(model_dtype).removeprefix("torch.") if model_dtype is not None else "bfloat16"
     if paged is None:
         paged = on_cuda
     if mask_format is None:
-        mask_format = "none" if on_cuda else "bool"
+        mask_format = "none" if on_cuda and paged is True else "bool"
     if device is None:
-        dev = getattr(model_or_config, "device", None)
         device = (getattr(dev, "index", None) or 0) if on_cuda else 0
     return CacheConfig(capacity=capacity, layers=layers, max_write=max_write,
-                       initial_capacity=min(initial_capacity, capacity), dtype=dtype,
-                       max_seqs=max_seqs, device=device, paged=paged, mask_format=mask_format,
-                       **extra)
+                       initial_capacity=initial_capacity, dtype=dtype, max_seqs=max_seqs,
+                       device=device, paged=paged, mask_format=mask_format, **extra)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {tuple(value.shape)} tensor"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_call(module: Any, query: Any, key: Any, value: Any, cur: _Current, dropout: Any,
+                kwargs: dict) -> int:
+    """Refuses an attention call cellcache would compute differently from the model (every
+    such refusal comes up at attach's probe); returns the layer index."""
+    cfg = cur.view.config
+    n = len(cfg.layers)
+    layer = getattr(module, "layer_idx", None)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+        raise InvalidArgument(f"attention module {type(module).__name__} has layer_idx={layer!r}; "
+                              f"cellcache needs each decoder layer's index in [0, {n})")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4 or t.shape[0] != 1:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidArgument(f"layer {layer}: {name} is {shape}; cellcache runs a step as "
+                                  "one [1, heads, T, head_dim] row (batch 1)")
+    if dropout:
+        raise InvalidArgument(f"layer {layer}: attention dropout {dropout} is not computed by "
+                              "cellcache; call model.eval()")
+    if getattr(module, "is_causal", True) is False or kwargs.get("is_causal", True) is False:
+        raise InvalidArgument(f"layer {layer}: {type(module).__name__} is bidirectional "
+                              "(is_causal=False); cellcache's attention is causal")
+    window = cfg.layers[layer].window
+    for k, v in kwargs.items():
+        if k in _IGNORED_KWARGS or k == "is_causal" or v is None:
+            continue
+        if k == "sliding_window":
+            if v != window and not (v == 0 and window == 0):
+                raise InvalidArgument(f"layer {layer}: the model attends over a sliding window of "
+                                      f"{_short(v)}, the cache's layer over {window or 'all'} "
+                                      "positions: build the cache with cache_config(model)")
+        elif k in _SCORE_KWARGS:
+            if not (isinstance(v, (int, float)) and v == 0):
+                raise InvalidArgument(f"layer {layer}: {_SCORE_KWARGS[k]} ({k}={_short(v)}) is not "
+                                      "computed by cellcache's attention; this model is not supported")
+        elif v is not False:
+            raise InvalidArgument(f"layer {layer}: the attention keyword {k}={_short(v)} is not one "
+                                  "cellcache's attention implements; this model is not supported")
+    return layer
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -118,10 +232,17 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         raise InvalidState("the model's attention is cellcache's, but no step is running: run "
                            "forwards through ModelRunner.forward, or call "
                            "model.set_attn_implementation('sdpa') to use the model without cellcache")
-    layer = module.layer_idx
+    layer = _check_call(module, query, key, value, cur, dropout, kwargs)
     q = query[0].transpose(0, 1)                      # [T, H, D] (a view)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    cur.calls += 1
+    if cur.probe is not None:                         # attach's probe: check, record, write nothing
+        cct.check_qkv(cur.view, layer, q, k, v)
+        cur.probe.append((layer, getattr(module, "config", None)))
+        # the probe's one token at position 0 sees only itself: attention returns its V
+        out = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return out[None].to(query.dtype), None
     out = cct.attention(cur.view, layer, q, k, v, step=cur.step, backend=cur.backend, scale=scaling)
     return out[None].to(query.dtype), None
 
@@ -133,21 +254,55 @@ def register() -> None:
     AttentionInterface.register(ATTENTION_NAME, _attention)
 
 
+def _attn_configs(model: Any) -> list[Any]:
+    """Every config of the model and its submodels that carries an attention setting."""
+    found: dict[int, Any] = {}
+    stack = [getattr(model, "config", None)]
+    modules = getattr(model, "modules", None)
+    if callable(modules):
+        stack += [getattr(m, "config", None) for m in modules()]
+    while stack:
+        c = stack.pop()
+        if c is None or id(c) in found or not hasattr(c, "_attn_implementation_internal"):
+            continue
+        found[id(c)] = c
+        stack += [getattr(c, key, None) for key in (getattr(c, "sub_configs", None) or ())]
+    return list(found.values())
+
+
 def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
            buckets: list[int] | None = None) -> ModelRunner:
     """Switches ``model`` to cellcache's attention and returns the :class:`ModelRunner`
-    that runs its forwards on ``cache``'s steps."""
-    cfg = _text_config(model.config)
-    if len(cache.config.layers) != cfg.num_hidden_layers:
-        raise InvalidArgument(f"the cache has {len(cache.config.layers)} layers; the model "
-                              f"{cfg.num_hidden_layers} (build the config with cache_config(model))")
+    that runs its forwards on ``cache``'s steps.
+
+    Everything is checked before the model changes: the cache's layers and windows against
+    the model's, the runner's options (``graphs``, ``buckets``), the cache's attention path
+    (a host cache needs masks). Then the model is switched and one probe forward of one
+    token (written nowhere) checks that every decoder layer calls cellcache's attention
+    with nothing it does not compute (soft-capping, attention sinks, bidirectional or
+    dropout attention, a different sliding window, unknown keywords); a model that fails
+    it (gpt-oss, Falcon, Gemma2 soft-capping, BERT) is refused with its attention setting
+    restored. Every refusal raises InvalidArgument and changes nothing.
+
+    To use the model without cellcache again: ``model.set_attn_implementation("sdpa")``;
+    its runners then refuse to run (InvalidState) until :meth:`ModelRunner.reattach`.
+    """
+    if not isinstance(cache, CellCache):
+        raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        raise InvalidArgument(f"model of type {type(model).__name__} is not a transformers model "
+                              "(it has no set_attn_implementation)")
+    cfg = _decoder_config(model)
     windows = layer_windows(cfg)
+    if len(cache.config.layers) != len(windows):
+        raise InvalidArgument(f"the cache has {len(cache.config.layers)} layers; the model "
+                              f"{len(windows)} (build the config with cache_config(model))")
     for i, (layer, w) in enumerate(zip(cache.config.layers, windows)):
         if layer.window != w:
             raise InvalidArgument(f"layer {i}: the cache's window {layer.window} is not the model's {w}")
-    register()
-    model.set_attn_implementation(ATTENTION_NAME)
-    return ModelRunner(model, cache, graphs=graphs, buckets=buckets)
+    runner = ModelRunner(model, cache, graphs=graphs, buckets=buckets)
+    runner.reattach()
+    return runner
 
 
 class ModelRunner:
@@ -155,55 +310,193 @@ class ModelRunner:
 
     On CUDA with the paged view, decode steps (every row its sequence's next token) whose
     padded width is a bucket replay a CUDA graph captured once per bucket; everything else
-    runs eagerly (prefill chunks through the tiled prefill kernel).
+    runs eagerly (prefill chunks through the tiled prefill kernel). When a copy growth
+    moves the pools, the next forward rebuilds the views and drops the graphs (recaptured
+    on their next use).
+
+    Build it with :func:`attach`. If the model's attention is switched away afterwards
+    (``model.set_attn_implementation("sdpa")``), :meth:`forward` refuses (InvalidState)
+    until :meth:`reattach` switches it back.
     """
 
     def __init__(self, model: Any, cache: CellCache, *, graphs: bool | None = None,
                  buckets: list[int] | None = None):
-        self.model, self.cache = model, cache
-        self.view = cct.TorchView(cache)
-        self.device = self.view.device
-        mw = cache.config.max_write
-        self.cuda = self.view.cuda
-        self.graphs_enabled = (self.cuda and cache.config.paged) if graphs is None else graphs
-        if self.graphs_enabled and not (self.cuda and cache.config.paged):
+        view = cct.TorchView(cache)
+        config = getattr(model, "config", None)
+        if config is None or not callable(model):
+            raise InvalidArgument(f"model of type {type(model).__name__} is not a transformers model")
+        cfg = cache.config
+        mw = cfg.max_write
+        paged_cuda = view.cuda and cfg.paged
+        if cfg.mask_format == "none" and not paged_cuda:
+            where = "the host backend" if not view.cuda else "a CUDA cache without the paged view"
+            raise InvalidArgument(f"{where} attends over masks, and this cache has none "
+                                  "(mask_format='none'): build it with mask_format='bool' or 'bits' "
+                                  "(cache_config(model) does)")
+        if graphs is not None and not isinstance(graphs, bool):
+            raise InvalidArgument(f"graphs of type {type(graphs).__name__} is not a bool or None")
+        graphs_enabled = paged_cuda if graphs is None else graphs
+        if graphs_enabled and not paged_cuda:
             raise InvalidArgument("graph replay needs a CUDA cache built with paged=True")
-        self.buckets = sorted(buckets or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= mw])
+        chosen = default_buckets(mw, 512) if buckets is None else check_buckets(buckets, mw)
+        self.model, self.cache, self.view = model, cache, view
+        self.device = view.device
+        self.cuda = view.cuda
+        self.graphs_enabled = graphs_enabled
+        self.buckets = chosen
+        self.vocab = _vocab_size(model)
         self.input_ids = torch.zeros((1, mw), dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._graph_generation = view.generation
+        self._attn_configs: list[Any] = [_text_config(config)]
         self.replays = 0
         self.eager = 0
 
+    # -- the model's attention setting -------------------------------------------------------
+    def reattach(self) -> None:
+        """Switches the model (back) to cellcache's attention, checked by one probe forward.
+
+        A refusal (InvalidArgument: a layer that does not call cellcache's attention, or
+        calls it with something it does not compute) restores the model's attention
+        setting exactly as it was.
+        """
+        register()
+        saved = [(c, c._attn_implementation_internal) for c in _attn_configs(self.model)]
+        try:
+            try:
+                self.model.set_attn_implementation(ATTENTION_NAME)
+            except (ValueError, TypeError, AttributeError) as e:
+                raise InvalidArgument(f"the model refuses set_attn_implementation"
+                                      f"({ATTENTION_NAME!r}): {e}") from e
+            configs = self._probe()
+        except BaseException:
+            for c, value in saved:
+                c._attn_implementation_internal = value
+            raise
+        self._attn_configs = configs
+
+    def _probe(self) -> list[Any]:
+        """One forward of one token at position 0 through cellcache's attention in probe
+        mode (checks, writes nothing); returns the configs the attention layers read."""
+        n = len(self.cache.config.layers)
+        mdev = getattr(self.model, "device", None)
+        if isinstance(mdev, torch.device) and mdev != self.device:
+            raise InvalidArgument(f"the model is on {mdev}; the cache's buffers are on {self.device}")
+        calls: list[tuple[int, Any]] = []
+        cur = _Current(self.view, None, "probe", probe=calls)
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        token = _CURRENT.set(cur)
+        try:
+            with torch.inference_mode():
+                self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1)
+        except CellCacheError:
+            raise
+        except Exception as e:
+            raise InvalidArgument(f"the model's forward failed on attach's one-token probe "
+                                  f"({type(e).__name__}: {e})") from e
+        finally:
+            _CURRENT.reset(token)
+        layers = sorted(layer for layer, _ in calls)
+        if layers != list(range(n)):
+            missing = sorted(set(range(n)) - set(layers))
+            twice = sorted({la for la in layers if layers.count(la) > 1})
+            raise InvalidArgument(
+                f"a forward went through cellcache's attention for {len(set(layers))} of the "
+                f"model's {n} layers (missing {missing[:8]}, repeated {twice[:8]}): this model "
+                f"({type(self.model).__name__}) computes attention cellcache does not see, so the "
+                "cache would not be used; it is not supported")
+        configs: dict[int, Any] = {}
+        for _, c in calls:
+            if c is not None and hasattr(c, "_attn_implementation"):
+                configs[id(c)] = c
+        return list(configs.values()) or [_text_config(self.model.config)]
+
+    def _check_attached(self) -> None:
+        for c in self._attn_configs:
+            impl = getattr(c, "_attn_implementation", None)
+            if impl != ATTENTION_NAME:
+                raise InvalidState(
+                    f"the model's attention is {impl!r}, not cellcache's (it was switched after "
+                    "attach): call runner.reattach() (a Generator: generator.runner.reattach()) "
+                    "to serve it from the cache again")
+
+    # -- checks ----------------------------------------------------------------------------------
+    def _token_ids(self, tokens: Any, width: int) -> np.ndarray:
+        arr = _int_array(tokens, "tokens")
+        if arr.size != width:
+            raise InvalidArgument(f"{arr.size} tokens for a step of width {width}: give one token "
+                                  "per real row")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.vocab:
+            raise InvalidArgument(f"token id {lo if lo < 0 else hi} is outside the vocabulary "
+                                  f"[0, {self.vocab})")
+        return arr
+
+    @staticmethod
+    def _logit_rows(logit_rows: Any, width: int) -> np.ndarray:
+        if logit_rows is None:
+            return np.arange(width)
+        arr = _int_array(logit_rows, "logit_rows")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= width):
+            bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+            raise InvalidArgument(f"logit row {bad} is outside the step's real rows [0, {width})")
+        return arr
+
+    # -- forwards -----------------------------------------------------------------------------------
     def bucket(self, width: int) -> int | None:
         """The smallest bucket that holds ``width`` rows (None when none does)."""
-        return next((b for b in self.buckets if b >= width), None)
+        return bucket_for(width, self.buckets)
 
     def _positions(self, step: Step) -> torch.Tensor:
         return self.view.positions[:step.pad_to][None]
 
     def _run(self, step: Step, backend: str, rows: torch.Tensor | None) -> torch.Tensor:
         T = step.pad_to
-        token = _CURRENT.set(_Current(self.view, step, backend))
+        cur = _Current(self.view, step, backend)
+        token = _CURRENT.set(cur)
         try:
             out = self.model(input_ids=self.input_ids[:, :T], position_ids=self._positions(step),
                              use_cache=False, logits_to_keep=rows if rows is not None else 0)
         finally:
             _CURRENT.reset(token)
+        n = len(self.cache.config.layers)
+        if cur.calls != n:
+            raise InvalidState(f"the forward called cellcache's attention {cur.calls} times for "
+                               f"{n} layers: the model no longer runs its attention through the cache")
         return out.logits[0]
 
     def forward(self, step: Step, tokens: Any, logit_rows: Any = None, decode: bool = False) -> torch.Tensor:
         """Runs the forward of ``step`` on ``tokens`` (one per real row); returns float32
         logits ``[len(logit_rows), vocab]`` (all real rows when None).
 
+        ``step`` must be the cache's prepared step (InvalidState otherwise); ``tokens``
+        exactly ``step.width`` ids in ``[0, vocab)``; ``logit_rows`` ids in
+        ``[0, step.width)``; both 1-D sequences (or arrays, tensors) of ints. Every check
+        runs before anything is written (InvalidArgument / InvalidState).
+
         ``decode`` says every row is its sequence's next token (one token per sequence);
         then, on CUDA with graphs on, the step is replayed from a graph of its padded width.
         """
+        if not isinstance(step, Step):
+            raise InvalidArgument(f"step of type {type(step).__name__} is not a Step")
+        if step is not self.cache.prepared_step:
+            raise InvalidState("step is not this cache's prepared step (a committed step, an older "
+                               "one or another cache's): pass the Step that prepare_step() just returned")
+        self._check_attached()
         T, width = step.pad_to, step.width
-        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64)[:width])
+        ids_np = self._token_ids(tokens, width)
+        rows = self._logit_rows(logit_rows, width)
+        if not isinstance(decode, (bool, np.bool_)):
+            raise InvalidArgument(f"decode of type {type(decode).__name__} is not a bool")
+        if self.view.stale():                 # a copy growth moved the pools
+            self.view.refresh()
+        if self._graph_generation != self.view.generation:
+            self._graphs.clear()              # they read the old pools: recaptured on next use
+            self._graph_generation = self.view.generation
+        ids = torch.from_numpy(ids_np)
         self.input_ids[0, :width].copy_(ids, non_blocking=False)
         if T > width:
             self.input_ids[0, width:T].zero_()
-        rows = np.arange(width) if logit_rows is None else np.asarray(logit_rows, dtype=np.int64)
         with torch.inference_mode():
             if self.graphs_enabled and decode and T in self.buckets:
                 logits = self._replay(step)
@@ -231,3 +524,42 @@ class ModelRunner:
         graph, logits = self._graphs[T]
         graph.replay()
         return logits
+
+
+def _int_array(values: Any, name: str) -> np.ndarray:
+    """``values`` (a sequence, array or tensor of ints) as a 1-D int64 array; an empty one
+    is fine."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    if isinstance(values, (str, bytes)):
+        arr = None
+    else:
+        try:
+            arr = np.asarray(values)
+        except (TypeError, ValueError, OverflowError):
+            arr = None
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        what = (f"a {arr.ndim}-D array of {arr.dtype}" if arr is not None
+                else f"of type {type(values).__name__}")
+        raise InvalidArgument(f"{name} is {what}; give a 1-D sequence of ints")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 1 << 63:
+        raise InvalidArgument(f"{name} holds {int(arr.max())}, outside int64")
+    return arr.astype(np.int64)
+
+
+def _vocab_size(model: Any) -> int:
+    """Rows of the model's input embedding (what a token id indexes), else the config's
+    vocab_size."""
+    n = None
+    get = getattr(model, "get_input_embeddings", None)
+    if callable(get):
+        try:
+            n = getattr(get(), "num_embeddings", None)
+        except (NotImplementedError, AttributeError, TypeError):
+            n = None
+    if n is None:
+        n = getattr(_text_config(model.config), "vocab_size", None)
+    if n is None:
+        raise InvalidArgument(f"model of type {type(model).__name__} has no input embedding or "
+                              "vocab_size: cannot check token ids")
+    return check_int(n, "the model's vocabulary size", 1)

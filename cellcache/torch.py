@@ -6,11 +6,13 @@ the cache, eager or inside a captured CUDA graph.
 ...                  layers=[cc.LayerConfig(2, 64)], paged=True))             # doctest: +SKIP
 >>> view = cct.TorchView(cache)                                               # doctest: +SKIP
 >>> step = cache.prepare_step(stream=torch.cuda.current_stream(), pad_to=16)  # doctest: +SKIP
->>> out = cct.attention(view, 0, q, k, v)       # q [16, H, D], k/v [16, Hkv, D] # doctest: +SKIP
+>>> out = cct.attention(view, 0, q, k, v, step=step)  # q [16, H, D], k/v [16, Hkv, D] # doctest: +SKIP
 
-:class:`TorchView` holds tensors over every buffer (rebuilt only when the pools move, which
-with fixed-address pools is never after the first step). :func:`attention` does, for rows
-``[0, T)`` of a step padded to T:
+:class:`TorchView` holds tensors over every buffer (rebuilt when the pools move: never after
+the first step with fixed-address pools, at every growth with copy growth; the view notices
+by itself). :func:`attention` first checks the call against the cache's prepared step and
+the layer (rows ``T`` = the step's ``pad_to``, head counts, head_dim, dtype, device) and
+refuses before anything is written; then, for rows ``[0, T)``:
 
 1. K/V of every row into the layer's pools at ``cells[:T]`` (``index_copy_``; padding rows
    land in the sink row);
@@ -31,17 +33,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._checks import check_int
 from .cache import CellCache, Step
-from .errors import InvalidArgument
+from .errors import CellCacheError, InvalidArgument, InvalidState
 
-__all__ = ["TorchView", "as_tensor", "attention", "torch_dtype"]
+__all__ = ["TorchView", "as_tensor", "attention", "check_qkv", "torch_dtype"]
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a K/V dtype name."""
-    return _TORCH_DTYPES[name]
+    """The torch dtype of a K/V dtype name (``"float16"``, ``"bfloat16"``, ``"float32"``)."""
+    try:
+        return _TORCH_DTYPES[name]
+    except (KeyError, TypeError):
+        raise InvalidArgument(
+            f"dtype {name!r} is not one of {', '.join(_TORCH_DTYPES)}") from None
 
 
 def as_tensor(buffer: Any) -> torch.Tensor:
@@ -49,14 +56,21 @@ def as_tensor(buffer: Any) -> torch.Tensor:
 
     Host buffers (numpy, bfloat16 included through ml_dtypes) become CPU tensors sharing the
     memory; CUDA buffers come through DLPack, ordered after the last step's buffer writes
-    on torch's current stream.
+    on torch's current stream. Anything else raises InvalidArgument.
     """
-    if isinstance(buffer, np.ndarray):
-        if buffer.dtype.name == "bfloat16":
-            return torch.from_numpy(buffer.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(buffer)
-    if hasattr(buffer, "__dlpack__"):
-        return torch.from_dlpack(buffer)
+    try:
+        if isinstance(buffer, np.ndarray):
+            if buffer.dtype.name == "bfloat16":
+                return torch.from_numpy(buffer.view(np.int16)).view(torch.bfloat16)
+            return torch.from_numpy(buffer)
+        if hasattr(buffer, "__dlpack__"):
+            return torch.from_dlpack(buffer)
+    except CellCacheError:
+        raise
+    except (TypeError, ValueError, RuntimeError, BufferError, AttributeError) as e:
+        raise InvalidArgument(
+            f"buffer of type {type(buffer).__name__} cannot be viewed as a tensor ({e}); give a "
+            "cache buffer (cache.buffer(name))") from e
     raise InvalidArgument(f"buffer of type {type(buffer).__name__} is not a cache buffer")
 
 
@@ -67,7 +81,14 @@ class TorchView:
     (``[max_write, capacity]`` bool, or ``[max_write, ceil(capacity / 8)]`` uint8 bits),
     the paged view's ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``
     (int32), and per layer its K and V pools ``[sink + 1, n_kv_heads, head_dim]``
-    (:meth:`layer`). Call :meth:`refresh` after a step whose ``grew`` is True.
+    (:meth:`layer`).
+
+    Pools that grow by copying move at every growth (``Step.grew``): :meth:`stale` says
+    whether they moved since the views were built, :func:`attention` refreshes a stale view
+    itself (and refuses while a CUDA graph is being captured, where a refresh cannot run),
+    and :meth:`refresh` rebuilds the views on demand. ``generation`` counts the refreshes,
+    so that a holder of tensors derived from the views (a captured graph) knows when they
+    went out of date.
     """
 
     def __init__(self, cache: CellCache):
@@ -77,11 +98,21 @@ class TorchView:
         self.config = cache.config
         self.cuda = cache.backend == "cuda"
         self._kernels = None
+        self._pools_generation = -1
+        self.generation = 0
         self.refresh()
 
+    def stale(self) -> bool:
+        """Whether the pools moved since the views were built (then call :meth:`refresh`).
+
+        Pure attribute reads, no device access: cheap enough for every attention call.
+        """
+        return self.cache.pools_generation != self._pools_generation
+
     def refresh(self) -> None:
-        """Rebuilds the views (pools that moved, after ``Step.grew``)."""
+        """Rebuilds the views (pools that moved: a copy growth, ``Step.grew``)."""
         c, cfg = self.cache, self.config
+        generation = c.pools_generation
         t = {name: as_tensor(c.buffer(name)) for name in c.buffer_names}
         self.cells, self.positions = t["cells"], t["positions"]
         self.read_len, self.width = t["read_len"], t["width"]
@@ -95,11 +126,15 @@ class TorchView:
         self.pools = [(t[f"layer_{i}_k"], t[f"layer_{i}_v"]) for i in range(len(cfg.layers))]
         self.device = self.cells.device
         self._arange = torch.arange(self.pools[0][0].shape[0], device=self.device)
+        self._pools_generation = generation
+        self.generation += 1
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Layer ``index``'s K pool, V pool and window."""
-        k, v = self.pools[index]
-        return k, v, self.config.layers[index].window
+        """Layer ``index``'s K pool, V pool and window; ``index`` in ``[0, layers)``
+        (negative indices are refused, not counted from the end)."""
+        i = check_int(index, "layer", 0, len(self.pools) - 1)
+        k, v = self.pools[i]
+        return k, v, self.config.layers[i].window
 
     def paged_pointers(self) -> dict[str, int]:
         """Device addresses of the paged view and ``width``, as cellcache's kernels take them."""
@@ -121,27 +156,57 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
               scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Writes rows ``[0, T)`` of K/V at ``cells[:T]`` and attends every row; returns
     ``[T, n_heads, head_dim]`` (rows past the step's real width are padding: discard them).
+    ``out`` (paged backend) receives the result: ``[T, n_heads, head_dim]`` of the pool's
+    dtype.
 
     ``q`` is ``[T, n_heads, head_dim]``, ``k``/``v`` ``[T, n_kv_heads, head_dim]``, any
-    strides (HF's ``[1, H, T, D]`` transposed is fine). ``backend``: ``"auto"`` (paged
+    strides (HF's ``[1, H, T, D]`` transposed is fine), on the cache's device, of any
+    floating dtype (K/V are stored converted to the pool's dtype, as the model's own cache
+    would cast them); ``n_heads`` a multiple of the layer's ``n_kv_heads``; ``T`` the
+    prepared step's ``pad_to``. ``step``, when given, must be the cache's prepared step (the
+    one not yet committed); by default it is that step. ``backend``: ``"auto"`` (paged
     kernels on CUDA with the paged view, else SDPA over masks), ``"paged"``, ``"prefill"``
-    (the tiled prefill kernel; eager, needs ``step``), ``"sdpa"`` or ``"flashinfer"`` (needs
-    ``step``: FlashInfer plans from the step's host indptrs).
-    ``step`` is needed on the host backend (its ``read_len`` bounds the pool rows read).
+    (the tiled prefill kernel; eager), ``"sdpa"`` or ``"flashinfer"`` (FlashInfer plans
+    from the step's host indptrs).
+
+    Every check happens before anything is written: a refused call (InvalidArgument for
+    the arguments, InvalidState for the step) leaves the pools as they were. The checks
+    read Python attributes only (no device access), so the call can be captured in a graph.
     """
-    cfg = view.config
+    cfg = view.config if isinstance(view, TorchView) else None
+    if cfg is None:
+        raise InvalidArgument(f"view of type {type(view).__name__} is not a TorchView")
+    layer = check_qkv(view, layer, q, k, v)
     T = q.shape[0]
-    k_pool, v_pool, window = view.layer(layer)
-    lc = cfg.layers[layer]
-    if q.ndim != 3 or k.shape != (T, lc.n_kv_heads, lc.head_dim) or v.shape != k.shape:
+    current = view.cache.prepared_step
+    if current is None:
+        raise InvalidState("no step is prepared (or it was committed already): a forward writes "
+                           "K/V between prepare_step() and commit_step()")
+    if step is not None and step is not current:
+        raise InvalidState("step= is not this cache's prepared step (a committed step, an older "
+                           "one or another cache's): pass the Step that prepare_step() just returned")
+    step = current
+    if T != step.pad_to:
         raise InvalidArgument(
-            f"q must be [T, n_heads, {lc.head_dim}] and k, v [T, {lc.n_kv_heads}, "
-            f"{lc.head_dim}]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if T > cfg.max_write:
-        raise InvalidArgument(f"{T} rows is more than max_write={cfg.max_write}")
+            f"q, k, v have {T} rows; the prepared step runs at pad_to={step.pad_to} rows "
+            f"({step.width} real): give exactly pad_to rows")
     if backend == "auto":
         backend = "paged" if view.cuda and cfg.paged else "sdpa"
-    _check_backend(view, backend, step)          # refuse before anything is written
+    _check_backend(view, backend, step)
+    if out is not None:
+        shape, dtype = (T, q.shape[1], q.shape[2]), _TORCH_DTYPES[cfg.dtype]
+        if not (isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == dtype
+                and out.device == view.device and out.stride(2) == 1):
+            got = (f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
+                   else f"of type {type(out).__name__}")
+            raise InvalidArgument(f"out must be a {list(shape)} {dtype} tensor on {view.device} "
+                                  f"with unit stride in head_dim; got {got}")
+    if view.stale():                             # copy growth moved the pools since the last refresh
+        if view.cuda and torch.cuda.is_current_stream_capturing():
+            raise InvalidState("the pools moved (a copy growth) since the view was built; call "
+                               "view.refresh() before capturing a graph")
+        view.refresh()
+    k_pool, v_pool, window = view.layer(layer)
     cells = view.cells[:T]
     k_pool.index_copy_(0, cells, k.to(k_pool.dtype))
     v_pool.index_copy_(0, cells, v.to(v_pool.dtype))
@@ -154,21 +219,44 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     return _sdpa(view, layer, q, k_pool, v_pool, window, step, scale)
 
 
-def _check_backend(view: TorchView, backend: str, step: Step | None) -> None:
+def check_qkv(view: TorchView, layer: Any, q: Any, k: Any, v: Any) -> int:
+    """Checks ``q``, ``k``, ``v`` against layer ``layer`` of ``view``'s cache (shapes, head
+    counts, head_dim, floating dtypes, the cache's device); returns the layer index.
+
+    Raises InvalidArgument naming what differs. Attribute reads only: no device access.
+    """
+    cfg = view.config
+    n = len(cfg.layers)
+    i = check_int(layer, "layer", 0, n - 1)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"{name} of type {type(t).__name__} is not a torch.Tensor")
+    lc = cfg.layers[i]
+    T = q.shape[0] if q.ndim else -1
+    if (q.ndim != 3 or k.shape != (T, lc.n_kv_heads, lc.head_dim) or v.shape != k.shape
+            or q.shape[2] != lc.head_dim or q.shape[1] < 1 or q.shape[1] % lc.n_kv_heads):
+        raise InvalidArgument(
+            f"layer {i}: q must be [T, n_heads, {lc.head_dim}] with n_heads a multiple of "
+            f"{lc.n_kv_heads}, and k, v [T, {lc.n_kv_heads}, {lc.head_dim}]; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype.is_floating_point and k.dtype.is_floating_point and v.dtype.is_floating_point):
+        raise InvalidArgument(f"q, k, v must be floating point; got {q.dtype}, {k.dtype}, {v.dtype}")
+    dev = view.device
+    if q.device != dev or k.device != dev or v.device != dev:
+        raise InvalidArgument(f"q, k, v are on {q.device}, {k.device}, {v.device}; the cache's "
+                              f"buffers are on {dev}")
+    return i
+
+
+def _check_backend(view: TorchView, backend: str, step: Step) -> None:
     cfg = view.config
     paged_cuda = view.cuda and cfg.paged
     if backend not in ("paged", "prefill", "flashinfer", "sdpa"):
         raise InvalidArgument(f"backend={backend!r} is not one of auto, paged, prefill, sdpa, flashinfer")
-    if backend == "paged" and not paged_cuda:
-        raise InvalidArgument("backend 'paged' needs a CUDA cache built with paged=True")
-    if backend in ("prefill", "flashinfer") and not (paged_cuda and step is not None
-                                                     and step.qo_indptr is not None):
-        raise InvalidArgument(f"backend {backend!r} needs step= of a CUDA cache built with paged=True")
-    if backend == "sdpa":
-        if cfg.mask_format == "none":
-            raise InvalidArgument("backend 'sdpa' needs masks (mask_format 'bool' or 'bits')")
-        if not view.cuda and step is None:
-            raise InvalidArgument("the host backend needs step= (its read_len bounds the rows)")
+    if backend in ("paged", "prefill", "flashinfer") and not (paged_cuda and step.qo_indptr is not None):
+        raise InvalidArgument(f"backend {backend!r} needs a CUDA cache built with paged=True")
+    if backend == "sdpa" and cfg.mask_format == "none":
+        raise InvalidArgument("backend 'sdpa' needs masks (mask_format 'bool' or 'bits')")
 
 
 def _paged(view, layer, q, k_pool, v_pool, window, scale, out):

@@ -50,8 +50,10 @@ def test_config_follows_the_model(model_and_refs):
 
 def test_greedy_equals_hf_generate_with_arrivals_chunks_and_preemption(model_and_refs):
     model, prompts, refs = model_and_refs
-    # a small pool, so that sequences are preempted and recomputed; small steps and chunks
-    gen = Generator(model, capacity=150, max_batch_tokens=16, max_seqs=16, prefill_chunk=7, eos=[])
+    # a small pool, so that sequences are preempted and recomputed (reserve=0: admission keeps
+    # no cells back for the running requests' growth); small steps and chunks
+    gen = Generator(model, capacity=150, max_batch_tokens=16, max_seqs=16, prefill_chunk=7, eos=[],
+                    reserve=0)
     reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW)) for p in prompts[:3]]
     for _ in range(4):                                     # the rest arrive over time
         gen.step()
@@ -197,3 +199,48 @@ def test_generate_usage_errors(args, fragment):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], r.stderr
+
+
+def test_copy_growth_moves_the_pools_and_outputs_stay_exact(model_and_refs):
+    """Pools that grow by copying move at every growth: the runner's view follows them
+    (refreshed before the forward that first sees them), so the output is still HF's."""
+    from cellcache.host import HostAllocator
+
+    model, prompts, refs = model_and_refs
+    cfg = cchf.cache_config(model, capacity=400, max_write=16, max_seqs=16, initial_capacity=4)
+    cache = HostCellCache(cfg, allocator=HostAllocator())
+    gen = Generator(model, cache, prefill_chunk=7, eos=[])
+    assert gen.runner.view.layer(0)[0].shape[0] == 0           # no pool rows before the first step
+    reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW)) for p in prompts]
+    gen.run()
+    assert [r.outputs[0] for r in reqs] == refs
+    growths = cache.metrics()["growth_count"]
+    assert growths >= 3 and gen.runner.view.generation == growths + 2   # built, first step, growths
+    assert gen.runner.view.layer(0)[0].data_ptr() == cache.layer(0).k.ctypes.data
+
+
+def test_a_detached_model_is_refused_by_its_runner_until_reattached(model_and_refs):
+    """After the documented detach (set_attn_implementation('sdpa')) a runner refuses to run
+    (it would run without the cache and return wrong tokens), writing nothing; reattach()
+    switches the model back and the same step then runs."""
+    from cellcache import InvalidState
+
+    model, prompts, refs = model_and_refs
+    cache = HostCellCache(cchf.cache_config(model, capacity=64, max_write=8))
+    runner = cchf.attach(model, cache)
+    a = cache.seq_new()
+    prompt = prompts[0][:8]
+    cache.declare_step([a] * len(prompt))
+    step = cache.prepare_step()
+    model.set_attn_implementation("sdpa")
+    pools = [cache.layer(i)[kv].tobytes() for i in range(len(cache.config.layers)) for kv in (0, 1)]
+    with pytest.raises(InvalidState, match="runner.reattach\\(\\)"):
+        runner.forward(step, prompt)
+    assert [cache.layer(i)[kv].tobytes() for i in range(len(cache.config.layers)) for kv in (0, 1)] == pools
+    assert runner.eager == 0
+    expected = model(torch.tensor([prompt])).logits[0, -1]           # HF's own attention
+    runner.reattach()
+    logits = runner.forward(step, prompt, [len(prompt) - 1])
+    cache.commit_step()
+    torch.testing.assert_close(logits[0], expected.float(), atol=1e-4, rtol=1e-4)
+    model.set_attn_implementation("sdpa")

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 import cellcache as cc  # noqa: E402
 import cellcache.torch as cct  # noqa: E402
+from cellcache.host import HostAllocator  # noqa: E402
 from cellcache.session import Session, SessionConfig  # noqa: E402
 
 LAYERS = (cc.LayerConfig(2, 16, 0), cc.LayerConfig(2, 16, 8))
@@ -55,28 +56,200 @@ def test_attention_through_torch_matches_each_sequence(fmt):
     assert s["mismatches"] == 0 and s["growths"] >= 2 and len(s["per_bucket"]) >= 2
 
 
-def test_attention_refusals():
+def _pool_bytes(cache) -> list[bytes]:
+    """Every layer's K and V pool, byte for byte."""
+    return [cache.layer(i)[kv].tobytes() for i in range(len(cache.config.layers)) for kv in (0, 1)]
+
+
+def _refusal_setup():
+    """A host cache where seq a owns cells 0-5 and seq b cells 6-7 (one wide step, then
+    one narrow one), and a prepared step of seq c: width 2 at pad_to 4.
+
+    cells buffer after the last prepare:   [8, 9, sink, sink, 4, 5, 6, 7]
+    a wider forward (T > pad_to) would write a's and b's history at rows 4-7.
+    """
+    cache = cc.HostCellCache(cc.CacheConfig(capacity=64, layers=LAYERS, max_write=8, dtype="float32"))
+    a, b, c = cache.seq_new(), cache.seq_new(), cache.seq_new()
+    cache.declare_step([a] * 6 + [b] * 2)
+    cache.prepare_step()
+    cache.commit_step()
+    old = cache.declare_step([c])
+    assert old
+    older = cache.prepare_step()
+    cache.commit_step()
+    cache.declare_step([c, c])
+    step = cache.prepare_step(pad_to=4)
+    assert cache.buffer("cells").tolist()[4:] == [4, 5, 6, 7]
+    for i in range(len(LAYERS)):                   # distinct bytes everywhere, sink included
+        for pool in cache.layer(i)[:2]:
+            pool[:] = np.arange(pool.size, dtype=np.float32).reshape(pool.shape) % 251 + 1
+    return cache, step, older
+
+
+def _qkv(T, heads=4, kv_heads=2, dim=16, dtype=torch.float32, device="cpu"):
+    return (torch.ones((T, heads, dim), dtype=dtype, device=device),
+            torch.full((T, kv_heads, dim), -3.0, dtype=dtype, device=device),
+            torch.full((T, kv_heads, dim), -5.0, dtype=dtype, device=device))
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("rows past pad_to", cc.InvalidArgument, "have 8 rows; the prepared step runs at pad_to=4"),
+    ("rows below width", cc.InvalidArgument, "have 1 rows; the prepared step runs at pad_to=4"),
+    ("rows between width and pad_to", cc.InvalidArgument, "have 3 rows"),
+    ("kv heads", cc.InvalidArgument, "k, v \\[T, 2, 16\\]; got \\(4, 4, 16\\), \\(4, 1, 16\\)"),
+    ("q heads not a multiple", cc.InvalidArgument, "n_heads a multiple of 2"),
+    ("head_dim", cc.InvalidArgument, "q must be \\[T, n_heads, 16\\]"),
+    ("v shape", cc.InvalidArgument, "got \\(4, 4, 16\\), \\(4, 2, 16\\), \\(4, 2, 8\\)"),
+    ("q 2-D", cc.InvalidArgument, "q must be"),
+    ("integer dtype", cc.InvalidArgument, "must be floating point"),
+    ("device", cc.InvalidArgument, "on meta, meta, meta; the cache's buffers are on cpu"),
+    ("not a tensor", cc.InvalidArgument, "q of type ndarray is not a torch.Tensor"),
+    ("layer -1", cc.InvalidArgument, "layer=-1 is outside \\[0, 1\\]"),
+    ("layer 2", cc.InvalidArgument, "layer=2 is outside \\[0, 1\\]"),
+    ("layer float", cc.InvalidArgument, "layer of type float is not an int"),
+    ("layer bool", cc.InvalidArgument, "layer of type bool is not an int"),
+    ("another cache's step", cc.InvalidState, "not this cache's prepared step"),
+    ("an older step", cc.InvalidState, "not this cache's prepared step"),
+    ("committed", cc.InvalidState, "no step is prepared"),
+    ("backend paged", cc.InvalidArgument, "'paged' needs a CUDA cache"),
+    ("backend prefill", cc.InvalidArgument, "'prefill' needs a CUDA cache"),
+    ("backend flashinfer", cc.InvalidArgument, "'flashinfer' needs a CUDA cache"),
+    ("backend magic", cc.InvalidArgument, "is not one of"),
+    ("out shape", cc.InvalidArgument, "out must be a \\[4, 4, 16\\] torch.float32"),
+    ("not a view", cc.InvalidArgument, "view of type HostCellCache is not a TorchView"),
+])
+def test_attention_refusals_write_nothing(case, error, match):
+    """Every refusal comes before any write: the pools (sink row included), the step buffers
+    and the table are exactly as before."""
+    cache, step, older = _refusal_setup()
+    view = cct.TorchView(cache)
+    q, k, v = _qkv(4)
+    args = dict(view=view, layer=0, q=q, k=k, v=v, step=step)
+    other = cc.HostCellCache(cache.config)
+    s = other.seq_new()
+    other.declare_step([s, s])
+    if case == "rows past pad_to":
+        args.update(zip("qkv", _qkv(8)))
+    elif case == "rows below width":
+        args.update(zip("qkv", _qkv(1)))
+    elif case == "rows between width and pad_to":
+        args.update(zip("qkv", _qkv(3)))
+    elif case == "kv heads":
+        args.update(k=k[:, :1], v=v[:, :1])
+    elif case == "q heads not a multiple":
+        args.update(q=q[:, :3])
+    elif case == "head_dim":
+        args.update(zip("qkv", _qkv(4, dim=8)))
+    elif case == "v shape":
+        args.update(v=v[:, :, :8])
+    elif case == "q 2-D":
+        args.update(q=q[:, 0])
+    elif case == "integer dtype":
+        args.update(zip("qkv", _qkv(4, dtype=torch.int32)))
+    elif case == "device":
+        args.update(zip("qkv", _qkv(4, device="meta")))
+    elif case == "not a tensor":
+        args.update(q=q.numpy())
+    elif case.startswith("layer"):
+        args.update(layer={"layer -1": -1, "layer 2": 2, "layer float": 0.0, "layer bool": False}[case])
+    elif case == "another cache's step":
+        args.update(step=other.prepare_step(pad_to=4))
+    elif case == "an older step":
+        args.update(step=older)
+    elif case == "committed":
+        cache.commit_step()
+        args.update(step=None)
+    elif case.startswith("backend"):
+        args.update(backend=case.split()[1])
+    elif case == "out shape":
+        args.update(out=torch.empty((4, 4, 8)))
+    elif case == "not a view":
+        args.update(view=cache)
+    pools, bufs = _pool_bytes(cache), {n: cache.buffer(n).tobytes() for n in cache.buffer_names}
+    table = cache.metrics()
+    with pytest.raises(error, match=match):
+        cct.attention(**args)
+    assert _pool_bytes(cache) == pools
+    assert {n: cache.buffer(n).tobytes() for n in cache.buffer_names} == bufs
+    assert cache.metrics() == table
+    cache.check_invariants()
+
+
+def test_attention_accepts_the_prepared_step_by_default_and_converts_kv_to_the_pool_dtype():
+    cache, step, _ = _refusal_setup()
+    view = cct.TorchView(cache)
+    q, k, v = _qkv(4)
+    by_default = cct.attention(view, 1, q, k.double(), v.double())   # float64 K/V stored as float32
+    pools = _pool_bytes(cache)
+    explicit = cct.attention(view, 1, q, k, v, step=step)
+    assert torch.equal(by_default, explicit) and _pool_bytes(cache) == pools
+    k_pool = cache.layer(1).k
+    assert (k_pool[step.cells] == -3.0).all() and (k_pool[cache.sink] == -3.0).all()
+
+
+def test_view_layer_refuses_negative_and_out_of_range_indices():
     cache = cc.HostCellCache(cc.CacheConfig(capacity=64, layers=LAYERS, max_write=8, dtype="float32"))
     view = cct.TorchView(cache)
-    a = cache.seq_new()
-    cache.declare_step([a, a])
-    step = cache.prepare_step()
-    q, k = torch.zeros((2, 4, 16)), torch.zeros((2, 2, 16))
-    cache.layer(0).k[:] = 7.0
-    before = cache.layer(0).k.copy()
-    for kwargs, match in [
-        (dict(q=q, k=k[:, :1], v=k[:, :1]), "k, v \\[T, 2, 16\\]"),
-        (dict(q=torch.zeros((9, 4, 16)), k=torch.zeros((9, 2, 16)), v=torch.zeros((9, 2, 16))),
-         "9 rows is more than max_write=8"),
-    ]:
+    for index, match in [(-1, "layer=-1 is outside \\[0, 1\\]"), (2, "layer=2 is outside"),
+                         (1.0, "of type float"), ("0", "of type str"), (None, "of type NoneType")]:
         with pytest.raises(cc.InvalidArgument, match=match):
-            cct.attention(view, 0, step=step, **kwargs)
-    for backend, match in [("paged", "needs a CUDA cache"), ("prefill", "needs step= of a CUDA"),
-                           ("flashinfer", "needs step= of a CUDA"), ("magic", "is not one of")]:
-        with pytest.raises(cc.InvalidArgument, match=match):
-            cct.attention(view, 0, q, k, k, step=step, backend=backend)
-    with pytest.raises(cc.InvalidArgument, match="needs step="):
-        cct.attention(view, 0, q, k, k)
-    np.testing.assert_array_equal(cache.layer(0).k, before)        # nothing was written
-    with pytest.raises(cc.InvalidArgument, match="cache of type int"):
-        cct.TorchView(5)
+            view.layer(index)
+    k, v, window = view.layer(np.int64(1))
+    assert window == 8 and k.data_ptr() == cache.layer(1).k.ctypes.data
+
+
+class _BadDLPack:
+    def __dlpack__(self, stream=None):
+        raise TypeError("no capsule today")
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+@pytest.mark.parametrize("obj,match", [
+    ([1, 2], "buffer of type list is not a cache buffer"),
+    (None, "buffer of type NoneType"),
+    (np.array([object()]), "cannot be viewed as a tensor"),
+    (np.array(["ab"]), "cannot be viewed as a tensor"),
+    (_BadDLPack(), "buffer of type _BadDLPack cannot be viewed as a tensor"),
+])
+def test_as_tensor_refuses_what_is_not_a_buffer(obj, match):
+    with pytest.raises(cc.InvalidArgument, match=match):
+        cct.as_tensor(obj)
+
+
+def test_torch_dtype_refuses_unknown_names():
+    assert cct.torch_dtype("bfloat16") is torch.bfloat16
+    for name in ("int8", None, torch.float32):
+        with pytest.raises(cc.InvalidArgument, match="is not one of float16, bfloat16, float32"):
+            cct.torch_dtype(name)
+
+
+@pytest.mark.parametrize("fmt", ["bool", "bits"])
+def test_a_view_follows_pools_that_move_by_copy_growth(fmt):
+    """Copy growth moves the pools at every growth: a view built before the first step
+    (empty pools) notices by itself, refreshes, and the attention stays exact."""
+    cfg = cc.CacheConfig(capacity=512, layers=LAYERS, max_write=32, initial_capacity=8,
+                         dtype="float32", max_seqs=16, mask_format=fmt)
+    cache = cc.HostCellCache(cfg, allocator=HostAllocator())
+    view = cct.TorchView(cache)
+    assert view.layer(0)[0].shape[0] == 0 and not view.stale()
+    moved = []
+
+    def forward(cache, step, qkv):
+        moved.append(view.stale())
+        outs = []
+        for li, (q, k, v) in enumerate(qkv):
+            T = step.pad_to
+            qt, kt = torch.zeros((T, 4, 16)), torch.full((T, 2, 16), float("nan"))
+            vt = kt.clone()
+            qt[:step.width] = torch.from_numpy(q)
+            kt[:step.width] = torch.from_numpy(k)
+            vt[:step.width] = torch.from_numpy(v)
+            outs.append(cct.attention(view, li, qt, kt, vt, step=step)[:step.width].numpy())
+        assert view.layer(1)[0].data_ptr() == cache.layer(1).k.ctypes.data   # the live pools
+        return outs
+
+    s = Session(cache, forward, SessionConfig(n_heads=4, buckets=[4, 8, 16, 32]), seed=1).run(60)
+    assert s["mismatches"] == 0 and s["growths"] >= 3
+    assert sum(moved) == s["growths"] + 1 and view.generation == s["growths"] + 2
