@@ -4,50 +4,145 @@
 sequence's next token and chunks of prompts still being read, in one forward. Around it:
 
 - sampling: greedy, or seeded temperature / top-k / top-p per request; stop tokens and a
-  token budget;
+  token budget; every continuation ends with a reason (``Request.finish_reasons``:
+  ``"stop"``, ``"length"``, ``"capacity"``, ``"cancelled"``, ``"error"``);
 - ``n > 1``: the prompt is read once; at its first token the sequence is cloned
   (``seq_clone``: the prompt's cells are shared, nothing is copied) and each continuation
   samples on its own;
 - speculative decoding: a request given a ``draft`` callable gets ``k`` proposed tokens
   verified in one step; the rejected ones are rewound (``rewind``). The emitted tokens are
   what plain decoding would emit (greedy) or distributed as it (sampling);
-- preemption: when cells run short the sequence holding the most is freed and requeued;
-  it is recomputed (its prompt and output so far read again) when cells are free;
-- streaming: ``on_token(request, continuation, token)`` after every token;
+- admission and preemption: a waiting sequence is admitted only while the free cells
+  still hold every running continuation's remaining tokens (``reserve``) and its own; when
+  cells run short anyway the most recently admitted sequence is freed and requeued at the
+  head of the queue (not readmitted in the same step) and recomputed later; a request
+  that can never fit is refused at :meth:`Generator.add`, one that cannot get a cell even
+  alone ends with ``"capacity"``: nothing loops forever;
+- streaming: ``on_token(request, continuation, token)`` for every token, called once the
+  step is complete; :meth:`Generator.cancel` ends a request (a client disconnecting);
+- failures: a step is a transaction. The forward and the sampling run before any state
+  changes; if they raise, the step is rolled back (every sequence rewound to where it
+  was) and the exception propagates. A request whose own code fails (its ``on_token`` or
+  ``draft``, a draft that is not token ids, its sampling) ends with ``"error"``
+  (``Request.error``), its cells are freed and the others go on; :meth:`Generator.step`
+  re-raises that exception once the step is complete. Either way every sequence's cache
+  length is what the generator believes, and later steps emit what they would have
+  emitted had the failing request been cancelled (Ctrl-C during the generator's own
+  bookkeeping is held back until the step is whole);
+- threads: one thread steps a Generator (another stepping thread, or ``step()`` from
+  inside a callback, gets ``InvalidState``); :meth:`Generator.add` and
+  :meth:`Generator.cancel` are safe from any thread;
 - on CUDA, decode steps replay a CUDA graph of their padded width (:class:`cellcache.hf.ModelRunner`).
 
 >>> gen = Generator(model, capacity=1 << 16)                                   # doctest: +SKIP
 >>> req = gen.add([1, 2, 3], Sampling(max_new_tokens=16))                      # doctest: +SKIP
->>> gen.run(); req.outputs[0]                                                   # doctest: +SKIP
+>>> gen.run(); req.outputs[0], req.finish_reasons                              # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import numbers
+import operator
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from ._checks import check_int
 from ._cli import Parser, in_range
 from .cache import CellCache
-from .errors import InvalidArgument, StepTooLarge
+from .errors import CellCacheError, InvalidArgument, InvalidState, StepTooLarge
 from .hf import attach, cache_config
 from .registry import build
 
-__all__ = ["Generator", "Request", "Sampling", "main"]
+__all__ = ["FINISH_REASONS", "Generator", "Request", "Sampling", "main"]
+
+#: Why a continuation ended: a stop or end-of-sequence token, its ``max_new_tokens``, the
+#: cache could not hold it even alone, :meth:`Generator.cancel`, its request's own code
+#: (a callback, a draft, its sampling) raised.
+FINISH_REASONS = ("stop", "length", "capacity", "cancelled", "error")
+
+_SEED_MOD = 1 << 63
+_NOT_IDS = (str, bytes, bytearray, memoryview, Mapping)
+
+
+def _real(value: object, name: str) -> float:
+    """``value`` as a finite float; InvalidArgument for bools, non-numbers, NaN and inf."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{name} of type {type(value).__name__} is not a number")
+    v = float(value)
+    if not math.isfinite(v):
+        raise InvalidArgument(f"{name}={v} is not a finite number")
+    return v
+
+
+def _token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool = False) -> list[int]:
+    """Token ids given as a sequence of ints, a 1-D integer array or tensor, or a ``[1, T]``
+    one (what a tokenizer returns with ``return_tensors``), as a list of ints in
+    ``[0, vocab)``; InvalidArgument for anything else."""
+    shape_hint = "give a list of ints, or a 1-D or [1, T] integer array or tensor"
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        shape = tuple(value.shape)
+        if isinstance(value, torch.Tensor):
+            integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        else:
+            integer = value.dtype.kind in "iu"
+        if not integer:
+            raise InvalidArgument(f"{what} has dtype {value.dtype}; token ids are integers")
+        if len(shape) == 2 and shape[0] == 1:
+            value = value[0]
+        elif len(shape) != 1:
+            raise InvalidArgument(f"{what} has shape {list(shape)}; {shape_hint}")
+        items: list = value.tolist()
+    elif isinstance(value, _NOT_IDS) or not isinstance(value, Iterable) or isinstance(value, Set):
+        raise InvalidArgument(f"{what} of type {type(value).__name__} is not a sequence of token ids; "
+                              f"{shape_hint}")
+    else:
+        items = list(value)
+    ids = []
+    for t in items:
+        try:
+            if isinstance(t, (bool, np.bool_)):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise InvalidArgument(f"{what} holds {t!r} of type {type(t).__name__}; token ids are "
+                                  "ints") from None
+    if not ids and not allow_empty:
+        raise InvalidArgument(f"{what} is empty; give at least one token id")
+    if ids and (min(ids) < 0 or (vocab is not None and max(ids) >= vocab)):
+        bad = next(t for t in ids if t < 0 or (vocab is not None and t >= vocab))
+        bound = f"[0, {vocab})" if vocab is not None else ">= 0"
+        raise InvalidArgument(f"{what} holds token id {bad}, outside the model's vocabulary {bound}")
+    return ids
 
 
 @dataclass
 class Sampling:
     """How a request samples. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep
     every token; ``seed`` makes sampling repeatable; ``stop`` ends a continuation (the stop
-    token is kept); ``n`` continuations share the prompt."""
+    token is kept); ``n`` continuations share the prompt.
+
+    Every field is checked on construction (and again by :meth:`Generator.add`):
+    ``max_new_tokens`` an int >= 1, ``n`` an int in [1, 65536], ``top_k`` an int >= 0,
+    ``seed`` None or an int in [0, 2**63), ``temperature`` a finite number >= 0, ``top_p``
+    a finite number in (0, 1], ``stop`` a sequence of ints (kept as a tuple). Bools and
+    floats are not ints. A bad field raises InvalidArgument.
+
+    Example
+    -------
+    >>> Sampling(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=1, stop=[2]).stop
+    (2,)
+    """
 
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -58,12 +153,26 @@ class Sampling:
     n: int = 1
 
     def __post_init__(self):
-        if self.max_new_tokens < 1 or self.n < 1 or self.temperature < 0 or self.top_k < 0 \
-                or not 0 < self.top_p <= 1:
-            raise InvalidArgument(f"invalid sampling parameters {self}")
+        self.max_new_tokens = check_int(self.max_new_tokens, "max_new_tokens", 1, 1 << 40)
+        self.n = check_int(self.n, "n", 1, 1 << 16)
+        self.top_k = check_int(self.top_k, "top_k", 0, 1 << 40)
+        if self.seed is not None:
+            self.seed = check_int(self.seed, "seed", 0, _SEED_MOD - 1)
+        self.temperature = _real(self.temperature, "temperature")
+        if self.temperature < 0:
+            raise InvalidArgument(f"temperature={self.temperature} is negative; give 0 (greedy) or more")
+        self.top_p = _real(self.top_p, "top_p")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p={self.top_p} is outside (0, 1]")
+        stop = self.stop
+        if getattr(stop, "ndim", 1) == 0 or isinstance(stop, _NOT_IDS) or not isinstance(stop, Iterable):
+            raise InvalidArgument(f"stop of type {type(stop).__name__} is not a sequence of token "
+                                  "ids; give a list of ints, e.g. stop=[2]")
+        self.stop = tuple(_token_ids(list(stop) if isinstance(stop, Set) else stop, "stop", None,
+                                     allow_empty=True))
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     req: Request
     index: int                       # which continuation of its request
@@ -72,12 +181,18 @@ class _Seq:
     in_cache: int = 0                # tokens[:in_cache] are in the cache
     drafts: list[int] = field(default_factory=list)
     rng: torch.Generator | None = None
-    done: bool = False
+    stamp: int = -1                  # admission order: the highest is preempted first
 
 
 @dataclass
 class Request:
-    """A prompt being served: ``outputs[k]`` is continuation k's tokens so far."""
+    """A prompt being served: ``outputs[k]`` is continuation k's tokens so far.
+
+    ``finish_reasons[k]`` is None while continuation k runs, then one of
+    :data:`FINISH_REASONS`; the request is ``done`` when every continuation has one.
+    ``error`` holds the exception that ended it with ``"error"`` (its ``on_token`` or
+    ``draft`` raised, a draft was not token ids, its sampling failed).
+    """
 
     id: int
     prompt: list[int]
@@ -88,10 +203,76 @@ class Request:
     outputs: list[list[int]] = field(default_factory=list)
     arrived: float = 0.0
     finished: float | None = None
+    finish_reasons: list[str | None] = field(default_factory=list)
+    error: BaseException | None = None
+    _owner: Any = field(default=None, init=False, repr=False, compare=False)
+    _closed: bool = field(default=False, init=False, repr=False, compare=False)  # cancelled/failed
+    _forked: bool = field(default=False, init=False, repr=False, compare=False)  # 1.. were made
 
     @property
     def done(self) -> bool:
         return self.finished is not None
+
+
+@dataclass(eq=False)
+class _Outcome:
+    """What a step does to one planned sequence, decided before anything is applied."""
+
+    seq: _Seq
+    feed: list[int]
+    keep: int                         # the sequence's in_cache after the step
+    tokens: list[int] = field(default_factory=list)           # emitted, in order
+    accepted: int = 0
+    forks: list[tuple[_Seq, int]] = field(default_factory=list)  # new continuations, first token
+
+
+class _HoldInterrupts:
+    """Holds Ctrl-C back while the generator's bookkeeping runs (on the main thread, with
+    Python's default SIGINT handler): an interrupt there would leave sequences half
+    advanced. ``hit`` tells the caller to raise KeyboardInterrupt once the state is whole."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._old: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.hit = True
+
+    def __enter__(self) -> _HoldInterrupts:
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+
+@dataclass(eq=False)
+class _Plan:
+    rows: list[tuple[_Seq, list[int]]]     # (sequence, tokens it feeds), in the step's order
+    admitted: list[_Seq]                   # sequences given a cache id for this step
+    decode_only: bool                      # every row one sequence's next token, nothing else
+
+
+def _vocab_size(model: Any) -> int | None:
+    """Rows of the model's input embedding (what a token id indexes), else the config's
+    vocab_size, else None (ids are then checked only for being >= 0)."""
+    get = getattr(model, "get_input_embeddings", None)
+    n = None
+    if callable(get):
+        try:
+            n = getattr(get(), "num_embeddings", None)
+        except (NotImplementedError, AttributeError, TypeError):
+            n = None
+    if n is None:
+        config = getattr(model, "config", None)
+        text = getattr(config, "get_text_config", None)
+        config = text() if callable(text) else config
+        n = getattr(config, "vocab_size", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 class Generator:
@@ -100,145 +281,492 @@ class Generator:
     ``cache`` defaults to one built for the model (:func:`cellcache.hf.cache_config`; CUDA
     with the paged view when the model is on a GPU, the host backend otherwise) with
     ``capacity`` cells and ``max_batch_tokens`` rows a step. ``prefill_chunk`` bounds the
-    prompt tokens one sequence reads per step.
+    prompt tokens one sequence reads per step. ``eos``: end-of-sequence ids (default: the
+    model's generation config).
+
+    ``reserve`` (0 to 1, default 1) is the share of the running continuations' remaining
+    tokens (up to ``max_new_tokens`` each, ``n`` continuations for ``n > 1``) that
+    admission keeps free: at 1 a sequence is admitted only when the cache can hold every
+    running continuation to its full length and the new one too, so no preemption (and no
+    recompute) happens unless something outside the generator takes cells; lower values
+    admit more sequences at once (useful when requests usually stop well before
+    ``max_new_tokens``) at the cost of preemptions. When nothing runs, the first waiting
+    sequence is admitted whatever it needs, so there is always progress.
+
+    One thread steps a Generator: :meth:`step` (and :meth:`run`) from a second thread while
+    a step runs, or from inside an ``on_token``/``draft`` callback, raises InvalidState
+    and changes nothing. :meth:`add` and :meth:`cancel` are safe from any thread and from
+    callbacks; a request added during a step joins at the next one.
+
+    Example
+    -------
+    >>> model = random_model("llama-tiny")                                       # doctest: +SKIP
+    >>> gen = Generator(model, capacity=1024, eos=[])                            # doctest: +SKIP
+    >>> req = gen.add([1, 2, 3], Sampling(max_new_tokens=4))                     # doctest: +SKIP
+    >>> gen.run(); len(req.outputs[0]), req.finish_reasons                       # doctest: +SKIP
+    (4, ['length'])
     """
 
     def __init__(self, model: Any, cache: CellCache | None = None, *, capacity: int = 1 << 15,
                  max_batch_tokens: int = 512, max_seqs: int = 256, prefill_chunk: int = 256,
                  graphs: bool | None = None, buckets: list[int] | None = None,
-                 eos: Sequence[int] | None = None):
+                 eos: Sequence[int] | None = None, reserve: float = 1.0):
+        prefill_chunk = check_int(prefill_chunk, "prefill_chunk", 1)
+        reserve = _real(reserve, "reserve")
+        if not 0 <= reserve <= 1:
+            raise InvalidArgument(f"reserve={reserve} is outside [0, 1]")
+        if eos is None:
+            eos_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+            eos = [eos_id] if isinstance(eos_id, int) else list(eos_id or [])
+        eos_ids = _token_ids(eos, "eos", None, allow_empty=True)
+        if cache is not None and not isinstance(cache, CellCache):
+            raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
         if cache is None:
             cfg = cache_config(model, capacity=capacity, max_write=max_batch_tokens, max_seqs=max_seqs)
             cache = build("cuda" if model.device.type == "cuda" else "host", "batched", cfg)
         self.model, self.cache = model, cache
         self.runner = attach(model, cache, graphs=graphs, buckets=buckets)
+        vocab = getattr(self.runner, "vocab", None)
+        self.vocab: int | None = vocab if isinstance(vocab, int) else _vocab_size(model)
         self.max_batch = cache.config.max_write
-        self.prefill_chunk = max(1, prefill_chunk)
-        if eos is None:
-            eos_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-            eos = [eos_id] if isinstance(eos_id, int) else list(eos_id or [])
-        self.eos = set(int(e) for e in eos)
+        self.prefill_chunk = prefill_chunk
+        self.reserve = reserve
+        self.eos = set(eos_ids)
         self.requests: list[Request] = []
         self.waiting: list[_Seq] = []          # no cache id yet (new, or preempted)
         self.running: list[_Seq] = []
         self.stats = {"steps": 0, "tokens_in": 0, "tokens_out": 0, "preempted": 0,
                       "forks": 0, "drafted": 0, "accepted": 0, "graph_steps": 0}
         self._ids = 0
+        self._stamps = 0
+        # _step_lock: held by the stepping thread (others are refused); _state_lock: held
+        # while the queues and the cache change (a step, or add/cancel between steps);
+        # _queue_lock: the hand-over lists add() and cancel() fill during a step.
+        self._step_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._queue_lock = threading.Lock()
+        self._incoming: list[_Seq] = []
+        self._cancels: list[Request] = []
+        self._stepping: int | None = None      # the stepping thread's id
+        self._phase: str | None = None         # "draft" / "deliver": callbacks are running
         self.stream = torch.cuda.current_stream(self.runner.device) if self.runner.cuda else None
 
     # -- requests --------------------------------------------------------------------------------
-    def add(self, prompt: Sequence[int], sampling: Sampling | None = None, *,
+    def add(self, prompt: Any, sampling: Sampling | None = None, *,
             on_token: Callable | None = None, draft: Callable | None = None,
             draft_k: int = 4) -> Request:
-        """Queues a prompt (token ids); returns its Request. ``draft(tokens, k)`` proposes
-        up to ``k`` next tokens for speculative decoding."""
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise InvalidArgument("a prompt needs at least one token")
-        sampling = sampling or Sampling()
-        req = Request(self._ids, prompt, sampling, on_token, draft, draft_k if draft else 0,
-                      outputs=[[] for _ in range(sampling.n)], arrived=time.perf_counter())
-        self._ids += 1
-        self.requests.append(req)
-        self.waiting.append(self._seq(req, 0, list(prompt)))
+        """Queues a prompt; returns its Request.
+
+        ``prompt``: token ids in ``[0, vocab)`` as a sequence of ints, a 1-D integer array or
+        tensor, or a ``[1, T]`` one (a tokenizer's ``return_tensors`` output).
+        ``on_token(request, continuation, token)`` is called for every token once its step
+        is complete. ``draft(tokens, k)`` proposes up to ``k`` (``draft_k``, an int >= 0)
+        next tokens for speculative decoding; what it returns must be token ids in the
+        vocabulary, or the request ends with ``"error"``.
+
+        Everything is checked first; a refusal raises InvalidArgument with nothing queued.
+        A request that could never fit is refused: a continuation holds its prompt and every
+        output token but the last, ``len(prompt) + max_new_tokens - 1`` cells (and as many
+        paged-view entries, ``max_kv``).
+        """
+        ids = _token_ids(prompt, "prompt", self.vocab)
+        if sampling is None:
+            sampling = Sampling()
+        elif not isinstance(sampling, Sampling):
+            raise InvalidArgument(f"sampling of type {type(sampling).__name__} is not a Sampling")
+        else:
+            sampling = dataclasses.replace(sampling)    # checked again (fields may have changed)
+        for name, fn in (("on_token", on_token), ("draft", draft)):
+            if fn is not None and not callable(fn):
+                raise InvalidArgument(f"{name} of type {type(fn).__name__} is not callable or None")
+        draft_k = check_int(draft_k, "draft_k", 0, 1 << 20)
+        need = len(ids) + sampling.max_new_tokens - 1
+        cfg = self.cache.config
+        if need > cfg.capacity:
+            raise InvalidArgument(
+                f"a prompt of {len(ids)} tokens with max_new_tokens={sampling.max_new_tokens} needs "
+                f"{need} cells (its prompt and every output token but the last); the cache has "
+                f"capacity={cfg.capacity}: shorten the prompt or max_new_tokens, or build a larger cache")
+        if cfg.paged and need > cfg.kv_entries:
+            raise InvalidArgument(
+                f"a prompt of {len(ids)} tokens with max_new_tokens={sampling.max_new_tokens} reads "
+                f"{need} kv entries in its last step; the cache's paged view holds "
+                f"max_kv={cfg.kv_entries}: build the cache with a larger max_kv")
+        n = sampling.n
+        with self._queue_lock:
+            req = Request(self._ids, ids, sampling, on_token, draft, draft_k if draft is not None else 0,
+                          outputs=[[] for _ in range(n)], arrived=time.perf_counter(),
+                          finish_reasons=[None] * n)
+            req._owner = self
+            seq = self._seq(req, 0, list(ids))
+            self._ids += 1
+            self.requests.append(req)
+            self._incoming.append(seq)
+        if self._state_lock.acquire(blocking=False):   # between steps: queue it now
+            try:
+                self._drain()
+            finally:
+                self._state_lock.release()
         return req
+
+    def cancel(self, request: Request) -> bool:
+        """Ends ``request`` (a client disconnecting): its cells are freed, its continuations
+        leave the queues, every unfinished one ends with ``"cancelled"`` and no callback of
+        it runs again. Returns False, changing nothing, when the request is already done.
+
+        Between steps and from this generator's ``on_token``/``draft`` callbacks it takes
+        effect at once. From another thread while a step runs it is recorded (True is
+        returned) and applied when that step completes, before any further token of the
+        request is delivered; ``request.done`` turns True then.
+        """
+        if not isinstance(request, Request) or request._owner is not self:
+            shown = f"request {request.id}" if isinstance(request, Request) else type(request).__name__
+            raise InvalidArgument(f"{shown} is not a Request of this Generator")
+        if request.done:
+            return False
+        if self._stepping == threading.get_ident():
+            if self._phase in ("draft", "deliver"):
+                self._drain()
+                self._end(request, "cancelled")
+                return True
+        elif self._state_lock.acquire(blocking=False):
+            try:
+                self._drain()
+                self._end(request, "cancelled")
+            finally:
+                self._state_lock.release()
+            return True
+        with self._queue_lock:
+            self._cancels.append(request)
+        return True
 
     def _seq(self, req: Request, index: int, tokens: list[int]) -> _Seq:
         rng = None
         if req.sampling.temperature > 0:
             rng = torch.Generator(device="cpu")
-            rng.manual_seed((req.sampling.seed if req.sampling.seed is not None else req.id) * 1009 + index)
+            base = req.sampling.seed if req.sampling.seed is not None else req.id
+            rng.manual_seed((base * 1009 + index) % _SEED_MOD)
         return _Seq(req, index, tokens, rng=rng)
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a request is waiting or running."""
+        return bool(self.waiting or self.running or self._incoming)
 
-    # -- one step ---------------------------------------------------------------------------------
-    def _plan(self) -> tuple[list[tuple[_Seq, list[int]]], bool]:
-        """The step's rows: (sequence, tokens it feeds) in order; and whether it is decode-only."""
-        plan: list[tuple[_Seq, list[int]]] = []
-        budget = self.max_batch
-        decode_only = True
-        for s in self.running:                        # decode (and verify) rows first
-            pending = s.tokens[s.in_cache:]
-            if len(pending) == 1 and budget > 0:
-                s.drafts = s.drafts[: max(0, budget - 1)]     # verify only what fits
-                feed = pending + s.drafts
-                plan.append((s, feed))
-                budget -= len(feed)
-                decode_only &= len(feed) == 1
-        for s in self.running:                        # then prompt chunks (and recomputes)
-            pending = s.tokens[s.in_cache:]
-            if len(pending) > 1 and budget > 0:
-                feed = pending[: min(budget, self.prefill_chunk)]
-                plan.append((s, feed))
-                budget -= len(feed)
-                decode_only = False
-        while self.waiting and budget > 0:            # admit waiting sequences
-            s = self.waiting[0]
-            sid = self.cache.seq_new()
-            if sid is None:
-                break
-            self.waiting.pop(0)
-            s.sid, s.in_cache = sid, 0
-            self.running.append(s)
-            feed = s.tokens[: min(budget, self.prefill_chunk)]
-            plan.append((s, feed))
-            budget -= len(feed)
-            decode_only = False
-        return plan, decode_only
+    def _drain(self) -> None:
+        """Queues requests added, and applies cancels made, while a step ran (state lock held)."""
+        with self._queue_lock:
+            incoming, self._incoming = self._incoming, []
+            cancels, self._cancels = self._cancels, []
+        self.waiting.extend(incoming)
+        for req in cancels:
+            if not req.done:
+                self._end(req, "cancelled")
 
-    def _preempt(self) -> bool:
-        """Frees the running sequence holding the most cells and requeues it (it is read
-        again later); False when no sequence holds any."""
-        victims = [s for s in self.running if s.sid is not None and s.in_cache > 0]
-        if not victims:
-            return False
-        v = max(victims, key=lambda s: s.in_cache)
-        assert v.sid is not None
-        self.cache.seq_rm(v.sid)
-        v.sid, v.in_cache, v.drafts = None, 0, []
+    # -- ending sequences and requests --------------------------------------------------------------
+    def _free(self, s: _Seq) -> None:
+        """Gives back s's cache id and cells; s is then a sequence to be read from scratch."""
+        if s.sid is not None:
+            self.cache.seq_rm(s.sid)
+        s.sid, s.in_cache, s.drafts = None, 0, []
+
+    def _finish_seq(self, s: _Seq, reason: str) -> None:
+        """Ends continuation s (already out of the queues, or about to be) with reason."""
+        self._free(s)
+        req = s.req
+        req.finish_reasons[s.index] = reason
+        if s.index == 0 and not req._forked:          # its continuations never started
+            for k in range(1, req.sampling.n):
+                if req.finish_reasons[k] is None:
+                    req.finish_reasons[k] = reason
+        if req.finished is None and all(r is not None for r in req.finish_reasons):
+            req.finished = time.perf_counter()
+
+    def _end(self, req: Request, reason: str, index: int | None = None) -> None:
+        """Ends every unfinished continuation of req (and continuation ``index``, finished or
+        not) with reason; frees their cells; no callback of req runs again."""
+        req._closed = True
+        for queue in (self.running, self.waiting):
+            mine = [s for s in queue if s.req is req]
+            if mine:
+                queue[:] = [s for s in queue if s.req is not req]
+                for s in mine:
+                    self._free(s)
+        for k, r in enumerate(req.finish_reasons):
+            if r is None or k == index:
+                req.finish_reasons[k] = reason
+        if req.finished is None:
+            req.finished = time.perf_counter()
+
+    def _fail(self, req: Request, exc: BaseException, index: int | None,
+              errors: list[BaseException]) -> None:
+        """req's own code raised exc (for continuation ``index``): req ends with "error"
+        (exc kept in req.error)."""
+        if req.error is None:
+            req.error = exc
+        errors.append(exc)
+        self._end(req, "error", index)
+
+    @staticmethod
+    def _ends(req: Request, n_out: int, tok: int, eos: set[int]) -> str | None:
+        """Why a continuation with n_out tokens, the last tok, ends (None: it goes on)."""
+        if tok in eos or tok in req.sampling.stop:
+            return "stop"
+        if n_out >= req.sampling.max_new_tokens:
+            return "length"
+        return None
+
+    # -- admission and preemption ---------------------------------------------------------------
+    def _remaining(self, s: _Seq, have: int) -> int:
+        """Cells continuation s still claims once ``have`` of its tokens are in the cache:
+        up to len(prompt) + max_new_tokens - 1 in all, and its other continuations' own
+        tokens while they are not forked yet."""
+        sp = s.req.sampling
+        more = max(0, len(s.req.prompt) + sp.max_new_tokens - 1 - have)
+        if s.index == 0 and sp.n > 1 and not s.req._forked:
+            more += (sp.n - 1) * (sp.max_new_tokens - 1)
+        return more
+
+    def _preempt(self) -> None:
+        """Frees the most recently admitted running sequence and requeues it at the head of
+        the queue; it is read again (prompt and output so far) when admitted."""
+        v = max(self.running, key=lambda s: s.stamp)
         self.running.remove(v)
+        self._free(v)
         self.waiting.insert(0, v)
         self.stats["preempted"] += 1
-        return True
 
-    def step(self) -> bool:
-        """Runs one step; False when there is nothing to do."""
-        for s in self.running:                        # speculative proposals
-            r = s.req
-            if r.draft is not None and len(s.tokens) - s.in_cache == 1:
-                left = r.sampling.max_new_tokens - len(r.outputs[s.index]) - 1
-                proposed = r.draft(list(s.tokens), max(0, min(r.draft_k, left)))
-                s.drafts = [int(t) for t in proposed][:max(0, left)]
-                self.stats["drafted"] += len(s.drafts)
-        while True:
-            plan, decode_only = self._plan()
-            if not plan:
-                return False
-            ids = [s.sid for s, feed in plan for _ in feed]
+    def _schedule(self) -> _Plan | None:
+        """Chooses and declares the step's rows; None when nothing is left to run.
+
+        Preempts (most recent first) until every running sequence's next token has a cell;
+        a sequence that cannot get one even alone, or a waiting one that cannot be admitted
+        into an idle cache (every free cell or id held outside the generator), ends with
+        "capacity". Each pass preempts or ends a sequence, or declares a step: it returns.
+        """
+        preempted = False
+        while self.running or self.waiting:
+            free = self.cache.free_cells
+            decoding = [s for s in self.running if len(s.tokens) - s.in_cache == 1]
+            need = min(len(decoding), self.max_batch) if decoding else int(bool(self.running))
+            if need > free:
+                if len(self.running) > 1:
+                    self._preempt()
+                    preempted = True                  # and nothing is admitted in this step
+                else:
+                    self._finish_seq(self.running.pop(), "capacity")
+                continue
+            plan = self._plan(free, decoding, admit=not preempted)
+            if plan is None:
+                self._finish_seq(self.waiting.pop(0), "capacity")
+                continue
             try:
-                ok = self.cache.declare_step(ids)
+                ok = self.cache.declare_step([s.sid for s, feed in plan.rows for _ in feed])
             except StepTooLarge:
                 ok = False
             if ok:
+                return plan
+            # the plan fits the free cells and max_kv; only cells taken behind the
+            # generator's back (another user of the cache) get here
+            self._unadmit(plan.admitted)
+            if len(self.running) > 1:
+                self._preempt()
+                preempted = True
+            elif self.running:
+                self._finish_seq(self.running.pop(), "capacity")
+            else:
+                self._finish_seq(self.waiting.pop(0), "capacity")
+        return None
+
+    def _plan(self, free: int, decoding: list[_Seq], admit: bool) -> _Plan | None:
+        """The step's rows within max_batch_tokens, the free cells and max_kv: one token for
+        each decoding sequence, their drafts as far as room remains, prompt chunks of
+        running sequences, then admissions (FIFO; see the class docstring for ``reserve``)."""
+        budget, cells = self.max_batch, free
+        kv = self.cache.config.kv_entries if self.cache.config.paged else 1 << 62
+        chosen: list[_Seq] = []
+        for s in decoding:                            # 1. every running sequence's next token
+            if budget == 0 or cells == 0:
                 break
-            if not self._preempt():
-                raise InvalidArgument(
-                    f"a step of {len(ids)} tokens does not fit the cache even alone: raise "
-                    "capacity (or max_kv), or lower max_batch_tokens / prefill_chunk")
-        tokens = [t for _, feed in plan for t in feed]
-        pad_to = None
-        if decode_only and self.runner.graphs_enabled:
-            pad_to = self.runner.bucket(len(tokens))
-        step = self.cache.prepare_step(stream=self.stream, pad_to=pad_to)
+            if s.in_cache + 1 > kv:                   # deferred: the paged view is full
+                continue
+            chosen.append(s)
+            budget, cells, kv = budget - 1, cells - 1, kv - s.in_cache - 1
+        rows: list[tuple[_Seq, list[int]]] = []
+        decode_only = True
+        for s in chosen:                              # 2. drafts, as far as they fit
+            room = min(len(s.drafts), budget, cells, kv)
+            s.drafts = s.drafts[:room]
+            budget, cells, kv = budget - room, cells - room, kv - room
+            rows.append((s, [s.tokens[-1]] + s.drafts))
+            decode_only &= room == 0
+        for s in self.running:                        # 3. prompt chunks and recomputes
+            pending = len(s.tokens) - s.in_cache
+            if pending <= 1:
+                continue
+            n = min(pending, self.prefill_chunk, budget, cells, kv - s.in_cache)
+            if n < 1:
+                continue
+            rows.append((s, s.tokens[s.in_cache:s.in_cache + n]))
+            budget, cells, kv = budget - n, cells - n, kv - s.in_cache - n
+            decode_only = False
+        admitted: list[_Seq] = []
+        if admit:                                     # 4. admissions
+            planned = {id(s): len(feed) for s, feed in rows}
+            avail = free - sum(max(planned.get(id(s), 0),
+                                   math.ceil(self.reserve * self._remaining(s, s.in_cache)))
+                               for s in self.running)
+            idle = not self.running
+            while self.waiting and budget > 0 and cells > 0:
+                w = self.waiting[0]
+                own = len(w.tokens) + math.ceil(self.reserve * self._remaining(w, len(w.tokens)))
+                if not (idle and not admitted) and own > avail:
+                    break
+                n = min(len(w.tokens), self.prefill_chunk, budget, cells, kv)
+                if n < 1:
+                    break
+                sid = self.cache.seq_new()
+                if sid is None:
+                    break
+                self.waiting.pop(0)
+                w.sid, w.in_cache, w.drafts, w.stamp = sid, 0, [], self._stamps
+                self._stamps += 1
+                self.running.append(w)
+                admitted.append(w)
+                rows.append((w, w.tokens[:n]))
+                budget, cells, kv = budget - n, cells - n, kv - n
+                avail -= own
+                decode_only = False
+        if not rows:
+            return None
+        return _Plan(rows, admitted, decode_only)
+
+    def _unadmit(self, admitted: list[_Seq]) -> None:
+        """Takes back this step's admissions: ids freed, back at the queue's head in order."""
+        for s in reversed(admitted):
+            if s in self.running:
+                self.running.remove(s)
+            self._free(s)
+            self.waiting.insert(0, s)
+
+    def _rewind(self, s: _Seq, keep: int) -> None:
+        """Drops s's cells from position ``keep`` on; a refusal (which would mean the cache and
+        the generator disagree) requeues s to be read from scratch instead."""
+        assert s.sid is not None
+        if self.cache.rewind(s.sid, keep):
+            s.in_cache = keep
+        else:
+            self._free(s)
+            if s in self.running:
+                self.running.remove(s)
+            self.waiting.insert(0, s)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Runs one step; False when there is nothing to do.
+
+        A step is a transaction: drafts are proposed, the rows chosen, the forward run and
+        every token sampled before any state changes; then every sequence advances (rejected
+        drafts rewound, forks cloned, finished sequences freed); only then do the
+        ``on_token`` callbacks run. If the forward or the sampling raises (a torch error,
+        KeyboardInterrupt), the step is rolled back (sequences rewound, this step's
+        admissions requeued) and the exception propagates: step again to go on. If a
+        request's own code raises (its ``on_token`` or ``draft``, a draft that is not token
+        ids, its sampling), that request ends with "error" and ``request.error``, the step
+        completes for the others, and the first such exception is re-raised at its end.
+        Ctrl-C while the generator's own bookkeeping runs (choosing the rows, applying the
+        outcomes) is held back until the state is whole, then raised as KeyboardInterrupt
+        (main thread, Python's default SIGINT handler).
+
+        Raises InvalidState, changing nothing, when called from inside a callback of a step
+        or while another thread is stepping this generator.
+        """
+        me = threading.get_ident()
+        if not self._step_lock.acquire(blocking=False):
+            if self._stepping == me:
+                raise InvalidState("Generator.step() was called from inside a step (an on_token or "
+                                   "draft callback); step again once the callback has returned")
+            raise InvalidState("another thread is running Generator.step(): step a Generator from "
+                               "one thread (add() and cancel() are safe from any thread)")
+        try:
+            with self._state_lock:
+                self._stepping = me
+                try:
+                    return self._step()
+                finally:
+                    self._stepping = None
+                    self._phase = None
+        finally:
+            self._step_lock.release()
+
+    def _step(self) -> bool:
+        errors: list[BaseException] = []
+        self._drain()
+        self._phase = "draft"
+        self._propose(errors)
+        self._phase = None
+        with _HoldInterrupts() as held:
+            plan = self._schedule()
+        if held.hit:
+            if plan is not None:
+                self._rollback(plan, False, [])
+            raise KeyboardInterrupt
+        events: list[tuple[Request, int, int]] = []
+        interrupted = False
+        if plan is not None:
+            events, interrupted = self._execute(plan, errors)
+        self._drain()                                 # cancels made by other threads meanwhile
+        self._phase = "deliver"
+        for req, k, tok in events:
+            if req._closed or req.on_token is None:
+                continue
+            try:
+                req.on_token(req, k, tok)
+            except BaseException as e:                # the request's own code
+                self._fail(req, e, k, errors)
+        self._phase = None
+        self._drain()                                 # and while the callbacks ran
+        if interrupted:                               # held back while the step was applied
+            raise KeyboardInterrupt
+        if errors:
+            raise errors[0]
+        return plan is not None or self.busy
+
+    def _propose(self, errors: list[BaseException]) -> None:
+        """Asks each decoding request's draft callable for proposals (user code)."""
+        for s in list(self.running):
+            s.drafts = []
+            r = s.req
+            if r._closed or s.sid is None or r.draft is None or len(s.tokens) - s.in_cache != 1:
+                continue
+            if r.sampling.n > 1 and not r._forked:   # its first token forks: no verify row
+                continue
+            k = min(r.draft_k, r.sampling.max_new_tokens - len(r.outputs[s.index]) - 1)
+            if k <= 0:
+                continue
+            try:
+                proposed = r.draft(list(s.tokens), k)
+                drafts = _token_ids(proposed, f"the draft of request {r.id}", self.vocab, allow_empty=True)
+            except BaseException as e:                # the request's own code
+                self._fail(r, e, s.index, errors)
+                continue
+            if r._closed or s.sid is None:            # the callback cancelled its request
+                continue
+            s.drafts = drafts[:k]
+            self.stats["drafted"] += len(s.drafts)
+
+    def _execute(self, plan: _Plan, errors: list[BaseException]
+                 ) -> tuple[list[tuple[Request, int, int]], bool]:
+        """Prepares, runs and samples the declared step, then applies it; rolls back and
+        re-raises if anything but a request's own sampling fails first. Returns the tokens
+        to deliver and whether an interrupt was held back while applying."""
+        tokens = [t for _, feed in plan.rows for t in feed]
         # rows whose logits matter: each sequence's last fed token, if it reaches the end of
         # what the sequence knows; every row of a verify run
         rows: list[int] = []
         owners: list[tuple[_Seq, list[int], int | None]] = []
         row = 0
-        for s, feed in plan:
+        for s, feed in plan.rows:
             end = row + len(feed)
             known_end = s.in_cache + len(feed) >= len(s.tokens)
             if s.drafts and known_end:
@@ -250,71 +778,136 @@ class Generator:
             else:
                 owners.append((s, feed, None))
             row = end
-        logits = self.runner.forward(step, tokens, rows, decode=decode_only and pad_to is not None)
-        self.cache.commit_step()
-        self.stats["steps"] += 1
-        self.stats["tokens_in"] += len(tokens)
-        self.stats["graph_steps"] += int(decode_only and pad_to is not None)
-        for s, feed, first in owners:
-            self._advance(s, feed, logits, first)
-        self.running = [s for s in self.running if not s.done]
-        return True
+        pad_to = None
+        if plan.decode_only and self.runner.graphs_enabled:
+            pad_to = self.runner.bucket(len(tokens))
+        decode = plan.decode_only and pad_to is not None
+        saved = [(s, s.rng.get_state()) for s, _, first in owners if first is not None and s.rng is not None]
+        prepared = committed = False
+        try:
+            step = self.cache.prepare_step(stream=self.stream, pad_to=pad_to)
+            prepared = True
+            logits = self.runner.forward(step, tokens, rows, decode=decode)
+            self.cache.commit_step()
+            committed = True
+            outcomes, failed = self._sample_all(owners, logits)
+        except BaseException:
+            self._rollback(plan, prepared and not committed, saved)
+            raise
+        with _HoldInterrupts() as held:
+            self.stats["steps"] += 1
+            self.stats["tokens_in"] += len(tokens)
+            self.stats["graph_steps"] += int(decode)
+            for req, exc in failed:
+                self._fail(req, exc, None, errors)
+            events = self._apply(outcomes)
+        return events, held.hit
 
-    def _advance(self, s: _Seq, feed: list[int], logits: torch.Tensor, first: int | None) -> None:
-        before = s.in_cache
-        if first is None:                             # a prompt chunk that ends mid-prompt
-            s.in_cache += len(feed)
-            return
-        n_draft = len(s.drafts) if s.drafts else 0
+    def _rollback(self, plan: _Plan, commit: bool, saved: list[tuple[_Seq, Any]]) -> None:
+        """Undoes a step whose forward or sampling raised: every planned sequence back to
+        the cells it had, this step's admissions requeued, random generators restored."""
+        try:
+            if commit:                                # the forward may have been queued
+                self.cache.commit_step()
+        finally:
+            admitted = {id(s) for s in plan.admitted}
+            for s, _ in plan.rows:
+                s.drafts = []
+                if id(s) not in admitted and s.sid is not None:
+                    self._rewind(s, s.in_cache)
+            self._unadmit(plan.admitted)
+            for s, state in saved:
+                assert s.rng is not None
+                s.rng.set_state(state)
+
+    def _sample_all(self, owners: list[tuple[_Seq, list[int], int | None]], logits: torch.Tensor
+                    ) -> tuple[list[_Outcome], list[tuple[Request, BaseException]]]:
+        """Every planned sequence's outcome; a request whose sampling raises an Exception is
+        returned in the failed list (the others' outcomes stand)."""
+        outcomes: list[_Outcome] = []
+        failed: dict[int, tuple[Request, BaseException]] = {}
+        for s, feed, first in owners:
+            if first is None or id(s.req) in failed:
+                outcomes.append(_Outcome(s, feed, s.in_cache + len(feed)))
+                continue
+            try:
+                outcomes.append(self._decide(s, feed, logits, first))
+            except Exception as e:
+                failed[id(s.req)] = (s.req, e)
+        return outcomes, list(failed.values())
+
+    def _decide(self, s: _Seq, feed: list[int], logits: torch.Tensor, first: int) -> _Outcome:
+        """Samples s's tokens from its logit rows (a verify run: until a draft is rejected)."""
+        req, before = s.req, s.in_cache
+        n_out = len(req.outputs[s.index])
+        n_draft = len(s.drafts)
         if n_draft and len(feed) == 1 + n_draft:
+            toks: list[int] = []
             accepted = 0
             for j in range(n_draft):
                 tok = self._sample(s, logits[first + j])
-                if tok == s.drafts[j]:
-                    accepted += 1
-                    if self._emit(s, tok):
-                        break
-                    continue
-                self._emit(s, tok)
-                break
+                toks.append(tok)
+                if tok != s.drafts[j]:
+                    break
+                accepted += 1
+                if self._ends(req, n_out + len(toks), tok, self.eos):
+                    break
             else:
-                if not s.done:
-                    self._emit(s, self._sample(s, logits[first + n_draft]))
-            self.stats["accepted"] += accepted
-            keep = before + 1 + accepted
-            if keep < before + len(feed):
-                assert s.sid is not None and self.cache.rewind(s.sid, keep)
-            s.in_cache = keep if not s.done else s.in_cache
-            s.drafts = []
-            if s.done:
-                self._finish(s)
-            return
-        s.in_cache = before + len(feed)
-        s.drafts = []
-        req = s.req
+                toks.append(self._sample(s, logits[first + n_draft]))
+            return _Outcome(s, feed, before + 1 + accepted, toks, accepted)
         row = logits[first]
-        if s.index == 0 and not req.outputs[0] and req.sampling.n > 1 and len(s.tokens) == len(req.prompt):
-            self._fork(s, row)
-        self._emit(s, self._sample(s, row))
-        if s.done:
-            self._finish(s)
+        out = _Outcome(s, feed, before + len(feed), [self._sample(s, row)])
+        if s.index == 0 and req.sampling.n > 1 and not req._forked:
+            for k in range(1, req.sampling.n):
+                child = self._seq(req, k, list(req.prompt))
+                out.forks.append((child, self._sample(child, row)))
+        return out
 
-    def _fork(self, parent: _Seq, row: torch.Tensor) -> None:
-        """Continuations 1..n-1 of parent's request: clones sharing the prompt's cells."""
-        req = parent.req
-        assert parent.sid is not None
-        for k in range(1, req.sampling.n):
-            child = self._seq(req, k, list(req.prompt))
-            sid = self.cache.seq_clone(parent.sid)
-            if sid is None:                           # no free id: read the prompt again later
-                self.waiting.append(child)
+    def _apply(self, outcomes: list[_Outcome]) -> list[tuple[Request, int, int]]:
+        """Advances every sequence by its outcome (no user code runs); returns the tokens
+        to deliver, in order."""
+        events: list[tuple[Request, int, int]] = []
+        for o in outcomes:
+            s, req = o.seq, o.seq.req
+            if req._closed or s.sid is None:          # its request failed in sampling
                 continue
-            child.sid, child.in_cache = sid, parent.in_cache
-            self.stats["forks"] += 1
-            self.running.append(child)
-            self._emit(child, self._sample(child, row))
-            if child.done:
-                self._finish(child)
+            s.drafts = []
+            out = req.outputs[s.index]
+            reason = None
+            for tok in o.tokens:
+                out.append(tok)
+                s.tokens.append(tok)
+                events.append((req, s.index, tok))
+                reason = self._ends(req, len(out), tok, self.eos)
+            self.stats["tokens_out"] += len(o.tokens)
+            self.stats["accepted"] += o.accepted
+            if reason is None and o.keep < s.in_cache + len(o.feed):
+                self._rewind(s, o.keep)               # the rejected drafts
+            else:
+                s.in_cache = o.keep
+            if o.forks:
+                req._forked = True
+            for child, tok in o.forks:                # clones share the prompt's cells
+                req.outputs[child.index].append(tok)
+                child.tokens.append(tok)
+                events.append((req, child.index, tok))
+                self.stats["tokens_out"] += 1
+                child_reason = self._ends(req, 1, tok, self.eos)
+                if child_reason is not None:
+                    self._finish_seq(child, child_reason)
+                    continue
+                sid = None if s.sid is None else self.cache.seq_clone(s.sid, len(req.prompt))
+                if sid is None:                       # no free id: reads its prompt later
+                    self.waiting.append(child)
+                    continue
+                child.sid, child.in_cache, child.stamp = sid, len(req.prompt), self._stamps
+                self._stamps += 1
+                self.stats["forks"] += 1
+                self.running.append(child)
+            if reason is not None:
+                self._finish_seq(s, reason)
+        self.running = [s for s in self.running if s.sid is not None]
+        return events
 
     def _sample(self, s: _Seq, row: torch.Tensor) -> int:
         sp = s.req.sampling
@@ -333,36 +926,11 @@ class Generator:
             probs = probs / probs.sum()
         return int(torch.multinomial(probs, 1, generator=s.rng))
 
-    def _emit(self, s: _Seq, tok: int) -> bool:
-        """Appends a token to a continuation; returns True when it is done."""
-        req = s.req
-        out = req.outputs[s.index]
-        out.append(tok)
-        s.tokens.append(tok)
-        self.stats["tokens_out"] += 1
-        if req.on_token is not None:
-            req.on_token(req, s.index, tok)
-        if tok in self.eos or tok in req.sampling.stop or len(out) >= req.sampling.max_new_tokens:
-            s.done = True
-        return s.done
-
-    def _finish(self, s: _Seq) -> None:
-        if s.sid is not None:
-            self.cache.seq_rm(s.sid)
-            s.sid = None
-        req = s.req
-        if all(len(o) > 0 for o in req.outputs) and all(
-                self._continuation_done(req, k) for k in range(req.sampling.n)):
-            req.finished = time.perf_counter()
-
-    def _continuation_done(self, req: Request, k: int) -> bool:
-        out = req.outputs[k]
-        return bool(out) and (out[-1] in self.eos or out[-1] in req.sampling.stop
-                              or len(out) >= req.sampling.max_new_tokens)
-
     def run(self, progress: bool = False) -> list[Request]:
-        """Steps until every request is done; returns the requests."""
-        total = sum(r.sampling.n * r.sampling.max_new_tokens for r in self.requests)
+        """Steps until every request is done; returns the requests. An exception from
+        :meth:`step` propagates (the generator stays consistent: call run() again to go on)."""
+        with self._queue_lock:
+            total = sum(r.sampling.n * r.sampling.max_new_tokens for r in self.requests)
         last = -1
         while self.step():
             if progress:
@@ -406,6 +974,12 @@ def random_model(name: str, dtype: torch.dtype = torch.float32, device: str = "c
     return model.to(device).eval()
 
 
+def _one_line(e: BaseException) -> str:
+    """An exception as one line (CLI errors are one line)."""
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="cellcache generate",
                description="Serve a Hugging Face decoder through cellcache with continuous batching. "
@@ -414,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--model", help="a local Hugging Face checkpoint directory (no download)")
     src.add_argument("--random", choices=sorted(RANDOM_MODELS), help="random weights, built-in config")
     p.add_argument("prompts", nargs="*", help="prompts (text with --model; else space-separated token ids)")
-    p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--prompts-file", help="a UTF-8 file with one prompt per line")
     p.add_argument("--random-prompts", type=in_range(1, 1 << 20), default=0,
                    help="N random token prompts (of --prompt-len tokens)")
     p.add_argument("--prompt-len", type=in_range(1, 1 << 20), default=32)
@@ -432,15 +1006,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        p.error(f"--temperature must be a finite number >= 0, not {args.temperature}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        p.error(f"--top-p must be in (0, 1], not {args.top_p}")
     if args.max_batch_tokens > args.capacity:
         p.error("--max-batch-tokens must be at most --capacity")
-    device = args.device
-    if device == "auto":
-        from .cuda.probe import cuda_usable
+    texts = list(args.prompts)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                texts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            p.error(f"cannot read --prompts-file: {_one_line(e)}")
+        except UnicodeDecodeError as e:
+            p.error(f"--prompts-file {args.prompts_file} is not UTF-8 text ({_one_line(e)})")
+    from .cuda.probe import cuda_usable
 
-        device = "cuda" if cuda_usable()[0] and torch.cuda.is_available() else "cpu"
+    device = args.device
+    if device != "cpu":
+        try:
+            usable, why = cuda_usable()
+        except CellCacheError as e:
+            usable, why = False, _one_line(e)
+        if usable and not torch.cuda.is_available():
+            usable, why = False, "this torch build has no CUDA (torch.cuda.is_available() is False)"
+        if device == "cuda" and not usable:
+            p.error(f"--device cuda: {why}")
+        device = "cuda" if usable else "cpu"
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     tokenizer = None
@@ -459,15 +1052,8 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError):
                 tokenizer = None
     except (OSError, ValueError) as e:
-        p.error(f"cannot load the model: {e}")
-    texts = list(args.prompts)
-    if args.prompts_file:
-        try:
-            with open(args.prompts_file) as f:
-                texts += [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as e:
-            p.error(f"cannot read --prompts-file: {e}")
-    vocab = model.config.get_text_config().vocab_size
+        p.error(f"cannot load the model: {_one_line(e)}")
+    vocab = _vocab_size(model) or 1 << 62
     prompts = []
     for t in texts:
         if tokenizer is not None:
@@ -484,20 +1070,33 @@ def main(argv: list[str] | None = None) -> int:
     prompts += [rng.integers(0, vocab, size=args.prompt_len).tolist() for _ in range(args.random_prompts)]
     if not prompts:
         p.error("no prompts: give some, --prompts-file or --random-prompts")
-    gen = Generator(model, capacity=args.capacity, max_batch_tokens=args.max_batch_tokens,
-                    max_seqs=min(4096, max(64, 2 * len(prompts) * args.n)),
-                    graphs=False if args.no_graphs else None)
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, n=args.n)
-    for ids in prompts:
-        gen.add(ids, Sampling(**sampling))
+    try:
+        gen = Generator(model, capacity=args.capacity, max_batch_tokens=args.max_batch_tokens,
+                        max_seqs=min(4096, max(64, 2 * len(prompts) * args.n)),
+                        graphs=False if args.no_graphs else None)
+    except (CellCacheError, MemoryError) as e:
+        p.error(f"cannot serve this model with --capacity {args.capacity} on {device}: {_one_line(e)}")
+    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, n=args.n)
+    for i, ids in enumerate(prompts):
+        try:
+            gen.add(ids, sampling)
+        except InvalidArgument as e:
+            p.error(f"prompt {i}: {_one_line(e)}")
     t0 = time.perf_counter()
-    gen.run(progress=not args.quiet)
+    try:
+        gen.run(progress=not args.quiet)
+    except KeyboardInterrupt:
+        print("cellcache generate: interrupted", file=sys.stderr)
+        return 130
     elapsed = time.perf_counter() - t0
     out_tokens = gen.stats["tokens_out"]
     results = []
     for r in gen.requests:
-        item: dict[str, Any] = {"id": r.id, "prompt_tokens": len(r.prompt), "outputs": r.outputs}
+        item: dict[str, Any] = {"id": r.id, "prompt_tokens": len(r.prompt), "outputs": r.outputs,
+                                "finish_reasons": r.finish_reasons}
+        if r.error is not None:
+            item["error"] = _one_line(r.error)
         if tokenizer is not None:
             item["text"] = [tokenizer.decode(o) for o in r.outputs]
         results.append(item)

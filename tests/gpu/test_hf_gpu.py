@@ -32,7 +32,8 @@ def test_greedy_equals_hf_on_cuda_with_graphs(arch):
                 return ref[done:done + k - 1] + [7]         # all but the last right
         return []
 
-    gen = Generator(model, capacity=160, max_batch_tokens=32, max_seqs=32, prefill_chunk=9, eos=[])
+    gen = Generator(model, capacity=160, max_batch_tokens=32, max_seqs=32, prefill_chunk=9, eos=[],
+                    reserve=0)          # admit eagerly, so that cells run short and it preempts
     reqs = [gen.add(p, Sampling(max_new_tokens=n_new, n=2 if i == 0 else 1),
                     draft=draft if i == 1 else None, draft_k=3) for i, p in enumerate(prompts[:3])]
     for _ in range(3):
