@@ -1,4 +1,6 @@
-"""Helpers shared by the CPU tests."""
+"""Helpers shared by the tests: the tables (test_rules, test_refusals), the host cache
+(test_host_growth, test_step_protocol, test_host_buffers, test_config, test_copy_growth,
+test_cache_machine, test_threads) and the CUDA backend against the host backend (tests/gpu)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cellcache import CacheConfig, CellTable, LayerConfig, ReferenceTable
+from cellcache import CacheConfig, CellTable, LayerConfig, OutOfMemory, ReferenceTable
+from cellcache.host import HostAllocator
 
 TABLES = [CellTable, ReferenceTable]
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -54,6 +57,73 @@ def step(table, seq_ids):
     assert table.declare_step(seq_ids) is True
     cells, positions, read_len = table.place()
     return [int(c) for c in cells], [int(p) for p in positions], int(read_len)
+
+
+# -- the host cache ------------------------------------------------------------------
+
+HOST_LAYERS = [LayerConfig(2, 4, 0), LayerConfig(1, 8, 2)]
+
+
+def config(**kw):
+    base = dict(capacity=32, layers=HOST_LAYERS, max_write=9, initial_capacity=4, dtype="float32")
+    base.update(kw)
+    return CacheConfig(**base)
+
+
+class FailingAllocator(HostAllocator):
+    """Fails the allocation numbered ``fail_at`` (0-based, counted from construction)."""
+
+    def __init__(self, fail_at=None):
+        self.fail_at = fail_at
+        self.calls = 0
+        self.live = 0
+
+    def allocate(self, nbytes, what):
+        n = self.calls
+        self.calls += 1
+        if n == self.fail_at:
+            raise OutOfMemory(f"injected failure at allocation {n} ({what})")
+        self.live += 1
+        return super().allocate(nbytes, what)
+
+    def release(self, allocation):
+        self.live -= 1
+
+
+def state(cache):
+    """Everything observable: table, pools, step buffers, declaration, metrics."""
+    cache.check_invariants()
+    return {
+        "table": cache._table.snapshot(),
+        "metrics": cache.metrics(),
+        "buffers": {n: cache.buffer(n).copy() for n in cache.buffer_names},
+        "pool_ptrs": [cache.buffer(n).ctypes.data for n in cache.buffer_names if n.startswith("layer")],
+        "rows": (cache.rows, cache.sink),
+    }
+
+
+def assert_same(a, b):
+    assert a["table"] == b["table"]
+    assert a["metrics"] == b["metrics"]
+    assert a["pool_ptrs"] == b["pool_ptrs"]
+    assert a["rows"] == b["rows"]
+    for name in a["buffers"]:
+        np.testing.assert_array_equal(a["buffers"][name], b["buffers"][name], err_msg=name)
+
+
+def run_step(cache, ids, **kw):
+    assert cache.declare_step(ids) is True
+    step = cache.prepare_step(**kw)
+    cache.commit_step()
+    return step
+
+
+def write_rows(cache, step, value_fn):
+    for layer in range(len(cache.config.layers)):
+        for kv in "kv":
+            pool = cache.buffer(f"layer_{layer}_{kv}")
+            for c, p, s in zip(step.cells, step.positions, step.seq_ids):
+                pool[c] = value_fn(layer, kv, int(s), int(p))
 
 
 # -- the CUDA backend against the host backend (tests/gpu) ----------------------------

@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cellcache import CacheConfig, HostCellCache, LayerConfig, OutOfMemory, ReferenceTable
 from cellcache.reference import mask_rows, paged_view
 
-from .test_host_cache import FailingAllocator, assert_same, state
+from .helpers import FailingAllocator, assert_same, state
 
 EXAMPLES = max(20, int(os.environ.get("CELLCACHE_MACHINE_EXAMPLES", "1000")) // 5)
 

@@ -19,7 +19,7 @@ from cellcache import HostCellCache, InvalidArgument, OutOfMemory
 from cellcache.cache import CopyPools, PoolReleaseWarning
 from cellcache.host import HostAllocator
 
-from .test_host_cache import assert_same, config, run_step, state, write_rows
+from .helpers import assert_same, config, run_step, state, write_rows
 
 ALLOCATIONS_PER_GROWTH = 4          # config(): 2 layers x (K, V)
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from cellcache import CacheConfig, HostCellCache, InvalidState, LayerConfig
 
-from .test_host_cache import FailingAllocator
+from .helpers import FailingAllocator
 
 MIN_STEPS = 20
 

@@ -26,7 +26,8 @@ from _common import ROOT
 from cellcache._cli import Parser, in_range
 
 TESTS = ["tests/test_table_machine.py", "tests/test_rules.py", "tests/test_refusals.py",
-         "tests/test_cache_machine.py", "tests/test_host_cache.py"]
+         "tests/test_cache_machine.py", "tests/test_host_growth.py", "tests/test_step_protocol.py",
+         "tests/test_host_buffers.py"]
 
 # name: (what it breaks, text in pyx/_table.pyx, replacement)
 MUTANTS = {
