@@ -42,12 +42,14 @@ WARNINGS = [] if sys.platform == "win32" else ["-Wno-unused-const-variable"]
 # module -> source: pyx/<path>.pyx builds cellcache.<path>
 MODULES = {
     "cellcache._table": "pyx/_table.pyx",
+    "cellcache._views": "pyx/_views.pyx",
     "cellcache.cuda._launch": "pyx/cuda/_launch.pyx",
     "cellcache.cuda._dlpack": "pyx/cuda/_dlpack.pyx",
     "cellcache.cuda._engine": "pyx/cuda/_engine.pyx",
 }
 # headers and declarations a module may include or cimport
-DEPENDS = ["cuda/abi.h", "cellcache/_table.pxd", "cellcache/_bitset.pxd", "cellcache/cuda/_launch.pxd"]
+DEPENDS = ["cuda/abi.h", "cellcache/_table.pxd", "cellcache/_views.pxd", "cellcache/_bitset.pxd",
+           "cellcache/cuda/_launch.pxd"]
 
 extensions = [
     Extension(

@@ -1,5 +1,23 @@
-# Declarations of cellcache._table (source: pyx/_table.pyx), for cimport by the CUDA engine.
+# Declarations of cellcache._table (source: pyx/_table.pyx), for cimport by the table's views
+# (cellcache._views) and the CUDA engine. The views read the arrays below directly (live_bits,
+# seq_pos_, seq_map): no copies, no calls.
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+
+from cellcache._bitset cimport bit
+
+cdef extern from *:
+    """
+    #ifdef CELLCACHE_DEBUG
+    #include <stdio.h>
+    #include <stdlib.h>
+    #define CC_ASSUME(cond, what) do { if (!(cond)) { \\
+        fprintf(stderr, "cellcache: broken assumption: %s\\n", what); abort(); } } while (0)
+    #else
+    #define CC_ASSUME(cond, what) ((void)0)
+    #endif
+    """
+    # what a cdef helper assumes; checked (abort with the message) only in the debug build
+    void CC_ASSUME(bint cond, const char* what) noexcept nogil
 
 
 cdef class CellTable:
@@ -73,9 +91,15 @@ cdef class CellTable:
     cdef void _cancel_if_declared(self, int64_t seq) noexcept
     cdef int64_t _place(self, int64_t* cells, int64_t* positions, int64_t* seq_ids) except -1
     cdef int64_t _export_changes(self, int64_t* records, int64_t max_n) noexcept
-    cdef int64_t _plan_runs(self, const int64_t* seq_ids, const int64_t* positions,
-                            int64_t width, int64_t pad_to, int64_t* qo_indptr,
-                            int64_t* kv_indptr, int64_t* run_seq, int64_t* run_last) noexcept
-    cdef void _fill_mask_rows(self, const int64_t* seq_ids, const int64_t* positions,
-                              int64_t width, int64_t read_len, int64_t window,
-                              uint8_t* out, int64_t row_stride, bint bits) noexcept
+
+
+cdef inline bint seq_is_live(CellTable t, int64_t s) noexcept:
+    # Whether id s (0 <= s < t.max_seqs) is live.
+    CC_ASSUME(0 <= s < t.max_seqs, "seq_is_live: id outside [0, max_seqs)")
+    return (t.live_bits[s >> 6] & bit(s)) != 0
+
+
+cdef inline bint overlaps(const void* a, size_t na, const void* b, size_t nb) noexcept:
+    # Whether the byte ranges [a, a + na) and [b, b + nb) share a byte.
+    return (na != 0 and nb != 0 and <const char*>a < <const char*>b + nb
+            and <const char*>b < <const char*>a + na)

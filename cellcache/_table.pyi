@@ -1,4 +1,4 @@
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -62,26 +62,6 @@ class CellTable:
     ) -> int: ...
     def place(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]: ...
     def undo_place(self) -> None: ...
-    def fill_masks(
-        self,
-        seq_ids: npt.NDArray[np.int64],
-        positions: npt.NDArray[np.int64],
-        read_len: int,
-        windows: Sequence[int],
-        outs: Sequence[npt.NDArray[Any]],
-        pad_to: int | None = None,
-        bits: bool = False,
-    ) -> None: ...
-    def fill_paged(
-        self,
-        seq_ids: npt.NDArray[np.int64],
-        positions: npt.NDArray[np.int64],
-        pad_to: int,
-        sink: int,
-        qo_indptr: npt.NDArray[np.int32],
-        kv_indptr: npt.NDArray[np.int32],
-        kv_indices: npt.NDArray[np.int32],
-    ) -> tuple[int, int]: ...
     def take_changes(self) -> npt.NDArray[np.int64]: ...
     def snapshot(self) -> dict[str, Any]: ...
     def positions_array(self) -> npt.NDArray[np.int64]: ...

@@ -42,12 +42,12 @@ def write_kv(cache, layer: int, k: np.ndarray, v: np.ndarray, width: int,
     ``cells`` on the device as a forward does.
     """
     pad_to = width if pad_to is None else pad_to
-    lay = cache.layer(layer)
-    if not isinstance(lay.k, np.ndarray):
+    if cache.backend == "cuda":
         from .cuda.kernels import write_rows
 
         write_rows(cache, layer, k, v, width, pad_to)
         return
+    lay = cache.layer(layer)
     cells = np.asarray(cache.buffer("cells"))[:pad_to]
     k_rows = np.full((pad_to,) + k.shape[1:], np.nan, np.float32)
     v_rows = np.full((pad_to,) + v.shape[1:], np.nan, np.float32)

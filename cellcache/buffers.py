@@ -20,8 +20,11 @@ import numpy as np
 
 from .config import CacheConfig
 
-__all__ = ["BufferSpec", "buffer_names", "mask_row_bytes", "pool_spec", "readme_table",
-           "step_buffer_bytes", "step_buffers"]
+__all__ = ["PAGED_ROLES", "BufferSpec", "buffer_names", "mask_row_bytes", "pool_spec",
+           "readme_table", "step_buffer_bytes", "step_buffers"]
+
+#: The roles of the paged view's buffers (FlashInfer's page-size-1 CSR layout).
+PAGED_ROLES = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,17 @@ class BufferSpec:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one index along the first axis (a pool: one cell row)."""
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
 
 def mask_row_bytes(config: CacheConfig) -> int:
-    """Bytes of one mask row: ``capacity`` bools, or ``ceil(capacity / 8)`` packed bits."""
+    """Bytes of one mask row: ``capacity`` bools, ``ceil(capacity / 8)`` packed bits, or 0
+    without masks. The one place the mask width is computed."""
+    if config.mask_format == "none":
+        return 0
     return config.capacity if config.mask_format == "bool" else (config.capacity + 7) // 8
 
 
@@ -87,7 +98,7 @@ def step_buffers(config: CacheConfig) -> list[BufferSpec]:
                        when="`paged=True`", written="entries `[0, B]`"),
             BufferSpec("kv_indptr", i32, (mw + 1,), "kv_indptr", shape_doc="[max_write + 1]",
                        when="`paged=True`", written="entries `[0, B]`"),
-            BufferSpec("kv_indices", i32, (config.kv_entries + mw,), "kv_indices",
+            BufferSpec("kv_indices", i32, (config.max_kv + mw,), "kv_indices",
                        shape_doc="[max_kv + max_write]", when="`paged=True`",
                        written="each request's cells in position order"),
             BufferSpec("kv_last_page_len", i32, (mw,), "kv_last_page_len", fill=1,

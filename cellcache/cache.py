@@ -21,24 +21,32 @@ padding and rollback is decided here, once::
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import operator
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
 from ._checks import check_int
 from ._table import CellTable
+from .buffers import BufferSpec, buffer_names, pool_spec, step_buffer_bytes
 from .config import CacheConfig
 from .errors import InvalidArgument, InvalidState, OutOfMemory, StepTooLarge
 
-__all__ = ["Allocator", "CellCache", "CopyPools", "LayerBuffers", "PoolKey", "PoolReleaseWarning",
-           "Pools", "Step", "check_allocator", "stream_handle"]
+__all__ = ["GROWTH_MODES", "Allocator", "CellCache", "CopyPools", "LayerBuffers", "PoolKey",
+           "PoolReleaseWarning", "Pools", "Step", "check_allocator", "check_growth", "stream_handle"]
 
 #: A pool's key: (layer index, "k" or "v").
 PoolKey = tuple[int, str]
+_Cache = TypeVar("_Cache", bound="CellCache")
+#: How a backend's pools grow: ``"map"`` (fixed addresses, reserved up front), ``"copy"``
+#: (larger storage, live rows copied: the pools move) or ``"auto"`` (map where possible).
+GROWTH_MODES = ("auto", "map", "copy")
 
 
 @dataclass(frozen=True)
@@ -258,6 +266,13 @@ def check_allocator(allocator: Any) -> Any:
     return allocator
 
 
+def check_growth(growth: object) -> str:
+    """``growth`` when it is one of :data:`GROWTH_MODES`; InvalidArgument otherwise."""
+    if not isinstance(growth, str) or growth not in GROWTH_MODES:
+        raise InvalidArgument(f"growth={growth!r} is not one of {', '.join(GROWTH_MODES)}")
+    return growth
+
+
 def stream_handle(stream: object) -> int:
     """The raw handle of a stream given as None (0), an int, or an object with
     ``cuda_stream`` (torch), ``handle`` or ``ptr`` (cupy, cuda.core)."""
@@ -293,6 +308,13 @@ class CellCache:
 
     Every public method takes the cache's re-entrant lock, so any mix of calls from any
     threads is safe; one thread should drive the steps (declare, prepare, forward, commit).
+
+    The cache owns what hangs off it: its pools, step buffers and backend resources, and
+    whatever consumers tie to it with :meth:`on_close`. :meth:`close` (or leaving a
+    ``with cache:`` block) releases all of it once, in reverse order of acquisition; after
+    that every method and property but the configuration (``config``, ``capacity``,
+    ``max_seqs``, ``backend``, ``buffer_names``), ``closed`` and ``lock`` raises
+    InvalidState.
     """
 
     backend = "abstract"
@@ -302,10 +324,13 @@ class CellCache:
             raise InvalidArgument(f"config of type {type(config).__name__} is not a CacheConfig")
         self.config = config
         self._lock = threading.RLock()
-        self._table = CellTable(config.capacity, config.max_seqs, config.max_write,
-                                track_changes=self._tracks_changes())
-        self._row_bytes = {(i, kv): layer.row_elems * config.np_dtype.itemsize
-                           for i, layer in enumerate(config.layers) for kv in "kv"}
+        self._closed = True                     # until built
+        # everything the cache acquires, released in reverse order at close (or when the
+        # build fails): backend resources, the pools, parts built later, consumers' on_close
+        self._undo = contextlib.ExitStack()
+        self._buffers: dict[str, Any] = {}      # by name; the backend fills it (pools too)
+        self._row_bytes = {(i, kv): pool_spec(config, i, kv, 0).row_bytes
+                           for i in range(len(config.layers)) for kv in "kv"}
         self._growth_count = 0
         mw = config.max_write
         self._cells = np.zeros(mw, np.int64)       # placement output (host)
@@ -315,18 +340,38 @@ class CellCache:
         self._pools_generation = 0
         self._prepared_stream = 0
         self._steps = 0
-        self._pools: Pools = self._make_pools()
-        self._init_step_buffers()
+        try:
+            self._open()
+            self._table = CellTable(config.capacity, config.max_seqs, config.max_write,
+                                    track_changes=self._tracks_changes())
+            self._pools: Pools = self._make_pools()
+            self._undo.callback(self._pools.close)
+            self._init_step_buffers()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._undo.close()
+            raise
+        self._closed = False
 
     # -- backend hooks ---------------------------------------------------------------------
+    def _open(self) -> None:
+        """Acquires what the rest of the build needs (CUDA: the device context), registering
+        its release on ``self._undo``."""
+
     def _tracks_changes(self) -> bool:
         return False
 
     def _make_pools(self) -> Pools:
+        """The pools (no rows yet); the cache closes them at close."""
         raise NotImplementedError
 
     def _init_step_buffers(self) -> None:
+        """Allocates the step buffers of :func:`cellcache.buffers.step_buffers` into
+        ``self._buffers`` (releases registered on ``self._undo``), then the pool views."""
         raise NotImplementedError
+
+    def _before_close(self) -> None:
+        """Waits for the cache's own queued work before anything is released."""
 
     def _resolve_stream(self, stream: object) -> int:
         """The stream's handle; refuses a bad or unusable stream without side effects."""
@@ -345,22 +390,91 @@ class CellCache:
     def _commit(self, stream: int) -> None:
         pass
 
-    def buffer(self, name: str) -> Any:
-        raise NotImplementedError
+    def _pool_view(self, key: PoolKey, sink: int | None) -> BufferSpec:
+        """A pool's view: rows ``[0, sink]`` (the sink last), or no rows while the pool has
+        no storage (``sink`` None)."""
+        spec = pool_spec(self.config, key[0], key[1], 0 if sink is None else sink)
+        return spec if sink is not None else dataclasses.replace(spec, shape=(0,) + spec.shape[1:])
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidState(f"this {type(self).__name__} is closed")
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (then every method raises InvalidState)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Releases everything the cache owns, once: first what was tied to it later
+        (:meth:`on_close` callbacks, parts built on demand; newest first), then the step
+        buffers, the pools and the backend's resources. CUDA waits for the cache's own
+        recorded work first (never a caller's stream). Idempotent; afterwards every method
+        raises InvalidState. Host arrays a caller still holds stay valid until dropped."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._prepared = None
+            self._before_close()
+            self._buffers = {}
+            self._undo.close()
+
+    def on_close(self, callback: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        """Calls ``callback(*args, **kwargs)`` when the cache closes, before the cache
+        releases its own storage (callbacks run newest first): how a consumer ties what it
+        made for this cache (device scratch, graphs, kernels) to the cache's lifetime. On
+        CUDA the cache's context is current and its own work has finished by then.
+        InvalidState once closed."""
+        if not callable(callback):
+            raise InvalidArgument(f"callback of type {type(callback).__name__} is not callable")
+        with self._lock:
+            self._check_open()
+            self._undo.callback(callback, *args, **kwargs)
+
+    def __enter__(self: _Cache) -> _Cache:
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The re-entrant lock every method takes: hold it (``with cache.lock:``) to make a
+        sequence of calls atomic against other threads (e.g. declare, prepare, commit)."""
+        return self._lock
+
+    @property
+    def table(self) -> CellTable:
+        """The cell table, for queries (``snapshot()``, ``seq_cell_at``, ``positions_array``,
+        ``declared``, ...) by tests and tools.
+
+        Verbs go through the cache: the table's own verbs (``declare_step``, ``place``,
+        ``seq_rm``, ...) bypass the cache's lock, its growth, its step buffers and, on CUDA,
+        its device mirror's ordering. The property cannot be set.
+        """
+        with self._lock:
+            self._check_open()
+            return self._table
 
     # -- names -------------------------------------------------------------------------------
     @property
     def buffer_names(self) -> list[str]:
-        """Every buffer a forward may read or write, by name."""
-        cfg = self.config
-        names = ["cells", "positions", "read_len", "width"]
-        if cfg.mask_format != "none":
-            names += [f"mask_w{w}" for w in cfg.windows]
-        if cfg.paged:
-            names += ["qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"]
-        for i in range(len(cfg.layers)):
-            names += [f"layer_{i}_k", f"layer_{i}_v"]
-        return names
+        """Every buffer a forward may read or write, by name (see
+        :func:`cellcache.buffers.buffer_names`)."""
+        return buffer_names(self.config)
+
+    def buffer(self, name: str) -> Any:
+        """The named buffer (see ``buffer_names``): the backend's own object (a numpy array
+        on the host, a ``DeviceBuffer`` on CUDA), live, not a copy."""
+        with self._lock:
+            self._check_open()
+            try:
+                return self._buffers[name]
+            except (KeyError, TypeError):
+                raise self._unknown_buffer(name) from None
 
     def _unknown_buffer(self, name: object) -> InvalidArgument:
         shown = repr(name) if isinstance(name, str) else f"of type {type(name).__name__}"
@@ -371,6 +485,7 @@ class CellCache:
         """Layer ``index``'s K pool, V pool, window and mask buffer (None without masks),
         so a forward needs no buffer names."""
         with self._lock:
+            self._check_open()
             i = check_int(index, "layer", 0, len(self.config.layers) - 1)
             window = self.config.layers[i].window
             mask = None if self.config.mask_format == "none" else self.buffer(f"mask_w{window}")
@@ -381,39 +496,46 @@ class CellCache:
     def seq_new(self) -> int | None:
         """Returns the lowest id that is not live, now live; None when every id is live."""
         with self._lock:
+            self._check_open()
             return self._table.seq_new()
 
     def seq_clone(self, src: int, upto: int | None = None) -> int | None:
         """Returns a new id co-owning src's cells with ``pos < upto`` (all if None), or None
         (src not live, src owns no cell, or no free id). Nothing is copied."""
         with self._lock:
+            self._check_open()
             return self._table.seq_clone(src, upto)
 
     def seq_rm(self, seq: int) -> bool:
         """Drops seq everywhere, frees cells left unowned and releases its id; False if not
         live."""
         with self._lock:
+            self._check_open()
             return self._table.seq_rm(seq)
 
     def rewind(self, seq: int, position: int) -> bool:
         """Drops seq's claim on positions >= position (the id stays live); False if seq is
         not live or position is outside ``[0, pos(seq)]``."""
         with self._lock:
+            self._check_open()
             return self._table.rewind(seq, position)
 
     def pos(self, seq: int) -> int:
         """One past the newest position seq owns; 0 if empty or not live."""
         with self._lock:
+            self._check_open()
             return self._table.pos(seq)
 
     def seq_len(self, seq: int) -> int:
         """Cells seq owns (0 if not live)."""
         with self._lock:
+            self._check_open()
             return self._table.seq_len(seq)
 
     def live_seqs(self) -> list[int]:
         """The live ids, ascending."""
         with self._lock:
+            self._check_open()
             return self._table.live_seqs()
 
     def clear(self) -> None:
@@ -423,6 +545,7 @@ class CellCache:
         growth and frees.
         """
         with self._lock:
+            self._check_open()
             if self._prepared is not None:
                 self._commit_locked()
             self._table.clear()
@@ -431,12 +554,14 @@ class CellCache:
     def free_cells(self) -> int:
         """Cells no sequence owns."""
         with self._lock:
+            self._check_open()
             return self._table.free_cells
 
     @property
     def used_end(self) -> int:
         """One past the highest occupied cell (the next step's read_len before placement)."""
         with self._lock:
+            self._check_open()
             return self._table.used_end
 
     @property
@@ -450,28 +575,33 @@ class CellCache:
     @property
     def rows(self) -> int:
         """Cell rows each pool has now (0 before the first step)."""
+        self._check_open()
         return self._pools.rows
 
     @property
     def sink(self) -> int:
         """The pool row padding rows write to (the last row of every pool's view)."""
+        self._check_open()
         return self._pools.sink
 
     @property
     def prepared_step(self) -> Step | None:
         """The step prepared and not yet committed (None when there is none): the only step
         whose forward may write K/V at its ``cells``."""
+        self._check_open()
         return self._prepared
 
     @property
     def pools_generation(self) -> int:
         """Counts the times the pools' addresses changed (the first step; every copy
         growth): views over the pools built at another generation are out of date."""
+        self._check_open()
         return self._pools_generation
 
     def check_invariants(self) -> None:
         """The cell table's invariants (tests call this after every operation)."""
         with self._lock:
+            self._check_open()
             self._table.check_invariants()
 
     def __copy__(self):
@@ -493,14 +623,15 @@ class CellCache:
         step's kv lists would exceed ``max_kv`` (nothing declared).
         """
         with self._lock:
+            self._check_open()
             ok = self._table.declare_step(seq_ids)
             if ok and self.config.paged:
                 need = self._table.step_kv_entries()
-                if need > self.config.kv_entries:
+                if need > self.config.max_kv:
                     self._table.undeclare()
                     raise StepTooLarge(
                         f"the step's kv lists need {need} entries; the paged view holds "
-                        f"max_kv={self.config.kv_entries}: split the step or build the cache "
+                        f"max_kv={self.config.max_kv}: split the step or build the cache "
                         "with a larger max_kv")
             return ok
 
@@ -514,13 +645,15 @@ class CellCache:
         position, and their outputs are to be discarded. ``stream``: None (the backend's
         default), an int handle, or an object with ``cuda_stream``, ``handle`` or ``ptr``.
 
-        Checks, in order: ``width`` outside ``[1, max_write]`` or ``pad_to`` outside
-        ``[width, max_write]`` or a bad stream (InvalidArgument); nothing declared or
-        ``width`` != the declared count (InvalidState); growth (OutOfMemory). Every refusal
-        changes nothing; a failure after placement undoes it, so the same call can be
-        retried. A prepared step not yet committed is committed once growth has succeeded.
+        Checks, in order: a closed cache (InvalidState); ``width`` outside ``[1, max_write]``
+        or ``pad_to`` outside ``[width, max_write]`` or a bad stream (InvalidArgument);
+        nothing declared or ``width`` != the declared count (InvalidState); growth
+        (OutOfMemory). Every refusal changes nothing; a failure after placement undoes it,
+        so the same call can be retried. A prepared step not yet committed is committed once
+        growth has succeeded.
         """
         with self._lock:
+            self._check_open()
             mw = self.config.max_write
             # 1. caller input, all of it, before anything is read or changed
             if width is not None:
@@ -569,6 +702,7 @@ class CellCache:
     def commit_step(self) -> None:
         """Marks the prepared step's forward as queued: later growth and frees wait for it."""
         with self._lock:
+            self._check_open()
             if self._prepared is None:
                 raise InvalidState("no step is prepared; call prepare_step() first")
             self._commit_locked()
@@ -625,23 +759,12 @@ class CellCache:
         return first or moved
 
     # -- metrics ------------------------------------------------------------------------------
-    def _step_buffer_bytes(self) -> int:
-        cfg = self.config
-        mw, cap = cfg.max_write, cfg.capacity
-        total = 8 * (2 * mw + 2)
-        if cfg.mask_format == "bool":
-            total += len(cfg.windows) * mw * cap
-        elif cfg.mask_format == "bits":
-            total += len(cfg.windows) * mw * ((cap + 7) // 8)
-        if cfg.paged:
-            total += 4 * (2 * (mw + 1) + cfg.kv_entries + mw + mw)
-        return total
-
     def metrics(self) -> dict:
         """Counters: logical_length (= used_end), flat_capacity (pool rows), growth_count,
         allocated_bytes (K/V pool rows in use), step_buffer_bytes, free_cells, live_seqs,
         and more."""
         with self._lock:
+            self._check_open()
             t = self._table
             rows = self._pools.rows
             return {
@@ -650,7 +773,7 @@ class CellCache:
                 "flat_capacity": rows,
                 "growth_count": self._growth_count,
                 "allocated_bytes": rows * sum(self._row_bytes.values()),
-                "step_buffer_bytes": self._step_buffer_bytes(),
+                "step_buffer_bytes": step_buffer_bytes(self.config),
                 "free_cells": t.free_cells,
                 "used_cells": t.used_count,
                 "live_seqs": len(t.live_seqs()),

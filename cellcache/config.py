@@ -111,7 +111,7 @@ class CacheConfig:
     max_seqs: int = 64
     device: int = 0
     paged: bool = False
-    max_kv: int | None = None
+    max_kv: int = None  # type: ignore[assignment]  # None: the default, resolved below
     mask_format: str = "bool"
     _windows: tuple = field(init=False, repr=False, compare=False, default=())
 
@@ -167,14 +167,3 @@ class CacheConfig:
     @property
     def np_dtype(self) -> np.dtype:
         return storage_dtype(self.dtype)
-
-    @property
-    def kv_entries(self) -> int:
-        """``max_kv`` as resolved (the default filled in)."""
-        return int(self.max_kv)  # type: ignore[arg-type]
-
-    @property
-    def sink(self) -> int:
-        """The pool row padding rows write to: ``capacity``, one past the last cell, so no
-        mask column and no paged-view entry of a real query ever names it."""
-        return self.capacity

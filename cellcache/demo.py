@@ -15,6 +15,7 @@ from typing import Any
 
 from . import attention
 from ._cli import Parser, in_range
+from .buckets import default_buckets
 from .config import CacheConfig, LayerConfig
 from .errors import CellCacheError
 from .registry import build
@@ -39,14 +40,12 @@ def run(backend: str = "auto", seqs: int = 32, steps: int = 300, seed: int = 0,
         extra["max_kv"] = MAX_WRITE * SessionConfig.max_len
     cfg = CacheConfig(capacity=capacity, layers=LAYERS, max_write=MAX_WRITE, initial_capacity=64,
                       dtype=dtype, max_seqs=seqs, **extra)
-    cache = build(backend, "batched-cell", cfg)
-    buckets = [1, 2, 4, 8, 16, 32, 64] if pad else None
-    session = Session(cache, attention.reference_forward,
-                      SessionConfig(n_heads=N_HEADS, tolerance=TOLERANCE, buckets=buckets), seed)
-    summary = session.run(steps, progress, label="demo")
+    buckets = default_buckets(MAX_WRITE) if pad else None
+    with build(backend, "batched-cell", cfg) as cache:
+        session = Session(cache, attention.reference_forward,
+                          SessionConfig(n_heads=N_HEADS, tolerance=TOLERANCE, buckets=buckets), seed)
+        summary = session.run(steps, progress, label="demo")
     summary["view"] = view
-    if hasattr(cache, "close"):
-        cache.close()
     return summary
 
 

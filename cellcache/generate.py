@@ -12,9 +12,16 @@ sequence's next token and chunks of prompts still being read, in one forward. Ar
 - speculative decoding: a request given a ``draft`` callable gets ``k`` proposed tokens
   verified in one step; the rejected ones are rewound (``rewind``). The emitted tokens are
   what plain decoding would emit (greedy) or distributed as it (sampling);
+- prefix cache (on by default, :class:`cellcache.PrefixCache`): admission matches each
+  prompt against the token prefixes already in the cache and reads only the uncached tail
+  (a hit clones the cached cells: nothing is copied); a prompt is stored once its last
+  token is placed, and prompt + output when its continuation ends, so a multi-turn chat
+  reads each turn's new tokens only; cached prefixes no running request uses are evicted
+  (LRU by default) before any running request is preempted;
 - admission and preemption: a waiting sequence is admitted only while the free cells
-  still hold every running continuation's remaining tokens (``reserve``) and its own; when
-  cells run short anyway the most recently admitted sequence is freed and requeued at the
+  (and the cells the prefix cache can give back) still hold every running continuation's
+  remaining tokens (``reserve``) and its own; when cells run short anyway the prefix cache
+  evicts first, then the most recently admitted sequence is freed and requeued at the
   head of the queue (not readmitted in the same step) and recomputed later; a request
   that can never fit is refused at :meth:`Generator.add`, one that cannot get a cell even
   alone ends with ``"capacity"``: nothing loops forever;
@@ -62,14 +69,21 @@ from ._cli import Parser, in_range
 from .cache import CellCache
 from .errors import CellCacheError, InvalidArgument, InvalidState, StepTooLarge
 from .hf import attach, cache_config
+from .prefix import PrefixCache
 from .registry import build
 
-__all__ = ["FINISH_REASONS", "Generator", "Request", "Sampling", "main"]
+__all__ = ["ADMISSION_POLICIES", "FINISH_REASONS", "Generator", "Request", "Sampling", "main"]
 
 #: Why a continuation ended: a stop or end-of-sequence token, its ``max_new_tokens``, the
 #: cache could not hold it even alone, :meth:`Generator.cancel`, its request's own code
 #: (a callback, a draft, its sampling) raised.
 FINISH_REASONS = ("stop", "length", "capacity", "cancelled", "error")
+
+#: Which waiting sequence admission considers first: ``"fifo"`` (arrival order) or
+#: ``"lpm"`` (longest cached prefix first, SGLang's policy; preempted sequences still first).
+ADMISSION_POLICIES = ("fifo", "lpm")
+_PREFIX_OPTIONS = ("policy", "max_seqs", "on_event")
+_I32 = np.dtype(np.int32)
 
 _SEED_MOD = 1 << 63
 _NOT_IDS = (str, bytes, bytearray, memoryview, Mapping)
@@ -182,6 +196,13 @@ class _Seq:
     drafts: list[int] = field(default_factory=list)
     rng: torch.Generator | None = None
     stamp: int = -1                  # admission order: the highest is preempted first
+    # prefix cache: pins this sequence holds ((tokens, n) for unpin), whether its prompt was
+    # stored since it was admitted, its prompt's bytes while it is being read (the pending
+    # prompts), and tokens as int32 (rebuilt when tokens grew)
+    pins: list[tuple[np.ndarray, int]] = field(default_factory=list)
+    stored: bool = False
+    pending: bytes | None = None
+    arr: np.ndarray | None = None
 
 
 @dataclass
@@ -191,7 +212,10 @@ class Request:
     ``finish_reasons[k]`` is None while continuation k runs, then one of
     :data:`FINISH_REASONS`; the request is ``done`` when every continuation has one.
     ``error`` holds the exception that ended it with ``"error"`` (its ``on_token`` or
-    ``draft`` raised, a draft was not token ids, its sampling failed).
+    ``draft`` raised, a draft was not token ids, its sampling failed). ``arrived``,
+    ``first_token`` and ``finished`` are ``time.perf_counter()`` times: when :meth:`Generator.add`
+    queued it, when the step that sampled its first token was applied (time to first token:
+    ``first_token - arrived``), when its last continuation ended.
     """
 
     id: int
@@ -205,9 +229,11 @@ class Request:
     finished: float | None = None
     finish_reasons: list[str | None] = field(default_factory=list)
     error: BaseException | None = None
+    first_token: float | None = None
     _owner: Any = field(default=None, init=False, repr=False, compare=False)
     _closed: bool = field(default=False, init=False, repr=False, compare=False)  # cancelled/failed
     _forked: bool = field(default=False, init=False, repr=False, compare=False)  # 1.. were made
+    _counted: bool = field(default=False, init=False, repr=False, compare=False)  # prompt_tokens
 
     @property
     def done(self) -> bool:
@@ -255,6 +281,81 @@ class _Plan:
     rows: list[tuple[_Seq, list[int]]]     # (sequence, tokens it feeds), in the step's order
     admitted: list[_Seq]                   # sequences given a cache id for this step
     decode_only: bool                      # every row one sequence's next token, nothing else
+    cached: int = 0                        # tokens the admissions found in the prefix cache
+
+
+class _Prompts:
+    """Prompts being read (admitted, not yet stored in the prefix cache), as a radix tree of
+    int32 token bytes with a count per node: :meth:`lcp` is the longest common prefix of a
+    query with any of them. Admission defers a prompt that shares more with one being read
+    than with the prefix cache: it is admitted once that one is stored, and reads only what
+    it does not share (so a shared prefix is computed once, even by requests that arrive
+    together)."""
+
+    __slots__ = ("root", "size")
+
+    def __init__(self) -> None:
+        self.root: list = [b"", {}, 0]       # [segment bytes, children by first 4 bytes, count]
+        self.size = 0
+
+    @staticmethod
+    def _common(seg: bytes, qb: bytes, b: int) -> int:
+        """Bytes (a multiple of 4) that seg shares with qb from offset b."""
+        if qb.startswith(seg, b):
+            return len(seg)
+        m = min(len(seg), len(qb) - b) // 4
+        eq = np.frombuffer(seg, _I32, m) == np.frombuffer(qb, _I32, m, b)
+        return 4 * (m if eq.all() else int(eq.argmin()))
+
+    def add(self, qb: bytes) -> None:
+        node = self.root
+        node[2] += 1
+        self.size += 1
+        b = 0
+        while b < len(qb):
+            key = qb[b:b + 4]
+            child = node[1].get(key)
+            if child is None:
+                node[1][key] = [qb[b:], {}, 1]
+                return
+            k = self._common(child[0], qb, b)
+            if k < len(child[0]):                     # split the child at k
+                seg = child[0]
+                upper = [seg[:k], {seg[k:k + 4]: child}, child[2]]
+                child[0] = seg[k:]
+                node[1][key] = upper
+                child = upper
+            child[2] += 1
+            node = child
+            b += k
+
+    def remove(self, qb: bytes) -> None:
+        node = self.root
+        node[2] -= 1
+        self.size -= 1
+        b = 0
+        while b < len(qb):
+            key = qb[b:b + 4]
+            child = node[1][key]
+            child[2] -= 1
+            if child[2] == 0:
+                del node[1][key]
+                return
+            node = child
+            b += len(child[0])
+
+    def lcp(self, qb: bytes) -> int:
+        node, b = self.root, 0
+        while b < len(qb):
+            child = node[1].get(qb[b:b + 4])
+            if child is None:
+                break
+            k = self._common(child[0], qb, b)
+            b += k
+            if k < len(child[0]):
+                break
+            node = child
+        return b // 4
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -293,6 +394,33 @@ class Generator:
     ``max_new_tokens``) at the cost of preemptions. When nothing runs, the first waiting
     sequence is admitted whatever it needs, so there is always progress.
 
+    ``prefix_cache`` (default True) keeps computed prefixes for later requests
+    (:class:`cellcache.PrefixCache`, ``gen.prefix``): True, False (off), a mapping of
+    PrefixCache options (``policy``: ``"lru"``, ``"lfu"``, ``"priority"`` or a callable;
+    ``max_seqs``: the ids its tree may hold; ``on_event``), or a PrefixCache over ``cache``.
+    A waiting sequence is matched against it (``match(tokens, max_len=len - 1)``: one
+    token is always fed, for its logits) and reads only the uncached tail; its prompt is
+    stored once the step that placed the prompt's last token is applied, and its prompt
+    and output (every token in the cache) when it ends, whatever the reason; a waiting
+    prompt that shares more with a prompt being read than with the cache waits until that
+    one is stored, so a shared prefix is computed once. The prefix a running request uses
+    is pinned; cached prefixes are evicted when cells run short, before a running request
+    is preempted, and when no sequence id is free. When the Generator builds the cache it
+    gives it ``max_seqs`` ids for running sequences plus the prefix cache's budget (its
+    ``max_seqs`` option, default ``max_seqs``); with a cache given, the budget defaults to
+    half the ids not live. ``admission``: ``"fifo"`` (default) or ``"lpm"`` (the waiting
+    sequence with the longest cached prefix first, ties in arrival order; preempted ones stay
+    first; FIFO without a prefix cache). Call ``gen.prefix.clear()`` only while nothing
+    runs (pins of running requests go with it).
+
+    ``stats``: ``steps``, ``tokens_in`` (every row fed), ``tokens_out``, ``preempted``,
+    ``forks``, ``drafted``, ``accepted``, ``graph_steps``, and for prompts ``prompt_tokens``
+    (each request's prompt, counted at its first admission), ``cached_tokens`` (tokens an
+    admission found in the prefix cache) and ``computed_tokens`` (tokens fed as prompt
+    chunks, recomputes after preemption included): when every prompt is read once (no
+    preemption, no fork waiting for an id) ``prompt_tokens == cached_tokens +
+    computed_tokens``.
+
     One thread steps a Generator: :meth:`step` (and :meth:`run`) from a second thread while
     a step runs, or from inside an ``on_token``/``draft`` callback, raises InvalidState
     and changes nothing. :meth:`add` and :meth:`cancel` are safe from any thread and from
@@ -310,7 +438,9 @@ class Generator:
     def __init__(self, model: Any, cache: CellCache | None = None, *, capacity: int = 1 << 15,
                  max_batch_tokens: int = 512, max_seqs: int = 256, prefill_chunk: int = 256,
                  graphs: bool | None = None, buckets: list[int] | None = None,
-                 eos: Sequence[int] | None = None, reserve: float = 1.0):
+                 eos: Sequence[int] | None = None, reserve: float = 1.0,
+                 prefix_cache: bool | PrefixCache | Mapping[str, Any] = True,
+                 admission: str = "fifo"):
         prefill_chunk = check_int(prefill_chunk, "prefill_chunk", 1)
         reserve = _real(reserve, "reserve")
         if not 0 <= reserve <= 1:
@@ -321,11 +451,51 @@ class Generator:
         eos_ids = _token_ids(eos, "eos", None, allow_empty=True)
         if cache is not None and not isinstance(cache, CellCache):
             raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
+        if not isinstance(admission, str) or admission not in ADMISSION_POLICIES:
+            raise InvalidArgument(f"admission={admission!r} is not one of {', '.join(ADMISSION_POLICIES)}")
+        prefix_opts: dict[str, Any] | None = None
+        given: PrefixCache | None = None
+        if isinstance(prefix_cache, PrefixCache):
+            given = prefix_cache
+            if cache is None and isinstance(given.cache, CellCache):
+                cache = given.cache
+            if given.cache is not cache:
+                raise InvalidArgument("prefix_cache is a PrefixCache over another cache; give one "
+                                      "over this Generator's cache (or True to have it built)")
+        elif isinstance(prefix_cache, (bool, np.bool_)):
+            prefix_opts = {} if prefix_cache else None
+        elif isinstance(prefix_cache, Mapping):
+            prefix_opts = dict(prefix_cache)
+            unknown = sorted(str(k) for k in prefix_opts if k not in _PREFIX_OPTIONS)
+            if unknown:
+                raise InvalidArgument(f"prefix_cache options {', '.join(unknown)} are unknown; "
+                                      f"give {', '.join(_PREFIX_OPTIONS)}")
+            if "max_seqs" in prefix_opts:
+                prefix_opts["max_seqs"] = check_int(prefix_opts["max_seqs"], "prefix_cache max_seqs", 1)
+        else:
+            raise InvalidArgument(f"prefix_cache of type {type(prefix_cache).__name__} is not a bool, "
+                                  "a mapping of PrefixCache options or a PrefixCache")
         if cache is None:
-            cfg = cache_config(model, capacity=capacity, max_write=max_batch_tokens, max_seqs=max_seqs)
+            max_seqs = check_int(max_seqs, "max_seqs", 1)
+            ids = max_seqs
+            if prefix_opts is not None:
+                prefix_opts.setdefault("max_seqs", max_seqs)
+                ids += prefix_opts["max_seqs"]
+            cfg = cache_config(model, capacity=capacity, max_write=max_batch_tokens, max_seqs=ids)
             cache = build("cuda" if model.device.type == "cuda" else "host", "batched", cfg)
+        if prefix_opts is not None:                    # refused here before the model is touched
+            if "max_seqs" not in prefix_opts:           # half the ids nobody holds yet
+                left = cache.max_seqs - len(cache.live_seqs())
+                prefix_opts["max_seqs"] = max(1, left // 2)
+            prefix_opts["max_seqs"] = min(prefix_opts["max_seqs"], cache.max_seqs)
+            given = PrefixCache(cache, **prefix_opts)
         self.model, self.cache = model, cache
         self.runner = attach(model, cache, graphs=graphs, buckets=buckets)
+        #: The prefix cache (None when off).
+        self.prefix: PrefixCache | None = given
+        self.admission = admission
+        self._pending = _Prompts()
+        self._later: list[BaseException] = []      # prefix-cache callback errors, raised at step end
         vocab = getattr(self.runner, "vocab", None)
         self.vocab: int | None = vocab if isinstance(vocab, int) else _vocab_size(model)
         self.max_batch = cache.config.max_write
@@ -336,7 +506,8 @@ class Generator:
         self.waiting: list[_Seq] = []          # no cache id yet (new, or preempted)
         self.running: list[_Seq] = []
         self.stats = {"steps": 0, "tokens_in": 0, "tokens_out": 0, "preempted": 0,
-                      "forks": 0, "drafted": 0, "accepted": 0, "graph_steps": 0}
+                      "forks": 0, "drafted": 0, "accepted": 0, "graph_steps": 0,
+                      "prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0}
         self._ids = 0
         self._stamps = 0
         # _step_lock: held by the stepping thread (others are refused); _state_lock: held
@@ -387,11 +558,11 @@ class Generator:
                 f"a prompt of {len(ids)} tokens with max_new_tokens={sampling.max_new_tokens} needs "
                 f"{need} cells (its prompt and every output token but the last); the cache has "
                 f"capacity={cfg.capacity}: shorten the prompt or max_new_tokens, or build a larger cache")
-        if cfg.paged and need > cfg.kv_entries:
+        if cfg.paged and need > cfg.max_kv:
             raise InvalidArgument(
                 f"a prompt of {len(ids)} tokens with max_new_tokens={sampling.max_new_tokens} reads "
                 f"{need} kv entries in its last step; the cache's paged view holds "
-                f"max_kv={cfg.kv_entries}: build the cache with a larger max_kv")
+                f"max_kv={cfg.max_kv}: build the cache with a larger max_kv")
         n = sampling.n
         with self._queue_lock:
             req = Request(self._ids, ids, sampling, on_token, draft, draft_k if draft is not None else 0,
@@ -464,15 +635,112 @@ class Generator:
                 self._end(req, "cancelled")
 
     # -- ending sequences and requests --------------------------------------------------------------
-    def _free(self, s: _Seq) -> None:
-        """Gives back s's cache id and cells; s is then a sequence to be read from scratch."""
+    def _free(self, s: _Seq, store: bool = False) -> None:
+        """Gives back s's cache id and cells; s is then a sequence to be read from scratch.
+        ``store``: s ends, its tokens in the cache go to the prefix cache first."""
+        if s.pending is not None:
+            self._pending.remove(s.pending)
+            s.pending = None
+        pc = self.prefix
+        if pc is not None:
+            if store and s.sid is not None and s.in_cache > 0:
+                self._pcall(0, pc.insert, s.sid, self._tokens(s)[:s.in_cache])
+            for arr, n in s.pins:
+                try:
+                    pc.unpin(arr, n)
+                except CellCacheError:                # the tree was cleared or forgotten meanwhile
+                    pass
+        s.pins, s.stored = [], False
         if s.sid is not None:
             self.cache.seq_rm(s.sid)
         s.sid, s.in_cache, s.drafts = None, 0, []
 
+    # -- the prefix cache --------------------------------------------------------------------------
+    def _pcall(self, default: Any, fn: Callable, *args: Any, **kw: Any) -> Any:
+        """A prefix-cache operation that changes it. An exception (from a user's ``on_event``:
+        the prefix cache is consistent when it propagates) is kept and raised when the step
+        is complete; ``default`` stands for the lost result."""
+        try:
+            return fn(*args, **kw)
+        except Exception as e:
+            self._later.append(e)
+            return default
+
+    @staticmethod
+    def _tokens(s: _Seq) -> np.ndarray:
+        """s's tokens as int32 (tokens only grow: extended, not rebuilt)."""
+        arr, n = s.arr, len(s.tokens)
+        if arr is None or len(arr) != n:
+            if arr is None or len(arr) > n:
+                arr = np.array(s.tokens, dtype=_I32)
+            else:
+                arr = np.concatenate([arr, np.array(s.tokens[len(arr):], dtype=_I32)])
+            s.arr = arr
+        return arr
+
+    def _evict(self, cells: int) -> int:
+        """Asks the prefix cache for ``cells`` cells; returns those freed."""
+        if self.prefix is None or cells <= 0:
+            return 0
+        before = self.cache.free_cells
+        self._pcall(0, self.prefix.evict, cells)
+        return self.cache.free_cells - before
+
+    def _evict_for(self, arr: np.ndarray, hit: int, cells: int, partial: bool) -> int:
+        """Evicts for a waiting sequence (tokens ``arr``) that would hit ``hit`` tokens,
+        keeping those: ``cells`` cells, or (``partial`` False) nothing unless the prefix cache
+        can give them all. Returns the cells freed."""
+        pc = self.prefix
+        if pc is None or cells <= 0:
+            return 0
+        held = pc.pin(arr, max_len=hit) if hit else 0
+        try:
+            if not partial and pc.evictable_tokens(cells) < cells:
+                return 0
+            return self._evict(cells)
+        finally:
+            if held:
+                try:
+                    pc.unpin(arr, held)
+                except CellCacheError:                # the tree was forgotten meanwhile
+                    pass
+
+    def _obtain(self, w: _Seq, arr: np.ndarray, hit: int) -> tuple[int | None, int]:
+        """A cache id for w: a clone holding its cached prefix (pinned) when ``hit``, else a
+        new one; a prefix-cache leaf is evicted when no id is free. (None, 0) if none is had."""
+        pc = self.prefix
+        for attempt in range(2):
+            if hit and pc is not None:
+                sid, n = self._pcall((None, 0), pc.match, arr, max_len=len(arr) - 1, pin=True)
+                if sid is not None:
+                    if n:
+                        w.pins.append((arr, n))
+                    return sid, n
+            sid = self.cache.seq_new()
+            if sid is not None:
+                return sid, 0
+            if pc is None or attempt:
+                break
+            self._pcall(0, pc.evict, n_ids=1)
+        return None, 0
+
+    def _store_prompt(self, s: _Seq) -> None:
+        """s's prompt has been placed: stored in the prefix cache, and pinned while s runs."""
+        pc = self.prefix
+        assert pc is not None and s.sid is not None
+        p = self._tokens(s)[:len(s.req.prompt)]
+        self._pcall(0, pc.insert, s.sid, p)
+        n = pc.pin(p)
+        if n:
+            s.pins.append((p, n))
+        s.stored = True
+        if s.pending is not None:
+            self._pending.remove(s.pending)
+            s.pending = None
+
     def _finish_seq(self, s: _Seq, reason: str) -> None:
         """Ends continuation s (already out of the queues, or about to be) with reason."""
-        self._free(s)
+        self._free(s, store=True)
         req = s.req
         req.finish_reasons[s.index] = reason
         if s.index == 0 and not req._forked:          # its continuations never started
@@ -491,7 +759,7 @@ class Generator:
             if mine:
                 queue[:] = [s for s in queue if s.req is not req]
                 for s in mine:
-                    self._free(s)
+                    self._free(s, store=True)
         for k, r in enumerate(req.finish_reasons):
             if r is None or k == index:
                 req.finish_reasons[k] = reason
@@ -539,16 +807,19 @@ class Generator:
     def _schedule(self) -> _Plan | None:
         """Chooses and declares the step's rows; None when nothing is left to run.
 
-        Preempts (most recent first) until every running sequence's next token has a cell;
-        a sequence that cannot get one even alone, or a waiting one that cannot be admitted
-        into an idle cache (every free cell or id held outside the generator), ends with
-        "capacity". Each pass preempts or ends a sequence, or declares a step: it returns.
+        Where cells run short the prefix cache evicts first; then it preempts (most recent
+        first) until every running sequence's next token has a cell; a sequence that cannot
+        get one even alone, or a waiting one that cannot be admitted into an idle cache
+        (every free cell or id held outside the generator), ends with "capacity". Each pass
+        evicts, preempts or ends a sequence, or declares a step: it returns.
         """
         preempted = False
         while self.running or self.waiting:
             free = self.cache.free_cells
             decoding = [s for s in self.running if len(s.tokens) - s.in_cache == 1]
             need = min(len(decoding), self.max_batch) if decoding else int(bool(self.running))
+            if need > free:
+                free += self._evict(need - free)      # cached prefixes before running requests
             if need > free:
                 if len(self.running) > 1:
                     self._preempt()
@@ -560,6 +831,7 @@ class Generator:
             if plan is None:
                 self._finish_seq(self.waiting.pop(0), "capacity")
                 continue
+            width = sum(len(feed) for _, feed in plan.rows)
             try:
                 ok = self.cache.declare_step([s.sid for s, feed in plan.rows for _ in feed])
             except StepTooLarge:
@@ -569,6 +841,8 @@ class Generator:
             # the plan fits the free cells and max_kv; only cells taken behind the
             # generator's back (another user of the cache) get here
             self._unadmit(plan.admitted)
+            if self._evict(width - self.cache.free_cells) > 0:
+                continue
             if len(self.running) > 1:
                 self._preempt()
                 preempted = True
@@ -578,12 +852,33 @@ class Generator:
                 self._finish_seq(self.waiting.pop(0), "capacity")
         return None
 
+    def _order_lpm(self) -> None:
+        """Longest cached prefix first (stable: FIFO among equals); preempted sequences (read
+        before) keep the head."""
+        pc = self.prefix
+        if pc is None or len(self.waiting) < 2:
+            return
+
+        def key(w: _Seq) -> tuple[int, int]:
+            arr = self._tokens(w)
+            return (int(w.stamp < 0), -pc.peek(arr, max_len=len(arr) - 1))
+
+        self.waiting.sort(key=key)
+
     def _plan(self, free: int, decoding: list[_Seq], admit: bool) -> _Plan | None:
         """The step's rows within max_batch_tokens, the free cells and max_kv: one token for
         each decoding sequence, their drafts as far as room remains, prompt chunks of
-        running sequences, then admissions (FIFO; see the class docstring for ``reserve``)."""
+        running sequences, then admissions (FIFO or ``lpm``; see the class docstring for
+        ``reserve`` and the prefix cache). The prefix cache evicts for the running
+        sequences' rows, and for an admission only when it can give all it lacks."""
         budget, cells = self.max_batch, free
-        kv = self.cache.config.kv_entries if self.cache.config.paged else 1 << 62
+        kv = self.cache.config.max_kv if self.cache.config.paged else 1 << 62
+        pc = self.prefix
+        if pc is not None and cells < budget:         # room for the running rows first
+            want = len(decoding) + sum(min(len(s.tokens) - s.in_cache, self.prefill_chunk)
+                                       for s in self.running if len(s.tokens) - s.in_cache > 1)
+            got = self._evict(min(want, budget) - cells)
+            cells, free = cells + got, free + got
         chosen: list[_Seq] = []
         for s in decoding:                            # 1. every running sequence's next token
             if budget == 0 or cells == 0:
@@ -600,6 +895,7 @@ class Generator:
             budget, cells, kv = budget - room, cells - room, kv - room
             rows.append((s, [s.tokens[-1]] + s.drafts))
             decode_only &= room == 0
+        cached = 0
         for s in self.running:                        # 3. prompt chunks and recomputes
             pending = len(s.tokens) - s.in_cache
             if pending <= 1:
@@ -611,35 +907,60 @@ class Generator:
             budget, cells, kv = budget - n, cells - n, kv - s.in_cache - n
             decode_only = False
         admitted: list[_Seq] = []
-        if admit:                                     # 4. admissions
+        if admit and self.waiting:                    # 4. admissions
             planned = {id(s): len(feed) for s, feed in rows}
             avail = free - sum(max(planned.get(id(s), 0),
                                    math.ceil(self.reserve * self._remaining(s, s.in_cache)))
                                for s in self.running)
             idle = not self.running
-            while self.waiting and budget > 0 and cells > 0:
-                w = self.waiting[0]
-                own = len(w.tokens) + math.ceil(self.reserve * self._remaining(w, len(w.tokens)))
+            if self.admission == "lpm":
+                self._order_lpm()
+            i = 0
+            while i < len(self.waiting) and budget > 0:
+                w = self.waiting[i]
+                arr = self._tokens(w)
+                L = len(arr)
+                hit = pc.peek(arr, max_len=L - 1) if pc is not None else 0
+                # a prompt being read shares more with w than the cache: w waits for it to be
+                # stored (only while something else runs in this step)
+                if self._pending.size and rows and self._pending.lcp(arr.tobytes()) > hit:
+                    i += 1
+                    continue
+                growth = math.ceil(self.reserve * self._remaining(w, L))
+                own = L - hit + growth                # a hit's cells are allocated already
                 if not (idle and not admitted) and own > avail:
+                    got = self._evict_for(arr, hit, own - avail, partial=False)
+                    cells, avail = cells + got, avail + got
+                    if own > avail:
+                        break                         # FIFO: nothing overtakes it for room
+                n = min(L - hit, self.prefill_chunk, budget, kv - hit)
+                if n > cells:
+                    got = self._evict_for(arr, hit, n - cells, partial=True)
+                    cells, avail = cells + got, avail + got
+                if min(n, cells) < 1:
                     break
-                n = min(len(w.tokens), self.prefill_chunk, budget, cells, kv)
-                if n < 1:
+                sid, hit = self._obtain(w, arr, hit)
+                n = min(L - hit, self.prefill_chunk, budget, cells, kv - hit)
+                if sid is None or n < 1:
+                    w.sid = sid
+                    self._free(w)                     # its pin too
                     break
-                sid = self.cache.seq_new()
-                if sid is None:
-                    break
-                self.waiting.pop(0)
-                w.sid, w.in_cache, w.drafts, w.stamp = sid, 0, [], self._stamps
+                self.waiting.pop(i)
+                w.sid, w.in_cache, w.drafts, w.stamp = sid, hit, [], self._stamps
                 self._stamps += 1
                 self.running.append(w)
                 admitted.append(w)
-                rows.append((w, w.tokens[:n]))
-                budget, cells, kv = budget - n, cells - n, kv - n
-                avail -= own
+                rows.append((w, w.tokens[hit:hit + n]))
+                budget, cells, kv = budget - n, cells - n, kv - hit - n
+                avail -= L - hit + growth
                 decode_only = False
+                cached += hit
+                if pc is not None and hit < len(w.req.prompt):
+                    w.pending = self._tokens(w)[:len(w.req.prompt)].tobytes()
+                    self._pending.add(w.pending)
         if not rows:
             return None
-        return _Plan(rows, admitted, decode_only)
+        return _Plan(rows, admitted, decode_only, cached)
 
     def _unadmit(self, admitted: list[_Seq]) -> None:
         """Takes back this step's admissions: ids freed, back at the queue's head in order."""
@@ -670,13 +991,17 @@ class Generator:
         drafts rewound, forks cloned, finished sequences freed); only then do the
         ``on_token`` callbacks run. If the forward or the sampling raises (a torch error,
         KeyboardInterrupt), the step is rolled back (sequences rewound, this step's
-        admissions requeued) and the exception propagates: step again to go on. If a
+        admissions requeued, their prefix-cache hits dropped and unpinned) and the exception
+        propagates: step again to go on. The prefix cache stores prompts and outputs only
+        once a step is applied; what it evicted while the step was planned stays evicted
+        (eviction drops cached copies, never what a sequence holds). If a
         request's own code raises (its ``on_token`` or ``draft``, a draft that is not token
         ids, its sampling), that request ends with "error" and ``request.error``, the step
         completes for the others, and the first such exception is re-raised at its end.
         Ctrl-C while the generator's own bookkeeping runs (choosing the rows, applying the
         outcomes) is held back until the state is whole, then raised as KeyboardInterrupt
-        (main thread, Python's default SIGINT handler).
+        (main thread, Python's default SIGINT handler). An exception from a prefix cache's
+        ``on_event`` callback is raised the same way, once the step is complete.
 
         Raises InvalidState, changing nothing, when called from inside a callback of a step
         or while another thread is stepping this generator.
@@ -728,6 +1053,9 @@ class Generator:
         self._drain()                                 # and while the callbacks ran
         if interrupted:                               # held back while the step was applied
             raise KeyboardInterrupt
+        if self._later:                               # a prefix-cache on_event callback raised
+            errors += self._later
+            self._later.clear()
         if errors:
             raise errors[0]
         return plan is not None or self.busy
@@ -795,9 +1123,20 @@ class Generator:
             self._rollback(plan, prepared and not committed, saved)
             raise
         with _HoldInterrupts() as held:
-            self.stats["steps"] += 1
-            self.stats["tokens_in"] += len(tokens)
-            self.stats["graph_steps"] += int(decode)
+            st = self.stats
+            st["steps"] += 1
+            st["tokens_in"] += len(tokens)
+            st["graph_steps"] += int(decode)
+            st["cached_tokens"] += plan.cached
+            for s, feed in plan.rows:                 # prompt tokens and recomputes: every row
+                n_tok = len(s.tokens)                 # before the sequence's own next token
+                end = s.in_cache + len(feed)
+                st["computed_tokens"] += max(0, min(end, n_tok - 1) - s.in_cache) + int(
+                    n_tok == len(s.req.prompt) and s.in_cache < n_tok <= end)
+            for s in plan.admitted:
+                if not s.req._counted:
+                    s.req._counted = True
+                    st["prompt_tokens"] += len(s.req.prompt)
             for req, exc in failed:
                 self._fail(req, exc, None, errors)
             events = self._apply(outcomes)
@@ -867,6 +1206,8 @@ class Generator:
         """Advances every sequence by its outcome (no user code runs); returns the tokens
         to deliver, in order."""
         events: list[tuple[Request, int, int]] = []
+        pc = self.prefix
+        now = time.perf_counter()
         for o in outcomes:
             s, req = o.seq, o.seq.req
             if req._closed or s.sid is None:          # its request failed in sampling
@@ -879,12 +1220,17 @@ class Generator:
                 s.tokens.append(tok)
                 events.append((req, s.index, tok))
                 reason = self._ends(req, len(out), tok, self.eos)
+            if o.tokens and req.first_token is None:
+                req.first_token = now
             self.stats["tokens_out"] += len(o.tokens)
             self.stats["accepted"] += o.accepted
             if reason is None and o.keep < s.in_cache + len(o.feed):
                 self._rewind(s, o.keep)               # the rejected drafts
             else:
                 s.in_cache = o.keep
+            if pc is not None and not s.stored and s.sid is not None \
+                    and s.in_cache >= len(req.prompt):
+                self._store_prompt(s)                 # its prompt is whole in the cache now
             if o.forks:
                 req._forked = True
             for child, tok in o.forks:                # clones share the prompt's cells
@@ -897,6 +1243,9 @@ class Generator:
                     self._finish_seq(child, child_reason)
                     continue
                 sid = None if s.sid is None else self.cache.seq_clone(s.sid, len(req.prompt))
+                if sid is None and pc is not None and s.sid is not None:
+                    self._pcall(0, pc.evict, n_ids=1)
+                    sid = self.cache.seq_clone(s.sid, len(req.prompt))
                 if sid is None:                       # no free id: reads its prompt later
                     self.waiting.append(child)
                     continue
@@ -904,6 +1253,12 @@ class Generator:
                 self._stamps += 1
                 self.stats["forks"] += 1
                 self.running.append(child)
+                if pc is not None:                    # the prompt it shares stays cached
+                    p = self._tokens(s)[:len(req.prompt)]
+                    n = pc.pin(p)
+                    if n:
+                        child.pins.append((p, n))
+                    child.stored = True
             if reason is not None:
                 self._finish_seq(s, reason)
         self.running = [s for s in self.running if s.sid is not None]
@@ -1003,6 +1358,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=in_range(64, 1 << 30), default=1 << 16, help="cells (default 65536)")
     p.add_argument("--max-batch-tokens", type=in_range(1, 1 << 16), default=512)
     p.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="read every prompt whole (no reuse of cached prefixes)")
+    p.add_argument("--admission", choices=list(ADMISSION_POLICIES), default="fifo",
+                   help="waiting requests in arrival order, or longest cached prefix first (lpm)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
@@ -1073,7 +1432,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gen = Generator(model, capacity=args.capacity, max_batch_tokens=args.max_batch_tokens,
                         max_seqs=min(4096, max(64, 2 * len(prompts) * args.n)),
-                        graphs=False if args.no_graphs else None)
+                        graphs=False if args.no_graphs else None,
+                        prefix_cache=not args.no_prefix_cache, admission=args.admission)
     except (CellCacheError, MemoryError) as e:
         p.error(f"cannot serve this model with --capacity {args.capacity} on {device}: {_one_line(e)}")
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -1102,7 +1462,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(item)
     summary = {"model": args.model or args.random, "device": device, "requests": len(prompts),
                "tokens_out": out_tokens, "seconds": elapsed, "tokens_per_s": out_tokens / elapsed,
-               **gen.stats}
+               "prefix_cache": gen.prefix is not None, "admission": args.admission, **gen.stats}
     if args.json:
         print(json.dumps({"summary": summary, "results": results}, indent=2))
     else:
@@ -1111,5 +1471,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{item['id']}.{k}] {o}")
         print(f"generate: {len(prompts)} requests, {out_tokens} tokens in {elapsed:.2f} s = "
               f"{out_tokens / elapsed:.1f} tokens/s ({gen.stats['steps']} steps, "
-              f"{gen.stats['graph_steps']} by graph replay, {gen.stats['preempted']} preempted)")
+              f"{gen.stats['graph_steps']} by graph replay, {gen.stats['preempted']} preempted); "
+              f"prompts {gen.stats['prompt_tokens']} tokens: {gen.stats['cached_tokens']} from the "
+              f"prefix cache, {gen.stats['computed_tokens']} computed")
     return 0

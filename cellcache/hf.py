@@ -352,6 +352,12 @@ class ModelRunner:
         self.replays = 0
         self.eager = 0
 
+    @property
+    def graphs(self) -> dict[int, tuple[Any, torch.Tensor]]:
+        """The captured decode graphs by bucket: (``torch.cuda.CUDAGraph``, its logits
+        tensor). A copy: dropping or adding entries changes nothing in the runner."""
+        return dict(self._graphs)
+
     # -- the model's attention setting -------------------------------------------------------
     def reattach(self) -> None:
         """Switches the model (back) to cellcache's attention, checked by one probe forward.

@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from .cache import CellCache, CopyPools, PoolKey, Pools, check_allocator
+from ._views import fill_masks, fill_paged
+from .buffers import step_buffers
+from .cache import CellCache, CopyPools, PoolKey, Pools, check_allocator, check_growth
 from .config import CacheConfig
 from .errors import InvalidArgument, OutOfMemory
 
@@ -74,10 +76,14 @@ class MappedHostPools:
         pass
 
     def close(self) -> None:
-        """Unmaps the reservations; only for pools no array views yet (a failed build)."""
+        """Unmaps the reservations. A mapping that arrays still view (a caller kept a pool)
+        is unmapped when the last of them is dropped instead."""
         maps, self.maps = self.maps, {}
         for m in maps.values():
-            m.close()
+            try:
+                m.close()
+            except BufferError:
+                pass        # exported to live arrays: freed with the last one
 
 
 def _zeros(shape: Any, dtype: Any, what: str) -> np.ndarray:
@@ -91,18 +97,24 @@ def _zeros(shape: Any, dtype: Any, what: str) -> np.ndarray:
 class HostCellCache(CellCache):
     """The cache on numpy arrays; ``buffer(name)`` returns the array itself.
 
-    By default the pools are fixed-address mappings of ``capacity + 1`` rows (the last is
-    the sink row) that commit memory as rows are touched: they never move, so
-    ``Step.grew`` is True only on the first step. Where that address range cannot be
-    reserved (an address-space limit such as ``ulimit -v``, a huge capacity) the cache grows
-    by copy instead, as with an allocator (``metrics()["pools_move"]`` says which). With
-    ``allocator`` (an object with ``allocate(nbytes, what)`` returning a writable contiguous
-    1-D uint8 array of at least ``nbytes`` bytes, and ``release(allocation)``) the pools grow
-    by copying into larger allocations from it, ``rows + 1`` rows each, all or nothing: an
-    allocation that fails or is refused gives back the attempt's others and changes nothing;
-    a ``release`` of the old pools that raises after a growth is a
-    :class:`cellcache.cache.PoolReleaseWarning` and is retried at the next growth. Memory
-    exhausted while building raises :class:`OutOfMemory`.
+    ``growth``: ``"map"`` makes each pool a fixed-address mapping of ``capacity + 1`` rows
+    (the last is the sink row) that commits memory as rows are touched: pools never move,
+    so ``Step.grew`` is True only on the first step; ``"copy"`` grows by allocating larger
+    pools (``rows + 1`` rows each) and copying the live rows, so the pools move at every
+    growth and ``Step.grew`` reports each move (what CUDA does on devices without virtual
+    memory management: a runner can be tested against moving pools on the host);
+    ``"auto"`` (default) maps, and grows by copy where the address range cannot be reserved
+    (an address-space limit such as ``ulimit -v``, a huge capacity).
+    ``metrics()["pools_move"]`` says which.
+
+    ``allocator`` (copy growth; an object with ``allocate(nbytes, what)`` returning a
+    writable contiguous 1-D uint8 array of at least ``nbytes`` bytes, and
+    ``release(allocation)``) gives the copy pools' storage (default: zeroed numpy arrays);
+    with ``growth="auto"`` it selects copy growth. Growth is all or nothing: an allocation
+    that fails or is refused gives back the attempt's others and changes nothing; a
+    ``release`` of the old pools that raises after a growth is a
+    :class:`cellcache.cache.PoolReleaseWarning` and is retried at the next growth (and at
+    ``close()``). Memory exhausted while building raises :class:`OutOfMemory`.
 
     Example
     -------
@@ -119,8 +131,12 @@ class HostCellCache(CellCache):
 
     backend = "host"
 
-    def __init__(self, config: CacheConfig, allocator: Any = None):
+    def __init__(self, config: CacheConfig, growth: str = "auto", allocator: Any = None):
+        self._growth = check_growth(growth)
         self._allocator = check_allocator(allocator)
+        if growth == "map" and allocator is not None:
+            raise InvalidArgument("growth='map' maps the pools and uses no allocator; give the "
+                                  "allocator with growth='copy' (or 'auto')")
         try:
             super().__init__(config)
         except MemoryError as e:          # numpy's, Python's: the library's own error
@@ -130,60 +146,44 @@ class HostCellCache(CellCache):
 
     def _make_pools(self) -> Pools:
         allocator = self._allocator
-        if allocator is None:
+        if allocator is None and self._growth != "copy":
             try:
                 return MappedHostPools(self._row_bytes, self.config.capacity)
             except OutOfMemory:
+                if self._growth == "map":
+                    raise
                 # no room to reserve every row up front (an address-space limit, a huge
                 # capacity): grow by copy instead; Step.grew then reports each move
-                allocator = HostAllocator()
+        allocator = allocator or HostAllocator()
         return CopyPools(self._row_bytes, allocator, _copy_rows,
                          lambda allocation, stream: allocator.release(allocation),
                          _check_allocation)
 
     def _init_step_buffers(self) -> None:
-        cfg = self.config
-        mw, cap = cfg.max_write, cfg.capacity
-        b: dict[str, np.ndarray] = {
-            "cells": _zeros(mw, np.int64, "cells"),
-            "positions": _zeros(mw, np.int64, "positions"),
-            "read_len": _zeros(1, np.int64, "read_len"),
-            "width": _zeros(1, np.int64, "width"),
-        }
-        self._mask_rows: list[np.ndarray] = []
-        if cfg.mask_format != "none":
-            for w in cfg.windows:
-                if cfg.mask_format == "bool":
-                    mask = _zeros((1, 1, mw, cap), np.bool_, f"mask_w{w}")
-                    self._mask_rows.append(mask.reshape(mw, cap))
-                else:
-                    mask = _zeros((mw, (cap + 7) // 8), np.uint8, f"mask_w{w}")
-                    self._mask_rows.append(mask)
-                b[f"mask_w{w}"] = mask
-        if cfg.paged:
-            b["qo_indptr"] = _zeros(mw + 1, np.int32, "qo_indptr")
-            b["kv_indptr"] = _zeros(mw + 1, np.int32, "kv_indptr")
-            b["kv_indices"] = _zeros(cfg.kv_entries + mw, np.int32, "kv_indices")
-            b["kv_last_page_len"] = _zeros(mw, np.int32, "kv_last_page_len")
-            b["kv_last_page_len"][:] = 1
-        self._buffers = b
-        self._windows = list(cfg.windows)
+        self._mask_rows: list[np.ndarray] = []      # each mask as [max_write, row bytes]
+        self._windows: list[int] = []
+        for spec in step_buffers(self.config):
+            buf = _zeros(spec.shape, spec.dtype, spec.name)
+            if spec.fill:
+                buf[...] = spec.fill
+            if spec.role == "mask":
+                self._mask_rows.append(buf.reshape(self.config.max_write, -1))
+                self._windows.append(spec.window)  # type: ignore[arg-type]
+            self._buffers[spec.name] = buf
         self._pools_changed()
 
     def _pools_changed(self) -> None:
-        dtype = self.config.np_dtype
         pools = self._pools
-        for (i, kv), nbytes in self._row_bytes.items():
-            layer = self.config.layers[i]
+        for key, nbytes in self._row_bytes.items():
             if isinstance(pools, MappedHostPools):
-                raw = np.frombuffer(pools.maps[(i, kv)], dtype=np.uint8)
+                raw = np.frombuffer(pools.maps[key], dtype=np.uint8)
             elif isinstance(pools, CopyPools) and pools.rows:
-                raw = pools.allocations[(i, kv)][:(pools.rows + 1) * nbytes]
+                raw = pools.allocations[key][:(pools.rows + 1) * nbytes]
             else:
                 raw = np.zeros(0, np.uint8)
-            rows = raw.nbytes // nbytes
-            self._buffers[f"layer_{i}_{kv}"] = raw.view(dtype).reshape(
-                rows, layer.n_kv_heads, layer.head_dim)
+            view_rows = raw.nbytes // nbytes
+            spec = self._pool_view(key, view_rows - 1 if view_rows else None)
+            self._buffers[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
 
     def _write_step(self, width: int, pad_to: int, read_len: int, stream: int) -> tuple:
         b = self._buffers
@@ -195,24 +195,15 @@ class HostCellCache(CellCache):
         b["read_len"][0] = read_len
         b["width"][0] = width
         if self._mask_rows:
-            self._table.fill_masks(self._seq_ids[:width], self._positions[:width], read_len,
-                                   self._windows, self._mask_rows, pad_to=pad_to,
-                                   bits=self.config.mask_format == "bits")
+            fill_masks(self._table, self._seq_ids[:width], self._positions[:width], read_len,
+                       self._windows, self._mask_rows, pad_to=pad_to,
+                       bits=self.config.mask_format == "bits")
         if not self.config.paged:
             return 0, None, None
-        n_runs, _ = self._table.fill_paged(self._seq_ids[:width], self._positions[:width],
-                                           pad_to, sink, b["qo_indptr"], b["kv_indptr"],
-                                           b["kv_indices"])
+        n_runs, _ = fill_paged(self._table, self._seq_ids[:width], self._positions[:width],
+                               pad_to, sink, b["qo_indptr"], b["kv_indptr"], b["kv_indices"])
         n = n_runs + pad_to - width
         return n_runs, b["qo_indptr"][:n + 1].copy(), b["kv_indptr"][:n + 1].copy()
-
-    def buffer(self, name: str) -> np.ndarray:
-        """The named buffer (see ``buffer_names``): the live numpy array, not a copy."""
-        with self._lock:
-            try:
-                return self._buffers[name]
-            except (KeyError, TypeError):
-                raise self._unknown_buffer(name) from None
 
 
 def _copy_rows(src: np.ndarray, dst: np.ndarray, nbytes: int, stream: int) -> None:

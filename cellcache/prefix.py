@@ -577,6 +577,33 @@ class PrefixCache:
             freed = self._evict_locked(n_cells, n_ids, ())
             return freed
 
+    def evictable_tokens(self, limit: int | None = None) -> int:
+        """Tokens in subtrees that hold no pin: what :meth:`evict` can take now, and so about
+        the cells it can free (a leaf holding its own copy of a prefix frees more; cells that
+        a caller's sequence shares without a pin are counted but stay). Counting stops once
+        ``limit`` is reached. O(nodes), nothing changes: an admission policy asks it only
+        when free cells run short."""
+        lim = None if limit is None else check_int(limit, "limit", 0, None)
+        with self._lock:
+            if not self._pins or lim is not None and lim <= 0:
+                return self._cached if lim is None else min(self._cached, lim)
+            order: list[PrefixNode] = []
+            stack = list(self._root.children.values())
+            while stack:
+                node = stack.pop()
+                order.append(node)
+                stack.extend(node.children.values())
+            blocked: set[int] = set()
+            total = 0
+            for node in reversed(order):            # every child before its parent
+                if node.pins or id(node) in blocked:
+                    blocked.add(id(node.parent))
+                    continue
+                total += node.n_tokens
+                if lim is not None and total >= lim:
+                    return lim
+            return total
+
     def _evictable(self, node: PrefixNode, protect: Any) -> bool:
         return node.seq is not None and not node.pins and node not in protect
 

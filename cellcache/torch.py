@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ._checks import check_int
+from .buffers import PAGED_ROLES, step_buffers
 from .cache import CellCache, Step
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
@@ -77,11 +78,12 @@ def as_tensor(buffer: Any) -> torch.Tensor:
 class TorchView:
     """Torch tensors over a cache's buffers, by role rather than by name.
 
-    ``cells``, ``positions``, ``read_len``, ``width`` (int64), ``masks[window]``
+    The roles are the schema's (:func:`cellcache.buffers.step_buffers`): ``cells``,
+    ``positions``, ``read_len``, ``width`` (int64) as attributes, ``masks[window]``
     (``[max_write, capacity]`` bool, or ``[max_write, ceil(capacity / 8)]`` uint8 bits),
-    the paged view's ``qo_indptr``, ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``
-    (int32), and per layer its K and V pools ``[sink + 1, n_kv_heads, head_dim]``
-    (:meth:`layer`).
+    ``paged[role]`` for the paged view's ``qo_indptr``, ``kv_indptr``, ``kv_indices``,
+    ``kv_last_page_len`` (int32), and per layer its K and V pools
+    ``[sink + 1, n_kv_heads, head_dim]`` (:meth:`layer`).
 
     Pools that grow by copying move at every growth (``Step.grew``): :meth:`stale` says
     whether they moved since the views were built, :func:`attention` refreshes a stale view
@@ -97,8 +99,12 @@ class TorchView:
         self.cache = cache
         self.config = cache.config
         self.cuda = cache.backend == "cuda"
-        self._kernels = None
+        self._kernels: Any = None
         self._pools_generation = -1
+        # FlashInfer (backend="flashinfer"): the planned wrapper with the key it was planned
+        # for, and its workspace; built on first use
+        self._flashinfer: tuple[tuple, Any] | None = None
+        self._flashinfer_workspace: torch.Tensor | None = None
         self.generation = 0
         self.refresh()
 
@@ -113,17 +119,21 @@ class TorchView:
         """Rebuilds the views (pools that moved: a copy growth, ``Step.grew``)."""
         c, cfg = self.cache, self.config
         generation = c.pools_generation
-        t = {name: as_tensor(c.buffer(name)) for name in c.buffer_names}
-        self.cells, self.positions = t["cells"], t["positions"]
-        self.read_len, self.width = t["read_len"], t["width"]
-        self.masks = {}
-        if cfg.mask_format != "none":
-            for w in cfg.windows:
-                m = t[f"mask_w{w}"]
-                self.masks[w] = m.view(cfg.max_write, -1)
-        self.paged = {name: t[name] for name in ("qo_indptr", "kv_indptr", "kv_indices",
-                                                  "kv_last_page_len") if name in t}
-        self.pools = [(t[f"layer_{i}_k"], t[f"layer_{i}_v"]) for i in range(len(cfg.layers))]
+        scalars: dict[str, torch.Tensor] = {}
+        self.masks: dict[int, torch.Tensor] = {}
+        self.paged: dict[str, torch.Tensor] = {}
+        for spec in step_buffers(cfg):
+            t = as_tensor(c.buffer(spec.name))
+            if spec.role == "mask":
+                self.masks[spec.window] = t.view(cfg.max_write, -1)  # type: ignore[index]
+            elif spec.role in PAGED_ROLES:
+                self.paged[spec.role] = t
+            else:
+                scalars[spec.role] = t
+        self.cells, self.positions = scalars["cells"], scalars["positions"]
+        self.read_len, self.width = scalars["read_len"], scalars["width"]
+        self.pools = [(as_tensor(lay.k), as_tensor(lay.v))
+                      for lay in (c.layer(i) for i in range(len(cfg.layers)))]
         self.device = self.cells.device
         self._arange = torch.arange(self.pools[0][0].shape[0], device=self.device)
         self._pools_generation = generation
@@ -142,12 +152,16 @@ class TorchView:
         return {"qo_indptr": p["qo_indptr"].data_ptr(), "kv_indptr": p["kv_indptr"].data_ptr(),
                 "kv_indices": p["kv_indices"].data_ptr(), "width": self.width.data_ptr()}
 
-    def kernels(self):
-        """cellcache's attention kernels for this cache (CUDA), loaded once."""
+    def kernels(self) -> Any:
+        """cellcache's attention kernels for this cache (CUDA): the cache's own
+        (``CudaCellCache.attention_kernels()``, released when it closes)."""
         if self._kernels is None:
-            from .cuda.kernels import kernels_for
+            from .cuda.backend import CudaCellCache
 
-            self._kernels = kernels_for(self.cache)
+            if not isinstance(self.cache, CudaCellCache):
+                raise InvalidArgument(f"a {self.cache.backend} cache has no attention kernels; "
+                                      "they need a CUDA cache")
+            self._kernels = self.cache.attention_kernels()
         return self._kernels
 
 
@@ -329,12 +343,13 @@ def _flashinfer(view, layer, q, k_pool, v_pool, window, step, scale):
     lc = view.config.layers[layer]
     T, H, D = q.shape
     n = step.n_requests
-    key = (n, T, window, H)
-    cache = getattr(view, "_fi", None)
-    if cache is None or cache[0] != (step.qo_indptr.tobytes(), step.kv_indptr.tobytes(), key):
-        ws = getattr(view, "_fi_workspace", None)
+    key = (step.qo_indptr.tobytes(), step.kv_indptr.tobytes(), (n, T, window, H))
+    planned = view._flashinfer
+    if planned is None or planned[0] != key:
+        ws = view._flashinfer_workspace
         if ws is None:
-            ws = view._fi_workspace = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
+            ws = view._flashinfer_workspace = torch.empty(256 << 20, dtype=torch.uint8,
+                                                          device=q.device)
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
         dev = q.device
         wrapper.plan(torch.as_tensor(step.qo_indptr, device=dev),
@@ -342,6 +357,6 @@ def _flashinfer(view, layer, q, k_pool, v_pool, window, step, scale):
                      view.paged["kv_indices"], view.paged["kv_last_page_len"][:n],
                      H, lc.n_kv_heads, D, 1, causal=True, window_left=window - 1 if window else -1,
                      sm_scale=scale, q_data_type=k_pool.dtype, kv_data_type=k_pool.dtype)
-        view._fi = cache = ((step.qo_indptr.tobytes(), step.kv_indptr.tobytes(), key), wrapper)
-    out = cache[1].run(q.to(k_pool.dtype).contiguous(), (k_pool[:, None], v_pool[:, None]))
+        view._flashinfer = planned = (key, wrapper)
+    out = planned[1].run(q.to(k_pool.dtype).contiguous(), (k_pool[:, None], v_pool[:, None]))
     return out

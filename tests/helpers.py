@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from cellcache import CacheConfig, CellTable, LayerConfig, OutOfMemory, ReferenceTable
+from cellcache._views import fill_masks
 from cellcache.host import HostAllocator
 
 TABLES = [CellTable, ReferenceTable]
@@ -45,8 +46,8 @@ def mask_strings(table, seq_ids, positions, read_len, window) -> list[str]:
         return ["".join("1" if x else "0" for x in row) for row in rows]
     width = len(seq_ids)
     out = np.full((width, max(read_len, 1)), 7, dtype=np.uint8)  # poisoned: every cell written?
-    table.fill_masks(
-        np.asarray(seq_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+    fill_masks(
+        table, np.asarray(seq_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
         read_len, [window], [out])
     assert set(np.unique(out[:, :read_len]).tolist()) <= {0, 1}
     return ["".join(str(int(x)) for x in row[:read_len]) for row in out]
@@ -94,7 +95,7 @@ def state(cache):
     """Everything observable: table, pools, step buffers, declaration, metrics."""
     cache.check_invariants()
     return {
-        "table": cache._table.snapshot(),
+        "table": cache.table.snapshot(),
         "metrics": cache.metrics(),
         "buffers": {n: cache.buffer(n).copy() for n in cache.buffer_names},
         "pool_ptrs": [cache.buffer(n).ctypes.data for n in cache.buffer_names if n.startswith("layer")],
@@ -168,7 +169,7 @@ def compare_step(host, dev, hs, ds, cfg):
 
 def live_rows_equal(host, dev):
     """Every live cell's K/V row agrees (host pools vs device pools)."""
-    t = host._table
+    t = host.table
     live = np.flatnonzero(t.positions_array() >= 0)
     for i in range(len(host.config.layers)):
         lay_h, lay_d = host.layer(i), dev.layer(i)

@@ -115,7 +115,7 @@ class CacheMachine(RuleBasedStateMachine):
     def agree(self):
         if hasattr(self, "cache"):
             self.cache.check_invariants()
-            assert self.cache._table.snapshot() == self.ref.snapshot()
+            assert self.cache.table.snapshot() == self.ref.snapshot()
             # exactly the current pools are held: growth released what it replaced
             assert self.alloc.live == (4 if self.cache.rows else 0)
 

@@ -68,7 +68,7 @@ def test_config_normalises_what_it_is_given():
     assert config(layers=[LayerConfig(1, 1, 5), LayerConfig(1, 1, 0), LayerConfig(1, 1, 5)]).windows == (0, 5)
     a, b = config(dtype=np.dtype("float16")), config(dtype="float16")
     assert a == b and hash(a) == hash(b) and a.dtype == "float16"
-    assert config(paged=True).max_kv == 4 * 32 + 9 and config(paged=True, max_kv=7).kv_entries == 7
+    assert config(paged=True).max_kv == 4 * 32 + 9 and config(paged=True, max_kv=7).max_kv == 7
 
 
 def test_config_limits_of_the_paged_view():

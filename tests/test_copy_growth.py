@@ -96,7 +96,7 @@ def test_an_allocation_of_the_wrong_shape_or_dtype_changes_nothing(bad, k):
         cache.prepare_step()
     assert_same(state(cache), before)
     assert alloc.live == live_before                 # the attempt gave back all it took
-    assert cache._table.declared == [a] * 5
+    assert cache.table.declared == [a] * 5
     step = cache.prepare_step()                      # the same step, retried, succeeds
     cache.commit_step()
     assert step.grew and cache.rows == 8 and cache.sink == 8
@@ -200,7 +200,7 @@ def test_an_interrupt_after_the_switch_leaves_a_consistent_cache(monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pools, "_retire", interrupted)
-    table_before = cache._table.snapshot()
+    table_before = cache.table.snapshot()
     with pytest.raises(KeyboardInterrupt):
         cache.prepare_step()
     assert cache.rows == 8 and cache.sink == 8
@@ -209,7 +209,7 @@ def test_an_interrupt_after_the_switch_leaves_a_consistent_cache(monkeypatch):
     for (i, kv), allocation in pools.allocations.items():
         view = cache.buffer(f"layer_{i}_{kv}")
         assert view.shape[0] == 9 and np.shares_memory(view, allocation)
-    assert cache._table.snapshot() == table_before                  # nothing placed
+    assert cache.table.snapshot() == table_before                  # nothing placed
     monkeypatch.undo()
     step = cache.prepare_step()                                     # the retry succeeds
     cache.commit_step()

@@ -69,7 +69,20 @@ def check_consistent(gen, foreign=()):
         sids.append(s.sid)
     for s in gen.waiting:
         assert s.sid is None and s.in_cache == 0 and s.req.finish_reasons[s.index] is None
-    assert sorted(sids + list(foreign)) == cache.live_seqs()
+    tree = gen.prefix.owned_seqs() if gen.prefix is not None else []
+    if gen.prefix is not None:
+        gen.prefix.check_invariants()
+    assert sorted(sids + list(foreign) + tree) == cache.live_seqs()
+
+
+def idle(gen):
+    """Nothing runs: the cache holds only the prefix cache's sequences (cached prompts and
+    outputs); once it is cleared, nothing."""
+    tree = gen.prefix.owned_seqs() if gen.prefix is not None else []
+    assert gen.cache.live_seqs() == tree
+    if gen.prefix is not None:
+        gen.prefix.clear()
+    return gen.cache.live_seqs() == [] and gen.cache.free_cells == gen.cache.capacity
 
 
 def snapshot(gen):
@@ -87,7 +100,7 @@ def run_through(gen, exc_type, *, expect_raise=True):
         check_consistent(gen)
     gen.run()
     check_consistent(gen)
-    assert gen.cache.live_seqs() == [] and gen.cache.free_cells == gen.cache.capacity
+    assert idle(gen)
 
 
 # -- 1. failures inside a step --------------------------------------------------------------------
@@ -387,7 +400,7 @@ def test_one_stepping_thread_while_others_add_and_cancel(model, prompts):
     check_consistent(gen)
     gen.run()
     assert [first.outputs[0], late.outputs[0]] == clean(model, [prompts[0], prompts[2]])
-    assert gen.cache.live_seqs() == []
+    assert idle(gen)
 
 
 # -- 3. requests that cannot fit ---------------------------------------------------------------
@@ -439,6 +452,7 @@ def test_cells_held_outside_the_generator_end_a_request_with_capacity(model, pro
     assert big.outputs[0] == clean(model, [list(range(30))], n_new=20)[0][:len(big.outputs[0])]
     assert small.outputs[0] == clean(model, [prompts[0]])[0] and small.finish_reasons == ["length"]
     check_consistent(gen, foreign=[other])
+    gen.prefix.clear()
     assert cache.free_cells == 32
 
 
@@ -632,7 +646,7 @@ def test_cancel_from_callbacks(model, prompts):
                                                 ["length"]]
     assert all(r.error is None for r in reqs)
     assert [reqs[0].outputs[0], reqs[4].outputs[0]] == clean(model, [prompts[0], prompts[4]])
-    assert gen.cache.live_seqs() == []
+    assert idle(gen)
 
 
 def test_cancel_refuses_what_is_not_its_request(model):

@@ -62,6 +62,8 @@ def test_greedy_equals_hf_generate_with_arrivals_chunks_and_preemption(model_and
     assert [r.outputs[0] for r in reqs] == refs
     assert gen.stats["preempted"] > 0 and gen.stats["tokens_out"] == N_NEW * len(prompts)
     gen.cache.check_invariants()
+    assert gen.cache.live_seqs() == gen.prefix.owned_seqs()      # cached prompts and outputs
+    gen.prefix.clear()
     assert gen.cache.live_seqs() == [] and gen.cache.free_cells == gen.cache.capacity
 
 
@@ -201,14 +203,18 @@ def test_generate_usage_errors(args, fragment):
     assert len(lines) == 1 and fragment in lines[0], r.stderr
 
 
-def test_copy_growth_moves_the_pools_and_outputs_stay_exact(model_and_refs):
-    """Pools that grow by copying move at every growth: the runner's view follows them
-    (refreshed before the forward that first sees them), so the output is still HF's."""
+@pytest.mark.parametrize("growth", ["copy", "allocator"])
+def test_copy_growth_moves_the_pools_and_outputs_stay_exact(model_and_refs, growth):
+    """Pools that grow by copying (``growth="copy"``, or a user allocator) move at every
+    growth: the runner, built before the first step, follows them (its view is refreshed
+    before the forward that first sees them), so the output is still HF's."""
     from cellcache.host import HostAllocator
 
     model, prompts, refs = model_and_refs
     cfg = cchf.cache_config(model, capacity=400, max_write=16, max_seqs=16, initial_capacity=4)
-    cache = HostCellCache(cfg, allocator=HostAllocator())
+    cache = (HostCellCache(cfg, growth="copy") if growth == "copy"
+             else HostCellCache(cfg, allocator=HostAllocator()))
+    assert cache.metrics()["pools_move"] is True
     gen = Generator(model, cache, prefill_chunk=7, eos=[])
     assert gen.runner.view.layer(0)[0].shape[0] == 0           # no pool rows before the first step
     reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW)) for p in prompts]

@@ -116,7 +116,7 @@ def test_host_cache_matches_the_reference_over_a_random_session():
             assert cache.buffer("kv_indices")[:len(indices)].tolist() == indices
             cache.commit_step()
         cache.check_invariants()
-        assert cache._table.snapshot() == ref.snapshot()
+        assert cache.table.snapshot() == ref.snapshot()
 
 
 def test_paged_view_too_large_is_refused_at_declare():
@@ -128,6 +128,6 @@ def test_paged_view_too_large_is_refused_at_declare():
     with pytest.raises(StepTooLarge, match="need 11 entries; the paged view holds max_kv=10"):
         cache.declare_step([a, a, b, b, b])
     assert_same(state(cache), before)
-    assert cache._table.declared is None
+    assert cache.table.declared is None
     assert isinstance(StepTooLarge("x"), InvalidArgument)
     assert cache.declare_step([a, a, b]) is True           # 8 + 1 entries fit

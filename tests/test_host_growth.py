@@ -59,7 +59,7 @@ def test_live_rows_survive_growth_and_step_buffers_never_move(growth):
         pool_ptrs.append(cache.buffer("layer_0_k").ctypes.data)
         for n, ptr in fixed.items():
             assert cache.buffer(n).ctypes.data == ptr, n
-        t = cache._table
+        t = cache.table
         for layer in range(2):
             for kv in "kv":
                 pool = cache.buffer(f"layer_{layer}_{kv}")
@@ -98,7 +98,7 @@ def test_injected_failure_at_every_allocation_of_a_growth():
             cache.prepare_step()
         assert_same(state(cache), before)
         assert alloc.live == live_before        # what the attempt allocated was released
-        assert cache._table.declared == [a] * 5  # the declaration survives
+        assert cache.table.declared == [a] * 5  # the declaration survives
         step = cache.prepare_step()             # the retry succeeds
         cache.commit_step()
         assert step.grew and cache.rows == 8 and cache.metrics()["growth_count"] == 1

@@ -83,7 +83,7 @@ class World:
 
     def holds(self, seq: int, toks) -> None:
         """seq's positions [0, len(toks)) are cells written with toks, at those positions."""
-        table = self.cache._table
+        table = self.cache.table
         cell_pos = table.positions_array()
         for q, tok in enumerate(toks):
             c = table.seq_cell_at(seq, q)
@@ -93,14 +93,14 @@ class World:
 
     def snapshot(self) -> dict:
         """Every caller sequence's length and cells in position order."""
-        table = self.cache._table
+        table = self.cache.table
         return {s: (self.cache.pos(s), [table.seq_cell_at(s, q) for q in range(self.cache.pos(s))])
                 for s in self.tokens}
 
 
 def state(prefix: PrefixCache) -> tuple:
     """The whole observable state of a prefix cache and its cache."""
-    return (prefix.prefixes(), prefix.metrics(), prefix.cache._table.snapshot(),
+    return (prefix.prefixes(), prefix.metrics(), prefix.cache.table.snapshot(),
             prefix.cache.live_seqs())
 
 
@@ -160,12 +160,12 @@ def test_a_hit_ends_at_any_token():
     toks = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
     a = w.new(toks)
     prefix.insert(a, toks)
-    cells = [cache._table.seq_cell_at(a, q) for q in range(10)]
+    cells = [cache.table.seq_cell_at(a, q) for q in range(10)]
     for k in range(1, 11):
         t, n = prefix.match(toks[:k] + [99])
         assert n == k and cache.pos(t) == k
         # the hit is owner bits on the same cells: nothing was copied
-        assert [cache._table.seq_cell_at(t, q) for q in range(k)] == cells[:k]
+        assert [cache.table.seq_cell_at(t, q) for q in range(k)] == cells[:k]
         cache.seq_rm(t)
     assert cache.free_cells == cache.capacity - 10
 
@@ -210,7 +210,7 @@ def test_the_drawn_tree():
     # the three sequences share the cells of a b (and o1, o2 those of c d): 11 cells in all
     assert cache.free_cells == cache.capacity - 11
     k, n = prefix.match([a, b, c, d, x, q])
-    assert n == 5 and cache._table.seq_cell_at(k, 4) == cache._table.seq_cell_at(o2, 4)
+    assert n == 5 and cache.table.seq_cell_at(k, 4) == cache.table.seq_cell_at(o2, 4)
     cache.seq_rm(k)
     # LRU: [e f g h] is the least recent (only the first match went through it), then [z]
     events.clear()
@@ -429,7 +429,7 @@ def test_insert_keeps_a_callers_declaration():
     s = w.new([1, 2, 3])
     assert cache.declare_step([s, s])
     prefix.insert(s, [1, 2, 3])
-    assert cache._table.declared == [s, s]
+    assert cache.table.declared == [s, s]
     cache.prepare_step()
     cache.commit_step()
 

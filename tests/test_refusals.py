@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cellcache import CellTable, InvalidArgument, InvalidState, OutOfMemory, ReferenceTable
+from cellcache._views import fill_masks, fill_paged
 
 from .helpers import TABLES, make, snapshot, step
 
@@ -253,7 +254,7 @@ def test_cell_table_fill_masks_refusals():
         ((ids, pos, 3, [0], [out], 1), "pad_to=1 is outside"),
     ]:
         with pytest.raises(InvalidArgument, match=match):
-            t.fill_masks(*args)
+            fill_masks(t, *args)
     assert out.all()                           # nothing written by a refused fill
 
 
@@ -312,7 +313,7 @@ def test_paged_view_refusals():
         ((ids, positions, 2, 8, buf(3).astype(np.int64), buf(3), buf(8)), "qo_indptr must be"),
     ]:
         with pytest.raises(InvalidArgument, match=match):
-            t.fill_paged(*args)
+            fill_paged(t, *args)
     assert all((a == -7).all() for a in made) and snapshot(t) == before
 
 
@@ -340,6 +341,7 @@ def test_reference_and_table_refuse_alike():
 OVERLAP_CHILD = r"""
 import numpy as np
 from cellcache import CellTable, InvalidArgument
+from cellcache._views import fill_masks
 
 def refused(call, match):
     try:
@@ -377,8 +379,8 @@ ids = out[0, :128].view(np.int64)
 pos = out[1, :128].view(np.int64)
 ids[:], pos[:] = a, 15
 for args in [(ids, pos), (np.full(16, a), pos), (ids, positions)]:
-    refused(lambda: t.fill_masks(*args, read_len, [0], [out]), "share memory with outs[0]")
-    refused(lambda: t.fill_masks(*args, read_len, [0, 2], [np.zeros((16, 4096), np.bool_), out]),
+    refused(lambda: fill_masks(t, *args, read_len, [0], [out]), "share memory with outs[0]")
+    refused(lambda: fill_masks(t, *args, read_len, [0, 2], [np.zeros((16, 4096), np.bool_), out]),
             "share memory with outs[1]")
     assert t.snapshot() == before
 assert (ids == a).all() and (pos == 15).all()              # nothing written
@@ -387,13 +389,13 @@ for w, match in [(2**64, "window=18446744073709551616 is outside [0, 10995116277
                  (2**63, "is outside"), (2**40 + 1, "is outside"), (-1, "window=-1 is outside"),
                  (1.5, "window of type float"), ("8", "window of type str"), (None, "of type NoneType"),
                  (True, "window of type bool")]:
-    refused(lambda: t.fill_masks(np.full(16, a), positions, read_len, [w], [out]), match)
+    refused(lambda: fill_masks(t, np.full(16, a), positions, read_len, [w], [out]), match)
     assert t.snapshot() == before
 # extreme positions with the largest window stay inside the table
 fresh = np.zeros((16, 4096), np.uint8)
-t.fill_masks(np.full(16, a), np.full(16, -2**63), read_len, [2**40], [fresh])
+fill_masks(t, np.full(16, a), np.full(16, -2**63), read_len, [2**40], [fresh])
 assert fresh.sum() == 0
-t.fill_masks(np.full(16, a), np.full(16, 2**63 - 1), read_len, [2**40, 0], [fresh, out])
+fill_masks(t, np.full(16, a), np.full(16, 2**63 - 1), read_len, [2**40, 0], [fresh, out])
 assert fresh.sum() == 0                                    # the window is far past the cells
 assert out[:, :16].all()                                   # full history: every cell
 print("ok")

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPILED = ["cellcache._table", "cellcache.cuda._launch", "cellcache.cuda._dlpack", "cellcache.cuda._engine"]
+COMPILED = ["cellcache._table", "cellcache._views", "cellcache.cuda._launch", "cellcache.cuda._dlpack",
+            "cellcache.cuda._engine"]
 
 
 @pytest.mark.parametrize("module", COMPILED)

@@ -20,6 +20,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cellcache import CellTable, ReferenceTable
+from cellcache._views import fill_masks, fill_paged
 from cellcache.reference import mask_rows, packed_rows, paged_view
 
 EXAMPLES = int(os.environ.get("CELLCACHE_MACHINE_EXAMPLES", "1000"))
@@ -170,12 +171,12 @@ class TableMachine(RuleBasedStateMachine):
             expect = mask_rows(self.ref.cell_pos, self.ref.cell_owners, [ids[r] for r in rows],
                                [positions[r] for r in rows], read_len, w)
             out = np.full((pad, max(read_len, 1)), 7, np.uint8)
-            self.fast.fill_masks(sids, pos, read_len, [w], [out], pad_to=pad)
+            fill_masks(self.fast, sids, pos, read_len, [w], [out], pad_to=pad)
             assert out[rows, :read_len].astype(bool).tolist() == expect
             assert (out[width:pad, :read_len] == out[0, :read_len]).all()
             nbytes = (read_len + 7) // 8
             bits = np.full((pad, max(nbytes, 1)), 0xA5, np.uint8)
-            self.fast.fill_masks(sids, pos, read_len, [w], [bits], pad_to=pad, bits=True)
+            fill_masks(self.fast, sids, pos, read_len, [w], [bits], pad_to=pad, bits=True)
             assert [bytes(bits[r, :nbytes]) for r in rows] == packed_rows(expect)
             assert (bits[width:pad, :nbytes] == bits[0, :nbytes]).all()
         sink = self.fast.capacity
@@ -183,7 +184,7 @@ class TableMachine(RuleBasedStateMachine):
                                            positions, pad, sink)
         qo_f, kv_f = np.zeros(pad + 1, np.int32), np.zeros(pad + 1, np.int32)
         idx_f = np.full(len(indices) + 1, -9, np.int32)
-        got = self.fast.fill_paged(sids, pos, pad, sink, qo_f, kv_f, idx_f)
+        got = fill_paged(self.fast, sids, pos, pad, sink, qo_f, kv_f, idx_f)
         assert got == (runs, len(indices))
         assert qo_f.tolist() == qo and kv_f.tolist() == kv
         assert idx_f[:len(indices)].tolist() == indices and idx_f[len(indices)] == -9

@@ -271,7 +271,7 @@ def section_soak(args) -> dict:
                     elif r < 0.7:
                         picks = rng.integers(0, len(mine), size=int(rng.integers(1, 16)))
                         ids = [mine[int(x)] for x in picks]
-                        with cache._lock:              # one thread's step is atomic
+                        with cache.lock:               # one thread's step is atomic
                             if cache.declare_step(ids):
                                 cache.prepare_step(pad_to=16)
                                 cache.commit_step()

@@ -27,6 +27,7 @@ import time
 import numpy as np
 from _common import log
 
+from cellcache._views import fill_masks
 from cellcache.config import CacheConfig, LayerConfig
 from cellcache.cuda.backend import CudaCellCache
 from cellcache.cuda.driver import Context, check, cu
@@ -78,7 +79,7 @@ def copy_bandwidth(stream: int) -> float:
 
 def fill_to(cache: CudaCellCache, read_len: int, n_seqs: int, rng) -> list[int]:
     """Live sequences whose cells cover [0, read_len - 1) (prefill through the table)."""
-    t = cache._table
+    t = cache.table
     seqs = [t.seq_new() for _ in range(n_seqs)]
     target = read_len - 1
     chunk = t.max_write
@@ -132,8 +133,8 @@ def measure(width: int, read_len: int, n_windows: int, max_seqs: int,
     for i, ids in enumerate(batches):
         step = one(ids, i >= 5, spin=False)
         if i == 4:
-            cache._engine.phase_ns(reset=True)
-    phases = {k: v / 1e3 / reps for k, v in cache._engine.phase_ns().items()}
+            cache.phase_ns(reset=True)
+    phases = {k: v / 1e3 / reps for k, v in cache.phase_ns().items()}
     if torch_stream is not None:
         for i, ids in enumerate(batches):
             one(ids, i >= 5, spin=True)
@@ -147,7 +148,7 @@ def measure(width: int, read_len: int, n_windows: int, max_seqs: int,
                 "mask_bytes": n_windows * width * ((rl + 7) // 8 if fmt == "bits" else rl),
                 "write_step_phases_us": phases}
     # -- baseline: host-built masks, pitched async copies from pinned memory ---------------
-    t = cache._table
+    t = cache.table
     mw = cfg.max_write
     pinned = check(cu.cuMemAllocHost(n_windows * width * rl + 3 * 8 * mw), "cuMemAllocHost")
     host_masks = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * (width * rl)).from_address(
@@ -161,7 +162,7 @@ def measure(width: int, read_len: int, n_windows: int, max_seqs: int,
         t0 = time.perf_counter_ns()
         read = t.place_into(cells_arr, pos_arr)
         sids = np.asarray(ids, dtype=np.int64)
-        t.fill_masks(sids, pos_arr, read, windows, host_masks)
+        fill_masks(t, sids, pos_arr, read, windows, host_masks)
         hdr[:width] = cells_arr
         hdr[mw:mw + width] = pos_arr
         hdr[2 * mw] = read
@@ -291,7 +292,7 @@ def growth(args) -> dict:
             cfg = CacheConfig(capacity=1 << 20, layers=[layer], max_write=4096,
                               initial_capacity=rows_half, dtype="bfloat16", max_seqs=4)
             cache = CudaCellCache(cfg, growth=mode)
-            t = cache._table
+            t = cache.table
             a = t.seq_new()
             while t.used_end < rows_half - 4096:
                 assert t.declare_step([a] * 4096)
@@ -378,7 +379,7 @@ def attention(args) -> dict:
                       initial_capacity=cap, dtype="bfloat16", max_seqs=n_seq, paged=True,
                       mask_format="bool", max_kv=n_seq * length + 64)
     cache = CudaCellCache(cfg)
-    t = cache._table
+    t = cache.table
     seqs = [t.seq_new() for _ in range(n_seq)]
     chunk = 256                                    # interleaved prefill chunks: cells spread out
     for k in range(0, length - 1, chunk):
@@ -462,7 +463,7 @@ def prefill_case(reps: int, rng) -> dict:
                       initial_capacity=cap, dtype="bfloat16", max_seqs=n_seq, paged=True,
                       mask_format="none", max_kv=n_seq * (hist + chunk) + 64)
     cache = CudaCellCache(cfg)
-    t = cache._table
+    t = cache.table
     seqs = [t.seq_new() for _ in range(n_seq)]
     for _ in range(0, hist, 1024):
         for s in seqs:

@@ -49,11 +49,10 @@ class DriverForward:
 
     def __init__(self, cache, stream: int, attention: str):
         from cellcache.cuda.driver import check, cu
-        from cellcache.cuda.kernels import kernels_for
 
         self.cu, self.check, self.cache, self.stream = cu, check, cache, stream
         self.attention = attention
-        self.kern = kernels_for(cache)
+        self.kern = cache.attention_kernels()
         self.dtype = storage_dtype(cache.config.dtype)
         self.bufs = []
         q_item = 4 if attention == "dense" else self.dtype.itemsize
@@ -63,13 +62,14 @@ class DriverForward:
             out = self._alloc(MAX_WRITE * N_HEADS * layer.head_dim * q_item)
             self.bufs.append((q, kv, out))
         self.graphs: dict[int, tuple] = {}
-        self._last = 0
+        self.last = 0               # the bucket of the last replay (its outputs are read)
         names = ("qo_indptr", "kv_indptr", "kv_indices", "width") if cache.config.paged else ("width",)
         self.view = {n: cache.buffer(n).ptr for n in names}
 
     def _alloc(self, n: int) -> int:
+        """Device memory freed when the cache closes (its context is current then)."""
         ptr = int(self.check(self.cu.cuMemAlloc(n), "cuMemAlloc"))
-        self.cache._undo.callback(lambda: self.check(self.cu.cuMemFree(ptr), "cuMemFree"))
+        self.cache.on_close(lambda: self.check(self.cu.cuMemFree(ptr), "cuMemFree"))
         return ptr
 
     def upload(self, step, qkv) -> None:
@@ -157,7 +157,7 @@ class TorchForward:
                        for la in LAYERS]
         self.graph_outs: dict[int, list] = {}      # each graph's output tensors
         self.graphs: dict[int, object] = {}
-        self._last = 0
+        self.last = 0               # the bucket of the last replay (its outputs are read)
 
     def upload(self, step, qkv) -> None:
         t = self.torch
@@ -194,7 +194,7 @@ class TorchForward:
 
     def outputs(self, width: int) -> list[np.ndarray]:
         self.sync()
-        return [o[:width].float().cpu().numpy() for o in self.graph_outs[self._last]]
+        return [o[:width].float().cpu().numpy() for o in self.graph_outs[self.last]]
 
     def close(self) -> None:
         self.graphs = {}
@@ -228,7 +228,7 @@ class GraphForward:
             impl.launch(rows)
             impl.sync()
             self.t_eager.append((time.perf_counter() - t0) * 1e6)
-        impl._last = rows
+        impl.last = rows
         t0 = time.perf_counter()
         impl.replay(rows)
         impl.sync()

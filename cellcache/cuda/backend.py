@@ -14,12 +14,15 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import check_int
+from ..buffers import mask_row_bytes, step_buffers
 from ..cache import (
     CellCache,
     CopyPools,
     PoolKey,
     Pools,
     check_allocator,
+    check_growth,
     release_quietly,
     stream_handle,
 )
@@ -28,6 +31,7 @@ from ..errors import InvalidArgument, InvalidState, OutOfMemory
 from . import _dlpack, _engine, _launch
 from . import driver as drv
 from .driver import check, cu
+from .kernels import AttentionKernels
 from .pools import (
     DeviceAllocation,
     DeviceAllocator,
@@ -43,7 +47,6 @@ __all__ = ["CudaCellCache", "DeviceBuffer"]
 # DLPack (code, bits) by numpy dtype name
 _DLPACK = {"int64": (0, 64), "int32": (0, 32), "uint8": (1, 8), "bool": (6, 8),
            "float16": (2, 16), "float32": (2, 32), "bfloat16": (4, 16)}
-_GROWTH = ("auto", "map", "copy")
 CU_MEMHOSTALLOC_PORTABLE = 0x01
 CU_MEMHOSTALLOC_DEVICEMAP = 0x02
 
@@ -118,6 +121,11 @@ class CudaCellCache(CellCache):
     the pools switch); ``"auto"`` (default) maps where the device supports it and the full
     address range can be reserved, else grows by copy.
 
+    Besides the step buffers and pools the cache owns what consumers build on it:
+    :meth:`attention_kernels` (loaded on first use) and named device :meth:`scratch`, both
+    released at :meth:`close` with everything else (as is whatever :meth:`on_close` ties to
+    it).
+
     Without a usable driver, device or matching cuda-bindings the constructor raises
     :class:`cellcache.CudaError` with the probe's one-line reason
     (:func:`cellcache.cuda.probe.require_cuda`).
@@ -144,27 +152,25 @@ class CudaCellCache(CellCache):
             raise InvalidArgument(
                 f"{len(config.windows)} distinct windows; the CUDA backend builds at most "
                 f"{_engine.MAX_WINDOWS} masks per step")
-        if growth not in _GROWTH:
-            raise InvalidArgument(f"growth={growth!r} is not one of {', '.join(_GROWTH)}")
+        check_growth(growth)
         check_allocator(allocator)
-        self._closed = True
         self._growth, self._allocator_arg = growth, allocator
         self._retired: list[tuple[Any, Any]] = []
-        self._undo = contextlib.ExitStack()     # every resource, released in reverse order
+        self._attention_kernels: AttentionKernels | None = None   # built on first use
+        self._scratch: dict[str, tuple[int, int]] = {}           # name -> (ptr, nbytes)
         require_cuda()              # no driver, no device, wrong cuda-bindings: one CudaError
         try:
-            self._ctx = drv.Context(config.device)
-            self._undo.callback(self._ctx.release)
-            super().__init__(config)
-        except BaseException as e:
-            with contextlib.suppress(Exception):
-                self._undo.close()
-            if isinstance(e, MemoryError) and not isinstance(e, OutOfMemory):
-                raise OutOfMemory(f"building the CUDA cache ran out of host memory ({e!r})") from e
-            raise
-        self._closed = False
+            super().__init__(config)    # a failure releases what was acquired (the undo stack)
+        except MemoryError as e:
+            if isinstance(e, OutOfMemory):
+                raise
+            raise OutOfMemory(f"building the CUDA cache ran out of host memory ({e!r})") from e
 
     # -- set-up ------------------------------------------------------------------------------
+    def _open(self) -> None:
+        self._ctx = drv.Context(self.config.device)
+        self._undo.callback(self._ctx.release)
+
     def _tracks_changes(self) -> bool:
         return True
 
@@ -187,11 +193,8 @@ class CudaCellCache(CellCache):
                 # the full address range cannot be reserved: grow by copy (Step.grew on
                 # every growth), as on devices without virtual memory management
         allocator = self._allocator_arg or DeviceAllocator(self._ctx)
-        pools = CopyPools(self._row_bytes, allocator, self._copy_rows, self._retire,
-                          check_device_allocation)
-        self._undo.callback(pools.close)
-        self._undo.callback(self._free_retired)
-        return pools
+        return CopyPools(self._row_bytes, allocator, self._copy_rows, self._retire,
+                         check_device_allocation)
 
     def _alloc(self, nbytes: int, what: str, fill: int | None = 0) -> int:
         """Device memory for the cache's lifetime, zeroed (or 32-bit ``fill``ed)."""
@@ -205,6 +208,9 @@ class CudaCellCache(CellCache):
         return ptr
 
     def _init_step_buffers(self) -> None:
+        if isinstance(self._pools, CopyPools):
+            # registered after the cache registered the pools' close: runs before it
+            self._undo.callback(self._free_retired)
         self._ctx.make_current()
         self._load_kernels()
         self._alloc_step_buffers()
@@ -232,21 +238,15 @@ class CudaCellCache(CellCache):
         self._fn_build = drv.function(module, "build_step")
 
     def _alloc_step_buffers(self) -> None:
-        cfg = self.config
-        mw, cap = cfg.max_write, cfg.capacity
-        p = {name: self._alloc(8 * n, name)
-             for name, n in (("cells", mw), ("positions", mw), ("read_len", 1), ("width", 1),
-                             ("seq_ids", mw))}
-        self._mask_row_bytes = 0
-        if cfg.mask_format != "none":
-            self._mask_row_bytes = cap if cfg.mask_format == "bool" else (cap + 7) // 8
-            for w in cfg.windows:
-                p[f"mask_w{w}"] = self._alloc(mw * self._mask_row_bytes, f"mask_w{w}")
-        if cfg.paged:
-            for name, n in (("qo_indptr", mw + 1), ("kv_indptr", mw + 1),
-                            ("kv_indices", cfg.kv_entries + mw)):
-                p[name] = self._alloc(4 * n, name)
-            p["kv_last_page_len"] = self._alloc(4 * mw, "kv_last_page_len", fill=1)
+        """The step buffers as :func:`cellcache.buffers.step_buffers` describes them, then
+        the engine's own device arrays (step ids; the paged view's runs)."""
+        mw = self.config.max_write
+        p = {}
+        for spec in step_buffers(self.config):
+            assert spec.fill == 0 or spec.dtype.itemsize == 4, spec   # cuMemsetD32 fills
+            p[spec.name] = self._alloc(spec.nbytes, spec.name, fill=spec.fill)
+        p["seq_ids"] = self._alloc(8 * mw, "seq_ids")
+        if self.config.paged:
             for name in ("run_seq", "run_last", "run_kv"):
                 p[name] = self._alloc(8 * mw, name)
         self._ptrs = p
@@ -289,7 +289,7 @@ class CudaCellCache(CellCache):
             bit_words=self._bit_words, max_write=cfg.max_write,
             n_windows=len(cfg.windows) if masks else 0, paged=int(cfg.paged),
             mask_format=_engine.MASK_FORMATS[cfg.mask_format],
-            mask_row_bytes=self._mask_row_bytes,
+            mask_row_bytes=mask_row_bytes(cfg),
             pos=mirror["pos"], owners=mirror["owners"], seqbits=mirror["seqbits"],
             cells=p["cells"], positions=p["positions"], read_len=p["read_len"],
             width=p["width"], seq_ids=p["seq_ids"],
@@ -303,20 +303,9 @@ class CudaCellCache(CellCache):
         check(cu.cuMemcpyHtoD(self._params, data.ctypes.data, len(blob)), "cuMemcpyHtoD")
 
     def _build_buffers(self) -> None:
-        cfg = self.config
-        mw, cap, p = cfg.max_write, cfg.capacity, self._ptrs
-        b = {name: DeviceBuffer(self, name, p[name], shape, dtype) for name, shape, dtype in (
-            ("cells", (mw,), np.int64), ("positions", (mw,), np.int64),
-            ("read_len", (1,), np.int64), ("width", (1,), np.int64))}
-        for w in cfg.windows if cfg.mask_format != "none" else ():
-            shape = (1, 1, mw, cap) if cfg.mask_format == "bool" else (mw, (cap + 7) // 8)
-            dtype = np.bool_ if cfg.mask_format == "bool" else np.uint8
-            b[f"mask_w{w}"] = DeviceBuffer(self, f"mask_w{w}", p[f"mask_w{w}"], shape, dtype)
-        if cfg.paged:
-            for name, n in (("qo_indptr", mw + 1), ("kv_indptr", mw + 1),
-                            ("kv_indices", cfg.kv_entries + mw), ("kv_last_page_len", mw)):
-                b[name] = DeviceBuffer(self, name, p[name], (n,), np.int32)
-        self._buffers = b
+        for spec in step_buffers(self.config):
+            self._buffers[spec.name] = DeviceBuffer(self, spec.name, self._ptrs[spec.name],
+                                                    spec.shape, spec.dtype)
         self._pools_changed()
 
     def _pool_ptr(self, key: PoolKey) -> int:
@@ -328,24 +317,17 @@ class CudaCellCache(CellCache):
         return int(allocation.ptr) if allocation is not None else 0
 
     def _pools_changed(self) -> None:
-        cfg, pools = self.config, self._pools
+        pools = self._pools
         mapped = isinstance(pools, MappedPools)
-        rows = pools.sink + 1 if (mapped or pools.rows) else 0
+        sink = pools.sink if (mapped or pools.rows) else None     # None: no storage yet
         backed = (lambda: pools.rows) if mapped else None
-        for (i, kv) in self._row_bytes:
-            layer = cfg.layers[i]
-            name = f"layer_{i}_{kv}"
-            self._buffers[name] = DeviceBuffer(self, name, self._pool_ptr((i, kv)),
-                                               (rows, layer.n_kv_heads, layer.head_dim),
-                                               cfg.np_dtype, backed)
+        for key in self._row_bytes:
+            spec = self._pool_view(key, sink)
+            self._buffers[spec.name] = DeviceBuffer(self, spec.name, self._pool_ptr(key),
+                                                    spec.shape, spec.dtype, backed)
 
     # -- the step --------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidState("this CudaCellCache is closed")
-
     def _resolve_stream(self, stream: object) -> int:
-        self._check_open()
         handle = stream_handle(stream)
         if self._engine.is_capturing(handle):
             raise InvalidState(
@@ -410,15 +392,52 @@ class CudaCellCache(CellCache):
             self._check_open()
             self._engine.order_after_step(stream)
 
-    # -- buffers ---------------------------------------------------------------------------------
-    def buffer(self, name: str) -> DeviceBuffer:
-        """The named device buffer (see ``buffer_names``)."""
+    # -- parts built on demand --------------------------------------------------------------------
+    def attention_kernels(self) -> AttentionKernels:
+        """cellcache's attention kernels (:class:`cellcache.cuda.kernels.AttentionKernels`)
+        for this cache's dtype, loaded in the cache's context on first use and released at
+        :meth:`close`."""
         with self._lock:
             self._check_open()
-            try:
-                return self._buffers[name]
-            except (KeyError, TypeError):
-                raise self._unknown_buffer(name) from None
+            if self._attention_kernels is None:
+                self._ctx.make_current()
+                kernels = AttentionKernels(self.config.dtype, self._ctx.sm_count)
+                self._undo.callback(kernels.close)
+                self._attention_kernels = kernels
+            return self._attention_kernels
+
+    def scratch(self, name: str, nbytes: int) -> int:
+        """The device address of at least ``nbytes`` bytes of scratch named ``name``, owned
+        by the cache: allocated on first use, replaced by a larger allocation when asked for
+        more (the old one is freed at once: the caller makes sure no queued work still reads
+        it), freed at :meth:`close`. For a consumer's temporaries (the reference consumer's
+        K/V upload)."""
+        nbytes = check_int(nbytes, "nbytes", 0)
+        with self._lock:
+            self._check_open()
+            ptr, size = self._scratch.get(name, (0, 0))
+            if size < nbytes or not ptr:
+                self._ctx.make_current()
+                new = int(check(cu.cuMemAlloc(max(nbytes, 1)), f"cuMemAlloc({nbytes}) for scratch {name}"))
+                if ptr:
+                    check(cu.cuMemFree(ptr), "cuMemFree")
+                else:
+                    self._undo.callback(self._free_scratch, name)
+                self._scratch[name] = ptr, size = new, nbytes
+            return ptr
+
+    def _free_scratch(self, name: str) -> None:
+        ptr, _ = self._scratch.pop(name, (0, 0))
+        if ptr:
+            check(cu.cuMemFree(ptr), "cuMemFree")
+
+    def phase_ns(self, reset: bool = True) -> dict[str, int]:
+        """Host nanoseconds ``prepare_step`` spent so far staging, launching ``apply_step``,
+        launching ``build_step`` and recording events (all zero unless the extension was
+        built with ``CELLCACHE_PROFILE=1``); ``reset`` zeroes the counters."""
+        with self._lock:
+            self._check_open()
+            return self._engine.phase_ns(reset)
 
     def metrics(self) -> dict:
         with self._lock:
@@ -433,22 +452,11 @@ class CudaCellCache(CellCache):
             return m
 
     # -- teardown --------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Waits for this cache's own recorded work (events, never a caller's stream) and
-        releases every device, pinned and mapped allocation. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._ctx.make_current()
-            self._engine.synchronize()
-            self._undo.close()
-
-    def __enter__(self) -> CudaCellCache:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _before_close(self) -> None:
+        """close() waits for this cache's own recorded work (events, never a caller's
+        stream); then every device, pinned and mapped allocation is released."""
+        self._ctx.make_current()
+        self._engine.synchronize()
 
     def __del__(self) -> None:
         try:

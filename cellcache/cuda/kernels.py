@@ -3,7 +3,8 @@
 :class:`AttentionKernels` loads them for one K/V dtype in the device's primary context and
 launches them on any stream (a torch stream included; a launch on a capturing stream is
 captured into the graph). Arguments are raw device addresses and element strides, so any
-framework's tensors can be passed.
+framework's tensors can be passed. A cache's kernels come from
+``CudaCellCache.attention_kernels()``: loaded once per cache, released when it closes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from . import _launch
 from . import driver as drv
 from .driver import check, cu
 
-__all__ = ["AttentionKernels", "decode_groups", "supported_head_dim"]
+__all__ = ["AttentionKernels", "decode_groups", "supported_head_dim", "write_rows"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: query heads per kv head each paged_decode variant handles (the kernel's MAXG)
@@ -202,42 +203,24 @@ class AttentionKernels:
         return self._tiles
 
 
-def kernels_for(cache) -> AttentionKernels:
-    """The attention kernels of a CUDA cache's dtype, loaded once per cache and released
-    when the cache closes."""
-    kern = getattr(cache, "_attention_kernels", None)
-    if kern is None:
-        cache._ctx.make_current()
-        kern = AttentionKernels(cache.config.dtype, cache._ctx.sm_count)
-        cache._undo.callback(kern.close)
-        cache._attention_kernels = kern
-    return kern
-
-
-def write_rows(cache, layer: int, k: Any, v: Any, width: int, pad_to: int,
+def write_rows(cache: Any, layer: int, k: Any, v: Any, width: int, pad_to: int,
                stream: int = 0) -> None:
     """The reference consumer's K/V write on a CUDA cache: the step's host rows (and NaN
-    padding rows) go up, and ``store_kv`` writes them at ``cells[:pad_to]`` on the device."""
+    padding rows) go up into the cache's ``"write_rows"`` scratch, and ``store_kv`` writes
+    them at ``cells[:pad_to]`` on the device."""
     import numpy as np
 
-    kern = kernels_for(cache)
+    kern = cache.attention_kernels()
     lay = cache.layer(layer)
     cfg = cache.config.layers[layer]
     dtype = cache.config.np_dtype
     rows = np.full((2, pad_to, cfg.n_kv_heads, cfg.head_dim), np.nan, np.float32)
     rows[0, :width], rows[1, :width] = k[:width], v[:width]
     data = np.ascontiguousarray(rows.astype(dtype))
-    scratch = getattr(cache, "_write_scratch", (0, 0))
-    if scratch[1] < data.nbytes:
-        if scratch[0]:
-            check(cu.cuMemFree(scratch[0]), "cuMemFree")
-        ptr = int(check(cu.cuMemAlloc(data.nbytes), "cuMemAlloc(write_rows scratch)"))
-        if not scratch[0]:
-            cache._undo.callback(lambda: check(cu.cuMemFree(cache._write_scratch[0]), "cuMemFree"))
-        cache._write_scratch = scratch = (ptr, data.nbytes)
     check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")     # scratch free to reuse
-    check(cu.cuMemcpyHtoD(scratch[0], data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+    scratch = cache.scratch("write_rows", data.nbytes)
+    check(cu.cuMemcpyHtoD(scratch, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
     half = data.nbytes // 2
-    kern.store_kv(cache.buffer("cells").ptr, pad_to, scratch[0], scratch[0] + half,
+    kern.store_kv(cache.buffer("cells").ptr, pad_to, scratch, scratch + half,
                   cfg.n_kv_heads * cfg.head_dim, cfg.head_dim, lay.k.ptr, lay.v.ptr,
                   cfg.n_kv_heads, cfg.head_dim, stream)

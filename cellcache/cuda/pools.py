@@ -144,7 +144,11 @@ class _Plan:
 
 
 class MappedPools:
-    """Pools at fixed device addresses, grown by mapping (see the module docstring)."""
+    """Pools at fixed device addresses, grown by mapping (see the module docstring).
+
+    The reserved ranges are released through ``undo`` (the cache's undo stack); the owner
+    calls :meth:`close` before that to unmap what was mapped (the cache registers it).
+    """
 
     moves = False
 
@@ -164,8 +168,7 @@ class MappedPools:
                 va = ops.reserve(size, g)
                 reserved.callback(ops.free_range, va, size)
                 self.pools[key] = _Pool(va, size, (capacity * nbytes) // g * g)
-            undo.push(reserved.pop_all())
-        undo.callback(self.close)
+            undo.push(reserved.pop_all())    # the ranges are freed when ``undo`` closes
 
     @property
     def sink(self) -> int:
@@ -173,10 +176,6 @@ class MappedPools:
 
     def ptr(self, key: PoolKey) -> int:
         return self.pools[key].va
-
-    def view_rows(self) -> int:
-        """Rows of a pool's view: every cell row and the sink."""
-        return self.capacity + 1
 
     @property
     def mapped_bytes(self) -> int:

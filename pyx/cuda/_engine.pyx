@@ -17,6 +17,7 @@ from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy, memset
 
 from cellcache._table cimport CellTable
+from cellcache._views cimport plan_runs
 from cellcache.cuda._launch cimport (
     CUcontext,
     CUevent,
@@ -363,7 +364,7 @@ cdef class StepEngine:
             memcpy(buf + CC_OFF_POS(mw), self.positions, width * 8)
             memcpy(buf + CC_OFF_CELLS(mw), self.cells, width * 8)
             if self.paged:
-                n_runs = self.table._plan_runs(
+                n_runs = plan_runs(
                     self.seq_ids, self.positions, width, pad_to, buf + CC_OFF_QO(mw),
                     buf + CC_OFF_KV(mw), buf + CC_OFF_RUN_SEQ(mw), buf + CC_OFF_RUN_LAST(mw))
             buf[CC_HDR_N_RUNS] = n_runs

@@ -86,3 +86,35 @@ def test_unloadable_ptx_names_the_driver_needed(monkeypatch):
     with pytest.raises(CudaError, match="needs a driver for CUDA 12.0 or newer; this driver supports CUDA"):
         drv.load_module("step")
 
+
+
+@pytest.mark.parametrize("extra", [dict(mask_format="bool"), dict(mask_format="bits"),
+                                   dict(mask_format="bits", paged=True, max_kv=100),
+                                   dict(mask_format="none", paged=True)])
+@pytest.mark.parametrize("growth", ["auto", "copy"])
+def test_device_buffers_follow_the_schema(extra, growth):
+    """Every device buffer is what cellcache.buffers says: name, shape, dtype, bytes and
+    initial value; pools are pool_spec's at the cache's sink (none before copy pools exist)."""
+    from cellcache.buffers import buffer_names, pool_spec, step_buffer_bytes, step_buffers
+
+    CudaCellCache, *_ = cuda()
+    cfg = small_config(**extra)
+    dev = CudaCellCache(cfg, growth=growth)
+    assert dev.buffer_names == buffer_names(cfg)
+    for s in step_buffers(cfg):
+        buf = dev.buffer(s.name)
+        assert (buf.shape, buf.dtype, buf.nbytes) == (s.shape, s.dtype, s.nbytes), s.name
+        assert np.all(buf.copy_to_host() == s.fill), s.name
+    assert dev.metrics()["step_buffer_bytes"] == step_buffer_bytes(cfg)
+    if growth == "copy":
+        assert dev.layer(0).k.shape == (0, 2, 8)
+    a = dev.seq_new()
+    dev.declare_step([a] * 3)
+    dev.prepare_step()
+    dev.commit_step()
+    for i in range(len(cfg.layers)):
+        for kv in "kv":
+            spec = pool_spec(cfg, i, kv, dev.sink)
+            buf = dev.buffer(spec.name)
+            assert (buf.shape, buf.dtype) == (spec.shape, spec.dtype), spec.name
+    dev.close()

@@ -74,7 +74,7 @@ def make():
 
 
 def observe(dev):
-    return (dev._table.snapshot(), dev.metrics(), dev.rows, dev.sink,
+    return (dev.table.snapshot(), dev.metrics(), dev.rows, dev.sink,
             [dev.buffer(n).ptr for n in dev.buffer_names if n.startswith("layer_")],
             dev.layer(0).k.copy_to_host()[:6].tolist())
 

@@ -66,7 +66,7 @@ def test_differential_session(max_seqs, fmt, growth):
             except StepTooLarge:         # kv lists past max_kv: both refuse, nothing declared
                 with pytest.raises(StepTooLarge):
                     dev.declare_step(ids)
-                assert dev._table.declared is None
+                assert dev.table.declared is None
                 continue
             assert dev.declare_step(ids) == ok
             if not ok:
@@ -90,7 +90,7 @@ def test_differential_session(max_seqs, fmt, growth):
             if hs.grew or steps % 50 == 0:
                 live_rows_equal(host, dev)
         if it % 200 == 0:
-            assert dev._table.snapshot() == host._table.snapshot()
+            assert dev.table.snapshot() == host.table.snapshot()
     dev.check_invariants()
     assert steps > 600 and dev.metrics()["growth_count"] >= 3
     assert grew == (1 + dev.metrics()["growth_count"] if growth == "copy" else 1)

@@ -34,7 +34,7 @@ def test_out_of_memory_growth_changes_nothing_and_a_smaller_step_succeeds():
     for _ in range(4096):
         assert dev.declare_step([a] * 64)
         rows, used = dev.rows, dev.used_end
-        snap = dev._table.snapshot()
+        snap = dev.table.snapshot()
         metrics = dev.metrics()
         try:
             dev.prepare_step()
@@ -46,11 +46,11 @@ def test_out_of_memory_growth_changes_nothing_and_a_smaller_step_succeeds():
     assert f"growing the pools from {rows} to {2 * rows} rows failed" in str(error)
     assert "CUDA_ERROR_OUT_OF_MEMORY" in str(error) and "nothing changed" in str(error)
     assert dev.rows == rows and dev.used_end == used == rows - 8
-    assert dev._table.snapshot() == snap
+    assert dev.table.snapshot() == snap
     after = dev.metrics()
     for key in ("flat_capacity", "growth_count", "allocated_bytes", "logical_length", "mapped_bytes"):
         assert after[key] == metrics[key], key
-    assert dev._table.declared == [a] * 64                  # the declaration survives
+    assert dev.table.declared == [a] * 64                  # the declaration survives
     assert dev.declare_step([a] * 8)                        # a smaller step fits the pools
     step = dev.prepare_step()
     dev.commit_step()
@@ -116,10 +116,10 @@ def test_mapped_growth_with_a_failure_at_every_driver_call():
     per_growth = 3 * 4
     for k in range(1, per_growth + 1):
         calls["fail_at"] = calls["n"] + k
-        before = (dev._table.snapshot(), dev.metrics(), calls["live"])
+        before = (dev.table.snapshot(), dev.metrics(), calls["live"])
         with pytest.raises(OutOfMemory, match="injected"):
             dev.prepare_step()
-        assert (dev._table.snapshot(), dev.metrics(), calls["live"]) == before
+        assert (dev.table.snapshot(), dev.metrics(), calls["live"]) == before
     calls["fail_at"] = None
     step = dev.prepare_step()
     dev.commit_step()
@@ -175,7 +175,7 @@ def test_poisoned_pools_and_padded_replays():
         with torch.cuda.stream(stream):
             # poison every row that no live sequence owns (freed, unused, the sink)
             live = torch.zeros(cfg.capacity + 1, dtype=torch.bool, device="cuda")
-            pos = torch.as_tensor(dev._table.positions_array(), device="cuda")
+            pos = torch.as_tensor(dev.table.positions_array(), device="cuda")
             live[:cfg.capacity] = pos >= 0
             before = []
             for li in range(2):

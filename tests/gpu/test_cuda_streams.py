@@ -97,7 +97,7 @@ def test_prepare_on_a_capturing_stream_is_refused():
     dev.commit_step()
     stream = check(cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
     dev.declare_step([a] * 4)
-    snap = dev._table.snapshot()
+    snap = dev.table.snapshot()
     check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
           "cuStreamBeginCapture")
     try:
@@ -106,7 +106,7 @@ def test_prepare_on_a_capturing_stream_is_refused():
     finally:
         graph = check(cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
         check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
-    assert dev._table.snapshot() == snap
+    assert dev.table.snapshot() == snap
     step = dev.prepare_step(stream=int(stream))      # outside capture it works
     dev.commit_step()
     assert step.positions.tolist() == [4, 5, 6, 7]

@@ -1,0 +1,150 @@
+"""No module reaches into another's private state.
+
+Every module under ``cellcache/`` and ``tools/`` is parsed, and each access to a private
+attribute (``x._name``, not a dunder; ``getattr``/``setattr``/``hasattr``/``delattr`` with a
+literal ``"_name"`` too) must be one of:
+
+- on ``self`` or ``cls``: the class hierarchy's own state, wherever the subclass lives (a
+  backend in ``host.py`` using the base class's ``self._table``);
+- a name the same module's classes define (``self._name = ...``, a class-body name or
+  annotation, ``__slots__``): a helper object of a class in the same file, such as a
+  ``DeviceBuffer`` asking its ``CudaCellCache`` for ``_ctx`` or the module's functions
+  reading ``TorchView._flashinfer``; a leading underscore means "private to this module";
+- listed in ``ALLOWED`` below with the reason: private names of third-party objects that
+  offer no public way to do what is needed.
+
+Anything else (``cache._undo`` in ``cuda/kernels.py``, ``cache._table`` in a tool) fails,
+naming the file, line and expression: go through a public method or property instead
+(``cache.on_close``, ``cache.table``, ``cache.attention_kernels()``, ...).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCANNED = ("cellcache", "tools")
+
+#: (file, attribute) -> why it is allowed
+ALLOWED = {
+    ("cellcache/hf.py", "_attn_implementation_internal"):
+        "transformers keeps a config's attention setting there; attach restores it exactly "
+        "(None included) after a refused probe, which no public setter does",
+    ("cellcache/hf.py", "_attn_implementation"):
+        "transformers' only reader of the attention a config resolved to",
+    ("tools/bench_gpu.py", "_sleep"):
+        "torch.cuda._sleep: torch's spin kernel, the way to hold a stream busy in a benchmark",
+}
+
+_ATTR_FUNCS = {"getattr", "setattr", "hasattr", "delattr"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_names(tree: ast.Module) -> set[str]:
+    """Private attribute names the module's classes define."""
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    own.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    own.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    for t in item.targets:
+                        if isinstance(t, ast.Name):
+                            own.add(t.id)
+                            if t.id == "__slots__" and isinstance(item.value, (ast.Tuple, ast.List)):
+                                own.update(e.value for e in item.value.elts
+                                           if isinstance(e, ast.Constant) and isinstance(e.value, str))
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        for t in targets:
+            for sub in ast.walk(t):
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                        and sub.value.id in ("self", "cls")):
+                    own.add(sub.attr)
+    return {n for n in own if _private(n)}
+
+
+def reach_ins(source: str, rel: str) -> list[str]:
+    """``rel:line: expression`` for every private access in ``source`` (the file ``rel``)
+    that the rules above do not allow."""
+    tree = ast.parse(source, filename=rel)
+    own = _own_names(tree)
+    found = []
+
+    def check(node: ast.AST, target: ast.expr, name: str) -> None:
+        if not _private(name):
+            return
+        if isinstance(target, ast.Name) and target.id in ("self", "cls"):
+            return
+        if name in own or (rel, name) in ALLOWED:
+            return
+        found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            check(node, node.value, node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in _ATTR_FUNCS and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            check(node, node.args[0], node.args[1].value)
+    return found
+
+
+def modules() -> list[Path]:
+    return sorted(p for d in SCANNED for p in (ROOT / d).rglob("*.py"))
+
+
+def test_no_module_reaches_into_another_modules_private_state():
+    found = [line for p in modules()
+             for line in reach_ins(p.read_text(), p.relative_to(ROOT).as_posix())]
+    assert not found, "private attributes of other modules' objects:\n" + "\n".join(found)
+
+
+SAMPLE = """
+class Buffer:
+    __slots__ = ("_slot",)
+
+    def __init__(self, cache):
+        self._cache = cache
+        self._own = 1
+
+    def ptr(self):
+        return self._cache._own + self._cache._slot    # this module's names: fine
+
+def tool(cache, torch):
+    cache._undo.callback(print)                       # another module's state
+    torch.cuda._sleep(10)                             # allowed only in tools/bench_gpu.py
+    return getattr(cache, "_table", None), cache.__class__
+"""
+
+
+def test_the_check_flags_reach_ins_and_nothing_else():
+    found = reach_ins(SAMPLE, "tools/sample.py")
+    assert sorted(line.split(": ", 1)[1] for line in found) == [
+        "cache._undo", "getattr(cache, '_table', None)", "torch.cuda._sleep"]
+    assert [line for line in reach_ins(SAMPLE, "tools/bench_gpu.py") if "_sleep" in line] == []
+
+
+def test_every_allowed_entry_is_still_needed():
+    """An allow-list entry whose access went away is dropped, not kept for the future."""
+    used = set()
+    for p in modules():
+        rel = p.relative_to(ROOT).as_posix()
+        tree = ast.parse(p.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and (rel, node.attr) in ALLOWED:
+                used.add((rel, node.attr))
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and (rel, node.value) in ALLOWED):
+                used.add((rel, node.value))
+    assert used == set(ALLOWED)
