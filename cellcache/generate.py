@@ -68,7 +68,7 @@ from ._checks import check_int
 from ._cli import Parser, in_range
 from .cache import CellCache
 from .errors import CellCacheError, InvalidArgument, InvalidState, StepTooLarge
-from .hf import attach, cache_config
+from .hf import attach, cache_config, vocab_size
 from .prefix import PrefixCache
 from .registry import build
 
@@ -358,24 +358,6 @@ class _Prompts:
         return b // 4
 
 
-def _vocab_size(model: Any) -> int | None:
-    """Rows of the model's input embedding (what a token id indexes), else the config's
-    vocab_size, else None (ids are then checked only for being >= 0)."""
-    get = getattr(model, "get_input_embeddings", None)
-    n = None
-    if callable(get):
-        try:
-            n = getattr(get(), "num_embeddings", None)
-        except (NotImplementedError, AttributeError, TypeError):
-            n = None
-    if n is None:
-        config = getattr(model, "config", None)
-        text = getattr(config, "get_text_config", None)
-        config = text() if callable(text) else config
-        n = getattr(config, "vocab_size", None)
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
-
-
 class Generator:
     """Continuous batching of a transformers decoder over a cellcache (module docstring).
 
@@ -496,8 +478,7 @@ class Generator:
         self.admission = admission
         self._pending = _Prompts()
         self._later: list[BaseException] = []      # prefix-cache callback errors, raised at step end
-        vocab = getattr(self.runner, "vocab", None)
-        self.vocab: int | None = vocab if isinstance(vocab, int) else _vocab_size(model)
+        self.vocab: int = self.runner.vocab
         self.max_batch = cache.config.max_write
         self.prefill_chunk = prefill_chunk
         self.reserve = reserve
@@ -1412,7 +1393,10 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizer = None
     except (OSError, ValueError) as e:
         p.error(f"cannot load the model: {_one_line(e)}")
-    vocab = _vocab_size(model) or 1 << 62
+    try:
+        vocab = vocab_size(model)
+    except InvalidArgument as e:
+        p.error(f"cannot serve the model: {_one_line(e)}")
     prompts = []
     for t in texts:
         if tokenizer is not None:

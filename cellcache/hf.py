@@ -41,7 +41,7 @@ from .cache import CellCache, Step
 from .config import CacheConfig, LayerConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
-__all__ = ["ATTENTION_NAME", "ModelRunner", "attach", "cache_config", "layer_windows"]
+__all__ = ["ATTENTION_NAME", "ModelRunner", "attach", "cache_config", "layer_windows", "vocab_size"]
 
 ATTENTION_NAME = "cellcache"
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("cellcache_step", default=None)
@@ -344,7 +344,7 @@ class ModelRunner:
         self.cuda = view.cuda
         self.graphs_enabled = graphs_enabled
         self.buckets = chosen
-        self.vocab = _vocab_size(model)
+        self.vocab = vocab_size(model)
         self.input_ids = torch.zeros((1, mw), dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self._graph_generation = view.generation
@@ -553,7 +553,7 @@ def _int_array(values: Any, name: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def _vocab_size(model: Any) -> int:
+def vocab_size(model: Any) -> int:
     """Rows of the model's input embedding (what a token id indexes), else the config's
     vocab_size."""
     n = None

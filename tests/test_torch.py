@@ -33,13 +33,9 @@ def test_as_tensor_views_every_buffer_without_copying(dtype):
         cct.as_tensor([1, 2])
 
 
-@pytest.mark.parametrize("fmt", ["bool", "bits"])
-def test_attention_through_torch_matches_each_sequence(fmt):
-    cfg = cc.CacheConfig(capacity=512, layers=LAYERS, max_write=32, initial_capacity=16,
-                         dtype="float32", max_seqs=16, mask_format=fmt)
-    cache = cc.HostCellCache(cfg)
-    view = cct.TorchView(cache)
-
+def session_forward(view):
+    """A Session forward through cct.attention: each layer's q/k/v padded to the step's
+    pad_to (padding K/V NaN, which must never be read)."""
     def forward(cache, step, qkv):
         outs = []
         for li, (q, k, v) in enumerate(qkv):
@@ -51,8 +47,18 @@ def test_attention_through_torch_matches_each_sequence(fmt):
             vt[:step.width] = torch.from_numpy(v)
             outs.append(cct.attention(view, li, qt, kt, vt, step=step)[:step.width].numpy())
         return outs
+    return forward
 
-    s = Session(cache, forward, SessionConfig(n_heads=4, buckets=[4, 8, 16, 32]), seed=1).run(60)
+
+@pytest.mark.parametrize("fmt", ["bool", "bits"])
+def test_attention_through_torch_matches_each_sequence(fmt):
+    cfg = cc.CacheConfig(capacity=512, layers=LAYERS, max_write=32, initial_capacity=16,
+                         dtype="float32", max_seqs=16, mask_format=fmt)
+    cache = cc.HostCellCache(cfg)
+    view = cct.TorchView(cache)
+
+    s = Session(cache, session_forward(view), SessionConfig(n_heads=4, buckets=[4, 8, 16, 32]),
+                seed=1).run(60)
     assert s["mismatches"] == 0 and s["growths"] >= 2 and len(s["per_bucket"]) >= 2
 
 
@@ -236,17 +242,11 @@ def test_a_view_follows_pools_that_move_by_copy_growth(fmt):
     assert view.layer(0)[0].shape[0] == 0 and not view.stale()
     moved = []
 
+    attend = session_forward(view)
+
     def forward(cache, step, qkv):
         moved.append(view.stale())
-        outs = []
-        for li, (q, k, v) in enumerate(qkv):
-            T = step.pad_to
-            qt, kt = torch.zeros((T, 4, 16)), torch.full((T, 2, 16), float("nan"))
-            vt = kt.clone()
-            qt[:step.width] = torch.from_numpy(q)
-            kt[:step.width] = torch.from_numpy(k)
-            vt[:step.width] = torch.from_numpy(v)
-            outs.append(cct.attention(view, li, qt, kt, vt, step=step)[:step.width].numpy())
+        outs = attend(cache, step, qkv)
         assert view.layer(1)[0].data_ptr() == cache.layer(1).k.ctypes.data   # the live pools
         return outs
 
