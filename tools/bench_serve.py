@@ -111,18 +111,25 @@ def ours(model, prompts, new_tokens, staggered: bool, capacity: int, w: dict, de
         return out
 
     gen.cache.prepare_step = timed_prepare
+    step_s: dict[str, list[float]] = {"mixed": [], "decode": []}
     while pending or gen.busy:
         if pending and steps % 16 == 0:
             reqs += [gen.add(p, Sampling(max_new_tokens=new_tokens)) for p in pending[:32]]
             pending = pending[32:]
+        before, s = gen.stats["graph_steps"], time.perf_counter()
         if not gen.step() and not pending:
             break
+        step_s["decode" if gen.stats["graph_steps"] > before else "mixed"].append(time.perf_counter() - s)
         steps += 1
     _sync(device)
     elapsed = time.perf_counter() - t0
     res = summarize(gen, elapsed, reqs)
     res["prepare_step_host_ms_total"] = 1e3 * sum(prep)
     res["prepare_step_host_us_median"] = 1e6 * statistics.median(prep) if prep else 0.0
+    for kind, times in step_s.items():         # where on and off differ, by kind of step
+        res[f"{kind}_steps"] = len(times)
+        res[f"{kind}_step_ms_total"] = 1e3 * sum(times)
+        res[f"{kind}_step_ms_median"] = 1e3 * statistics.median(times) if times else 0.0
     res["outputs"] = [r.outputs[0] for r in reqs]
     if with_breakdown and device == "cuda":
         res["breakdown"] = breakdown(gen, model)
@@ -423,6 +430,13 @@ def main(argv=None) -> int:
         print(f"decode step of {bd['decode_rows']} rows: forward {bd['forward_ms']:.2f} ms = attention "
               f"{bd['attention_ms']:.2f} ms + rest of the model {bd['rest_of_model_ms']:.2f} ms; "
               f"prepare_step {res['cellcache']['prepare_step_host_us_median']:.0f} us host (median)")
+    for key in ("cellcache", "cellcache_off"):
+        r = res.get(key, {})
+        if "mixed_steps" in r:
+            print(f"{key}: {r['mixed_steps']} mixed steps {r['mixed_step_ms_total']:.0f} ms (median "
+                  f"{r['mixed_step_ms_median']:.2f}), {r['decode_steps']} decode steps "
+                  f"{r['decode_step_ms_total']:.0f} ms (median {r['decode_step_ms_median']:.2f}), "
+                  f"prepare_step {r['prepare_step_host_us_median']:.0f} us (median)")
 
     targets = []
     ideal = work["ideal_computed"]

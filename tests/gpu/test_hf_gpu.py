@@ -46,3 +46,44 @@ def test_greedy_equals_hf_on_cuda_with_graphs(arch):
     assert gen.stats["accepted"] > 0 and gen.stats["preempted"] > 0
     gen.cache.check_invariants()
     gen.cache.close()
+
+
+def test_prefix_cache_on_off_and_hf_agree_on_cuda():
+    """Shared system prompts and a multi-turn conversation on the GPU, float32: the prefix
+    cache's reuse (clones of cached cells, only tails computed) gives the same greedy tokens
+    as reading every prompt whole, and each is HF's own greedy choice: the argmax of the HF
+    model's full forward over prompt + output at every generated position. (That full forward,
+    not ``generate``, is the reference here: on a sliding-window model transformers'
+    ``generate`` with its sliding cache can disagree with its own full forward.)"""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from cellcache.generate import Generator, Sampling, random_model
+
+    model = random_model("tiny", torch.float32, "cuda", seed=5)   # windows of 16 < prompts
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, 512, size=40).tolist()
+    prompts = [system + rng.integers(0, 512, size=int(rng.integers(1, 12))).tolist()
+               for _ in range(12)]
+    n_new = 10
+    runs = {}
+    for on in (True, False):
+        gen = Generator(model, capacity=2048, max_batch_tokens=64, max_seqs=16, prefill_chunk=16,
+                        eos=[], prefix_cache=on)
+        reqs = [gen.add(p, Sampling(max_new_tokens=n_new)) for p in prompts]
+        gen.run()
+        second = prompts[0] + reqs[0].outputs[0] + [5, 6, 7]          # the next turn
+        turn2 = gen.add(second, Sampling(max_new_tokens=n_new))
+        gen.run()
+        runs[on] = ([r.outputs[0] for r in reqs], turn2.outputs[0], dict(gen.stats))
+        gen.cache.check_invariants()
+        gen.cache.close()
+    assert runs[True][:2] == runs[False][:2]
+    model.set_attn_implementation("sdpa")                  # HF's own attention again
+    outs, out2, on = runs[True]
+    for p, out in [*zip(prompts, outs), (prompts[0] + outs[0] + [5, 6, 7], out2)]:
+        with torch.no_grad():
+            logits = model(torch.tensor([p + out], device="cuda")).logits[0]
+        assert logits[len(p) - 1:-1].argmax(-1).tolist() == out
+    off = runs[False][2]
+    assert on["cached_tokens"] >= 40 * (len(prompts) - 1) + len(prompts[0]) and off["cached_tokens"] == 0
+    assert on["computed_tokens"] < off["computed_tokens"]
