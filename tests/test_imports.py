@@ -18,7 +18,7 @@ FLOORS = [
     {"errors", "_checks", "config", "buffers", "buckets", "_cli", "_bitset"},
     {"reference", "_table", "_views"},
     {"cache", "host", "cuda", "cuda.probe", "cuda.driver", "cuda.pools", "cuda.backend",
-     "cuda.kernels", "cuda._launch", "cuda._dlpack", "cuda._engine"},
+     "cuda.kernels", "cuda.tc", "cuda._launch", "cuda._dlpack", "cuda._engine"},
     {"registry"},
     {"attention", "session", "prefix", "torch", "hf", "generate"},
     {"demo", "__main__"},

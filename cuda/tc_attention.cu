@@ -1,0 +1,623 @@
+// Paged attention on tensor cores (FlashAttention-2 style) over the page-size-1 CSR view.
+// No host code and no CUDA headers (NVRTC builds it); PTX ISA 8.0 / sm_80 instructions only
+// (mma.sync m16n8k16, ldmatrix, cp.async).
+//
+//   tc_plan             the work list, on the device: one block prefix-sums the step's runs
+//                       (qo_indptr, kv_indptr, width) into work items {run, q tile, kv split,
+//                       splits} in a fixed-capacity list, picks a kv split size when the
+//                       step has fewer units than the grid has CTAs, and resets the work
+//                       counter; the other blocks write zeros to the padding rows' output.
+//   tc_attend_T_dD      persistent CTAs: each takes the next unit (item x kv head) from the
+//                       counter until the list is exhausted. A unit is 64 packed rows of one
+//                       run, row p = (query p / G, head p % G) of the kv head's group, so a
+//                       group shares every K/V tile; 4 warps x 16 rows. K/V tiles of the
+//                       run's list are gathered with cp.async (zero-fill past the end) into
+//                       a ring of STAGES buffers, K and V in separate commit groups, the
+//                       kv_indices of the tile STAGES ahead loaded before the wait on the
+//                       current one. S = Q K^T and O += P V with mma.m16n8k16 (f32 accumulate),
+//                       operands from ldmatrix (.trans for V), online softmax in exp2 with
+//                       scale * log2(e) folded in; masks only on edge tiles.
+//   tc_merge_T          the splits of each split row merged (a no-op launch without splits).
+//
+// Masks mirror attention.cu: query i of a run of qo_len queries over a list of L entries sees
+// entries (hi - window, hi], hi = L - qo_len + i (window 0: [0, hi]).
+//
+// Shared memory rows are 16-byte chunks; with D / 8 a multiple of 8 (d64, d128, d256) chunk c
+// of row r lives at r * CH + (c ^ (r & 7)) (XOR swizzle), otherwise (d80, d96) rows are padded
+// by one chunk to an odd stride. Either way the 8 row addresses of one ldmatrix phase (same
+// chunk column, 8 consecutive rows) and the chunks of a cp.async row fall in distinct banks.
+#include "abi.h"
+
+#define TC_THREADS 128             // 4 warps
+#define TC_QROWS 64                // packed (query, head) rows of a unit: 4 warps x 16
+#define TC_PLAN_THREADS 1024
+#define TC_HDR 16                  // int32 words of the plan header
+#define TC_NEG_INF __int_as_float(0xff800000)
+
+// plan header words
+#define TC_N_UNITS 0
+#define TC_CHUNK 1                 // kv split size (0: no split)
+#define TC_COUNTER 2               // next unit (atomic)
+#define TC_SPLIT 3                 // 1 when some run is split (the merge has work)
+
+struct f16 { unsigned short x; };
+struct bf16 { unsigned short x; };
+
+// Everything the three kernels take, passed by value. Every field is 8 bytes, so the host
+// packs it with one struct format (cellcache/cuda/tc.py, _ARGS).
+typedef struct {
+    const cc_i32* qo_indptr;       // [rows + 1]
+    const cc_i32* kv_indptr;       // [rows + 1]
+    const cc_i32* kv_indices;
+    const cc_i64* width;           // real rows; rows past it are padding
+    const void* q;                 // [rows, n_heads, D] at (q_s_tok, q_s_head, 1)
+    const void* k_pool;            // [cells, n_kv_heads, D]
+    const void* v_pool;
+    void* out;                     // [rows, n_heads, D] at (o_s_tok, o_s_head, 1)
+    cc_i64 q_s_tok, q_s_head, o_s_tok, o_s_head;
+    cc_i64 rows, n_heads, n_kv_heads, group, window;
+    cc_i32* plan;                  // header, items (int4 x list_cap), run_base, run_ns
+    float* part;                   // split partials: [split_items][n_kv_heads][64][D + 2]
+    cc_i64 list_cap;               // items the list holds
+    cc_i64 split_cap;              // most units (items x kv heads) a split plan may make
+    cc_i64 target_units;           // split when the step has fewer units than this
+    double sl2;                    // softmax scale * log2(e)
+} TcArgs;
+
+// -- instructions ------------------------------------------------------------------------------
+
+__device__ __forceinline__ cc_u32 smem_addr(const void* p)
+{
+    cc_u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared, bypassing L1; src_bytes 0 writes zeros and reads nothing
+__device__ __forceinline__ void cp_async16(cc_u32 dst, const void* src, int src_bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(cc_u32 addr, cc_u32 (&r)[4])
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(cc_u32 addr, cc_u32 (&r)[4])
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ float ex2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// D (16x8, f32) += A (16x16, row) * B (16x8, col); A in a[0..3], B in b0, b1 (PTX ISA
+// "Matrix Fragments for mma.m16n8k16 with floating point type": with g = lane / 4,
+// t = lane % 4, a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..];
+// b0 = B[2t..2t+1][g], b1 = B[2t+8..][g]; d0,d1 = D[g][2t..], d2,d3 = D[g+8][2t..]).
+template <typename T> struct Mma;
+template <> struct Mma<f16> {
+    static __device__ __forceinline__ void run(float (&d)[4], const cc_u32 (&a)[4], cc_u32 b0, cc_u32 b1)
+    {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // lo in the low half (the lower column), hi in the high half
+    static __device__ __forceinline__ cc_u32 pack(float lo, float hi)
+    {
+        cc_u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+template <> struct Mma<bf16> {
+    static __device__ __forceinline__ void run(float (&d)[4], const cc_u32 (&a)[4], cc_u32 b0, cc_u32 b1)
+    {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ cc_u32 pack(float lo, float hi)
+    {
+        cc_u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+
+// -- tile shapes ---------------------------------------------------------------------------------
+
+// kv entries per tile and ring depth for each head_dim (shared memory: Q 64 rows + 2 x STAGES
+// tiles of KT rows; d128 = 80 KB, two CTAs per SM)
+template <int D> struct Cfg;
+template <> struct Cfg<64>  { static constexpr int KT = 64, STAGES = 3; };
+template <> struct Cfg<80>  { static constexpr int KT = 64, STAGES = 2; };
+template <> struct Cfg<96>  { static constexpr int KT = 64, STAGES = 2; };
+template <> struct Cfg<128> { static constexpr int KT = 64, STAGES = 2; };
+template <> struct Cfg<256> { static constexpr int KT = 32, STAGES = 2; };
+
+template <int D> struct Tile {
+    static constexpr int CH = D / 8;                        // 16-byte chunks of a row
+    static constexpr bool SWZ = CH % 8 == 0;
+    static constexpr int RS = SWZ ? CH : CH + 1;            // row stride in chunks
+    static constexpr int KT = Cfg<D>::KT, STAGES = Cfg<D>::STAGES;
+    static constexpr int Q_CH = TC_QROWS * RS, KV_CH = KT * RS;
+    static constexpr int SMEM = 16 * (Q_CH + 2 * STAGES * KV_CH);
+    static constexpr int NP = (KT * CH + TC_THREADS - 1) / TC_THREADS;  // load passes a tile
+    static __device__ __forceinline__ int at(int row, int c) { return row * RS + (SWZ ? (c ^ (row & 7)) : c); }
+};
+
+// {kv tile, stages, packed rows a unit, dynamic shared bytes}: read by the host (tc.py)
+#define TC_CONFIG(D) \
+    extern "C" __device__ const cc_i32 tc_config_d##D[4] = {Tile<D>::KT, Tile<D>::STAGES, TC_QROWS, Tile<D>::SMEM};
+TC_CONFIG(64) TC_CONFIG(80) TC_CONFIG(96) TC_CONFIG(128) TC_CONFIG(256)
+
+// -- one unit --------------------------------------------------------------------------------
+
+__device__ __forceinline__ const int4* plan_items(const TcArgs& a)
+{
+    return reinterpret_cast<const int4*>(a.plan + TC_HDR);
+}
+__device__ __forceinline__ cc_i32* plan_run_base(const TcArgs& a) { return a.plan + TC_HDR + 4 * a.list_cap; }
+__device__ __forceinline__ cc_i32* plan_run_ns(const TcArgs& a) { return plan_run_base(a) + a.rows; }
+
+// Real queries of run r: its rows below width (padding runs and runs past the last have none).
+__device__ __forceinline__ int run_qlen(const TcArgs& a, int r, cc_i64 width)
+{
+    const cc_i64 q0 = a.qo_indptr[r], q1 = min((cc_i64)a.qo_indptr[r + 1], width);
+    return q1 > q0 ? (int)(q1 - q0) : 0;
+}
+
+template <typename T, int D>
+__device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
+{
+    using C = Tile<D>;
+    constexpr int KT = C::KT, STAGES = C::STAGES, CH = C::CH, NP = C::NP;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tg = lane & 3;
+    const int n_kvh = (int)a.n_kv_heads, G = (int)a.group, W = (int)a.window;
+    const int item = u / n_kvh, kvh = u - item * n_kvh;
+    const int4 it = plan_items(a)[item];
+    const int run = it.x, qt = it.y, split = it.z, ns = it.w;
+    const cc_i64 width = *a.width;
+    const int q0 = a.qo_indptr[run], q1 = a.qo_indptr[run + 1];
+    const int qlen = run_qlen(a, run, width);
+    const int k0 = a.kv_indptr[run], L = a.kv_indptr[run + 1] - k0;
+    const int P = qlen * G;
+    const int p0 = qt * TC_QROWS, p1 = min(P, p0 + TC_QROWS);
+    const int shift = L - (q1 - q0);                    // hi(q) = shift + q
+    const int qa = p0 / G, qb = (p1 - 1) / G;           // the unit's first and last query
+    // the unit's kv range [r0, r1]: the first query's lo to the last query's hi, cut to the split
+    int r0 = W > 0 ? max(0, shift + qa - W + 1) : 0;
+    int r1 = shift + qb;
+    if (ns > 1) {
+        const int chunk = a.plan[TC_CHUNK];
+        r0 = max(r0, split * chunk);
+        r1 = min(r1, split * chunk + chunk - 1);
+    }
+    // keys in [full_lo, full_hi] are visible to every row of the unit
+    const int full_hi = min(shift + qa, r1);
+    const int full_lo = W > 0 ? shift + qb - W + 1 : 0;
+    const int n_tiles = r1 >= r0 ? (r1 - r0) / KT + 1 : 0;
+
+    const T* __restrict__ q = static_cast<const T*>(a.q);
+    const T* __restrict__ kp = static_cast<const T*>(a.k_pool);
+    const T* __restrict__ vp = static_cast<const T*>(a.v_pool);
+    const cc_i32* __restrict__ kv_idx = a.kv_indices + k0;
+    uint4* s_q = smem;
+    uint4* s_k = smem + C::Q_CH;
+    uint4* s_v = s_k + STAGES * C::KV_CH;
+    const cc_u32 a_q = smem_addr(s_q), a_k = smem_addr(s_k), a_v = smem_addr(s_v);
+
+    // Q: the unit's packed rows, zeros past the last real one
+    for (int c = tid; c < TC_QROWS * CH; c += TC_THREADS) {
+        const int row = c / CH, col = c - row * CH, p = p0 + row;
+        const T* src = q;
+        int bytes = 0;
+        if (p < p1) {
+            const int qi = p / G, hl = p - qi * G;
+            src = q + (cc_i64)(q0 + qi) * a.q_s_tok + (cc_i64)(kvh * G + hl) * a.q_s_head + col * 8;
+            bytes = 16;
+        }
+        cp_async16(a_q + 16 * C::at(row, col), src, bytes);
+    }
+    cp_async_commit();
+
+    // cells of tile j for this thread's load passes (-1: past the range, zero-filled)
+    int idx[NP];
+    auto load_idx = [&](int j) {
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+            const int c = tid + p * TC_THREADS, row = c / CH, key = r0 + j * KT + row;
+            idx[p] = (c < KT * CH && j < n_tiles && key <= r1) ? kv_idx[key] : -1;
+        }
+    };
+    auto issue = [&](const T* __restrict__ pool, cc_u32 base, int j) {
+        if (j >= n_tiles) return;                      // an empty group keeps the count uniform
+        const cc_u32 buf = base + 16 * (j % STAGES) * C::KV_CH;
+#pragma unroll
+        for (int p = 0; p < NP; ++p) {
+            const int c = tid + p * TC_THREADS;
+            if (c < KT * CH) {
+                const int row = c / CH, col = c - row * CH, cell = idx[p];
+                const T* src = cell >= 0 ? pool + ((cc_i64)cell * n_kvh + kvh) * D + col * 8 : pool;
+                cp_async16(buf + 16 * C::at(row, col), src, cell >= 0 ? 16 : 0);
+            }
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+        load_idx(s);
+        issue(kp, a_k, s);
+        cp_async_commit();
+        issue(vp, a_v, s);
+        cp_async_commit();
+    }
+
+    // this thread's two rows (g and g + 8 of the warp's 16)
+    const int wp0 = p0 + warp * 16;
+    const bool active = wp0 < p1;                       // the warp has real rows
+    int qrow[2];
+    qrow[0] = (wp0 + g) / G;
+    qrow[1] = (wp0 + g + 8) / G;
+    const float sl2 = (float)a.sl2;
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {TC_NEG_INF, TC_NEG_INF}, l[2] = {0.f, 0.f};
+
+    for (int j = 0; j < n_tiles; ++j) {
+        load_idx(j + STAGES);                          // in flight while we wait and compute
+        cp_async_wait<2 * STAGES - 1>();               // Q and K(j) have landed
+        __syncthreads();
+        const int st = j % STAGES, t0 = r0 + j * KT;
+        const cc_u32 kb = a_k + 16 * st * C::KV_CH, vb = a_v + 16 * st * C::KV_CH;
+        float s[KT / 8][4];
+        if (active) {
+#pragma unroll
+            for (int n = 0; n < KT / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                cc_u32 aq[4];
+                ldsm_x4(a_q + 16 * C::at(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * ks + (lane >> 4)), aq);
+#pragma unroll
+                for (int jj = 0; jj < KT / 16; ++jj) {
+                    cc_u32 b[4];
+                    ldsm_x4(kb + 16 * C::at(16 * jj + (lane & 7) + (lane >> 4) * 8, 2 * ks + ((lane >> 3) & 1)), b);
+                    Mma<T>::run(s[2 * jj], aq, b[0], b[1]);
+                    Mma<T>::run(s[2 * jj + 1], aq, b[2], b[3]);
+                }
+            }
+            const bool edge = !(t0 >= full_lo && t0 + KT - 1 <= full_hi);
+#pragma unroll
+            for (int n = 0; n < KT / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[n][e] * sl2;
+                    if (edge) {
+                        const int key = t0 + 8 * n + 2 * tg + (e & 1);
+                        const int hi = shift + qrow[e >> 1];
+                        if (key > r1 || key > hi || (W > 0 && key <= hi - W)) x = TC_NEG_INF;
+                    }
+                    s[n][e] = x;
+                }
+            }
+            // online softmax, two rows a thread; l stays a per-thread partial sum until the end
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = m[r];
+#pragma unroll
+                for (int n = 0; n < KT / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float base = mx == TC_NEG_INF ? 0.f : mx;     // nothing seen yet: all 0
+                const float corr = ex2(m[r] - base);
+                m[r] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < KT / 8; ++n) {
+                    s[n][2 * r] = ex2(s[n][2 * r] - base);
+                    s[n][2 * r + 1] = ex2(s[n][2 * r + 1] - base);
+                    sum += s[n][2 * r] + s[n][2 * r + 1];
+                }
+                l[r] = l[r] * corr + sum;
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) { o[n][2 * r] *= corr; o[n][2 * r + 1] *= corr; }
+            }
+        }
+        cp_async_wait<2 * STAGES - 2>();               // V(j) has landed
+        __syncthreads();                               // ... and every warp is done with K(j)
+        issue(kp, a_k, j + STAGES);
+        cp_async_commit();
+        if (active) {
+#pragma unroll
+            for (int t = 0; t < KT / 16; ++t) {
+                cc_u32 pa[4];
+                pa[0] = Mma<T>::pack(s[2 * t][0], s[2 * t][1]);
+                pa[1] = Mma<T>::pack(s[2 * t][2], s[2 * t][3]);
+                pa[2] = Mma<T>::pack(s[2 * t + 1][0], s[2 * t + 1][1]);
+                pa[3] = Mma<T>::pack(s[2 * t + 1][2], s[2 * t + 1][3]);
+#pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    cc_u32 b[4];
+                    ldsm_x4_t(vb + 16 * C::at(16 * t + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * dp + (lane >> 4)), b);
+                    Mma<T>::run(o[2 * dp], pa, b[0], b[1]);
+                    Mma<T>::run(o[2 * dp + 1], pa, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();                               // every warp is done with V(j)
+        issue(vp, a_v, j + STAGES);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();                                // nothing in flight into the buffers
+
+    if (!active) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int p = wp0 + g + 8 * r;
+        if (p >= p1) continue;
+        if (ns == 1) {
+            const int qi = p / G, hl = p - qi * G;
+            T* dst = static_cast<T*>(a.out) + (cc_i64)(q0 + qi) * a.o_s_tok + (cc_i64)(kvh * G + hl) * a.o_s_head;
+            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n)
+                *reinterpret_cast<cc_u32*>(dst + 8 * n + 2 * tg) =
+                    Mma<T>::pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        } else {
+            float* dst = a.part + (((cc_i64)item * n_kvh + kvh) * TC_QROWS + (p - p0)) * (D + 2);
+            if (tg == 0) { dst[0] = m[r]; dst[1] = l[r]; }
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n)
+                *reinterpret_cast<float2*>(dst + 2 + 8 * n + 2 * tg) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+        }
+    }
+}
+
+// Persistent: each CTA takes units from the counter the plan reset until the list is done.
+template <typename T, int D>
+__device__ void tc_attend(const TcArgs& a)
+{
+    extern __shared__ uint4 smem[];
+    __shared__ int s_unit;
+    const int n_units = a.plan[TC_N_UNITS];
+    for (;;) {
+        if (threadIdx.x == 0) s_unit = atomicAdd(a.plan + TC_COUNTER, 1);
+        __syncthreads();
+        const int u = s_unit;
+        if (u >= n_units) break;
+        tc_unit<T, D>(a, u, smem);
+        __syncthreads();                               // s_unit and the buffers free again
+    }
+}
+
+// -- the plan ----------------------------------------------------------------------------------
+
+template <typename V>
+__device__ __forceinline__ V block_sum(V x, V* scratch)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    V t = 0;
+    for (int w = 0; w < nw; ++w) t += scratch[w];
+    return t;
+}
+
+__device__ __forceinline__ int block_max(int x, int* scratch)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, off));
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    int t = scratch[0];
+    for (int w = 1; w < nw; ++w) t = max(t, scratch[w]);
+    return t;
+}
+
+// Inclusive scan over the block; *total gets the block's sum.
+__device__ __forceinline__ int block_scan(int x, int* scratch, int* total)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, off);
+        if (lane >= off) x += y;
+    }
+    __syncthreads();
+    if (lane == 31) scratch[warp] = x;
+    __syncthreads();
+    int before = 0, t = 0;
+    for (int w = 0; w < nw; ++w) {
+        if (w < warp) before += scratch[w];
+        t += scratch[w];
+    }
+    *total = t;
+    return x + before;
+}
+
+// Block 0: the work list. Items are listed run by run, a run's q tiles last first (the
+// causal tiles that see the most keys start first), splits innermost: item
+// run_base[r] + (nt - 1 - qt) * ns + s. Other blocks: zeros into the padding rows' output.
+// qrows: packed rows a unit (64); min_chunk: the smallest kv split (a multiple of the tile).
+__device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head_dim)
+{
+    const cc_i64 width = *a.width;
+    const int rows = (int)a.rows, G = (int)a.group, nkv = (int)a.n_kv_heads;
+    if (blockIdx.x > 0) {
+        // padding rows [width, rows): 16-byte zeros (2-byte elements, head_dim % 8 == 0)
+        const int chunks = head_dim / 8, H = (int)a.n_heads;
+        const cc_i64 n = (rows - width) * H * chunks;
+        for (cc_i64 e = (cc_i64)(blockIdx.x - 1) * blockDim.x + threadIdx.x; e < n;
+             e += (cc_i64)(gridDim.x - 1) * blockDim.x) {
+            const cc_i64 i = width + e / (H * chunks);
+            const int h = (int)(e / chunks % H), c = (int)(e % chunks);
+            unsigned short* dst = static_cast<unsigned short*>(a.out) + i * a.o_s_tok + h * a.o_s_head + 8 * c;
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+        }
+        return;
+    }
+    __shared__ long long s_ll[32];
+    __shared__ int s_i[32];
+    long long nt_sum = 0;
+    int max_len = 0;
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        const int ql = run_qlen(a, r, width);
+        if (ql > 0) {
+            nt_sum += (ql * G + qrows - 1) / qrows;
+            max_len = max(max_len, a.kv_indptr[r + 1] - a.kv_indptr[r]);
+        }
+    }
+    nt_sum = block_sum(nt_sum, s_ll);
+    max_len = block_max(max_len, s_i);
+    int chunk = 0;
+    if (nt_sum * nkv < a.target_units) {
+        // the smallest split (most units) that stays within split_cap units
+        for (long long c = min_chunk; c < max_len; c *= 2) {
+            long long items = 0;
+            for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+                const int ql = run_qlen(a, r, width);
+                if (ql > 0) {
+                    const long long len = a.kv_indptr[r + 1] - a.kv_indptr[r];
+                    items += (long long)((ql * G + qrows - 1) / qrows) * ((len + c - 1) / c);
+                }
+            }
+            items = block_sum(items, s_ll);
+            if (items * nkv <= a.split_cap && items <= a.list_cap) { chunk = (int)c; break; }
+        }
+    }
+    int4* items = reinterpret_cast<int4*>(a.plan + TC_HDR);
+    cc_i32* run_base = plan_run_base(a);
+    cc_i32* run_ns = plan_run_ns(a);
+    const int cap = (int)a.list_cap;
+    int carry = 0;
+    for (int b = 0; b < rows; b += blockDim.x) {
+        const int r = b + threadIdx.x;
+        int nt = 0, ns = 1;
+        if (r < rows) {
+            const int ql = run_qlen(a, r, width);
+            if (ql > 0) {
+                nt = (ql * G + qrows - 1) / qrows;
+                if (chunk) ns = max(1, (a.kv_indptr[r + 1] - a.kv_indptr[r] + chunk - 1) / chunk);
+            }
+        }
+        const int v = nt * ns;
+        int total;
+        const int ex = carry + block_scan(v, s_i, &total) - v;
+        if (r < rows) {
+            run_base[r] = ex;
+            run_ns[r] = ns;
+            for (int t = 0; t < nt; ++t)
+                for (int s = 0; s < ns; ++s) {
+                    const int k = ex + t * ns + s;
+                    if (k < cap) items[k] = make_int4(r, nt - 1 - t, s, ns);
+                }
+        }
+        carry += total;
+    }
+    if (threadIdx.x == 0) {
+        a.plan[TC_N_UNITS] = min(carry, cap) * nkv;
+        a.plan[TC_CHUNK] = chunk;
+        a.plan[TC_COUNTER] = 0;
+        a.plan[TC_SPLIT] = chunk != 0;
+    }
+}
+
+// -- the merge -------------------------------------------------------------------------------
+
+// One warp per (row, head) of a split run: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+template <typename T>
+__device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
+{
+    if (a.plan[TC_SPLIT] == 0) return;
+    const cc_i64 width = *a.width;
+    const int H = (int)a.n_heads, G = (int)a.group, nkv = (int)a.n_kv_heads, rows = (int)a.rows;
+    const int D = head_dim, lane = threadIdx.x & 31;
+    const cc_i32* run_base = plan_run_base(a);
+    const cc_i32* run_ns = plan_run_ns(a);
+    const cc_i64 n_pairs = width * H;
+    const cc_i64 stride = (cc_i64)gridDim.x * (blockDim.x >> 5);
+    for (cc_i64 pair = (cc_i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); pair < n_pairs;
+         pair += stride) {
+        const int i = (int)(pair / H), h = (int)(pair % H);
+        int lo = 0, hi = rows;                          // qo[lo] <= i < qo[hi]
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (a.qo_indptr[mid] <= i) lo = mid; else hi = mid;
+        }
+        const int run = lo, ns = run_ns[run];
+        if (ns <= 1) continue;
+        const int q0 = a.qo_indptr[run], ql = run_qlen(a, run, width);
+        const int nt = (ql * G + qrows - 1) / qrows;
+        const int kvh = h / G, p = (i - q0) * G + (h - kvh * G);
+        const int qt = p / qrows, prow = p - qt * qrows;
+        const cc_i64 item0 = run_base[run] + (cc_i64)(nt - 1 - qt) * ns;
+        const float* pp = a.part + ((item0 * nkv + kvh) * qrows + prow) * (D + 2);
+        const cc_i64 sstride = (cc_i64)nkv * qrows * (D + 2);
+        float mx = TC_NEG_INF;
+        for (int s = 0; s < ns; ++s) mx = fmaxf(mx, pp[s * sstride]);
+        const float base = mx == TC_NEG_INF ? 0.f : mx;
+        float den = 0.f;
+        for (int s = 0; s < ns; ++s) den += ex2(pp[s * sstride] - base) * pp[s * sstride + 1];
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+        T* dst = static_cast<T*>(a.out) + (cc_i64)i * a.o_s_tok + (cc_i64)h * a.o_s_head;
+        for (int d = 2 * lane; d < D; d += 64) {
+            float x0 = 0.f, x1 = 0.f;
+            for (int s = 0; s < ns; ++s) {
+                const float w = ex2(pp[s * sstride] - base);
+                const float2 v = *reinterpret_cast<const float2*>(pp + s * sstride + 2 + d);
+                x0 += w * v.x;
+                x1 += w * v.y;
+            }
+            *reinterpret_cast<cc_u32*>(dst + d) = Mma<T>::pack(x0 * inv, x1 * inv);
+        }
+    }
+}
+
+// -- entry points ----------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(TC_PLAN_THREADS) tc_plan(const TcArgs a, cc_i32 qrows,
+                                                                      cc_i32 min_chunk, cc_i32 head_dim)
+{ tc_plan_impl(a, qrows, min_chunk, head_dim); }
+
+#define TC_ATTEND(SUFFIX, T, D)                                                                \
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_attend_##SUFFIX##_d##D(const TcArgs a) \
+{ tc_attend<T, D>(a); }
+
+#define TC_DTYPE(SUFFIX, T)                                                                    \
+TC_ATTEND(SUFFIX, T, 64) TC_ATTEND(SUFFIX, T, 80) TC_ATTEND(SUFFIX, T, 96)                    \
+TC_ATTEND(SUFFIX, T, 128) TC_ATTEND(SUFFIX, T, 256)                                            \
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_merge_##SUFFIX(const TcArgs a,     \
+                                                                           cc_i32 head_dim,   \
+                                                                           cc_i32 qrows)      \
+{ tc_merge<T>(a, head_dim, qrows); }
+
+TC_DTYPE(float16, f16)
+TC_DTYPE(bfloat16, bf16)

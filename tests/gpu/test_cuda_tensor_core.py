@@ -1,0 +1,252 @@
+"""The tensor-core paged attention kernels (cuda/tc_attention.cu) against a float64 reference
+read from the same paged view: head_dim x dtype x group x window x padded/unpadded x decode /
+prefill / mixed steps, kv splits on and off, the refusals, and work list + attention + merge
+captured in a CUDA graph and replayed over another step of the same padded rows.
+
+Nothing here imports cuda-bindings at collection: without it (or a driver, or a device)
+every test is skipped by the conftest, never errored.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cellcache import CacheConfig, LayerConfig
+
+from ..helpers import cuda
+
+HEAD_DIMS = (64, 80, 96, 128, 256)
+GROUPS = (1, 2, 4, 7, 8, 16)
+N_KV = 2
+WINDOW = 37                  # small, and not a multiple of any tile
+
+
+def _reference(step_view: dict, q: np.ndarray, k: np.ndarray, v: np.ndarray, G: int,
+               window: int, scale: float) -> np.ndarray:
+    """float64 attention of the real rows: run r's query i (of qo_len) over its list of L
+    cells sees entries (hi - window, hi], hi = L - qo_len + i (window 0: [0, hi])."""
+    qo, kv, idx, width = (step_view[n] for n in ("qo_indptr", "kv_indptr", "kv_indices", "width"))
+    H, D = q.shape[1], q.shape[2]
+    out = np.zeros((width, H, D))
+    r = 0
+    while r + 1 < len(qo) and qo[r] < width:
+        q0, q1 = int(qo[r]), int(qo[r + 1])
+        cells = idx[kv[r]:kv[r + 1]]
+        L, n = len(cells), q1 - q0
+        kk = np.repeat(k[cells], G, axis=1)             # [L, H, D]
+        vv = np.repeat(v[cells], G, axis=1)
+        s = np.einsum("qhd,khd->hqk", q[q0:q1], kk) * scale
+        hi = L - n + np.arange(n)
+        keys = np.arange(L)
+        vis = keys[None, :] <= hi[:, None]
+        if window > 0:
+            vis &= keys[None, :] > (hi - window)[:, None]
+        s = np.where(vis[None], s, -np.inf)
+        s -= s.max(axis=2, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=2, keepdims=True)
+        out[q0:q1] = np.einsum("hqk,khd->qhd", p, vv)
+        r += 1
+    return out
+
+
+class Rig:
+    """A CUDA cache with one layer, sequences with histories, and the kernels."""
+
+    def __init__(self, dtype: str, head_dim: int, group: int, n_seqs: int = 6,
+                 hist=(1, 300), capacity: int = 8192, max_write: int = 512, seed: int = 0):
+        import torch
+
+        CudaCellCache, *_ = cuda()
+        import cellcache.torch as cct
+        from cellcache.cuda.tc import TensorCoreAttention
+
+        self.torch, self.cct = torch, cct
+        self.rng = np.random.default_rng(seed)
+        self.D, self.G, self.H = head_dim, group, group * N_KV
+        cfg = CacheConfig(capacity=capacity, layers=[LayerConfig(N_KV, head_dim)],
+                          max_write=max_write, initial_capacity=capacity, dtype=dtype,
+                          max_seqs=n_seqs + 2, paged=True, mask_format="none")
+        self.cache = CudaCellCache(cfg)
+        self.tdt = cct.torch_dtype(dtype)
+        t = self.cache.table
+        self.seqs = [t.seq_new() for _ in range(n_seqs)]
+        lens = self.rng.integers(hist[0], hist[1] + 1, size=n_seqs)
+        done = np.zeros(n_seqs, dtype=np.int64)
+        while (done < lens).any():                     # interleaved chunks: cells spread out
+            for j in self.rng.permutation(n_seqs):
+                n = int(min(lens[j] - done[j], self.rng.integers(1, 40)))
+                if n > 0:
+                    assert t.declare_step([self.seqs[j]] * n)
+                    t.place()
+                    done[j] += n
+        sm = torch.cuda.get_device_properties(0).multi_processor_count
+        self.tc = TensorCoreAttention(dtype, sm)
+
+    def step(self, ids: list[int], pad_to: int):
+        """Prepares and commits one step; random pools (sink row NaN: never read) and q."""
+        torch = self.torch
+        c = self.cache
+        assert c.declare_step(ids)
+        st = c.prepare_step(pad_to=pad_to)
+        c.commit_step()
+        view = self.cct.TorchView(c)
+        k_pool, v_pool, _ = view.layer(0)
+        gen = torch.Generator(device="cuda").manual_seed(int(self.rng.integers(1 << 30)))
+        k_pool.copy_(torch.randn(k_pool.shape, generator=gen, device="cuda"))
+        v_pool.copy_(torch.randn(v_pool.shape, generator=gen, device="cuda"))
+        k_pool[c.sink] = float("nan")
+        v_pool[c.sink] = float("nan")
+        q = torch.randn((pad_to, self.H, self.D), generator=gen, device="cuda").to(self.tdt)
+        return st, view, k_pool, v_pool, q
+
+    def host_view(self, view, pad_to: int) -> dict:
+        p = view.paged
+        kv = p["kv_indptr"][:pad_to + 1].cpu().numpy().astype(np.int64)
+        return {"qo_indptr": p["qo_indptr"][:pad_to + 1].cpu().numpy().astype(np.int64),
+                "kv_indptr": kv,
+                "kv_indices": p["kv_indices"][:int(kv[-1])].cpu().numpy().astype(np.int64),
+                "width": int(view.width.reshape(-1)[0].item())}
+
+    def run(self, view, rows, q, k_pool, v_pool, out, window):
+        torch = self.torch
+        self.tc.run(view.paged_pointers(), rows, q.data_ptr(), (q.stride(0), q.stride(1)),
+                    k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
+                    (out.stride(0), out.stride(1)), self.H, N_KV, self.D, window,
+                    torch.cuda.current_stream().cuda_stream)
+
+    def check(self, st, view, k_pool, v_pool, q, window, out=None, what=""):
+        torch = self.torch
+        rows = q.shape[0]
+        if out is None:
+            out = torch.full_like(q, float("nan"))
+            self.run(view, rows, q, k_pool, v_pool, out, window)
+        torch.cuda.synchronize()
+        hv = self.host_view(view, rows)
+        w = hv["width"]
+        scale = 1.0 / np.sqrt(self.D)
+        real = k_pool.shape[0] - 1                      # the sink is NaN: not in the reference
+        kf = k_pool[:real].double().cpu().numpy()
+        vf = v_pool[:real].double().cpu().numpy()
+        want = _reference(hv, q.double().cpu().numpy(), kf, vf, self.G, window, scale)
+        got = out.double().cpu().numpy()
+        assert np.isfinite(got).all(), f"{what}: non-finite output"
+        np.testing.assert_array_equal(got[w:], 0.0, err_msg=f"{what}: padding rows not zero")
+        err = np.abs(got[:w] - want).max() if w else 0.0
+        tol = 3e-2 if self.tdt == torch.bfloat16 else 5e-3
+        assert err <= tol, f"{what}: max abs error {err:.3g} > {tol}"
+
+    def close(self):
+        self.tc.close()
+        self.cache.close()
+
+
+def _steps(rng, seqs):
+    """(kind, ids, pad_to): decode, prefill, mixed steps, padded and not."""
+    dec = [int(s) for s in rng.permutation(seqs)]
+    pre = []
+    for s in rng.choice(seqs, size=2, replace=False):
+        pre += [int(s)] * int(rng.integers(60, 140))
+    mixed = []
+    order = [int(s) for s in rng.permutation(seqs)]
+    for j, s in enumerate(order):                       # decode rows between prefill chunks
+        n = int(rng.integers(2, 70)) if j % 2 else 1
+        mixed += [s] * n
+    return [("decode", dec, len(dec) + 5), ("prefill", pre, len(pre)),
+            ("mixed", mixed, len(mixed) + 13), ("mixed", mixed[:len(mixed) // 2 + 1],
+                                                 len(mixed) // 2 + 1)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_tensor_core_sweep(dtype, head_dim):
+    """Every (group, window, padded, step kind) for one dtype and head_dim; long histories
+    (kv splits and merge) for some groups, short ones (no split) for others."""
+    pytest.importorskip("torch")
+    for gi, group in enumerate(GROUPS):
+        hist = (1, 300) if gi % 2 == 0 else (1, 100)     # <= 2 tiles: the plan never splits
+        rig = Rig(dtype, head_dim, group, hist=hist, seed=head_dim * 31 + gi)
+        try:
+            for kind, ids, pad in _steps(rig.rng, rig.seqs):
+                st, view, k_pool, v_pool, q = rig.step(ids, pad)
+                for window in (0, WINDOW):
+                    rig.check(st, view, k_pool, v_pool, q, window,
+                              what=f"{dtype} d{head_dim} G{group} {kind} pad {pad - len(ids)} w{window}")
+        finally:
+            rig.close()
+
+
+def test_tensor_core_strided_views_and_refusals():
+    """q/out as strided views (stride multiples of 8 work); misaligned strides, unsupported
+    head dims and groups are refused before any launch."""
+    torch = pytest.importorskip("torch")
+    from cellcache.cuda import tc
+    from cellcache.errors import InvalidArgument
+
+    rig = Rig("bfloat16", 128, 4, seed=5)
+    try:
+        ids = [int(s) for s in rig.seqs]
+        st, view, k_pool, v_pool, q = rig.step(ids, len(ids) + 3)
+        rows = q.shape[0]
+        big = torch.randn((rows, rig.H + 3, 136), device="cuda").to(rig.tdt)  # (tok, head) strides
+        qs = big[:, 1:1 + rig.H, 8:8 + 128]
+        qs.copy_(q)
+        ob = torch.full((rows, rig.H + 1, 144), float("nan"), device="cuda", dtype=rig.tdt)
+        out = ob[:, 1:, :128]
+        rig.run(view, rows, qs, k_pool, v_pool, out, 0)
+        rig.check(st, view, k_pool, v_pool, q, 0, out=out, what="strided views")
+        odd = torch.zeros((rows, rig.H, 132), device="cuda", dtype=rig.tdt)[:, :, :128]
+        with pytest.raises(InvalidArgument):
+            rig.run(view, rows, q, k_pool, v_pool, odd, 0)          # token stride 132*H: no
+        assert not tc.aligned(q.data_ptr() + 2, (rig.H * 128, 128), k_pool.data_ptr(),
+                              v_pool.data_ptr(), out.data_ptr(), (8, 8))
+        assert not tc.supports("bfloat16", 24, 4) and not tc.supports("float32", 128, 4)
+        assert not tc.supports("float16", 128, 65) and tc.supports("float16", 80, 7)
+    finally:
+        rig.close()
+
+
+def test_tensor_core_graph_replays_a_mixed_step():
+    """Work list + attention + merge of a 2048-row mixed step captured once, replayed over
+    another step of the same padded rows (different runs, lengths and width)."""
+    torch = pytest.importorskip("torch")
+    G, D, rows = 4, 128, 2048
+    rig = Rig("bfloat16", D, G, n_seqs=24, hist=(1, 1500), capacity=80000, max_write=rows, seed=11)
+    try:
+        rng = rig.rng
+
+        def mixed(width):
+            ids, seqs = [], [int(s) for s in rng.permutation(rig.seqs)]
+            j = 0
+            while len(ids) < width:
+                s = seqs[j % len(seqs)]
+                n = 1 if j % 3 else int(rng.integers(100, 600))
+                if ids and ids[-1] == s:
+                    n = 0
+                ids += [s] * min(n, width - len(ids))
+                j += 1
+            return ids
+
+        st, view, k_pool, v_pool, q = rig.step(mixed(2000), rows)
+        out = torch.empty_like(q)
+        rig.tc.reserve(rows, rig.H, N_KV, D)
+        for window in (0, WINDOW):                       # eager (and warm-up)
+            rig.run(view, rows, q, k_pool, v_pool, out, window)
+            rig.check(st, view, k_pool, v_pool, q, window, out=out, what=f"eager w{window}")
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            rig.run(view, rows, q, k_pool, v_pool, out, 0)
+        graph.replay()
+        rig.check(st, view, k_pool, v_pool, q, 0, out=out, what="replay 1")
+        # another step: the pools are the same tensors (fixed capacity), q is refilled in place
+        st2, view2, k2, v2, q2 = rig.step(mixed(1500), rows)
+        assert k2.data_ptr() == k_pool.data_ptr() and view2.paged_pointers() == view.paged_pointers()
+        q.copy_(q2)
+        out.fill_(float("nan"))
+        graph.replay()
+        rig.check(st2, view2, k2, v2, q, 0, out=out, what="replay 2")
+    finally:
+        rig.close()
