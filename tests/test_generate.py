@@ -710,7 +710,7 @@ def test_cli_refused_model(capsys, monkeypatch):
     def refuse(*a, **k):
         raise InvalidArgument("layer 0: attention sinks (s_aux=...) are not computed\nby cellcache")
 
-    monkeypatch.setattr(cgen, "attach", refuse)
+    monkeypatch.setattr(cgen.engine, "attach", refuse)      # where the Generator finds it
     one_line_exit(capsys, BASE, "attention sinks")
 
 
@@ -718,7 +718,7 @@ def test_cli_capacity_that_cannot_be_allocated(capsys, monkeypatch):
     def oom(*a, **k):
         raise OutOfMemory("could not allocate 68719476736 bytes for the step buffer mask_w0")
 
-    monkeypatch.setattr(cgen, "build", oom)
+    monkeypatch.setattr(cgen.engine, "build", oom)
     one_line_exit(capsys, BASE + ["--capacity", "134217728"], "cannot serve this model with --capacity")
 
 

@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 from cellcache import InvalidArgument, PrefixCache  # noqa: E402
 from cellcache import hf as cchf  # noqa: E402
 from cellcache.generate import Generator, Sampling, main, random_model  # noqa: E402
+from cellcache.generate import chat as drive_chat  # noqa: E402
 from cellcache.host import HostCellCache  # noqa: E402
 
 ARCHS = ["tiny", "llama-tiny", "mistral-tiny"]
@@ -301,25 +302,11 @@ def test_multi_turn_chat_computes_only_the_new_tokens(arch):
     msgs = [[rng.integers(0, VOCAB, size=int(rng.integers(2, 9))).tolist() for _ in range(turns)]
             for _ in range(n_conv)]
 
-    def chat(pc):
+    def chat(pc):                                     # the driver tools/bench_serve.py uses
         gen = make(model, pc, max_batch_tokens=32, prefill_chunk=8, capacity=2048)
-        live = {c: gen.add(first[c], Sampling(max_new_tokens=6)) for c in range(n_conv)}
-        turn = dict.fromkeys(range(n_conv), 0)
-        done = []
-        while live:
-            gen.step()
-            check(gen)
-            for c, r in list(live.items()):
-                if not r.done:
-                    continue
-                done.append((c, turn[c], r))
-                turn[c] += 1
-                if turn[c] == turns:
-                    del live[c]
-                else:
-                    live[c] = gen.add(r.prompt + r.outputs[0] + msgs[c][turn[c]],
-                                      Sampling(max_new_tokens=6))
-        return gen, sorted(done, key=lambda t: t[:2])
+        done = drive_chat(gen, first, msgs, Sampling(max_new_tokens=6), after_step=lambda: check(gen))
+        assert [t[:2] for t in done] == [(c, k) for c in range(n_conv) for k in range(turns)]
+        return gen, done
 
     gen, done = chat(True)
     ideal = sum(len(first[c]) + sum(1 + len(msgs[c][k]) for k in range(1, turns))

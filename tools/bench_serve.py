@@ -10,8 +10,10 @@ random weights):
 
 - ``default``: 256 requests of 512 prompt tokens and 256 new tokens, no sharing, all
   arriving together: cellcache with the prefix cache on and off (target: on within 2% of
-  off), the same requests arriving staggered (32 every 16 steps), HF ``generate_batch``
-  and static ``generate``.
+  off), the same requests arriving otherwise (``--arrival``: ``staggered``, 32 every 16
+  steps, the default; ``poisson``, a seeded Poisson process of ``--rate`` requests a second,
+  by default the rate "all together" completed requests at, so the offered load is the
+  same; target: within 1.25x of all together), HF ``generate_batch`` and static ``generate``.
 - ``shared``: a system prompt: 512 requests of 2048 shared + 128 own tokens, 128 new:
   prefix cache on and off (target: on >= 3x off), prompt tokens computed against the ideal
   2048 + 512 x 128 (target: equal), HF ``generate_batch`` on the same requests.
@@ -23,7 +25,8 @@ random weights):
 
 ``--requests`` (conversations for chat), ``--prompt-len`` (the own part for shared, the
 first prompt for chat), ``--shared-len``, ``--new-tokens``, ``--turns``, ``--message-len``
-scale a workload; ``--quick`` makes every default small.
+scale a workload; ``--quick`` makes every default small. Every cellcache run reports time to
+first token and inter-token latency, p50 and p99 (``Generator.latency()``).
 """
 
 from __future__ import annotations
@@ -61,10 +64,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else 0.0
-
-
 def make_gen(model, w: dict, prefix: bool, capacity: int, max_seqs: int):
     from cellcache.generate import Generator
 
@@ -75,12 +74,12 @@ def make_gen(model, w: dict, prefix: bool, capacity: int, max_seqs: int):
 
 def summarize(gen, elapsed: float, reqs) -> dict:
     st = gen.stats
-    ttft = [1e3 * (r.first_token - r.arrived) for r in reqs if r.first_token is not None]
+    lat = gen.latency(reqs)
     res = {"seconds": elapsed, "tokens_out": st["tokens_out"], "tokens_per_s": st["tokens_out"] / elapsed,
            "steps": st["steps"], "graph_steps": st["graph_steps"], "preempted": st["preempted"],
            "prompt_tokens": st["prompt_tokens"], "cached_tokens": st["cached_tokens"],
            "computed_tokens": st["computed_tokens"], "tokens_in": st["tokens_in"],
-           "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99)}
+           **{k: lat[k] for k in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")}}
     if gen.prefix is not None:
         m = gen.prefix.metrics()
         res["prefix"] = {k: m[k] for k in ("cached_tokens", "leaves", "hits", "hit_tokens",
@@ -88,20 +87,16 @@ def summarize(gen, elapsed: float, reqs) -> dict:
     return res
 
 
-def ours(model, prompts, new_tokens, staggered: bool, capacity: int, w: dict, device: str,
-         prefix: bool = True, with_breakdown: bool = False) -> dict:
-    """Every prompt served (all arriving together, or 32 every 16 steps)."""
-    from cellcache.generate import Sampling
+def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, device: str,
+         prefix: bool = True, with_breakdown: bool = False, rate: float = 0.0, seed: int = 0) -> dict:
+    """Every prompt served: all arriving ``"together"``, ``"staggered"`` (32 every 16 steps)
+    or at the times of a seeded Poisson process of ``rate`` requests a second (``"poisson"``:
+    added by a client thread while this one steps, as a server would see them)."""
+    from cellcache.generate import Sampling, poisson_arrivals, serve_arrivals
 
     gen = make_gen(model, w, prefix, capacity, len(prompts) + 8)
-    _sync(device)
-    t0 = time.perf_counter()
-    pending = list(prompts)
-    reqs = []
-    if not staggered:
-        reqs = [gen.add(p, Sampling(max_new_tokens=new_tokens)) for p in pending]
-        pending = []
-    prep, steps = [], 0
+    sampling = Sampling(max_new_tokens=new_tokens)
+    prep: list[float] = []
     real_prepare = gen.cache.prepare_step
 
     def timed_prepare(*a, **k):
@@ -112,18 +107,38 @@ def ours(model, prompts, new_tokens, staggered: bool, capacity: int, w: dict, de
 
     gen.cache.prepare_step = timed_prepare
     step_s: dict[str, list[float]] = {"mixed": [], "decode": []}
-    while pending or gen.busy:
-        if pending and steps % 16 == 0:
-            reqs += [gen.add(p, Sampling(max_new_tokens=new_tokens)) for p in pending[:32]]
-            pending = pending[32:]
+    real_step = gen.step
+
+    def timed_step() -> bool:
         before, s = gen.stats["graph_steps"], time.perf_counter()
-        if not gen.step() and not pending:
-            break
-        step_s["decode" if gen.stats["graph_steps"] > before else "mixed"].append(time.perf_counter() - s)
-        steps += 1
+        busy = real_step()
+        if gen.stats["graph_steps"] > before or busy:
+            step_s["decode" if gen.stats["graph_steps"] > before else "mixed"].append(time.perf_counter() - s)
+        return busy
+
+    gen.step = timed_step
+    _sync(device)
+    t0 = time.perf_counter()
+    if arrival == "poisson":
+        reqs = serve_arrivals(gen, prompts, poisson_arrivals(len(prompts), rate, seed), sampling)
+    else:
+        pending = list(prompts)
+        reqs = []
+        if arrival == "together":
+            reqs = [gen.add(p, sampling) for p in pending]
+            pending = []
+        steps = 0
+        while pending or gen.busy:
+            if pending and steps % 16 == 0:
+                reqs += [gen.add(p, sampling) for p in pending[:32]]
+                pending = pending[32:]
+            if not gen.step() and not pending:
+                break
+            steps += 1
     _sync(device)
     elapsed = time.perf_counter() - t0
     res = summarize(gen, elapsed, reqs)
+    res["arrival"] = arrival if arrival != "poisson" else f"poisson {rate:.2f} requests/s"
     res["prepare_step_host_ms_total"] = 1e3 * sum(prep)
     res["prepare_step_host_us_median"] = 1e6 * statistics.median(prep) if prep else 0.0
     for kind, times in step_s.items():         # where on and off differ, by kind of step
@@ -139,32 +154,17 @@ def ours(model, prompts, new_tokens, staggered: bool, capacity: int, w: dict, de
 
 def chat(model, first, messages, new_tokens, capacity: int, w: dict, device: str,
          prefix: bool = True) -> dict:
-    """Conversations: turn k + 1 is added as soon as turn k's reply is complete."""
+    """Conversations: turn k + 1 is added as soon as turn k's reply is complete
+    (:func:`cellcache.generate.chat`, the driver the tests use too)."""
     from cellcache.generate import Sampling
+    from cellcache.generate import chat as drive
 
-    n_conv, turns = len(first), len(messages[0])
-    gen = make_gen(model, w, prefix, capacity, n_conv + 8)
+    gen = make_gen(model, w, prefix, capacity, len(first) + 8)
     _sync(device)
     t0 = time.perf_counter()
-    live = {c: gen.add(first[c], Sampling(max_new_tokens=new_tokens)) for c in range(n_conv)}
-    turn = dict.fromkeys(range(n_conv), 0)
-    done = []
-    while live:
-        if not gen.step() and not any(r.done for r in live.values()):
-            break
-        for c, r in list(live.items()):
-            if not r.done:
-                continue
-            done.append((c, turn[c], r))
-            turn[c] += 1
-            if turn[c] == turns:
-                del live[c]
-            else:
-                live[c] = gen.add(r.prompt + r.outputs[0] + messages[c][turn[c]],
-                                  Sampling(max_new_tokens=new_tokens))
+    done = drive(gen, first, messages, Sampling(max_new_tokens=new_tokens))
     _sync(device)
     elapsed = time.perf_counter() - t0
-    done.sort(key=lambda t: t[:2])
     reqs = [r for *_, r in done]
     res = summarize(gen, elapsed, reqs)
     res["turns_done"] = len(reqs)
@@ -307,11 +307,19 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=in_range(1, 16), default=1,
                    help="cellcache on/off runs, alternating; the best of each is reported")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    p.add_argument("--arrival", choices=["staggered", "poisson", "none"], default="staggered",
+                   help="default workload: the run beside 'all together' (default staggered: 32 "
+                        "every 16 steps; poisson: --rate requests a second; none)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="Poisson arrivals: requests a second (default: the rate 'all together' "
+                        "completed requests at, the same offered load)")
     p.add_argument("--skip", default="",
                    help="comma-separated runs to skip: off, staggered, hf-batch, hf-static")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.rate is not None and not 0 < args.rate < float("inf"):
+        p.error(f"--rate must be a finite number > 0, not {args.rate}")
     if args.device == "cuda" and (code := require_gpu("bench_serve")) is not None:
         return code
     import torch
@@ -355,16 +363,17 @@ def main(argv=None) -> int:
                 for k, v in res.items()}
         path.write_text(json.dumps(slim, indent=2, default=str) + "\n")
 
-    def run(prefix: bool, staggered: bool = False, breakdown_: bool = False) -> dict:
+    def run(prefix: bool, arrival: str = "together", breakdown_: bool = False, rate: float = 0.0) -> dict:
         if name == "chat":
             return chat(model, work["first"], work["messages"], new, capacity, w, device, prefix)
-        return ours(model, work["prompts"], new, staggered, capacity, w, device, prefix, breakdown_)
+        return ours(model, work["prompts"], new, arrival, capacity, w, device, prefix, breakdown_,
+                    rate=rate, seed=args.seed)
 
     log(f"[serve] {name}: warm-up")                            # kernels, graphs
     if name == "chat":
         chat(model, work["first"][:4], [m[:2] for m in work["messages"][:4]], 4, capacity, w, device)
     else:
-        ours(model, work["prompts"][:8], 8, False, capacity, w, device)
+        ours(model, work["prompts"][:8], 8, "together", capacity, w, device)
     modes = [("cellcache", True)] + ([] if "off" in skip else [("cellcache_off", False)])
     for rep in range(args.repeat):
         for key, prefix in (modes if rep % 2 == 0 else modes[::-1]):
@@ -378,9 +387,15 @@ def main(argv=None) -> int:
                 res[key] = r
             res.setdefault("runs", []).append({"run": key, "tokens_per_s": r["tokens_per_s"]})
             save()
-    if name == "default" and "staggered" not in skip:
+    if name == "default" and args.arrival == "staggered" and "staggered" not in skip:
         log("[serve] cellcache, staggered")
-        res["cellcache_staggered"] = run(True, staggered=True)
+        res["cellcache_staggered"] = run(True, "staggered")
+        save()
+    if name == "default" and args.arrival == "poisson":
+        rate = args.rate or n / res["cellcache"]["seconds"]
+        log(f"[serve] cellcache, Poisson arrivals at {rate:.2f} requests/s")
+        res["cellcache_poisson"] = run(True, "poisson", rate=rate)
+        res["cellcache_poisson"]["rate_per_s"] = rate
         save()
     hf_runs = {"default": ("hf-batch", "hf-static"), "shared": ("hf-batch",), "chat": ()}[name]
     for hf in hf_runs:
@@ -396,7 +411,7 @@ def main(argv=None) -> int:
             res[hf] = {"error": f"{type(e).__name__}: {e}"[:300]}
         save()
     base = res["cellcache"]["outputs"]
-    for key in ("cellcache_off", "cellcache_staggered", "hf-batch", "hf-static"):
+    for key in ("cellcache_off", "cellcache_staggered", "cellcache_poisson", "hf-batch", "hf-static"):
         r = res.get(key, {})
         if "outputs" in r:
             same = sum(a == b for a, b in zip(base, r["outputs"]))
@@ -405,9 +420,15 @@ def main(argv=None) -> int:
     print()
     print(f"workload {name}: {json.dumps({k: v for k, v in w.items()})}")
     print(f"{'run':<24} {'tokens/s':>10} {'seconds':>9} {'computed':>10} {'cached':>10} "
-          f"{'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'cellcache is':>13}")
+          f"{'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'ITL p50 ms':>11} {'ITL p99 ms':>11} "
+          f"{'cellcache is':>13}")
     ours_tps = res["cellcache"]["tokens_per_s"]
-    for key in ("cellcache", "cellcache_off", "cellcache_staggered", "hf-batch", "hf-static"):
+    def ms(r: dict, key: str, width: int) -> str:
+        v = r.get(key)
+        return f"{v:>{width}.2f}" if isinstance(v, float) else " " * width
+
+    for key in ("cellcache", "cellcache_off", "cellcache_staggered", "cellcache_poisson", "hf-batch",
+                "hf-static"):
         r = res.get(key)
         if r is None:
             continue
@@ -416,12 +437,11 @@ def main(argv=None) -> int:
             continue
         comp = r.get("computed_tokens", "")
         cached = r.get("cached_tokens", "")
-        p50 = f"{r['ttft_ms_p50']:.1f}" if "ttft_ms_p50" in r else ""
-        p99 = f"{r['ttft_ms_p99']:.1f}" if "ttft_ms_p99" in r else ""
         ratio = ours_tps / r["tokens_per_s"]
         print(f"{key:<24} {r['tokens_per_s']:>10.0f} {r['seconds']:>9.2f} {comp!s:>10} {cached!s:>10} "
-              f"{p50:>12} {p99:>12} {ratio:>12.2f}x")
-    for key in ("cellcache_off", "cellcache_staggered", "hf-batch", "hf-static"):
+              f"{ms(r, 'ttft_ms_p50', 12)} {ms(r, 'ttft_ms_p99', 12)} {ms(r, 'itl_ms_p50', 11)} "
+              f"{ms(r, 'itl_ms_p99', 11)} {ratio:>12.2f}x")
+    for key in ("cellcache_off", "cellcache_staggered", "cellcache_poisson", "hf-batch", "hf-static"):
         if "same_outputs_as_cellcache" in res.get(key, {}):
             same = res[key]["same_outputs_as_cellcache"]
             print(f"{key}: same greedy outputs as cellcache for {same} requests")
@@ -446,6 +466,11 @@ def main(argv=None) -> int:
         if off:
             ratio = ours_tps / off["tokens_per_s"]
             targets.append((ratio >= 0.98, f"prefix cache on within 2% of off ({ratio:.3f}x)"))
+        for key in ("cellcache_staggered", "cellcache_poisson"):
+            if key in res:
+                ratio = ours_tps / res[key]["tokens_per_s"]
+                targets.append((ratio <= 1.25, f"{key.split('_')[1]} arrivals within 1.25x of all "
+                                               f"together ({ratio:.2f}x)"))
         if "tokens_per_s" in res.get("hf-batch", {}):
             targets.append((ours_tps >= 2 * res["hf-batch"]["tokens_per_s"],
                             ">= 2x HF continuous batching (generate_batch)"))
@@ -457,8 +482,10 @@ def main(argv=None) -> int:
     else:
         targets.append((computed == ideal, f"prompt tokens computed = the ideal ({computed} vs {ideal})"))
         r = res["cellcache"]
+        itl = "" if r["itl_ms_p50"] is None else \
+            f"; inter-token p50 {r['itl_ms_p50']:.2f} ms, p99 {r['itl_ms_p99']:.2f} ms"
         print(f"TTFT: p50 {r['ttft_ms_p50']:.1f} ms, p99 {r['ttft_ms_p99']:.1f} ms over "
-              f"{r['turns_done']} turns")
+              f"{r['turns_done']} turns{itl}")
     for ok, text in targets:
         print(f"target {'met ' if ok else 'MISSED'}: {text}")
     res["targets"] = [{"met": ok, "target": text} for ok, text in targets]

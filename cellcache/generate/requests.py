@@ -1,0 +1,195 @@
+"""What a client hands the generator and gets back: :class:`Sampling` (checked on
+construction), :class:`Request` (outputs, finish reasons, timestamps), the finish reasons,
+the token-id checks every entry point shares, and the latency summary (TTFT, ITL)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .._checks import check_int
+from ..errors import InvalidArgument
+
+__all__ = ["FINISH_REASONS", "Request", "Sampling", "latency_summary", "real_number", "token_ids"]
+
+#: Why a continuation ended: a stop or end-of-sequence token, its ``max_new_tokens``, the
+#: cache could not hold it even alone, :meth:`Generator.cancel`, its request's own code
+#: (a callback, a draft, its sampling) raised.
+FINISH_REASONS = ("stop", "length", "capacity", "cancelled", "error")
+
+SEED_LIMIT = 1 << 63
+_NOT_IDS = (str, bytes, bytearray, memoryview, Mapping)
+
+
+def real_number(value: object, name: str) -> float:
+    """``value`` as a finite float; InvalidArgument for bools, non-numbers, NaN and inf."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{name} of type {type(value).__name__} is not a number")
+    v = float(value)
+    if not math.isfinite(v):
+        raise InvalidArgument(f"{name}={v} is not a finite number")
+    return v
+
+
+def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool = False) -> list[int]:
+    """Token ids given as a sequence of ints, a 1-D integer array or tensor, or a ``[1, T]``
+    one (what a tokenizer returns with ``return_tensors``), as a list of ints in
+    ``[0, vocab)``; InvalidArgument for anything else."""
+    shape_hint = "give a list of ints, or a 1-D or [1, T] integer array or tensor"
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        shape = tuple(value.shape)
+        if isinstance(value, torch.Tensor):
+            integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        else:
+            integer = value.dtype.kind in "iu"
+        if not integer:
+            raise InvalidArgument(f"{what} has dtype {value.dtype}; token ids are integers")
+        if len(shape) == 2 and shape[0] == 1:
+            value = value[0]
+        elif len(shape) != 1:
+            raise InvalidArgument(f"{what} has shape {list(shape)}; {shape_hint}")
+        items: list = value.tolist()
+    elif isinstance(value, _NOT_IDS) or not isinstance(value, Iterable) or isinstance(value, Set):
+        raise InvalidArgument(f"{what} of type {type(value).__name__} is not a sequence of token ids; "
+                              f"{shape_hint}")
+    else:
+        items = list(value)
+    ids = []
+    for t in items:
+        try:
+            if isinstance(t, (bool, np.bool_)):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise InvalidArgument(f"{what} holds {t!r} of type {type(t).__name__}; token ids are "
+                                  "ints") from None
+    if not ids and not allow_empty:
+        raise InvalidArgument(f"{what} is empty; give at least one token id")
+    if ids and (min(ids) < 0 or (vocab is not None and max(ids) >= vocab)):
+        bad = next(t for t in ids if t < 0 or (vocab is not None and t >= vocab))
+        bound = f"[0, {vocab})" if vocab is not None else ">= 0"
+        raise InvalidArgument(f"{what} holds token id {bad}, outside the model's vocabulary {bound}")
+    return ids
+
+
+@dataclass
+class Sampling:
+    """How a request samples. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep
+    every token; ``seed`` makes sampling repeatable; ``stop`` ends a continuation (the stop
+    token is kept); ``n`` continuations share the prompt.
+
+    Every field is checked on construction (and again by :meth:`Generator.add`):
+    ``max_new_tokens`` an int >= 1, ``n`` an int in [1, 65536], ``top_k`` an int >= 0,
+    ``seed`` None or an int in [0, 2**63), ``temperature`` a finite number >= 0, ``top_p``
+    a finite number in (0, 1], ``stop`` a sequence of ints (kept as a tuple). Bools and
+    floats are not ints. A bad field raises InvalidArgument.
+
+    Seeded sampling is counter-based: continuation k's token number t is drawn with a
+    uniform hashed from ``(seed, k, t)`` (``seed`` None: the request's id), so a request's
+    tokens do not depend on what else runs, on preemption, on drafts or on a rolled-back
+    step (:mod:`cellcache.generate.sampler`).
+
+    Example
+    -------
+    >>> Sampling(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=1, stop=[2]).stop
+    (2,)
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[int] = ()
+    n: int = 1
+
+    def __post_init__(self):
+        self.max_new_tokens = check_int(self.max_new_tokens, "max_new_tokens", 1, 1 << 40)
+        self.n = check_int(self.n, "n", 1, 1 << 16)
+        self.top_k = check_int(self.top_k, "top_k", 0, 1 << 40)
+        if self.seed is not None:
+            self.seed = check_int(self.seed, "seed", 0, SEED_LIMIT - 1)
+        self.temperature = real_number(self.temperature, "temperature")
+        if self.temperature < 0:
+            raise InvalidArgument(f"temperature={self.temperature} is negative; give 0 (greedy) or more")
+        self.top_p = real_number(self.top_p, "top_p")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p={self.top_p} is outside (0, 1]")
+        stop = self.stop
+        if getattr(stop, "ndim", 1) == 0 or isinstance(stop, _NOT_IDS) or not isinstance(stop, Iterable):
+            raise InvalidArgument(f"stop of type {type(stop).__name__} is not a sequence of token "
+                                  "ids; give a list of ints, e.g. stop=[2]")
+        self.stop = tuple(token_ids(list(stop) if isinstance(stop, Set) else stop, "stop", None,
+                                    allow_empty=True))
+
+
+@dataclass
+class Request:
+    """A prompt being served: ``outputs[k]`` is continuation k's tokens so far.
+
+    ``finish_reasons[k]`` is None while continuation k runs, then one of
+    :data:`FINISH_REASONS`; the request is ``done`` when every continuation has one.
+    ``error`` holds the exception that ended it with ``"error"`` (its ``on_token`` or
+    ``draft`` raised, a draft was not token ids, its sampling failed).
+
+    Times are the generator's clock (``time.perf_counter()`` unless ``Generator(clock=...)``):
+    ``arrived`` when :meth:`Generator.add` queued it, ``first_token`` when the step that
+    sampled its first token was applied (time to first token: ``first_token - arrived``),
+    ``token_times[k][i]`` when continuation k's token i was applied (tokens of one step,
+    such as accepted drafts, share a time), ``finished`` when its last continuation ended.
+    :meth:`itl` lists the inter-token gaps.
+    """
+
+    id: int
+    prompt: list[int]
+    sampling: Sampling
+    on_token: Callable | None = None
+    draft: Callable | None = None
+    draft_k: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+    arrived: float = 0.0
+    finished: float | None = None
+    finish_reasons: list[str | None] = field(default_factory=list)
+    error: BaseException | None = None
+    first_token: float | None = None
+    token_times: list[list[float]] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.finished is not None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (None before it)."""
+        return None if self.first_token is None else self.first_token - self.arrived
+
+    def itl(self) -> list[float]:
+        """Inter-token latencies: the gaps between consecutive tokens of each continuation
+        (a continuation's first token is the TTFT's, not a gap)."""
+        return [b - a for times in self.token_times for a, b in zip(times, times[1:])]
+
+
+def _percentiles(values: list[float], prefix: str) -> dict[str, float | None]:
+    if not values:
+        return {f"{prefix}_p50": None, f"{prefix}_p99": None, f"{prefix}_mean": None}
+    arr = 1e3 * np.asarray(values, dtype=np.float64)
+    return {f"{prefix}_p50": float(np.percentile(arr, 50)), f"{prefix}_p99": float(np.percentile(arr, 99)),
+            f"{prefix}_mean": float(arr.mean())}
+
+
+def latency_summary(requests: Iterable[Request]) -> dict[str, float | int | None]:
+    """TTFT and inter-token latency over ``requests``, in milliseconds: ``ttft_ms_p50``,
+    ``ttft_ms_p99``, ``ttft_ms_mean`` over the requests that got a first token,
+    ``itl_ms_p50/p99/mean`` over every gap of every continuation; ``requests`` and
+    ``gaps`` count what went in. A statistic with nothing to summarize is None."""
+    reqs = list(requests)
+    ttft = [r.ttft for r in reqs if r.ttft is not None]
+    gaps = [g for r in reqs for g in r.itl()]
+    return {"requests": len(ttft), "gaps": len(gaps), **_percentiles(ttft, "ttft_ms"),
+            **_percentiles(gaps, "itl_ms")}

@@ -1,0 +1,223 @@
+"""Batched sampling on the model's device: one call per step for every row that samples.
+
+::
+
+    logits [R, V] (float32, device) --rows--> x [S, V]   one slot per token to draw
+        greedy slots:  argmax(x)                         (ties: the lowest id, as torch.argmax)
+        random slots:  x / T -> top-k mask -> softmax -> top-p mask -> CDF
+                       token = first id whose CDF exceeds u * CDF[-1]
+                       u = hash(seed, continuation, output index)  (host, per slot)
+        verify runs:   accepted = leading slots whose token equals the draft they check
+    ids [S] (+ accepted [G]) --one device-to-host copy--> numpy
+
+Seeds are counter-based: the uniform of continuation k's output token t is a SplitMix64
+hash of ``(seed, k, t)``, computed on the host for the step's slots (a few vectorized
+numpy operations) and uploaded with the other per-slot parameters; the vocabulary-wide work
+(softmax, cumulative sum, search) runs on the device for every slot at once. So a token
+depends only on its logits and its key: not on the batch around it, not on how many times
+a step was rolled back or a sequence recomputed after preemption, not on whether it was
+reached through a verify run of drafts. Greedy slots use no randomness at all.
+
+:class:`Sampler` needs no cache and no model: logits and a :class:`SampleSpec` in, a
+:class:`SamplerOutput` of host arrays out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["SampleSpec", "Sampler", "SamplerOutput", "uniforms"]
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_C1 = np.uint64(0xBF58476D1CE4E5B9)
+_C2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer on uint64 (wrapping arithmetic)."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _C1
+    x = (x ^ (x >> np.uint64(27))) * _C2
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seed: Any, index: Any, position: Any) -> np.ndarray:
+    """Uniforms in [0, 1) (float64, 53 random bits) for keys ``(seed, index, position)``:
+    seeds in [0, 2**63), continuation indexes and output positions >= 0 (arrays or ints,
+    broadcast). The same key always gives the same number; different keys independent ones."""
+    with np.errstate(over="ignore"):
+        s = np.asarray(seed, dtype=np.uint64)
+        k = np.asarray(index, dtype=np.uint64)
+        t = np.asarray(position, dtype=np.uint64)
+        h = _mix(_mix(_mix(s) ^ k) ^ t)
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+@dataclass
+class SampleSpec:
+    """What a step samples: one slot per token to draw, in the order the caller reads them.
+
+    ``rows[i]``: the logits row slot i draws from (several slots may share one: the
+    continuations of ``n > 1`` draw their first tokens from the prompt's last row).
+    ``temperature``/``top_k``/``top_p``: the slot's request's :class:`Sampling` values.
+    ``seed``/``index``/``position``: the slot's key (request seed, continuation, output
+    token number); read only for slots with temperature > 0. ``groups``: verify runs as
+    ``(first slot, drafts)``: slots ``first .. first + drafts`` check the drafts ``draft[first
+    + j]``; the output's ``accepted[g]`` is how many leading slots of group g drew their draft.
+    """
+
+    rows: list[int] = field(default_factory=list)
+    temperature: list[float] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    top_p: list[float] = field(default_factory=list)
+    seed: list[int] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+    position: list[int] = field(default_factory=list)
+    draft: list[int] = field(default_factory=list)
+    groups: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, row: int, temperature: float, top_k: int, top_p: float, seed: int, index: int,
+            position: int, draft: int = -1) -> int:
+        """Appends a slot; returns its number."""
+        self.rows.append(row)
+        self.temperature.append(temperature)
+        self.top_k.append(top_k)
+        self.top_p.append(top_p)
+        self.seed.append(seed)
+        self.index.append(index)
+        self.position.append(position)
+        self.draft.append(draft)
+        return len(self.rows) - 1
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass
+class SamplerOutput:
+    """Host copies of a step's draws: ``ids[i]`` is slot i's token, ``accepted[g]`` the
+    accepted drafts of verify group g. ``device_ids`` stays on the device (a later step
+    could feed it without a host round trip)."""
+
+    ids: np.ndarray
+    accepted: np.ndarray
+    device_ids: torch.Tensor | None = None
+
+
+class Sampler:
+    """Draws a step's tokens on ``device`` in one call: :meth:`__call__` (module docstring).
+
+    Every per-slot parameter goes up in at most one host-to-device copy per dtype, and the
+    results come back in exactly one device-to-host copy (``copies`` counts them), into a
+    pinned buffer on CUDA. No ``.item()``, no per-row Python over the vocabulary.
+
+    Example
+    -------
+    >>> spec = SampleSpec()
+    >>> _ = spec.add(row=0, temperature=0.0, top_k=0, top_p=1.0, seed=0, index=0, position=0)
+    >>> Sampler("cpu")(torch.tensor([[0.1, 2.0, 2.0]]), spec).ids.tolist()
+    [1]
+    """
+
+    def __init__(self, device: Any = "cpu"):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.copies = 0
+        self._host: torch.Tensor | None = None      # pinned landing buffer (CUDA)
+        self._event: Any = None
+
+    def _up(self, values: Any, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.as_tensor(np.asarray(values), dtype=dtype)
+        if self.cuda:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def __call__(self, logits: torch.Tensor, spec: SampleSpec) -> SamplerOutput:
+        """Draws every slot of ``spec`` from ``logits`` (``[rows, vocab]``, on this sampler's
+        device). Returns host arrays; the only host sync is their copy."""
+        n = len(spec)
+        if n == 0:
+            return SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.int64))
+        rows = spec.rows
+        x = logits
+        if rows != list(range(logits.shape[0])):
+            x = logits.index_select(0, self._up(rows, torch.int64))
+        ids = torch.argmax(x, dim=-1)
+        temps = np.asarray(spec.temperature, dtype=np.float64)
+        rand = np.flatnonzero(temps > 0)
+        if rand.size:
+            tok = self._draw(x, spec, rand, temps)
+            if rand.size == n:
+                ids = tok
+            else:
+                ids = ids.index_copy(0, self._up(rand, torch.int64), tok)
+        out = ids
+        if spec.groups:
+            out = torch.cat([ids, self._accept(ids, spec)])
+        host = self._to_host(out)
+        return SamplerOutput(host[:n], host[n:], ids)
+
+    def _draw(self, x: torch.Tensor, spec: SampleSpec, rand: np.ndarray, temps: np.ndarray) -> torch.Tensor:
+        """Tokens of the random slots ``rand`` (host indexes into the spec)."""
+        V = x.shape[-1]
+        top_k = np.asarray(spec.top_k, dtype=np.int64)[rand]
+        top_p = np.asarray(spec.top_p, dtype=np.float64)[rand]
+        u = uniforms(np.asarray(spec.seed, dtype=np.uint64)[rand], np.asarray(spec.index)[rand],
+                     np.asarray(spec.position)[rand])
+        has_k = (top_k > 0) & (top_k < V)
+        has_p = top_p < 1.0
+        # one upload of every float parameter: temperature, top_p, u
+        params = self._up(np.stack([temps[rand], top_p, u]), torch.float64)
+        xr = x if rand.size == x.shape[0] else x.index_select(0, self._up(rand, torch.int64))
+        xr = xr.float() / params[0].float()[:, None]
+        if has_k.any():                               # the k-th largest value: ties kept, as before
+            kmax = int(top_k[has_k].max())
+            kk = np.where(has_k, top_k, kmax)
+            vals = torch.topk(xr, kmax, dim=-1).values
+            kth = vals.gather(1, self._up(kk - 1, torch.int64)[:, None])
+            kth = kth.masked_fill(~self._up(has_k, torch.bool)[:, None], -torch.inf)
+            xr = xr.masked_fill(xr < kth, -torch.inf)
+        probs = torch.softmax(xr, dim=-1)
+        if has_p.any():                               # the smallest head whose mass reaches top_p
+            sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+            keep = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < params[1].float()[:, None]
+            keep |= ~self._up(has_p, torch.bool)[:, None]
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p * keep)
+        cdf = torch.cumsum(probs.double(), dim=-1)
+        target = params[2] * cdf[:, -1]
+        tok = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+        return tok.clamp_(max=V - 1)
+
+    def _accept(self, ids: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
+        """Accepted drafts per verify group: the leading slots whose token is their draft."""
+        first = np.array([f for f, _ in spec.groups], dtype=np.int64)
+        drafts = np.array([d for _, d in spec.groups], dtype=np.int64)
+        slots = np.concatenate([np.arange(f, f + d + 1) for f, d in spec.groups])
+        group = np.repeat(np.arange(len(first)), drafts + 1)
+        pos = slots - first[group]
+        want = np.asarray(spec.draft, dtype=np.int64)[slots]
+        up = self._up(np.stack([slots, group, pos, want]), torch.int64)
+        miss = ids.index_select(0, up[0]) != up[3]    # the last slot's draft is -1: always a miss
+        at = torch.where(miss, up[2], torch.full_like(up[2], 1 << 40))
+        acc = self._up(drafts, torch.int64)
+        return acc.scatter_reduce(0, up[1], at, reduce="amin", include_self=True)
+
+    def _to_host(self, out: torch.Tensor) -> np.ndarray:
+        """The step's one device-to-host copy."""
+        self.copies += 1
+        if not self.cuda:
+            return out.numpy().copy()
+        n = out.numel()
+        if self._host is None or self._host.numel() < n:
+            self._host = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+            self._event = torch.cuda.Event()
+        host = self._host[:n]
+        host.copy_(out, non_blocking=True)
+        self._event.record(torch.cuda.current_stream(self.device))
+        self._event.synchronize()
+        return host.numpy().copy()

@@ -1,0 +1,750 @@
+"""Every cache verb of serving, decided on the host without a model.
+
+::
+
+    waiting --admit (prefix match/pin, seq_new, evict)--> running
+    schedule():  decode rows -> drafts -> prompt chunks -> admissions   (token budget,
+                 free cells, max_kv) -> declare_step -> StepPlan (rows, tokens, logit
+                 rows, the SampleSpec of every token to draw)
+    ... the caller prepares the step, runs a forward, samples (one host copy of ids) ...
+    decide(plan, output, take) -> Outcomes          (verify walk, forks, stop checks;
+                                                     nothing changed yet)
+    update_from_output(outcomes) -> events           (tokens appended, rejected drafts
+                                                     rewound, forks cloned, finished
+                                                     sequences stored and freed)
+    rollback(plan, commit)                           (a failed step: everything as before)
+
+:class:`Scheduler` owns the queues (``waiting``, ``running``), the prefix cache's pins and
+stores, the tree of prompts being read, preemption and the ``stats`` counters. It never
+runs user code and never touches torch: tests drive it with a fake forward
+(``tests/test_scheduler.py``). The facade (:class:`cellcache.generate.Generator`) adds
+requests, threads, drafts, the forward and the sampler around it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..cache import CellCache
+from ..errors import CellCacheError, StepTooLarge
+from ..prefix import PrefixCache
+from .requests import Request
+from .sampler import SamplerOutput, SampleSpec
+
+__all__ = ["ADMISSION_POLICIES", "Job", "Outcome", "PendingPrompts", "Scheduler", "Seq", "StepPlan"]
+
+#: Which waiting sequence admission considers first: ``"fifo"`` (arrival order) or
+#: ``"lpm"`` (longest cached prefix first, SGLang's policy; preempted sequences still first).
+ADMISSION_POLICIES = ("fifo", "lpm")
+_I32 = np.dtype(np.int32)
+
+#: Stats counters (every key starts at 0).
+STATS = ("steps", "tokens_in", "tokens_out", "preempted", "forks", "drafted", "accepted",
+         "graph_steps", "prompt_tokens", "cached_tokens", "computed_tokens")
+
+
+@dataclass(eq=False)
+class Job:
+    """The serving state of one request, shared by its continuations."""
+
+    req: Request
+    closed: bool = False          # cancelled or failed: no callback of it runs again
+    forked: bool = False          # continuations 1.. were made
+    counted: bool = False         # its prompt is in stats["prompt_tokens"]
+
+
+@dataclass(eq=False)
+class Seq:
+    """One continuation of a request."""
+
+    job: Job
+    index: int                       # which continuation of its request
+    tokens: list[int]                # prompt + output so far
+    sid: int | None = None           # cache id while running
+    in_cache: int = 0                # tokens[:in_cache] are in the cache
+    drafts: list[int] = field(default_factory=list)
+    stamp: int = -1                  # admission order: the highest is preempted first
+    # prefix cache: pins this sequence holds ((tokens, n) for unpin), whether its prompt was
+    # stored since it was admitted, its prompt's bytes while it is being read (the pending
+    # prompts), and tokens as int32 (rebuilt when tokens grew)
+    pins: list[tuple[np.ndarray, int]] = field(default_factory=list)
+    stored: bool = False
+    pending: bytes | None = None
+    arr: np.ndarray | None = None
+
+    @property
+    def req(self) -> Request:
+        return self.job.req
+
+
+@dataclass(eq=False)
+class Outcome:
+    """What a step does to one planned sequence, decided before anything is applied."""
+
+    seq: Seq
+    feed: list[int]
+    keep: int                         # the sequence's in_cache after the step
+    tokens: list[int] = field(default_factory=list)           # emitted, in order
+    accepted: int = 0
+    forks: list[tuple[Seq, int]] = field(default_factory=list)  # new continuations, first token
+
+
+@dataclass(eq=False)
+class StepPlan:
+    """A declared step: what the forward carries and what is drawn from its logits."""
+
+    rows: list[tuple[Seq, list[int]]]     # (sequence, tokens it feeds), in the step's order
+    admitted: list[Seq]                   # sequences given a cache id for this step
+    decode_only: bool                     # every row one sequence's next token, nothing else
+    cached: int = 0                       # tokens the admissions found in the prefix cache
+    tokens: list[int] = field(default_factory=list)        # the forward's input ids
+    logit_rows: list[int] = field(default_factory=list)    # rows whose logits are drawn from
+    # (sequence, feed, its first slot or None, its verify group or -1); forks: its children
+    owners: list[tuple[Seq, list[int], int | None, int]] = field(default_factory=list)
+    children: dict[int, list[Seq]] = field(default_factory=dict)
+    spec: SampleSpec = field(default_factory=SampleSpec)
+
+
+class PendingPrompts:
+    """Prompts being read (admitted, not yet stored in the prefix cache), as a radix tree of
+    int32 token bytes with a count per node: :meth:`lcp` is the longest common prefix of a
+    query with any of them. Admission defers a prompt that shares more with one being read
+    than with the prefix cache: it is admitted once that one is stored, and reads only what
+    it does not share (so a shared prefix is computed once, even by requests that arrive
+    together)."""
+
+    __slots__ = ("root", "size")
+
+    def __init__(self) -> None:
+        self.root: list = [b"", {}, 0]       # [segment bytes, children by first 4 bytes, count]
+        self.size = 0
+
+    @staticmethod
+    def _common(seg: bytes, qb: bytes, b: int) -> int:
+        """Bytes (a multiple of 4) that seg shares with qb from offset b."""
+        if qb.startswith(seg, b):
+            return len(seg)
+        m = min(len(seg), len(qb) - b) // 4
+        eq = np.frombuffer(seg, _I32, m) == np.frombuffer(qb, _I32, m, b)
+        return 4 * (m if eq.all() else int(eq.argmin()))
+
+    def add(self, qb: bytes) -> None:
+        node = self.root
+        node[2] += 1
+        self.size += 1
+        b = 0
+        while b < len(qb):
+            key = qb[b:b + 4]
+            child = node[1].get(key)
+            if child is None:
+                node[1][key] = [qb[b:], {}, 1]
+                return
+            k = self._common(child[0], qb, b)
+            if k < len(child[0]):                     # split the child at k
+                seg = child[0]
+                upper = [seg[:k], {seg[k:k + 4]: child}, child[2]]
+                child[0] = seg[k:]
+                node[1][key] = upper
+                child = upper
+            child[2] += 1
+            node = child
+            b += k
+
+    def remove(self, qb: bytes) -> None:
+        node = self.root
+        node[2] -= 1
+        self.size -= 1
+        b = 0
+        while b < len(qb):
+            key = qb[b:b + 4]
+            child = node[1][key]
+            child[2] -= 1
+            if child[2] == 0:
+                del node[1][key]
+                return
+            node = child
+            b += len(child[0])
+
+    def lcp(self, qb: bytes) -> int:
+        node, b = self.root, 0
+        while b < len(qb):
+            child = node[1].get(qb[b:b + 4])
+            if child is None:
+                break
+            k = self._common(child[0], qb, b)
+            b += k
+            if k < len(child[0]):
+                break
+            node = child
+        return b // 4
+
+
+def ends(req: Request, n_out: int, tok: int, eos: set[int]) -> str | None:
+    """Why a continuation with n_out tokens, the last tok, ends (None: it goes on)."""
+    if tok in eos or tok in req.sampling.stop:
+        return "stop"
+    if n_out >= req.sampling.max_new_tokens:
+        return "length"
+    return None
+
+
+class Scheduler:
+    """Admission, chunking under a token budget, preemption, forks and draft rewinds over
+    ``cache`` (module docstring). ``max_batch``: rows a step (the token budget, at most the
+    cache's ``max_write``); ``prefill_chunk``: prompt tokens one sequence reads a step;
+    ``reserve``, ``admission`` and the prefix cache as :class:`cellcache.generate.Generator`
+    documents them; ``clock`` stamps finished requests and token times.
+
+    Example (no model: the caller stands in for the forward and the sampler)
+    -------
+    >>> sched = Scheduler(cache, None, max_batch=16, prefill_chunk=8)          # doctest: +SKIP
+    >>> sched.waiting.append(sched.new_seq(Job(request), 0, list(request.prompt)))  # doctest: +SKIP
+    >>> plan = sched.schedule()                 # declared: prepare, forward, sample  # doctest: +SKIP
+    >>> sched.update_from_output(sched.decide(plan, output)[0])               # doctest: +SKIP
+    """
+
+    def __init__(self, cache: CellCache, prefix: PrefixCache | None, *, max_batch: int,
+                 prefill_chunk: int, reserve: float = 1.0, eos: set[int] | None = None,
+                 admission: str = "fifo", clock: Callable[[], float] | None = None):
+        import time
+
+        self.cache = cache
+        self.prefix = prefix
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.reserve = reserve
+        self.eos: set[int] = set(eos or ())
+        self.admission = admission
+        self.clock = clock or time.perf_counter
+        self.waiting: list[Seq] = []          # no cache id yet (new, or preempted)
+        self.running: list[Seq] = []
+        self.pending = PendingPrompts()
+        self.later: list[BaseException] = []  # prefix-cache callback errors, raised at step end
+        self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
+        self._stamps = 0
+
+    # -- sequences ----------------------------------------------------------------------------------
+    @staticmethod
+    def new_seq(job: Job, index: int, tokens: list[int]) -> Seq:
+        return Seq(job, index, tokens)
+
+    @staticmethod
+    def tokens_of(s: Seq) -> np.ndarray:
+        """s's tokens as int32 (tokens only grow: extended, not rebuilt)."""
+        arr, n = s.arr, len(s.tokens)
+        if arr is None or len(arr) != n:
+            if arr is None or len(arr) > n:
+                arr = np.array(s.tokens, dtype=_I32)
+            else:
+                arr = np.concatenate([arr, np.array(s.tokens[len(arr):], dtype=_I32)])
+            s.arr = arr
+        return arr
+
+    def free(self, s: Seq, store: bool = False) -> None:
+        """Gives back s's cache id and cells; s is then a sequence to be read from scratch.
+        ``store``: s ends, its tokens in the cache go to the prefix cache first."""
+        if s.pending is not None:
+            self.pending.remove(s.pending)
+            s.pending = None
+        pc = self.prefix
+        if pc is not None:
+            if store and s.sid is not None and s.in_cache > 0:
+                self._pcall(0, pc.insert, s.sid, self.tokens_of(s)[:s.in_cache])
+            for arr, n in s.pins:
+                try:
+                    pc.unpin(arr, n)
+                except CellCacheError:                # the tree was cleared or forgotten meanwhile
+                    pass
+        s.pins, s.stored = [], False
+        if s.sid is not None:
+            self.cache.seq_rm(s.sid)
+        s.sid, s.in_cache, s.drafts = None, 0, []
+
+    # -- the prefix cache --------------------------------------------------------------------------
+    def _pcall(self, default: Any, fn: Callable, *args: Any, **kw: Any) -> Any:
+        """A prefix-cache operation that changes it. An exception (from a user's ``on_event``:
+        the prefix cache is consistent when it propagates) is kept in ``later`` (raised when
+        the step is complete); ``default`` stands for the lost result."""
+        try:
+            return fn(*args, **kw)
+        except Exception as e:
+            self.later.append(e)
+            return default
+
+    def _evict(self, cells: int) -> int:
+        """Asks the prefix cache for ``cells`` cells; returns those freed."""
+        if self.prefix is None or cells <= 0:
+            return 0
+        before = self.cache.free_cells
+        self._pcall(0, self.prefix.evict, cells)
+        return self.cache.free_cells - before
+
+    def _evict_for(self, arr: np.ndarray, hit: int, cells: int, partial: bool) -> int:
+        """Evicts for a waiting sequence (tokens ``arr``) that would hit ``hit`` tokens,
+        keeping those: ``cells`` cells, or (``partial`` False) nothing unless the prefix cache
+        can give them all. Returns the cells freed."""
+        pc = self.prefix
+        if pc is None or cells <= 0:
+            return 0
+        held = pc.pin(arr, max_len=hit) if hit else 0
+        try:
+            if not partial and pc.evictable_tokens(cells) < cells:
+                return 0
+            return self._evict(cells)
+        finally:
+            if held:
+                try:
+                    pc.unpin(arr, held)
+                except CellCacheError:                # the tree was forgotten meanwhile
+                    pass
+
+    def _obtain(self, w: Seq, arr: np.ndarray, hit: int) -> tuple[int | None, int]:
+        """A cache id for w: a clone holding its cached prefix (pinned) when ``hit``, else a
+        new one; a prefix-cache leaf is evicted when no id is free. (None, 0) if none is had."""
+        pc = self.prefix
+        for attempt in range(2):
+            if hit and pc is not None:
+                sid, n = self._pcall((None, 0), pc.match, arr, max_len=len(arr) - 1, pin=True)
+                if sid is not None:
+                    if n:
+                        w.pins.append((arr, n))
+                    return sid, n
+            sid = self.cache.seq_new()
+            if sid is not None:
+                return sid, 0
+            if pc is None or attempt:
+                break
+            self._pcall(0, pc.evict, n_ids=1)
+        return None, 0
+
+    def _store_prompt(self, s: Seq) -> None:
+        """s's prompt has been placed: stored in the prefix cache, and pinned while s runs."""
+        pc = self.prefix
+        assert pc is not None and s.sid is not None
+        p = self.tokens_of(s)[:len(s.req.prompt)]
+        self._pcall(0, pc.insert, s.sid, p)
+        n = pc.pin(p)
+        if n:
+            s.pins.append((p, n))
+        s.stored = True
+        if s.pending is not None:
+            self.pending.remove(s.pending)
+            s.pending = None
+
+    # -- ending sequences and requests --------------------------------------------------------------
+    def finish(self, s: Seq, reason: str) -> None:
+        """Ends continuation s (already out of the queues, or about to be) with reason."""
+        self.free(s, store=True)
+        req = s.req
+        req.finish_reasons[s.index] = reason
+        if s.index == 0 and not s.job.forked:         # its continuations never started
+            for k in range(1, req.sampling.n):
+                if req.finish_reasons[k] is None:
+                    req.finish_reasons[k] = reason
+        if req.finished is None and all(r is not None for r in req.finish_reasons):
+            req.finished = self.clock()
+
+    def end(self, job: Job, reason: str, index: int | None = None) -> None:
+        """Ends every unfinished continuation of job's request (and continuation ``index``,
+        finished or not) with reason; frees their cells; no callback of it runs again."""
+        job.closed = True
+        req = job.req
+        for queue in (self.running, self.waiting):
+            mine = [s for s in queue if s.job is job]
+            if mine:
+                queue[:] = [s for s in queue if s.job is not job]
+                for s in mine:
+                    self.free(s, store=True)
+        for k, r in enumerate(req.finish_reasons):
+            if r is None or k == index:
+                req.finish_reasons[k] = reason
+        if req.finished is None:
+            req.finished = self.clock()
+
+    # -- admission and preemption ---------------------------------------------------------------
+    @staticmethod
+    def _remaining(s: Seq, have: int) -> int:
+        """Cells continuation s still claims once ``have`` of its tokens are in the cache:
+        up to len(prompt) + max_new_tokens - 1 in all, and its other continuations' own
+        tokens while they are not forked yet."""
+        sp = s.req.sampling
+        more = max(0, len(s.req.prompt) + sp.max_new_tokens - 1 - have)
+        if s.index == 0 and sp.n > 1 and not s.job.forked:
+            more += (sp.n - 1) * (sp.max_new_tokens - 1)
+        return more
+
+    def _preempt(self) -> None:
+        """Frees the most recently admitted running sequence and requeues it at the head of
+        the queue; it is read again (prompt and output so far) when admitted."""
+        v = max(self.running, key=lambda s: s.stamp)
+        self.running.remove(v)
+        self.free(v)
+        self.waiting.insert(0, v)
+        self.stats["preempted"] += 1
+
+    def schedule(self) -> StepPlan | None:
+        """Chooses and declares the step's rows; None when nothing is left to run.
+
+        Where cells run short the prefix cache evicts first; then it preempts (most recent
+        first) until every running sequence's next token has a cell; a sequence that cannot
+        get one even alone, or a waiting one that cannot be admitted into an idle cache
+        (every free cell or id held outside the generator), ends with "capacity". Each pass
+        evicts, preempts or ends a sequence, or declares a step: it returns. The plan
+        depends only on the state after the previous step's update_from_output.
+        """
+        preempted = False
+        while self.running or self.waiting:
+            free = self.cache.free_cells
+            decoding = [s for s in self.running if len(s.tokens) - s.in_cache == 1]
+            need = min(len(decoding), self.max_batch) if decoding else int(bool(self.running))
+            if need > free:
+                free += self._evict(need - free)      # cached prefixes before running requests
+            if need > free:
+                if len(self.running) > 1:
+                    self._preempt()
+                    preempted = True                  # and nothing is admitted in this step
+                else:
+                    self.finish(self.running.pop(), "capacity")
+                continue
+            plan = self._plan(free, decoding, admit=not preempted)
+            if plan is None:
+                self.finish(self.waiting.pop(0), "capacity")
+                continue
+            width = sum(len(feed) for _, feed in plan.rows)
+            try:
+                ok = self.cache.declare_step([s.sid for s, feed in plan.rows for _ in feed])
+            except StepTooLarge:
+                ok = False
+            if ok:
+                self._layout(plan)
+                return plan
+            # the plan fits the free cells and max_kv; only cells taken behind the
+            # generator's back (another user of the cache) get here
+            self._unadmit(plan.admitted)
+            if self._evict(width - self.cache.free_cells) > 0:
+                continue
+            if len(self.running) > 1:
+                self._preempt()
+                preempted = True
+            elif self.running:
+                self.finish(self.running.pop(), "capacity")
+            else:
+                self.finish(self.waiting.pop(0), "capacity")
+        return None
+
+    def _order_lpm(self) -> None:
+        """Longest cached prefix first (stable: FIFO among equals); preempted sequences (read
+        before) keep the head."""
+        pc = self.prefix
+        if pc is None or len(self.waiting) < 2:
+            return
+
+        def key(w: Seq) -> tuple[int, int]:
+            arr = self.tokens_of(w)
+            return (int(w.stamp < 0), -pc.peek(arr, max_len=len(arr) - 1))
+
+        self.waiting.sort(key=key)
+
+    def _plan(self, free: int, decoding: list[Seq], admit: bool) -> StepPlan | None:
+        """The step's rows within the token budget, the free cells and max_kv: one token for
+        each decoding sequence, their drafts as far as room remains, prompt chunks of
+        running sequences, then admissions (FIFO or ``lpm``; see the Generator's docstring
+        for ``reserve`` and the prefix cache). The prefix cache evicts for the running
+        sequences' rows, and for an admission only when it can give all it lacks."""
+        budget, cells = self.max_batch, free
+        kv = self.cache.config.max_kv if self.cache.config.paged else 1 << 62
+        pc = self.prefix
+        if pc is not None and cells < budget:         # room for the running rows first
+            want = len(decoding) + sum(min(len(s.tokens) - s.in_cache, self.prefill_chunk)
+                                       for s in self.running if len(s.tokens) - s.in_cache > 1)
+            got = self._evict(min(want, budget) - cells)
+            cells, free = cells + got, free + got
+        chosen: list[Seq] = []
+        for s in decoding:                            # 1. every running sequence's next token
+            if budget == 0 or cells == 0:
+                break
+            if s.in_cache + 1 > kv:                   # deferred: the paged view is full
+                continue
+            chosen.append(s)
+            budget, cells, kv = budget - 1, cells - 1, kv - s.in_cache - 1
+        rows: list[tuple[Seq, list[int]]] = []
+        decode_only = True
+        for s in chosen:                              # 2. drafts, as far as they fit
+            room = min(len(s.drafts), budget, cells, kv)
+            s.drafts = s.drafts[:room]
+            budget, cells, kv = budget - room, cells - room, kv - room
+            rows.append((s, [s.tokens[-1]] + s.drafts))
+            decode_only &= room == 0
+        cached = 0
+        for s in self.running:                        # 3. prompt chunks and recomputes
+            pending = len(s.tokens) - s.in_cache
+            if pending <= 1:
+                continue
+            n = min(pending, self.prefill_chunk, budget, cells, kv - s.in_cache)
+            if n < 1:
+                continue
+            rows.append((s, s.tokens[s.in_cache:s.in_cache + n]))
+            budget, cells, kv = budget - n, cells - n, kv - s.in_cache - n
+            decode_only = False
+        admitted: list[Seq] = []
+        if admit and self.waiting:                    # 4. admissions
+            planned = {id(s): len(feed) for s, feed in rows}
+            avail = free - sum(max(planned.get(id(s), 0),
+                                   math.ceil(self.reserve * self._remaining(s, s.in_cache)))
+                               for s in self.running)
+            idle = not self.running
+            if self.admission == "lpm":
+                self._order_lpm()
+            i = 0
+            while i < len(self.waiting) and budget > 0:
+                w = self.waiting[i]
+                arr = self.tokens_of(w)
+                L = len(arr)
+                hit = pc.peek(arr, max_len=L - 1) if pc is not None else 0
+                # a prompt being read shares more with w than the cache: w waits for it to be
+                # stored (only while something else runs in this step)
+                if self.pending.size and rows and self.pending.lcp(arr.tobytes()) > hit:
+                    i += 1
+                    continue
+                growth = math.ceil(self.reserve * self._remaining(w, L))
+                own = L - hit + growth                # a hit's cells are allocated already
+                if not (idle and not admitted) and own > avail:
+                    got = self._evict_for(arr, hit, own - avail, partial=False)
+                    cells, avail = cells + got, avail + got
+                    if own > avail:
+                        break                         # FIFO: nothing overtakes it for room
+                n = min(L - hit, self.prefill_chunk, budget, kv - hit)
+                if n > cells:
+                    got = self._evict_for(arr, hit, n - cells, partial=True)
+                    cells, avail = cells + got, avail + got
+                if min(n, cells) < 1:
+                    break
+                sid, hit = self._obtain(w, arr, hit)
+                n = min(L - hit, self.prefill_chunk, budget, cells, kv - hit)
+                if sid is None or n < 1:
+                    w.sid = sid
+                    self.free(w)                      # its pin too
+                    break
+                self.waiting.pop(i)
+                w.sid, w.in_cache, w.drafts, w.stamp = sid, hit, [], self._stamps
+                self._stamps += 1
+                self.running.append(w)
+                admitted.append(w)
+                rows.append((w, w.tokens[hit:hit + n]))
+                budget, cells, kv = budget - n, cells - n, kv - hit - n
+                avail -= L - hit + growth
+                decode_only = False
+                cached += hit
+                if pc is not None and hit < len(w.req.prompt):
+                    w.pending = self.tokens_of(w)[:len(w.req.prompt)].tobytes()
+                    self.pending.add(w.pending)
+        if not rows:
+            return None
+        return StepPlan(rows, admitted, decode_only, cached)
+
+    def _layout(self, plan: StepPlan) -> None:
+        """The declared plan's input ids, logit rows and sample slots: each sequence's last
+        fed token draws when it reaches the end of what the sequence knows (its continuations
+        too, at a request's first token with ``n > 1``); a verify run draws at every row."""
+        spec = plan.spec
+        row = 0
+        for s, feed in plan.rows:
+            plan.tokens += feed
+            end = row + len(feed)
+            if s.in_cache + len(feed) < len(s.tokens):           # a prompt chunk: nothing drawn
+                plan.owners.append((s, feed, None, -1))
+                row = end
+                continue
+            req, sp = s.req, s.req.sampling
+            seed = sp.seed if sp.seed is not None else req.id
+            n_out = len(req.outputs[s.index])
+            first = len(spec)
+            if s.drafts:
+                for j in range(len(feed)):
+                    spec.add(len(plan.logit_rows) + j, sp.temperature, sp.top_k, sp.top_p, seed,
+                             s.index, n_out + j, s.drafts[j] if j < len(s.drafts) else -1)
+                plan.logit_rows += range(row, end)
+                spec.groups.append((first, len(s.drafts)))
+                plan.owners.append((s, feed, first, len(spec.groups) - 1))
+            else:
+                lrow = len(plan.logit_rows)
+                spec.add(lrow, sp.temperature, sp.top_k, sp.top_p, seed, s.index, n_out)
+                if s.index == 0 and sp.n > 1 and not s.job.forked:   # the first token forks
+                    kids = [self.new_seq(s.job, k, list(req.prompt)) for k in range(1, sp.n)]
+                    for child in kids:
+                        spec.add(lrow, sp.temperature, sp.top_k, sp.top_p, seed, child.index, 0)
+                    plan.children[id(s)] = kids
+                plan.logit_rows.append(end - 1)
+                plan.owners.append((s, feed, first, -1))
+            row = end
+
+    def _unadmit(self, admitted: list[Seq]) -> None:
+        """Takes back this step's admissions: ids freed, back at the queue's head in order."""
+        for s in reversed(admitted):
+            if s in self.running:
+                self.running.remove(s)
+            self.free(s)
+            self.waiting.insert(0, s)
+
+    def _rewind(self, s: Seq, keep: int) -> None:
+        """Drops s's cells from position ``keep`` on; a refusal (which would mean the cache and
+        the generator disagree) requeues s to be read from scratch instead."""
+        assert s.sid is not None
+        if self.cache.rewind(s.sid, keep):
+            s.in_cache = keep
+        else:
+            self.free(s)
+            if s in self.running:
+                self.running.remove(s)
+            self.waiting.insert(0, s)
+
+    def rollback(self, plan: StepPlan, commit: bool) -> None:
+        """Undoes a declared or prepared step whose forward or sampling raised: every planned
+        sequence back to the cells it had, this step's admissions requeued (their prefix
+        hits dropped and unpinned). ``commit``: a step was prepared and not committed yet."""
+        try:
+            if commit:                                # the forward may have been queued
+                self.cache.commit_step()
+        finally:
+            admitted = {id(s) for s in plan.admitted}
+            for s, _ in plan.rows:
+                s.drafts = []
+                if id(s) not in admitted and s.sid is not None:
+                    self._rewind(s, s.in_cache)
+            self._unadmit(plan.admitted)
+
+    # -- the step's outcome ---------------------------------------------------------------------------
+    def decide(self, plan: StepPlan, output: SamplerOutput,
+               take: Callable[[Seq, int], int] | None = None
+               ) -> tuple[list[Outcome], list[tuple[Job, Exception]]]:
+        """Every planned sequence's outcome from the step's draws; nothing changes yet.
+
+        ``take(seq, slot)`` reads slot's token (default: ``output.ids[slot]``); an Exception
+        it raises is that request's own failure (returned in the failed list; the others'
+        outcomes stand); anything else propagates. A verify run emits its accepted drafts
+        and the next drawn token, cut at a stop."""
+        ids = output.ids
+        if take is None:
+            def take(s: Seq, slot: int) -> int:
+                return int(ids[slot])
+        outcomes: list[Outcome] = []
+        failed: dict[int, tuple[Job, Exception]] = {}
+        for s, feed, first, group in plan.owners:
+            if first is None or id(s.job) in failed:
+                outcomes.append(Outcome(s, feed, s.in_cache + len(feed)))
+                continue
+            try:
+                outcomes.append(self._decide(plan, s, feed, first, group, output, take))
+            except Exception as e:
+                failed[id(s.job)] = (s.job, e)
+        return outcomes, list(failed.values())
+
+    def _decide(self, plan: StepPlan, s: Seq, feed: list[int], first: int, group: int,
+                output: SamplerOutput, take: Callable[[Seq, int], int]) -> Outcome:
+        req, before = s.req, s.in_cache
+        if group >= 0:
+            n_out = len(req.outputs[s.index])
+            acc = int(output.accepted[group])
+            toks: list[int] = []
+            accepted = 0
+            for j in range(acc + 1):
+                tok = take(s, first + j)
+                toks.append(tok)
+                if j == acc:                          # the first rejected draft's place, or the bonus
+                    break
+                accepted += 1
+                if ends(req, n_out + len(toks), tok, self.eos):
+                    break
+            return Outcome(s, feed, before + 1 + accepted, toks, accepted)
+        out = Outcome(s, feed, before + len(feed), [take(s, first)])
+        for j, child in enumerate(plan.children.get(id(s), ()), 1):
+            out.forks.append((child, take(child, first + j)))
+        return out
+
+    def update_from_output(self, outcomes: list[Outcome]) -> list[tuple[Job, int, int]]:
+        """Advances every sequence by its outcome (no user code runs); returns the tokens
+        to deliver, in order, as (job, continuation, token)."""
+        events: list[tuple[Job, int, int]] = []
+        pc = self.prefix
+        now = self.clock()
+        st = self.stats
+        for o in outcomes:
+            s, req = o.seq, o.seq.req
+            if s.job.closed or s.sid is None:         # its request failed in sampling
+                continue
+            s.drafts = []
+            out = req.outputs[s.index]
+            times = req.token_times[s.index]
+            reason = None
+            for tok in o.tokens:
+                out.append(tok)
+                times.append(now)
+                s.tokens.append(tok)
+                events.append((s.job, s.index, tok))
+                reason = ends(req, len(out), tok, self.eos)
+            if o.tokens and req.first_token is None:
+                req.first_token = now
+            st["tokens_out"] += len(o.tokens)
+            st["accepted"] += o.accepted
+            if reason is None and o.keep < s.in_cache + len(o.feed):
+                self._rewind(s, o.keep)               # the rejected drafts
+            else:
+                s.in_cache = o.keep
+            if pc is not None and not s.stored and s.sid is not None \
+                    and s.in_cache >= len(req.prompt):
+                self._store_prompt(s)                 # its prompt is whole in the cache now
+            if o.forks:
+                s.job.forked = True
+            for child, tok in o.forks:                # clones share the prompt's cells
+                req.outputs[child.index].append(tok)
+                req.token_times[child.index].append(now)
+                child.tokens.append(tok)
+                events.append((s.job, child.index, tok))
+                st["tokens_out"] += 1
+                child_reason = ends(req, 1, tok, self.eos)
+                if child_reason is not None:
+                    self.finish(child, child_reason)
+                    continue
+                sid = None if s.sid is None else self.cache.seq_clone(s.sid, len(req.prompt))
+                if sid is None and pc is not None and s.sid is not None:
+                    self._pcall(0, pc.evict, n_ids=1)
+                    sid = self.cache.seq_clone(s.sid, len(req.prompt))
+                if sid is None:                       # no free id: reads its prompt later
+                    self.waiting.append(child)
+                    continue
+                child.sid, child.in_cache, child.stamp = sid, len(req.prompt), self._stamps
+                self._stamps += 1
+                st["forks"] += 1
+                self.running.append(child)
+                if pc is not None:                    # the prompt it shares stays cached
+                    p = self.tokens_of(s)[:len(req.prompt)]
+                    n = pc.pin(p)
+                    if n:
+                        child.pins.append((p, n))
+                    child.stored = True
+            if reason is not None:
+                self.finish(s, reason)
+        self.running = [s for s in self.running if s.sid is not None]
+        return events
+
+    def count_step(self, plan: StepPlan, graph: bool) -> None:
+        """The stats of an applied step: rows fed, prompt tokens computed and cached."""
+        st = self.stats
+        st["steps"] += 1
+        st["tokens_in"] += len(plan.tokens)
+        st["graph_steps"] += int(graph)
+        st["cached_tokens"] += plan.cached
+        for s, feed in plan.rows:                     # prompt tokens and recomputes: every row
+            n_tok = len(s.tokens)                     # before the sequence's own next token
+            end = s.in_cache + len(feed)
+            st["computed_tokens"] += max(0, min(end, n_tok - 1) - s.in_cache) + int(
+                n_tok == len(s.req.prompt) and s.in_cache < n_tok <= end)
+        for s in plan.admitted:
+            if not s.job.counted:
+                s.job.counted = True
+                st["prompt_tokens"] += len(s.req.prompt)
