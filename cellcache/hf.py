@@ -310,7 +310,9 @@ class ModelRunner:
 
     On CUDA with the paged view, decode steps (every row its sequence's next token) whose
     padded width is a bucket replay a CUDA graph captured once per bucket; everything else
-    runs eagerly (prefill chunks through the tiled prefill kernel). When a copy growth
+    runs eagerly (mixed steps through the prefill kernel, or the tensor-core kernels). A
+    model whose layers fall back to FlashInfer or SDPA (a head_dim or group cellcache's
+    kernels do not take) runs every step eagerly. When a copy growth
     moves the pools, the next forward rebuilds the views and drops the graphs (recaptured
     on their next use).
 
@@ -335,9 +337,17 @@ class ModelRunner:
                                   "(cache_config(model) does)")
         if graphs is not None and not isinstance(graphs, bool):
             raise InvalidArgument(f"graphs of type {type(graphs).__name__} is not a bool or None")
-        graphs_enabled = paged_cuda if graphs is None else graphs
+        paths = _attention_paths(config, cfg) if paged_cuda else []
+        # FlashInfer and SDPA fallbacks plan on the host or read the pools' row count, so
+        # decode graphs are only for layers cellcache's or the tensor-core kernels take
+        unsafe = [f"layer {i}: {p}" for i, p in enumerate(paths) if p not in ("tc", "paged")]
+        graphs_enabled = (paged_cuda and not unsafe) if graphs is None else graphs
         if graphs_enabled and not paged_cuda:
             raise InvalidArgument("graph replay needs a CUDA cache built with paged=True")
+        if graphs_enabled and unsafe:
+            raise InvalidArgument(f"graph replay needs every layer on cellcache's or the tensor-core "
+                                  f"kernels; {', '.join(unsafe[:4])} (its shape falls back): "
+                                  "pass graphs=False")
         chosen = default_buckets(mw, 512) if buckets is None else check_buckets(buckets, mw)
         self.model, self.cache, self.view = model, cache, view
         self.device = view.device
@@ -509,11 +519,11 @@ class ModelRunner:
                 self.replays += 1
                 return logits[torch.as_tensor(rows, device=logits.device)].float()
             self.eager += 1
-            backend = "auto"
-            if self.cuda and self.cache.config.paged and width > 1 and not decode:
-                backend = "prefill"
+            # "auto": on CUDA with the paged view, the path choose_path gives each layer's
+            # shape (cellcache's decode kernel for decode steps, its prefill kernel with the
+            # device-built work list for mixed ones, or the tensor-core kernels)
             rows_t = torch.as_tensor(rows, device=self.device)
-            return self._run(step, backend, rows_t).float()
+            return self._run(step, "auto", rows_t).float()
 
     def _replay(self, step: Step) -> torch.Tensor:
         T = step.pad_to
@@ -521,15 +531,27 @@ class ModelRunner:
             stream = torch.cuda.Stream(device=self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._run(step, "paged", None)         # warm-up: allocations, kernel loads
+                self._run(step, "auto", None)          # warm-up: allocations, kernel loads
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = self._run(step, "paged", None)
+                logits = self._run(step, "auto", None)
             self._graphs[T] = (graph, logits)
         graph, logits = self._graphs[T]
         graph.replay()
         return logits
+
+
+def _attention_paths(config: Any, cfg: CacheConfig) -> list[str]:
+    """Each layer's attention path on a CUDA cache with the paged view
+    (:func:`cellcache.cuda.kernels.choose_path`); InvalidArgument when a layer's shape has
+    none, so such a model is refused before it is switched."""
+    from .cuda.kernels import choose_path
+
+    heads = _config_int(_decoder_config(config), "num_attention_heads", 1)
+    return [choose_path(cfg.dtype, lc.head_dim, heads // lc.n_kv_heads,
+                        have_flashinfer=cct.have_flashinfer(), has_masks=cfg.mask_format != "none")
+            for lc in cfg.layers]
 
 
 def _int_array(values: Any, name: str) -> np.ndarray:

@@ -16,9 +16,11 @@ refuses before anything is written; then, for rows ``[0, T)``:
 
 1. K/V of every row into the layer's pools at ``cells[:T]`` (``index_copy_``; padding rows
    land in the sink row);
-2. attention of every row: on CUDA over the paged view with cellcache's paged kernels
-   (launched on torch's current stream, so a graph captures them), or FlashInfer's when
-   asked; on the host backend, and on CUDA caches without the paged view, through
+2. attention of every row: on CUDA over the paged view through the path
+   :func:`cellcache.cuda.kernels.choose_path` picks for the layer's shape (tensor-core
+   kernels, cellcache's CUDA-core decode/prefill kernels, FlashInfer, SDPA over masks; a
+   fallback warns once), launched on torch's current stream so a graph captures them;
+   on the host backend, and on CUDA caches without the paged view, through
    ``scaled_dot_product_attention`` over the layer's mask, restricted to pool rows
    ``[0, read_len)`` (host) or ``[0, rows)`` (CUDA: no host sync, so a graph captured at
    one row count serves until ``Step.rows`` changes).
@@ -28,6 +30,9 @@ No host synchronisation happens inside on CUDA, so the call can be captured in a
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -100,6 +105,7 @@ class TorchView:
         self.config = cache.config
         self.cuda = cache.backend == "cuda"
         self._kernels: Any = None
+        self._tensor_cores: Any = None
         self._pools_generation = -1
         # FlashInfer (backend="flashinfer"): the planned wrapper with the key it was planned
         # for, and its workspace; built on first use
@@ -164,24 +170,45 @@ class TorchView:
             self._kernels = self.cache.attention_kernels()
         return self._kernels
 
+    def tensor_cores(self) -> Any:
+        """The tensor-core kernels (``cellcache.cuda.tc.TensorCoreAttention``) for this
+        cache's dtype, built on first use and closed with the cache; InvalidArgument where
+        the module is absent."""
+        if self._tensor_cores is None:
+            from .cuda.kernels import tensor_cores
+
+            tc = tensor_cores()
+            if tc is None:
+                raise InvalidArgument("the tensor-core kernels (cellcache.cuda.tc) are not available")
+            kern = tc.TensorCoreAttention(self.config.dtype, self.kernels().sm_count)
+            self.cache.on_close(kern.close)
+            self._tensor_cores = kern
+        return self._tensor_cores
+
 
 def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               *, step: Step | None = None, backend: str = "auto",
               scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Writes rows ``[0, T)`` of K/V at ``cells[:T]`` and attends every row; returns
     ``[T, n_heads, head_dim]`` (rows past the step's real width are padding: discard them).
-    ``out`` (paged backend) receives the result: ``[T, n_heads, head_dim]`` of the pool's
-    dtype.
+    ``out``, when given, receives the result: ``[T, n_heads, head_dim]`` of the pool's dtype.
 
     ``q`` is ``[T, n_heads, head_dim]``, ``k``/``v`` ``[T, n_kv_heads, head_dim]``, any
     strides (HF's ``[1, H, T, D]`` transposed is fine), on the cache's device, of any
     floating dtype (K/V are stored converted to the pool's dtype, as the model's own cache
     would cast them); ``n_heads`` a multiple of the layer's ``n_kv_heads``; ``T`` the
     prepared step's ``pad_to``. ``step``, when given, must be the cache's prepared step (the
-    one not yet committed); by default it is that step. ``backend``: ``"auto"`` (paged
-    kernels on CUDA with the paged view, else SDPA over masks), ``"paged"``, ``"prefill"``
-    (the tiled prefill kernel; eager), ``"sdpa"`` or ``"flashinfer"`` (FlashInfer plans
-    from the step's host indptrs).
+    one not yet committed); by default it is that step. ``backend``: ``"auto"`` (on CUDA
+    with the paged view the path :func:`cellcache.cuda.kernels.choose_path` picks for the
+    shape: the tensor-core kernels, else cellcache's decode kernel for a decode step and
+    its prefill kernel otherwise, else FlashInfer, else SDPA over masks; on the host or
+    without the paged view SDPA over masks), ``"paged"`` (the decode kernel: one block per
+    row), ``"prefill"`` (the prefill kernel: query tiles share K/V tiles; its work list is
+    built on the device, so it can be captured), ``"tc"`` (the tensor-core kernels),
+    ``"sdpa"`` or ``"flashinfer"`` (FlashInfer plans from the step's host indptrs).
+    ``"paged"``/``"prefill"`` on a shape cellcache's kernels do not take fall back like
+    ``"auto"`` and warn once per cache and shape; a shape no path takes raises
+    InvalidArgument.
 
     Every check happens before anything is written: a refused call (InvalidArgument for
     the arguments, InvalidState for the step) leaves the pools as they were. The checks
@@ -204,8 +231,6 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
         raise InvalidArgument(
             f"q, k, v have {T} rows; the prepared step runs at pad_to={step.pad_to} rows "
             f"({step.width} real): give exactly pad_to rows")
-    if backend == "auto":
-        backend = "paged" if view.cuda and cfg.paged else "sdpa"
     _check_backend(view, backend, step)
     if out is not None:
         shape, dtype = (T, q.shape[1], q.shape[2]), _TORCH_DTYPES[cfg.dtype]
@@ -221,16 +246,97 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
                                "view.refresh() before capturing a graph")
         view.refresh()
     k_pool, v_pool, window = view.layer(layer)
+    path, qk = _plan(view, layer, q, k_pool, v_pool, backend, step, out)    # may refuse: nothing written yet
     cells = view.cells[:T]
     k_pool.index_copy_(0, cells, k.to(k_pool.dtype))
     v_pool.index_copy_(0, cells, v.to(v_pool.dtype))
-    if backend == "paged":
-        return _paged(view, layer, q, k_pool, v_pool, window, scale, out)
-    if backend == "prefill":
-        return _prefill(view, layer, q, k_pool, v_pool, window, step, scale)
-    if backend == "flashinfer":
-        return _flashinfer(view, layer, q, k_pool, v_pool, window, step, scale)
-    return _sdpa(view, layer, q, k_pool, v_pool, window, step, scale)
+    if path in ("decode", "prefill", "tc"):
+        return _kernel(view, layer, path, qk, k_pool, v_pool, window, scale, out)
+    if path == "flashinfer":
+        result = _flashinfer(view, layer, q, k_pool, v_pool, window, step, scale)
+    else:
+        result = _sdpa(view, layer, q, k_pool, v_pool, window, step, scale)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+#: (dtype, head_dim, group, path) fallbacks already announced, per cache
+_ANNOUNCED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_HAVE_FLASHINFER: list[bool] = []
+
+
+def have_flashinfer() -> bool:
+    """Whether FlashInfer is installed (looked up once, without importing it)."""
+    if not _HAVE_FLASHINFER:
+        _HAVE_FLASHINFER.append(importlib.util.find_spec("flashinfer") is not None)
+    return _HAVE_FLASHINFER[0]
+
+
+def _decode_step(step: Step) -> bool:
+    """Every real run of the step is one row (a decode step): the decode kernel's case."""
+    return step.n_runs >= step.width
+
+
+def _plan(view: TorchView, layer: int, q: torch.Tensor, k_pool: torch.Tensor,
+          v_pool: torch.Tensor, backend: str, step: Step,
+          out: torch.Tensor | None) -> tuple[str, torch.Tensor]:
+    """The path of one attention call and q as the kernels take it (pool dtype, unit stride
+    in head_dim), decided before anything is written: ``"decode"``/``"prefill"``
+    (cellcache's CUDA-core kernels), ``"tc"``, ``"flashinfer"`` or ``"sdpa"``. "auto" and
+    "paged"/"prefill" on a shape cellcache's kernels do not take go through
+    :func:`cellcache.cuda.kernels.choose_path`; a fallback away from cellcache's kernels
+    (FlashInfer, SDPA) warns once per cache and shape. Refusals raise before any write."""
+    cfg = view.config
+    if backend in ("sdpa", "flashinfer") or not (view.cuda and cfg.paged):
+        return ("sdpa" if backend == "auto" else backend), q
+    from .cuda import kernels as ck
+
+    lc = cfg.layers[layer]
+    T, H, D = q.shape
+    group = H // lc.n_kv_heads
+    qk = q.to(k_pool.dtype)
+    if qk.stride(2) != 1:
+        qk = qk.contiguous()
+    tc = ck.tensor_cores()
+    tc_aligned = tc is not None and tc.aligned(
+        qk.data_ptr(), (qk.stride(0), qk.stride(1)), k_pool.data_ptr(), v_pool.data_ptr(),
+        out.data_ptr() if out is not None else 0,
+        (out.stride(0), out.stride(1)) if out is not None else (H * D, D))
+    if backend == "tc":
+        if not (tc_aligned and tc.supports(cfg.dtype, D, group)):
+            raise InvalidArgument(f"backend 'tc': the tensor-core kernels do not take head_dim={D}, "
+                                  f"group={group} ({cfg.dtype}) with these addresses and strides"
+                                  + ("" if tc is not None else " (cellcache.cuda.tc is not available)"))
+        return "tc", qk
+    if backend in ("paged", "prefill") and ck.paged_supports(cfg.dtype, D, group):
+        return ("decode" if backend == "paged" else "prefill"), qk
+    path = ck.choose_path(cfg.dtype, D, group, tc_aligned=tc_aligned,
+                          have_flashinfer=have_flashinfer(), has_masks=cfg.mask_format != "none")
+    if path == "paged":
+        return ("decode" if _decode_step(step) else "prefill"), qk
+    if backend != "auto" or path != "tc":
+        _announce(view, layer, cfg.dtype, D, group, path)
+    if path == "flashinfer" and torch.cuda.is_current_stream_capturing():
+        raise InvalidState(f"layer {layer}: head_dim={D}, group={group} falls back to FlashInfer, "
+                           "which plans each step on the host and cannot be captured in a graph")
+    return path, (qk if path == "tc" else q)
+
+
+def _announce(view: TorchView, layer: int, dtype: str, head_dim: int, group: int, path: str) -> None:
+    """Warns once per (cache, shape, path) that attention leaves cellcache's kernels."""
+    try:
+        seen = _ANNOUNCED.setdefault(view.cache, set())
+    except TypeError:                               # a cache that takes no weak reference
+        seen = set()
+    key = (dtype, head_dim, group, path)
+    if key in seen:
+        return
+    seen.add(key)
+    warnings.warn(f"cellcache: attention of head_dim={head_dim}, group={group} ({dtype}; layer "
+                  f"{layer}) is not taken by cellcache's CUDA-core kernels (head_dim a multiple of 8 "
+                  f"up to 256, group 1 to 16); it runs through {path}", stacklevel=3)
 
 
 def check_qkv(view: TorchView, layer: Any, q: Any, k: Any, v: Any) -> int:
@@ -265,43 +371,31 @@ def check_qkv(view: TorchView, layer: Any, q: Any, k: Any, v: Any) -> int:
 def _check_backend(view: TorchView, backend: str, step: Step) -> None:
     cfg = view.config
     paged_cuda = view.cuda and cfg.paged
-    if backend not in ("paged", "prefill", "flashinfer", "sdpa"):
-        raise InvalidArgument(f"backend={backend!r} is not one of auto, paged, prefill, sdpa, flashinfer")
-    if backend in ("paged", "prefill", "flashinfer") and not (paged_cuda and step.qo_indptr is not None):
+    if backend not in ("auto", "paged", "prefill", "tc", "flashinfer", "sdpa"):
+        raise InvalidArgument(f"backend={backend!r} is not one of auto, paged, prefill, tc, sdpa, "
+                              "flashinfer")
+    kernel = backend in ("paged", "prefill", "tc", "flashinfer")
+    if kernel and not (paged_cuda and step.qo_indptr is not None):
         raise InvalidArgument(f"backend {backend!r} needs a CUDA cache built with paged=True")
-    if backend == "sdpa" and cfg.mask_format == "none":
+    if (backend == "sdpa" or (backend == "auto" and not paged_cuda)) and cfg.mask_format == "none":
         raise InvalidArgument("backend 'sdpa' needs masks (mask_format 'bool' or 'bits')")
 
 
-def _paged(view, layer, q, k_pool, v_pool, window, scale, out):
+def _kernel(view, layer, path, q, k_pool, v_pool, window, scale, out):
+    """cellcache's decode or prefill kernel, or the tensor-core kernels, on torch's current
+    stream (so a graph captures them); q is in the pool dtype with unit stride in head_dim."""
     lc = view.config.layers[layer]
     T, H, D = q.shape
-    q = q.to(k_pool.dtype)
-    if q.stride(2) != 1:
-        q = q.contiguous()
     if out is None:
         out = torch.empty((T, H, D), dtype=k_pool.dtype, device=q.device)
-    view.kernels().paged(
-        view.paged_pointers(), T, q.data_ptr(), (q.stride(0), q.stride(1)), k_pool.data_ptr(),
+    if path == "tc":
+        run = view.tensor_cores().run
+    else:
+        kern = view.kernels()
+        run = kern.paged if path == "decode" else kern.prefill
+    run(view.paged_pointers(), T, q.data_ptr(), (q.stride(0), q.stride(1)), k_pool.data_ptr(),
         v_pool.data_ptr(), out.data_ptr(), (out.stride(0), out.stride(1)), H, lc.n_kv_heads, D,
         window, torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
-    return out
-
-
-def _prefill(view, layer, q, k_pool, v_pool, window, step, scale):
-    """The tiled prefill kernel over the step's real rows (eager: tiles come from the step's
-    host qo_indptr); padding rows give zeros."""
-    lc = view.config.layers[layer]
-    T, H, D = q.shape
-    q = q.to(k_pool.dtype)
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    out = torch.zeros((T, H, D), dtype=k_pool.dtype, device=q.device)
-    view.kernels().prefill(
-        view.paged_pointers(), step.qo_indptr, step.n_requests, step.width, q.data_ptr(),
-        (q.stride(0), q.stride(1)), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
-        (out.stride(0), out.stride(1)), H, lc.n_kv_heads, D, window,
-        torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
     return out
 
 

@@ -12,7 +12,8 @@
 //               mirror and writes the small step buffers (cells, positions, read_len, width,
 //               ids, indptrs, runs, the padding rows' sink entries).
 //   build_step  blocks [0, mask_blocks) write every window's mask rows [0, pad_to) x
-//               columns [0, read_len) (bytes or bits); the rest fill each run's kv_indices.
+//               columns [0, read_len) (bytes or bits), a 32-column word per thread; the
+//               rest fill each run's kv_indices.
 #include "abi.h"
 
 // One thread per (record, owner word), then the header's arrays. Records name distinct
@@ -82,103 +83,110 @@ apply_step(const cc_step_params* __restrict__ P, const cc_i64* __restrict__ stag
     }
 }
 
-#define BLOCK_WORDS (CC_STEP_THREADS * CC_MASK_COLS / 64)   // seqbits words a mask block spans
+// Mask rows [r0, r1) x this block's CC_STEP_THREADS * CC_MASK_COLS columns (2048). The
+// block's 64 32-column words are shared out one per thread, each word to two threads that
+// split the rows (thread t: word t % 64, rows r0 + t / 64, r0 + t / 64 + 2, ...), so a warp
+// stores 32 consecutive words (128 bytes of bits, 1 KB of bools) of one row at a time. A
+// thread loads its 32 positions once, then per row one 32-bit owner word of the row's
+// sequence (four rows' words in flight at a time), and sweeps every window from registers:
+// a column is on when the row's sequence owns it and lo <= pos <= qp, one unsigned compare.
+#define TILE_WORDS (CC_STEP_THREADS * CC_MASK_COLS / 32)    // 32-column words of a block tile
+#define ROW_SPLIT (CC_STEP_THREADS / TILE_WORDS)            // threads sharing a word's rows
 
-// Mask rows [r0, r1) x this block's 2048 columns. Each thread owns CC_MASK_COLS consecutive
-// columns; a row whose sequence owns none of them (the common case) stores zeros without
-// reading pos.
 __device__ __forceinline__ void mask_tile(const cc_step_params* __restrict__ P, cc_i64 bx,
                                           cc_i32 r0, cc_i32 r1, cc_i64 read_len)
 {
     __shared__ cc_i64 s_seq[CC_MASK_MAX_ROWS];
-    __shared__ cc_i64 s_pos[CC_MASK_MAX_ROWS];
-    __shared__ cc_u64 s_bits[CC_MASK_MAX_ROWS][BLOCK_WORDS];
-    const cc_i64 capacity = P->capacity, bit_words = P->bit_words;
-    const cc_i32* pos = (const cc_i32*)P->pos;
-    const cc_u64* seqbits = (const cc_u64*)P->seqbits;
+    __shared__ cc_i32 s_pos[CC_MASK_MAX_ROWS];
+    __shared__ cc_i64 s_win[CC_MAX_WINDOWS];
+    __shared__ cc_u64 s_dst[CC_MAX_WINDOWS];
+    const cc_i64 capacity = P->capacity;
     const cc_i32 nrows = r1 - r0;
+    const cc_i32 n_windows = (cc_i32)P->n_windows;
     for (cc_i32 r = threadIdx.x; r < nrows; r += blockDim.x) {
         s_seq[r] = ((const cc_i64*)P->seq_ids)[r0 + r];
-        s_pos[r] = ((const cc_i64*)P->positions)[r0 + r];
+        s_pos[r] = (cc_i32)((const cc_i64*)P->positions)[r0 + r];
     }
-    __syncthreads();
-    const cc_i64 word0 = bx * BLOCK_WORDS;
-    for (cc_i32 idx = threadIdx.x; idx < nrows * BLOCK_WORDS; idx += blockDim.x) {
-        cc_i32 r = idx / BLOCK_WORDS, j = idx % BLOCK_WORDS;
-        cc_i64 w = word0 + j;
-        s_bits[r][j] = w < bit_words ? seqbits[s_seq[r] * bit_words + w] : 0ull;
+    if (threadIdx.x < n_windows) {
+        s_win[threadIdx.x] = P->windows[threadIdx.x];
+        s_dst[threadIdx.x] = P->masks[threadIdx.x];
     }
-    __syncthreads();
-
-    const cc_i64 col0 = (bx * blockDim.x + threadIdx.x) * CC_MASK_COLS;
-    if (col0 >= read_len) return;
-    const int ncols = (int)min((cc_i64)CC_MASK_COLS, read_len - col0);
-    const cc_u32 col_mask = ncols == CC_MASK_COLS ? 0xFFFFu : ((1u << ncols) - 1u);
-    const int my_word = threadIdx.x >> 2;                       // 4 threads per 64-bit word
-    const int shift = (threadIdx.x & 3) * CC_MASK_COLS;
-    const bool bits_fmt = P->mask_format == CC_MASKS_BITS;
-    const cc_i64 row_bytes = P->mask_row_bytes;
-    const bool wide_store = ncols == CC_MASK_COLS &&
-        (bits_fmt ? (row_bytes % 2) == 0 : (capacity % CC_MASK_COLS) == 0);
-    const cc_i32 n_windows = (cc_i32)P->n_windows;
-
-    cc_i32 p[CC_MASK_COLS];
-    bool have_pos = false;
-#pragma unroll 4
-    for (cc_i32 r = 0; r < nrows; ++r) {
-        const cc_i64 qp = s_pos[r];
-        const cc_u32 owned = (cc_u32)(s_bits[r][my_word] >> shift) & col_mask;
-        cc_u32 visible = 0;
-        if (owned) {
-            if (!have_pos) {
-                have_pos = true;
-                if (col0 + CC_MASK_COLS <= capacity && (col0 & 3) == 0) {
-                    const int4* src = reinterpret_cast<const int4*>(pos + col0);
+    const cc_i32 word = threadIdx.x % TILE_WORDS, half = threadIdx.x / TILE_WORDS;
+    const cc_i64 col0 = (bx * TILE_WORDS + word) * 32;
+    // this word's positions, loaded before the barrier so the loads overlap the rows'
+    cc_i32 p[32];
+    if (col0 + 32 <= capacity) {
+        const int4* src = reinterpret_cast<const int4*>((const cc_i32*)P->pos + col0);
 #pragma unroll
-                    for (int q = 0; q < CC_MASK_COLS / 4; ++q) {
-                        int4 v = src[q];
-                        p[4 * q] = v.x; p[4 * q + 1] = v.y; p[4 * q + 2] = v.z; p[4 * q + 3] = v.w;
+        for (int q = 0; q < 8; ++q) {
+            const int4 v = src[q];
+            p[4 * q] = v.x; p[4 * q + 1] = v.y; p[4 * q + 2] = v.z; p[4 * q + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 32; ++k)
+            p[k] = col0 + k < capacity ? ((const cc_i32*)P->pos)[col0 + k] : -1;
+    }
+    __syncthreads();
+    if (col0 >= read_len) return;
+    const int ncols = (int)min((cc_i64)32, read_len - col0);
+    const cc_u32 col_mask = ncols == 32 ? 0xFFFFFFFFu : ((1u << ncols) - 1u);
+    const bool bits_fmt = P->mask_format == CC_MASKS_BITS;
+    const cc_i64 row_pitch = bits_fmt ? P->mask_row_bytes : capacity;
+    const cc_i64 col_off = bits_fmt ? (col0 >> 3) : col0;
+    // seqbits as 32-bit words: the low half of 64-bit word w is cells [64w, 64w + 32)
+    const cc_u32* bits32 = (const cc_u32*)P->seqbits + (col0 >> 5);
+    const cc_i64 seq_words = 2 * P->bit_words;
+
+    for (cc_i32 rb = half; rb < nrows; rb += 4 * ROW_SPLIT) {
+        cc_u32 own[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const cc_i32 r = rb + u * ROW_SPLIT;
+            own[u] = r < nrows ? bits32[s_seq[r] * seq_words] & col_mask : 0u;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const cc_i32 r = rb + u * ROW_SPLIT;
+            if (r >= nrows) break;
+            const cc_i32 qp = s_pos[r];
+            const cc_i64 row_off = (cc_i64)(r0 + r) * row_pitch + col_off;
+            for (cc_i32 wi = 0; wi < n_windows; ++wi) {
+                cc_u32 on = 0;
+                if (own[u]) {
+                    const cc_i64 win = s_win[wi];
+                    // visible positions are [lo, qp]; owned cells are occupied (pos >= 0)
+                    const cc_i32 lo = (win == 0 || qp - win + 1 < 0) ? 0 : (cc_i32)(qp - win + 1);
+                    const cc_u32 span = (cc_u32)(qp - lo);
+#pragma unroll
+                    for (int k = 0; k < 32; ++k)
+                        on |= (cc_u32)((cc_u32)(p[k] - lo) <= span) << k;
+                    on &= own[u];
+                }
+                cc_u8* dst = (cc_u8*)s_dst[wi] + row_off;
+                const cc_u64 addr = (cc_u64)dst;
+                if (bits_fmt) {
+                    if (ncols == 32 && (addr & 3) == 0) {
+                        *reinterpret_cast<cc_u32*>(dst) = on;
+                    } else {
+                        for (int b = 0; b < (ncols + 7) >> 3; ++b) dst[b] = (cc_u8)(on >> (8 * b));
                     }
                 } else {
+                    cc_u32 w[8];                          // byte k of the 32 = bit k of on
 #pragma unroll
-                    for (int k = 0; k < CC_MASK_COLS; ++k)
-                        p[k] = (col0 + k < capacity) ? pos[col0 + k] : -1;
-                }
-            }
-            // owned cells are occupied; visible: not in the query's future
+                    for (int q = 0; q < 8; ++q) {
+                        const cc_u32 nib = (on >> (4 * q)) & 0xFu;
+                        w[q] = (nib & 1u) | ((nib & 2u) << 7) | ((nib & 4u) << 14) | ((nib & 8u) << 21);
+                    }
+                    if (ncols == 32 && (addr & 15) == 0) {
+                        reinterpret_cast<uint4*>(dst)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+                        reinterpret_cast<uint4*>(dst)[1] = make_uint4(w[4], w[5], w[6], w[7]);
+                    } else if (ncols == 32 && (addr & 3) == 0) {
 #pragma unroll
-            for (int k = 0; k < CC_MASK_COLS; ++k)
-                visible |= (cc_u32)(((owned >> k) & 1u) && p[k] <= qp) << k;
-        }
-        const cc_i64 row = r0 + r;
-        for (cc_i32 wi = 0; wi < n_windows; ++wi) {
-            cc_u32 on = 0;                                   // bit k = column col0 + k
-            if (visible) {
-                const cc_i64 win = P->windows[wi];
-                const cc_i64 lo = win == 0 ? -1 : qp - win;   // visible positions are > lo
-#pragma unroll
-                for (int k = 0; k < CC_MASK_COLS; ++k)
-                    on |= (cc_u32)(((visible >> k) & 1u) && (p[k] > lo)) << k;
-            }
-            if (bits_fmt) {
-                cc_u8* dst = (cc_u8*)P->masks[wi] + row * row_bytes + (col0 >> 3);
-                if (wide_store) {
-                    *reinterpret_cast<unsigned short*>(dst) = (unsigned short)on;
-                } else {
-                    dst[0] = (cc_u8)(on & 0xFFu);
-                    if (ncols > 8) dst[1] = (cc_u8)(on >> 8);
-                }
-            } else {
-                cc_u8* dst = (cc_u8*)P->masks[wi] + row * capacity + col0;
-                if (wide_store) {
-                    cc_u32 b[4];
-#pragma unroll
-                    for (int q = 0; q < 4; ++q)
-                        b[q] = ((on >> (4 * q)) & 1u) | (((on >> (4 * q + 1)) & 1u) << 8) |
-                               (((on >> (4 * q + 2)) & 1u) << 16) | (((on >> (4 * q + 3)) & 1u) << 24);
-                    *reinterpret_cast<uint4*>(dst) = make_uint4(b[0], b[1], b[2], b[3]);
-                } else {
-                    for (int k = 0; k < ncols; ++k) dst[k] = (cc_u8)((on >> k) & 1u);
+                        for (int q = 0; q < 8; ++q) reinterpret_cast<cc_u32*>(dst)[q] = w[q];
+                    } else {
+                        for (int k = 0; k < ncols; ++k) dst[k] = (cc_u8)((on >> k) & 1u);
+                    }
                 }
             }
         }
@@ -214,7 +222,7 @@ __device__ __forceinline__ void paged_chunk(const cc_step_params* __restrict__ P
     }
 }
 
-extern "C" __global__ void __launch_bounds__(CC_STEP_THREADS)
+extern "C" __global__ void __launch_bounds__(CC_STEP_THREADS, 8)
 build_step(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
            cc_i64 mask_gx, cc_i64 mask_blocks, cc_i32 rows_per_block, cc_i64 paged_chunks)
 {
