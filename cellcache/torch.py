@@ -30,6 +30,7 @@ No host synchronisation happens inside on CUDA, so the call can be captured in a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import warnings
 import weakref
@@ -251,7 +252,8 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     k_pool.index_copy_(0, cells, k.to(k_pool.dtype))
     v_pool.index_copy_(0, cells, v.to(v_pool.dtype))
     if path in ("decode", "prefill", "tc"):
-        return _kernel(view, layer, path, qk, k_pool, v_pool, window, scale, out)
+        return _kernel(view, layer, path, qk, k_pool, v_pool, window, scale, out,
+                       decode=path == "tc" and _decode_step(step))
     if path == "flashinfer":
         result = _flashinfer(view, layer, q, k_pool, v_pool, window, step, scale)
     else:
@@ -381,15 +383,16 @@ def _check_backend(view: TorchView, backend: str, step: Step) -> None:
         raise InvalidArgument("backend 'sdpa' needs masks (mask_format 'bool' or 'bits')")
 
 
-def _kernel(view, layer, path, q, k_pool, v_pool, window, scale, out):
+def _kernel(view, layer, path, q, k_pool, v_pool, window, scale, out, decode=False):
     """cellcache's decode or prefill kernel, or the tensor-core kernels, on torch's current
-    stream (so a graph captures them); q is in the pool dtype with unit stride in head_dim."""
+    stream (so a graph captures them); q is in the pool dtype with unit stride in head_dim.
+    ``decode`` (every run one query) picks the tensor-core kernels' decode variant."""
     lc = view.config.layers[layer]
     T, H, D = q.shape
     if out is None:
         out = torch.empty((T, H, D), dtype=k_pool.dtype, device=q.device)
     if path == "tc":
-        run = view.tensor_cores().run
+        run = functools.partial(view.tensor_cores().run, decode=decode)
     else:
         kern = view.kernels()
         run = kern.paged if path == "decode" else kern.prefill

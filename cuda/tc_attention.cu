@@ -5,18 +5,22 @@
 //   tc_plan             the work list, on the device: one block prefix-sums the step's runs
 //                       (qo_indptr, kv_indptr, width) into work items {run, q tile, kv split,
 //                       splits} in a fixed-capacity list, picks a kv split size when the
-//                       step has fewer units than the grid has CTAs, and resets the work
-//                       counter; the other blocks write zeros to the padding rows' output.
-//   tc_attend_T_dD      persistent CTAs: each takes the next unit (item x kv head) from the
-//                       counter until the list is exhausted. A unit is 64 packed rows of one
-//                       run, row p = (query p / G, head p % G) of the kv head's group, so a
-//                       group shares every K/V tile; 4 warps x 16 rows. K/V tiles of the
-//                       run's list are gathered with cp.async (zero-fill past the end) into
-//                       a ring of STAGES buffers, K and V in separate commit groups, the
-//                       kv_indices of the tile STAGES ahead loaded before the wait on the
-//                       current one. S = Q K^T and O += P V with mma.m16n8k16 (f32 accumulate),
-//                       operands from ldmatrix (.trans for V), online softmax in exp2 with
-//                       scale * log2(e) folded in; masks only on edge tiles.
+//                       step has fewer units than the host's target, orders the list (run by
+//                       run, or heaviest first over the step) and resets the work counter;
+//                       the other blocks write zeros to the padding rows' output.
+//   tc_attend_T_dD_V    persistent CTAs: each takes the next unit (item x kv head) from the
+//                       counter until the list is exhausted. A unit is QROWS packed rows of
+//                       one run, row p = (query p / G, head p % G) of the kv head's group, so
+//                       a group shares every K/V tile. Variant V = m<MQ>w<WKV>k<KT>s<ST>: 4
+//                       warps of 16 x MQ rows, either along the rows (w1: QROWS = 64 MQ) or
+//                       along the kv tile (w4: QROWS = 16, each warp its own KT / 4 keys of
+//                       every tile, the four (m, l, O) merged in shared memory at the end: the
+//                       decode shape). K/V tiles of KT entries are gathered with cp.async
+//                       (zero-fill past the end) into a ring of ST buffers, K and V in separate
+//                       commit groups, the kv_indices of a tile loaded one iteration before
+//                       its copies are issued. S = Q K^T and O += P V with mma.m16n8k16 (f32
+//                       accumulate), operands from ldmatrix (.trans for V), online softmax in
+//                       exp2 with scale * log2(e) folded in; masks only on edge tiles.
 //   tc_merge_T          the splits of each split row merged (a no-op launch without splits).
 //
 // Masks mirror attention.cu: query i of a run of qo_len queries over a list of L entries sees
@@ -29,7 +33,6 @@
 #include "abi.h"
 
 #define TC_THREADS 128             // 4 warps
-#define TC_QROWS 64                // packed (query, head) rows of a unit: 4 warps x 16
 #define TC_PLAN_THREADS 1024
 #define TC_HDR 16                  // int32 words of the plan header
 #define TC_NEG_INF __int_as_float(0xff800000)
@@ -57,10 +60,10 @@ typedef struct {
     cc_i64 q_s_tok, q_s_head, o_s_tok, o_s_head;
     cc_i64 rows, n_heads, n_kv_heads, group, window;
     cc_i32* plan;                  // header, items (int4 x list_cap), run_base, run_ns
-    float* part;                   // split partials: [split_items][n_kv_heads][64][D + 2]
+    float* part;                   // split partials: [slot][n_kv_heads][QROWS][D + 2]
     cc_i64 list_cap;               // items the list holds
     cc_i64 split_cap;              // most units (items x kv heads) a split plan may make
-    cc_i64 target_units;           // split when the step has fewer units than this
+    cc_i64 target_units;           // split when the step has fewer units than this (host: split x CTAs)
     double sl2;                    // softmax scale * log2(e)
 } TcArgs;
 
@@ -140,32 +143,30 @@ template <> struct Mma<bf16> {
     }
 };
 
-// -- tile shapes ---------------------------------------------------------------------------------
+// -- variants ----------------------------------------------------------------------------------
 
-// kv entries per tile and ring depth for each head_dim (shared memory: Q 64 rows + 2 x STAGES
-// tiles of KT rows; d128 = 80 KB, two CTAs per SM)
-template <int D> struct Cfg;
-template <> struct Cfg<64>  { static constexpr int KT = 64, STAGES = 3; };
-template <> struct Cfg<80>  { static constexpr int KT = 64, STAGES = 2; };
-template <> struct Cfg<96>  { static constexpr int KT = 64, STAGES = 2; };
-template <> struct Cfg<128> { static constexpr int KT = 64, STAGES = 2; };
-template <> struct Cfg<256> { static constexpr int KT = 32, STAGES = 2; };
-
-template <int D> struct Tile {
+// One kernel variant: D head_dim, MQ 16-row blocks a warp (1 or 2), WKV warps along the kv
+// tile (1: the 4 warps split the unit's rows; 4: the 4 warps share one 16*MQ-row block and
+// each takes its own KT/4 keys of every tile, merged through shared memory at the end), KT kv
+// entries a tile (the CTA's), ST ring stages. Shared memory: Q (QROWS rows) + 2 x ST tiles of
+// KT rows; the end-of-unit merge of WKV > 1 reuses it.
+template <int D, int MQ, int WKV, int KT, int ST> struct Tile {
     static constexpr int CH = D / 8;                        // 16-byte chunks of a row
     static constexpr bool SWZ = CH % 8 == 0;
     static constexpr int RS = SWZ ? CH : CH + 1;            // row stride in chunks
-    static constexpr int KT = Cfg<D>::KT, STAGES = Cfg<D>::STAGES;
-    static constexpr int Q_CH = TC_QROWS * RS, KV_CH = KT * RS;
-    static constexpr int SMEM = 16 * (Q_CH + 2 * STAGES * KV_CH);
+    static constexpr int WQ = 4 / WKV;                      // warps along the rows
+    static constexpr int WROWS = 16 * MQ;                   // rows a warp
+    static constexpr int QROWS = WROWS * WQ;                // packed rows a unit
+    static constexpr int KW = KT / WKV;                     // keys a warp computes of a tile
+    static constexpr int Q_CH = QROWS * RS, KV_CH = KT * RS;
+    static constexpr int RING = 16 * (Q_CH + 2 * ST * KV_CH);
+    static constexpr int OS = D + 8;                        // merge: floats a row (+8: banks)
+    static constexpr int MERGE = WKV > 1 ? 4 * 4 * WROWS * (OS + 2) : 0;
+    static constexpr int SMEM = RING > MERGE ? RING : MERGE;
     static constexpr int NP = (KT * CH + TC_THREADS - 1) / TC_THREADS;  // load passes a tile
+    static_assert(4 % WKV == 0 && KW % 16 == 0 && (MQ == 1 || MQ == 2) && ST >= 1, "tile");
     static __device__ __forceinline__ int at(int row, int c) { return row * RS + (SWZ ? (c ^ (row & 7)) : c); }
 };
-
-// {kv tile, stages, packed rows a unit, dynamic shared bytes}: read by the host (tc.py)
-#define TC_CONFIG(D) \
-    extern "C" __device__ const cc_i32 tc_config_d##D[4] = {Tile<D>::KT, Tile<D>::STAGES, TC_QROWS, Tile<D>::SMEM};
-TC_CONFIG(64) TC_CONFIG(80) TC_CONFIG(96) TC_CONFIG(128) TC_CONFIG(256)
 
 // -- one unit --------------------------------------------------------------------------------
 
@@ -183,12 +184,28 @@ __device__ __forceinline__ int run_qlen(const TcArgs& a, int r, cc_i64 width)
     return q1 > q0 ? (int)(q1 - q0) : 0;
 }
 
-template <typename T, int D>
+// The kv range [r0, r1] of q tile qt (packed rows [p0, p1)) of a run: the first query's lo
+// to the last query's hi, cut to split s of size chunk when the run is split (ns > 1).
+// shift = L - qo_len (hi(q) = shift + q). Empty when r1 < r0.
+__device__ __forceinline__ void unit_keys(int shift, int p0, int p1, int G, int W, int s, int ns,
+                                          int chunk, int& r0, int& r1)
+{
+    const int qa = p0 / G, qb = (p1 - 1) / G;
+    r0 = W > 0 ? max(0, shift + qa - W + 1) : 0;
+    r1 = shift + qb;
+    if (ns > 1) {
+        r0 = max(r0, s * chunk);
+        r1 = min(r1, s * chunk + chunk - 1);
+    }
+}
+
+template <typename T, int D, int MQ, int WKV, int KT, int ST>
 __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
 {
-    using C = Tile<D>;
-    constexpr int KT = C::KT, STAGES = C::STAGES, CH = C::CH, NP = C::NP;
+    using C = Tile<D, MQ, WKV, KT, ST>;
+    constexpr int CH = C::CH, NP = C::NP, QROWS = C::QROWS, KW = C::KW, WROWS = C::WROWS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wq = warp / WKV, wk = warp - wq * WKV;    // the warp's row block and key slice
     const int g = lane >> 2, tg = lane & 3;
     const int n_kvh = (int)a.n_kv_heads, G = (int)a.group, W = (int)a.window;
     const int item = u / n_kvh, kvh = u - item * n_kvh;
@@ -199,17 +216,11 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     const int qlen = run_qlen(a, run, width);
     const int k0 = a.kv_indptr[run], L = a.kv_indptr[run + 1] - k0;
     const int P = qlen * G;
-    const int p0 = qt * TC_QROWS, p1 = min(P, p0 + TC_QROWS);
+    const int p0 = qt * QROWS, p1 = min(P, p0 + QROWS);
     const int shift = L - (q1 - q0);                    // hi(q) = shift + q
     const int qa = p0 / G, qb = (p1 - 1) / G;           // the unit's first and last query
-    // the unit's kv range [r0, r1]: the first query's lo to the last query's hi, cut to the split
-    int r0 = W > 0 ? max(0, shift + qa - W + 1) : 0;
-    int r1 = shift + qb;
-    if (ns > 1) {
-        const int chunk = a.plan[TC_CHUNK];
-        r0 = max(r0, split * chunk);
-        r1 = min(r1, split * chunk + chunk - 1);
-    }
+    int r0, r1;
+    unit_keys(shift, p0, p1, G, W, split, ns, ns > 1 ? a.plan[TC_CHUNK] : 0, r0, r1);
     // keys in [full_lo, full_hi] are visible to every row of the unit
     const int full_hi = min(shift + qa, r1);
     const int full_lo = W > 0 ? shift + qb - W + 1 : 0;
@@ -221,11 +232,11 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     const cc_i32* __restrict__ kv_idx = a.kv_indices + k0;
     uint4* s_q = smem;
     uint4* s_k = smem + C::Q_CH;
-    uint4* s_v = s_k + STAGES * C::KV_CH;
+    uint4* s_v = s_k + ST * C::KV_CH;
     const cc_u32 a_q = smem_addr(s_q), a_k = smem_addr(s_k), a_v = smem_addr(s_v);
 
     // Q: the unit's packed rows, zeros past the last real one
-    for (int c = tid; c < TC_QROWS * CH; c += TC_THREADS) {
+    for (int c = tid; c < QROWS * CH; c += TC_THREADS) {
         const int row = c / CH, col = c - row * CH, p = p0 + row;
         const T* src = q;
         int bytes = 0;
@@ -238,18 +249,20 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     }
     cp_async_commit();
 
-    // cells of tile j for this thread's load passes (-1: past the range, zero-filled)
-    int idx[NP];
-    auto load_idx = [&](int j) {
+    // cells of tile j for this thread's load passes (-1: past the range, zero-filled). The
+    // cells of tile j + ST + 1 are loaded while tile j is computed, one iteration before the
+    // copies that use them are issued, so their latency never stalls the issue.
+    int idx[NP], nidx[NP];
+    auto load_idx = [&](int (&dst)[NP], int j) {
 #pragma unroll
         for (int p = 0; p < NP; ++p) {
             const int c = tid + p * TC_THREADS, row = c / CH, key = r0 + j * KT + row;
-            idx[p] = (c < KT * CH && j < n_tiles && key <= r1) ? kv_idx[key] : -1;
+            dst[p] = (c < KT * CH && j < n_tiles && key <= r1) ? kv_idx[key] : -1;
         }
     };
     auto issue = [&](const T* __restrict__ pool, cc_u32 base, int j) {
         if (j >= n_tiles) return;                      // an empty group keeps the count uniform
-        const cc_u32 buf = base + 16 * (j % STAGES) * C::KV_CH;
+        const cc_u32 buf = base + 16 * (j % ST) * C::KV_CH;
 #pragma unroll
         for (int p = 0; p < NP; ++p) {
             const int c = tid + p * TC_THREADS;
@@ -261,143 +274,222 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
         }
     };
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-        load_idx(s);
+    for (int s = 0; s < ST; ++s) {
+        load_idx(idx, s);
         issue(kp, a_k, s);
         cp_async_commit();
         issue(vp, a_v, s);
         cp_async_commit();
     }
+    load_idx(idx, ST);
 
-    // this thread's two rows (g and g + 8 of the warp's 16)
-    const int wp0 = p0 + warp * 16;
+    // this thread's rows: g and g + 8 of each of the warp's MQ 16-row blocks
+    const int wp0 = p0 + wq * WROWS;
     const bool active = wp0 < p1;                       // the warp has real rows
-    int qrow[2];
-    qrow[0] = (wp0 + g) / G;
-    qrow[1] = (wp0 + g + 8) / G;
-    const float sl2 = (float)a.sl2;
-
-    float o[D / 8][4];
+    int qrow[2 * MQ];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m[2] = {TC_NEG_INF, TC_NEG_INF}, l[2] = {0.f, 0.f};
+    for (int i = 0; i < 2 * MQ; ++i) qrow[i] = (wp0 + 16 * (i >> 1) + g + 8 * (i & 1)) / G;
+    const float sl2 = (float)a.sl2;
+    const int kw0 = wk * KW;                            // the warp's first key of a tile
+
+    float o[MQ][D / 8][4];
+#pragma unroll
+    for (int mq = 0; mq < MQ; ++mq)
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) o[mq][n][0] = o[mq][n][1] = o[mq][n][2] = o[mq][n][3] = 0.f;
+    float m[2 * MQ], l[2 * MQ];
+#pragma unroll
+    for (int i = 0; i < 2 * MQ; ++i) { m[i] = TC_NEG_INF; l[i] = 0.f; }
 
     for (int j = 0; j < n_tiles; ++j) {
-        load_idx(j + STAGES);                          // in flight while we wait and compute
-        cp_async_wait<2 * STAGES - 1>();               // Q and K(j) have landed
+        load_idx(nidx, j + ST + 1);                    // in flight while we wait and compute
+        cp_async_wait<2 * ST - 1>();                   // Q and K(j) have landed
         __syncthreads();
-        const int st = j % STAGES, t0 = r0 + j * KT;
+        const int st = j % ST, t0 = r0 + j * KT;
         const cc_u32 kb = a_k + 16 * st * C::KV_CH, vb = a_v + 16 * st * C::KV_CH;
-        float s[KT / 8][4];
+        float s[MQ][KW / 8][4];
         if (active) {
 #pragma unroll
-            for (int n = 0; n < KT / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            for (int mq = 0; mq < MQ; ++mq)
+#pragma unroll
+                for (int n = 0; n < KW / 8; ++n) s[mq][n][0] = s[mq][n][1] = s[mq][n][2] = s[mq][n][3] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks) {
-                cc_u32 aq[4];
-                ldsm_x4(a_q + 16 * C::at(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * ks + (lane >> 4)), aq);
+                cc_u32 aq[MQ][4];
 #pragma unroll
-                for (int jj = 0; jj < KT / 16; ++jj) {
+                for (int mq = 0; mq < MQ; ++mq)
+                    ldsm_x4(a_q + 16 * C::at(wq * WROWS + 16 * mq + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                             2 * ks + (lane >> 4)), aq[mq]);
+#pragma unroll
+                for (int jj = 0; jj < KW / 16; ++jj) {
                     cc_u32 b[4];
-                    ldsm_x4(kb + 16 * C::at(16 * jj + (lane & 7) + (lane >> 4) * 8, 2 * ks + ((lane >> 3) & 1)), b);
-                    Mma<T>::run(s[2 * jj], aq, b[0], b[1]);
-                    Mma<T>::run(s[2 * jj + 1], aq, b[2], b[3]);
+                    ldsm_x4(kb + 16 * C::at(kw0 + 16 * jj + (lane & 7) + (lane >> 4) * 8,
+                                            2 * ks + ((lane >> 3) & 1)), b);
+#pragma unroll
+                    for (int mq = 0; mq < MQ; ++mq) {
+                        Mma<T>::run(s[mq][2 * jj], aq[mq], b[0], b[1]);
+                        Mma<T>::run(s[mq][2 * jj + 1], aq[mq], b[2], b[3]);
+                    }
                 }
             }
             const bool edge = !(t0 >= full_lo && t0 + KT - 1 <= full_hi);
 #pragma unroll
-            for (int n = 0; n < KT / 8; ++n) {
+            for (int mq = 0; mq < MQ; ++mq)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = s[n][e] * sl2;
-                    if (edge) {
-                        const int key = t0 + 8 * n + 2 * tg + (e & 1);
-                        const int hi = shift + qrow[e >> 1];
-                        if (key > r1 || key > hi || (W > 0 && key <= hi - W)) x = TC_NEG_INF;
+                for (int n = 0; n < KW / 8; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float x = s[mq][n][e] * sl2;
+                        if (edge) {
+                            const int key = t0 + kw0 + 8 * n + 2 * tg + (e & 1);
+                            const int hi = shift + qrow[2 * mq + (e >> 1)];
+                            if (key > r1 || key > hi || (W > 0 && key <= hi - W)) x = TC_NEG_INF;
+                        }
+                        s[mq][n][e] = x;
                     }
-                    s[n][e] = x;
                 }
-            }
-            // online softmax, two rows a thread; l stays a per-thread partial sum until the end
+            // online softmax, 2 MQ rows a thread; l stays a per-thread partial sum until the end
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = m[r];
+            for (int i = 0; i < 2 * MQ; ++i) {
+                const int mq = i >> 1, r = i & 1;
+                float mx = m[i];
 #pragma unroll
-                for (int n = 0; n < KT / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+                for (int n = 0; n < KW / 8; ++n) mx = fmaxf(mx, fmaxf(s[mq][n][2 * r], s[mq][n][2 * r + 1]));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 const float base = mx == TC_NEG_INF ? 0.f : mx;     // nothing seen yet: all 0
-                const float corr = ex2(m[r] - base);
-                m[r] = mx;
+                const float corr = ex2(m[i] - base);
+                m[i] = mx;
                 float sum = 0.f;
 #pragma unroll
-                for (int n = 0; n < KT / 8; ++n) {
-                    s[n][2 * r] = ex2(s[n][2 * r] - base);
-                    s[n][2 * r + 1] = ex2(s[n][2 * r + 1] - base);
-                    sum += s[n][2 * r] + s[n][2 * r + 1];
+                for (int n = 0; n < KW / 8; ++n) {
+                    s[mq][n][2 * r] = ex2(s[mq][n][2 * r] - base);
+                    s[mq][n][2 * r + 1] = ex2(s[mq][n][2 * r + 1] - base);
+                    sum += s[mq][n][2 * r] + s[mq][n][2 * r + 1];
                 }
-                l[r] = l[r] * corr + sum;
+                l[i] = l[i] * corr + sum;
 #pragma unroll
-                for (int n = 0; n < D / 8; ++n) { o[n][2 * r] *= corr; o[n][2 * r + 1] *= corr; }
+                for (int n = 0; n < D / 8; ++n) { o[mq][n][2 * r] *= corr; o[mq][n][2 * r + 1] *= corr; }
             }
         }
-        cp_async_wait<2 * STAGES - 2>();               // V(j) has landed
+        cp_async_wait<2 * ST - 2>();                   // V(j) has landed
         __syncthreads();                               // ... and every warp is done with K(j)
-        issue(kp, a_k, j + STAGES);
+        issue(kp, a_k, j + ST);
         cp_async_commit();
         if (active) {
 #pragma unroll
-            for (int t = 0; t < KT / 16; ++t) {
-                cc_u32 pa[4];
-                pa[0] = Mma<T>::pack(s[2 * t][0], s[2 * t][1]);
-                pa[1] = Mma<T>::pack(s[2 * t][2], s[2 * t][3]);
-                pa[2] = Mma<T>::pack(s[2 * t + 1][0], s[2 * t + 1][1]);
-                pa[3] = Mma<T>::pack(s[2 * t + 1][2], s[2 * t + 1][3]);
+            for (int t = 0; t < KW / 16; ++t) {
+                cc_u32 pa[MQ][4];
+#pragma unroll
+                for (int mq = 0; mq < MQ; ++mq) {
+                    pa[mq][0] = Mma<T>::pack(s[mq][2 * t][0], s[mq][2 * t][1]);
+                    pa[mq][1] = Mma<T>::pack(s[mq][2 * t][2], s[mq][2 * t][3]);
+                    pa[mq][2] = Mma<T>::pack(s[mq][2 * t + 1][0], s[mq][2 * t + 1][1]);
+                    pa[mq][3] = Mma<T>::pack(s[mq][2 * t + 1][2], s[mq][2 * t + 1][3]);
+                }
 #pragma unroll
                 for (int dp = 0; dp < D / 16; ++dp) {
                     cc_u32 b[4];
-                    ldsm_x4_t(vb + 16 * C::at(16 * t + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * dp + (lane >> 4)), b);
-                    Mma<T>::run(o[2 * dp], pa, b[0], b[1]);
-                    Mma<T>::run(o[2 * dp + 1], pa, b[2], b[3]);
+                    ldsm_x4_t(vb + 16 * C::at(kw0 + 16 * t + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                              2 * dp + (lane >> 4)), b);
+#pragma unroll
+                    for (int mq = 0; mq < MQ; ++mq) {
+                        Mma<T>::run(o[mq][2 * dp], pa[mq], b[0], b[1]);
+                        Mma<T>::run(o[mq][2 * dp + 1], pa[mq], b[2], b[3]);
+                    }
                 }
             }
         }
         __syncthreads();                               // every warp is done with V(j)
-        issue(vp, a_v, j + STAGES);
+        issue(vp, a_v, j + ST);
         cp_async_commit();
+#pragma unroll
+        for (int p = 0; p < NP; ++p) idx[p] = nidx[p];
     }
     cp_async_wait<0>();                                // nothing in flight into the buffers
-
+    if (WKV > 1) __syncthreads();                      // ... from any thread (the merge reuses them)
     if (!active) return;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    for (int i = 0; i < 2 * MQ; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
     }
+    if (WKV > 1) {
+        // the key slices of a row block: warps wk > 0 leave (m, l, o) in shared memory (the
+        // ring is free: every warp passed the loop's last barrier, no copy is in flight),
+        // warp wk = 0 folds them into its own and writes the result
+        float* s_ml = reinterpret_cast<float*>(smem);             // [warp][WROWS][2]
+        float* s_o = s_ml + 4 * WROWS * 2;                        // [warp][WROWS][OS]
+        if (wk > 0) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int p = wp0 + g + 8 * r;
+            for (int i = 0; i < 2 * MQ; ++i) {
+                const int row = 16 * (i >> 1) + g + 8 * (i & 1);
+                if (tg == 0) {
+                    s_ml[(warp * WROWS + row) * 2] = m[i];
+                    s_ml[(warp * WROWS + row) * 2 + 1] = l[i];
+                }
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n)
+                    *reinterpret_cast<float2*>(s_o + (warp * WROWS + row) * C::OS + 8 * n + 2 * tg) =
+                        make_float2(o[i >> 1][n][2 * (i & 1)], o[i >> 1][n][2 * (i & 1) + 1]);
+            }
+        }
+        // only the warps of this unit's row blocks take part; all of them are active together
+        asm volatile("bar.sync 1, %0;" :: "r"(WKV * 32 * ((p1 - p0 + WROWS - 1) / WROWS)) : "memory");
+        if (wk > 0) return;
+#pragma unroll
+        for (int i = 0; i < 2 * MQ; ++i) {
+            const int row = 16 * (i >> 1) + g + 8 * (i & 1);
+            float mx = m[i];
+#pragma unroll
+            for (int w = 1; w < WKV; ++w) mx = fmaxf(mx, s_ml[((warp + w) * WROWS + row) * 2]);
+            const float base = mx == TC_NEG_INF ? 0.f : mx;
+            const float f0 = ex2(m[i] - base);
+            float lsum = l[i] * f0;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) { o[i >> 1][n][2 * (i & 1)] *= f0; o[i >> 1][n][2 * (i & 1) + 1] *= f0; }
+#pragma unroll
+            for (int w = 1; w < WKV; ++w) {
+                const float* ml = s_ml + ((warp + w) * WROWS + row) * 2;
+                const float f = ex2(ml[0] - base);
+                lsum += ml[1] * f;
+                const float* ow = s_o + ((warp + w) * WROWS + row) * C::OS + 2 * tg;
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    const float2 v = *reinterpret_cast<const float2*>(ow + 8 * n);
+                    o[i >> 1][n][2 * (i & 1)] += f * v.x;
+                    o[i >> 1][n][2 * (i & 1) + 1] += f * v.y;
+                }
+            }
+            m[i] = mx;
+            l[i] = lsum;
+        }
+    }
+    const int slot = plan_run_base(a)[run] + ((P + QROWS - 1) / QROWS - 1 - qt) * ns + split;
+#pragma unroll
+    for (int i = 0; i < 2 * MQ; ++i) {
+        const int p = wp0 + 16 * (i >> 1) + g + 8 * (i & 1), mq = i >> 1, r = i & 1;
         if (p >= p1) continue;
         if (ns == 1) {
             const int qi = p / G, hl = p - qi * G;
             T* dst = static_cast<T*>(a.out) + (cc_i64)(q0 + qi) * a.o_s_tok + (cc_i64)(kvh * G + hl) * a.o_s_head;
-            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
 #pragma unroll
             for (int n = 0; n < D / 8; ++n)
                 *reinterpret_cast<cc_u32*>(dst + 8 * n + 2 * tg) =
-                    Mma<T>::pack(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+                    Mma<T>::pack(o[mq][n][2 * r] * inv, o[mq][n][2 * r + 1] * inv);
         } else {
-            float* dst = a.part + (((cc_i64)item * n_kvh + kvh) * TC_QROWS + (p - p0)) * (D + 2);
-            if (tg == 0) { dst[0] = m[r]; dst[1] = l[r]; }
+            float* dst = a.part + (((cc_i64)slot * n_kvh + kvh) * QROWS + (p - p0)) * (D + 2);
+            if (tg == 0) { dst[0] = m[i]; dst[1] = l[i]; }
 #pragma unroll
             for (int n = 0; n < D / 8; ++n)
-                *reinterpret_cast<float2*>(dst + 2 + 8 * n + 2 * tg) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+                *reinterpret_cast<float2*>(dst + 2 + 8 * n + 2 * tg) = make_float2(o[mq][n][2 * r], o[mq][n][2 * r + 1]);
         }
     }
 }
 
 // Persistent: each CTA takes units from the counter the plan reset until the list is done.
-template <typename T, int D>
+template <typename T, int D, int MQ, int WKV, int KT, int ST>
 __device__ void tc_attend(const TcArgs& a)
 {
     extern __shared__ uint4 smem[];
@@ -408,7 +500,7 @@ __device__ void tc_attend(const TcArgs& a)
         __syncthreads();
         const int u = s_unit;
         if (u >= n_units) break;
-        tc_unit<T, D>(a, u, smem);
+        tc_unit<T, D, MQ, WKV, KT, ST>(a, u, smem);
         __syncthreads();                               // s_unit and the buffers free again
     }
 }
@@ -463,14 +555,20 @@ __device__ __forceinline__ int block_scan(int x, int* scratch, int* total)
     return x + before;
 }
 
-// Block 0: the work list. Items are listed run by run, a run's q tiles last first (the
-// causal tiles that see the most keys start first), splits innermost: item
-// run_base[r] + (nt - 1 - qt) * ns + s. Other blocks: zeros into the padding rows' output.
-// qrows: packed rows a unit (64); min_chunk: the smallest kv split (a multiple of the tile).
-__device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head_dim)
+// Block 0: the work list. Every (run, q tile, kv split) has a slot, run by run, a run's q
+// tiles last first, splits innermost: slot run_base[r] + (nt - 1 - qt) * ns + s (the split
+// partials live at their slot, so the merge finds them without the list). The list holds
+// the items in the order CTAs take them: order 0 by slot (a run's tiles that see the most
+// keys first, run after run: neighbouring units share K/V in L2); order 1 heaviest first
+// over the whole step (TC_BUCKETS buckets of kv entries, longest first, so the persistent
+// grid ends on the lightest units and has no tail). Other blocks: zeros into the padding
+// rows' output. qrows: packed rows a unit; min_chunk: the smallest kv split (a multiple of
+// the tile).
+#define TC_BUCKETS 256
+__device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head_dim, int order)
 {
     const cc_i64 width = *a.width;
-    const int rows = (int)a.rows, G = (int)a.group, nkv = (int)a.n_kv_heads;
+    const int rows = (int)a.rows, G = (int)a.group, nkv = (int)a.n_kv_heads, W = (int)a.window;
     if (blockIdx.x > 0) {
         // padding rows [width, rows): 16-byte zeros (2-byte elements, head_dim % 8 == 0)
         const int chunks = head_dim / 8, H = (int)a.n_heads;
@@ -486,6 +584,7 @@ __device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head
     }
     __shared__ long long s_ll[32];
     __shared__ int s_i[32];
+    __shared__ int s_bucket[TC_BUCKETS];
     long long nt_sum = 0;
     int max_len = 0;
     for (int r = threadIdx.x; r < rows; r += blockDim.x) {
@@ -534,13 +633,47 @@ __device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head
         if (r < rows) {
             run_base[r] = ex;
             run_ns[r] = ns;
-            for (int t = 0; t < nt; ++t)
-                for (int s = 0; s < ns; ++s) {
-                    const int k = ex + t * ns + s;
-                    if (k < cap) items[k] = make_int4(r, nt - 1 - t, s, ns);
-                }
+            if (order == 0)
+                for (int t = 0; t < nt; ++t)
+                    for (int s = 0; s < ns; ++s) {
+                        const int k = ex + t * ns + s;
+                        if (k < cap) items[k] = make_int4(r, nt - 1 - t, s, ns);
+                    }
         }
         carry += total;
+    }
+    if (order != 0) {
+        // counting sort by kv entries, longest first: a histogram, its exclusive scan, then
+        // every item takes the next place of its bucket (any order within a bucket)
+        for (int i = threadIdx.x; i < TC_BUCKETS; i += blockDim.x) s_bucket[i] = 0;
+        __syncthreads();
+        for (int pass = 0; pass < 2; ++pass) {
+            for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+                const int ql = run_qlen(a, r, width);
+                if (ql == 0) continue;
+                const int P = ql * G, nt = (P + qrows - 1) / qrows, ns = run_ns[r];
+                const int L = a.kv_indptr[r + 1] - a.kv_indptr[r];
+                const int shift = L - (a.qo_indptr[r + 1] - a.qo_indptr[r]);
+                for (int qt = nt - 1; qt >= 0; --qt)
+                    for (int s = 0; s < ns; ++s) {
+                        int r0, r1;
+                        unit_keys(shift, qt * qrows, min(P, qt * qrows + qrows), G, W, s, ns, chunk, r0, r1);
+                        const long long len = r1 >= r0 ? r1 - r0 + 1 : 0;
+                        const int bk = TC_BUCKETS - 1 - (int)(len * TC_BUCKETS / (max_len + 1));
+                        const int k = atomicAdd(s_bucket + bk, 1);
+                        if (pass == 1 && k < cap) items[k] = make_int4(r, qt, s, ns);
+                    }
+            }
+            if (pass == 0) {
+                __syncthreads();
+                const int x = threadIdx.x < TC_BUCKETS ? s_bucket[threadIdx.x] : 0;
+                int total;
+                const int ex = block_scan(x, s_i, &total) - x;
+                __syncthreads();
+                if (threadIdx.x < TC_BUCKETS) s_bucket[threadIdx.x] = ex;
+                __syncthreads();
+            }
+        }
     }
     if (threadIdx.x == 0) {
         a.plan[TC_N_UNITS] = min(carry, cap) * nkv;
@@ -603,21 +736,42 @@ __device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
 
 // -- entry points ----------------------------------------------------------------------------
 
+// The variants, one line each: X(D, MQ, WKV, KT, ST). The host reads this list from the
+// module (tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, dynamic shared bytes} each,
+// after tc_n_variants), so it is the one source of which kernels exist. Named
+// tc_attend_<dtype>_d<D>_m<MQ>w<WKV>k<KT>s<ST>. Rows a warp x warps along the rows: the unit;
+// "w4" variants (warps along the kv tile, 16 rows) are for decode-like steps.
+#define TC_VARIANTS(X)                                                                          \
+    X(64, 1, 1, 64, 3) X(64, 2, 1, 32, 2) X(64, 2, 1, 32, 3) X(64, 1, 4, 64, 2) X(64, 1, 4, 64, 4) \
+    X(80, 1, 1, 64, 2) X(80, 2, 1, 32, 2) X(80, 1, 4, 64, 2)                                    \
+    X(96, 1, 1, 64, 2) X(96, 2, 1, 32, 2) X(96, 1, 4, 64, 2)                                    \
+    X(128, 1, 1, 64, 2) X(128, 2, 1, 32, 2) X(128, 2, 1, 32, 3)                                 \
+    X(128, 1, 4, 64, 2) X(128, 1, 4, 64, 3) X(128, 1, 4, 128, 2)                                \
+    X(256, 1, 1, 16, 3) X(256, 1, 4, 64, 2)
+
+#define TC_ROW(D, MQ, WKV, KT, ST) D, MQ, WKV, KT, ST, Tile<D, MQ, WKV, KT, ST>::QROWS, Tile<D, MQ, WKV, KT, ST>::SMEM,
+#define TC_ONE(D, MQ, WKV, KT, ST) +1
+extern "C" __device__ const cc_i32 tc_n_variants = 0 TC_VARIANTS(TC_ONE);
+extern "C" __device__ const cc_i32 tc_variants[] = {TC_VARIANTS(TC_ROW)};
+
 extern "C" __global__ void __launch_bounds__(TC_PLAN_THREADS) tc_plan(const TcArgs a, cc_i32 qrows,
-                                                                      cc_i32 min_chunk, cc_i32 head_dim)
-{ tc_plan_impl(a, qrows, min_chunk, head_dim); }
+                                                                      cc_i32 min_chunk, cc_i32 head_dim,
+                                                                      cc_i32 order)
+{ tc_plan_impl(a, qrows, min_chunk, head_dim, order); }
 
-#define TC_ATTEND(SUFFIX, T, D)                                                                \
-extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_attend_##SUFFIX##_d##D(const TcArgs a) \
-{ tc_attend<T, D>(a); }
+#define TC_ATTEND(SUFFIX, T, D, MQ, WKV, KT, ST)                                                \
+extern "C" __global__ void __launch_bounds__(TC_THREADS)                                        \
+tc_attend_##SUFFIX##_d##D##_m##MQ##w##WKV##k##KT##s##ST(const TcArgs a)                         \
+{ tc_attend<T, D, MQ, WKV, KT, ST>(a); }
+#define TC_ATTEND_F16(D, MQ, WKV, KT, ST) TC_ATTEND(float16, f16, D, MQ, WKV, KT, ST)
+#define TC_ATTEND_BF16(D, MQ, WKV, KT, ST) TC_ATTEND(bfloat16, bf16, D, MQ, WKV, KT, ST)
+TC_VARIANTS(TC_ATTEND_F16)
+TC_VARIANTS(TC_ATTEND_BF16)
 
-#define TC_DTYPE(SUFFIX, T)                                                                    \
-TC_ATTEND(SUFFIX, T, 64) TC_ATTEND(SUFFIX, T, 80) TC_ATTEND(SUFFIX, T, 96)                    \
-TC_ATTEND(SUFFIX, T, 128) TC_ATTEND(SUFFIX, T, 256)                                            \
+#define TC_MERGE(SUFFIX, T)                                                                    \
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_merge_##SUFFIX(const TcArgs a,     \
                                                                            cc_i32 head_dim,   \
                                                                            cc_i32 qrows)      \
 { tc_merge<T>(a, head_dim, qrows); }
-
-TC_DTYPE(float16, f16)
-TC_DTYPE(bfloat16, bf16)
+TC_MERGE(float16, f16)
+TC_MERGE(bfloat16, bf16)

@@ -419,23 +419,47 @@ def _attention_case(name: str, n_seq: int, hist: int, new: int, H: int, Hkv: int
     res["kv_bytes"], res["flops"] = kv_bytes, flops
     slow = max(1, reps // 10)
 
-    def tensor_core():
-        tc.run(pv, rows, q.data_ptr(), strides, k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
-               strides, H, Hkv, D, 0, stream)
+    def tensor_core(dst=out, **choice):
+        tc.run(pv, rows, q.data_ptr(), strides, k_pool.data_ptr(), v_pool.data_ptr(), dst.data_ptr(),
+               strides, H, Hkv, D, 0, stream, decode=decode, **choice)
 
+    res["table_choice"] = dict(zip(("variant", "split", "order"), tc.choose(D, decode)))
     res["tensor_core_ms"] = _timed(tensor_core, reps)
     ref = out.float().clone()
-    log(f"[attention] {name}: tensor cores {res['tensor_core_ms']:.3f} ms")
+    log(f"[attention] {name}: tensor cores (table: {res['table_choice']}) {res['tensor_core_ms']:.3f} ms")
+    # every variant built for D: prefill-like steps with both list orders, decode steps with
+    # 1, 2, 4, 8 x CTAs as the split target (the plan splits below it)
+    configs: list[dict] = ([{"split": sp, "order": 1} for sp in (1, 2, 4, 8)] if decode
+               else [{"split": 1, "order": od} for od in (0, 1)])
     alt = torch.empty_like(out)
+    sweep: list[dict] = []
+    for vname in sorted(tc.variants[D]):
+        for conf in configs:
+            choice: dict = {"variant": vname, **conf}
+            alt.fill_(float("nan"))
+            try:
+                ms = _timed(lambda choice=choice: tensor_core(alt, **choice), max(5, reps // 3))
+            except Exception as e:  # noqa: BLE001 - one variant failing loses its row only
+                sweep.append({**choice, "error": repr(e)[:300]})
+                continue
+            v = tc.variants[D][vname]
+            sweep.append({**choice, "ms": ms, "diff_table": float((alt.float() - ref).abs().max()),
+                          "qrows": v["qrows"], "ctas": v["ctas"], "smem": v["smem"]})
+    ok = [r for r in sweep if "ms" in r and r["diff_table"] <= 0.05]
+    res["variants"] = sweep
+    if ok:
+        best = min(ok, key=lambda r: r["ms"])
+        res["best_choice"] = {k: best[k] for k in ("variant", "split", "order")}
+        res["tensor_core_best_ms"] = best["ms"]
+        log(f"[attention] {name}: best variant {res['best_choice']} {best['ms']:.3f} ms")
     if decode:
         def cuda_core():
             kern.paged(pv, rows, q.data_ptr(), strides, k_pool.data_ptr(), v_pool.data_ptr(),
                        alt.data_ptr(), strides, H, Hkv, D, 0, stream)
     else:
         def cuda_core():
-            kern.prefill(pv, step.qo_indptr, step.n_requests, step.width, q.data_ptr(), strides,
-                         k_pool.data_ptr(), v_pool.data_ptr(), alt.data_ptr(), strides, H, Hkv, D,
-                         0, stream)
+            kern.prefill(pv, rows, q.data_ptr(), strides, k_pool.data_ptr(), v_pool.data_ptr(),
+                         alt.data_ptr(), strides, H, Hkv, D, 0, stream)
     res["cuda_core_ms"] = _timed(cuda_core, reps if decode else 1)
     res["diff_cuda_core"] = float((alt.float() - ref).abs().max())
     log(f"[attention] {name}: CUDA cores {res['cuda_core_ms']:.3f} ms")
@@ -489,12 +513,21 @@ def _attention_case(name: str, n_seq: int, hist: int, new: int, H: int, Hkv: int
             kd = vd = so = None
         except torch.OutOfMemoryError as e:
             res["sdpa_error"] = repr(e)[:300]
-    ms = res["tensor_core_ms"]
+    for vr in res["variants"]:
+        if "ms" in vr:
+            vr["TFLOPs"] = flops / (vr["ms"] * 1e-3) / 1e12
+            vr["TBps"] = kv_bytes / (vr["ms"] * 1e-3) / 1e12
+            for k in ("flashinfer_fa2_ms", "flashinfer_auto_ms", "flashinfer_best_ms"):
+                if k in res:
+                    vr["ratio_vs_" + k[:-3]] = vr["ms"] / res[k]
+    # ratios and rates of the best variant (what the table will launch once set from it)
+    ms = res.get("tensor_core_best_ms", res["tensor_core_ms"])
     res["tensor_core_TFLOPs"] = flops / (ms * 1e-3) / 1e12
     res["tensor_core_TBps"] = kv_bytes / (ms * 1e-3) / 1e12
     for k in ("cuda_core_ms", "flashinfer_fa2_ms", "flashinfer_auto_ms", "flashinfer_best_ms", "sdpa_ms"):
         if k in res:
             res["ratio_vs_" + k[:-3]] = ms / res[k]
+            res["table_ratio_vs_" + k[:-3]] = res["tensor_core_ms"] / res[k]
     tc.close()
     cache.close()
     torch.cuda.empty_cache()
@@ -503,24 +536,55 @@ def _attention_case(name: str, n_seq: int, hist: int, new: int, H: int, Hkv: int
 
 def attention(args) -> dict:
     """Paged attention side by side: cellcache's CUDA-core kernels (``paged`` for decode, the
-    eager ``prefill`` for prefill), its tensor-core kernels (``cellcache.cuda.tc``), FlashInfer
-    (prefill wrapper with backend fa2 and auto; for decode also the decode wrapper with and
-    without tensor cores) and SDPA over the dense bool mask, on the same buffers. Ratios are
-    tensor-core time / other time (below 1: ours faster)."""
+    eager ``prefill`` for prefill), its tensor-core kernels (``cellcache.cuda.tc``: the
+    table's choice, then every variant built for the head_dim, fastest first, and the TABLE
+    entries to set), FlashInfer (prefill wrapper with backend fa2 and auto; for decode also
+    the decode wrapper with and without tensor cores) and SDPA over the dense bool mask, on
+    the same buffers. Ratios are tensor-core time (the best variant) / other time (below 1:
+    ours faster)."""
     rng = np.random.default_rng(args.seed)
     reps = max(5, min(args.reps, 50))
     cases = [_attention_case(*c, reps=reps, rng=rng) for c in ATTENTION_CASES]
-    cols = (("cuda_core_ms", "CUDA core"), ("tensor_core_ms", "tensor core"),
+    for r in cases:                                   # every variant, fastest first
+        print()
+        print(f"{r['case']}: every tensor-core variant (table: {r['table_choice']}, "
+              f"{r['tensor_core_ms']:.3f} ms)")
+        print(f"{'variant':>12}{'split':>6}{'order':>6}{'qrows':>6}{'ctas':>6}{'smem KB':>8}{'ms':>10}"
+              f"{'TFLOP/s':>9}{'TB/s':>7}{'/fa2':>7}{'/auto':>7}{'/best':>7}{'diff':>9}")
+        for v in sorted(r["variants"], key=lambda v: v.get("ms", float("inf"))):
+            if "ms" not in v:
+                print(f"{v['variant']:>12}{v['split']:>6}{v['order']:>6}  error {v['error']}")
+                continue
+            rat = "".join(f"{v[k]:>7.2f}" if k in v else f"{'-':>7}" for k in
+                          ("ratio_vs_flashinfer_fa2", "ratio_vs_flashinfer_auto", "ratio_vs_flashinfer_best"))
+            print(f"{v['variant']:>12}{v['split']:>6}{v['order']:>6}{v['qrows']:>6}{v['ctas']:>6}"
+                  f"{v['smem'] / 1024:>8.1f}{v['ms']:>10.3f}{v['TFLOPs']:>9.0f}{v['TBps']:>7.2f}{rat}"
+                  f"{v['diff_table']:>9.2e}")
+    cols = (("cuda_core_ms", "CUDA core"), ("tensor_core_ms", "tc table"), ("tensor_core_best_ms", "tc best"),
             ("flashinfer_fa2_ms", "FI fa2"), ("flashinfer_auto_ms", "FI auto"),
+            ("flashinfer_decode_ms", "FI dec"), ("flashinfer_decode_tc_ms", "FI dec tc"),
             ("flashinfer_best_ms", "FI best"), ("sdpa_ms", "SDPA"))
     print()
-    print(f"{'case (ms)':<52}" + "".join(f"{h:>12}" for _, h in cols)
-          + f"{'tc/fa2':>8}{'tc/best':>8}{'TFLOP/s':>9}{'TB/s':>7}")
+    print(f"{'case (ms)':<52}" + "".join(f"{h:>11}" for _, h in cols)
+          + f"{'best/fa2':>9}{'best/FIb':>9}{'TFLOP/s':>9}{'TB/s':>7}")
     for r in cases:
-        cells = "".join(f"{r[k]:>12.3f}" if k in r else f"{'-':>12}" for k, _ in cols)
-        fa2 = f"{r['ratio_vs_flashinfer_fa2']:>8.2f}" if "ratio_vs_flashinfer_fa2" in r else f"{'-':>8}"
-        best = f"{r['ratio_vs_flashinfer_best']:>8.2f}" if "ratio_vs_flashinfer_best" in r else f"{'-':>8}"
+        cells = "".join(f"{r[k]:>11.3f}" if k in r else f"{'-':>11}" for k, _ in cols)
+        fa2 = f"{r['ratio_vs_flashinfer_fa2']:>9.2f}" if "ratio_vs_flashinfer_fa2" in r else f"{'-':>9}"
+        best = f"{r['ratio_vs_flashinfer_best']:>9.2f}" if "ratio_vs_flashinfer_best" in r else f"{'-':>9}"
         print(f"{r['case']:<52}{cells}{fa2}{best}{r['tensor_core_TFLOPs']:>9.0f}{r['tensor_core_TBps']:>7.2f}")
+    # the table entries the winners say to set (cellcache/cuda/tc.py TABLE)
+    print()
+    print("suggested cellcache/cuda/tc.py TABLE entries (fastest variant per case):")
+    suggest: dict = {}
+    for r in cases:
+        if "best_choice" not in r:
+            continue
+        win = r["best_choice"]
+        key = f"({r['heads'][2]}, {'decode' if r['case'].startswith('decode') else 'prefill'!r})"
+        suggest[r["case"]] = {"key": key, **win}
+        same = "same as now" if win == r["table_choice"] else f"now {r['table_choice']}"
+        print(f"    {key}: Choice({win['variant']!r}, {win['split']}, {win['order']}),   # {r['case']}: "
+              f"{r['tensor_core_best_ms']:.3f} ms ({same})")
     targets = {}
     for r in cases:
         if r["case"].startswith("prefill") and "ratio_vs_flashinfer_fa2" in r:
@@ -531,6 +595,7 @@ def attention(args) -> dict:
             ok = r["ratio_vs_flashinfer_best"] <= 1.1
             targets[f"{r['case']}: tensor core <= 1.1x FlashInfer best"] = ok
     targets["decode 256 x 4096 d128: >= 3 TB/s"] = cases[2]["tensor_core_TBps"] >= 3.0
+    print("targets (best variant; the table's own choice in the JSON as table_ratio_vs_*):")
     for name, ok in targets.items():
         print(f"target {'met ' if ok else 'MISSED'}: {name}")
-    return {"cases": cases, "targets": targets}
+    return {"cases": cases, "targets": targets, "suggested_table": suggest}

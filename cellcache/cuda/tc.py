@@ -5,8 +5,14 @@ shapes depend only on the padded row count and the heads, so the three can be ca
 a graph and replayed for any step padded to the same rows::
 
     tc_plan        qo_indptr, kv_indptr, width  ->  work list + kv split size (device)
-    tc_attend      persistent CTAs take (item, kv head) units from the list
+    tc_attend      persistent CTAs take (item, kv head) units from the list (one variant)
     tc_merge       combines the kv splits of split runs (returns at once without any)
+
+The kernel file instantiates a few variants per head_dim (rows a warp, warps along the rows
+or along the kv tile, kv tile, ring stages; the module lists them in ``tc_variants``). A run
+picks one from :data:`TABLE` by head_dim and shape class: ``decode=True`` when every run of
+the step has one query (a decode step), else the prefill entry; ``variant=`` overrides it
+(``tools/bench.py --section attention`` times every variant and prints the table to set).
 
 The calling convention is :meth:`cellcache.cuda.kernels.AttentionKernels.paged`'s: the
 paged view's device addresses, q/out ``[rows, n_heads, head_dim]`` with (token, head)
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -29,12 +35,12 @@ from . import _launch
 from . import driver as drv
 from .driver import check, cu
 
-__all__ = ["HEAD_DIMS", "TensorCoreAttention", "aligned", "supports"]
+__all__ = ["HEAD_DIMS", "TABLE", "Choice", "TensorCoreAttention", "aligned", "supports"]
 
 #: head dims with a tensor-core kernel; K/V dtypes it takes
 HEAD_DIMS = (64, 80, 96, 128, 256)
 DTYPES = ("float16", "bfloat16")
-MAX_GROUP = 64          # query heads per kv head (a unit is 64 packed rows: one query at least)
+MAX_GROUP = 64          # query heads per kv head (a query's rows may span several units)
 THREADS = 128           # tc_attend / tc_merge blocks (TC_THREADS)
 PLAN_THREADS = 1024     # tc_plan blocks (TC_PLAN_THREADS)
 _PLAN_HDR = 16          # int32 words of the plan header (TC_HDR)
@@ -42,6 +48,35 @@ _ZERO_BLOCKS = 32       # tc_plan blocks that zero the padding rows
 _LOG2E = 1.4426950408889634
 #: TcArgs in cuda/tc_attention.cu: every field 8 bytes
 _ARGS = struct.Struct("=8Q4q5q2Q3qd")
+_VARIANT_WORDS = 7      # tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, shared bytes}
+
+
+class Choice(NamedTuple):
+    """What a run launches: the variant ``m<MQ>w<WKV>k<KT>s<ST>``; ``split``: the step is
+    split along kv when it has fewer than split x CTAs units (into at most 2 x split x CTAs);
+    ``order``: the work list run by run (0, neighbours share K/V in L2) or heaviest first over
+    the step (1, no tail)."""
+
+    variant: str
+    split: int
+    order: int
+
+
+#: (head_dim, shape class) -> Choice; class "decode" (every run one query) or "prefill" (any
+#: other step). Set from ``tools/bench.py --section attention`` on the target GPU, which
+#: times every variant and prints the winners in this form.
+TABLE: dict[tuple[int, str], Choice] = {
+    (64, "prefill"): Choice("m2w1k32s2", 1, 1),
+    (64, "decode"): Choice("m1w4k64s4", 4, 1),
+    (80, "prefill"): Choice("m2w1k32s2", 1, 1),
+    (80, "decode"): Choice("m1w4k64s2", 4, 1),
+    (96, "prefill"): Choice("m2w1k32s2", 1, 1),
+    (96, "decode"): Choice("m1w4k64s2", 4, 1),
+    (128, "prefill"): Choice("m2w1k32s2", 1, 1),
+    (128, "decode"): Choice("m1w4k64s2", 4, 1),
+    (256, "prefill"): Choice("m1w1k16s3", 1, 1),
+    (256, "decode"): Choice("m1w4k64s2", 4, 1),
+}
 
 
 def supports(dtype: str, head_dim: int, group: int) -> bool:
@@ -80,19 +115,22 @@ class TensorCoreAttention:
         try:
             self.f_plan = int(drv.function(self.module, "tc_plan"))
             self.f_merge = int(drv.function(self.module, f"tc_merge_{dtype}"))
-            self.f_attend: dict[int, int] = {}
-            self.config: dict[int, dict[str, int]] = {}
-            self.ctas: dict[int, int] = {}
+            #: head_dim -> variant name -> {mq, warps_kv, kv_tile, stages, qrows, smem, ctas, f}
+            self.variants: dict[int, dict[str, dict[str, int]]] = {d: {} for d in HEAD_DIMS}
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            for d in HEAD_DIMS:
-                f = drv.function(self.module, f"tc_attend_{dtype}_d{d}")
-                kt, stages, qrows, smem = self._read_config(d)
-                self.config[d] = {"kv_tile": kt, "stages": stages, "qrows": qrows, "smem": smem}
+            for d, mq, wkv, kt, st, qrows, smem in self._read_variants():
+                name = f"m{mq}w{wkv}k{kt}s{st}"
+                f = drv.function(self.module, f"tc_attend_{dtype}_d{d}_{name}")
                 check(cu.cuFuncSetAttribute(f, attr, smem), "cuFuncSetAttribute")
                 per_sm = int(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, THREADS, smem),
                                    "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
-                self.ctas[d] = max(1, per_sm) * sm_count
-                self.f_attend[d] = int(f)
+                self.variants[d][name] = {"mq": mq, "warps_kv": wkv, "kv_tile": kt, "stages": st,
+                                          "qrows": qrows, "smem": smem,
+                                          "ctas": max(1, per_sm) * sm_count, "f": int(f)}
+            for (d, kind), choice in TABLE.items():
+                if choice.variant not in self.variants[d]:
+                    raise InvalidState(f"TABLE[{d}, {kind!r}] names {choice.variant!r}, which "
+                                       f"cuda/tc_attention.cu does not build ({sorted(self.variants[d])})")
         except BaseException:
             check(cu.cuModuleUnload(self.module), "cuModuleUnload")
             self.module = None
@@ -100,15 +138,28 @@ class TensorCoreAttention:
         self._plan = self._part = 0
         self._plan_bytes = self._part_bytes = 0
 
-    def _read_config(self, head_dim: int) -> tuple[int, int, int, int]:
-        """{kv tile, stages, packed rows a unit, dynamic shared bytes} from the module (one
-        source: the kernel file's tc_config_dD)."""
-        ptr, size = check(cu.cuModuleGetGlobal(self.module, f"tc_config_d{head_dim}".encode()),
-                          "cuModuleGetGlobal")
-        buf = np.zeros(4, dtype=np.int32)
-        check(cu.cuMemcpyDtoH(buf.ctypes.data, ptr, 16), "cuMemcpyDtoH")
-        kt, stages, qrows, smem = (int(x) for x in buf)
-        return kt, stages, qrows, smem
+    def _read_variants(self) -> list[tuple[int, ...]]:
+        """The module's variant list (one source: the kernel file's TC_VARIANTS)."""
+        ptr, _ = check(cu.cuModuleGetGlobal(self.module, b"tc_n_variants"), "cuModuleGetGlobal")
+        n = np.zeros(1, dtype=np.int32)
+        check(cu.cuMemcpyDtoH(n.ctypes.data, ptr, 4), "cuMemcpyDtoH")
+        ptr, _ = check(cu.cuModuleGetGlobal(self.module, b"tc_variants"), "cuModuleGetGlobal")
+        buf = np.zeros(int(n[0]) * _VARIANT_WORDS, dtype=np.int32)
+        check(cu.cuMemcpyDtoH(buf.ctypes.data, ptr, buf.nbytes), "cuMemcpyDtoH")
+        return [tuple(int(x) for x in row) for row in buf.reshape(-1, _VARIANT_WORDS)]
+
+    def choose(self, head_dim: int, decode: bool = False, variant: str | None = None,
+               split: int | None = None, order: int | None = None) -> Choice:
+        """The table's choice for head_dim and the shape class, with any field overridden."""
+        base = TABLE[head_dim, "decode" if decode else "prefill"]
+        c = Choice(variant or base.variant, base.split if split is None else split,
+                   base.order if order is None else order)
+        if c.variant not in self.variants.get(head_dim, {}):
+            raise InvalidArgument(f"variant {c.variant!r} is not built for head_dim={head_dim} "
+                                  f"(one of {sorted(self.variants.get(head_dim, {}))})")
+        if c.split < 1 or c.order not in (0, 1):
+            raise InvalidArgument(f"split={c.split} must be >= 1 and order={c.order} 0 or 1")
+        return c
 
     def close(self) -> None:
         for ptr in self._live:
@@ -121,11 +172,13 @@ class TensorCoreAttention:
             self.module = None
 
     # -- sizes ---------------------------------------------------------------------------------
-    def _sizes(self, rows: int, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def _sizes(self, rows: int, n_heads: int, n_kv_heads: int, head_dim: int,
+               choice: Choice) -> tuple[int, ...]:
         """(list_cap, split_cap units, plan bytes, partial bytes) for a launch of ``rows``."""
         group = n_heads // n_kv_heads
-        qrows = self.config[head_dim]["qrows"]
-        split_cap = 2 * self.ctas[head_dim]                    # units a split plan may make
+        v = self.variants[head_dim][choice.variant]
+        qrows = v["qrows"]
+        split_cap = 2 * choice.split * v["ctas"]               # units a split plan may make
         split_items = -(-split_cap // n_kv_heads)
         # without splits: sum over runs of ceil(qo_len * G / qrows) <= rows * G / qrows + runs
         list_cap = rows + -(-rows * group // qrows) + split_items
@@ -133,9 +186,12 @@ class TensorCoreAttention:
         part_bytes = 4 * split_items * n_kv_heads * qrows * (head_dim + 2)
         return list_cap, split_cap, plan_bytes, part_bytes
 
-    def reserve(self, rows: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
-        """Allocates the scratch a launch of ``rows`` padded rows needs (call outside a capture)."""
-        _, _, plan_bytes, part_bytes = self._sizes(rows, n_heads, n_kv_heads, head_dim)
+    def reserve(self, rows: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                decode: bool = False, variant: str | None = None, split: int | None = None) -> None:
+        """Allocates the scratch a launch of ``rows`` padded rows with this choice needs (call
+        outside a capture, with the arguments the captured run will get)."""
+        choice = self.choose(head_dim, decode, variant, split)
+        _, _, plan_bytes, part_bytes = self._sizes(rows, n_heads, n_kv_heads, head_dim, choice)
         if plan_bytes > self._plan_bytes:
             self._plan = self._alloc(plan_bytes, "tensor-core work list")
             self._plan_bytes = plan_bytes
@@ -151,13 +207,18 @@ class TensorCoreAttention:
     # -- the launch ----------------------------------------------------------------------------
     def run(self, view: dict, rows: int, q: int, q_strides: tuple[int, int], k_pool: int,
             v_pool: int, out: int, out_strides: tuple[int, int], n_heads: int, n_kv_heads: int,
-            head_dim: int, window: int, stream: int, scale: float | None = None) -> None:
+            head_dim: int, window: int, stream: int, scale: float | None = None,
+            decode: bool = False, variant: str | None = None, split: int | None = None,
+            order: int | None = None) -> None:
         """Paged attention of query rows ``[0, rows)`` (any mix of decode and prefill rows).
 
         ``view`` holds the device addresses of ``qo_indptr``, ``kv_indptr``, ``kv_indices``
         and ``width``; q and out are ``[rows, n_heads, head_dim]`` of the pool dtype at the
-        given (token, head) element strides. Refuses (InvalidArgument, nothing launched) a
-        shape :func:`supports` rejects or addresses/strides :func:`aligned` rejects.
+        given (token, head) element strides. ``decode=True`` says every run has one query
+        (it only picks the table's decode variant: any variant is correct for any step);
+        ``variant``, ``split``, ``order`` override the table (:class:`Choice`). Refuses
+        (InvalidArgument, nothing launched) a shape :func:`supports` rejects or
+        addresses/strides :func:`aligned` rejects.
         """
         if self.module is None:
             raise InvalidState("the tensor-core kernels are closed")
@@ -172,32 +233,36 @@ class TensorCoreAttention:
             raise InvalidArgument(
                 f"q/k/v/out addresses must be multiples of 16 bytes and strides multiples of 8 "
                 f"elements (q strides {q_strides}, out strides {out_strides})")
+        choice = self.choose(head_dim, decode, variant, split, order)
         if rows < 1:
             return
-        list_cap, split_cap, plan_bytes, part_bytes = self._sizes(rows, n_heads, n_kv_heads, head_dim)
+        list_cap, split_cap, plan_bytes, part_bytes = self._sizes(rows, n_heads, n_kv_heads,
+                                                                  head_dim, choice)
         if plan_bytes > self._plan_bytes or part_bytes > self._part_bytes:
             capturing = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
             if int(capturing) != int(cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
                 raise InvalidState(
                     f"the tensor-core scratch for rows={rows} is not allocated and the stream is "
                     "being captured; call reserve() with these shapes before the capture")
-            self.reserve(rows, n_heads, n_kv_heads, head_dim)
-        cfg = self.config[head_dim]
+            self.reserve(rows, n_heads, n_kv_heads, head_dim, decode, choice.variant, choice.split)
+        v = self.variants[head_dim][choice.variant]
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         args = _ARGS.pack(view["qo_indptr"], view["kv_indptr"], view["kv_indices"], view["width"],
                           q, k_pool, v_pool, out, q_strides[0], q_strides[1], out_strides[0],
                           out_strides[1], rows, n_heads, n_kv_heads, group, window, self._plan,
-                          self._part, list_cap, split_cap, self.ctas[head_dim], scale * _LOG2E)
+                          self._part, list_cap, split_cap, choice.split * v["ctas"],
+                          scale * _LOG2E)
         n = len(args)
-        min_chunk = 2 * cfg["kv_tile"]
+        min_chunk = 2 * v["kv_tile"]
         _launch.launch(self.f_plan, (1 + _ZERO_BLOCKS, 1, 1), PLAN_THREADS, 0, stream,
-                       args + struct.pack("=iii", cfg["qrows"], min_chunk, head_dim),
-                       (0, n, n + 4, n + 8))
-        _launch.launch(self.f_attend[head_dim], (self.ctas[head_dim], 1, 1), THREADS, cfg["smem"],
-                       stream, args, (0,))
+                       args + struct.pack("=iiii", v["qrows"], min_chunk, head_dim, choice.order),
+                       (0, n, n + 4, n + 8, n + 12))
+        _launch.launch(v["f"], (v["ctas"], 1, 1), THREADS, v["smem"], stream, args, (0,))
         _launch.launch(self.f_merge, (2 * self.sm_count, 1, 1), THREADS, 0, stream,
-                       args + struct.pack("=ii", head_dim, cfg["qrows"]), (0, n, n + 4))
+                       args + struct.pack("=ii", head_dim, v["qrows"]), (0, n, n + 4))
 
-    def describe(self, head_dim: int) -> dict[str, Any]:
-        """Tile shape, shared memory and persistent grid of the head_dim's kernel."""
-        return {**self.config[head_dim], "ctas": self.ctas[head_dim], "threads": THREADS}
+    def describe(self, head_dim: int, decode: bool = False, variant: str | None = None) -> dict[str, Any]:
+        """Tile shape, shared memory and persistent grid of the variant a run would launch."""
+        c = self.choose(head_dim, decode, variant)
+        v = {k: x for k, x in self.variants[head_dim][c.variant].items() if k != "f"}
+        return {"variant": c.variant, "split": c.split, "order": c.order, **v, "threads": THREADS}

@@ -300,9 +300,12 @@ def _tiny_llama(head_dim: int, dtype, heads: int = 4, kv_heads: int = 2):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).to("cuda").eval()
 
 
-def test_generator_serves_head_dim_8_fp32_exactly_like_hf(monkeypatch):
+def test_generator_serves_head_dim_8_fp32_like_hf(monkeypatch):
     """Greedy output of a random Llama with head_dim 8 in float32, served on cellcache's own
-    kernels (prefill and decode, graphs on), equals Hugging Face generate token for token."""
+    kernels (prefill and decode, graphs on): every token is the argmax of Hugging Face's full
+    forward over the same prefix (teacher-forced), up to float32 rounding (1e-4 of the row's
+    largest logit: HF's batch-1 GEMMs round differently from a batched step's, so an exact
+    tie-break cannot be asked for; a wrong attention is off by far more)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from cellcache.cuda import kernels as ck
@@ -312,17 +315,24 @@ def test_generator_serves_head_dim_8_fp32_exactly_like_hf(monkeypatch):
     model = _tiny_llama(8, torch.float32)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, size=int(rng.integers(2, 40))).tolist() for _ in range(5)]
-    refs = []
-    for p in prompts:
-        o = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-        refs.append(o[0, len(p):].tolist())
     gen = Generator(model, capacity=512, max_batch_tokens=32, max_seqs=16, prefill_chunk=11, eos=[])
     reqs = [gen.add(p, Sampling(max_new_tokens=16)) for p in prompts]
     gen.run()
-    assert [r.outputs[0] for r in reqs] == refs
     assert gen.stats["graph_steps"] > 0
     gen.cache.close()
+    model.set_attn_implementation("sdpa")
+    exact = 0
+    for p, r in zip(prompts, reqs):
+        toks = p + r.outputs[0]
+        with torch.inference_mode():
+            logits = model(torch.tensor([toks], device="cuda")).logits[0]
+        rows = logits[len(p) - 1:len(toks) - 1]
+        chosen = rows.gather(1, torch.tensor(r.outputs[0], device="cuda")[:, None])[:, 0]
+        top = rows.max(dim=1).values
+        assert len(r.outputs[0]) == 16
+        assert bool((chosen >= top - 1e-4 * top.abs().clamp(min=1.0)).all()), (p, r.outputs[0])
+        exact += int((rows.argmax(dim=1).cpu() == torch.tensor(r.outputs[0])).sum())
+    assert exact >= 16 * len(prompts) - 2                          # ties are rare
 
 
 @pytest.mark.parametrize("head_dim", [80, 96])

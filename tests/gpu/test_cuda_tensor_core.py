@@ -1,6 +1,7 @@
 """The tensor-core paged attention kernels (cuda/tc_attention.cu) against a float64 reference
 read from the same paged view: head_dim x dtype x group x window x padded/unpadded x decode /
-prefill / mixed steps, kv splits on and off, the refusals, and work list + attention + merge
+prefill / mixed steps x every kernel variant the module builds (each with the work list run by
+run and heaviest first), kv splits on and off, the refusals, and work list + attention + merge
 captured in a CUDA graph and replayed over another step of the same padded rows.
 
 Nothing here imports cuda-bindings at collection: without it (or a driver, or a device)
@@ -109,19 +110,25 @@ class Rig:
                 "kv_indices": p["kv_indices"][:int(kv[-1])].cpu().numpy().astype(np.int64),
                 "width": int(view.width.reshape(-1)[0].item())}
 
-    def run(self, view, rows, q, k_pool, v_pool, out, window):
+    def run(self, view, rows, q, k_pool, v_pool, out, window, **choice):
+        """One launch; ``choice``: decode / variant / split / order for TensorCoreAttention.run."""
         torch = self.torch
         self.tc.run(view.paged_pointers(), rows, q.data_ptr(), (q.stride(0), q.stride(1)),
                     k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
                     (out.stride(0), out.stride(1)), self.H, N_KV, self.D, window,
-                    torch.cuda.current_stream().cuda_stream)
+                    torch.cuda.current_stream().cuda_stream, **choice)
 
-    def check(self, st, view, k_pool, v_pool, q, window, out=None, what=""):
+    def choices(self) -> list[dict]:
+        """Every variant built for this head_dim, twice: the list run by run without extra
+        splits, and heaviest first with the more splits (every split path of the merge)."""
+        return [{"variant": v, "split": split, "order": order}
+                for v in sorted(self.tc.variants[self.D]) for split, order in ((1, 0), (4, 1))]
+
+    def check(self, st, view, k_pool, v_pool, q, window, out=None, what="", choices=None):
+        """Compares ``out`` (or, without it, a fresh launch of every choice in ``choices``,
+        default the table's) with the float64 reference, computed once."""
         torch = self.torch
         rows = q.shape[0]
-        if out is None:
-            out = torch.full_like(q, float("nan"))
-            self.run(view, rows, q, k_pool, v_pool, out, window)
         torch.cuda.synchronize()
         hv = self.host_view(view, rows)
         w = hv["width"]
@@ -130,12 +137,19 @@ class Rig:
         kf = k_pool[:real].double().cpu().numpy()
         vf = v_pool[:real].double().cpu().numpy()
         want = _reference(hv, q.double().cpu().numpy(), kf, vf, self.G, window, scale)
-        got = out.double().cpu().numpy()
-        assert np.isfinite(got).all(), f"{what}: non-finite output"
-        np.testing.assert_array_equal(got[w:], 0.0, err_msg=f"{what}: padding rows not zero")
-        err = np.abs(got[:w] - want).max() if w else 0.0
         tol = 3e-2 if self.tdt == torch.bfloat16 else 5e-3
-        assert err <= tol, f"{what}: max abs error {err:.3g} > {tol}"
+        want_d = torch.as_tensor(want, device="cuda")    # compared on the device: many variants
+        runs = [(None, out)] if out is not None else [(c, None) for c in (choices or [{}])]
+        for choice, o in runs:
+            if o is None:
+                o = torch.full_like(q, float("nan"))
+                self.run(view, rows, q, k_pool, v_pool, o, window, **choice)
+            tag = f"{what} {choice}" if choice else what
+            got = o.double()
+            assert bool(torch.isfinite(got).all()), f"{tag}: non-finite output"
+            assert not bool(got[w:].any()), f"{tag}: padding rows not zero"
+            err = float((got[:w] - want_d).abs().max()) if w else 0.0
+            assert err <= tol, f"{tag}: max abs error {err:.3g} > {tol}"
 
     def close(self):
         self.tc.close()
@@ -161,17 +175,21 @@ def _steps(rng, seqs):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_tensor_core_sweep(dtype, head_dim):
-    """Every (group, window, padded, step kind) for one dtype and head_dim; long histories
-    (kv splits and merge) for some groups, short ones (no split) for others."""
+    """Every (group, window, padded, step kind, variant, list order) for one dtype and
+    head_dim; long histories (kv splits and merge) for some groups, short ones (<= 100
+    entries: no split, the smallest split is two tiles of 64) for others. The table's
+    defaults are among the variants; decode=True picks a built one."""
     pytest.importorskip("torch")
     for gi, group in enumerate(GROUPS):
-        hist = (1, 300) if gi % 2 == 0 else (1, 100)     # <= 2 tiles: the plan never splits
+        hist = (1, 300) if gi % 2 == 0 else (1, 100)
         rig = Rig(dtype, head_dim, group, hist=hist, seed=head_dim * 31 + gi)
         try:
+            choices = rig.choices()
+            assert len(choices) >= 4 and rig.tc.describe(head_dim, decode=True)["variant"]
             for kind, ids, pad in _steps(rig.rng, rig.seqs):
                 st, view, k_pool, v_pool, q = rig.step(ids, pad)
                 for window in (0, WINDOW):
-                    rig.check(st, view, k_pool, v_pool, q, window,
+                    rig.check(st, view, k_pool, v_pool, q, window, choices=choices,
                               what=f"{dtype} d{head_dim} G{group} {kind} pad {pad - len(ids)} w{window}")
         finally:
             rig.close()
@@ -228,25 +246,28 @@ def test_tensor_core_graph_replays_a_mixed_step():
                 j += 1
             return ids
 
-        st, view, k_pool, v_pool, q = rig.step(mixed(2000), rows)
-        out = torch.empty_like(q)
-        rig.tc.reserve(rows, rig.H, N_KV, D)
-        for window in (0, WINDOW):                       # eager (and warm-up)
-            rig.run(view, rows, q, k_pool, v_pool, out, window)
-            rig.check(st, view, k_pool, v_pool, q, window, out=out, what=f"eager w{window}")
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            rig.run(view, rows, q, k_pool, v_pool, out, 0)
-        graph.replay()
-        rig.check(st, view, k_pool, v_pool, q, 0, out=out, what="replay 1")
-        # another step: the pools are the same tensors (fixed capacity), q is refilled in place
-        st2, view2, k2, v2, q2 = rig.step(mixed(1500), rows)
-        assert k2.data_ptr() == k_pool.data_ptr() and view2.paged_pointers() == view.paged_pointers()
-        q.copy_(q2)
-        out.fill_(float("nan"))
-        graph.replay()
-        rig.check(st2, view2, k2, v2, q, 0, out=out, what="replay 2")
+        for decode in (False, True):                     # the table's two choices for d128
+            st, view, k_pool, v_pool, q = rig.step(mixed(2000), rows)
+            out = torch.empty_like(q)
+            rig.tc.reserve(rows, rig.H, N_KV, D, decode=decode)
+            for window in (0, WINDOW):                   # eager (and warm-up)
+                rig.run(view, rows, q, k_pool, v_pool, out, window, decode=decode)
+                rig.check(st, view, k_pool, v_pool, q, window, out=out,
+                          what=f"decode={decode} eager w{window}")
+            stream = torch.cuda.Stream()
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                rig.run(view, rows, q, k_pool, v_pool, out, 0, decode=decode)
+            graph.replay()
+            rig.check(st, view, k_pool, v_pool, q, 0, out=out, what=f"decode={decode} replay 1")
+            # another step: the pools are the same tensors (fixed capacity), q refilled in place
+            st2, view2, k2, v2, q2 = rig.step(mixed(1500), rows)
+            assert k2.data_ptr() == k_pool.data_ptr() and view2.paged_pointers() == view.paged_pointers()
+            q.copy_(q2)
+            out.fill_(float("nan"))
+            graph.replay()
+            rig.check(st2, view2, k2, v2, q, 0, out=out, what=f"decode={decode} replay 2")
+            del graph
     finally:
         rig.close()
