@@ -636,7 +636,8 @@ class CellCache:
             return ok
 
     def prepare_step(self, width: int | None = None, stream: object = None, *,
-                     pad_to: int | None = None) -> Step:
+                     pad_to: int | None = None,
+                     agree: Callable[[BaseException | None], None] | None = None) -> Step:
         """Grows the pools if needed, places the declared step and writes the step buffers.
 
         ``width`` (default: the declared count) must equal the declared count. ``pad_to``
@@ -651,35 +652,30 @@ class CellCache:
         (OutOfMemory). Every refusal changes nothing; a failure after placement undoes it,
         so the same call can be retried. A prepared step not yet committed is committed once
         growth has succeeded.
+
+        ``agree`` (how :mod:`cellcache.tp` makes several ranks take one decision) is called
+        once, when every check has passed and growth is planned but nothing has changed yet:
+        ``agree(None)``, or ``agree(error)`` when a check or the growth plan raised. It returns
+        to go on (``error`` is then raised) or raises to refuse: the growth plan is given back,
+        nothing has changed, and its exception propagates. It must not call the cache.
         """
         with self._lock:
             self._check_open()
-            mw = self.config.max_write
-            # 1. caller input, all of it, before anything is read or changed
-            if width is not None:
-                width = check_int(width, "width", -(1 << 62), 1 << 62)
-                if not 1 <= width <= mw:
-                    raise InvalidArgument(f"step width {width} is outside [1, max_write={mw}]")
-            if pad_to is not None:
-                pad_to = check_int(pad_to, "pad_to", -(1 << 62), 1 << 62)
-                if not 1 <= pad_to <= mw:
-                    raise InvalidArgument(f"pad_to={pad_to} is outside [width, max_write={mw}]")
-            handle = self._resolve_stream(stream)
-            # 2. the declaration
-            declared = self._table.declared_width
-            if declared == 0:
-                raise InvalidState("no step is declared; call declare_step() first")
-            if width is None:
-                width = declared
-            elif width != declared:
-                raise InvalidState(
-                    f"step width {width} differs from the declared step's {declared} tokens")
-            if pad_to is None:
-                pad_to = width
-            elif pad_to < width:
-                raise InvalidArgument(f"pad_to={pad_to} is outside [width={width}, max_write={mw}]")
-            # 3-5. growth, with the implicit commit only once nothing can run short
-            grew = self._grow(min(self.config.capacity, self._table.used_end + width), handle)
+            try:
+                width, pad_to, handle, planned = self._plan_step(width, pad_to, stream)
+            except BaseException as e:
+                if agree is not None:
+                    agree(e)
+                raise
+            if agree is not None:
+                try:
+                    agree(None)
+                except BaseException:
+                    if planned is not None:
+                        self._pools.cancel(planned)
+                    raise
+            # 4-5. the implicit commit, then growth (only once nothing can run short)
+            grew = self._apply_growth(planned, handle)
             # 6-7. placement and buffers
             read_len = self._table.place_into(self._cells, self._positions, self._seq_ids)
             try:
@@ -699,6 +695,38 @@ class CellCache:
             self._steps += 1
             return step
 
+    def _plan_step(self, width: int | None, pad_to: int | None,
+                   stream: object) -> tuple[int, int, int, Any]:
+        """Phases 1-3 of prepare_step, changing nothing: (width, pad_to, stream handle, the
+        pools' growth plan or None when they have the rows)."""
+        mw = self.config.max_write
+        # 1. caller input, all of it, before anything is read or changed
+        if width is not None:
+            width = check_int(width, "width", -(1 << 62), 1 << 62)
+            if not 1 <= width <= mw:
+                raise InvalidArgument(f"step width {width} is outside [1, max_write={mw}]")
+        if pad_to is not None:
+            pad_to = check_int(pad_to, "pad_to", -(1 << 62), 1 << 62)
+            if not 1 <= pad_to <= mw:
+                raise InvalidArgument(f"pad_to={pad_to} is outside [width, max_write={mw}]")
+        handle = self._resolve_stream(stream)
+        # 2. the declaration
+        declared = self._table.declared_width
+        if declared == 0:
+            raise InvalidState("no step is declared; call declare_step() first")
+        if width is None:
+            width = declared
+        elif width != declared:
+            raise InvalidState(
+                f"step width {width} differs from the declared step's {declared} tokens")
+        if pad_to is None:
+            pad_to = width
+        elif pad_to < width:
+            raise InvalidArgument(f"pad_to={pad_to} is outside [width={width}, max_write={mw}]")
+        # 3. the growth plan: everything it allocates, or OutOfMemory with nothing changed
+        planned = self._plan_growth(min(self.config.capacity, self._table.used_end + width))
+        return width, pad_to, handle, planned
+
     def commit_step(self) -> None:
         """Marks the prepared step's forward as queued: later growth and frees wait for it."""
         with self._lock:
@@ -711,27 +739,47 @@ class CellCache:
         self._commit(self._prepared_stream)
         self._prepared = None
 
-    def _grow(self, needed: int, stream: int) -> bool:
-        """Gives the pools ``needed`` rows, all or nothing; True if their addresses changed.
+    def unprepare_step(self) -> None:
+        """Takes back the prepared step before its forward runs: its cells are free again,
+        its sequences' positions are as before and the step is declared again, as a failed
+        ``prepare_step`` leaves it; the pools keep any growth. (:mod:`cellcache.tp` uses it
+        when another rank failed to prepare the same step.)
+
+        InvalidState when no step is prepared, or a verb or declaration has run since it was
+        (it can no longer be taken back); nothing changes then.
+        """
+        with self._lock:
+            self._check_open()
+            if self._prepared is None:
+                raise InvalidState("no step is prepared; nothing to take back")
+            self._table.undo_place()
+            self._prepared = None
+            self._steps -= 1
+
+    def undeclare(self) -> None:
+        """Drops the declared step, if any: what a refused ``declare_step`` leaves."""
+        with self._lock:
+            self._check_open()
+            self._table.undeclare()
+
+    def _plan_growth(self, needed: int) -> Any:
+        """The pools' plan for ``needed`` rows (everything the growth allocates), or None when
+        they have them; OutOfMemory (InvalidArgument for storage the backend refuses) with
+        nothing changed.
 
         The first step allocates ``max(initial_capacity, needed)`` rows; later, when
         ``needed > rows``, rows become ``min(capacity, max(needed, 2 * rows))``.
         """
         pools = self._pools
-        first = pools.rows == 0
         if needed <= pools.rows:
-            if self._prepared is not None:
-                self._commit_locked()
-            self._before_step(stream)
-            return False
+            return None
         cfg = self.config
-        if first:
+        if pools.rows == 0:
             rows = max(cfg.initial_capacity, needed)
         else:
             rows = min(cfg.capacity, max(needed, 2 * pools.rows))
-        old_rows = pools.rows
         try:
-            plan = pools.plan(rows)
+            return pools.plan(rows)
         except MemoryError as e:
             raise OutOfMemory(
                 f"growing the pools from {pools.rows} to {rows} rows failed ({e}); nothing "
@@ -740,6 +788,18 @@ class CellCache:
             raise InvalidArgument(
                 f"growing the pools from {pools.rows} to {rows} rows failed: {e}; nothing "
                 "changed") from e
+
+    def _apply_growth(self, plan: Any, stream: int) -> bool:
+        """Commits an uncommitted step, orders this one after it and applies ``plan`` (from
+        :meth:`_plan_growth`; None: no growth); True if the pools' addresses changed."""
+        pools = self._pools
+        if plan is None:
+            if self._prepared is not None:
+                self._commit_locked()
+            self._before_step(stream)
+            return False
+        first = pools.rows == 0
+        old_rows = pools.rows
         moved = False
         try:
             if self._prepared is not None:

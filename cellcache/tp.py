@@ -1,0 +1,604 @@
+"""Tensor parallelism: one cell-table decision on every rank of a ``torch.distributed`` group.
+
+Attention is sharded by KV heads (as vLLM, SGLang and Hugging Face's ``tp_plan`` do): each
+rank's pools hold only its heads (:func:`shard_config`), and every rank runs the same
+deterministic calls on a cell table of its own. :class:`TPCache` wraps a rank's cache and
+makes every outcome that could differ between ranks (a refusal, an allocation failure, a
+fault) the same on all of them before anything changes::
+
+     every rank, the same calls in the same order        agreement (one CPU group)
+     ---------------------------------------------        -------------------------
+     declare_step(ids)    local outcome ───────────────▶  all_reduce MAX [failed, refused]
+                          True only if True everywhere;    failed: the first failing rank's
+                          a rank that declared drops it    error, on every rank (all_gather)
+     prepare_step(...)
+       checks + growth plan (nothing changed yet) ─────▶  all_reduce: one rank short of
+                                                           memory -> every rank gives its
+                                                           plan back, raises the same error
+       commit last, grow, place, write buffers ────────▶  all_reduce: a rank that failed here
+                                                           -> the others take the step back
+       [debug] digest of the step and the table ───────▶  all_gather_object: InvalidState
+                                                           naming the first differing rank
+     forward                the model's own collectives (its TP plan), on the model's group
+     commit_step()        local commit ────────────────▶  all_reduce
+     seq_new/clone/rm,    local (deterministic); [debug] results and table summary compared
+     rewind, clear
+
+Who decides: nobody — every rank runs the same table on the same calls; the agreement only
+turns an outcome that one rank alone saw (its allocator failed, a fault) into the same
+outcome everywhere, with nothing changed anywhere. A caller drives the same calls on every
+rank (or rank 0 schedules and broadcasts them: that is the generator's business).
+
+Only ``torch.distributed`` collectives are used (``all_reduce``, ``all_gather_object``), on
+a gloo group by default: the values are host decisions, and with NCCL a per-step collective
+on the device group would need a device round trip. Every wait is bounded by the group's
+timeout (``init_process_group(timeout=...)``).
+
+The model side: :func:`shard_model` applies the model's own tensor-parallel plan from
+transformers (``base_model_tp_plan``: q/k/v colwise, o rowwise, MLP colwise/rowwise, the
+embedding and the head over the vocabulary), so the attention function that
+:func:`cellcache.hf.attach` registers receives each rank's local heads
+(``q [1, H / world, T, D]``, ``k/v [1, H_kv / world, T, D]``); :func:`build` builds the
+cache from :func:`cellcache.hf.cache_config` (transformers keeps the full head counts in
+the model's config), sharded for the rank.
+
+>>> import torch.distributed as dist, cellcache.tp as tp, cellcache.hf as cchf  # doctest: +SKIP
+>>> dist.init_process_group("gloo")                # under torchrun      # doctest: +SKIP
+>>> model = tp.shard_model(model)                  # same weights on every rank  # doctest: +SKIP
+>>> cache = tp.build("auto", "batched", cchf.cache_config(model, capacity=4096))  # doctest: +SKIP
+>>> runner = cchf.attach(model, cache.local)       # the forward uses the rank's shard  # doctest: +SKIP
+>>> a = cache.seq_new(); cache.declare_step([a] * 5)                     # doctest: +SKIP
+>>> step = cache.prepare_step()                                          # doctest: +SKIP
+>>> logits = runner.forward(step, tokens=[1, 2, 3, 4, 5]); cache.commit_step()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ._checks import check_int
+from .buffers import step_buffers
+from .cache import CellCache, LayerBuffers, Step
+from .config import CacheConfig, LayerConfig
+from .errors import CellCacheError, CudaError, InvalidArgument, InvalidState, OutOfMemory, StepTooLarge
+from .registry import build as build_local
+
+__all__ = ["TPCache", "build", "local_kv_heads", "local_q_heads", "shard_config",
+           "shard_model"]
+
+#: The library's errors by name: an error one rank raised is raised as the same class on
+#: every rank (a subclass outside this list as its nearest listed base).
+_ERRORS: dict[str, type[CellCacheError]] = {
+    cls.__name__: cls for cls in (StepTooLarge, InvalidArgument, InvalidState, OutOfMemory,
+                                  CudaError, CellCacheError)}
+
+
+# -- the shard of the heads --------------------------------------------------------------------
+def _check_rank(rank: int, world: int) -> tuple[int, int]:
+    world = check_int(world, "world", 1, 1 << 20)
+    return check_int(rank, "rank", 0, world - 1), world
+
+
+def local_kv_heads(n_kv_heads: int, rank: int, world: int) -> range:
+    """The KV heads ``rank`` of ``world`` holds.
+
+    With ``n_kv_heads >= world`` the heads are divided: ``n_kv_heads % world == 0`` is
+    required and rank r holds heads ``[r * n, (r + 1) * n)``, ``n = n_kv_heads // world``.
+    With fewer KV heads than ranks each head is replicated, as vLLM does:
+    ``world % n_kv_heads == 0`` is required and rank r holds the one head
+    ``r * n_kv_heads // world`` (ranks ``[h * world / n_kv_heads, (h + 1) * world /
+    n_kv_heads)`` share head h). Anything else raises InvalidArgument.
+
+    >>> local_kv_heads(8, 1, 4), local_kv_heads(2, 3, 4)
+    (range(2, 4), range(1, 2))
+    """
+    rank, world = _check_rank(rank, world)
+    n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1, 1 << 16)
+    if n_kv_heads >= world:
+        if n_kv_heads % world:
+            raise InvalidArgument(
+                f"n_kv_heads={n_kv_heads} cannot be divided over {world} ranks: give a world size "
+                f"that divides it, or one that is a multiple of it (each head then replicated)")
+        per = n_kv_heads // world
+        return range(rank * per, (rank + 1) * per)
+    if world % n_kv_heads:
+        raise InvalidArgument(
+            f"n_kv_heads={n_kv_heads} cannot be replicated over {world} ranks: the world size must "
+            f"be a multiple of it (or divide it)")
+    head = rank * n_kv_heads // world
+    return range(head, head + 1)
+
+
+def local_q_heads(n_heads: int, n_kv_heads: int, rank: int, world: int) -> range:
+    """The query heads ``rank`` computes: ``[r * n, (r + 1) * n)``, ``n = n_heads // world``
+    (``n_heads % world == 0`` required). Query head h reads KV head ``h // (n_heads //
+    n_kv_heads)``, which is always one of :func:`local_kv_heads` (the rank's q heads are its
+    KV heads' groups, or a part of its one replicated head's group).
+
+    >>> local_q_heads(32, 8, 1, 4), local_q_heads(32, 2, 3, 4)
+    (range(8, 16), range(24, 32))
+    """
+    rank, world = _check_rank(rank, world)
+    n_heads = check_int(n_heads, "n_heads", 1, 1 << 16)
+    kv = local_kv_heads(n_kv_heads, rank, world)
+    if n_heads % n_kv_heads:
+        raise InvalidArgument(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
+    if n_heads % world:
+        raise InvalidArgument(f"n_heads={n_heads} cannot be divided over {world} ranks")
+    per, group = n_heads // world, n_heads // n_kv_heads
+    heads = range(rank * per, (rank + 1) * per)
+    assert heads[0] // group >= kv.start and heads[-1] // group < kv.stop
+    return heads
+
+
+def shard_config(config: CacheConfig, rank: int, world: int) -> CacheConfig:
+    """``config`` for ``rank`` of ``world``: each layer's ``n_kv_heads`` becomes
+    ``len(local_kv_heads(n_kv_heads, rank, world))`` (divided, or 1 when replicated);
+    everything else (capacity, max_write, max_seqs, windows, max_kv, dtype, masks, paged)
+    is identical, so every rank's cell table takes the same decisions. InvalidArgument when
+    a layer's heads cannot be divided or replicated over ``world``.
+
+    >>> cfg = CacheConfig(capacity=64, layers=[LayerConfig(4, 8), LayerConfig(4, 8, 16)], max_write=8)
+    >>> [layer.n_kv_heads for layer in shard_config(cfg, 0, 2).layers]
+    [2, 2]
+    """
+    if not isinstance(config, CacheConfig):
+        raise InvalidArgument(f"config of type {type(config).__name__} is not a CacheConfig")
+    layers = [LayerConfig(len(local_kv_heads(layer.n_kv_heads, rank, world)), layer.head_dim,
+                          layer.window) for layer in config.layers]
+    return dataclasses.replace(config, layers=layers)
+
+
+def _group_rank(group: Any) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidState("torch.distributed is not initialized: call "
+                           "torch.distributed.init_process_group() first (torchrun sets the rendezvous)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+# -- the model --------------------------------------------------------------------------------
+def shard_model(model: Any) -> Any:
+    """Shards a transformers model in place over the whole ``torch.distributed`` world with
+    the model's own tensor-parallel plan (``base_model_tp_plan``), through transformers'
+    ``prepare_distribute_model`` / ``maybe_distribute_model``; returns it.
+
+    Every rank must hold the same weights (a checkpoint, or a ``from_config`` model built
+    with the same seed): each keeps its shard of its own copy, nothing is sent. The model
+    must be on the device transformers' mesh uses (the accelerator, ``cuda:LOCAL_RANK``
+    under torchrun; else the CPU with gloo). The attention heads and the KV heads must
+    divide by the world size (transformers' plan splits ``k_proj``/``v_proj`` by rows, so
+    it cannot replicate a KV head). For a checkpoint too large for one process,
+    ``from_pretrained(path, distributed_config=DistributedConfig(tp_size=world))``
+    (transformers with accelerate installed) loads each rank's shard directly.
+
+    Raises InvalidArgument (not a transformers model, heads that do not divide, a model on
+    another device than the mesh) or InvalidState (no process group; a transformers without
+    its distributed API).
+    """
+    _, world = _group_rank(None)
+    cls = type(model)
+    if not (callable(getattr(cls, "prepare_distribute_model", None))
+            and callable(getattr(cls, "maybe_distribute_model", None))):
+        import transformers
+
+        raise InvalidState(
+            f"{cls.__name__} has no prepare_distribute_model/maybe_distribute_model: transformers "
+            f"{transformers.__version__} lacks the distributed API (transformers.distributed) this "
+            "needs; install a newer transformers")
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        raise InvalidArgument(f"model of type {cls.__name__} has no num_attention_heads in its config")
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % world or kv % world:
+        raise InvalidArgument(
+            f"{heads} attention heads and {kv} KV heads cannot both be divided over {world} ranks: "
+            "transformers' plan shards k_proj/v_proj by rows and cannot replicate a KV head")
+    accelerator = getattr(torch, "accelerator", None)       # torch >= 2.6; before: CUDA or CPU
+    if accelerator is not None:
+        found = accelerator.current_accelerator() if accelerator.is_available() else None
+        mesh_type = found.type if found is not None else "cpu"
+    else:
+        mesh_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device) and device.type != mesh_type:
+        raise InvalidArgument(f"the model is on {device}; transformers builds its mesh on "
+                              f"{mesh_type}: move the model there first")
+    if world == 1:
+        return model
+    from transformers.distributed import DistributedConfig
+
+    dconfig, _device_map, mesh = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
+    return cls.maybe_distribute_model(model, dconfig, mesh)
+
+
+# -- the cache ---------------------------------------------------------------------------------
+def _agreement_group(group: Any) -> Any:
+    """``group`` when its backend moves CPU tensors (gloo), else a gloo group over the same
+    ranks (created collectively: every rank builds its TPCache at the same point)."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend:
+        return group
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+def _report(error: BaseException | None) -> tuple | None:
+    """What other ranks need to raise ``error`` again: (class name, message, library?, code,
+    name) or None."""
+    if error is None:
+        return None
+    for cls in type(error).__mro__:
+        if cls.__name__ in _ERRORS and issubclass(cls, CellCacheError):
+            return (cls.__name__, str(error), True, getattr(error, "code", None),
+                    getattr(error, "name", None))
+    return (type(error).__name__, str(error), False, None, None)
+
+
+def _host(buffer: Any) -> np.ndarray:
+    """A host copy (or the array itself) of a cache buffer."""
+    if isinstance(buffer, np.ndarray):
+        return buffer
+    return np.asarray(buffer.copy_to_host())
+
+
+class TPCache:
+    """A rank's cache (``local``: its shard, built from :func:`shard_config`) whose every
+    decision is agreed with the other ranks of a process group.
+
+    Every rank must make the same calls in the same order (same ids, widths, ``pad_to``).
+    Then:
+
+    - ``declare_step`` returns True only if it is True on every rank (all-reduce MIN of
+      the outcome); an error on one rank is the same error on every rank; a rank that had
+      declared drops its declaration.
+    - ``prepare_step``: a refusal or an allocation failure on one rank (``OutOfMemory``,
+      ``StepTooLarge``, any ``CellCacheError``) is raised with the same class and message
+      on every rank, after every rank gave its growth plan back: nothing changed anywhere,
+      and the same call can be retried. A failure after the agreement (a fault while
+      placing or writing the buffers) makes the other ranks take their step back
+      (:meth:`CellCache.unprepare_step`), so every rank stands where a local failure leaves
+      a cache: pools grown, step declared again. If a rank's pools could not even grow
+      (a device copy failed) while the others grew, the ranks differ: every rank raises
+      InvalidState and this wrapper refuses every later call (build new caches).
+    - ``commit_step``: a failure on one rank is the same error on every rank (a commit only
+      orders later work after the forward: ranks that committed stay committed).
+    - the sequence verbs run locally: they are deterministic. With ``debug=True`` every verb's
+      arguments, result and a table summary are compared across ranks, and every step's
+      digest (sha256 of the step, the table's positions and the written step buffers); a
+      difference raises InvalidState on every rank naming the first rank that differs from
+      rank 0, and this wrapper refuses every later call.
+
+    An error that is not the library's (a ``KeyboardInterrupt``, a bug) is re-raised as is
+    on the rank that had it; the other ranks raise InvalidState naming it. Queries
+    (``pos``, ``free_cells``, ``buffer``, ...) are local. The runner's forward uses
+    ``local`` (``cellcache.hf.attach(model, tp_cache.local)``).
+
+    ``group``: the ranks that agree (default: the world). Collectives run on it when its
+    backend is gloo, else on a gloo group over the same ranks created here (so every rank
+    must build its TPCache at the same point of the program).
+
+    Example
+    -------
+    >>> cache = TPCache(cellcache.HostCellCache(shard_config(cfg, rank, world)))  # doctest: +SKIP
+    >>> a = cache.seq_new(); cache.declare_step([a, a])                          # doctest: +SKIP
+    True
+    >>> step = cache.prepare_step(); cache.commit_step()                         # doctest: +SKIP
+    """
+
+    def __init__(self, local: CellCache, group: Any = None, *, debug: bool = False):
+        if not isinstance(local, CellCache):
+            raise InvalidArgument(f"local of type {type(local).__name__} is not a cellcache cache")
+        if not isinstance(debug, bool):
+            raise InvalidArgument(f"debug of type {type(debug).__name__} is not a bool")
+        self.rank, self.world = _group_rank(group)
+        self.local = local
+        self.group = group
+        self.debug = debug
+        self._agree_group = _agreement_group(group)
+        self._diverged: str | None = None
+        self._steps = 0
+
+    # -- agreement ---------------------------------------------------------------------------
+    @contextmanager
+    def _usable(self) -> Iterator[None]:
+        with self.local.lock:
+            if self._diverged is not None:
+                raise InvalidState(f"the ranks' caches diverged ({self._diverged}); build new caches")
+            yield
+
+    def _agree(self, verb: str, error: BaseException | None, refused: bool = False,
+               rows: int | None = None) -> bool:
+        """One round: raises the agreed error when a rank failed; True when a rank refused."""
+        flags = torch.tensor([error is not None, refused], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._agree_group)
+        failed, any_refused = (int(v) for v in flags.tolist())
+        if failed:
+            raise self._agreed_error(verb, error, rows)
+        return bool(any_refused)
+
+    def _agreed_error(self, verb: str, error: BaseException | None,
+                      rows: int | None) -> BaseException:
+        reports: list[Any] = [None] * self.world
+        dist.all_gather_object(reports, (_report(error), rows), group=self._agree_group)
+        first = next(r for r, (rep, _) in enumerate(reports) if rep is not None)
+        name, message, library, code, cuda_name = reports[first][0]
+        all_rows = [r_rows for _, r_rows in reports]
+        if rows is not None and len(set(all_rows)) > 1:
+            self._diverged = (f"{verb} failed on rank {first} after the ranks agreed, and the "
+                              f"pools' rows now differ: {all_rows}")
+            return InvalidState(f"the ranks' caches diverged: {self._diverged} (rank {first}: "
+                                f"{name}: {message}); build new caches")
+        if library:
+            text = f"{message} [{verb} failed on rank {first} of {self.world}; every rank raised this]"
+            cls = _ERRORS[name]
+            agreed = (CudaError(text, code, cuda_name) if cls is CudaError else cls(text))
+            agreed.__cause__ = error
+            agreed.__suppress_context__ = True
+            return agreed
+        if first == self.rank and error is not None:
+            return error
+        agreed = InvalidState(f"{verb} failed on rank {first} of {self.world} with {name}: {message}; "
+                              f"rank {self.rank} changed nothing")
+        agreed.__cause__ = error
+        agreed.__suppress_context__ = True
+        return agreed
+
+    def _same(self, what: str, value: Any) -> None:
+        """Debug: ``value`` (picklable) must be equal on every rank; InvalidState naming the
+        first rank that differs from rank 0 otherwise (and this wrapper refuses from then)."""
+        values: list[Any] = [None] * self.world
+        dist.all_gather_object(values, value, group=self._agree_group)
+        for r, v in enumerate(values):
+            if v != values[0]:
+                self._diverged = f"at {what}, rank {r} has {v!r}, rank 0 {values[0]!r}"
+                raise InvalidState(f"the ranks' caches diverged: rank {r} differs from rank 0 at "
+                                   f"{what} ({v!r} against {values[0]!r}); build new caches")
+
+    def _summary(self) -> tuple:
+        t = self.local.table
+        return t.used_end, t.free_cells, tuple(t.live_seqs())
+
+    def _verb(self, verb: str, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._usable():
+            if not self.debug:
+                return fn(*args)
+            error: BaseException | None = None
+            result = None
+            try:
+                result = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - compared across ranks, then re-raised
+                error = e
+            outcome = repr(result) if error is None else f"{type(error).__name__}: {error}"
+            self._same(verb, (verb, repr(args), outcome, self._summary()))
+            if error is not None:
+                raise error
+            return result
+
+    def step_digest(self, step: Step) -> str:
+        """sha256 of what a step decided on this rank: the Step's host copies, the table's
+        positions and live ids, and the written part of the step buffers (cells, positions,
+        read_len, width, the masks' rows and columns, the paged view). Equal on every rank
+        whose tables agree (the pools, which hold each rank's own heads, are left out)."""
+        cache = self.local
+        h = hashlib.sha256()
+
+        def add(*arrays: Any) -> None:
+            for a in arrays:
+                a = np.ascontiguousarray(np.asarray(a))
+                h.update(f"{a.dtype}{a.shape}".encode())
+                h.update(a.tobytes())
+
+        add([step.width, step.pad_to, step.read_len, step.n_runs, step.rows],
+            step.cells, step.positions, step.seq_ids)
+        if step.qo_indptr is not None and step.kv_indptr is not None:
+            add(step.qo_indptr, step.kv_indptr)
+        table = cache.table
+        add([table.used_end, table.free_cells], table.live_seqs(), table.positions_array())
+        mw, pad = cache.config.max_write, step.pad_to
+        for spec in step_buffers(cache.config):
+            buf = _host(cache.buffer(spec.name))
+            if spec.role in ("cells", "positions"):
+                add(buf[:pad])
+            elif spec.role in ("read_len", "width"):
+                add(buf)
+            elif spec.role == "mask":
+                cols = step.read_len if cache.config.mask_format == "bool" else (step.read_len + 7) // 8
+                add(buf.reshape(mw, -1)[:pad, :cols])
+            elif spec.role == "kv_indices" and step.kv_indptr is not None:
+                add(buf[:int(step.kv_indptr[-1])])
+        return h.hexdigest()
+
+    # -- steps -------------------------------------------------------------------------------
+    def declare_step(self, seq_ids: Any) -> bool:
+        """``local.declare_step(seq_ids)`` agreed: True only if True on every rank; an error
+        on one rank is the same error everywhere; a False or an error leaves nothing declared
+        on any rank."""
+        with self._usable():
+            error: BaseException | None = None
+            ok = False
+            try:
+                ok = self.local.declare_step(seq_ids)
+            except BaseException as e:  # noqa: BLE001 - agreed, then raised on every rank
+                error = e
+            try:
+                refused = self._agree("declare_step", error, refused=not ok)
+            except BaseException:
+                if ok:
+                    self.local.undeclare()
+                raise
+            if refused and ok:
+                self.local.undeclare()
+            ok = not refused
+            if self.debug:
+                self._same("declare_step", ("declare_step", ok, self.local.table.declared,
+                                            self._summary()))
+            return ok
+
+    def prepare_step(self, width: int | None = None, stream: object = None, *,
+                     pad_to: int | None = None) -> Step:
+        """``local.prepare_step(...)`` agreed: every rank prepares the step, or every rank
+        raises the same error with nothing changed (see the class)."""
+        with self._usable():
+            passed = False
+
+            def agree(error: BaseException | None) -> None:
+                nonlocal passed
+                self._agree("prepare_step", error)
+                passed = True
+
+            error: BaseException | None = None
+            step: Step | None = None
+            try:
+                step = self.local.prepare_step(width, stream, pad_to=pad_to, agree=agree)
+            except BaseException as e:  # noqa: BLE001 - after the agreement: agreed again below
+                if not passed:
+                    raise                    # every rank raised this one in the agreement
+                error = e
+            # a rank that failed after the agreement: every other rank takes its step back
+            try:
+                self._agree("prepare_step", error, rows=self.local.rows)
+            except BaseException:
+                if error is None:
+                    self.local.unprepare_step()
+                raise
+            assert step is not None
+            self._steps += 1
+            if self.debug:
+                self._same(f"prepare_step (step {self._steps})", self.step_digest(step))
+            return step
+
+    def commit_step(self) -> None:
+        """``local.commit_step()`` agreed: a failure on one rank is the same error on every
+        rank."""
+        with self._usable():
+            error: BaseException | None = None
+            try:
+                self.local.commit_step()
+            except BaseException as e:  # noqa: BLE001 - agreed, then raised on every rank
+                error = e
+            self._agree("commit_step", error)
+
+    def unprepare_step(self) -> None:
+        """``local.unprepare_step()``, compared across ranks in debug mode."""
+        self._verb("unprepare_step", self.local.unprepare_step)
+
+    # -- verbs: deterministic, run locally (compared in debug mode) ---------------------------
+    def seq_new(self) -> int | None:
+        """``local.seq_new()``: the lowest id not live (the same on every rank)."""
+        return self._verb("seq_new", self.local.seq_new)
+
+    def seq_clone(self, src: int, upto: int | None = None) -> int | None:
+        """``local.seq_clone(src, upto)``."""
+        return self._verb("seq_clone", self.local.seq_clone, src, upto)
+
+    def seq_rm(self, seq: int) -> bool:
+        """``local.seq_rm(seq)``."""
+        return self._verb("seq_rm", self.local.seq_rm, seq)
+
+    def rewind(self, seq: int, position: int) -> bool:
+        """``local.rewind(seq, position)``."""
+        return self._verb("rewind", self.local.rewind, seq, position)
+
+    def clear(self) -> None:
+        """``local.clear()``."""
+        self._verb("clear", self.local.clear)
+
+    def undeclare(self) -> None:
+        """``local.undeclare()``."""
+        self._verb("undeclare", self.local.undeclare)
+
+    # -- queries: local ----------------------------------------------------------------------
+    @property
+    def diverged(self) -> str | None:
+        """Why the ranks' caches are known to differ (then every verb raises InvalidState),
+        or None."""
+        return self._diverged
+
+    @property
+    def config(self) -> CacheConfig:
+        """This rank's (sharded) configuration."""
+        return self.local.config
+
+    @property
+    def capacity(self) -> int:
+        return self.local.capacity
+
+    @property
+    def max_seqs(self) -> int:
+        return self.local.max_seqs
+
+    @property
+    def free_cells(self) -> int:
+        return self.local.free_cells
+
+    @property
+    def used_end(self) -> int:
+        return self.local.used_end
+
+    @property
+    def rows(self) -> int:
+        return self.local.rows
+
+    @property
+    def prepared_step(self) -> Step | None:
+        return self.local.prepared_step
+
+    @property
+    def lock(self) -> Any:
+        return self.local.lock
+
+    @property
+    def closed(self) -> bool:
+        return self.local.closed
+
+    def pos(self, seq: int) -> int:
+        return self.local.pos(seq)
+
+    def seq_len(self, seq: int) -> int:
+        return self.local.seq_len(seq)
+
+    def live_seqs(self) -> list[int]:
+        return self.local.live_seqs()
+
+    def buffer(self, name: str) -> Any:
+        return self.local.buffer(name)
+
+    def layer(self, index: int) -> LayerBuffers:
+        return self.local.layer(index)
+
+    def metrics(self) -> dict:
+        """The local cache's metrics plus ``rank`` and ``world``."""
+        return {**self.local.metrics(), "rank": self.rank, "world": self.world}
+
+    def check_invariants(self) -> None:
+        self.local.check_invariants()
+
+    def close(self) -> None:
+        """Closes the local cache (no collective: closing is local)."""
+        self.local.close()
+
+    def __enter__(self) -> TPCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build(backend: str, kind: str, config: CacheConfig, group: Any = None, *,
+          debug: bool = False) -> TPCache:
+    """A :class:`TPCache` over ``cellcache.build(backend, kind, shard)``, ``shard`` being
+    ``config`` for this rank of ``group`` (:func:`shard_config`; ``config`` has the full
+    head counts). With the CUDA backend ``config.device`` is the rank's device
+    (:func:`cellcache.hf.cache_config` takes it from the model)."""
+    rank, world = _group_rank(group)
+    return TPCache(build_local(backend, kind, shard_config(config, rank, world)), group, debug=debug)

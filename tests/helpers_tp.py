@@ -1,0 +1,371 @@
+"""Running a function on several ranks over gloo for tests/test_tp.py, and what the ranks run.
+
+:func:`run_ranks` spawns ``world`` processes (``torch.multiprocessing``, spawn), joins them in a
+gloo group through a file rendezvous in the test's tmp_path, runs ``fn(rank, world, *args)``
+on each and returns the results by rank. A child's exception fails the test with the
+child's traceback (torch's ``ProcessRaisedException`` carries it); a collective waits at
+most ``COLLECTIVE_TIMEOUT`` seconds; a run past ``timeout`` kills the children and fails.
+Every function here that a rank runs is a module-level function, so spawn can import it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cellcache import CacheConfig, HostCellCache, LayerConfig, OutOfMemory, StepTooLarge, tp
+from cellcache.buffers import step_buffers
+from tests.helpers import FailingAllocator, assert_same, state
+
+WORLD = 2
+COLLECTIVE_TIMEOUT = 30      # seconds a collective may wait for the other rank
+
+
+def _entry(rank: int, fn: Any, world: int, tmp: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+    try:
+        result = fn(rank, world, *args)
+        with open(os.path.join(tmp, f"result{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Any, tmp_path: Path, *args: Any, world: int = WORLD, timeout: float = 90) -> list:
+    """``fn(rank, world, *args)`` on ``world`` spawned ranks over gloo; the results by rank."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # CPU tests: the ranks see no GPU, so transformers' mesh is on the CPU even on a GPU host
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        ctx = mp.start_processes(_entry, args=(fn, world, str(tmp_path), args), nprocs=world,
+                                 join=False, start_method="spawn")
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"the ranks did not finish within {timeout} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    out = []
+    for rank in range(world):
+        with open(tmp_path / f"result{rank}.pkl", "rb") as f:
+            out.append(pickle.load(f))
+    return out
+
+
+# -- configurations ------------------------------------------------------------------------
+
+def full_config(**kw: Any) -> CacheConfig:
+    """Two layers (one windowed) with 2 and 4 KV heads: 1 and 2 per rank of two."""
+    base: dict[str, Any] = dict(capacity=40, layers=[LayerConfig(2, 4), LayerConfig(4, 2, 5)],
+                                max_write=8, max_seqs=6, initial_capacity=4, dtype="float32",
+                                paged=True, max_kv=60)
+    base.update(kw)
+    return CacheConfig(**base)
+
+
+def shard_cache(rank: int, world: int, debug: bool = False, cls: type = HostCellCache,
+                **kw: Any) -> tp.TPCache:
+    cfg = tp.shard_config(full_config(), rank, world)
+    return tp.TPCache(cls(cfg, **kw), debug=debug)
+
+
+# -- a random walk of verbs and steps --------------------------------------------------------
+
+def step_record(cache: Any, step: Any) -> tuple:
+    """What a step decided: the Step's host copies and the written step buffers."""
+    pad = step.pad_to
+    bufs = []
+    for spec in step_buffers(cache.config):
+        buf = np.asarray(cache.buffer(spec.name))
+        if spec.role in ("cells", "positions"):
+            bufs.append(buf[:pad].tolist())
+        elif spec.role in ("read_len", "width"):
+            bufs.append(buf.tolist())
+        elif spec.role == "mask":
+            bufs.append(buf.reshape(cache.config.max_write, -1)[:pad, :step.read_len].tolist())
+        elif spec.role == "kv_indices":
+            bufs.append(buf[:int(step.kv_indptr[-1])].tolist())
+    return (step.width, step.pad_to, step.read_len, step.rows, step.grew, step.cells.tolist(),
+            step.positions.tolist(), step.seq_ids.tolist(), step.qo_indptr.tolist(),
+            step.kv_indptr.tolist(), bufs)
+
+
+def walk(cache: Any, seed: int, n_ops: int) -> list:
+    """A random walk of verbs and steps on ``cache`` (a TPCache or a plain cache: the same
+    calls); each choice reads the cache's state, so caches that agree make the same walk.
+    Returns one record per call."""
+    rng = random.Random(seed)
+    out: list = []
+    for _ in range(n_ops):
+        live = cache.live_seqs()
+        op = rng.choice(["new", "new", "clone", "rm", "rewind", "step", "step", "step", "step"])
+        if op == "new" or not live:
+            out.append(("new", cache.seq_new()))
+        elif op == "clone":
+            src = rng.choice(live)
+            upto = rng.choice([None, rng.randint(0, cache.pos(src))])
+            out.append(("clone", src, upto, cache.seq_clone(src, upto)))
+        elif op == "rm":
+            seq = rng.choice(live)
+            out.append(("rm", seq, cache.seq_rm(seq)))
+        elif op == "rewind":
+            seq = rng.choice(live)
+            position = rng.randint(0, cache.pos(seq) + 1)      # pos + 1 is refused
+            out.append(("rewind", seq, position, cache.rewind(seq, position)))
+        else:
+            width = rng.randint(1, cache.config.max_write)
+            ids = [rng.choice(live) for _ in range(width)]
+            try:
+                ok = cache.declare_step(ids)
+            except StepTooLarge:
+                out.append(("declare", ids, "StepTooLarge"))
+                continue
+            if not ok:
+                out.append(("declare", ids, False))
+                cache.seq_rm(rng.choice(live))
+                continue
+            step = cache.prepare_step(pad_to=rng.randint(width, cache.config.max_write))
+            out.append(("step", ids, step_record(cache, step)))
+            cache.commit_step()
+        out.append(("state", cache.used_end, cache.free_cells, cache.live_seqs(),
+                    [cache.pos(s) for s in range(cache.max_seqs)]))
+    return out
+
+
+def walk_on_rank(rank: int, world: int, seed: int, n_ops: int, debug: bool) -> dict:
+    cache = shard_cache(rank, world, debug=debug, growth="copy")
+    records = walk(cache, seed, n_ops)
+    cache.check_invariants()
+    return {"records": records, "heads": [layer.n_kv_heads for layer in cache.config.layers],
+            "pool_shape": list(cache.buffer("layer_1_k").shape)}
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+class RankAllocator(FailingAllocator):
+    """Host pool storage that fails every allocation while ``fail`` is set."""
+
+    fail = False
+
+    def allocate(self, nbytes: int, what: str) -> Any:
+        if self.fail:
+            raise OutOfMemory(f"injected: no memory for {what} ({nbytes} bytes)")
+        return super().allocate(nbytes, what)
+
+
+class FaultyHostCache(HostCellCache):
+    """A host cache whose declare_step or buffer writes can be made to fail: the faults a
+    test injects on one rank only (the tables themselves always agree)."""
+
+    declare_fault: BaseException | None = None   # raised by declare_step (nothing declared)
+    refuse = False                               # declare_step returns False
+    write_fault: BaseException | None = None     # raised while the step buffers are written
+
+    def declare_step(self, seq_ids: Any) -> bool:
+        if self.declare_fault is not None or self.refuse:
+            self.undeclare()
+            if self.declare_fault is not None:
+                raise self.declare_fault
+            return False
+        return super().declare_step(seq_ids)
+
+    def _write_step(self, width: int, pad_to: int, read_len: int, stream: int) -> tuple:
+        if self.write_fault is not None:
+            raise self.write_fault
+        return super()._write_step(width, pad_to, read_len, stream)
+
+
+def _outcome(fn: Any) -> tuple[str, str]:
+    """(class name, message) of what ``fn()`` raises; ("none", "") when it returns."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares the outcome across ranks
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
+def oom_on_one_rank(rank: int, world: int) -> dict:
+    alloc = RankAllocator()
+    cache = shard_cache(rank, world, growth="copy", allocator=alloc)
+    local = cache.local
+    a = cache.seq_new()
+    assert cache.declare_step([a] * 4) is True
+    cache.prepare_step()                                  # 4 rows: the first allocation
+    cache.commit_step()
+    assert cache.declare_step([a] * 3) is True            # needs 7 rows: a growth
+    before, calls, live = state(local), alloc.calls, alloc.live
+    alloc.fail = rank == 1
+    outcome = _outcome(cache.prepare_step)
+    assert_same(before, state(local))                    # nothing changed, even the declaration
+    assert local.table.declared == [a] * 3
+    planned = alloc.calls - calls                         # rank 0 planned, then gave it back
+    assert alloc.live == live
+    alloc.fail = False
+    step = cache.prepare_step()                           # the same call, retried
+    cache.commit_step()
+    return {"outcome": outcome, "planned": planned, "step": step_record(local, step)}
+
+
+def refusals_on_one_rank(rank: int, world: int) -> dict:
+    """declare_step False, StepTooLarge and a foreign error on rank 1 only."""
+    cache = shard_cache(rank, world, cls=FaultyHostCache)
+    local = cache.local
+    a, b = cache.seq_new(), cache.seq_new()
+    assert cache.declare_step([a, a, b]) is True
+    cache.prepare_step()
+    cache.commit_step()
+    out: dict = {}
+    for name, fault in [("false", None),
+                        ("too_large", StepTooLarge("injected: the step's kv lists do not fit")),
+                        ("foreign", KeyError("injected"))]:
+        assert cache.declare_step([a]) is True           # a declaration the refusal must drop
+        before = state(local)
+        if rank == 1:
+            local.refuse = fault is None
+            local.declare_fault = fault
+        if fault is None:
+            out[name] = ("returned", cache.declare_step([a, b]))
+        else:
+            out[name] = _outcome(lambda: cache.declare_step([a, b]))
+        after = state(local)
+        assert after["table"]["declared"] is None
+        before["table"]["declared"] = None                # what a refused declaration leaves
+        assert_same(before, after)
+        local.refuse, local.declare_fault = False, None
+    assert cache.declare_step([a, b]) is True
+    out["step"] = step_record(local, cache.prepare_step())
+    cache.commit_step()
+    # a real StepTooLarge: both ranks refuse by themselves (each run lists its sequence's
+    # cells at [0, last]: a's 4 runs 12 + 13 + 14 + 15, b's 3 + 4 + 5 + 6; 72 > max_kv=60),
+    # with the same message
+    assert cache.declare_step([a] * 8) is True
+    cache.prepare_step()
+    cache.commit_step()
+    before = state(local)
+    out["real_too_large"] = _outcome(lambda: cache.declare_step([a, b] * 4))
+    assert_same(before, state(local))
+    return out
+
+
+def fault_after_agreement(rank: int, world: int) -> dict:
+    """Rank 1 fails while writing the step buffers, after the ranks agreed to go on."""
+    cache = shard_cache(rank, world, cls=FaultyHostCache)
+    local = cache.local
+    a = cache.seq_new()
+    assert cache.declare_step([a] * 2) is True
+    cache.prepare_step()
+    cache.commit_step()
+    assert cache.declare_step([a] * 2) is True            # no growth: rows stay 4
+    before = state(local)
+    if rank == 1:
+        local.write_fault = MemoryError("injected")
+    outcome = _outcome(cache.prepare_step)
+    after = state(local)
+    # the placement is taken back on both ranks, the step declared again; the step buffers
+    # keep what was written (stale values are allowed there)
+    assert after["table"] == before["table"] and after["metrics"] == before["metrics"]
+    assert after["rows"] == before["rows"] and local.prepared_step is None
+    local.write_fault = None
+    step = cache.prepare_step()
+    cache.commit_step()
+    return {"outcome": outcome, "step": step_record(local, step)}
+
+
+def divergence(rank: int, world: int) -> dict:
+    """debug=True: an extra sequence op on rank 1 is caught, by a verb and by a step digest."""
+    out: dict = {}
+    # 1. rank 1 takes an id behind the wrapper's back: the next seq_new differs
+    cache = shard_cache(rank, world, debug=True)
+    cache.seq_new()
+    if rank == 1:
+        cache.local.seq_new()
+    out["verb"] = _outcome(cache.seq_new)
+    out["after"] = _outcome(lambda: cache.declare_step([0]))
+    # 2. rank 1 moves a's tail to b: same used_end, free cells and live ids; the step differs
+    cache = shard_cache(rank, world, debug=True)
+    a, b = cache.seq_new(), cache.seq_new()
+    for ids in ([a] * 4, [b] * 2):
+        assert cache.declare_step(ids) is True
+        cache.prepare_step()
+        cache.commit_step()
+    if rank == 1:
+        local = cache.local
+        assert local.rewind(a, 2)
+        assert local.declare_step([b, b])
+        local.prepare_step()
+        local.commit_step()
+    out["declare"] = cache.declare_step([a])              # passes: the summaries agree
+    out["prepare"] = _outcome(cache.prepare_step)
+    out["diverged"] = cache.diverged
+    return out
+
+
+# -- a sharded model ------------------------------------------------------------------------
+
+PROMPTS = ([5, 17, 301, 44, 9], [250, 3, 77])
+DECODE_STEPS = 4
+
+
+def greedy_logits(model: Any, cache: Any) -> list[np.ndarray]:
+    """A prefill of both prompts in one step, then greedy decode steps (with a fork after
+    the first); the logits of every step."""
+    from cellcache import hf as cchf
+
+    runner = cchf.attach(model, cache.local if isinstance(cache, tp.TPCache) else cache)
+    seqs = [cache.seq_new() for _ in PROMPTS]
+    ids = [s for s, p in zip(seqs, PROMPTS) for _ in p]
+    assert cache.declare_step(ids) is True
+    step = cache.prepare_step()
+    logits = runner.forward(step, [t for p in PROMPTS for t in p],
+                            logit_rows=[len(PROMPTS[0]) - 1, len(ids) - 1])
+    cache.commit_step()
+    out = [logits.numpy()]
+    for i in range(DECODE_STEPS):
+        tokens = logits.argmax(-1).tolist()
+        if i == 1:
+            seqs.append(cache.seq_clone(seqs[0]))
+            tokens.append((tokens[0] + 1) % 512)
+        assert cache.declare_step(seqs) is True
+        step = cache.prepare_step(pad_to=4)
+        logits = runner.forward(step, tokens, decode=True)
+        cache.commit_step()
+        out.append(logits.numpy())
+    return out
+
+
+def sharded_model_logits(rank: int, world: int) -> dict:
+    from cellcache import hf as cchf
+    from cellcache.generate import random_model
+
+    model = tp.shard_model(random_model("llama-tiny", seed=4))
+    cache = tp.build("host", "batched", cchf.cache_config(model, capacity=64, max_write=16,
+                                                          max_seqs=4), debug=True)
+    attn = model.model.layers[0].self_attn
+    return {"logits": greedy_logits(model, cache),
+            "kv_heads": [layer.n_kv_heads for layer in cache.config.layers],
+            "pool": list(cache.layer(0).k.shape),
+            "q_rows": attn.q_proj.weight.to_local().shape[0],
+            "k_rows": attn.k_proj.weight.to_local().shape[0]}
+
