@@ -300,20 +300,20 @@ def _tiny_llama(head_dim: int, dtype, heads: int = 4, kv_heads: int = 2):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).to("cuda").eval()
 
 
-def test_generator_serves_head_dim_8_fp32_like_hf(monkeypatch):
-    """Greedy output of a random Llama with head_dim 8 in float32, served on cellcache's own
-    kernels (prefill and decode, graphs on): every token is the argmax of Hugging Face's full
-    forward over the same prefix (teacher-forced), up to float32 rounding (1e-4 of the row's
-    largest logit: HF's batch-1 GEMMs round differently from a batched step's, so an exact
-    tie-break cannot be asked for; a wrong attention is off by far more)."""
+def _serve_and_check(monkeypatch, head_dim: int, dtype_name: str, seed: int, rel: float) -> int:
+    """Serves 5 random prompts (16 greedy tokens each) on a random Llama with ``head_dim``
+    through cellcache's own CUDA-core kernels (prefill and decode, graphs on), then checks
+    every token against Hugging Face's full forward over the same prefix (teacher-forced):
+    the chosen token's logit within ``rel`` of the row's largest. Returns how many tokens
+    are HF's exact argmax."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from cellcache.cuda import kernels as ck
     from cellcache.generate import Generator, Sampling
 
     monkeypatch.setattr(ck, "tensor_cores", lambda: None)        # cellcache's CUDA-core kernels
-    model = _tiny_llama(8, torch.float32)
-    rng = np.random.default_rng(3)
+    model = _tiny_llama(head_dim, getattr(torch, dtype_name))
+    rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 256, size=int(rng.integers(2, 40))).tolist() for _ in range(5)]
     gen = Generator(model, capacity=512, max_batch_tokens=32, max_seqs=16, prefill_chunk=11, eos=[])
     reqs = [gen.add(p, Sampling(max_new_tokens=16)) for p in prompts]
@@ -325,45 +325,29 @@ def test_generator_serves_head_dim_8_fp32_like_hf(monkeypatch):
     for p, r in zip(prompts, reqs):
         toks = p + r.outputs[0]
         with torch.inference_mode():
-            logits = model(torch.tensor([toks], device="cuda")).logits[0]
-        rows = logits[len(p) - 1:len(toks) - 1]
-        chosen = rows.gather(1, torch.tensor(r.outputs[0], device="cuda")[:, None])[:, 0]
-        top = rows.max(dim=1).values
-        assert len(r.outputs[0]) == 16
-        assert bool((chosen >= top - 1e-4 * top.abs().clamp(min=1.0)).all()), (p, r.outputs[0])
-        exact += int((rows.argmax(dim=1).cpu() == torch.tensor(r.outputs[0])).sum())
-    assert exact >= 16 * len(prompts) - 2                          # ties are rare
-
-
-@pytest.mark.parametrize("head_dim", [80, 96])
-def test_generator_serves_head_dim_80_96_bf16_like_hf(monkeypatch, head_dim):
-    """Phi-3 (96) and Pythia/StableLM (80) head sizes in bfloat16 on cellcache's own kernels:
-    every greedy token is Hugging Face's argmax of the same prefix, up to bf16 near-ties
-    (teacher-forced HF logits: the chosen token's logit within 2% of the row's largest)."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from cellcache.cuda import kernels as ck
-    from cellcache.generate import Generator, Sampling
-
-    monkeypatch.setattr(ck, "tensor_cores", lambda: None)
-    model = _tiny_llama(head_dim, torch.bfloat16)
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, 256, size=int(rng.integers(2, 40))).tolist() for _ in range(5)]
-    gen = Generator(model, capacity=512, max_batch_tokens=32, max_seqs=16, prefill_chunk=11, eos=[])
-    reqs = [gen.add(p, Sampling(max_new_tokens=16)) for p in prompts]
-    gen.run()
-    assert gen.stats["graph_steps"] > 0
-    gen.cache.close()
-    model.set_attn_implementation("sdpa")
-    for p, r in zip(prompts, reqs):
-        toks = p + r.outputs[0]
-        with torch.inference_mode():
             logits = model(torch.tensor([toks], device="cuda")).logits[0].float()
         rows = logits[len(p) - 1:len(toks) - 1]                       # predicts each output
         chosen = rows.gather(1, torch.tensor(r.outputs[0], device="cuda")[:, None])[:, 0]
         top = rows.max(dim=1).values
         assert len(r.outputs[0]) == 16
-        assert bool((chosen >= top - 0.02 * top.abs().clamp(min=1.0)).all()), (p, r.outputs[0])
+        assert bool((chosen >= top - rel * top.abs().clamp(min=1.0)).all()), (p, r.outputs[0])
+        exact += int((rows.argmax(dim=1).cpu() == torch.tensor(r.outputs[0])).sum())
+    return exact
+
+
+def test_generator_serves_head_dim_8_fp32_like_hf(monkeypatch):
+    """head_dim 8 in float32 (the shape that once faulted): every token HF's argmax up to
+    float32 rounding (1e-4 of the row's largest logit: HF's batch-1 GEMMs round differently
+    from a batched step's, so exact tie-breaks cannot be asked for; a wrong attention is off
+    by far more), and all but at most 2 of 80 exactly HF's argmax."""
+    assert _serve_and_check(monkeypatch, 8, "float32", seed=3, rel=1e-4) >= 78
+
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_generator_serves_head_dim_80_96_bf16_like_hf(monkeypatch, head_dim):
+    """Phi-3 (96) and Pythia/StableLM (80) head sizes in bfloat16: every greedy token is HF's
+    argmax of the same prefix up to bf16 near-ties (within 2% of the row's largest)."""
+    _serve_and_check(monkeypatch, head_dim, "bfloat16", seed=7, rel=0.02)
 
 
 def test_a_shape_with_no_path_is_refused_before_anything_is_written(monkeypatch):
