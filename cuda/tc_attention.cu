@@ -18,7 +18,9 @@
 //                       decode shape). K/V tiles of KT entries are gathered with cp.async
 //                       (zero-fill past the end) into a ring of ST buffers, K and V in separate
 //                       commit groups, the kv_indices of a tile loaded one iteration before
-//                       its copies are issued. S = Q K^T and O += P V with mma.m16n8k16 (f32
+//                       its copies are issued (through shared memory: no index registers).
+//                       m2 variants with k64 score 32-key sub-tiles; ..b<B> variants are
+//                       compiled for B CTAs an SM. S = Q K^T and O += P V with mma.m16n8k16 (f32
 //                       accumulate), operands from ldmatrix (.trans for V), online softmax in
 //                       exp2 with scale * log2(e) folded in; masks only on edge tiles.
 //   tc_merge_T          the splits of each split row merged (a no-op launch without splits).
@@ -158,14 +160,25 @@ template <int D, int MQ, int WKV, int KT, int ST> struct Tile {
     static constexpr int WROWS = 16 * MQ;                   // rows a warp
     static constexpr int QROWS = WROWS * WQ;                // packed rows a unit
     static constexpr int KW = KT / WKV;                     // keys a warp computes of a tile
+    // keys a warp scores at once: two 16-row blocks a warp with more than 32 keys of a tile
+    // score them in 32-key sub-tiles (S of 64 keys next to O would spill at d128), each with
+    // its own online-softmax step; then K and V of a tile are waited for together
+    static constexpr int KSUB = MQ == 2 && KW > 32 ? 32 : KW;
     static constexpr int Q_CH = QROWS * RS, KV_CH = KT * RS;
     static constexpr int RING = 16 * (Q_CH + 2 * ST * KV_CH);
     static constexpr int OS = D + 8;                        // merge: floats a row (+8: banks)
     static constexpr int MERGE = WKV > 1 ? 4 * 4 * WROWS * (OS + 2) : 0;
     static constexpr int SMEM = RING > MERGE ? RING : MERGE;
     static constexpr int NP = (KT * CH + TC_THREADS - 1) / TC_THREADS;  // load passes a tile
-    static_assert(4 % WKV == 0 && KW % 16 == 0 && (MQ == 1 || MQ == 2) && ST >= 1, "tile");
+    static_assert(4 % WKV == 0 && KW % 16 == 0 && KW % KSUB == 0 && (MQ == 1 || MQ == 2) && ST >= 1 &&
+                  KT <= TC_THREADS, "tile");
     static __device__ __forceinline__ int at(int row, int c) { return row * RS + (SWZ ? (c ^ (row & 7)) : c); }
+    // bytes to chunk 2k + b of a row, y = b ^ (row & 7): 16 at(row, 2k + b) written so that a
+    // lane's ldmatrix addresses are a few per-lane values plus constants (k is unrolled)
+    static __device__ __forceinline__ cc_u32 ld_off(int row, int k, int b, int y)
+    {
+        return 16 * (row * RS + (SWZ ? 8 * (k >> 2) + ((2 * (k & 3)) ^ y) : 2 * k + b));
+    }
 };
 
 // -- one unit --------------------------------------------------------------------------------
@@ -204,6 +217,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
 {
     using C = Tile<D, MQ, WKV, KT, ST>;
     constexpr int CH = C::CH, NP = C::NP, QROWS = C::QROWS, KW = C::KW, WROWS = C::WROWS;
+    constexpr int KSUB = C::KSUB, NSUB = KW / KSUB;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wq = warp / WKV, wk = warp - wq * WKV;    // the warp's row block and key slice
     const int g = lane >> 2, tg = lane & 3;
@@ -249,48 +263,72 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     }
     cp_async_commit();
 
-    // cells of tile j for this thread's load passes (-1: past the range, zero-filled). The
-    // cells of tile j + ST + 1 are loaded while tile j is computed, one iteration before the
-    // copies that use them are issued, so their latency never stalls the issue.
-    int idx[NP], nidx[NP];
-    auto load_idx = [&](int (&dst)[NP], int j) {
-#pragma unroll
-        for (int p = 0; p < NP; ++p) {
-            const int c = tid + p * TC_THREADS, row = c / CH, key = r0 + j * KT + row;
-            dst[p] = (c < KT * CH && j < n_tiles && key <= r1) ? kv_idx[key] : -1;
-        }
-    };
-    auto issue = [&](const T* __restrict__ pool, cc_u32 base, int j) {
+    // The cells of a tile: thread t < KT reads the cell of row t of tile j + ST + 1 while tile
+    // j is computed and stores it at the end of the iteration into s_cells[(j + ST + 1) & 1],
+    // one iteration before the copies that read it there are issued, so the index latency
+    // never stalls the issue and the copies hold no index registers (-1: past the range).
+    __shared__ int s_cells[2][KT];
+    auto cell_of = [&](int j, int row) { const int key = r0 + j * KT + row; return j < n_tiles && key <= r1 ? kv_idx[key] : -1; };
+    // a cell's row of kv heads is n_kvh * D elements (bytes < 2^32): one 32 x 32 -> 64-bit
+    // multiply-add a copy; a zero-filled copy (cell -1) points at cell 0 and reads nothing.
+    // When CH divides the 128 threads (d64, d128, d256) a thread copies the same column every
+    // pass, of rows RPP apart: the source column and (RPP % 8 == 0) the swizzled chunk are
+    // per-thread constants, so a copy is one multiply-add and a constant shared offset.
+    const cc_u32 cbytes = (cc_u32)(n_kvh * D * (int)sizeof(T));
+    constexpr bool COLFIX = TC_THREADS % CH == 0;
+    constexpr int RPP = COLFIX ? TC_THREADS / CH : 1;  // rows a pass
+    const int crow0 = COLFIX ? tid / CH : 0, ccol = COLFIX ? tid - crow0 * CH : 0;
+    const int cx = C::SWZ ? (ccol ^ (crow0 & 7)) : ccol;   // the swizzled chunk (RPP % 8 == 0)
+    // tile j from the cells in s_cells[j & 1] (from_smem) or straight from kv_indices
+    auto issue = [&](const T* __restrict__ pool, cc_u32 base, int j, bool from_smem) {
         if (j >= n_tiles) return;                      // an empty group keeps the count uniform
         const cc_u32 buf = base + 16 * (j % ST) * C::KV_CH;
+        const int* cells = s_cells[j & 1];
+        if constexpr (COLFIX) {
+            const char* colp = reinterpret_cast<const char*>(pool + kvh * D + ccol * 8);
 #pragma unroll
-        for (int p = 0; p < NP; ++p) {
-            const int c = tid + p * TC_THREADS;
-            if (c < KT * CH) {
-                const int row = c / CH, col = c - row * CH, cell = idx[p];
-                const T* src = cell >= 0 ? pool + ((cc_i64)cell * n_kvh + kvh) * D + col * 8 : pool;
-                cp_async16(buf + 16 * C::at(row, col), src, cell >= 0 ? 16 : 0);
+            for (int p = 0; p < NP; ++p) {
+                const int row = crow0 + p * RPP;
+                if (RPP * NP <= KT || row < KT) {
+                    const int cell = from_smem ? cells[row] : cell_of(j, row);
+                    const char* src = colp + (cc_u64)(cc_u32)max(cell, 0) * cbytes;
+                    const int chunk = RPP % 8 == 0 ? row * C::RS + cx : C::at(row, ccol);
+                    cp_async16(buf + 16 * chunk, src, cell >= 0 ? 16 : 0);
+                }
+            }
+        } else {
+            const T* __restrict__ head = pool + kvh * D;
+#pragma unroll
+            for (int p = 0; p < NP; ++p) {
+                const int c = tid + p * TC_THREADS;
+                if (c < KT * CH) {
+                    const int row = c / CH, col = c - row * CH;
+                    const int cell = from_smem ? cells[row] : cell_of(j, row);
+                    const T* src = head + (cc_u64)(cc_u32)max(cell, 0) * (cbytes / sizeof(T)) + col * 8;
+                    cp_async16(buf + 16 * C::at(row, col), src, cell >= 0 ? 16 : 0);
+                }
             }
         }
     };
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
-        load_idx(idx, s);
-        issue(kp, a_k, s);
+        issue(kp, a_k, s, false);
         cp_async_commit();
-        issue(vp, a_v, s);
+        issue(vp, a_v, s, false);
         cp_async_commit();
     }
-    load_idx(idx, ST);
+    if (tid < KT) s_cells[ST & 1][tid] = cell_of(ST, tid);   // read after the loop's first barrier
 
     // this thread's rows: g and g + 8 of each of the warp's MQ 16-row blocks
     const int wp0 = p0 + wq * WROWS;
     const bool active = wp0 < p1;                       // the warp has real rows
-    int qrow[2 * MQ];
-#pragma unroll
-    for (int i = 0; i < 2 * MQ; ++i) qrow[i] = (wp0 + 16 * (i >> 1) + g + 8 * (i & 1)) / G;
     const float sl2 = (float)a.sl2;
     const int kw0 = wk * KW;                            // the warp's first key of a tile
+    // the lane's ldmatrix rows and chunk bits (every row base below is a multiple of 8, so a
+    // row's low 3 bits are lx): Q and V (.trans) rows lx + 8 ((lane / 8) % 2), chunk bit
+    // lane / 16; K rows lx + 8 (lane / 16), chunk bit (lane / 8) % 2
+    const int lx = lane & 7, b8 = (lane >> 3) & 1, b16 = lane >> 4;
+    const int qv_row = lx + 8 * b8, k_row = lx + 8 * b16;
 
     float o[MQ][D / 8][4];
 #pragma unroll
@@ -302,109 +340,131 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     for (int i = 0; i < 2 * MQ; ++i) { m[i] = TC_NEG_INF; l[i] = 0.f; }
 
     for (int j = 0; j < n_tiles; ++j) {
-        load_idx(nidx, j + ST + 1);                    // in flight while we wait and compute
-        cp_async_wait<2 * ST - 1>();                   // Q and K(j) have landed
+        const int ncell = tid < KT ? cell_of(j + ST + 1, tid) : -1;   // in flight while we compute
+        if (NSUB > 1) cp_async_wait<2 * ST - 2>();     // Q, K(j) and V(j) have landed
+        else cp_async_wait<2 * ST - 1>();              // Q and K(j) have landed
         __syncthreads();
         const int st = j % ST, t0 = r0 + j * KT;
         const cc_u32 kb = a_k + 16 * st * C::KV_CH, vb = a_v + 16 * st * C::KV_CH;
-        float s[MQ][KW / 8][4];
-        if (active) {
-#pragma unroll
-            for (int mq = 0; mq < MQ; ++mq)
-#pragma unroll
-                for (int n = 0; n < KW / 8; ++n) s[mq][n][0] = s[mq][n][1] = s[mq][n][2] = s[mq][n][3] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
-                cc_u32 aq[MQ][4];
+        const bool edge = !(t0 >= full_lo && t0 + KT - 1 <= full_hi);
+#pragma unroll 1
+        for (int h = 0; h < NSUB; ++h) {               // not unrolled: one S live at a time
+            const int kh = kw0 + h * KSUB;             // the sub-tile's first key in the tile
+            float s[MQ][KSUB / 8][4];
+            if (active) {
 #pragma unroll
                 for (int mq = 0; mq < MQ; ++mq)
-                    ldsm_x4(a_q + 16 * C::at(wq * WROWS + 16 * mq + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                             2 * ks + (lane >> 4)), aq[mq]);
 #pragma unroll
-                for (int jj = 0; jj < KW / 16; ++jj) {
-                    cc_u32 b[4];
-                    ldsm_x4(kb + 16 * C::at(kw0 + 16 * jj + (lane & 7) + (lane >> 4) * 8,
-                                            2 * ks + ((lane >> 3) & 1)), b);
+                    for (int n = 0; n < KSUB / 8; ++n) s[mq][n][0] = s[mq][n][1] = s[mq][n][2] = s[mq][n][3] = 0.f;
 #pragma unroll
-                    for (int mq = 0; mq < MQ; ++mq) {
-                        Mma<T>::run(s[mq][2 * jj], aq[mq], b[0], b[1]);
-                        Mma<T>::run(s[mq][2 * jj + 1], aq[mq], b[2], b[3]);
-                    }
-                }
-            }
-            const bool edge = !(t0 >= full_lo && t0 + KT - 1 <= full_hi);
+                for (int ks = 0; ks < D / 16; ++ks) {
+                    cc_u32 aq[MQ][4];
 #pragma unroll
-            for (int mq = 0; mq < MQ; ++mq)
+                    for (int mq = 0; mq < MQ; ++mq)
+                        ldsm_x4(a_q + C::ld_off(wq * WROWS + 16 * mq + qv_row, ks, b16, b16 ^ lx), aq[mq]);
 #pragma unroll
-                for (int n = 0; n < KW / 8; ++n) {
+                    for (int jj = 0; jj < KSUB / 16; ++jj) {
+                        cc_u32 b[4];
+                        ldsm_x4(kb + C::ld_off(kh + 16 * jj + k_row, ks, b8, b8 ^ lx), b);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        float x = s[mq][n][e] * sl2;
-                        if (edge) {
-                            const int key = t0 + kw0 + 8 * n + 2 * tg + (e & 1);
-                            const int hi = shift + qrow[2 * mq + (e >> 1)];
-                            if (key > r1 || key > hi || (W > 0 && key <= hi - W)) x = TC_NEG_INF;
+                        for (int mq = 0; mq < MQ; ++mq) {
+                            Mma<T>::run(s[mq][2 * jj], aq[mq], b[0], b[1]);
+                            Mma<T>::run(s[mq][2 * jj + 1], aq[mq], b[2], b[3]);
                         }
-                        s[mq][n][e] = x;
                     }
                 }
-            // online softmax, 2 MQ rows a thread; l stays a per-thread partial sum until the end
+                if (edge) {                            // raw scores of hidden keys -> -inf
+                    int hi[2 * MQ];                    // the rows' last visible key
 #pragma unroll
-            for (int i = 0; i < 2 * MQ; ++i) {
-                const int mq = i >> 1, r = i & 1;
-                float mx = m[i];
+                    for (int i = 0; i < 2 * MQ; ++i) hi[i] = shift + (wp0 + 16 * (i >> 1) + g + 8 * (i & 1)) / G;
 #pragma unroll
-                for (int n = 0; n < KW / 8; ++n) mx = fmaxf(mx, fmaxf(s[mq][n][2 * r], s[mq][n][2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float base = mx == TC_NEG_INF ? 0.f : mx;     // nothing seen yet: all 0
-                const float corr = ex2(m[i] - base);
-                m[i] = mx;
-                float sum = 0.f;
+                    for (int mq = 0; mq < MQ; ++mq)
 #pragma unroll
-                for (int n = 0; n < KW / 8; ++n) {
-                    s[mq][n][2 * r] = ex2(s[mq][n][2 * r] - base);
-                    s[mq][n][2 * r + 1] = ex2(s[mq][n][2 * r + 1] - base);
-                    sum += s[mq][n][2 * r] + s[mq][n][2 * r + 1];
+                        for (int n = 0; n < KSUB / 8; ++n)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int key = t0 + kh + 8 * n + 2 * tg + (e & 1);
+                                const int h1 = hi[2 * mq + (e >> 1)];
+                                if (key > r1 || key > h1 || (W > 0 && key <= h1 - W)) s[mq][n][e] = TC_NEG_INF;
+                            }
                 }
-                l[i] = l[i] * corr + sum;
+                // online softmax, 2 MQ rows a thread, m in scaled log2 units: p = 2^(s sl2 - m)
+                // (one fma + ex2 a score); l stays a per-thread partial sum until the end; O is
+                // rescaled only when some row of the warp has a new maximum
+                float corr[2 * MQ];
+                bool grew = false;
 #pragma unroll
-                for (int n = 0; n < D / 8; ++n) { o[mq][n][2 * r] *= corr; o[mq][n][2 * r + 1] *= corr; }
+                for (int i = 0; i < 2 * MQ; ++i) {
+                    const int mq = i >> 1, r = i & 1;
+                    float mx = TC_NEG_INF;
+#pragma unroll
+                    for (int n = 0; n < KSUB / 8; ++n) mx = fmaxf(mx, fmaxf(s[mq][n][2 * r], s[mq][n][2 * r + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    mx = fmaxf(m[i], mx * sl2);
+                    const float base = mx == TC_NEG_INF ? 0.f : mx;     // nothing seen yet: all 0
+                    corr[i] = ex2(m[i] - base);
+                    grew |= corr[i] != 1.f;
+                    m[i] = mx;
+                    float sum = 0.f;
+#pragma unroll
+                    for (int n = 0; n < KSUB / 8; ++n) {
+                        s[mq][n][2 * r] = ex2(fmaf(s[mq][n][2 * r], sl2, -base));
+                        s[mq][n][2 * r + 1] = ex2(fmaf(s[mq][n][2 * r + 1], sl2, -base));
+                        sum += s[mq][n][2 * r] + s[mq][n][2 * r + 1];
+                    }
+                    l[i] = l[i] * corr[i] + sum;
+                }
+                if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+                    for (int i = 0; i < 2 * MQ; ++i)
+#pragma unroll
+                        for (int n = 0; n < D / 8; ++n) {
+                            o[i >> 1][n][2 * (i & 1)] *= corr[i];
+                            o[i >> 1][n][2 * (i & 1) + 1] *= corr[i];
+                        }
+                }
             }
-        }
-        cp_async_wait<2 * ST - 2>();                   // V(j) has landed
-        __syncthreads();                               // ... and every warp is done with K(j)
-        issue(kp, a_k, j + ST);
-        cp_async_commit();
-        if (active) {
+            if (NSUB == 1) {
+                cp_async_wait<2 * ST - 2>();           // V(j) has landed
+                __syncthreads();                       // ... and every warp is done with K(j)
+                issue(kp, a_k, j + ST, true);
+                cp_async_commit();
+            }
+            if (active) {
 #pragma unroll
-            for (int t = 0; t < KW / 16; ++t) {
-                cc_u32 pa[MQ][4];
-#pragma unroll
-                for (int mq = 0; mq < MQ; ++mq) {
-                    pa[mq][0] = Mma<T>::pack(s[mq][2 * t][0], s[mq][2 * t][1]);
-                    pa[mq][1] = Mma<T>::pack(s[mq][2 * t][2], s[mq][2 * t][3]);
-                    pa[mq][2] = Mma<T>::pack(s[mq][2 * t + 1][0], s[mq][2 * t + 1][1]);
-                    pa[mq][3] = Mma<T>::pack(s[mq][2 * t + 1][2], s[mq][2 * t + 1][3]);
-                }
-#pragma unroll
-                for (int dp = 0; dp < D / 16; ++dp) {
-                    cc_u32 b[4];
-                    ldsm_x4_t(vb + 16 * C::at(kw0 + 16 * t + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                              2 * dp + (lane >> 4)), b);
+                for (int t = 0; t < KSUB / 16; ++t) {
+                    cc_u32 pa[MQ][4];
 #pragma unroll
                     for (int mq = 0; mq < MQ; ++mq) {
-                        Mma<T>::run(o[mq][2 * dp], pa[mq], b[0], b[1]);
-                        Mma<T>::run(o[mq][2 * dp + 1], pa[mq], b[2], b[3]);
+                        pa[mq][0] = Mma<T>::pack(s[mq][2 * t][0], s[mq][2 * t][1]);
+                        pa[mq][1] = Mma<T>::pack(s[mq][2 * t][2], s[mq][2 * t][3]);
+                        pa[mq][2] = Mma<T>::pack(s[mq][2 * t + 1][0], s[mq][2 * t + 1][1]);
+                        pa[mq][3] = Mma<T>::pack(s[mq][2 * t + 1][2], s[mq][2 * t + 1][3]);
+                    }
+#pragma unroll
+                    for (int dp = 0; dp < D / 16; ++dp) {
+                        cc_u32 b[4];
+                        ldsm_x4_t(vb + C::ld_off(kh + 16 * t + qv_row, dp, b16, b16 ^ lx), b);
+#pragma unroll
+                        for (int mq = 0; mq < MQ; ++mq) {
+                            Mma<T>::run(o[mq][2 * dp], pa[mq], b[0], b[1]);
+                            Mma<T>::run(o[mq][2 * dp + 1], pa[mq], b[2], b[3]);
+                        }
                     }
                 }
             }
         }
-        __syncthreads();                               // every warp is done with V(j)
-        issue(vp, a_v, j + ST);
+        __syncthreads();                               // every warp is done with V(j) (and K(j))
+        if (NSUB > 1) {
+            issue(kp, a_k, j + ST, true);
+            cp_async_commit();
+        }
+        issue(vp, a_v, j + ST, true);
         cp_async_commit();
-#pragma unroll
-        for (int p = 0; p < NP; ++p) idx[p] = nidx[p];
+        // the other slot: its cells (tile j + ST - 1) were last read before this iteration's
+        // first barrier; these are read after the next one
+        if (tid < KT) s_cells[(j + ST + 1) & 1][tid] = ncell;
     }
     cp_async_wait<0>();                                // nothing in flight into the buffers
     if (WKV > 1) __syncthreads();                      // ... from any thread (the merge reuses them)
@@ -737,22 +797,31 @@ __device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
 // -- entry points ----------------------------------------------------------------------------
 
 // The variants, one line each: X(D, MQ, WKV, KT, ST). The host reads this list from the
-// module (tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, dynamic shared bytes} each,
+// module (tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, dynamic shared bytes, B} each,
 // after tc_n_variants), so it is the one source of which kernels exist. Named
 // tc_attend_<dtype>_d<D>_m<MQ>w<WKV>k<KT>s<ST>. Rows a warp x warps along the rows: the unit;
-// "w4" variants (warps along the kv tile, 16 rows) are for decode-like steps.
+// "w4" variants (warps along the kv tile, 16 rows) are for decode-like steps. m2 variants with
+// k64 score in 32-key sub-tiles (Tile::KSUB).
 #define TC_VARIANTS(X)                                                                          \
     X(64, 1, 1, 64, 3) X(64, 2, 1, 32, 2) X(64, 2, 1, 32, 3) X(64, 1, 4, 64, 2) X(64, 1, 4, 64, 4) \
+    X(64, 2, 1, 64, 2) X(64, 1, 4, 64, 3) X(64, 1, 4, 128, 2)                                   \
     X(80, 1, 1, 64, 2) X(80, 2, 1, 32, 2) X(80, 1, 4, 64, 2)                                    \
     X(96, 1, 1, 64, 2) X(96, 2, 1, 32, 2) X(96, 1, 4, 64, 2)                                    \
-    X(128, 1, 1, 64, 2) X(128, 2, 1, 32, 2) X(128, 2, 1, 32, 3)                                 \
+    X(128, 1, 1, 64, 2) X(128, 2, 1, 32, 2) X(128, 2, 1, 32, 3) X(128, 2, 1, 64, 2)             \
     X(128, 1, 4, 64, 2) X(128, 1, 4, 64, 3) X(128, 1, 4, 128, 2)                                \
     X(256, 1, 1, 16, 3) X(256, 1, 4, 64, 2)
+// Variants that ask for B CTAs an SM (__launch_bounds__(128, B): registers capped at
+// 65536 / (128 B)), for steps bound by the bytes in flight: Y(D, MQ, WKV, KT, ST, B), named
+// tc_attend_<dtype>_d<D>_m<MQ>w<WKV>k<KT>s<ST>b<B>.
+#define TC_VARIANTS_B(Y)                                                                        \
+    Y(64, 1, 4, 64, 2, 5) Y(64, 2, 1, 32, 2, 3)
 
-#define TC_ROW(D, MQ, WKV, KT, ST) D, MQ, WKV, KT, ST, Tile<D, MQ, WKV, KT, ST>::QROWS, Tile<D, MQ, WKV, KT, ST>::SMEM,
+#define TC_ROW(D, MQ, WKV, KT, ST) D, MQ, WKV, KT, ST, Tile<D, MQ, WKV, KT, ST>::QROWS, Tile<D, MQ, WKV, KT, ST>::SMEM, 0,
+#define TC_ROW_B(D, MQ, WKV, KT, ST, B) D, MQ, WKV, KT, ST, Tile<D, MQ, WKV, KT, ST>::QROWS, Tile<D, MQ, WKV, KT, ST>::SMEM, B,
 #define TC_ONE(D, MQ, WKV, KT, ST) +1
-extern "C" __device__ const cc_i32 tc_n_variants = 0 TC_VARIANTS(TC_ONE);
-extern "C" __device__ const cc_i32 tc_variants[] = {TC_VARIANTS(TC_ROW)};
+#define TC_ONE_B(D, MQ, WKV, KT, ST, B) +1
+extern "C" __device__ const cc_i32 tc_n_variants = 0 TC_VARIANTS(TC_ONE) TC_VARIANTS_B(TC_ONE_B);
+extern "C" __device__ const cc_i32 tc_variants[] = {TC_VARIANTS(TC_ROW) TC_VARIANTS_B(TC_ROW_B)};
 
 extern "C" __global__ void __launch_bounds__(TC_PLAN_THREADS) tc_plan(const TcArgs a, cc_i32 qrows,
                                                                       cc_i32 min_chunk, cc_i32 head_dim,
@@ -767,6 +836,15 @@ tc_attend_##SUFFIX##_d##D##_m##MQ##w##WKV##k##KT##s##ST(const TcArgs a)         
 #define TC_ATTEND_BF16(D, MQ, WKV, KT, ST) TC_ATTEND(bfloat16, bf16, D, MQ, WKV, KT, ST)
 TC_VARIANTS(TC_ATTEND_F16)
 TC_VARIANTS(TC_ATTEND_BF16)
+
+#define TC_ATTEND_B(SUFFIX, T, D, MQ, WKV, KT, ST, B)                                           \
+extern "C" __global__ void __launch_bounds__(TC_THREADS, B)                                     \
+tc_attend_##SUFFIX##_d##D##_m##MQ##w##WKV##k##KT##s##ST##b##B(const TcArgs a)                  \
+{ tc_attend<T, D, MQ, WKV, KT, ST>(a); }
+#define TC_ATTEND_B_F16(D, MQ, WKV, KT, ST, B) TC_ATTEND_B(float16, f16, D, MQ, WKV, KT, ST, B)
+#define TC_ATTEND_B_BF16(D, MQ, WKV, KT, ST, B) TC_ATTEND_B(bfloat16, bf16, D, MQ, WKV, KT, ST, B)
+TC_VARIANTS_B(TC_ATTEND_B_F16)
+TC_VARIANTS_B(TC_ATTEND_B_BF16)
 
 #define TC_MERGE(SUFFIX, T)                                                                    \
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_merge_##SUFFIX(const TcArgs a,     \

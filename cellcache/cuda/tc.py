@@ -48,11 +48,14 @@ _ZERO_BLOCKS = 32       # tc_plan blocks that zero the padding rows
 _LOG2E = 1.4426950408889634
 #: TcArgs in cuda/tc_attention.cu: every field 8 bytes
 _ARGS = struct.Struct("=8Q4q5q2Q3qd")
-_VARIANT_WORDS = 7      # tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, shared bytes}
+#: tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, shared bytes, B (CTAs an SM asked of
+#: the compiler, 0: none; named ...b<B>)}
+_VARIANT_WORDS = 8
 
 
 class Choice(NamedTuple):
-    """What a run launches: the variant ``m<MQ>w<WKV>k<KT>s<ST>``; ``split``: the step is
+    """What a run launches: the variant ``m<MQ>w<WKV>k<KT>s<ST>[b<B>]`` (``b<B>``: compiled for
+    B CTAs an SM); ``split``: the step is
     split along kv when it has fewer than split x CTAs units (into at most 2 x split x CTAs);
     ``order``: the work list run by run (0, neighbours share K/V in L2) or heaviest first over
     the step (1, no tail)."""
@@ -67,7 +70,7 @@ class Choice(NamedTuple):
 #: times every variant and prints the winners in this form (H200, 2026-11-30:
 #: benchmarks/results/attention-variants-2026-11-30.log; d80/96/256 have no case there).
 TABLE: dict[tuple[int, str], Choice] = {
-    (64, "prefill"): Choice("m2w1k32s2", 1, 1),
+    (64, "prefill"): Choice("m2w1k32s2b3", 1, 1),
     (64, "decode"): Choice("m1w4k64s2", 2, 1),
     (80, "prefill"): Choice("m2w1k32s2", 1, 1),
     (80, "decode"): Choice("m1w4k64s2", 4, 1),
@@ -116,17 +119,18 @@ class TensorCoreAttention:
         try:
             self.f_plan = int(drv.function(self.module, "tc_plan"))
             self.f_merge = int(drv.function(self.module, f"tc_merge_{dtype}"))
-            #: head_dim -> variant name -> {mq, warps_kv, kv_tile, stages, qrows, smem, ctas, f}
+            #: head_dim -> variant name -> {mq, warps_kv, kv_tile, stages, min_blocks, qrows, smem,
+            #: ctas, f}
             self.variants: dict[int, dict[str, dict[str, int]]] = {d: {} for d in HEAD_DIMS}
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            for d, mq, wkv, kt, st, qrows, smem in self._read_variants():
-                name = f"m{mq}w{wkv}k{kt}s{st}"
+            for d, mq, wkv, kt, st, qrows, smem, minb in self._read_variants():
+                name = f"m{mq}w{wkv}k{kt}s{st}" + (f"b{minb}" if minb else "")
                 f = drv.function(self.module, f"tc_attend_{dtype}_d{d}_{name}")
                 check(cu.cuFuncSetAttribute(f, attr, smem), "cuFuncSetAttribute")
                 per_sm = int(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, THREADS, smem),
                                    "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
                 self.variants[d][name] = {"mq": mq, "warps_kv": wkv, "kv_tile": kt, "stages": st,
-                                          "qrows": qrows, "smem": smem,
+                                          "min_blocks": minb, "qrows": qrows, "smem": smem,
                                           "ctas": max(1, per_sm) * sm_count, "f": int(f)}
             for (d, kind), choice in TABLE.items():
                 if choice.variant not in self.variants[d]:
@@ -234,6 +238,9 @@ class TensorCoreAttention:
             raise InvalidArgument(
                 f"q/k/v/out addresses must be multiples of 16 bytes and strides multiples of 8 "
                 f"elements (q strides {q_strides}, out strides {out_strides})")
+        if scale is not None and not scale > 0:
+            # the kernel takes row maxima of the raw scores and folds the scale into the exp
+            raise InvalidArgument(f"scale={scale} must be > 0")
         choice = self.choose(head_dim, decode, variant, split, order)
         if rows < 1:
             return

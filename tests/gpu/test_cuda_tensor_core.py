@@ -196,8 +196,8 @@ def test_tensor_core_sweep(dtype, head_dim):
 
 
 def test_tensor_core_strided_views_and_refusals():
-    """q/out as strided views (stride multiples of 8 work); misaligned strides, unsupported
-    head dims and groups are refused before any launch."""
+    """q/out as strided views (stride multiples of 8 work); misaligned strides, a scale <= 0,
+    unsupported head dims and groups are refused before any launch."""
     torch = pytest.importorskip("torch")
     from cellcache.cuda import tc
     from cellcache.errors import InvalidArgument
@@ -217,6 +217,8 @@ def test_tensor_core_strided_views_and_refusals():
         odd = torch.zeros((rows, rig.H, 132), device="cuda", dtype=rig.tdt)[:, :, :128]
         with pytest.raises(InvalidArgument):
             rig.run(view, rows, q, k_pool, v_pool, odd, 0)          # token stride 132*H: no
+        with pytest.raises(InvalidArgument):
+            rig.run(view, rows, q, k_pool, v_pool, out, 0, scale=0.0)  # the scale must be > 0
         assert not tc.aligned(q.data_ptr() + 2, (rig.H * 128, 128), k_pool.data_ptr(),
                               v_pool.data_ptr(), out.data_ptr(), (8, 8))
         assert not tc.supports("bfloat16", 24, 4) and not tc.supports("float32", 128, 4)
