@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import warnings
 import weakref
 from typing import Any
@@ -232,6 +233,7 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
         raise InvalidArgument(
             f"q, k, v have {T} rows; the prepared step runs at pad_to={step.pad_to} rows "
             f"({step.width} real): give exactly pad_to rows")
+    scale = _check_scale(scale)
     _check_backend(view, backend, step)
     if out is not None:
         shape, dtype = (T, q.shape[1], q.shape[2]), _TORCH_DTYPES[cfg.dtype]
@@ -274,6 +276,19 @@ def have_flashinfer() -> bool:
     if not _HAVE_FLASHINFER:
         _HAVE_FLASHINFER.append(importlib.util.find_spec("flashinfer") is not None)
     return _HAVE_FLASHINFER[0]
+
+
+def _check_scale(scale: Any) -> float | None:
+    """None (1/sqrt(head_dim)) or a finite number > 0 (the kernels fold it into exp2 after
+    taking row maxima of the raw scores); InvalidArgument for anything else."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise InvalidArgument(f"scale of type {type(scale).__name__} is not a number")
+    value = float(scale)
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidArgument(f"scale={value} must be a finite number > 0")
+    return value
 
 
 def _decode_step(step: Step) -> bool:

@@ -123,6 +123,10 @@ def _qkv(T, heads=4, kv_heads=2, dim=16, dtype=torch.float32, device="cpu"):
     ("backend magic", cc.InvalidArgument, "is not one of"),
     ("out shape", cc.InvalidArgument, "out must be a \\[4, 4, 16\\] torch.float32"),
     ("not a view", cc.InvalidArgument, "view of type HostCellCache is not a TorchView"),
+    ("scale 0", cc.InvalidArgument, "scale=0.0 must be a finite number > 0"),
+    ("scale negative", cc.InvalidArgument, "scale=-0.5 must be a finite number > 0"),
+    ("scale nan", cc.InvalidArgument, "scale=nan must be a finite number > 0"),
+    ("scale str", cc.InvalidArgument, "scale of type str is not a number"),
 ])
 def test_attention_refusals_write_nothing(case, error, match):
     """Every refusal comes before any write: the pools (sink row included), the step buffers
@@ -171,6 +175,9 @@ def test_attention_refusals_write_nothing(case, error, match):
         args.update(out=torch.empty((4, 4, 8)))
     elif case == "not a view":
         args.update(view=cache)
+    elif case.startswith("scale"):
+        args.update(scale={"scale 0": 0.0, "scale negative": -0.5, "scale nan": float("nan"),
+                           "scale str": "1"}[case])
     pools, bufs = _pool_bytes(cache), {n: cache.buffer(n).tobytes() for n in cache.buffer_names}
     table = cache.metrics()
     with pytest.raises(error, match=match):
