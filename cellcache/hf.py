@@ -356,6 +356,8 @@ class ModelRunner:
         self.buckets = chosen
         self.vocab = vocab_size(model)
         self.input_ids = torch.zeros((1, mw), dtype=torch.long, device=self.device)
+        self._staging: torch.Tensor | None = None     # pinned upload buffer (CUDA) and its event
+        self._staged: Any = None
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self._graph_generation = view.generation
         self._attn_configs: list[Any] = [_text_config(config)]
@@ -481,7 +483,8 @@ class ModelRunner:
                                f"{n} layers: the model no longer runs its attention through the cache")
         return out.logits[0]
 
-    def forward(self, step: Step, tokens: Any, logit_rows: Any = None, decode: bool = False) -> torch.Tensor:
+    def forward(self, step: Step, tokens: Any = None, logit_rows: Any = None, decode: bool = False, *,
+                device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Runs the forward of ``step`` on ``tokens`` (one per real row); returns float32
         logits ``[len(logit_rows), vocab]`` (all real rows when None).
 
@@ -489,6 +492,14 @@ class ModelRunner:
         exactly ``step.width`` ids in ``[0, vocab)``; ``logit_rows`` ids in
         ``[0, step.width)``; both 1-D sequences (or arrays, tensors) of ints. Every check
         runs before anything is written (InvalidArgument / InvalidState).
+
+        ``device_tokens`` instead of ``tokens``: a 1-D integer tensor of ``step.width`` ids
+        already on the runner's device (the previous step's sampled ids, gathered: the
+        asynchronous generator feeds a step before its ids reach the host). It is copied
+        into the input on the device's current stream without a host sync, so its values
+        are not checked: they must be ids the model's own sampling drew.
+
+        On CUDA the host ``tokens`` go up through a pinned buffer without blocking the host.
 
         ``decode`` says every row is its sequence's next token (one token per sequence);
         then, on CUDA with graphs on, the step is replayed from a graph of its padded width.
@@ -500,7 +511,22 @@ class ModelRunner:
                                "one or another cache's): pass the Step that prepare_step() just returned")
         self._check_attached()
         T, width = step.pad_to, step.width
-        ids_np = self._token_ids(tokens, width)
+        if device_tokens is not None:
+            if tokens is not None:
+                raise InvalidArgument("give tokens or device_tokens, not both")
+            if not isinstance(device_tokens, torch.Tensor) or device_tokens.ndim != 1 \
+                    or device_tokens.is_floating_point() or device_tokens.dtype == torch.bool \
+                    or device_tokens.device != self.device or device_tokens.numel() != width:
+                shown = (f"a {tuple(device_tokens.shape)} {device_tokens.dtype} tensor on "
+                         f"{device_tokens.device}" if isinstance(device_tokens, torch.Tensor)
+                         else f"of type {type(device_tokens).__name__}")
+                raise InvalidArgument(f"device_tokens is {shown}; give a 1-D integer tensor of "
+                                      f"{width} ids on {self.device}")
+            ids_np = None
+        elif tokens is None:
+            raise InvalidArgument("give the step's tokens (or device_tokens)")
+        else:
+            ids_np = self._token_ids(tokens, width)
         rows = self._logit_rows(logit_rows, width)
         if not isinstance(decode, (bool, np.bool_)):
             raise InvalidArgument(f"decode of type {type(decode).__name__} is not a bool")
@@ -509,21 +535,49 @@ class ModelRunner:
         if self._graph_generation != self.view.generation:
             self._graphs.clear()              # they read the old pools: recaptured on next use
             self._graph_generation = self.view.generation
-        ids = torch.from_numpy(ids_np)
-        self.input_ids[0, :width].copy_(ids, non_blocking=False)
+        if device_tokens is not None:
+            self.input_ids[0, :width].copy_(device_tokens, non_blocking=True)
+        elif ids_np is not None:
+            self._upload(ids_np)
         if T > width:
             self.input_ids[0, width:T].zero_()
+        every = rows.size == width and (width == 0 or (rows[0] == 0 and rows[-1] == width - 1
+                                                       and bool((np.diff(rows) == 1).all())))
         with torch.inference_mode():
             if self.graphs_enabled and decode and T in self.buckets:
                 logits = self._replay(step)
                 self.replays += 1
-                return logits[torch.as_tensor(rows, device=logits.device)].float()
+                if every:                     # every real row: a slice, no index upload
+                    return logits[:width].float()
+                return logits[self._index(rows)].float()
             self.eager += 1
             # "auto": on CUDA with the paged view, the path choose_path gives each layer's
             # shape (cellcache's decode kernel for decode steps, its prefill kernel with the
             # device-built work list for mixed ones, or the tensor-core kernels)
-            rows_t = torch.as_tensor(rows, device=self.device)
-            return self._run(step, "auto", rows_t).float()
+            return self._run(step, "auto", self._index(rows)).float()
+
+    def _upload(self, ids: np.ndarray) -> None:
+        """Host ids into ``input_ids``: on CUDA through a pinned staging buffer, without
+        blocking the host (the buffer is reused once the previous upload has run)."""
+        n = ids.size
+        if not self.cuda:
+            self.input_ids[0, :n].copy_(torch.from_numpy(ids))
+            return
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.empty(max(n, self.input_ids.shape[1]), dtype=torch.long, pin_memory=True)
+            self._staged = torch.cuda.Event()
+        else:
+            self._staged.synchronize()        # the previous upload has left the buffer
+        self._staging[:n].numpy()[:] = ids
+        self.input_ids[0, :n].copy_(self._staging[:n], non_blocking=True)
+        self._staged.record(torch.cuda.current_stream(self.device))
+
+    def _index(self, rows: np.ndarray) -> torch.Tensor:
+        """Logit rows as a tensor on the device."""
+        t = torch.from_numpy(rows)
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _replay(self, step: Step) -> torch.Tensor:
         T = step.pad_to

@@ -58,7 +58,7 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -251,7 +251,13 @@ def _host(buffer: Any) -> np.ndarray:
     return np.asarray(buffer.copy_to_host())
 
 
-class TPCache:
+if TYPE_CHECKING:               # a TPCache stands wherever a CellCache is used (duck-typed)
+    _CacheLike = CellCache
+else:
+    _CacheLike = object
+
+
+class TPCache(_CacheLike):
     """A rank's cache (``local``: its shard, built from :func:`shard_config`) whose every
     decision is agreed with the other ranks of a process group.
 
@@ -445,9 +451,13 @@ class TPCache:
             return ok
 
     def prepare_step(self, width: int | None = None, stream: object = None, *,
-                     pad_to: int | None = None) -> Step:
+                     pad_to: int | None = None,
+                     agree: Callable[[BaseException | None], None] | None = None) -> Step:
         """``local.prepare_step(...)`` agreed: every rank prepares the step, or every rank
-        raises the same error with nothing changed (see the class)."""
+        raises the same error with nothing changed (see the class). ``agree`` must be None
+        (the wrapper is the agreement)."""
+        if agree is not None:
+            raise InvalidArgument("a TPCache agrees its steps itself: call prepare_step() without agree=")
         with self._usable():
             passed = False
 
@@ -519,13 +529,19 @@ class TPCache:
 
     # -- queries: local ----------------------------------------------------------------------
     @property
+    def agreement_group(self) -> Any:
+        """The gloo group the agreement runs on (``group`` itself, or the one built over its
+        ranks): others that exchange host values in the same lockstep may use it."""
+        return self._agree_group
+
+    @property
     def diverged(self) -> str | None:
         """Why the ranks' caches are known to differ (then every verb raises InvalidState),
         or None."""
         return self._diverged
 
     @property
-    def config(self) -> CacheConfig:
+    def config(self) -> CacheConfig:  # type: ignore[override]  # read-only: the shard's
         """This rank's (sharded) configuration."""
         return self.local.config
 

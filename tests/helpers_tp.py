@@ -14,6 +14,9 @@ import datetime
 import os
 import pickle
 import random
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,9 +35,11 @@ WORLD = 2
 COLLECTIVE_TIMEOUT = 30      # seconds a collective may wait for the other rank
 
 
-def _entry(rank: int, fn: Any, world: int, tmp: str, args: tuple) -> None:
+def _entry(rank: int, fn: Any, world: int, tmp: str, args: tuple, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
+    if backend == "nccl":                            # tests/gpu: rank r on GPU r
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{tmp}/rendezvous", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
     try:
         result = fn(rank, world, *args)
@@ -44,17 +49,20 @@ def _entry(rank: int, fn: Any, world: int, tmp: str, args: tuple) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Any, tmp_path: Path, *args: Any, world: int = WORLD, timeout: float = 90) -> list:
-    """``fn(rank, world, *args)`` on ``world`` spawned ranks over gloo; the results by rank."""
+def run_ranks(fn: Any, tmp_path: Path, *args: Any, world: int = WORLD, timeout: float = 90,
+              backend: str = "gloo") -> list:
+    """``fn(rank, world, *args)`` on ``world`` spawned ranks over ``backend`` (gloo: the ranks
+    see no GPU; nccl: rank r on GPU r); the results by rank."""
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     # CPU tests: the ranks see no GPU, so transformers' mesh is on the CPU even on a GPU host
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        ctx = mp.start_processes(_entry, args=(fn, world, str(tmp_path), args), nprocs=world,
+        ctx = mp.start_processes(_entry, args=(fn, world, str(tmp_path), args, backend), nprocs=world,
                                  join=False, start_method="spawn")
     finally:
         if saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
     deadline = time.monotonic() + timeout
@@ -369,3 +377,212 @@ def sharded_model_logits(rank: int, world: int) -> dict:
             "q_rows": attn.q_proj.weight.to_local().shape[0],
             "k_rows": attn.k_proj.weight.to_local().shape[0]}
 
+
+
+# -- the Generator across ranks (tests/test_tp_generate.py) -----------------------------------
+
+GEN_MODEL, GEN_SEED = "tiny", 7
+GEN_PROMPT_LENS = (11, 5, 17, 8, 13, 6, 20, 9)
+GEN_ARRIVALS = {0: [0, 1, 2], 2: [3], 5: [4, 5], 9: [6]}      # step -> prompts added before it
+GEN_FOLLOW_UP = 7             # the prompt request 0's third token adds (from its callback)
+OOM_AFTER_STEP = 2            # rank 1's allocator fails from here to its next allocation
+
+
+def gen_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(GEN_SEED)
+    return [rng.integers(0, 512, size=n).tolist() for n in GEN_PROMPT_LENS]
+
+
+def gen_sampling(i: int) -> Any:
+    from cellcache.generate import Sampling
+
+    if i == 1:                                    # n > 1, sampled: rank 0 draws for everyone
+        return Sampling(max_new_tokens=10, n=2, temperature=0.9, top_k=40, seed=5)
+    return Sampling(max_new_tokens=12 if i % 2 else 9)
+
+
+def serve_workload(gen: Any, rank: int, alloc: Any = None) -> dict:
+    """Arrivals over steps (added on rank 0 only), a follow-up added and a cancel made from
+    callbacks, a callback that raises, an allocation failure on rank 1 (``alloc``); every
+    rank steps in lockstep and handles the same exceptions. The same calls on one process
+    (rank 0, ``alloc`` None) are the reference."""
+    from cellcache.errors import InvalidState
+
+    prompts = gen_prompts()
+    reqs: dict[int, Any] = {}
+    raised: list[str] = []
+
+    def on_token(req: Any, k: int, tok: int) -> None:
+        n_out = len(req.outputs[k])
+        if req.id == 0 and n_out == 3:
+            reqs[GEN_FOLLOW_UP] = gen.add(prompts[GEN_FOLLOW_UP], gen_sampling(GEN_FOLLOW_UP))
+        if req.id == 2 and n_out == 4:
+            gen.cancel(req)
+        if req.id == 3 and n_out == 2:
+            raise ValueError("injected: a client's callback failed")
+
+    step = 0
+    reqs_at: set[int] = set()
+    last = max(GEN_ARRIVALS)
+    while step < 500:
+        if rank == 0:
+            for i in GEN_ARRIVALS.get(step, []) if step not in reqs_at else []:
+                reqs[i] = gen.add(prompts[i], gen_sampling(i), on_token=on_token)
+            reqs_at.add(step)                     # once, even when the step is retried
+        if alloc is not None and step == OOM_AFTER_STEP and not raised:
+            alloc.fail = rank == 1
+        try:
+            busy = gen.step()
+        except OutOfMemory as e:                  # agreed: every rank rolled its step back
+            raised.append(f"OutOfMemory: {e}")
+            if alloc is not None:
+                alloc.fail = False
+            continue
+        except (ValueError, InvalidState) as e:   # rank 0: the callback's error; else InvalidState
+            raised.append(f"{type(e).__name__}: {e}")
+            busy = True
+        step += 1
+        if not busy and step > last:
+            break
+    cache = gen.cache
+    cache.check_invariants()
+    return {"outputs": [r.outputs for r in gen.requests],
+            "reasons": [r.finish_reasons for r in gen.requests],
+            "errors": [None if r.error is None else type(r.error).__name__ for r in gen.requests],
+            "stats": dict(gen.stats), "raised": raised, "steps": step}
+
+
+def gen_model() -> Any:
+    from cellcache.generate import random_model
+
+    return random_model(GEN_MODEL, seed=GEN_SEED)
+
+
+def gen_cache_config(model: Any) -> CacheConfig:
+    from cellcache import hf as cchf
+
+    return cchf.cache_config(model, capacity=72, max_write=16, max_seqs=24, initial_capacity=8)
+
+
+GEN_OPTIONS = dict(max_batch_tokens=16, prefill_chunk=8, eos=[], reserve=0.0)
+
+
+def generator_on_rank(rank: int, world: int) -> dict:
+    """``Generator(tp=2)`` over a TPCache (debug digests) with rank 1's allocator made to fail."""
+    from cellcache.generate import Generator, Sampling
+
+    model = gen_model()
+    alloc = RankAllocator()
+    shard = tp.shard_config(gen_cache_config(model), rank, world)
+    cache = tp.TPCache(HostCellCache(shard, growth="copy", allocator=alloc), debug=True)
+    gen = Generator(model, cache, tp=True, **GEN_OPTIONS)     # type: ignore[arg-type]
+    refused = {}
+    if rank == 1:                                 # the other ranks follow rank 0
+        refused["add"] = _outcome(lambda: gen.add([1, 2, 3]))
+    else:
+        refused["draft"] = _outcome(lambda: gen.add([1, 2], Sampling(), draft=lambda t, k: []))
+    out = serve_workload(gen, rank, alloc)
+    out["refused"] = refused
+    out["tp"] = (gen.tp.rank, gen.tp.world) if gen.tp is not None else None
+    out["kv_heads"] = [layer.n_kv_heads for layer in gen.cache.config.layers]
+    return out
+
+
+def generator_single() -> dict:
+    """The reference: the same workload in one process, on the whole cache."""
+    from cellcache.generate import Generator
+
+    model = gen_model()
+    cache = HostCellCache(gen_cache_config(model), growth="copy", allocator=FailingAllocator())
+    gen = Generator(model, cache, **GEN_OPTIONS)          # type: ignore[arg-type]
+    return serve_workload(gen, 0)
+
+
+# -- the GPU machine: two ranks over NCCL (tests/gpu/test_tp_gpu.py) ------------------------------
+
+GPU_ARCHS = ("tiny", "llama-tiny")
+
+
+def gpu_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    return [rng.integers(0, 512, size=int(rng.integers(2, 45))).tolist() for _ in range(7)]
+
+
+def gpu_greedy(gen: Any, rank: int, n_new: int) -> list:
+    """Prompts arriving over three steps (added on rank 0), greedy, stop tokens off."""
+    from cellcache.generate import Sampling
+
+    prompts = gpu_prompts()
+    sampling = Sampling(max_new_tokens=n_new)
+    if rank == 0:
+        for p in prompts[:4]:
+            gen.add(p, sampling)
+    for _ in range(3):
+        gen.step()
+    if rank == 0:
+        for p in prompts[4:]:
+            gen.add(p, sampling)
+    gen.run()
+    return [r.outputs for r in gen.requests]
+
+
+def gpu_tp_on_rank(rank: int, world: int, arch: str, n_new: int, device_type: str = "cuda") -> dict:
+    """TP=2 on GPU ``rank`` (graphs on by default); rank 0 then serves the same requests with
+    TP=1 on an unsharded copy and takes HF's teacher-forced argmax of every output.
+    (``device_type="cpu"`` over gloo: a dry run of the same code, without graphs.)"""
+    from cellcache.generate import Generator, random_model
+
+    device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
+    opts = dict(capacity=160, max_batch_tokens=32, max_seqs=32, prefill_chunk=9, eos=[], reserve=0.0)
+    gen = Generator(random_model(arch, torch.float32, device, seed=3), tp=True, **opts)
+    out: dict = {"tp2": gpu_greedy(gen, rank, n_new), "graph_steps": gen.stats["graph_steps"],
+                 "graphs": gen.runner.graphs_enabled, "preempted": gen.stats["preempted"],
+                 "kv_heads": [layer.n_kv_heads for layer in gen.cache.config.layers]}
+    gen.cache.check_invariants()
+    dist.barrier()
+    if rank != 0:
+        return out
+    model = random_model(arch, torch.float32, device, seed=3)
+    one = Generator(model, **opts)
+    out["tp1"] = gpu_greedy(one, 0, n_new)
+    out["tp1_graph_steps"] = one.stats["graph_steps"]
+    one.cache.close()
+    model.set_attn_implementation("sdpa")                  # HF's own attention again
+    forced = []
+    with torch.inference_mode():
+        for p, outputs in zip(gpu_prompts(), out["tp1"]):
+            logits = model(torch.tensor([p + outputs[0]], device=device)).logits[0]
+            forced.append(logits[len(p) - 1:-1].argmax(-1).tolist())
+    out["hf"] = forced
+    return out
+
+
+# -- the CLI under torchrun -------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_TIMEOUT = 120
+
+
+def run_cli(args: list[str], torchrun: bool, tmp_path: Path, cuda: bool = False
+            ) -> subprocess.CompletedProcess:
+    """``cellcache generate`` in a subprocess (under torchrun: 2 ranks, ``--standalone``: a
+    free port), killed with its children after CLI_TIMEOUT seconds. ``cuda``: the GPUs stay
+    visible."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2"] if torchrun else [sys.executable]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", CELLCACHE_TP_TIMEOUT="60",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.Popen(launcher + ["-m", "cellcache", "generate", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=CLI_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"cellcache generate did not finish within {CLI_TIMEOUT} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -25,6 +25,7 @@ FLOORS = [
     {"generate.requests"},
     {"generate.sampler"},
     {"generate.scheduler"},
+    {"generate.distributed"},
     {"generate.engine", "generate.drivers"},
     {"generate.cli"},
     {"generate"},

@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from _common import ROOT, log, require_gpu
@@ -69,7 +70,7 @@ def make_gen(model, w: dict, prefix: bool, capacity: int, max_seqs: int):
 
     return Generator(model, capacity=capacity, max_batch_tokens=w["max_batch_tokens"],
                      max_seqs=max_seqs, prefill_chunk=w["prefill_chunk"], eos=[],
-                     prefix_cache=prefix)
+                     prefix_cache=prefix, async_steps=w.get("async_steps"))
 
 
 def summarize(gen, elapsed: float, reqs) -> dict:
@@ -80,6 +81,15 @@ def summarize(gen, elapsed: float, reqs) -> dict:
            "prompt_tokens": st["prompt_tokens"], "cached_tokens": st["cached_tokens"],
            "computed_tokens": st["computed_tokens"], "tokens_in": st["tokens_in"],
            **{k: lat[k] for k in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")}}
+    prof = gen.profile
+    res["async_steps"] = gen.async_steps
+    res["host_ms"] = {k: round(v, 3) for k, v in prof["host_ms"].items()}        # every step
+    res["decode_host_ms"] = {k: round(v, 3) for k, v in prof["decode_host_ms"].items()}
+    n_dec = max(1, prof["decode_steps"])
+    # host work a decode step costs (every phase but "wait": blocked on the device)
+    res["decode_host_us_per_step"] = {k: round(1e3 * v / n_dec, 1) for k, v in prof["decode_host_ms"].items()}
+    res["decode_host_us_per_step_total"] = round(
+        1e3 * sum(v for k, v in prof["decode_host_ms"].items() if k != "wait") / n_dec, 1)
     if gen.prefix is not None:
         m = gen.prefix.metrics()
         res["prefix"] = {k: m[k] for k in ("cached_tokens", "leaves", "hits", "hit_tokens",
@@ -110,10 +120,16 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
     real_step = gen.step
 
     def timed_step() -> bool:
-        before, s = gen.stats["graph_steps"], time.perf_counter()
+        # a call is booked by the step it applied (asynchronous scheduling: a call may only
+        # launch a step, applied by the next call, or apply one and launch the next)
+        prof = gen.profile
+        before, s = (prof["mixed_steps"], prof["decode_steps"]), time.perf_counter()
         busy = real_step()
-        if gen.stats["graph_steps"] > before or busy:
-            step_s["decode" if gen.stats["graph_steps"] > before else "mixed"].append(time.perf_counter() - s)
+        took = time.perf_counter() - s
+        if prof["mixed_steps"] > before[0]:
+            step_s["mixed"].append(took)
+        elif prof["decode_steps"] > before[1]:
+            step_s["decode"].append(took)
         return busy
 
     gen.step = timed_step
@@ -285,6 +301,115 @@ def build_workload(name: str, w: dict, vocab: int, seed: int) -> dict:
     return {"prompts": prompts, "ideal_computed": ideal}
 
 
+# -- tensor parallelism (issue 19): --tp N under torchrun ------------------------------------------
+def tp_bench(p, args) -> int:
+    """``torchrun --nproc-per-node N tools/bench_serve.py --model qwen2-7b --tp N`` (``--tp 1``
+    without torchrun for the comparison): the default workload (256 requests x (512 + 256),
+    all arriving together, greedy, prefix cache off) through ``Generator(tp=N)``, then HF
+    ``generate_batch`` on the same sharded model. Reports tokens/s and rank 0's host time per
+    step (wall time of ``step()``, and the host phases of ``Generator.profile`` when present);
+    rank 0 writes ``benchmarks/results/serve-tp{N}-{model}-{date}.json``.
+
+    HF's comparison: ``from_pretrained(..., tp_plan="auto")`` needs a checkpoint and
+    ``accelerate``; the random model is sharded instead with the same plan through the same
+    transformers API (``cellcache.tp.shard_model``: ``prepare_distribute_model`` +
+    ``maybe_distribute_model``, what ``tp_plan="auto"`` applies), then served by its
+    ``generate_batch`` with SDPA attention."""
+    import torch
+
+    from cellcache.generate import Generator, Sampling, random_model
+    from cellcache.generate.cli import init_tp
+
+    device = args.device
+    if device == "cuda" and (code := require_gpu("bench_serve")) is not None:
+        return code
+    try:
+        rank, world, place = init_tp(args.tp, device)
+    except ValueError as e:
+        p.error(str(e))
+    w = dict(WORKLOADS["default"], max_batch_tokens=2048, prefill_chunk=512)
+    if args.quick:
+        w.update(QUICK["default"], max_batch_tokens=64, prefill_chunk=32)
+    for key in ("requests", "prompt_len", "new_tokens", "max_batch_tokens", "prefill_chunk"):
+        if getattr(args, key) is not None:
+            w[key] = getattr(args, key)
+    n, plen, new = w["requests"], w["prompt_len"], w["new_tokens"]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = random_model(args.model, dtype, place, args.seed)
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, model.config.vocab_size, size=plen).tolist() for _ in range(n)]
+    capacity = n * (plen + new) + 4096
+
+    def serve(batch: list, new_tokens: int) -> dict:
+        gen = Generator(model, capacity=capacity, max_batch_tokens=w["max_batch_tokens"],
+                        max_seqs=len(batch) + 8, prefill_chunk=w["prefill_chunk"], eos=[],
+                        prefix_cache=False, tp=world if world > 1 else None)
+        sampling = Sampling(max_new_tokens=new_tokens)
+        for prompt in batch if rank == 0 else []:
+            gen.add(prompt, sampling)
+        step_s: list[float] = []
+        _sync(device)
+        t0 = time.perf_counter()
+        while True:
+            s = time.perf_counter()
+            busy = gen.step()
+            step_s.append(time.perf_counter() - s)
+            if not busy:
+                break
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        st = gen.stats
+        res = {"seconds": elapsed, "tokens_out": st["tokens_out"], "tokens_per_s": st["tokens_out"] / elapsed,
+               "steps": st["steps"], "graph_steps": st["graph_steps"],
+               "step_ms_median": 1e3 * statistics.median(step_s), "step_ms_mean": 1e3 * elapsed / len(step_s)}
+        prof = getattr(gen, "profile", None)
+        if isinstance(prof, dict) and prof.get("steps"):
+            host = {k: v for k, v in prof["host_ms"].items() if k != "wait"}
+            res["host_ms_per_step"] = sum(host.values()) / prof["steps"]
+            res["host_ms_by_phase"] = {k: v / prof["steps"] for k, v in host.items()}
+            if prof.get("decode_steps"):
+                res["decode_host_ms_per_step"] = sum(
+                    v for k, v in prof["decode_host_ms"].items() if k != "wait") / prof["decode_steps"]
+        gen.cache.close()
+        return res
+
+    res: dict = {"date": _dt.date.today().isoformat(), "command": " ".join(sys.argv),
+                 "workload": {"model": args.model, "device": device, "tp": world, "requests": n,
+                              "prompt_len": plen, "new_tokens": new, "capacity": capacity,
+                              "max_batch_tokens": w["max_batch_tokens"], "prefill_chunk": w["prefill_chunk"]}}
+    if rank == 0:
+        log(f"[serve-tp] tp={world} {args.model}: warm-up")
+    serve(prompts[:8], 8)                                         # kernels, graphs
+    res["cellcache"] = serve(prompts, new)
+    if rank == 0:
+        r = res["cellcache"]
+        host = r.get("host_ms_per_step", float("nan"))
+        log(f"[serve-tp] cellcache tp={world}: {r['tokens_per_s']:.0f} tokens/s, "
+            f"step median {r['step_ms_median']:.2f} ms, host/step {host:.3f} ms")
+    if "hf-batch" not in set(filter(None, args.skip.split(","))):
+        try:
+            hf_batch(model, prompts[:4], 4, device)                 # warm-up
+            hf = hf_batch(model, prompts, new, device)
+            res["hf-batch"] = {k: v for k, v in hf.items() if k != "outputs"}
+            res["hf-batch"]["how"] = ("transformers' TP plan (prepare_distribute_model + "
+                                      "maybe_distribute_model)" if world > 1 else "one process")
+        except Exception as e:  # noqa: BLE001 - reported
+            res["hf-batch"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        if rank == 0 and "tokens_per_s" in res["hf-batch"]:
+            log(f"[serve-tp] HF generate_batch tp={world}: {res['hf-batch']['tokens_per_s']:.0f} tokens/s")
+    if rank == 0:
+        stem = f"serve-tp{world}-{args.model}-{res['date']}"
+        path = args.json or ROOT / "benchmarks" / "results" / f"{stem}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=2, default=str) + "\n")
+        print(json.dumps(res, indent=2, default=str))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
 def main(argv=None) -> int:
     p = Parser(prog="bench_serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
@@ -315,9 +440,17 @@ def main(argv=None) -> int:
                         "completed requests at, the same offered load)")
     p.add_argument("--skip", default="",
                    help="comma-separated runs to skip: off, staggered, hf-batch, hf-static")
+    p.add_argument("--async-steps", choices=["auto", "on", "off"], default="auto",
+                   help="asynchronous scheduling of decode steps (Generator(async_steps=)); auto: "
+                        "on with CUDA graphs")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--tp", type=in_range(1, 1 << 12), default=None,
+                   help="tensor parallelism (issue 19): N ranks under torchrun --nproc-per-node N "
+                        "(1: one process, the comparison); the default workload only")
     args = p.parse_args(argv)
+    if args.tp is not None:
+        return tp_bench(p, args)
     if args.rate is not None and not 0 < args.rate < float("inf"):
         p.error(f"--rate must be a finite number > 0, not {args.rate}")
     if args.device == "cuda" and (code := require_gpu("bench_serve")) is not None:
@@ -329,7 +462,7 @@ def main(argv=None) -> int:
     if args.model not in RANDOM_MODELS:
         p.error(f"--model {args.model!r} is not one of {', '.join(sorted(RANDOM_MODELS))}")
     name = args.workload
-    w = dict(WORKLOADS[name])
+    w: dict[str, Any] = dict(WORKLOADS[name])
     w.update(max_batch_tokens=2048, prefill_chunk=2048 if name == "shared" else 512)
     if args.quick:
         w.update(QUICK[name], max_batch_tokens=64, prefill_chunk=32)
@@ -337,6 +470,7 @@ def main(argv=None) -> int:
                 "max_batch_tokens", "prefill_chunk"):
         if getattr(args, key) is not None:
             w[key] = getattr(args, key)
+    w["async_steps"] = {"auto": None, "on": True, "off": False}[args.async_steps]
     skip = set(filter(None, args.skip.split(",")))
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -457,6 +591,10 @@ def main(argv=None) -> int:
                   f"{r['mixed_step_ms_median']:.2f}), {r['decode_steps']} decode steps "
                   f"{r['decode_step_ms_total']:.0f} ms (median {r['decode_step_ms_median']:.2f}), "
                   f"prepare_step {r['prepare_step_host_us_median']:.0f} us (median)")
+        if "decode_host_us_per_step" in r:
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in r["decode_host_us_per_step"].items())
+            print(f"{key}: host per decode step {r['decode_host_us_per_step_total']:.0f} us "
+                  f"(async_steps={r['async_steps']}): {parts} (wait: blocked on the device)")
 
     targets = []
     ideal = work["ideal_computed"]
@@ -486,6 +624,10 @@ def main(argv=None) -> int:
             f"; inter-token p50 {r['itl_ms_p50']:.2f} ms, p99 {r['itl_ms_p99']:.2f} ms"
         print(f"TTFT: p50 {r['ttft_ms_p50']:.1f} ms, p99 {r['ttft_ms_p99']:.1f} ms over "
               f"{r['turns_done']} turns{itl}")
+    if bd and "decode_host_us_per_step_total" in res["cellcache"]:
+        host_us, gpu_us = res["cellcache"]["decode_host_us_per_step_total"], 1e3 * bd["forward_ms"]
+        targets.append((host_us <= 0.1 * gpu_us, f"host time per decode step <= 10% of its GPU time "
+                        f"({host_us:.0f} us vs a {gpu_us:.0f} us forward: {100 * host_us / gpu_us:.1f}%)"))
     for ok, text in targets:
         print(f"target {'met ' if ok else 'MISSED'}: {text}")
     res["targets"] = [{"met": ok, "target": text} for ok, text in targets]

@@ -41,7 +41,10 @@ sequence's next token and chunks of prompts still being read, in one forward. Ar
 - threads: one thread steps a Generator (another stepping thread, or ``step()`` from
   inside a callback, gets ``InvalidState``); :meth:`Generator.add` and
   :meth:`Generator.cancel` are safe from any thread;
-- on CUDA, decode steps replay a CUDA graph of their padded width (:class:`cellcache.hf.ModelRunner`);
+- on CUDA, decode steps replay a CUDA graph of their padded width (:class:`cellcache.hf.ModelRunner`),
+  and run asynchronously (``async_steps``): the next decode step is planned, prepared and
+  launched on the previous one's sampled ids, on the device, before they reach the host;
+  outputs are the synchronous generator's, token for token;
 - latency: every token's time is kept (``Request.token_times``): :meth:`Generator.latency`
   gives time to first token and inter-token latency p50/p99.
 

@@ -1,11 +1,22 @@
 """``cellcache generate``: serve a Hugging Face decoder (a local checkpoint, or random
 weights from :data:`RANDOM_MODELS`) through the Generator from the command line; ``--json``
-reports outputs, stats and latency (TTFT, inter-token p50/p99)."""
+reports outputs, stats and latency (TTFT, inter-token p50/p99).
+
+Tensor parallelism: ``torchrun --nproc-per-node N -m cellcache generate --tp N ...`` runs one
+process per rank; each joins the process group from torchrun's environment (``gloo`` on the
+CPU, ``nccl`` on CUDA with the device ``cuda:LOCAL_RANK``), shards the model with its own
+TP plan and serves through ``Generator(tp=N)``; only rank 0 adds the requests and prints.
+Several nodes work the same way through torchrun's rendezvous (``torchrun --nnodes M
+--nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m cellcache generate --tp
+M*G ...``; untested here). Without torchrun ``--tp 1`` (the default) is one process.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -35,17 +46,30 @@ RANDOM_MODELS = {
     "qwen2-0.5b": dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                        num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                        max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True),
+    # issue 19's tensor-parallel target: Qwen2-7B's shapes
+    "qwen2-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                     max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False),
 }
 
 
+#: Built-in models initialized directly on their device (too large to fill on the CPU first).
+_INIT_ON_DEVICE = frozenset({"qwen2-7b"})
+
+
 def random_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
-    """A model with random weights from a built-in config (no download)."""
+    """A model with random weights from a built-in config (no download). The same name, dtype,
+    device type and seed give the same weights in every process (tensor-parallel ranks rely
+    on it)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(RANDOM_MODELS[name])
     arch = str(spec.pop("arch"))
     config = AutoConfig.for_model(arch, **spec)
     torch.manual_seed(seed)
+    if name in _INIT_ON_DEVICE:
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.to(device).eval()
 
@@ -54,6 +78,41 @@ def _one_line(e: BaseException) -> str:
     """An exception as one line (CLI errors are one line)."""
     text = " ".join(str(e).split())
     return text or type(e).__name__
+
+
+#: What torchrun sets for every process it starts.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_tp(tp: int, device: str) -> tuple[int, int, str]:
+    """Joins the process group torchrun describes for ``--tp``; returns (rank, world, the
+    device for this rank's model: ``cuda:LOCAL_RANK`` or ``cpu``). ``--tp 1`` outside
+    torchrun: (0, 1, device), nothing joined. A usage problem raises ValueError (one line)."""
+    env_world = os.environ.get("WORLD_SIZE")
+    if tp == 1 and (env_world is None or env_world == "1"):
+        return 0, 1, device
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        raise ValueError(f"--tp {tp} needs one process per rank started by torchrun (no "
+                         f"{', '.join(missing)} in the environment): torchrun --nproc-per-node {tp} "
+                         f"-m cellcache generate ... --tp {tp}")
+    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if world != tp:
+        raise ValueError(f"--tp {tp} but torchrun started {world} processes: give --tp {world} "
+                         f"(or --nproc-per-node {tp})")
+    if device == "cuda":
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK {local} but this host has {torch.cuda.device_count()} "
+                             "GPUs: start at most that many processes per node")
+        torch.cuda.set_device(local)
+        place = f"cuda:{local}"
+    else:
+        place = "cpu"
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=float(os.environ.get("CELLCACHE_TP_TIMEOUT", "600")))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timeout)
+    return dist.get_rank(), world, place
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="read every prompt whole (no reuse of cached prefixes)")
     p.add_argument("--admission", choices=list(ADMISSION_POLICIES), default="fifo",
                    help="waiting requests in arrival order, or longest cached prefix first (lpm)")
+    p.add_argument("--tp", type=in_range(1, 1 << 12), default=1,
+                   help="tensor-parallel ranks: run under torchrun --nproc-per-node N (default 1)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
@@ -121,17 +182,36 @@ def main(argv: list[str] | None = None) -> int:
                                     args.capacity)
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    try:
+        rank, world, place = init_tp(args.tp, device)
+    except ValueError as e:
+        if os.environ.get("RANK", "0") != "0":       # printed once, by rank 0
+            sys.exit(2)
+        p.error(str(e))
+    try:
+        return _serve(p, args, texts, device, place, dtype, rank, world)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _serve(p: Parser, args: Any, texts: list[str], device: str, place: Any, dtype: torch.dtype,
+           rank: int, world: int) -> int:
+    """Everything after the process group: load, add (rank 0), run, print (rank 0)."""
+    if rank != 0:                                     # the same usage errors, printed once
+        p.error = lambda message: sys.exit(2)  # type: ignore[method-assign]
     tokenizer = None
     try:
         if args.random:
-            model = random_model(args.random, dtype, device, args.seed)
+            model = random_model(args.random, dtype, place, args.seed)
         else:
-            import os
-
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(place).eval()
             try:
                 tokenizer = AutoTokenizer.from_pretrained(args.model)
             except (OSError, ValueError):
@@ -162,23 +242,26 @@ def main(argv: list[str] | None = None) -> int:
         gen = Generator(model, capacity=args.capacity, max_batch_tokens=args.max_batch_tokens,
                         max_seqs=min(4096, max(64, 2 * len(prompts) * args.n)),
                         graphs=False if args.no_graphs else None,
-                        prefix_cache=not args.no_prefix_cache, admission=args.admission)
+                        prefix_cache=not args.no_prefix_cache, admission=args.admission,
+                        tp=world if world > 1 else None)
     except (CellCacheError, MemoryError) as e:
         p.error(f"cannot serve this model with --capacity {args.capacity} on {device}: {_one_line(e)}")
     sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, n=args.n)
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(prompts if rank == 0 else []):     # the other ranks follow rank 0
         try:
             gen.add(ids, sampling)
         except InvalidArgument as e:
             p.error(f"prompt {i}: {_one_line(e)}")
     t0 = time.perf_counter()
     try:
-        gen.run(progress=not args.quiet)
+        gen.run(progress=not args.quiet and rank == 0)
     except KeyboardInterrupt:
         print("cellcache generate: interrupted", file=sys.stderr)
         return 130
     elapsed = time.perf_counter() - t0
+    if rank != 0:
+        return 0
     out_tokens = gen.stats["tokens_out"]
     results = []
     for r in gen.requests:
@@ -191,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer is not None:
             item["text"] = [tokenizer.decode(o) for o in r.outputs]
         results.append(item)
-    summary = {"model": args.model or args.random, "device": device, "requests": len(prompts),
+    summary = {"model": args.model or args.random, "device": device, "tp": world, "requests": len(prompts),
                "tokens_out": out_tokens, "seconds": elapsed, "tokens_per_s": out_tokens / elapsed,
                "prefix_cache": gen.prefix is not None, "admission": args.admission,
                "max_batch_tokens": gen.max_batch, **gen.stats, "latency": gen.latency()}

@@ -10,10 +10,26 @@ transaction per step, and keeps the threading rules.
              -> prepare_step -> forward -> commit -> sample (one D2H) -> decide
              -> update_from_output [Ctrl-C held] -> on_token callbacks (user code)
     failure before update: rollback(plan) and re-raise; a request's own code: "error"
+
+Asynchronous scheduling (``async_steps``, default on CUDA with graphs): a lean decode step
+(every running sequence's next token; nothing waiting, no drafts, forks or prompt chunks)
+is left in flight, and the next call overlaps the host with it::
+
+    step() with step N in flight:
+      schedule_decode(after=N)     rows: N's sequences but those N ends by length; no ids
+      prepare_step, forward(device_tokens = N's draws gathered on the device), commit,
+      sampler.launch               -> step N+1 in flight (its D2H copy queued)
+      land N: wait for N's one copy, apply (stops, streams, stats as the synchronous step)
+      drop from N+1 the rows of sequences N ended (stop, error, cancel): freed with them
+      on_token callbacks for N's tokens
+    anything else (waiting requests, drafts, prefill): N lands alone, the next call plans
+    synchronously. Failure launching N+1 or landing N: both roll back, the exception
+    propagates; stepping again recomputes them (same tokens: sampling is keyed, not stateful).
 """
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]
 import dataclasses
 import signal
 import sys
@@ -31,8 +47,11 @@ from ..errors import InvalidArgument, InvalidState
 from ..hf import attach, cache_config
 from ..prefix import PrefixCache
 from ..registry import build
+from ..tp import TPCache, shard_model
+from ..tp import build as tp_build
+from .distributed import RankSync, is_sharded, tp_world
 from .requests import Request, Sampling, latency_summary, real_number, token_ids
-from .sampler import Sampler, SamplerOutput
+from .sampler import Draw, Sampler, SamplerOutput
 from .scheduler import ADMISSION_POLICIES, Job, Outcome, PendingPrompts, Scheduler, Seq, StepPlan
 
 __all__ = ["Generator"]
@@ -43,6 +62,27 @@ _PREFIX_OPTIONS = ("policy", "max_seqs", "on_event")
 #: 8K rows keeps an H200 busy through the prefill kernels; the CPU defaults stay small.
 CUDA_BATCH_TOKENS, CUDA_PREFILL_CHUNK = 8192, 2048
 CPU_BATCH_TOKENS, CPU_PREFILL_CHUNK = 512, 256
+
+
+#: The phases of :attr:`Generator.profile`: choosing the rows (hand-overs, drafts,
+#: ``schedule()``), the cache's ``prepare_step``, the forward's launch (and ``commit_step``),
+#: the sampler's launch, waiting for the step's one host copy (the device's time, not the
+#: host's), deciding and applying the outcomes, the ``on_token`` callbacks and hand-overs.
+PHASES = ("schedule", "prepare", "forward", "sample", "wait", "update", "callbacks")
+
+
+@dataclasses.dataclass(eq=False)
+class _Flight:
+    """A launched step: its plan, its draws (ids on the device at once, on the host after
+    their copy), whether it replays a graph, its host phases so far."""
+
+    plan: StepPlan
+    draw: Draw
+    graph: bool
+    prof: dict[str, float]
+
+
+_SIGINT = int(signal.SIGINT)
 
 
 class _HoldInterrupts:
@@ -57,15 +97,17 @@ class _HoldInterrupts:
     def _handler(self, signum: int, frame: Any) -> None:
         self.hit = True
 
+    # _signal: the functions behind the signal module's, without its enum conversions (which
+    # cost tens of microseconds a call, twice a step)
     def __enter__(self) -> _HoldInterrupts:
         if threading.current_thread() is threading.main_thread() \
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._old = signal.signal(signal.SIGINT, self._handler)
+                and _signal.getsignal(_SIGINT) is signal.default_int_handler:
+            self._old = _signal.signal(_SIGINT, self._handler)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+            _signal.signal(_SIGINT, self._old)
             self._old = None
 
 
@@ -109,6 +151,17 @@ class Generator:
     first; FIFO without a prefix cache). Call ``gen.prefix.clear()`` only while nothing
     runs (pins of running requests go with it).
 
+    ``tp`` (tensor parallelism, :mod:`cellcache.generate.distributed` has the picture):
+    under an initialized ``torch.distributed`` process group, ``tp=True`` (or the world
+    size) shards the model with its own TP plan (:func:`cellcache.tp.shard_model`, unless
+    its weights are DTensors already), builds the cache through :func:`cellcache.tp.build`
+    (``cache``: None, or a :class:`cellcache.tp.TPCache`) and attaches to the rank's shard.
+    Every rank builds the Generator the same way and calls :meth:`step` / :meth:`run` in
+    lockstep (``gen.run()`` on every rank); requests are added and cancelled on rank 0 only
+    and join every rank at the next step boundary; rank 0 draws the tokens and broadcasts
+    them; ``on_token`` runs on rank 0 only; every rank's requests end with the same outputs.
+    ``gen.tp`` (``rank``, ``world``) is None in one process.
+
     ``stats``: ``steps``, ``tokens_in`` (every row fed), ``tokens_out``, ``preempted``,
     ``forks``, ``drafted``, ``accepted``, ``graph_steps``, and for prompts ``prompt_tokens``
     (each request's prompt, counted at its first admission), ``cached_tokens`` (tokens an
@@ -117,6 +170,17 @@ class Generator:
     preemption, no fork waiting for an id) ``prompt_tokens == cached_tokens +
     computed_tokens``. :meth:`latency` summarizes time to first token and inter-token
     latency.
+
+    ``async_steps`` (default: on when the model runs on CUDA with graphs; False keeps every
+    step synchronous): a decode step is left in flight on the device while the next one is
+    planned, prepared and launched on its sampled ids (fed on the device); its tokens are
+    applied, and its ``on_token`` callbacks run, in the next :meth:`step` call, so outputs
+    lag the device by one step and :meth:`step` returns True while a step is in flight.
+    Outputs, finish reasons, streams and ``stats`` are the synchronous generator's, token
+    for token (steps with drafts, forks, prompt chunks or waiting requests run
+    synchronously). A request cancelled while a step carrying it is in flight loses that
+    step's token, as a cancel during a synchronous step does. ``profile``: host time per
+    phase (:data:`PHASES`), summed in ms, for every step and by kind (decode/mixed).
 
     One thread steps a Generator: :meth:`step` (and :meth:`run`) from a second thread while
     a step runs, or from inside an ``on_token``/``draft`` callback, raises InvalidState
@@ -137,7 +201,8 @@ class Generator:
                  prefill_chunk: int | None = None, graphs: bool | None = None,
                  buckets: list[int] | None = None, eos: Sequence[int] | None = None,
                  reserve: float = 1.0, prefix_cache: bool | PrefixCache | Mapping[str, Any] = True,
-                 admission: str = "fifo", clock: Callable[[], float] | None = None):
+                 admission: str = "fifo", clock: Callable[[], float] | None = None,
+                 tp: bool | int | None = None, async_steps: bool | None = None):
         on_cuda = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
         if max_batch_tokens is None:
             max_batch_tokens = min(CUDA_BATCH_TOKENS if on_cuda else CPU_BATCH_TOKENS, capacity) \
@@ -154,7 +219,18 @@ class Generator:
             eos_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
             eos = [eos_id] if isinstance(eos_id, int) else list(eos_id or [])
         eos_ids = token_ids(eos, "eos", None, allow_empty=True)
-        if cache is not None and not isinstance(cache, CellCache):
+        # -- tensor parallelism (cellcache.generate.distributed): shard, build over the ranks --
+        world = tp_world(tp if tp is not None or not isinstance(cache, TPCache) else True)
+        if world is not None:
+            if cache is not None and not isinstance(cache, TPCache):
+                raise InvalidArgument(f"with tp={tp!r} the cache must be a cellcache.tp.TPCache "
+                                      f"(or None: built here), not {type(cache).__name__}")
+            if not is_sharded(model):
+                model = shard_model(model)
+        elif isinstance(cache, TPCache):
+            raise InvalidArgument(f"a TPCache needs tp=True (its world has {cache.world} ranks)")
+        # -- end tensor parallelism --
+        if cache is not None and not isinstance(cache, (CellCache, TPCache)):
             raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
         if not isinstance(admission, str) or admission not in ADMISSION_POLICIES:
             raise InvalidArgument(f"admission={admission!r} is not one of {', '.join(ADMISSION_POLICIES)}")
@@ -162,7 +238,7 @@ class Generator:
         given: PrefixCache | None = None
         if isinstance(prefix_cache, PrefixCache):
             given = prefix_cache
-            if cache is None and isinstance(given.cache, CellCache):
+            if cache is None and isinstance(given.cache, (CellCache, TPCache)):
                 cache = given.cache
             if given.cache is not cache:
                 raise InvalidArgument("prefix_cache is a PrefixCache over another cache; give one "
@@ -187,7 +263,8 @@ class Generator:
                 prefix_opts.setdefault("max_seqs", max_seqs)
                 ids += prefix_opts["max_seqs"]
             cfg = cache_config(model, capacity=capacity, max_write=max_batch_tokens, max_seqs=ids)
-            cache = build("cuda" if model.device.type == "cuda" else "host", "batched", cfg)
+            backend = "cuda" if model.device.type == "cuda" else "host"
+            cache = build(backend, "batched", cfg) if world is None else tp_build(backend, "batched", cfg)
         if prefix_opts is not None:                    # refused here before the model is touched
             if "max_seqs" not in prefix_opts:           # half the ids nobody holds yet
                 left = cache.max_seqs - len(cache.live_seqs())
@@ -195,7 +272,8 @@ class Generator:
             prefix_opts["max_seqs"] = min(prefix_opts["max_seqs"], cache.max_seqs)
             given = PrefixCache(cache, **prefix_opts)
         self.model, self.cache = model, cache
-        self.runner = attach(model, cache, graphs=graphs, buckets=buckets)
+        self.runner = attach(model, cache.local if isinstance(cache, TPCache) else cache,
+                             graphs=graphs, buckets=buckets)
         self.clock: Callable[[], float] = clock or time.perf_counter
         self.vocab: int = self.runner.vocab
         self.max_batch = cache.config.max_write
@@ -221,6 +299,25 @@ class Generator:
         self._phase: str | None = None         # "draft" / "deliver": callbacks are running
         self._drawn: SamplerOutput | None = None   # the step's draws, while it is decided
         self.stream = torch.cuda.current_stream(self.runner.device) if self.runner.cuda else None
+        #: The ranks' lockstep under tensor parallelism (``tp.rank``, ``tp.world``), or None.
+        self.tp: RankSync | None = RankSync(self, cache) if isinstance(cache, TPCache) else None
+        # -- asynchronous scheduling and the host profile --
+        if async_steps is not None and not isinstance(async_steps, (bool, np.bool_)):
+            raise InvalidArgument(f"async_steps of type {type(async_steps).__name__} is not a bool or None")
+        #: Whether a lean decode step is left in flight and the next one launched on its ids
+        #: (on the device) before they reach the host (default: on CUDA with graphs).
+        self.async_steps = bool(self.runner.cuda and self.runner.graphs_enabled) \
+            if async_steps is None else bool(async_steps)
+        self._flight: _Flight | None = None       # the step on the device, not applied yet
+        self._landed: _Flight | None = None       # the step applied by this call, to book
+        self._prof: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._drawn_ids: np.ndarray | None = None
+        #: Host time by phase (:data:`PHASES`), in ms summed over the steps applied, for all
+        #: steps, decode-only ones and mixed ones, and the step counts.
+        self.profile: dict[str, Any] = {
+            "steps": 0, "decode_steps": 0, "mixed_steps": 0,
+            "host_ms": dict.fromkeys(PHASES, 0.0), "decode_host_ms": dict.fromkeys(PHASES, 0.0),
+            "mixed_host_ms": dict.fromkeys(PHASES, 0.0)}
 
     # -- what the scheduler holds, by their old names ------------------------------------------------
     @property
@@ -283,6 +380,8 @@ class Generator:
         output token but the last, ``len(prompt) + max_new_tokens - 1`` cells (and as many
         paged-view entries, ``max_kv``).
         """
+        if self.tp is not None:                        # rank 0 only, no drafts; guarded callback
+            on_token = self.tp.adding(on_token, draft)
         ids = token_ids(prompt, "prompt", self.vocab)
         if sampling is None:
             sampling = Sampling()
@@ -338,6 +437,8 @@ class Generator:
         if job is None or job.req is not request:
             shown = f"request {request.id}" if isinstance(request, Request) else type(request).__name__
             raise InvalidArgument(f"{shown} is not a Request of this Generator")
+        if self.tp is not None:                        # rank 0 queues it for the next boundary
+            return self.tp.cancel(job)
         if request.done:
             return False
         if self._stepping == threading.get_ident():
@@ -358,11 +459,21 @@ class Generator:
 
     @property
     def busy(self) -> bool:
-        """Whether a request is waiting or running."""
-        return bool(self.waiting or self.running or self._incoming)
+        """Whether a request is waiting or running, or a step is in flight."""
+        return bool(self.waiting or self.running or (self._incoming and self.tp is None)
+                    or self._flight is not None)
 
-    def _drain(self) -> None:
-        """Queues requests added, and applies cancels made, while a step ran (state lock held)."""
+    def _drain(self, boundary: bool = False) -> None:
+        """Queues requests added, and applies cancels made, while a step ran (state lock held).
+        Under tensor parallelism only at a step's start and end (``boundary``), agreed."""
+        if self.tp is not None:                        # rank 0's hand-overs, agreed (distributed.py)
+            if boundary:
+                with self._queue_lock:
+                    incoming, self._incoming = self._incoming, []
+                self.tp.handover(incoming)
+            return
+        if not (self._incoming or self._cancels):   # (one appended meanwhile waits a drain)
+            return
         with self._queue_lock:
             incoming, self._incoming = self._incoming, []
             cancels, self._cancels = self._cancels, []
@@ -401,6 +512,11 @@ class Generator:
         (main thread, Python's default SIGINT handler). An exception from a prefix cache's
         ``on_event`` callback is raised the same way, once the step is complete.
 
+        With ``async_steps`` a decode step may be left in flight: this call then applies the
+        previous one (and runs its callbacks) after launching the next; a failure launching
+        the next step or landing the previous one rolls both back (every sequence back to
+        its applied tokens) and propagates.
+
         Raises InvalidState, changing nothing, when called from inside a callback of a step
         or while another thread is stepping this generator.
         """
@@ -424,20 +540,34 @@ class Generator:
 
     def _step(self) -> bool:
         errors: list[BaseException] = []
-        self._drain()
-        self._phase = "draft"
-        self._propose(errors)
-        self._phase = None
-        with _HoldInterrupts() as held:
-            plan = self._schedule()
-        if held.hit:
-            if plan is not None:
-                self.scheduler.rollback(plan, False)
-            raise KeyboardInterrupt
+        self._prof = dict.fromkeys(PHASES, 0.0)
+        self._landed = None
+        t = time.perf_counter()
+        self._drain(boundary=True)
+        flight = self._flight
         events: list[tuple[Job, int, int]] = []
         interrupted = False
-        if plan is not None:
-            events, interrupted = self._execute(plan, errors)
+        plan: StepPlan | None = None
+        if flight is not None:                        # asynchronous: a step is on the device
+            events, interrupted = self._step_ahead(flight, errors, t)
+        else:
+            self._phase = "draft"
+            self._propose(errors)
+            self._phase = None
+            with _HoldInterrupts() as held:
+                plan = self._schedule()
+            if held.hit:
+                if plan is not None:
+                    self.scheduler.rollback(plan, False)
+                raise KeyboardInterrupt
+            t = self._tick("schedule", t)
+            if plan is not None:
+                flight = self._launch(plan)
+                if self.async_steps and plan.lean:    # left in flight: applied next step
+                    self._flight = flight
+                else:
+                    events, interrupted = self._land(flight, errors)
+        t = time.perf_counter()
         self._drain()                                 # cancels made by other threads meanwhile
         self._phase = "deliver"
         for job, k, tok in events:
@@ -449,7 +579,11 @@ class Generator:
             except BaseException as e:                # the request's own code
                 self._fail(job, e, k, errors)
         self._phase = None
-        self._drain()                                 # and while the callbacks ran
+        self._drain(boundary=True)                    # and while the callbacks ran
+        self._tick("callbacks", t)
+        if self._landed is not None and self._landed.plan.rows:
+            self._book(self._landed)
+            self._landed = None
         if interrupted:                               # held back while the step was applied
             raise KeyboardInterrupt
         later = self.scheduler.later
@@ -458,7 +592,7 @@ class Generator:
             later.clear()
         if errors:
             raise errors[0]
-        return plan is not None or self.busy
+        return plan is not None or self._flight is not None or self.busy
 
     def _schedule(self) -> StepPlan | None:
         """The scheduler's plan for this step (declared), or None."""
@@ -478,10 +612,14 @@ class Generator:
     def _propose(self, errors: list[BaseException]) -> None:
         """Asks each decoding request's draft callable for proposals (user code)."""
         for s in list(self.running):
-            s.drafts = []
             job = s.job
             r = job.req
-            if job.closed or s.sid is None or r.draft is None or len(s.tokens) - s.in_cache != 1:
+            if r.draft is None:                       # the common case: nothing to reset or ask
+                if s.drafts:
+                    s.drafts = []
+                continue
+            s.drafts = []
+            if job.closed or s.sid is None or len(s.tokens) - s.in_cache != 1:
                 continue
             if r.sampling.n > 1 and not job.forked:   # its first token forks: no verify row
                 continue
@@ -499,34 +637,145 @@ class Generator:
             s.drafts = drafts[:k]
             self.stats["drafted"] += len(s.drafts)
 
-    def _execute(self, plan: StepPlan, errors: list[BaseException]
-                 ) -> tuple[list[tuple[Job, int, int]], bool]:
-        """Prepares, runs and samples the declared step, then applies it; rolls back and
-        re-raises if anything but a request's own sampling fails first. Returns the tokens
-        to deliver and whether an interrupt was held back while applying."""
+    def _tick(self, phase: str, t: float) -> float:
+        """Adds the time since ``t`` to ``phase`` of this step's profile; returns now."""
+        now = time.perf_counter()
+        self._prof[phase] += now - t
+        return now
+
+    def _book(self, flight: _Flight) -> None:
+        """Adds a landed step's phases to :attr:`profile`."""
+        p = self.profile
+        kind = "decode" if flight.plan.decode_only else "mixed"
+        p["steps"] += 1
+        p[f"{kind}_steps"] += 1
+        for totals in (p["host_ms"], p[f"{kind}_host_ms"]):
+            for k, v in flight.prof.items():
+                totals[k] += 1e3 * v
+
+    def _step_ahead(self, flight: _Flight, errors: list[BaseException], t: float
+                    ) -> tuple[list[tuple[Job, int, int]], bool]:
+        """Asynchronous scheduling, with ``flight`` (a lean decode step) on the device: the
+        next step is scheduled, prepared and launched on ``flight``'s sampled ids (on the
+        device) when nothing but decoding is going on; then ``flight`` lands (its one host
+        copy, outcomes applied, ended sequences' rows dropped from the next step)."""
+        sched = self.scheduler
+        nxt: _Flight | None = None
+        if not self.waiting:                          # (running: among the flight's rows)
+            with _HoldInterrupts() as held:
+                plan = sched.schedule_decode(after=flight.plan)
+            if held.hit or plan is None:
+                if plan is not None:
+                    sched.rollback(plan, False)
+                if held.hit:
+                    self._flight = None
+                    sched.rollback(flight.plan, False)
+                    raise KeyboardInterrupt
+            else:
+                self._prof = dict.fromkeys(PHASES, 0.0)   # the next step's phases from here
+                t = self._tick("schedule", t)
+                try:
+                    nxt = self._launch(plan, flight)
+                except BaseException:                 # the step in flight goes back too
+                    self._flight = None
+                    sched.rollback(flight.plan, False)
+                    raise
+        self._flight = nxt
+        try:
+            events, interrupted = self._land(flight, errors, nxt)
+        except BaseException:                         # `flight` was rolled back: `nxt` too
+            self._flight = None
+            if nxt is not None:
+                sched.rollback(nxt.plan, False)
+            raise
+        if nxt is not None:
+            sched.drop_ended(nxt.plan)                # sequences that ended in `flight`
+        return events, interrupted
+
+    def _launch(self, plan: StepPlan, after: _Flight | None = None) -> _Flight:
+        """Prepares, runs and samples the declared step without waiting for its ids;
+        rolls the step back and re-raises if anything fails. ``after``: the step in flight
+        whose ids (on the device) this one feeds."""
+        prof = self._prof
+        t = time.perf_counter()
         pad_to = None
         if plan.decode_only and self.runner.graphs_enabled:
-            pad_to = self.runner.bucket(len(plan.tokens))
+            pad_to = self.runner.bucket(len(plan.rows))
         decode = plan.decode_only and pad_to is not None
         prepared = committed = False
         try:
             step = self.cache.prepare_step(stream=self.stream, pad_to=pad_to)
             prepared = True
-            logits = self.runner.forward(step, plan.tokens, plan.logit_rows, decode=decode)
+            t = self._tick("prepare", t)
+            if after is None:
+                logits = self.runner.forward(step, plan.tokens, plan.logit_rows, decode=decode)
+            else:
+                logits = self.runner.forward(step, None, plan.logit_rows, decode=decode,
+                                             device_tokens=self._fed(plan, after))
             self.cache.commit_step()
             committed = True
-            self._drawn = self.sampler(logits, plan.spec)     # the step's one host sync
-            outcomes, failed = self.scheduler.decide(plan, self._drawn, self._sample)
+            t = self._tick("forward", t)
+            draw = self.sampler.launch(logits, plan.spec)
+            self._tick("sample", t)
         except BaseException:
             self.scheduler.rollback(plan, prepared and not committed)
             raise
+        return _Flight(plan, draw, decode, prof)
+
+    def _fed(self, plan: StepPlan, after: _Flight) -> torch.Tensor:
+        """The ids ``plan`` (scheduled ahead) feeds: ``after``'s draws of its sequences,
+        gathered on the device."""
+        ids = after.draw.device_ids
+        assert ids is not None
+        n = len(plan.seqs)
+        if n == len(after.plan.spec):                 # every row drawn goes on (slot i: row i)
+            return ids[:n]
+        # rows left out: those reaching max_new_tokens, and rows dropped from `after` itself
+        # once its own predecessor landed (its slots keep their numbers)
+        where = {id(s): slot for s, _, slot, _ in after.plan.owners}
+        index = torch.tensor([where[id(s)] for s in plan.seqs], dtype=torch.int64)
+        if ids.device.type == "cuda":
+            index = index.pin_memory().to(ids.device, non_blocking=True)
+        return ids.index_select(0, index)
+
+    def _hooked(self) -> bool:
+        """Whether ``_sample`` was replaced (tests hook it): the general outcome path runs."""
+        return "_sample" in self.__dict__ or type(self)._sample is not Generator._sample
+
+    def _land(self, flight: _Flight, errors: list[BaseException], nxt: _Flight | None = None
+              ) -> tuple[list[tuple[Job, int, int]], bool]:
+        """Waits for ``flight``'s ids, decides and applies its outcomes; a failure before
+        they are applied rolls ``flight`` back (``nxt``, launched after it, is the caller's)
+        and re-raises. Returns the tokens to deliver and whether an interrupt was held back
+        while applying."""
+        plan = flight.plan
+        self._prof = flight.prof
+        t = time.perf_counter()
+        sched = self.scheduler
+        lean = plan.lean and not self._hooked()
+        try:
+            self._drawn = flight.draw.result()        # the step's one host sync
+            t = self._tick("wait", t)
+            if not lean:
+                outcomes, failed = sched.decide(plan, self._drawn, self._sample)
+        except BaseException:
+            sched.rollback(plan, False)
+            raise
         finally:
+            self._drawn_ids = self._drawn.ids if self._drawn is not None else None
             self._drawn = None
         with _HoldInterrupts() as held:
-            self.scheduler.count_step(plan, decode)
-            for job, exc in failed:
-                self._fail(job, exc, None, errors)
-            events = self._apply(outcomes)
+            if plan.rows:                             # (an ahead step whose rows all ended: not one)
+                sched.count_step(plan, flight.graph)
+            if lean:
+                events = sched.apply_decode(plan, self._drawn_ids, deliver=False)
+            else:
+                for job, exc in failed:
+                    self._fail(job, exc, None, errors)
+                events = self._apply(outcomes)
+        self._drawn_ids = None
+        self._tick("update", t)
+        self._landed = flight
         return events, held.hit
 
     def run(self, progress: bool = False) -> list[Request]:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SampleSpec", "Sampler", "SamplerOutput", "uniforms"]
+__all__ = ["Draw", "SampleSpec", "Sampler", "SamplerOutput", "uniforms"]
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -80,6 +80,10 @@ class SampleSpec:
     position: list[int] = field(default_factory=list)
     draft: list[int] = field(default_factory=list)
     groups: list[tuple[int, int]] = field(default_factory=list)
+    #: set by a caller that knows: slot i draws from row i for ``dense`` rows (None: look)
+    dense: int | None = None
+    #: set by a caller that knows whether some slot has temperature > 0 (None: look)
+    random: bool | None = None
 
     def add(self, row: int, temperature: float, top_k: int, top_p: float, seed: int, index: int,
             position: int, draft: int = -1) -> int:
@@ -96,6 +100,16 @@ class SampleSpec:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def identity(self, n_rows: int) -> bool:
+        """Whether slot i draws from row i for every one of ``n_rows`` rows."""
+        if self.dense is not None:
+            return self.dense == n_rows
+        return len(self.rows) == n_rows and self.rows == list(range(n_rows))
+
+    def any_random(self) -> bool:
+        """Whether some slot samples (temperature > 0)."""
+        return self.random if self.random is not None else any(t > 0 for t in self.temperature)
 
 
 @dataclass
@@ -128,8 +142,11 @@ class Sampler:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.copies = 0
-        self._host: torch.Tensor | None = None      # pinned landing buffer (CUDA)
-        self._event: Any = None
+        # pinned landing buffers and their events (CUDA): two, used in turn, so a step's
+        # copy can be queued while the previous step's has not been read yet
+        self._host: list[torch.Tensor | None] = [None, None]
+        self._events: list[Any] = [None, None]
+        self._turn = 0
 
     def _up(self, values: Any, dtype: torch.dtype) -> torch.Tensor:
         t = torch.as_tensor(np.asarray(values), dtype=dtype)
@@ -140,17 +157,22 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, spec: SampleSpec) -> SamplerOutput:
         """Draws every slot of ``spec`` from ``logits`` (``[rows, vocab]``, on this sampler's
         device). Returns host arrays; the only host sync is their copy."""
+        return self.launch(logits, spec).result()
+
+    def launch(self, logits: torch.Tensor, spec: SampleSpec) -> Draw:
+        """Queues every draw of ``spec`` and the one device-to-host copy of the ids, without
+        waiting for them: :meth:`Draw.result` waits (asynchronous scheduling feeds
+        ``Draw.device_ids`` to the next step before that)."""
         n = len(spec)
         if n == 0:
-            return SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.int64))
-        rows = spec.rows
+            return Draw(SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.int64)))
         x = logits
-        if rows != list(range(logits.shape[0])):
-            x = logits.index_select(0, self._up(rows, torch.int64))
+        if not spec.identity(logits.shape[0]):
+            x = logits.index_select(0, self._up(spec.rows, torch.int64))
         ids = torch.argmax(x, dim=-1)
-        temps = np.asarray(spec.temperature, dtype=np.float64)
-        rand = np.flatnonzero(temps > 0)
-        if rand.size:
+        if spec.any_random():
+            temps = np.asarray(spec.temperature, dtype=np.float64)
+            rand = np.flatnonzero(temps > 0)
             tok = self._draw(x, spec, rand, temps)
             if rand.size == n:
                 ids = tok
@@ -159,8 +181,7 @@ class Sampler:
         out = ids
         if spec.groups:
             out = torch.cat([ids, self._accept(ids, spec)])
-        host = self._to_host(out)
-        return SamplerOutput(host[:n], host[n:], ids)
+        return self._copy_out(out, n, ids)
 
     def _draw(self, x: torch.Tensor, spec: SampleSpec, rand: np.ndarray, temps: np.ndarray) -> torch.Tensor:
         """Tokens of the random slots ``rand`` (host indexes into the spec)."""
@@ -207,17 +228,43 @@ class Sampler:
         acc = self._up(drafts, torch.int64)
         return acc.scatter_reduce(0, up[1], at, reduce="amin", include_self=True)
 
-    def _to_host(self, out: torch.Tensor) -> np.ndarray:
-        """The step's one device-to-host copy."""
+    def _copy_out(self, out: torch.Tensor, n: int, ids: torch.Tensor) -> Draw:
+        """The step's one device-to-host copy, queued: into one of two pinned buffers on
+        CUDA (a step and the one queued behind it), waited for by :meth:`Draw.result`."""
         self.copies += 1
         if not self.cuda:
-            return out.numpy().copy()
-        n = out.numel()
-        if self._host is None or self._host.numel() < n:
-            self._host = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
-            self._event = torch.cuda.Event()
-        host = self._host[:n]
+            host = out.numpy().copy()
+            return Draw(SamplerOutput(host[:n], host[n:], ids))
+        m = out.numel()
+        self._turn ^= 1
+        buf = self._host[self._turn]
+        if buf is None or buf.numel() < m:
+            buf = torch.empty(max(m, 1024), dtype=torch.int64, pin_memory=True)
+            self._host[self._turn] = buf
+            self._events[self._turn] = torch.cuda.Event()
+        event = self._events[self._turn]
+        host = buf[:m]
         host.copy_(out, non_blocking=True)
-        self._event.record(torch.cuda.current_stream(self.device))
-        self._event.synchronize()
-        return host.numpy().copy()
+        event.record(torch.cuda.current_stream(self.device))
+        return Draw(None, host, event, n, ids)
+
+
+class Draw:
+    """A launched :meth:`Sampler.launch`: ``device_ids`` (the drawn ids, on the device, at
+    once) and :meth:`result` (the host copy: waits for it the first time)."""
+
+    __slots__ = ("_out", "_host", "_event", "_n", "device_ids")
+
+    def __init__(self, out: SamplerOutput | None, host: torch.Tensor | None = None, event: Any = None,
+                 n: int = 0, device_ids: torch.Tensor | None = None):
+        self._out, self._host, self._event, self._n = out, host, event, n
+        self.device_ids = out.device_ids if out is not None else device_ids
+
+    def result(self) -> SamplerOutput:
+        if self._out is None:
+            assert self._host is not None
+            self._event.synchronize()
+            host = self._host.numpy().copy()
+            self._out = SamplerOutput(host[:self._n], host[self._n:], self.device_ids)
+            self._host = self._event = None
+        return self._out

@@ -42,6 +42,9 @@ __all__ = ["ADMISSION_POLICIES", "Job", "Outcome", "PendingPrompts", "Scheduler"
 #: ``"lpm"`` (longest cached prefix first, SGLang's policy; preempted sequences still first).
 ADMISSION_POLICIES = ("fifo", "lpm")
 _I32 = np.dtype(np.int32)
+#: a lean plan's feed of every row: one token (read only for its length; the values are in
+#: ``plan.tokens``, or on the device for a plan scheduled ahead)
+_ONE: list[int] = [0]
 
 #: Stats counters (every key starts at 0).
 STATS = ("steps", "tokens_in", "tokens_out", "preempted", "forks", "drafted", "accepted",
@@ -108,6 +111,13 @@ class StepPlan:
     owners: list[tuple[Seq, list[int], int | None, int]] = field(default_factory=list)
     children: dict[int, list[Seq]] = field(default_factory=dict)
     spec: SampleSpec = field(default_factory=SampleSpec)
+    # a lean decode step (:meth:`Scheduler.schedule_decode`): row i is seqs[i]'s next token,
+    # drawn at slot i; no drafts, forks, admissions or prompt chunks
+    lean: bool = False
+    seqs: list[Seq] = field(default_factory=list)
+    prompt_last: int = 0                  # lean rows that feed their prompt's last token
+    ahead: bool = False                   # scheduled before the previous step's ids arrived:
+    #                                       ``tokens`` is empty, the ids are fed on the device
 
 
 class PendingPrompts:
@@ -397,6 +407,10 @@ class Scheduler:
         evicts, preempts or ends a sequence, or declares a step: it returns. The plan
         depends only on the state after the previous step's update_from_output.
         """
+        if self.running and not self.waiting:
+            plan = self.schedule_decode()
+            if plan is not None:
+                return plan
         preempted = False
         while self.running or self.waiting:
             free = self.cache.free_cells
@@ -436,6 +450,142 @@ class Scheduler:
             else:
                 self.finish(self.waiting.pop(0), "capacity")
         return None
+
+    # -- the lean decode step ---------------------------------------------------------------------
+    def schedule_decode(self, after: StepPlan | None = None) -> StepPlan | None:
+        """The common step without the general planner: every running sequence feeds its
+        next token, nothing waits, no drafts or forks, and the free cells, the budget and
+        ``max_kv`` hold every row (so no eviction, preemption or admission would happen).
+        Returns the declared lean plan, exactly what :meth:`schedule` would plan, or None
+        when the general path is needed (nothing declared).
+
+        ``after``: a lean plan whose outcomes are not applied yet (asynchronous scheduling;
+        nothing was admitted since, so the running sequences are among its own): its
+        sequences still running each feed the token it is drawing (not known on the host: the plan's
+        ``tokens`` are None, the caller feeds the ids on the device), except those that
+        reach ``max_new_tokens`` with it. A sequence that ends on a stop token in ``after``
+        still has its row here; the caller drops it when ``after``'s ids arrive.
+        """
+        ahead = 0 if after is None else 1
+        seqs = self.running if after is None else after.seqs
+        n = len(seqs)
+        if not n or n > self.max_batch:
+            return None
+        cfg = self.cache.config
+        kv = cfg.max_kv if cfg.paged else 1 << 62
+        rows: list[Seq] = []
+        sids: list[int] = []
+        tokens: list[int] = []
+        random = False
+        last = 0
+        used = 0
+        for s in seqs:
+            job = s.job
+            req = job.req
+            sp = req.sampling
+            if after is None:
+                toks = s.tokens
+                if len(toks) - s.in_cache != 1 or s.drafts or (sp.n > 1 and not job.forked):
+                    return None
+                if len(toks) == len(req.prompt):
+                    last += 1
+                tokens.append(toks[-1])
+            else:
+                if job.closed or s.sid is None:
+                    continue                   # cancelled or failed meanwhile
+                if req.draft is not None:
+                    return None                # it will propose drafts: a synchronous step
+                if len(req.outputs[s.index]) + 1 >= sp.max_new_tokens:
+                    continue                   # ends by length in `after`
+            used += s.in_cache + ahead + 1
+            if used > kv:
+                return None
+            random |= sp.temperature > 0
+            rows.append(s)
+            sids.append(s.sid)                 # type: ignore[arg-type]
+        n = len(rows)
+        if not n or n > self.cache.free_cells:
+            return None
+        try:
+            if not self.cache.declare_step(sids):
+                return None
+        except StepTooLarge:
+            return None
+        plan = StepPlan([(s, _ONE) for s in rows], [], True, lean=True, seqs=rows, prompt_last=last,
+                        ahead=after is not None)
+        plan.tokens = tokens
+        plan.logit_rows = list(range(n))
+        plan.owners = [(s, _ONE, i, -1) for i, s in enumerate(rows)]
+        spec = plan.spec
+        spec.rows = plan.logit_rows
+        spec.dense, spec.random = n, random
+        if random:                             # the sampler reads every slot's parameters
+            for s in rows:
+                req = s.job.req
+                sp = req.sampling
+                spec.temperature.append(sp.temperature)
+                spec.top_k.append(sp.top_k)
+                spec.top_p.append(sp.top_p)
+                spec.seed.append(sp.seed if sp.seed is not None else req.id)
+                spec.index.append(s.index)
+                spec.position.append(len(req.outputs[s.index]) + ahead)
+                spec.draft.append(-1)
+        return plan
+
+    def drop_ended(self, plan: StepPlan) -> None:
+        """Removes from a lean plan (not applied yet) the rows of sequences that ended or
+        were freed meanwhile: their cells went with them, and their tokens are not drawn."""
+        keep = [i for i, s in enumerate(plan.seqs) if s.sid is not None and not s.job.closed]
+        if len(keep) == len(plan.seqs):
+            return
+        plan.seqs = [plan.seqs[i] for i in keep]
+        plan.rows = [plan.rows[i] for i in keep]
+        plan.owners = [plan.owners[i] for i in keep]
+        if not plan.ahead:
+            plan.tokens = [plan.tokens[i] for i in keep]
+
+    def apply_decode(self, plan: StepPlan, ids: Any, deliver: bool = True) -> list[tuple[Job, int, int]]:
+        """:meth:`decide` + :meth:`update_from_output` for a lean plan: owner k's token is
+        ``ids[slot]`` (a 1-D array of the step's draws). Rows whose sequence ended or was
+        freed meanwhile are skipped. Returns the tokens to deliver (``deliver`` False: only
+        those of requests with an ``on_token``)."""
+        events: list[tuple[Job, int, int]] = []
+        toks = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        now = self.clock()
+        eos = self.eos
+        pc = self.prefix
+        ended = False
+        emitted = 0
+        for s, _, slot, _ in plan.owners:
+            job = s.job
+            if job.closed or s.sid is None:
+                continue
+            tok = toks[slot]  # type: ignore[index]
+            req = job.req
+            k = s.index
+            out = req.outputs[k]
+            out.append(tok)
+            req.token_times[k].append(now)
+            s.tokens.append(tok)
+            s.in_cache += 1
+            emitted += 1
+            if req.first_token is None:
+                req.first_token = now
+            if deliver or req.on_token is not None:
+                events.append((job, k, tok))
+            if pc is not None and not s.stored and s.in_cache >= len(req.prompt):
+                self._store_prompt(s)
+            sp = req.sampling
+            if tok in eos or (sp.stop and tok in sp.stop):
+                self.finish(s, "stop")
+                ended = True
+            elif len(out) >= sp.max_new_tokens:
+                self.finish(s, "length")
+                ended = True
+        self.stats["tokens_out"] += emitted
+        if ended:
+            self.running = [s for s in self.running if s.sid is not None]
+        return events
 
     def _order_lpm(self) -> None:
         """Longest cached prefix first (stable: FIFO among equals); preempted sequences (read
@@ -736,9 +886,12 @@ class Scheduler:
         """The stats of an applied step: rows fed, prompt tokens computed and cached."""
         st = self.stats
         st["steps"] += 1
-        st["tokens_in"] += len(plan.tokens)
+        st["tokens_in"] += len(plan.rows) if plan.lean else len(plan.tokens)
         st["graph_steps"] += int(graph)
         st["cached_tokens"] += plan.cached
+        if plan.lean:                                 # one token a row: only a prompt's last
+            st["computed_tokens"] += plan.prompt_last
+            return
         for s, feed in plan.rows:                     # prompt tokens and recomputes: every row
             n_tok = len(s.tokens)                     # before the sequence's own next token
             end = s.in_cache + len(feed)

@@ -1,0 +1,366 @@
+"""Asynchronous scheduling (``Generator(async_steps=True)``) on a tiny random model (CPU):
+a lean decode step is left in flight and the next one is scheduled, prepared and launched
+on its sampled ids on the device before they reach the host; outputs, finish reasons,
+streams and counters must equal the synchronous generator's, token for token, through
+arrivals, ``n > 1`` forks, drafts, stop tokens, preemption, cancellation, a request's own
+failures and failed steps (rolled back with the step in flight)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from cellcache import InvalidArgument  # noqa: E402
+from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("llama-tiny", seed=3)
+
+
+def prompts(seed, n, lo=3, hi=20):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def make(model, async_steps, **kw):
+    opts = dict(capacity=512, max_batch_tokens=32, max_seqs=16, prefill_chunk=8, eos=[])
+    opts.update(kw)
+    gen = Generator(model, async_steps=async_steps, **opts)
+    gen.ahead = 0                                     # steps launched on device-side ids
+    real = gen.runner.forward
+
+    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
+        if device_tokens is not None:
+            gen.ahead += 1
+            return real(step, None, logit_rows, decode, device_tokens=device_tokens)
+        return real(step, tokens, logit_rows, decode)
+
+    gen.runner.forward = forward
+    return gen
+
+
+def check(gen):
+    """The cache holds what the generator believes: a running sequence owns its in_cache
+    tokens, plus one cell for each step in flight that carries it."""
+    cache = gen.cache
+    cache.check_invariants()
+    flying = {id(s) for s in gen._flight.plan.seqs} if gen._flight is not None else set()
+    sids = []
+    for s in gen.running:
+        assert s.sid is not None and s.req.finish_reasons[s.index] is None
+        extra = int(id(s) in flying)
+        assert cache.pos(s.sid) == s.in_cache + extra == cache.seq_len(s.sid)
+        sids.append(s.sid)
+    for s in gen.waiting:
+        assert s.sid is None and s.in_cache == 0
+    tree = gen.prefix.owned_seqs() if gen.prefix is not None else []
+    assert sorted(sids + tree) == cache.live_seqs()
+
+
+def serve(model, async_steps, work, *, kw=None, each_step=None, limit=2000):
+    """Runs ``work(gen)`` (adds requests, returns them), steps to the end checking the
+    state after every step; returns (requests, streamed tokens, stats, generator)."""
+    gen = make(model, async_steps, **(kw or {}))
+    streamed: dict[tuple[int, int], list[int]] = {}
+
+    def on_token(req, k, tok):
+        streamed.setdefault((req.id, k), []).append(tok)
+
+    gen.on_token = on_token
+    reqs = work(gen)
+    for i in range(limit):
+        if each_step is not None:
+            each_step(gen, i)
+        busy = gen.step()
+        check(gen)
+        if not busy:
+            break
+    else:
+        pytest.fail("the generator did not finish")
+    assert gen._flight is None and not gen.busy
+    return reqs, streamed, dict(gen.stats), gen
+
+
+def same(model, work, *, kw=None, each_step=None, chained=True):
+    """The synchronous and asynchronous runs agree on everything observable."""
+    a = serve(model, False, work, kw=kw, each_step=each_step)
+    b = serve(model, True, work, kw=kw, each_step=each_step)
+    ra, rb = a[0], b[0]
+    assert [r.outputs for r in ra] == [r.outputs for r in rb]
+    assert [r.finish_reasons for r in ra] == [r.finish_reasons for r in rb]
+    assert a[1] == b[1]
+    assert a[2] == b[2]
+    assert a[3].ahead == 0
+    if chained:
+        assert b[3].ahead > 0                          # the asynchronous path ran
+    return ra, b[3]
+
+
+def adder(ps, sampling, streaming=True, **kw):
+    def work(gen):
+        cb = gen.on_token if streaming else None
+        return [gen.add(p, sampling(i) if callable(sampling) else sampling, on_token=cb, **kw)
+                for i, p in enumerate(ps)]
+    return work
+
+
+def test_greedy_outputs_streams_and_stats_are_the_synchronous_ones(model):
+    reqs, gen = same(model, adder(prompts(1, 6), Sampling(max_new_tokens=12)))
+    assert all(r.finish_reasons == ["length"] for r in reqs)
+    p = gen.profile
+    assert p["steps"] == gen.stats["steps"] and p["decode_steps"] > 0
+    assert set(p["decode_host_ms"]) == {"schedule", "prepare", "forward", "sample", "wait", "update",
+                                        "callbacks"}
+
+
+def test_stop_tokens_drop_the_speculative_row(model):
+    """Sequences that end on a stop token already have a row in the step launched after
+    theirs: it is dropped (its cell freed), and nothing of it is delivered."""
+    ps = prompts(2, 6)
+    ref, _, _, _ = serve(model, False, adder(ps, Sampling(max_new_tokens=16)))
+    stops = sorted({r.outputs[0][j] for r in ref for j in (3, 6, 9)})
+    reqs, gen = same(model, adder(ps, lambda i: Sampling(max_new_tokens=16, stop=stops[i % len(stops):][:2])))
+    assert any(r.finish_reasons == ["stop"] for r in reqs)
+    assert gen.cache.live_seqs() == (gen.prefix.owned_seqs() if gen.prefix is not None else [])
+
+
+def test_eos_and_without_streaming(model):
+    ps = prompts(3, 5)
+    ref, _, _, _ = serve(model, False, adder(ps, Sampling(max_new_tokens=12)))
+    eos = [ref[0].outputs[0][4], ref[2].outputs[0][2]]
+    same(model, adder(ps, Sampling(max_new_tokens=12), streaming=False), kw=dict(eos=eos))
+
+
+def test_seeded_sampling_and_forks(model):
+    def sampling(i):
+        return Sampling(max_new_tokens=10, temperature=0.8, top_k=50, top_p=0.9, seed=i,
+                        n=3 if i % 2 else 1)
+    reqs, _ = same(model, adder(prompts(4, 5), sampling))
+    assert all(len(r.outputs) == r.sampling.n for r in reqs)
+
+
+def test_drafts_fall_back_to_synchronous_steps(model):
+    def draft(tokens, k):
+        return [(tokens[-1] * 7 + 1) % VOCAB, tokens[-1]][:k]
+
+    def work(gen):
+        ps = prompts(5, 4)
+        return [gen.add(p, Sampling(max_new_tokens=10), on_token=gen.on_token,
+                        draft=draft if i == 1 else None, draft_k=2) for i, p in enumerate(ps)]
+    same(model, work)
+
+
+def test_arrivals_between_steps(model):
+    ps = prompts(6, 9)
+    box: dict = {}
+
+    def work(gen):
+        box["reqs"] = [gen.add(p, Sampling(max_new_tokens=9), on_token=gen.on_token) for p in ps[:3]]
+        return box["reqs"]
+
+    def each_step(gen, i):
+        if i in (4, 9, 13) and len(box["reqs"]) < len(ps):
+            j = len(box["reqs"])
+            box["reqs"] += [gen.add(p, Sampling(max_new_tokens=9), on_token=gen.on_token)
+                            for p in ps[j:j + 2]]
+
+    a = serve(model, False, work, each_step=each_step)
+    ra = [r.outputs for r in box["reqs"]]
+    b = serve(model, True, work, each_step=each_step)
+    assert [r.outputs for r in box["reqs"]] == ra and a[1] == b[1] and b[3].ahead > 0
+
+
+def test_preemption(model):
+    kw = dict(capacity=150, max_batch_tokens=16, prefill_chunk=7, reserve=0.0)
+    reqs, gen = same(model, adder(prompts(7, 8, 5, 25), Sampling(max_new_tokens=14)), kw=kw)
+    assert gen.stats["preempted"] > 0
+
+
+def test_cancel_with_a_step_in_flight(model):
+    """Cancelled between steps (a step in flight carries it) and from a callback."""
+    box: dict = {}
+
+    def work(gen):
+        def on_token(req, k, tok):
+            gen.on_token(req, k, tok)
+            if req.id == 1 and len(req.outputs[0]) == 4:
+                gen.cancel(box["reqs"][3])
+        box["reqs"] = [gen.add(p, Sampling(max_new_tokens=12), on_token=on_token)
+                       for p in prompts(8, 5)]
+        return box["reqs"]
+
+    def each_step(gen, i):
+        r = box["reqs"][0]
+        if len(r.outputs[0]) >= 4 and not r.done:     # (async: its next token is in flight)
+            if gen._flight is not None:
+                box["in_flight"] = any(s.req is r for s in gen._flight.plan.seqs)
+            assert gen.cancel(r)
+
+    a = serve(model, False, work, each_step=each_step)
+    oa = [(r.outputs, r.finish_reasons) for r in box["reqs"]]
+    b = serve(model, True, work, each_step=each_step)
+    assert [(r.outputs, r.finish_reasons) for r in box["reqs"]] == oa and a[1] == b[1]
+    assert oa[0][1] == ["cancelled"] and oa[3][1] == ["cancelled"] and b[3].ahead > 0
+    assert len(oa[0][0][0]) == 4 and box["in_flight"]
+
+
+def test_a_requests_own_failures(model):
+    """on_token raising ends only its request; so does its sampling (the hooked _sample)."""
+    def run(async_steps):
+        gen = make(model, async_steps)
+        real = gen._sample
+        count = {"n": 0}
+
+        def sample(s, slot):
+            if s.req.id == 2:
+                count["n"] += 1
+                if count["n"] == 5:
+                    raise RuntimeError("sampling failed")
+            return real(s, slot)
+
+        def bad(req, k, tok):
+            if len(req.outputs[0]) == 3:
+                raise ValueError("client gone")
+
+        gen._sample = sample
+        reqs = [gen.add(p, Sampling(max_new_tokens=10), on_token=bad if i == 1 else None)
+                for i, p in enumerate(prompts(9, 5))]
+        raised = []
+        while True:
+            try:
+                if not gen.step():
+                    break
+            except (RuntimeError, ValueError) as e:
+                raised.append(type(e).__name__)
+            check(gen)
+        return [(r.outputs, r.finish_reasons) for r in reqs], raised, gen
+
+    a, ea, _ = run(False)
+    b, eb, gen = run(True)
+    assert a == b and ea == eb == ["ValueError", "RuntimeError"] or (a == b and sorted(ea) == sorted(eb))
+    assert b[1][1] == ["error"] and b[2][1] == ["error"]
+
+
+@pytest.mark.parametrize("where", ["prepare", "forward", "sample", "land"])
+@pytest.mark.parametrize("exc", [RuntimeError("CUDA error: an illegal memory access"), KeyboardInterrupt()],
+                         ids=["error", "interrupt"])
+def test_a_failed_step_with_one_in_flight_rolls_both_back(model, where, exc):
+    """A failure while the next step is launched on the one in flight, or while the one in
+    flight lands: both are rolled back (every sequence back to the cells of its applied
+    tokens, nothing delivered), the exception propagates, and stepping again ends with
+    the synchronous run's tokens."""
+    ps = prompts(10, 5)
+    ref = serve(model, False, adder(ps, Sampling(max_new_tokens=12)))[0]
+    gen = make(model, True)
+    streamed: dict = {}
+    gen.on_token = lambda req, k, tok: streamed.setdefault(req.id, []).append(tok)
+    reqs = adder(ps, Sampling(max_new_tokens=12))(gen)
+    while gen._flight is None or len(reqs[0].outputs[0]) < 3:
+        gen.step()
+    if where == "prepare":
+        target, name = gen.cache, "prepare_step"
+    elif where == "forward":
+        target, name = gen.runner, "forward"
+    elif where == "sample":
+        target, name = gen.sampler, "launch"
+    else:                                             # the copy of the ids in flight fails
+
+        class Failing:
+            device_ids = gen._flight.draw.device_ids
+
+            def result(self):
+                raise exc
+
+        gen._flight.draw = Failing()
+        target, name = None, ""
+    real = getattr(target, name) if target is not None else None
+
+    def failing(*a, **k):
+        raise exc
+
+    if target is not None:
+        setattr(target, name, failing)
+    outs = [list(r.outputs[0]) for r in reqs]
+    with pytest.raises(type(exc)):
+        gen.step()
+    assert gen._flight is None
+    check(gen)                                        # nothing in flight: pos == in_cache
+    assert [r.outputs[0] for r in reqs] == outs
+    if target is not None:
+        setattr(target, name, real)
+    while gen.step():
+        check(gen)
+    assert [r.outputs for r in reqs] == [r.outputs for r in ref]
+    assert all(streamed[r.id] == r.outputs[0] for r in reqs)
+
+
+def test_async_steps_is_checked_and_defaults_off_without_graphs(model):
+    assert Generator(model, capacity=64, max_batch_tokens=16, eos=[]).async_steps is False
+    with pytest.raises(InvalidArgument, match="async_steps"):
+        Generator(model, capacity=64, max_batch_tokens=16, eos=[], async_steps="yes")
+
+
+def test_model_runner_takes_device_tokens(model):
+    """ModelRunner.forward(device_tokens=...) computes what forward(tokens) does; bad
+    inputs are refused before anything runs."""
+    from cellcache.errors import InvalidArgument as Bad
+
+    gen = Generator(model, capacity=64, max_batch_tokens=16, eos=[], prefix_cache=False)
+    cache, runner = gen.cache, gen.runner
+    ids = [5, 9, 77, 3]
+    out = []
+    for device_tokens in (None, torch.tensor(ids)):
+        a = cache.seq_new()
+        assert cache.declare_step([a] * len(ids))
+        step = cache.prepare_step()
+        if device_tokens is None:
+            out.append(runner.forward(step, ids))
+        else:
+            for bad in (torch.tensor(ids[:3]), torch.tensor(ids, dtype=torch.float32), ids):
+                with pytest.raises(Bad, match="device_tokens"):
+                    runner.forward(step, None, device_tokens=bad)
+            with pytest.raises(Bad, match="not both"):
+                runner.forward(step, ids, device_tokens=device_tokens)
+            out.append(runner.forward(step, None, device_tokens=device_tokens))
+        cache.commit_step()
+        cache.seq_rm(a)
+    assert torch.equal(out[0], out[1])
+
+
+def test_profile_serve_tool_runs(tmp_path, capsys):
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "profile_serve.py"
+    mod = runpy.run_path(str(path))
+    before = list(sys.path)
+    try:
+        assert mod["main"](["--rows", "4", "--steps", "3", "--json", str(tmp_path / "p.json")]) == 0
+    finally:
+        sys.path[:] = before
+    res = json.loads((tmp_path / "p.json").read_text())
+    assert [r["mode"] for r in res] == ["sync", "async"] and all(r["decode_steps"] == 3 for r in res)
+    assert "host" in capsys.readouterr().out
+
+
+def test_requests_added_from_a_client_thread(model):
+    """add() from another thread while this one steps asynchronously (the arrivals driver):
+    whatever step each request joins at, its tokens are the synchronous run's."""
+    from cellcache.generate import serve_arrivals
+
+    ps = prompts(11, 8)
+    sp = Sampling(max_new_tokens=10)
+    ref = serve(model, False, adder(ps, sp))[0]
+    gen = make(model, True)
+    reqs = serve_arrivals(gen, ps, [0.002 * i for i in range(len(ps))], sp)
+    assert [r.outputs for r in reqs] == [r.outputs for r in ref]
+    assert gen._flight is None and not gen.busy

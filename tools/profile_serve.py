@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Host time of the generator's decode steps, by phase, with the model's forward taken
+out: the generator runs a tiny random model on the CPU whose ``ModelRunner.forward`` is
+replaced by a stub that returns constant logits over 8 ids for decode steps (greedy draws
+token 0; ``eos=[]``, so every request generates all its tokens; prompt chunks run the
+model). What is left is the host work a step costs the GPU it feeds: scheduling, the
+cache's ``prepare_step`` (the host backend here: the CUDA backend's is timed by
+``tools/bench_serve.py``), the forward's input path, the sampler's launch, deciding and
+applying the outcomes, the callbacks.
+
+::
+
+    python3 tools/profile_serve.py                      # 256 rows, sync and async
+    python3 tools/profile_serve.py --rows 64 --steps 100 --mode async --json out.json
+    python3 tools/profile_serve.py --cprofile 25        # the 25 costliest functions too
+
+It prints, per mode, the mean host microseconds per decode step for each phase of
+``Generator.profile`` and their sum (``wait``: blocked on the sampled ids' copy, not host
+work, is shown apart), and ``--json`` writes the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: str):
+    import torch
+
+    from cellcache.generate import Generator, Sampling, random_model
+
+    torch.set_num_threads(1)                  # the stub's argmax: no thread pool wake-ups
+    model = random_model(model_name, torch.float32, "cpu", 0)
+    capacity = rows * (prompt_len + new_tokens) + 1024
+    gen = Generator(model, capacity=capacity, max_batch_tokens=max(rows, 512), max_seqs=rows + 8,
+                    prefill_chunk=256, eos=[], prefix_cache=False, async_steps=mode == "async")
+    vocab = 8                                 # the stub's logits: 8 ids, so its argmax is ~free
+    real = gen.runner.forward
+    stub_logits: dict[int, torch.Tensor] = {}
+
+    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
+        if logit_rows is None or len(logit_rows) != step.width:   # prompt chunks: the model
+            if device_tokens is not None:
+                return real(step, None, logit_rows, decode, device_tokens=device_tokens)
+            return real(step, tokens, logit_rows, decode)
+        n = step.width if logit_rows is None else len(logit_rows)
+        if n not in stub_logits:
+            stub_logits[n] = torch.zeros((n, vocab), dtype=torch.float32)
+        return stub_logits[n]
+
+    gen.runner.forward = forward  # type: ignore[method-assign]
+    sampling = Sampling(max_new_tokens=new_tokens)
+    for i in range(rows):
+        gen.add([(i * 7 + j) % vocab for j in range(prompt_len)], sampling)
+    return gen
+
+
+def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int) -> dict:
+    gen = build(rows, steps + 8, 8, mode, model_name)
+    # read every prompt and reach the steady state (all rows decoding)
+    while any(len(s.tokens) - s.in_cache > 1 for s in gen.running) or gen.waiting:
+        gen.step()
+    for _ in range(3):
+        gen.step()
+    before = {k: dict(v) if isinstance(v, dict) else v for k, v in gen.profile.items()}
+    prof = cProfile.Profile() if cprof else None
+    t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    for _ in range(steps):
+        gen.step()
+    if prof is not None:
+        prof.disable()
+    wall = time.perf_counter() - t0
+    after = gen.profile
+    n = after["decode_steps"] - before["decode_steps"]
+    phases = {k: 1e3 * (after["decode_host_ms"][k] - before["decode_host_ms"].get(k, 0.0)) / max(n, 1)
+              for k in after["decode_host_ms"]}
+    host = sum(v for k, v in phases.items() if k != "wait")
+    res = {"mode": mode, "rows": rows, "decode_steps": n, "us_per_step": phases,
+           "host_us_per_step": host, "wall_us_per_step": 1e6 * wall / steps}
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(cprof)
+    gen.run()
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="profile_serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=256, help="decode rows a step (default 256)")
+    p.add_argument("--steps", type=int, default=200, help="decode steps timed (default 200)")
+    p.add_argument("--mode", choices=["sync", "async", "both"], default="both")
+    p.add_argument("--model", default="llama-tiny", help="built-in random model (default llama-tiny)")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also print cProfile's N costliest functions (by own time)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.rows < 1 or args.steps < 1:
+        p.error("--rows and --steps must be >= 1")
+    modes = ["sync", "async"] if args.mode == "both" else [args.mode]
+    out = []
+    for mode in modes:
+        r = profile(args.rows, args.steps, mode, args.model, args.cprofile)
+        out.append(r)
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in r["us_per_step"].items())
+        print(f"{mode}: {r['rows']} rows, host {r['host_us_per_step']:.1f} us/decode step "
+              f"(wall {r['wall_us_per_step']:.1f}): {parts}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
