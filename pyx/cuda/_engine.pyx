@@ -343,15 +343,8 @@ cdef class StepEngine:
         cdef int64_t t0 = 0
         check(cu_ctx_set_current(self.ctx), b"cuCtxSetCurrent")
         if self.masks:
-            # column tiles x row groups: at most one resident round of blocks (target_blocks
-            # = SMs x the 8 blocks build_step's launch bounds keep resident), so the blocks
-            # run as one wave instead of a round and a partial one (1M columns: 512 tiles x 2
-            # groups of 32 rows, not x 3 of 22); the fewer the groups, the fewer times a
-            # tile's positions are read
             gx = cdiv(read_len, CC_STEP_THREADS * CC_MASK_COLS)
-            ty = self.target_blocks // gx
-            if ty < 1:
-                ty = 1
+            ty = cdiv(self.target_blocks, gx)
             rpb = cdiv(pad_to, ty)
             rpb = 1 if rpb < 1 else (CC_MASK_MAX_ROWS if rpb > CC_MASK_MAX_ROWS else rpb)
             gy = cdiv(pad_to, rpb)
