@@ -68,15 +68,15 @@ class Choice(NamedTuple):
 #: (head_dim, shape class) -> Choice; class "decode" (every run one query) or "prefill" (any
 #: other step). Set from ``tools/bench.py --section attention`` on the target GPU, which
 #: times every variant and prints the winners in this form (H200, 2026-11-30:
-#: benchmarks/results/attention-variants-2026-11-30.log; d80/96/256 have no case there).
+#: benchmarks/results/attention-tuned-2026-11-30.log; d80/96/256 have no case there).
 TABLE: dict[tuple[int, str], Choice] = {
-    (64, "prefill"): Choice("m2w1k32s2b3", 1, 1),
+    (64, "prefill"): Choice("m2w1k32s2", 1, 1),
     (64, "decode"): Choice("m1w4k64s2", 2, 1),
     (80, "prefill"): Choice("m2w1k32s2", 1, 1),
     (80, "decode"): Choice("m1w4k64s2", 4, 1),
     (96, "prefill"): Choice("m2w1k32s2", 1, 1),
     (96, "decode"): Choice("m1w4k64s2", 4, 1),
-    (128, "prefill"): Choice("m2w1k32s2", 1, 1),
+    (128, "prefill"): Choice("m2w1k64s2", 1, 1),
     (128, "decode"): Choice("m1w4k64s2", 4, 1),
     (256, "prefill"): Choice("m1w1k16s3", 1, 1),
     (256, "decode"): Choice("m1w4k64s2", 4, 1),
