@@ -430,3 +430,26 @@ def test_ptx_check_rebuilds_and_notices_a_changed_instruction(tmp_path):
     r = subprocess.run([sys.executable, str(tree / "tools" / "build_ptx.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "rebuilding step.cu with nvrtc 12.0.140 gives different PTX" in r.stderr
+
+
+@pytest.mark.parametrize("use", ["copy_to_host", "dlpack", "cuda_array_interface"])
+def test_a_buffer_of_a_closed_cache_refuses_without_touching_the_device(use):
+    """A DeviceBuffer kept past its cache's close() raises InvalidState instead of handing
+    out or reading released memory (the refusal comes before any driver call, so it holds
+    on a machine without a driver too)."""
+    import types
+
+    from cellcache import InvalidState
+    from cellcache.cuda.backend import DeviceBuffer
+
+    cache = types.SimpleNamespace(closed=True, config=types.SimpleNamespace(device=0))
+    buf = DeviceBuffer(cache, "cells", 0xDEAD000, (16,), "int64")
+    with pytest.raises(InvalidState, match="'cells': its cache is closed"):
+        if use == "copy_to_host":
+            buf.copy_to_host()
+        elif use == "dlpack":
+            buf.__dlpack__()
+        else:
+            _ = buf.__cuda_array_interface__
+    cache.closed = False                      # open: the interface is handed out as before
+    assert buf.__cuda_array_interface__["data"] == (0xDEAD000, False)

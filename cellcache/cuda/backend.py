@@ -70,6 +70,10 @@ class DeviceBuffer:
         self.name, self.ptr, self.shape, self.dtype = name, int(ptr), tuple(shape), np.dtype(dtype)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
+    def _check_live(self) -> None:
+        if self._cache.closed:
+            raise InvalidState(f"buffer {self.name!r}: its cache is closed and its memory released")
+
     def __repr__(self) -> str:
         return f"DeviceBuffer({self.name!r}, ptr=0x{self.ptr:x}, shape={self.shape}, dtype={self.dtype})"
 
@@ -77,6 +81,7 @@ class DeviceBuffer:
     def __cuda_array_interface__(self) -> dict:
         if self.dtype.name == "bfloat16":
             raise AttributeError("bfloat16 has no __cuda_array_interface__ typestr; use DLPack")
+        self._check_live()
         return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
                 "version": 3, "strides": None}
 
@@ -84,6 +89,7 @@ class DeviceBuffer:
                    copy: Any = None) -> Any:
         if copy:
             raise BufferError("cellcache buffers are exported without copying")
+        self._check_live()
         if stream is not None and not isinstance(stream, int):
             raise InvalidArgument(f"stream of type {type(stream).__name__} is not a DLPack stream")
         if stream != -1:       # DLPack: make the producer's work visible on the consumer's stream
@@ -99,7 +105,9 @@ class DeviceBuffer:
         """A numpy copy, after all work queued on the device so far (masks as numpy.bool_).
 
         A pool's copy holds the rows that have memory behind them: ``[0, cache.rows)``.
+        InvalidState once the cache is closed (its memory is released).
         """
+        self._check_live()
         shape = self.shape
         if self._backed_rows is not None:
             shape = (min(shape[0], self._backed_rows()),) + shape[1:]
