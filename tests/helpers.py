@@ -185,3 +185,10 @@ def small_config(**kw):
     base.update(kw)
     return CacheConfig(**base)
 
+
+
+def random_prompts(seed: int, n: int, lo: int = 3, hi: int = 20, vocab: int = 512) -> list[list[int]]:
+    """n prompts of random token ids in [0, vocab), lengths in [lo, hi) (the tiny random
+    models' vocabulary is 512)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]

@@ -7,7 +7,6 @@ failures and failed steps (rolled back with the step in flight)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,6 +14,8 @@ pytest.importorskip("transformers")
 
 from cellcache import InvalidArgument  # noqa: E402
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
+
+from .helpers import random_prompts  # noqa: E402
 
 VOCAB = 512
 
@@ -25,8 +26,7 @@ def model():
 
 
 def prompts(seed, n, lo=3, hi=20):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, VOCAB, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+    return random_prompts(seed, n, lo, hi, VOCAB)
 
 
 def make(model, async_steps, **kw):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -25,6 +24,8 @@ from cellcache.generate import (  # noqa: E402
     serve_arrivals,
 )
 
+from .helpers import random_prompts  # noqa: E402
+
 VOCAB = 512
 
 
@@ -34,8 +35,7 @@ def model():
 
 
 def prompts(seed, n, lo=3, hi=20):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, VOCAB, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+    return random_prompts(seed, n, lo, hi, VOCAB)
 
 
 def stepped(model, **kw):
