@@ -38,6 +38,8 @@ CALLS = {
     "declare_step": lambda c: c.declare_step([0]),
     "prepare_step": lambda c: c.prepare_step(),
     "commit_step": lambda c: c.commit_step(),
+    "unprepare_step": lambda c: c.unprepare_step(),
+    "undeclare": lambda c: c.undeclare(),
     "buffer": lambda c: c.buffer("cells"),
     "layer": lambda c: c.layer(0),
     "metrics": lambda c: c.metrics(),
