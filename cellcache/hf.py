@@ -26,8 +26,8 @@ windows. :class:`cellcache.generate.Generator` builds continuous batching on top
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +41,11 @@ from .cache import CellCache, Step
 from .config import CacheConfig, LayerConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
-__all__ = ["ATTENTION_NAME", "ModelRunner", "attach", "cache_config", "layer_windows", "vocab_size"]
+__all__ = ["ATTENTION_NAME", "COMPILE_OPTIONS", "ModelRunner", "attach", "cache_config", "compile_options",
+           "layer_windows", "vocab_size"]
 
 ATTENTION_NAME = "cellcache"
-_CURRENT: contextvars.ContextVar = contextvars.ContextVar("cellcache_step", default=None)
+_CURRENT = cct.FORWARD          # the step a forward runs on (a _Current), for the hook and the op
 
 #: Keywords transformers passes to attention functions that do not change what attention
 #: computes (the step's positions reach RoPE before attention; cellcache keeps the K/V).
@@ -227,6 +228,8 @@ def _check_call(module: Any, query: Any, key: Any, value: Any, cur: _Current, dr
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function transformers calls for every attention layer (see :func:`attach`)."""
+    if torch.compiler.is_compiling():
+        return _compiled_attention(module, query, key, value, scaling, dropout)
     cur = _CURRENT.get()
     if cur is None:
         raise InvalidState("the model's attention is cellcache's, but no step is running: run "
@@ -244,6 +247,23 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         return out[None].to(query.dtype), None
     out = cct.attention(cur.view, layer, q, k, v, step=cur.step, backend=cur.backend, scale=scaling)
+    return out[None].to(query.dtype), None
+
+
+def _compiled_attention(module, query, key, value, scaling, dropout):
+    """The hook as dynamo traces it (a ``compile=True`` runner): the custom op
+    ``cellcache::attention``, which reads the step from the context variable when it runs,
+    so nothing here touches Python state dynamo would have to guard on or break at. The
+    keyword checks of :func:`_check_call` ran at attach's (eager) probe; the op checks
+    q, k, v against the step and layer on every call."""
+    layer = module.layer_idx
+    if dropout:
+        raise InvalidArgument(f"layer {layer}: attention dropout {dropout} is not computed by "
+                              "cellcache; call model.eval()")
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    out = cct.attention_op(q, k, v, layer, scaling)
     return out[None].to(query.dtype), None
 
 
@@ -271,7 +291,7 @@ def _attn_configs(model: Any) -> list[Any]:
 
 
 def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
-           buckets: list[int] | None = None) -> ModelRunner:
+           buckets: list[int] | None = None, compile: bool | Mapping[str, Any] = False) -> ModelRunner:
     """Switches ``model`` to cellcache's attention and returns the :class:`ModelRunner`
     that runs its forwards on ``cache``'s steps.
 
@@ -283,6 +303,11 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
     dropout attention, a different sliding window, unknown keywords); a model that fails
     it (gpt-oss, Falcon, Gemma2 soft-capping, BERT) is refused with its attention setting
     restored. Every refusal raises InvalidArgument and changes nothing.
+
+    ``compile``: False (default), True or a mapping of ``torch.compile`` keywords
+    (``backend``, ``mode``, ``dynamic``, ``fullgraph``, ``options``): the runner's forwards
+    go through ``torch.compile(model, ...)`` with attention as the custom op
+    ``cellcache::attention``, so the graph does not break there (see :class:`ModelRunner`).
 
     To use the model without cellcache again: ``model.set_attn_implementation("sdpa")``;
     its runners then refuse to run (InvalidState) until :meth:`ModelRunner.reattach`.
@@ -300,7 +325,7 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
     for i, (layer, w) in enumerate(zip(cache.config.layers, windows)):
         if layer.window != w:
             raise InvalidArgument(f"layer {i}: the cache's window {layer.window} is not the model's {w}")
-    runner = ModelRunner(model, cache, graphs=graphs, buckets=buckets)
+    runner = ModelRunner(model, cache, graphs=graphs, buckets=buckets, compile=compile)
     runner.reattach()
     return runner
 
@@ -319,10 +344,26 @@ class ModelRunner:
     Build it with :func:`attach`. If the model's attention is switched away afterwards
     (``model.set_attn_implementation("sdpa")``), :meth:`forward` refuses (InvalidState)
     until :meth:`reattach` switches it back.
+
+    ``compile`` (True or a mapping of ``torch.compile`` keywords; see :data:`COMPILE_OPTIONS`)
+    runs every forward through ``torch.compile(model, **options)`` (default: inductor,
+    ``dynamic=True``). ``dynamic=True`` makes the step width symbolic (the inputs are the
+    token ids, positions and logit rows; parameters stay static): one graph serves every
+    width, mixed steps and decode buckets alike (width 1 specializes: a second graph; a
+    replayed bucket, which keeps every logit row, another), so mixed steps of any width
+    never hit dynamo's recompile limit. ``dynamic=False`` compiles a graph per width (static
+    shapes per decode bucket, but mixed widths soon exceed the limit and run eagerly);
+    ``dynamic=None`` is torch's guess (static first, symbolic after a change). Attention is the custom op
+    ``cellcache::attention`` (:func:`cellcache.torch.attention_op`), so the compiled
+    forward is one graph. On CUDA with graphs the compiled forward is what each decode
+    bucket captures (warm-up, which compiles, then capture): this runner stays the one
+    owner of CUDA graphs, so modes that capture graphs themselves (``"reduce-overhead"``,
+    ``"max-autotune"``) are refused unless ``graphs=False``. Attach's probe runs eagerly.
     """
 
     def __init__(self, model: Any, cache: CellCache, *, graphs: bool | None = None,
-                 buckets: list[int] | None = None):
+                 buckets: list[int] | None = None, compile: bool | Mapping[str, Any] = False):
+        options = compile_options(compile)
         view = cct.TorchView(cache)
         config = getattr(model, "config", None)
         if config is None or not callable(model):
@@ -348,8 +389,21 @@ class ModelRunner:
             raise InvalidArgument(f"graph replay needs every layer on cellcache's or the tensor-core "
                                   f"kernels; {', '.join(unsafe[:4])} (its shape falls back): "
                                   "pass graphs=False")
+        if options is not None and graphs_enabled and (
+                options.get("mode") in _GRAPH_MODES
+                or (options.get("options") or {}).get("triton.cudagraphs")):
+            raise InvalidArgument(f"compile mode {options.get('mode')!r} with options "
+                                  f"{options.get('options')!r} captures CUDA graphs itself; "
+                                  "this runner captures the decode graphs (of the compiled forward): "
+                                  "use mode 'default' or 'max-autotune-no-cudagraphs', or graphs=False")
         chosen = default_buckets(mw, 512) if buckets is None else check_buckets(buckets, mw)
         self.model, self.cache, self.view = model, cache, view
+        if options is not None:           # a symbolic width: one graph for every width
+            options = {"dynamic": True, **options}
+        #: The torch.compile options the forwards run under, or None (eager).
+        self.compile = options
+        # what _run calls: the model, or its compiled wrapper (attach's probe runs the model)
+        self._forward = model if options is None else torch.compile(model, **options)
         self.device = view.device
         self.cuda = view.cuda
         self.graphs_enabled = graphs_enabled
@@ -471,10 +525,11 @@ class ModelRunner:
     def _run(self, step: Step, backend: str, rows: torch.Tensor | None) -> torch.Tensor:
         T = step.pad_to
         cur = _Current(self.view, step, backend)
+        ids, positions = self.input_ids[:, :T], self._positions(step)
         token = _CURRENT.set(cur)
         try:
-            out = self.model(input_ids=self.input_ids[:, :T], position_ids=self._positions(step),
-                             use_cache=False, logits_to_keep=rows if rows is not None else 0)
+            out = self._forward(input_ids=ids, position_ids=positions, use_cache=False,
+                                logits_to_keep=rows if rows is not None else 0)
         finally:
             _CURRENT.reset(token)
         n = len(self.cache.config.layers)
@@ -594,6 +649,45 @@ class ModelRunner:
         graph, logits = self._graphs[T]
         graph.replay()
         return logits
+
+
+#: The ``torch.compile`` keywords ``compile=`` takes as a mapping.
+COMPILE_OPTIONS = ("backend", "mode", "dynamic", "fullgraph", "options")
+#: Compile modes that capture CUDA graphs themselves (a second owner of the decode graphs).
+_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def compile_options(compile: Any) -> dict[str, Any] | None:
+    """The ``torch.compile`` keywords of a ``compile=`` argument: None for False, ``{}`` for
+    True (inductor; :class:`ModelRunner` adds ``dynamic=True`` where ``dynamic`` is not
+    given), a copy of a mapping whose keys are among :data:`COMPILE_OPTIONS`;
+    InvalidArgument for anything else."""
+    if isinstance(compile, (bool, np.bool_)):
+        return {} if compile else None
+    if not isinstance(compile, Mapping):
+        raise InvalidArgument(f"compile of type {type(compile).__name__} is not a bool or a mapping "
+                              f"of torch.compile options ({', '.join(COMPILE_OPTIONS)})")
+    unknown = sorted(str(k) for k in compile if k not in COMPILE_OPTIONS)
+    if unknown:
+        raise InvalidArgument(f"compile options {', '.join(unknown)} are unknown; give "
+                              f"{', '.join(COMPILE_OPTIONS)}")
+    options = dict(compile)
+    backend = options.get("backend", "inductor")
+    if not (isinstance(backend, str) and backend) and not callable(backend):
+        raise InvalidArgument(f"compile backend {backend!r} is not a backend name or a callable")
+    mode = options.get("mode")
+    if mode is not None and not isinstance(mode, str):
+        raise InvalidArgument(f"compile mode of type {type(mode).__name__} is not a string or None")
+    if not isinstance(options.get("dynamic"), (bool, np.bool_, type(None))):
+        raise InvalidArgument(f"compile dynamic of type {type(options['dynamic']).__name__} is not "
+                              "a bool or None")
+    if not isinstance(options.get("fullgraph", False), (bool, np.bool_)):
+        raise InvalidArgument(f"compile fullgraph of type {type(options['fullgraph']).__name__} is "
+                              "not a bool")
+    if options.get("options") is not None and not isinstance(options["options"], Mapping):
+        raise InvalidArgument(f"compile options['options'] of type {type(options['options']).__name__} "
+                              "is not a mapping")
+    return options
 
 
 def _attention_paths(config: Any, cfg: CacheConfig) -> list[str]:

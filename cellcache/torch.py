@@ -26,10 +26,15 @@ refuses before anything is written; then, for rows ``[0, T)``:
    one row count serves until ``Step.rows`` changes).
 
 No host synchronisation happens inside on CUDA, so the call can be captured in a graph.
+
+For ``torch.compile`` the same call is the custom op ``torch.ops.cellcache.attention(q, k,
+v, layer, scale)`` (:func:`attention_op`): opaque to dynamo, so a compiled forward is one
+graph; it finds its view and step in :data:`FORWARD`, set around the forward by its runner.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib.util
 import math
@@ -45,7 +50,7 @@ from .buffers import PAGED_ROLES, step_buffers
 from .cache import CellCache, Step
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
-__all__ = ["TorchView", "as_tensor", "attention", "check_qkv", "torch_dtype"]
+__all__ = ["FORWARD", "TorchView", "as_tensor", "attention", "attention_op", "check_qkv", "torch_dtype"]
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -264,6 +269,59 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
         out.copy_(result)
         return out
     return result
+
+
+#: The forward running now, for :func:`attention_op`: an object with ``view`` (a
+#: :class:`TorchView`), ``step``, ``backend`` (as :func:`attention` takes them) and an int
+#: ``calls`` the op counts up; None between forwards. Set by whoever runs the model
+#: (:class:`cellcache.hf.ModelRunner`), read only inside the op, where dynamo does not look.
+FORWARD: contextvars.ContextVar = contextvars.ContextVar("cellcache_forward", default=None)
+
+
+@torch.library.custom_op("cellcache::attention", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, int layer, float? scale) -> Tensor")
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                  scale: float | None) -> torch.Tensor:
+    forward = FORWARD.get()
+    if forward is None:
+        raise InvalidState("cellcache's attention op ran outside a step: run the compiled forward "
+                           "through ModelRunner.forward")
+    forward.calls += 1
+    out = attention(forward.view, layer, q, k, v, step=forward.step, backend=forward.backend,
+                    scale=scale)
+    return out.to(q.dtype).contiguous()     # what the fake promises: q's dtype, contiguous
+
+
+@_attention_op.register_fake
+def _(q, k, v, layer, scale):
+    return q.new_empty(q.shape)
+
+
+# The op writes the layer's pools, which are not among its arguments (see attention_op):
+# never dropped as dead code, even where a graph would not use its output.
+torch.fx.node.has_side_effect(torch.ops.cellcache.attention.default)
+
+
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                 scale: float | None = None) -> torch.Tensor:
+    """:func:`attention` as the custom op ``cellcache::attention``, for compiled forwards:
+    ``[T, n_heads, head_dim]`` in ``q``'s dtype (contiguous), for the view, step and backend
+    of the forward in :data:`FORWARD` (InvalidState when none runs); it counts the call in
+    ``FORWARD.calls``.
+
+    A custom op takes only tensors and scalars, so the Python state (view, step, backend)
+    stays in the context variable and the layer travels as an int; the op is opaque to
+    dynamo, which therefore neither traces the lookup nor breaks the graph at attention.
+    The layer's K/V pools, which the op writes, are not arguments (``mutates_args=()``, as
+    vLLM's ``unified_attention`` keeps its KV cache out of the graph): each layer's pools are
+    touched by that layer's call alone, whose output the next layer consumes, so no other
+    op can be reordered around the write. Passed as mutated arguments they would have to be
+    graph inputs (threaded through the model's forward), AOT would functionalize the write
+    (``auto_functionalized_v2``: a clone of each pool and a copy back per call unless
+    inductor re-inplaces it; aot_eager does not), and a copy growth (new pool tensors)
+    would recompile the graph.
+    """
+    return torch.ops.cellcache.attention(q, k, v, layer, scale)
 
 
 #: (dtype, head_dim, group, path) fallbacks already announced, per cache

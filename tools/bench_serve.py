@@ -70,7 +70,8 @@ def make_gen(model, w: dict, prefix: bool, capacity: int, max_seqs: int):
 
     return Generator(model, capacity=capacity, max_batch_tokens=w["max_batch_tokens"],
                      max_seqs=max_seqs, prefill_chunk=w["prefill_chunk"], eos=[],
-                     prefix_cache=prefix, async_steps=w.get("async_steps"))
+                     prefix_cache=prefix, async_steps=w.get("async_steps"),
+                     compile=w.get("compile", False))
 
 
 def summarize(gen, elapsed: float, reqs) -> dict:
@@ -443,6 +444,10 @@ def main(argv=None) -> int:
     p.add_argument("--async-steps", choices=["auto", "on", "off"], default="auto",
                    help="asynchronous scheduling of decode steps (Generator(async_steps=)); auto: "
                         "on with CUDA graphs")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model's forward (Generator(compile=True): inductor, "
+                        "attention as the custom op cellcache::attention; on CUDA the decode graphs "
+                        "capture the compiled forward); the warm-up run compiles")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--tp", type=in_range(1, 1 << 12), default=None,
@@ -450,6 +455,8 @@ def main(argv=None) -> int:
                         "(1: one process, the comparison); the default workload only")
     args = p.parse_args(argv)
     if args.tp is not None:
+        if args.compile:
+            p.error("--compile is measured in one process (without --tp)")
         return tp_bench(p, args)
     if args.rate is not None and not 0 < args.rate < float("inf"):
         p.error(f"--rate must be a finite number > 0, not {args.rate}")
@@ -471,6 +478,7 @@ def main(argv=None) -> int:
         if getattr(args, key) is not None:
             w[key] = getattr(args, key)
     w["async_steps"] = {"auto": None, "on": True, "off": False}[args.async_steps]
+    w["compile"] = bool(args.compile)
     skip = set(filter(None, args.skip.split(",")))
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -488,7 +496,7 @@ def main(argv=None) -> int:
     res: dict = {"date": _dt.date.today().isoformat(), "command": command,
                  "workload": {"name": name, "model": args.model, "device": device, **w,
                               "capacity": capacity, "ideal_computed": work["ideal_computed"]}}
-    stem = "serve" if name == "default" else f"serve-{name}"
+    stem = ("serve" if name == "default" else f"serve-{name}") + ("-compile" if args.compile else "")
     path = args.json or ROOT / "benchmarks" / "results" / f"{stem}-{res['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
 

@@ -44,7 +44,7 @@ import torch
 from .._checks import check_int
 from ..cache import CellCache
 from ..errors import InvalidArgument, InvalidState
-from ..hf import attach, cache_config
+from ..hf import attach, cache_config, compile_options
 from ..prefix import PrefixCache
 from ..registry import build
 from ..tp import TPCache, shard_model
@@ -182,6 +182,11 @@ class Generator:
     step's token, as a cancel during a synchronous step does. ``profile``: host time per
     phase (:data:`PHASES`), summed in ms, for every step and by kind (decode/mixed).
 
+    ``compile`` (False; True or a mapping of ``torch.compile`` keywords): the model's
+    forwards run compiled, attention as the custom op ``cellcache::attention`` (no graph
+    break); on CUDA the decode graphs capture the compiled forward
+    (:class:`cellcache.hf.ModelRunner` has the details).
+
     One thread steps a Generator: :meth:`step` (and :meth:`run`) from a second thread while
     a step runs, or from inside an ``on_token``/``draft`` callback, raises InvalidState
     and changes nothing. :meth:`add` and :meth:`cancel` are safe from any thread and from
@@ -202,7 +207,9 @@ class Generator:
                  buckets: list[int] | None = None, eos: Sequence[int] | None = None,
                  reserve: float = 1.0, prefix_cache: bool | PrefixCache | Mapping[str, Any] = True,
                  admission: str = "fifo", clock: Callable[[], float] | None = None,
-                 tp: bool | int | None = None, async_steps: bool | None = None):
+                 tp: bool | int | None = None, async_steps: bool | None = None,
+                 compile: bool | Mapping[str, Any] = False):
+        compile_options(compile)                 # refused before anything is built or switched
         on_cuda = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
         if max_batch_tokens is None:
             max_batch_tokens = min(CUDA_BATCH_TOKENS if on_cuda else CPU_BATCH_TOKENS, capacity) \
@@ -273,7 +280,7 @@ class Generator:
             given = PrefixCache(cache, **prefix_opts)
         self.model, self.cache = model, cache
         self.runner = attach(model, cache.local if isinstance(cache, TPCache) else cache,
-                             graphs=graphs, buckets=buckets)
+                             graphs=graphs, buckets=buckets, compile=compile)
         self.clock: Callable[[], float] = clock or time.perf_counter
         self.vocab: int = self.runner.vocab
         self.max_batch = cache.config.max_write
