@@ -358,7 +358,8 @@ class ModelRunner:
     forward is one graph. On CUDA with graphs the compiled forward is what each decode
     bucket captures (warm-up, which compiles, then capture): this runner stays the one
     owner of CUDA graphs, so modes that capture graphs themselves (``"reduce-overhead"``,
-    ``"max-autotune"``) are refused unless ``graphs=False``. Attach's probe runs eagerly.
+    ``"max-autotune"``, ``triton.cudagraphs``) are refused on CUDA, with or without the
+    runner's graphs (the op decides its kernel per step). Attach's probe runs eagerly.
     """
 
     def __init__(self, model: Any, cache: CellCache, *, graphs: bool | None = None,
@@ -389,13 +390,16 @@ class ModelRunner:
             raise InvalidArgument(f"graph replay needs every layer on cellcache's or the tensor-core "
                                   f"kernels; {', '.join(unsafe[:4])} (its shape falls back): "
                                   "pass graphs=False")
-        if options is not None and graphs_enabled and (
+        if options is not None and view.cuda and (
                 options.get("mode") in _GRAPH_MODES
                 or (options.get("options") or {}).get("triton.cudagraphs")):
+            # inductor's own graphs would replay cellcache::attention without running it:
+            # its per-step choices (kernel, decode or prefill variant) come from the step
             raise InvalidArgument(f"compile mode {options.get('mode')!r} with options "
-                                  f"{options.get('options')!r} captures CUDA graphs itself; "
-                                  "this runner captures the decode graphs (of the compiled forward): "
-                                  "use mode 'default' or 'max-autotune-no-cudagraphs', or graphs=False")
+                                  f"{options.get('options')!r} captures CUDA graphs itself, which "
+                                  "cellcache's attention op cannot be replayed by; this runner "
+                                  "captures the decode graphs (of the compiled forward): use mode "
+                                  "'default' or 'max-autotune-no-cudagraphs'")
         chosen = default_buckets(mw, 512) if buckets is None else check_buckets(buckets, mw)
         self.model, self.cache, self.view = model, cache, view
         if options is not None:           # a symbolic width: one graph for every width

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cellcache import CacheConfig, HostCellCache, LayerConfig, OutOfMemory, StepTooLarge, tp
+from cellcache import CacheConfig, HostCellCache, InvalidArgument, LayerConfig, OutOfMemory, StepTooLarge, tp
 from cellcache.buffers import step_buffers
 from tests.helpers import FailingAllocator, assert_same, state
 
@@ -586,3 +586,20 @@ def run_cli(args: list[str], torchrun: bool, tmp_path: Path, cuda: bool = False
         out, err = proc.communicate()
         pytest.fail(f"cellcache generate did not finish within {CLI_TIMEOUT} s:\n{err[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def refused_generator(rank: int, world: int) -> dict:
+    """Rank function: a Generator(tp=True) refused for a bad argument must leave the model
+    as it was (unsharded: sharding is for good)."""
+    from cellcache.generate import Generator
+    from cellcache.generate.distributed import is_sharded
+
+    model = gen_model()
+    raised = None
+    for bad in (dict(admission="bogus"), dict(async_steps="yes"), dict(max_seqs=0)):
+        try:
+            Generator(model, tp=True, capacity=64, eos=[], **bad)
+        except InvalidArgument as e:
+            raised = (raised or []) + [str(e)]
+    return {"raised": raised, "sharded": is_sharded(model),
+            "attention": model.config._attn_implementation}

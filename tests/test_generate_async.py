@@ -364,3 +364,93 @@ def test_requests_added_from_a_client_thread(model):
     reqs = serve_arrivals(gen, ps, [0.002 * i for i in range(len(ps))], sp)
     assert [r.outputs for r in reqs] == [r.outputs for r in ref]
     assert gen._flight is None and not gen.busy
+
+
+# -- Ctrl-C at the narrow points between launching, applying and delivering a step ----------------
+
+_PS = [[1, 2, 3], [5, 6, 7, 8], [9, 10]]
+_SP = [Sampling(max_new_tokens=m) for m in (5, 8, 6)]
+
+
+def _small(model, async_steps, **kw):
+    return Generator(model, capacity=256, max_batch_tokens=32, max_seqs=8, prefill_chunk=8,
+                     eos=[], async_steps=async_steps, **kw)
+
+
+def _interrupt_at_clock_call(monkeypatch, k):
+    """Ctrl-C arriving at the engine's k-th ``time.perf_counter()`` call from now."""
+    import time as real_time
+    import types
+
+    import cellcache.generate.engine as engine
+
+    n = [0]
+
+    def perf_counter():
+        n[0] += 1
+        if n[0] == k:
+            raise KeyboardInterrupt
+        return real_time.perf_counter()
+
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    return lambda: monkeypatch.setattr(engine, "time", real_time)
+
+
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_ctrl_c_anywhere_in_a_step_keeps_outputs_streams_and_cells(model, monkeypatch, async_steps):
+    """A KeyboardInterrupt at every clock read of a step in turn (the first lines of landing
+    a step, between applying it and its callbacks, ...): the step goes back or its tokens
+    are kept for delivery, the cache holds what the generator believes, and the run ends
+    with the synchronous outputs, every token streamed once and in order."""
+    ref = _small(model, False)
+    refs = [ref.add(p, s) for p, s in zip(_PS, _SP)]
+    ref.run()
+    for k in range(1, 16):
+        gen = _small(model, async_steps)
+        streamed: dict[int, list[int]] = {}
+        rs = [gen.add(p, s, on_token=lambda r, i, t, out=streamed: out.setdefault(r.id, []).append(t))
+              for p, s in zip(_PS, _SP)]
+        for _ in range(3):
+            gen.step()
+        restore = _interrupt_at_clock_call(monkeypatch, k)
+        try:
+            gen.step()
+        except KeyboardInterrupt:
+            pass
+        restore()
+        check(gen)
+        while gen.step():
+            check(gen)
+        assert [r.outputs for r in rs] == [r.outputs for r in refs], k
+        assert [streamed.get(r.id) for r in rs] == [r.outputs[0] for r in rs], k
+
+
+def test_a_refused_async_steps_leaves_the_model_as_it_was():
+    m = random_model("llama-tiny", seed=3)
+    with pytest.raises(InvalidArgument, match="async_steps of type str"):
+        Generator(m, capacity=64, max_batch_tokens=16, eos=[], async_steps="yes")
+    assert m.config._attn_implementation != "cellcache"
+
+
+def test_ctrl_c_in_on_event_while_cancelling_still_ends_the_request():
+    """A BaseException from the prefix cache's on_event while cancel() stores the
+    sequence: it propagates, and the request is still ended with its cells and id freed."""
+    m = random_model("llama-tiny", seed=3)
+    fire = []
+
+    def on_event(ev):
+        if fire:
+            fire.clear()
+            raise KeyboardInterrupt
+
+    gen = _small(m, False, prefix_cache={"on_event": on_event})
+    r = gen.add([1, 2, 3, 4], Sampling(max_new_tokens=8))
+    for _ in range(3):
+        gen.step()
+    fire.append(1)
+    with pytest.raises(KeyboardInterrupt):
+        gen.cancel(r)
+    gen.run()
+    assert r.done and r.finish_reasons == ["cancelled"]
+    assert len(gen.cache.live_seqs()) == gen.prefix.metrics()["leaves"]     # only the tree's
+    gen.cache.check_invariants()

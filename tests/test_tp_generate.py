@@ -83,3 +83,11 @@ def test_the_cli_refuses_tp_without_torchrun(tmp_path):
     assert bad.returncode == 2
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "--tp 2 needs one process per rank started by torchrun" in lines[0]
+
+
+def test_a_refused_tp_generator_leaves_the_model_unsharded(tmp_path):
+    """Every argument is checked before the model is sharded (which cannot be undone) or
+    switched to cellcache's attention."""
+    for r in H.run_ranks(H.refused_generator, tmp_path, timeout=120):
+        assert r["raised"] is not None and len(r["raised"]) == 3, r
+        assert not r["sharded"] and r["attention"] != "cellcache", r

@@ -179,7 +179,8 @@ class Generator:
     Outputs, finish reasons, streams and ``stats`` are the synchronous generator's, token
     for token (steps with drafts, forks, prompt chunks or waiting requests run
     synchronously). A request cancelled while a step carrying it is in flight loses that
-    step's token, as a cancel during a synchronous step does. ``profile``: host time per
+    step's token, as a cancel during a synchronous step does (``stats["tokens_in"]`` then
+    counts that step's row, which the synchronous generator never fed). ``profile``: host time per
     phase (:data:`PHASES`), summed in ms, for every step and by kind (decode/mixed).
 
     ``compile`` (False; True or a mapping of ``torch.compile`` keywords): the model's
@@ -210,6 +211,8 @@ class Generator:
                  tp: bool | int | None = None, async_steps: bool | None = None,
                  compile: bool | Mapping[str, Any] = False):
         compile_options(compile)                 # refused before anything is built or switched
+        if async_steps is not None and not isinstance(async_steps, (bool, np.bool_)):
+            raise InvalidArgument(f"async_steps of type {type(async_steps).__name__} is not a bool or None")
         on_cuda = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
         if max_batch_tokens is None:
             max_batch_tokens = min(CUDA_BATCH_TOKENS if on_cuda else CPU_BATCH_TOKENS, capacity) \
@@ -232,8 +235,6 @@ class Generator:
             if cache is not None and not isinstance(cache, TPCache):
                 raise InvalidArgument(f"with tp={tp!r} the cache must be a cellcache.tp.TPCache "
                                       f"(or None: built here), not {type(cache).__name__}")
-            if not is_sharded(model):
-                model = shard_model(model)
         elif isinstance(cache, TPCache):
             raise InvalidArgument(f"a TPCache needs tp=True (its world has {cache.world} ranks)")
         # -- end tensor parallelism --
@@ -265,6 +266,9 @@ class Generator:
                                   "a mapping of PrefixCache options or a PrefixCache")
         if cache is None:
             max_seqs = check_int(max_seqs, "max_seqs", 1)
+        if world is not None and not is_sharded(model):    # every argument checked: sharding is for good
+            model = shard_model(model)
+        if cache is None:
             ids = max_seqs
             if prefix_opts is not None:
                 prefix_opts.setdefault("max_seqs", max_seqs)
@@ -308,14 +312,13 @@ class Generator:
         self.stream = torch.cuda.current_stream(self.runner.device) if self.runner.cuda else None
         #: The ranks' lockstep under tensor parallelism (``tp.rank``, ``tp.world``), or None.
         self.tp: RankSync | None = RankSync(self, cache) if isinstance(cache, TPCache) else None
-        # -- asynchronous scheduling and the host profile --
-        if async_steps is not None and not isinstance(async_steps, (bool, np.bool_)):
-            raise InvalidArgument(f"async_steps of type {type(async_steps).__name__} is not a bool or None")
+        # -- asynchronous scheduling and the host profile (async_steps checked at the top) --
         #: Whether a lean decode step is left in flight and the next one launched on its ids
         #: (on the device) before they reach the host (default: on CUDA with graphs).
         self.async_steps = bool(self.runner.cuda and self.runner.graphs_enabled) \
             if async_steps is None else bool(async_steps)
         self._flight: _Flight | None = None       # the step on the device, not applied yet
+        self._undelivered: list[tuple[Job, int, int]] = []   # applied tokens awaiting on_token
         self._landed: _Flight | None = None       # the step applied by this call, to book
         self._prof: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._drawn_ids: np.ndarray | None = None
@@ -577,6 +580,9 @@ class Generator:
         t = time.perf_counter()
         self._drain()                                 # cancels made by other threads meanwhile
         self._phase = "deliver"
+        # every applied token not delivered yet (this step's, and any an interrupt kept from
+        # an earlier step's delivery), in order
+        events, self._undelivered = self._undelivered, []
         for job, k, tok in events:
             req = job.req
             if job.closed or req.on_token is None:
@@ -756,11 +762,11 @@ class Generator:
         and re-raises. Returns the tokens to deliver and whether an interrupt was held back
         while applying."""
         plan = flight.plan
-        self._prof = flight.prof
-        t = time.perf_counter()
         sched = self.scheduler
-        lean = plan.lean and not self._hooked()
-        try:
+        try:                                          # from the first statement: rolled back
+            self._prof = flight.prof
+            t = time.perf_counter()
+            lean = plan.lean and not self._hooked()
             self._drawn = flight.draw.result()        # the step's one host sync
             t = self._tick("wait", t)
             if not lean:
@@ -780,6 +786,7 @@ class Generator:
                 for job, exc in failed:
                     self._fail(job, exc, None, errors)
                 events = self._apply(outcomes)
+            self._undelivered += events               # delivered by this step, or the next
         self._drawn_ids = None
         self._tick("update", t)
         self._landed = flight

@@ -262,18 +262,20 @@ class Scheduler:
             self.pending.remove(s.pending)
             s.pending = None
         pc = self.prefix
-        if pc is not None:
-            if store and s.sid is not None and s.in_cache > 0:
+        try:
+            if pc is not None and store and s.sid is not None and s.in_cache > 0:
                 self._pcall(0, pc.insert, s.sid, self.tokens_of(s)[:s.in_cache])
-            for arr, n in s.pins:
-                try:
-                    pc.unpin(arr, n)
-                except CellCacheError:                # the tree was cleared or forgotten meanwhile
-                    pass
-        s.pins, s.stored = [], False
-        if s.sid is not None:
-            self.cache.seq_rm(s.sid)
-        s.sid, s.in_cache, s.drafts = None, 0, []
+        finally:            # a BaseException from a user's on_event (Ctrl-C) still frees s
+            if pc is not None:
+                for arr, n in s.pins:
+                    try:
+                        pc.unpin(arr, n)
+                    except CellCacheError:            # the tree was cleared or forgotten meanwhile
+                        pass
+            s.pins, s.stored = [], False
+            if s.sid is not None:
+                self.cache.seq_rm(s.sid)
+            s.sid, s.in_cache, s.drafts = None, 0, []
 
     # -- the prefix cache --------------------------------------------------------------------------
     def _pcall(self, default: Any, fn: Callable, *args: Any, **kw: Any) -> Any:
@@ -364,17 +366,29 @@ class Scheduler:
         finished or not) with reason; frees their cells; no callback of it runs again."""
         job.closed = True
         req = job.req
+        ending = []
         for queue in (self.running, self.waiting):
             mine = [s for s in queue if s.job is job]
             if mine:
                 queue[:] = [s for s in queue if s.job is not job]
-                for s in mine:
-                    self.free(s, store=True)
-        for k, r in enumerate(req.finish_reasons):
+                ending += mine
+        for k, r in enumerate(req.finish_reasons):    # ended first: whatever a free raises
             if r is None or k == index:
                 req.finish_reasons[k] = reason
         if req.finished is None:
             req.finished = self.clock()
+        self._free_all(ending)
+
+    def _free_all(self, seqs: list[Seq]) -> None:
+        """Frees every sequence of ``seqs`` (storing it), even when one free raises (a
+        BaseException from a user's ``on_event``): an exception propagates once all are
+        freed."""
+        if not seqs:
+            return
+        try:
+            self.free(seqs[0], store=True)
+        finally:
+            self._free_all(seqs[1:])
 
     # -- admission and preemption ---------------------------------------------------------------
     @staticmethod
