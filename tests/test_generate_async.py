@@ -15,18 +15,14 @@ pytest.importorskip("transformers")
 from cellcache import InvalidArgument  # noqa: E402
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
 
-from .helpers import random_prompts  # noqa: E402
+from .helpers import random_prompts as prompts  # noqa: E402
 
-VOCAB = 512
+VOCAB = 512                  # the tiny random models' vocabulary (random_prompts' default)
 
 
 @pytest.fixture(scope="module")
 def model():
     return random_model("llama-tiny", seed=3)
-
-
-def prompts(seed, n, lo=3, hi=20):
-    return random_prompts(seed, n, lo, hi, VOCAB)
 
 
 def make(model, async_steps, **kw):
