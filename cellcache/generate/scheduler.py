@@ -380,15 +380,17 @@ class Scheduler:
         self._free_all(ending)
 
     def _free_all(self, seqs: list[Seq]) -> None:
-        """Frees every sequence of ``seqs`` (storing it), even when one free raises (a
-        BaseException from a user's ``on_event``): an exception propagates once all are
-        freed."""
-        if not seqs:
-            return
-        try:
-            self.free(seqs[0], store=True)
-        finally:
-            self._free_all(seqs[1:])
+        """Frees (and stores) every sequence of ``seqs``, even when one free raises (a
+        BaseException from a user's ``on_event``); the first such exception propagates
+        once all are freed."""
+        first: BaseException | None = None
+        for s in seqs:
+            try:
+                self.free(s, store=True)
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     # -- admission and preemption ---------------------------------------------------------------
     @staticmethod
