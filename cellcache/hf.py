@@ -586,7 +586,7 @@ class ModelRunner:
             raise InvalidArgument("give the step's tokens (or device_tokens)")
         else:
             ids_np = self._token_ids(tokens, width)
-        rows = self._logit_rows(logit_rows, width)
+        rows = None if logit_rows is None else self._logit_rows(logit_rows, width)
         if not isinstance(decode, (bool, np.bool_)):
             raise InvalidArgument(f"decode of type {type(decode).__name__} is not a bool")
         if self.view.stale():                 # a copy growth moved the pools
@@ -600,19 +600,24 @@ class ModelRunner:
             self._upload(ids_np)
         if T > width:
             self.input_ids[0, width:T].zero_()
-        every = rows.size == width and (width == 0 or (rows[0] == 0 and rows[-1] == width - 1
-                                                       and bool((np.diff(rows) == 1).all())))
+        every = rows is None or (rows.size == width and (
+            width == 0 or (rows[0] == 0 and rows[-1] == width - 1 and bool((np.diff(rows) == 1).all()))))
         with torch.inference_mode():
             if self.graphs_enabled and decode and T in self.buckets:
                 logits = self._replay(step)
                 self.replays += 1
                 if every:                     # every real row: a slice, no index upload
                     return logits[:width].float()
+                assert rows is not None
                 return logits[self._index(rows)].float()
             self.eager += 1
             # "auto": on CUDA with the paged view, the path choose_path gives each layer's
             # shape (cellcache's decode kernel for decode steps, its prefill kernel with the
             # device-built work list for mixed ones, or the tensor-core kernels)
+            if rows is None:
+                if self.compile is None:      # every row's logits, the padding rows' dropped
+                    return self._run(step, "auto", None)[:width].float()
+                rows = np.arange(width)       # compiled: rows as a tensor, as every eager step
             return self._run(step, "auto", self._index(rows)).float()
 
     def _upload(self, ids: np.ndarray) -> None:

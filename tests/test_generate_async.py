@@ -450,3 +450,49 @@ def test_ctrl_c_in_on_event_while_cancelling_still_ends_the_request():
     assert r.done and r.finish_reasons == ["cancelled"]
     assert len(gen.cache.live_seqs()) == gen.prefix.metrics()["leaves"]     # only the tree's
     gen.cache.check_invariants()
+
+
+def test_warmup_runs_one_decode_step_per_bucket_and_leaves_the_cache_as_it_was(model, monkeypatch):
+    """``warmup()`` (the decode graphs captured before serving; tests/gpu checks the graphs
+    themselves): on the CPU it captures nothing; with graphs (forced here, the forward
+    recorded) it runs one padded decode step per reachable bucket of fresh sequences and
+    frees them; a failing forward frees them too and changes nothing; refusals change
+    nothing."""
+    from cellcache.errors import InvalidState
+
+    gen = Generator(model, capacity=256, max_batch_tokens=32, max_seqs=6, eos=[], prefix_cache=False)
+    cache, runner = gen.cache, gen.runner
+    assert gen.warmup() == []                         # no graphs on the CPU
+    for bad in ([3], [64], "8", [0]):
+        with pytest.raises(InvalidArgument, match="width"):
+            gen.warmup(bad)
+    seen = []
+
+    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
+        seen.append((step.width, step.pad_to, decode, len(cache.live_seqs())))
+        if fail:
+            raise RuntimeError("capture failed")
+        return torch.zeros((step.width, 8))
+
+    monkeypatch.setattr(runner, "cuda", True)
+    monkeypatch.setattr(runner, "graphs_enabled", True)
+    monkeypatch.setattr(runner, "forward", forward)
+    free = cache.free_cells
+    fail = False
+    assert gen.warmup() == [1, 2, 4, 8]               # up to the bucket of max_seqs=6 rows
+    assert seen == [(1, 1, True, 1), (2, 2, True, 2), (4, 4, True, 4), (6, 8, True, 6)]
+    assert cache.live_seqs() == [] and cache.free_cells == free and cache.prepared_step is None
+    cache.check_invariants()
+    seen.clear()
+    assert gen.warmup([2]) == [2] and seen == [(2, 2, True, 2)]
+    fail = True
+    with pytest.raises(RuntimeError, match="capture failed"):
+        gen.warmup([4])
+    assert cache.live_seqs() == [] and cache.free_cells == free and cache.prepared_step is None
+    cache.check_invariants()
+    fail = False
+    gen.add([1, 2, 3], Sampling(max_new_tokens=2))
+    seen.clear()
+    with pytest.raises(InvalidState, match="queued or running"):
+        gen.warmup()
+    assert seen == [] and len(gen.waiting) == 1

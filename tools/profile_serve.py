@@ -32,14 +32,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: str):
+def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: str,
+          device: str = "cpu"):
     import torch
 
     from cellcache.generate import Generator, Sampling, random_model
 
+    capacity = rows * (prompt_len + new_tokens) + 1024
+    if device == "cuda":                      # the real model and forward (graphs, bf16)
+        model = random_model(model_name, torch.bfloat16, "cuda", 0)
+        gen = Generator(model, capacity=capacity, max_seqs=rows + 8, eos=[], prefix_cache=False,
+                        async_steps=mode == "async")
+        gen.warmup()
+        vocab = model.config.vocab_size
+        for i in range(rows):
+            gen.add([(i * 7 + j) % vocab for j in range(prompt_len)],
+                    Sampling(max_new_tokens=new_tokens))
+        return gen
     torch.set_num_threads(1)                  # the stub's argmax: no thread pool wake-ups
     model = random_model(model_name, torch.float32, "cpu", 0)
-    capacity = rows * (prompt_len + new_tokens) + 1024
     gen = Generator(model, capacity=capacity, max_batch_tokens=max(rows, 512), max_seqs=rows + 8,
                     prefill_chunk=256, eos=[], prefix_cache=False, async_steps=mode == "async")
     vocab = 8                                 # the stub's logits: 8 ids, so its argmax is ~free
@@ -47,7 +58,7 @@ def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: st
     stub_logits: dict[int, torch.Tensor] = {}
 
     def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
-        if logit_rows is None or len(logit_rows) != step.width:   # prompt chunks: the model
+        if logit_rows is not None and len(logit_rows) != step.width:   # prompt chunks: the model
             if device_tokens is not None:
                 return real(step, None, logit_rows, decode, device_tokens=device_tokens)
             return real(step, tokens, logit_rows, decode)
@@ -63,8 +74,9 @@ def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: st
     return gen
 
 
-def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int) -> dict:
-    gen = build(rows, steps + 8, 8, mode, model_name)
+def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int,
+            device: str = "cpu", prompt_len: int = 8) -> dict:
+    gen = build(rows, steps + 8, prompt_len, mode, model_name, device)
     # read every prompt and reach the steady state (all rows decoding)
     while any(len(s.tokens) - s.in_cache > 1 for s in gen.running) or gen.waiting:
         gen.step()
@@ -99,17 +111,27 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=256, help="decode rows a step (default 256)")
     p.add_argument("--steps", type=int, default=200, help="decode steps timed (default 200)")
     p.add_argument("--mode", choices=["sync", "async", "both"], default="both")
-    p.add_argument("--model", default="llama-tiny", help="built-in random model (default llama-tiny)")
+    p.add_argument("--model", default=None,
+                   help="built-in random model (default llama-tiny; qwen2-0.5b with --device cuda)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (default): the forward stubbed out; cuda: the real bf16 model, "
+                        "graphs and all, so 'forward' and 'wait' are the GPU's")
+    p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens a row (default 8)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also print cProfile's N costliest functions (by own time)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    if args.rows < 1 or args.steps < 1:
-        p.error("--rows and --steps must be >= 1")
+    if args.rows < 1 or args.steps < 1 or args.prompt_len < 1:
+        p.error("--rows, --steps and --prompt-len must be >= 1")
+    model = args.model or ("qwen2-0.5b" if args.device == "cuda" else "llama-tiny")
+    if args.device == "cuda":
+        from tools._common import require_gpu
+        if (code := require_gpu("profile_serve")) is not None:
+            return code
     modes = ["sync", "async"] if args.mode == "both" else [args.mode]
     out = []
     for mode in modes:
-        r = profile(args.rows, args.steps, mode, args.model, args.cprofile)
+        r = profile(args.rows, args.steps, mode, model, args.cprofile, args.device, args.prompt_len)
         out.append(r)
         parts = ", ".join(f"{k} {v:.1f}" for k, v in r["us_per_step"].items())
         print(f"{mode}: {r['rows']} rows, host {r['host_us_per_step']:.1f} us/decode step "

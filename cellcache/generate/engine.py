@@ -42,8 +42,9 @@ import numpy as np
 import torch
 
 from .._checks import check_int
+from ..buckets import bucket_for
 from ..cache import CellCache
-from ..errors import InvalidArgument, InvalidState
+from ..errors import InvalidArgument, InvalidState, OutOfMemory
 from ..hf import attach, cache_config, compile_options
 from ..prefix import PrefixCache
 from ..registry import build
@@ -473,6 +474,89 @@ class Generator:
         return bool(self.waiting or self.running or (self._incoming and self.tp is None)
                     or self._flight is not None)
 
+    def warmup(self, widths: Sequence[int] | None = None) -> list[int]:
+        """Captures the decode graphs now, as a serving engine does at start-up, instead of on
+        each bucket's first use in the middle of a run (a capture costs a warm-up forward and
+        the capture itself: tens to hundreds of ms). ``widths``: decode buckets of
+        ``runner.buckets`` (default: every bucket a decode step of this generator can reach,
+        up to the one holding ``min(max_seqs, max_batch_tokens)`` rows). Returns the buckets
+        captured now (those captured already are skipped); ``[]`` when the runner replays no
+        graphs (CPU, ``graphs=False``).
+
+        Each capture runs one real decode step of up to ``width`` fresh one-token sequences
+        (padded to the bucket), which are freed again: the cache ends as it was, except that
+        its pools may have grown. Under tensor parallelism every rank calls it (the verbs are
+        agreed like a step's). InvalidArgument for a width that is not a bucket; InvalidState
+        while requests are queued or running, a step is in flight, or from inside a step;
+        OutOfMemory (nothing captured for that width, its sequences freed) when the cache
+        cannot hold the step.
+        """
+        runner, cache = self.runner, self.cache
+        limit = bucket_for(min(cache.max_seqs, self.max_batch), runner.buckets) or runner.buckets[-1]
+        chosen = [b for b in runner.buckets if b <= limit] if widths is None \
+            else self._warm_widths(widths, runner.buckets)
+        if not self._step_lock.acquire(blocking=False):
+            raise InvalidState("warmup() while a step runs (from a callback or another thread): "
+                               "call it before serving")
+        try:
+            with self._state_lock:
+                if self.busy or self._incoming:
+                    raise InvalidState("warmup() while requests are queued or running: call it "
+                                       "before adding requests, or once run() has returned")
+                if cache.prepared_step is not None:
+                    raise InvalidState("warmup() while the cache has a step prepared")
+                if not (runner.cuda and runner.graphs_enabled):
+                    return []
+                done = []
+                for width in chosen:
+                    if width in runner.graphs and not runner.view.stale():
+                        continue
+                    self._capture(width)
+                    done.append(width)
+                return done
+        finally:
+            self._step_lock.release()
+
+    @staticmethod
+    def _warm_widths(widths: Any, buckets: list[int]) -> list[int]:
+        if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence):
+            raise InvalidArgument(f"widths of type {type(widths).__name__} is not a list of buckets")
+        out = []
+        for w in widths:
+            w = check_int(w, "width", 1)
+            if w not in buckets:
+                raise InvalidArgument(f"width {w} is not one of the runner's buckets {buckets}")
+            out.append(w)
+        return sorted(set(out))
+
+    def _capture(self, width: int) -> None:
+        """One decode step of up to ``width`` fresh sequences at bucket ``width``: the forward
+        captures (and replays) the bucket's graph; the sequences are freed again."""
+        cache = self.cache
+        n = min(width, cache.max_seqs - len(cache.live_seqs()), cache.free_cells)
+        sids: list[int] = []
+        try:
+            for _ in range(n):
+                sid = cache.seq_new()
+                if sid is None:
+                    break
+                sids.append(sid)
+            if not sids or not cache.declare_step(sids):
+                raise OutOfMemory(f"warmup: the cache has no room for a decode step at bucket {width} "
+                                  f"({cache.free_cells} free cells, {len(sids)} sequence ids)")
+            step = cache.prepare_step(stream=self.stream, pad_to=width)
+            committed = False
+            try:
+                self.runner.forward(step, [0] * len(sids), None, decode=True)
+                cache.commit_step()
+                committed = True
+            finally:
+                if not committed:
+                    cache.unprepare_step()
+        finally:
+            for sid in sids:
+                cache.seq_rm(sid)
+
     def _drain(self, boundary: bool = False) -> None:
         """Queues requests added, and applies cancels made, while a step ran (state lock held).
         Under tensor parallelism only at a step's start and end (``boundary``), agreed."""
@@ -720,10 +804,11 @@ class Generator:
             step = self.cache.prepare_step(stream=self.stream, pad_to=pad_to)
             prepared = True
             t = self._tick("prepare", t)
+            rows = None if plan.lean else plan.logit_rows   # lean: every real row, in order
             if after is None:
-                logits = self.runner.forward(step, plan.tokens, plan.logit_rows, decode=decode)
+                logits = self.runner.forward(step, plan.tokens, rows, decode=decode)
             else:
-                logits = self.runner.forward(step, None, plan.logit_rows, decode=decode,
+                logits = self.runner.forward(step, None, rows, decode=decode,
                                              device_tokens=self._fed(plan, after))
             self.cache.commit_step()
             committed = True

@@ -118,6 +118,24 @@ class StepPlan:
     prompt_last: int = 0                  # lean rows that feed their prompt's last token
     ahead: bool = False                   # scheduled before the previous step's ids arrived:
     #                                       ``tokens`` is empty, the ids are fed on the device
+    fast: _Steady | None = None           # an ahead lean plan's steady-state record
+
+
+@dataclass(eq=False)
+class _Steady:
+    """What an ahead lean plan (:meth:`Scheduler.schedule_decode` with ``after``) knows about
+    its rows, so that the next such plan over the same rows, and applying it, skip the
+    per-row checks: valid while the scheduler's ``epoch`` (bumped whenever a sequence is
+    freed or a request ended) is the one it was built at."""
+
+    epoch: int
+    sids: list[int]
+    outs: list[list[int]]                 # the rows' output lists (req.outputs[s.index])
+    times: list[list[float]]              # their token_times lists
+    hooked: list[tuple[int, Job, int]]    # (row, job, continuation) of requests with on_token
+    min_left: int                         # min over rows of max_new_tokens - len(outputs), at planning
+    used: int                             # the rows' kv entries with this step's token
+    stops: bool                           # some row's request has its own stop tokens
 
 
 class PendingPrompts:
@@ -236,6 +254,9 @@ class Scheduler:
         self.pending = PendingPrompts()
         self.later: list[BaseException] = []  # prefix-cache callback errors, raised at step end
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
+        #: Bumped whenever a sequence is freed or a request ended: a lean plan's steady
+        #: record (:class:`_Steady`) holds only while it is unchanged.
+        self.epoch = 0
         self._stamps = 0
 
     # -- sequences ----------------------------------------------------------------------------------
@@ -258,6 +279,7 @@ class Scheduler:
     def free(self, s: Seq, store: bool = False) -> None:
         """Gives back s's cache id and cells; s is then a sequence to be read from scratch.
         ``store``: s ends, its tokens in the cache go to the prefix cache first."""
+        self.epoch += 1
         if s.pending is not None:
             self.pending.remove(s.pending)
             s.pending = None
@@ -365,6 +387,7 @@ class Scheduler:
         """Ends every unfinished continuation of job's request (and continuation ``index``,
         finished or not) with reason; frees their cells; no callback of it runs again."""
         job.closed = True
+        self.epoch += 1
         req = job.req
         ending = []
         for queue in (self.running, self.waiting):
@@ -482,6 +505,10 @@ class Scheduler:
         reach ``max_new_tokens`` with it. A sequence that ends on a stop token in ``after``
         still has its row here; the caller drops it when ``after``'s ids arrive.
         """
+        if after is not None and after.fast is not None:
+            plan = self._steady_decode(after)
+            if plan is not None:
+                return plan
         ahead = 0 if after is None else 1
         seqs = self.running if after is None else after.seqs
         n = len(seqs)
@@ -493,8 +520,10 @@ class Scheduler:
         sids: list[int] = []
         tokens: list[int] = []
         random = False
+        stops = False
         last = 0
         used = 0
+        min_left = 1 << 62
         for s in seqs:
             job = s.job
             req = job.req
@@ -511,8 +540,13 @@ class Scheduler:
                     continue                   # cancelled or failed meanwhile
                 if req.draft is not None:
                     return None                # it will propose drafts: a synchronous step
-                if len(req.outputs[s.index]) + 1 >= sp.max_new_tokens:
+                left = sp.max_new_tokens - len(req.outputs[s.index])
+                if left <= 1:
                     continue                   # ends by length in `after`
+                if left < min_left:
+                    min_left = left
+                if sp.stop:
+                    stops = True
             used += s.in_cache + ahead + 1
             if used > kv:
                 return None
@@ -546,6 +580,47 @@ class Scheduler:
                 spec.index.append(s.index)
                 spec.position.append(len(req.outputs[s.index]) + ahead)
                 spec.draft.append(-1)
+        if after is not None:
+            reqs = [s.job.req for s in rows]
+            plan.fast = _Steady(
+                self.epoch, sids, [r.outputs[s.index] for r, s in zip(reqs, rows)],
+                [r.token_times[s.index] for r, s in zip(reqs, rows)],
+                [(i, s.job, s.index) for i, (r, s) in enumerate(zip(reqs, rows)) if r.on_token is not None],
+                min_left, used, stops)
+        return plan
+
+    def _steady_decode(self, after: StepPlan) -> StepPlan | None:
+        """:meth:`schedule_decode` after ``after`` when nothing ended since it was planned
+        (same epoch) and none of its rows ends by length in it: the same rows, each one
+        token further, without visiting them one by one. None when that does not hold (the
+        general loop decides)."""
+        fast = after.fast
+        assert fast is not None
+        n = len(fast.sids)
+        if fast.epoch != self.epoch or fast.min_left <= 2 or n > self.cache.free_cells:
+            return None
+        cfg = self.cache.config
+        used = fast.used + n
+        if cfg.paged and used > cfg.max_kv:
+            return None
+        try:
+            if not self.cache.declare_step(fast.sids):
+                return None
+        except StepTooLarge:
+            return None
+        rows = after.seqs
+        plan = StepPlan(after.rows, [], True, lean=True, seqs=rows, ahead=True)
+        plan.logit_rows = after.logit_rows
+        plan.owners = after.owners
+        spec, prev = plan.spec, after.spec
+        spec.rows = plan.logit_rows
+        spec.dense, spec.random = n, prev.random
+        if prev.random:
+            spec.temperature, spec.top_k, spec.top_p = prev.temperature, prev.top_k, prev.top_p
+            spec.seed, spec.index, spec.draft = prev.seed, prev.index, prev.draft
+            spec.position = [p + 1 for p in prev.position]
+        plan.fast = _Steady(fast.epoch, fast.sids, fast.outs, fast.times, fast.hooked,
+                            fast.min_left - 1, used, fast.stops)
         return plan
 
     def drop_ended(self, plan: StepPlan) -> None:
@@ -565,7 +640,12 @@ class Scheduler:
         ``ids[slot]`` (a 1-D array of the step's draws). Rows whose sequence ended or was
         freed meanwhile are skipped. Returns the tokens to deliver (``deliver`` False: only
         those of requests with an ``on_token``)."""
-        events: list[tuple[Job, int, int]] = []
+        fast = plan.fast
+        if fast is not None and fast.epoch == self.epoch and fast.min_left > 2 and not fast.stops:
+            events = self._apply_steady(plan, fast, ids, deliver)
+            if events is not None:
+                return events
+        events = []
         toks = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         now = self.clock()
         eos = self.eos
@@ -602,6 +682,33 @@ class Scheduler:
         if ended:
             self.running = [s for s in self.running if s.sid is not None]
         return events
+
+    def _apply_steady(self, plan: StepPlan, fast: _Steady, ids: Any,
+                      deliver: bool) -> list[tuple[Job, int, int]] | None:
+        """:meth:`apply_decode` of a steady plan (nothing ended since it was planned, no row
+        reaches ``max_new_tokens``, no request stop tokens): every row takes its token, row i
+        slot i. None, changing nothing, when a drawn token is an end-of-sequence id (the
+        general loop ends those rows)."""
+        n = len(fast.sids)
+        arr = np.asarray(ids)[:n]
+        if self.eos and np.isin(arr, np.fromiter(self.eos, np.int64, len(self.eos))).any():
+            return None
+        toks = arr.tolist()
+        now = self.clock()
+        for s, out, times, tok in zip(plan.seqs, fast.outs, fast.times, toks):
+            out.append(tok)
+            times.append(now)
+            s.tokens.append(tok)
+            s.in_cache += 1
+        pc = self.prefix
+        if pc is not None:
+            for s in plan.seqs:
+                if not s.stored and s.in_cache >= len(s.job.req.prompt):
+                    self._store_prompt(s)
+        self.stats["tokens_out"] += n
+        if deliver:
+            return [(s.job, s.index, tok) for s, tok in zip(plan.seqs, toks)]
+        return [(job, k, toks[i]) for i, job, k in fast.hooked]
 
     def _order_lpm(self) -> None:
         """Longest cached prefix first (stable: FIFO among equals); preempted sequences (read
@@ -773,6 +880,7 @@ class Scheduler:
         """Undoes a declared or prepared step whose forward or sampling raised: every planned
         sequence back to the cells it had, this step's admissions requeued (their prefix
         hits dropped and unpinned). ``commit``: a step was prepared and not committed yet."""
+        self.epoch += 1
         try:
             if commit:                                # the forward may have been queued
                 self.cache.commit_step()

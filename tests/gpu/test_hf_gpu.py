@@ -87,3 +87,37 @@ def test_prefix_cache_on_off_and_hf_agree_on_cuda():
     off = runs[False][2]
     assert on["cached_tokens"] >= 40 * (len(prompts) - 1) + len(prompts[0]) and off["cached_tokens"] == 0
     assert on["computed_tokens"] < off["computed_tokens"]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_warmup_then_greedy_equals_hf_on_cuda(compile):
+    """``warmup()`` captures every reachable decode bucket before serving and leaves the cache
+    as it was; the run then replays them without capturing again; greedy output equals HF's
+    ``generate`` token for token, with the forward compiled (``compile=True``) and without."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from cellcache.generate import Generator, Sampling, random_model
+
+    model = random_model("llama-tiny", torch.float32, "cuda", seed=5)
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, 512, size=int(rng.integers(3, 40))).tolist() for _ in range(6)]
+    n_new = 20
+    refs = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    gen = Generator(model, capacity=1024, max_batch_tokens=64, max_seqs=8, prefill_chunk=16,
+                    eos=[], prefix_cache=False, compile=compile)
+    free, live = gen.cache.free_cells, gen.cache.live_seqs()
+    captured = gen.warmup()
+    assert captured == [1, 2, 4, 8]                   # buckets up to max_seqs=8 rows
+    assert gen.cache.free_cells == free and gen.cache.live_seqs() == live
+    assert gen.warmup() == []                         # nothing left to capture
+    graphs = gen.runner.graphs
+    reqs = [gen.add(p, Sampling(max_new_tokens=n_new)) for p in prompts]
+    gen.run()
+    assert [r.outputs[0] for r in reqs] == refs
+    assert gen.stats["graph_steps"] > 0
+    after = gen.runner.graphs
+    assert after.keys() == graphs.keys()
+    assert all(after[k][0] is graphs[k][0] for k in graphs)   # replayed, never recaptured
+    gen.cache.check_invariants()
+    gen.cache.close()
