@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from ._checks import check_int
 from .errors import InvalidArgument
 
-__all__ = ["bucket_for", "check_buckets", "default_buckets"]
+__all__ = ["bucket_for", "check_buckets", "default_buckets", "default_mixed_buckets"]
 
 
 def default_buckets(max_write: int, largest: int | None = None) -> list[int]:
@@ -33,6 +33,21 @@ def default_buckets(max_write: int, largest: int | None = None) -> list[int]:
         out.append(b)
         b *= 2
     return out + [top]
+
+
+def default_mixed_buckets(max_write: int) -> list[int]:
+    """Token-count buckets for mixed steps (prompt chunks beside decode rows): powers of two
+    from 16 to 1024, then every multiple of 1024, up to ``max_write`` (itself included), so
+    a step above 1024 tokens pads by less than 1024 rows.
+
+    >>> default_mixed_buckets(4096)
+    [16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096]
+    """
+    top = check_int(max_write, "max_write", 1)
+    out = {b for b in (16, 32, 64, 128, 256, 512, 1024) if b < top}
+    out.update(range(2048, top, 1024))
+    out.add(top)
+    return sorted(out)
 
 
 def check_buckets(buckets: Iterable[int], max_write: int) -> list[int]:

@@ -36,7 +36,7 @@ import torch
 
 from . import torch as cct
 from ._checks import CAPACITY_LIMIT, check_int
-from .buckets import bucket_for, check_buckets, default_buckets
+from .buckets import bucket_for, check_buckets, default_buckets, default_mixed_buckets
 from .cache import CellCache, Step
 from .config import CacheConfig, LayerConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
@@ -291,7 +291,8 @@ def _attn_configs(model: Any) -> list[Any]:
 
 
 def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
-           buckets: list[int] | None = None, compile: bool | Mapping[str, Any] = False) -> ModelRunner:
+           buckets: list[int] | None = None, compile: bool | Mapping[str, Any] = False,
+           mixed_buckets: list[int] | None = None, attention: str = "auto") -> ModelRunner:
     """Switches ``model`` to cellcache's attention and returns the :class:`ModelRunner`
     that runs its forwards on ``cache``'s steps.
 
@@ -325,7 +326,8 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
     for i, (layer, w) in enumerate(zip(cache.config.layers, windows)):
         if layer.window != w:
             raise InvalidArgument(f"layer {i}: the cache's window {layer.window} is not the model's {w}")
-    runner = ModelRunner(model, cache, graphs=graphs, buckets=buckets, compile=compile)
+    runner = ModelRunner(model, cache, graphs=graphs, buckets=buckets, compile=compile,
+                         mixed_buckets=mixed_buckets, attention=attention)
     runner.reattach()
     return runner
 
@@ -334,8 +336,12 @@ class ModelRunner:
     """Runs a model's forward for a prepared step: tokens in, logits of chosen rows out.
 
     On CUDA with the paged view, decode steps (every row its sequence's next token) whose
-    padded width is a bucket replay a CUDA graph captured once per bucket; everything else
-    runs eagerly (mixed steps through the prefill kernel, or the tensor-core kernels). A
+    padded width is a bucket replay a CUDA graph captured once per bucket. Mixed steps
+    (prompt chunks beside decode rows) padded to a token-count bucket of ``mixed_buckets``
+    (default :func:`cellcache.buckets.default_mixed_buckets`; ``[]``: none) replay a graph
+    per bucket too, whose attention reads the device-built work list and whose logits come
+    for up to :attr:`logit_cap` rows given in a fixed device index buffer; a step with more
+    logit rows, or a width at no bucket, runs eagerly. A
     model whose layers fall back to FlashInfer or SDPA (a head_dim or group cellcache's
     kernels do not take) runs every step eagerly. When a copy growth
     moves the pools, the next forward rebuilds the views and drops the graphs (recaptured
@@ -344,6 +350,11 @@ class ModelRunner:
     Build it with :func:`attach`. If the model's attention is switched away afterwards
     (``model.set_attn_implementation("sdpa")``), :meth:`forward` refuses (InvalidState)
     until :meth:`reattach` switches it back.
+
+    ``attention``: ``"auto"`` (default: cellcache's kernels, chosen per layer shape) or
+    ``"flashinfer"`` (every layer through FlashInfer's paged kernels over the same paged
+    view, planned on the host each step, so every step runs eagerly; InvalidArgument
+    without FlashInfer, without a paged CUDA cache, or with ``graphs=True``).
 
     ``compile`` (True or a mapping of ``torch.compile`` keywords; see :data:`COMPILE_OPTIONS`)
     runs every forward through ``torch.compile(model, **options)`` (default: inductor,
@@ -363,8 +374,11 @@ class ModelRunner:
     """
 
     def __init__(self, model: Any, cache: CellCache, *, graphs: bool | None = None,
-                 buckets: list[int] | None = None, compile: bool | Mapping[str, Any] = False):
+                 buckets: list[int] | None = None, compile: bool | Mapping[str, Any] = False,
+                 mixed_buckets: list[int] | None = None, attention: str = "auto"):
         options = compile_options(compile)
+        if attention not in ATTENTION_BACKENDS:
+            raise InvalidArgument(f"attention={attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
         view = cct.TorchView(cache)
         config = getattr(model, "config", None)
         if config is None or not callable(model):
@@ -379,6 +393,16 @@ class ModelRunner:
                                   "(cache_config(model) does)")
         if graphs is not None and not isinstance(graphs, bool):
             raise InvalidArgument(f"graphs of type {type(graphs).__name__} is not a bool or None")
+        if attention == "flashinfer":
+            if not paged_cuda:
+                raise InvalidArgument("attention='flashinfer' needs a CUDA cache built with paged=True")
+            if not cct.have_flashinfer():
+                raise InvalidArgument("attention='flashinfer': FlashInfer is not installed "
+                                      "(pip install flashinfer-python)")
+            if graphs:
+                raise InvalidArgument("attention='flashinfer' plans each step on the host and cannot "
+                                      "be replayed from a graph: pass graphs=False (or None)")
+            graphs = False
         paths = _attention_paths(config, cfg) if paged_cuda else []
         # FlashInfer and SDPA fallbacks plan on the host or read the pools' row count, so
         # decode graphs are only for layers cellcache's or the tensor-core kernels take
@@ -401,6 +425,12 @@ class ModelRunner:
                                   "captures the decode graphs (of the compiled forward): use mode "
                                   "'default' or 'max-autotune-no-cudagraphs'")
         chosen = default_buckets(mw, 512) if buckets is None else check_buckets(buckets, mw)
+        if mixed_buckets is None:
+            mixed = default_mixed_buckets(mw)
+        elif isinstance(mixed_buckets, (list, tuple)) and len(mixed_buckets) == 0:
+            mixed = []
+        else:
+            mixed = check_buckets(mixed_buckets, mw)
         self.model, self.cache, self.view = model, cache, view
         if options is not None:           # a symbolic width: one graph for every width
             options = {"dynamic": True, **options}
@@ -411,7 +441,19 @@ class ModelRunner:
         self.device = view.device
         self.cuda = view.cuda
         self.graphs_enabled = graphs_enabled
+        #: The attention backend every layer runs: "auto" (cellcache's kernels, the choice
+        #: per shape) or "flashinfer" (FlashInfer's paged kernels over the same view, eager).
+        self.attention = attention
         self.buckets = chosen
+        #: Token-count buckets of the mixed-step graphs (see the class).
+        self.mixed_buckets = mixed
+        #: The most logit rows a mixed-step graph gives (its fixed index buffer's length).
+        self.logit_cap = min(mw, bucket_for(min(cache.max_seqs, mw), chosen) or mw)
+        self._mixed: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._mixed_pool: Any = None
+        self._rows_dev: torch.Tensor | None = None     # the mixed graphs' logit rows (device)
+        self._rows_host: torch.Tensor | None = None    # and their pinned staging, event
+        self._rows_staged: Any = None
         self.vocab = vocab_size(model)
         self.input_ids = torch.zeros((1, mw), dtype=torch.long, device=self.device)
         self._staging: torch.Tensor | None = None     # pinned upload buffer (CUDA) and its event
@@ -421,6 +463,18 @@ class ModelRunner:
         self._attn_configs: list[Any] = [_text_config(config)]
         self.replays = 0
         self.eager = 0
+
+    @property
+    def mixed_graphs(self) -> dict[int, tuple[Any, torch.Tensor]]:
+        """The captured mixed-step graphs by token bucket (a copy, as :attr:`graphs`)."""
+        return dict(self._mixed)
+
+    def mixed_bucket(self, width: int) -> int | None:
+        """The mixed-step bucket a step of ``width`` tokens is padded to, or None (it runs
+        eagerly): on CUDA with graphs, the smallest of :attr:`mixed_buckets` holding it."""
+        if not self.graphs_enabled:
+            return None
+        return bucket_for(width, self.mixed_buckets)
 
     @property
     def graphs(self) -> dict[int, tuple[Any, torch.Tensor]]:
@@ -593,6 +647,7 @@ class ModelRunner:
             self.view.refresh()
         if self._graph_generation != self.view.generation:
             self._graphs.clear()              # they read the old pools: recaptured on next use
+            self._mixed.clear()
             self._graph_generation = self.view.generation
         if device_tokens is not None:
             self.input_ids[0, :width].copy_(device_tokens, non_blocking=True)
@@ -610,15 +665,21 @@ class ModelRunner:
                     return logits[:width].float()
                 assert rows is not None
                 return logits[self._index(rows)].float()
+            n_rows = width if rows is None else rows.size
+            if self.graphs_enabled and not decode and T in self.mixed_buckets \
+                    and 0 < n_rows <= self.logit_cap:
+                logits = self._replay_mixed(step, rows, n_rows)
+                self.replays += 1
+                return logits[:n_rows].float()
             self.eager += 1
             # "auto": on CUDA with the paged view, the path choose_path gives each layer's
             # shape (cellcache's decode kernel for decode steps, its prefill kernel with the
             # device-built work list for mixed ones, or the tensor-core kernels)
             if rows is None:
                 if self.compile is None:      # every row's logits, the padding rows' dropped
-                    return self._run(step, "auto", None)[:width].float()
+                    return self._run(step, self.attention, None)[:width].float()
                 rows = np.arange(width)       # compiled: rows as a tensor, as every eager step
-            return self._run(step, "auto", self._index(rows)).float()
+            return self._run(step, self.attention, self._index(rows)).float()
 
     def _upload(self, ids: np.ndarray) -> None:
         """Host ids into ``input_ids``: on CUDA through a pinned staging buffer, without
@@ -643,6 +704,41 @@ class ModelRunner:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
+    def _replay_mixed(self, step: Step, rows: np.ndarray | None, n: int) -> torch.Tensor:
+        """Replays (capturing on first use) the mixed-step graph of ``step.pad_to`` tokens;
+        its logits ``[logit_cap, vocab]`` are for ``rows`` (None: rows 0..n-1), written into
+        the graph's index buffer (the rest point at row 0)."""
+        T = step.pad_to
+        cap = self.logit_cap
+        if self._rows_dev is None:
+            self._rows_dev = torch.zeros(cap, dtype=torch.long, device=self.device)
+            self._rows_host = torch.zeros(cap, dtype=torch.long, pin_memory=True)
+            self._rows_staged = torch.cuda.Event()
+        else:
+            self._rows_staged.synchronize()   # the previous upload has left the buffer
+        assert self._rows_host is not None
+        host = self._rows_host.numpy()
+        host[:n] = np.arange(n) if rows is None else rows
+        host[n:] = 0
+        self._rows_dev.copy_(self._rows_host, non_blocking=True)
+        self._rows_staged.record(torch.cuda.current_stream(self.device))
+        if T not in self._mixed:
+            if self._mixed_pool is None:
+                self._mixed_pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream(device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._run(step, "auto", self._rows_dev)    # warm-up: allocations, kernel loads
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # one memory pool for every mixed graph: they replay one at a time, in stream order
+            with torch.cuda.graph(graph, pool=self._mixed_pool):
+                logits = self._run(step, "auto", self._rows_dev)
+            self._mixed[T] = (graph, logits)
+        graph, logits = self._mixed[T]
+        graph.replay()
+        return logits
+
     def _replay(self, step: Step) -> torch.Tensor:
         T = step.pad_to
         if T not in self._graphs:
@@ -660,6 +756,8 @@ class ModelRunner:
         return logits
 
 
+#: What ``attention=`` takes (see :class:`ModelRunner`).
+ATTENTION_BACKENDS = ("auto", "flashinfer")
 #: The ``torch.compile`` keywords ``compile=`` takes as a mapping.
 COMPILE_OPTIONS = ("backend", "mode", "dynamic", "fullgraph", "options")
 #: Compile modes that capture CUDA graphs themselves (a second owner of the decode graphs).

@@ -3,7 +3,7 @@
 import pytest
 
 from cellcache import CacheConfig, HostCellCache, InvalidArgument, LayerConfig, attention
-from cellcache.buckets import bucket_for, check_buckets, default_buckets
+from cellcache.buckets import bucket_for, check_buckets, default_buckets, default_mixed_buckets
 from cellcache.session import Session, SessionConfig
 
 
@@ -37,3 +37,13 @@ def test_session_refuses_bad_buckets_with_the_library_error():
     with pytest.raises(InvalidArgument):
         Session(cache, attention.reference_forward, SessionConfig(buckets=[4, 32]))
     assert cache.live_seqs() == [] and cache.rows == 0
+
+
+@pytest.mark.parametrize("max_write", [1, 8, 16, 17, 1000, 1024, 1500, 8192, 10000])
+def test_default_mixed_buckets_pad_by_less_than_1024_rows(max_write):
+    buckets = default_mixed_buckets(max_write)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == max_write
+    assert all(1 <= b <= max_write for b in buckets)
+    for w in range(1, max_write + 1, max(1, max_write // 97)):
+        b = bucket_for(w, buckets)
+        assert b is not None and b >= w and (b - w < 1024 or b <= 1024)

@@ -452,24 +452,28 @@ def test_ctrl_c_in_on_event_while_cancelling_still_ends_the_request():
     gen.cache.check_invariants()
 
 
-def test_warmup_runs_one_decode_step_per_bucket_and_leaves_the_cache_as_it_was(model, monkeypatch):
-    """``warmup()`` (the decode graphs captured before serving; tests/gpu checks the graphs
+def test_warmup_runs_one_step_per_bucket_and_leaves_the_cache_as_it_was(model, monkeypatch):
+    """``warmup()`` (the graphs captured before serving; tests/gpu checks the graphs
     themselves): on the CPU it captures nothing; with graphs (forced here, the forward
-    recorded) it runs one padded decode step per reachable bucket of fresh sequences and
-    frees them; a failing forward frees them too and changes nothing; refusals change
-    nothing."""
+    recorded) it runs one padded step per reachable bucket of fresh sequences (decode
+    buckets: one-token sequences; mixed buckets: one sequence's prompt chunk) and frees
+    them; a failing forward frees them too and changes nothing; refusals change nothing."""
     from cellcache.errors import InvalidState
 
     gen = Generator(model, capacity=256, max_batch_tokens=32, max_seqs=6, eos=[], prefix_cache=False)
     cache, runner = gen.cache, gen.runner
-    assert gen.warmup() == []                         # no graphs on the CPU
+    assert runner.mixed_buckets == [16, 32]
+    assert gen.warmup() == {"decode": [], "mixed": []}          # no graphs on the CPU
     for bad in ([3], [64], "8", [0]):
         with pytest.raises(InvalidArgument, match="width"):
             gen.warmup(bad)
+    with pytest.raises(InvalidArgument, match="mixed"):
+        gen.warmup([], [8])
     seen = []
 
     def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
-        seen.append((step.width, step.pad_to, decode, len(cache.live_seqs())))
+        seen.append((step.width, step.pad_to, decode, len(cache.live_seqs()),
+                     None if logit_rows is None else list(logit_rows)))
         if fail:
             raise RuntimeError("capture failed")
         return torch.zeros((step.width, 8))
@@ -479,17 +483,20 @@ def test_warmup_runs_one_decode_step_per_bucket_and_leaves_the_cache_as_it_was(m
     monkeypatch.setattr(runner, "forward", forward)
     free = cache.free_cells
     fail = False
-    assert gen.warmup() == [1, 2, 4, 8]               # up to the bucket of max_seqs=6 rows
-    assert seen == [(1, 1, True, 1), (2, 2, True, 2), (4, 4, True, 4), (6, 8, True, 6)]
+    # decode: up to the bucket of max_seqs=6 rows; mixed: every token bucket
+    assert gen.warmup() == {"decode": [1, 2, 4, 8], "mixed": [16, 32]}
+    assert seen == [(1, 1, True, 1, None), (2, 2, True, 2, None), (4, 4, True, 4, None),
+                    (6, 8, True, 6, None), (16, 16, False, 1, [15]), (32, 32, False, 1, [31])]
     assert cache.live_seqs() == [] and cache.free_cells == free and cache.prepared_step is None
     cache.check_invariants()
     seen.clear()
-    assert gen.warmup([2]) == [2] and seen == [(2, 2, True, 2)]
+    assert gen.warmup([2], []) == {"decode": [2], "mixed": []} and len(seen) == 1
     fail = True
-    with pytest.raises(RuntimeError, match="capture failed"):
-        gen.warmup([4])
-    assert cache.live_seqs() == [] and cache.free_cells == free and cache.prepared_step is None
-    cache.check_invariants()
+    for args in (([4], []), ([], [16])):
+        with pytest.raises(RuntimeError, match="capture failed"):
+            gen.warmup(*args)
+        assert cache.live_seqs() == [] and cache.free_cells == free and cache.prepared_step is None
+        cache.check_invariants()
     fail = False
     gen.add([1, 2, 3], Sampling(max_new_tokens=2))
     seen.clear()

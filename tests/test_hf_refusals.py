@@ -98,6 +98,8 @@ def llama():
     ("buckets ['a']", "bucket of type str is not an int"),
     ("buckets []", "buckets is empty"),
     ("buckets 4", "buckets of type int is not a list of"),
+    ("mixed_buckets [9]", "bucket=9 is outside \\[1, 8\\]"),
+    ("mixed_buckets 'a'", "buckets of type str is not a list of"),
     ("graphs on the host", "graph replay needs a CUDA cache built with paged=True"),
     ("graphs 'yes'", "graphs of type str is not a bool"),
     ("layer count", "the cache has 1 layers; the model 2"),
@@ -117,6 +119,8 @@ def test_a_refused_attach_changes_nothing(llama, case, match):
     if case.startswith("buckets"):
         kw["buckets"] = {"buckets [0]": [0], "buckets [9]": [9], "buckets ['a']": ["a"],
                          "buckets []": [], "buckets 4": 4}[case]
+    elif case.startswith("mixed_buckets"):
+        kw["mixed_buckets"] = {"mixed_buckets [9]": [9], "mixed_buckets 'a'": "a"}[case]
     elif case == "graphs on the host":
         kw["graphs"] = True
     elif case == "graphs 'yes'":

@@ -25,7 +25,12 @@ random weights):
 
 ``--requests`` (conversations for chat), ``--prompt-len`` (the own part for shared, the
 first prompt for chat), ``--shared-len``, ``--new-tokens``, ``--turns``, ``--message-len``
-scale a workload; ``--quick`` makes every default small. Every cellcache run reports time to
+scale a workload; ``--quick`` makes every default small. On CUDA the cellcache runs use the
+Generator's defaults (8192-token steps, 2048-token prompt chunks) unless
+``--max-batch-tokens``/``--prefill-chunk`` say otherwise, and capture their CUDA graphs
+(``Generator.warmup()``) before the clock starts, as a serving engine does at start-up;
+``--attention flashinfer`` runs FlashInfer's kernels over the same paged view instead of
+cellcache's (eager steps). Every cellcache run reports time to
 first token and inter-token latency, p50 and p99 (``Generator.latency()``).
 """
 
@@ -71,7 +76,7 @@ def make_gen(model, w: dict, prefix: bool, capacity: int, max_seqs: int):
     gen = Generator(model, capacity=capacity, max_batch_tokens=w["max_batch_tokens"],
                     max_seqs=max_seqs, prefill_chunk=w["prefill_chunk"], eos=[],
                     prefix_cache=prefix, async_steps=w.get("async_steps"),
-                    compile=w.get("compile", False))
+                    compile=w.get("compile", False), attention=w.get("attention", "auto"))
     gen.warmup()                    # the decode graphs, captured before the clock starts
     return gen
 
@@ -451,6 +456,9 @@ def main(argv=None) -> int:
                    help="torch.compile the model's forward (Generator(compile=True): inductor, "
                         "attention as the custom op cellcache::attention; on CUDA the decode graphs "
                         "capture the compiled forward); the warm-up run compiles")
+    p.add_argument("--attention", choices=["auto", "flashinfer"], default="auto",
+                   help="attention kernels (Generator(attention=)): auto, cellcache's own "
+                        "(default); flashinfer, FlashInfer's over the same paged view (eager steps)")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--tp", type=in_range(1, 1 << 12), default=None,
@@ -473,7 +481,10 @@ def main(argv=None) -> int:
         p.error(f"--model {args.model!r} is not one of {', '.join(sorted(RANDOM_MODELS))}")
     name = args.workload
     w: dict[str, Any] = dict(WORKLOADS[name])
-    w.update(max_batch_tokens=2048, prefill_chunk=2048 if name == "shared" else 512)
+    if args.device == "cuda":                 # the Generator's CUDA defaults
+        w.update(max_batch_tokens=8192, prefill_chunk=2048)
+    else:
+        w.update(max_batch_tokens=2048, prefill_chunk=2048 if name == "shared" else 512)
     if args.quick:
         w.update(QUICK[name], max_batch_tokens=64, prefill_chunk=32)
     for key in ("requests", "prompt_len", "shared_len", "new_tokens", "turns", "message_len",
@@ -482,6 +493,7 @@ def main(argv=None) -> int:
             w[key] = getattr(args, key)
     w["async_steps"] = {"auto": None, "on": True, "off": False}[args.async_steps]
     w["compile"] = bool(args.compile)
+    w["attention"] = args.attention
     skip = set(filter(None, args.skip.split(",")))
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -45,7 +45,7 @@ from .._checks import check_int
 from ..buckets import bucket_for
 from ..cache import CellCache
 from ..errors import InvalidArgument, InvalidState, OutOfMemory
-from ..hf import attach, cache_config, compile_options
+from ..hf import ATTENTION_BACKENDS, attach, cache_config, compile_options
 from ..prefix import PrefixCache
 from ..registry import build
 from ..tp import TPCache, shard_model
@@ -184,6 +184,11 @@ class Generator:
     counts that step's row, which the synchronous generator never fed). ``profile``: host time per
     phase (:data:`PHASES`), summed in ms, for every step and by kind (decode/mixed).
 
+    ``graphs``, ``buckets``, ``mixed_buckets``: the runner's CUDA graphs (decode buckets in
+    rows; mixed steps padded to token buckets, ``[]`` for none: :class:`cellcache.hf.ModelRunner`);
+    :meth:`warmup` captures them before serving. ``attention``: ``"auto"`` (cellcache's
+    kernels) or ``"flashinfer"`` (FlashInfer's over the same paged view; eager steps).
+
     ``compile`` (False; True or a mapping of ``torch.compile`` keywords): the model's
     forwards run compiled, attention as the custom op ``cellcache::attention`` (no graph
     break); on CUDA the decode graphs capture the compiled forward
@@ -210,8 +215,11 @@ class Generator:
                  reserve: float = 1.0, prefix_cache: bool | PrefixCache | Mapping[str, Any] = True,
                  admission: str = "fifo", clock: Callable[[], float] | None = None,
                  tp: bool | int | None = None, async_steps: bool | None = None,
-                 compile: bool | Mapping[str, Any] = False):
+                 compile: bool | Mapping[str, Any] = False, mixed_buckets: list[int] | None = None,
+                 attention: str = "auto"):
         compile_options(compile)                 # refused before anything is built or switched
+        if attention not in ATTENTION_BACKENDS:
+            raise InvalidArgument(f"attention={attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
         if async_steps is not None and not isinstance(async_steps, (bool, np.bool_)):
             raise InvalidArgument(f"async_steps of type {type(async_steps).__name__} is not a bool or None")
         on_cuda = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
@@ -285,7 +293,8 @@ class Generator:
             given = PrefixCache(cache, **prefix_opts)
         self.model, self.cache = model, cache
         self.runner = attach(model, cache.local if isinstance(cache, TPCache) else cache,
-                             graphs=graphs, buckets=buckets, compile=compile)
+                             graphs=graphs, buckets=buckets, compile=compile,
+                             mixed_buckets=mixed_buckets, attention=attention)
         self.clock: Callable[[], float] = clock or time.perf_counter
         self.vocab: int = self.runner.vocab
         self.max_batch = cache.config.max_write
@@ -474,27 +483,32 @@ class Generator:
         return bool(self.waiting or self.running or (self._incoming and self.tp is None)
                     or self._flight is not None)
 
-    def warmup(self, widths: Sequence[int] | None = None) -> list[int]:
-        """Captures the decode graphs now, as a serving engine does at start-up, instead of on
+    def warmup(self, widths: Sequence[int] | None = None,
+               mixed: Sequence[int] | None = None) -> dict[str, list[int]]:
+        """Captures the CUDA graphs now, as a serving engine does at start-up, instead of at
         each bucket's first use in the middle of a run (a capture costs a warm-up forward and
-        the capture itself: tens to hundreds of ms). ``widths``: decode buckets of
+        the capture itself: tens to hundreds of ms each). ``widths``: decode buckets of
         ``runner.buckets`` (default: every bucket a decode step of this generator can reach,
-        up to the one holding ``min(max_seqs, max_batch_tokens)`` rows). Returns the buckets
-        captured now (those captured already are skipped); ``[]`` when the runner replays no
-        graphs (CPU, ``graphs=False``).
+        up to the one holding ``min(max_seqs, max_batch_tokens)`` rows); ``mixed``: token
+        buckets of ``runner.mixed_buckets`` (default: all of them; ``[]``: none). Returns the
+        buckets captured now, ``{"decode": [...], "mixed": [...]}`` (those captured already
+        are skipped; both empty when the runner replays no graphs: CPU, ``graphs=False``).
 
-        Each capture runs one real decode step of up to ``width`` fresh one-token sequences
-        (padded to the bucket), which are freed again: the cache ends as it was, except that
-        its pools may have grown. Under tensor parallelism every rank calls it (the verbs are
-        agreed like a step's). InvalidArgument for a width that is not a bucket; InvalidState
-        while requests are queued or running, a step is in flight, or from inside a step;
-        OutOfMemory (nothing captured for that width, its sequences freed) when the cache
-        cannot hold the step.
+        Each capture runs one real step of fresh sequences, freed again: a decode step of up
+        to ``width`` one-token sequences, or a prompt chunk of up to ``width`` tokens of one
+        sequence, padded to the bucket. The cache ends as it was, except that its pools may
+        have grown. Under tensor parallelism every rank calls it (the verbs are agreed like
+        a step's). InvalidArgument for a width that is not a bucket; InvalidState while
+        requests are queued or running, a step is in flight, or from inside a step;
+        OutOfMemory (that bucket not captured, its sequences freed) when the cache cannot
+        hold the step.
         """
         runner, cache = self.runner, self.cache
         limit = bucket_for(min(cache.max_seqs, self.max_batch), runner.buckets) or runner.buckets[-1]
         chosen = [b for b in runner.buckets if b <= limit] if widths is None \
-            else self._warm_widths(widths, runner.buckets)
+            else self._warm_widths(widths, runner.buckets, "widths")
+        mixed_chosen = list(runner.mixed_buckets) if mixed is None \
+            else self._warm_widths(mixed, runner.mixed_buckets, "mixed")
         if not self._step_lock.acquire(blocking=False):
             raise InvalidState("warmup() while a step runs (from a callback or another thread): "
                                "call it before serving")
@@ -505,49 +519,55 @@ class Generator:
                                        "before adding requests, or once run() has returned")
                 if cache.prepared_step is not None:
                     raise InvalidState("warmup() while the cache has a step prepared")
+                done: dict[str, list[int]] = {"decode": [], "mixed": []}
                 if not (runner.cuda and runner.graphs_enabled):
-                    return []
-                done = []
-                for width in chosen:
-                    if width in runner.graphs and not runner.view.stale():
-                        continue
-                    self._capture(width)
-                    done.append(width)
+                    return done
+                for kind, todo in (("decode", chosen), ("mixed", mixed_chosen)):
+                    for width in todo:
+                        have = runner.graphs if kind == "decode" else runner.mixed_graphs
+                        if width in have and not runner.view.stale():
+                            continue
+                        self._capture(width, kind == "decode")
+                        done[kind].append(width)
                 return done
         finally:
             self._step_lock.release()
 
     @staticmethod
-    def _warm_widths(widths: Any, buckets: list[int]) -> list[int]:
+    def _warm_widths(widths: Any, buckets: list[int], name: str) -> list[int]:
         if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence):
-            raise InvalidArgument(f"widths of type {type(widths).__name__} is not a list of buckets")
+            raise InvalidArgument(f"{name} of type {type(widths).__name__} is not a list of buckets")
         out = []
         for w in widths:
             w = check_int(w, "width", 1)
             if w not in buckets:
-                raise InvalidArgument(f"width {w} is not one of the runner's buckets {buckets}")
+                raise InvalidArgument(f"{name}: width {w} is not one of the runner's buckets {buckets}")
             out.append(w)
         return sorted(set(out))
 
-    def _capture(self, width: int) -> None:
-        """One decode step of up to ``width`` fresh sequences at bucket ``width``: the forward
-        captures (and replays) the bucket's graph; the sequences are freed again."""
+    def _capture(self, width: int, decode: bool) -> None:
+        """One step padded to bucket ``width``, whose forward captures (and replays) the
+        bucket's graph: a decode step of up to ``width`` fresh one-token sequences, or a
+        prompt chunk of up to ``width`` tokens of one fresh sequence; freed again."""
         cache = self.cache
-        n = min(width, cache.max_seqs - len(cache.live_seqs()), cache.free_cells)
+        room = cache.free_cells
+        n = min(width, cache.max_seqs - len(cache.live_seqs()), room) if decode else min(width, room)
         sids: list[int] = []
         try:
-            for _ in range(n):
+            for _ in range(n if decode else min(n, 1)):
                 sid = cache.seq_new()
                 if sid is None:
                     break
                 sids.append(sid)
-            if not sids or not cache.declare_step(sids):
-                raise OutOfMemory(f"warmup: the cache has no room for a decode step at bucket {width} "
-                                  f"({cache.free_cells} free cells, {len(sids)} sequence ids)")
+            feed = sids if decode else sids * n
+            if not feed or not cache.declare_step(feed):
+                raise OutOfMemory(f"warmup: the cache has no room for a step at bucket {width} "
+                                  f"({room} free cells, {len(sids)} sequence ids)")
             step = cache.prepare_step(stream=self.stream, pad_to=width)
             committed = False
             try:
-                self.runner.forward(step, [0] * len(sids), None, decode=True)
+                self.runner.forward(step, [0] * len(feed), None if decode else [len(feed) - 1],
+                                    decode=decode)
                 cache.commit_step()
                 committed = True
             finally:
@@ -795,10 +815,14 @@ class Generator:
         whose ids (on the device) this one feeds."""
         prof = self._prof
         t = time.perf_counter()
+        runner = self.runner
         pad_to = None
-        if plan.decode_only and self.runner.graphs_enabled:
-            pad_to = self.runner.bucket(len(plan.rows))
+        if plan.decode_only and runner.graphs_enabled:
+            pad_to = runner.bucket(len(plan.rows))
         decode = plan.decode_only and pad_to is not None
+        if pad_to is None and runner.graphs_enabled:  # a mixed step: padded to a token bucket
+            pad_to = runner.mixed_bucket(len(plan.rows) if plan.lean else len(plan.tokens))
+        replays = runner.replays
         prepared = committed = False
         try:
             step = self.cache.prepare_step(stream=self.stream, pad_to=pad_to)
@@ -818,7 +842,7 @@ class Generator:
         except BaseException:
             self.scheduler.rollback(plan, prepared and not committed)
             raise
-        return _Flight(plan, draw, decode, prof)
+        return _Flight(plan, draw, runner.replays > replays, prof)
 
     def _fed(self, plan: StepPlan, after: _Flight) -> torch.Tensor:
         """The ids ``plan`` (scheduled ahead) feeds: ``after``'s draws of its sequences,

@@ -91,9 +91,10 @@ def test_prefix_cache_on_off_and_hf_agree_on_cuda():
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_warmup_then_greedy_equals_hf_on_cuda(compile):
-    """``warmup()`` captures every reachable decode bucket before serving and leaves the cache
-    as it was; the run then replays them without capturing again; greedy output equals HF's
-    ``generate`` token for token, with the forward compiled (``compile=True``) and without."""
+    """``warmup()`` captures every reachable decode bucket and every mixed-step token bucket
+    before serving and leaves the cache as it was; the run then replays them (no eager
+    step, no capture); greedy output equals HF's ``generate`` token for token, with the
+    forward compiled (``compile=True``) and without."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from cellcache.generate import Generator, Sampling, random_model
@@ -106,18 +107,20 @@ def test_warmup_then_greedy_equals_hf_on_cuda(compile):
                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     gen = Generator(model, capacity=1024, max_batch_tokens=64, max_seqs=8, prefill_chunk=16,
                     eos=[], prefix_cache=False, compile=compile)
+    runner = gen.runner
+    assert runner.mixed_buckets == [16, 32, 64]
     free, live = gen.cache.free_cells, gen.cache.live_seqs()
     captured = gen.warmup()
-    assert captured == [1, 2, 4, 8]                   # buckets up to max_seqs=8 rows
+    assert captured == {"decode": [1, 2, 4, 8], "mixed": [16, 32, 64]}
     assert gen.cache.free_cells == free and gen.cache.live_seqs() == live
-    assert gen.warmup() == []                         # nothing left to capture
-    graphs = gen.runner.graphs
+    assert gen.warmup() == {"decode": [], "mixed": []}          # nothing left to capture
+    graphs, mixed, eager = runner.graphs, runner.mixed_graphs, runner.eager
     reqs = [gen.add(p, Sampling(max_new_tokens=n_new)) for p in prompts]
     gen.run()
     assert [r.outputs[0] for r in reqs] == refs
-    assert gen.stats["graph_steps"] > 0
-    after = gen.runner.graphs
-    assert after.keys() == graphs.keys()
-    assert all(after[k][0] is graphs[k][0] for k in graphs)   # replayed, never recaptured
+    assert gen.stats["graph_steps"] == gen.stats["steps"] and runner.eager == eager
+    for before, after in ((graphs, runner.graphs), (mixed, runner.mixed_graphs)):
+        assert after.keys() == before.keys()
+        assert all(after[k][0] is before[k][0] for k in before)   # replayed, never recaptured
     gen.cache.check_invariants()
     gen.cache.close()
