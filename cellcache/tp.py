@@ -6,15 +6,16 @@ deterministic calls on a cell table of its own. :class:`TPCache` wraps a rank's 
 makes every outcome that could differ between ranks (a refusal, an allocation failure, a
 fault) the same on all of them before anything changes::
 
-     every rank, the same calls in the same order        agreement (one CPU group)
-     ---------------------------------------------        -------------------------
+     every rank, the same calls in the same order        agreement (its own gloo group)
+     ---------------------------------------------        -------------------------------
      declare_step(ids)    local outcome ───────────────▶  all_reduce MAX [failed, refused]
                           True only if True everywhere;    failed: the first failing rank's
                           a rank that declared drops it    error, on every rank (all_gather)
      prepare_step(...)
-       checks + growth plan (nothing changed yet) ─────▶  all_reduce: one rank short of
-                                                           memory -> every rank gives its
-                                                           plan back, raises the same error
+       checks + growth plan (nothing changed yet) ─────▶  only when the step grows the pools:
+                                                           one rank short of memory -> every
+                                                           rank gives its plan back, raises
+                                                           the same error
        commit last, grow, place, write buffers ────────▶  all_reduce: a rank that failed here
                                                            -> the others take the step back
        [debug] digest of the step and the table ───────▶  all_gather_object: InvalidState
@@ -24,15 +25,44 @@ fault) the same on all of them before anything changes::
      seq_new/clone/rm,    local (deterministic); [debug] results and table summary compared
      rewind, clear
 
+``deferred=True`` (:meth:`TPCache.defer`; the Generator's mode) keeps only the collective
+that guards an outcome one rank alone can see before it happens, the growth agreement, and
+folds the rest into :meth:`TPCache.exchange`, which the owner of the lockstep runs at least
+once a step (the Generator's hand-overs)::
+
+     declare_step         local; its outcome folded into a digest (a function of the table)
+     prepare_step         growth: agreed first, as above; no growth: no collective (the
+                          checks are deterministic); outcome (read_len, rows) folded
+     commit_step          local
+     a rank's own failure raised there at once, recorded as a fault
+     exchange(values)  ──▶ one all_reduce MAX: the caller's values, the faults, [digest,
+                          -digest]: a fault -> its error on every rank, the wrapper refuses
+                          from then on; digests that differ -> InvalidState everywhere
+
+Every agreement is the same all_reduce of 15 int64s led by a tag, so ranks that reached
+different rounds pair anyway and raise InvalidState instead of mixing them.
+
 Who decides: nobody — every rank runs the same table on the same calls; the agreement only
 turns an outcome that one rank alone saw (its allocator failed, a fault) into the same
-outcome everywhere, with nothing changed anywhere. A caller drives the same calls on every
-rank (or rank 0 schedules and broadcasts them: that is the generator's business).
+outcome everywhere, with nothing changed anywhere (deferred: the allocation; a fault after
+the step's agreement is raised everywhere at the next round, caches refused from then on).
+A caller drives the same calls on every rank (or rank 0 schedules and broadcasts them:
+that is the generator's business).
+
+Why deferring is sound: with identical tables, declare_step's outcome and prepare_step's
+checks and placement are pure functions of the table and the call, identical on every rank
+(the digest and debug mode check this). What one rank alone can hit is (a) an allocation
+failure while growing, agreed before anything changes, and (b) a fault after the agreement
+(a CUDA error while writing the step buffers or recording the commit, a signal, a bug). A
+CUDA error is sticky: the rank's context is dead and no agreement could restore it; the
+others learn at the next round (or the group's timeout ends their wait inside the model's
+collectives), and nothing continues silently.
 
 Only ``torch.distributed`` collectives are used (``all_reduce``, ``all_gather_object``), on
-a gloo group by default: the values are host decisions, and with NCCL a per-step collective
-on the device group would need a device round trip. Every wait is bounded by the group's
-timeout (``init_process_group(timeout=...)``).
+a gloo group of the wrapper's own: the values are host decisions (with NCCL a per-step
+collective on the device group would need a device round trip), and a group apart from the
+model's means an agreement never pairs with a model collective. Every wait is bounded by the
+group's timeout (``init_process_group(timeout=...)``).
 
 The model side: :func:`shard_model` applies the model's own tensor-parallel plan from
 transformers (``base_model_tp_plan``: q/k/v colwise, o rowwise, MLP colwise/rowwise, the
@@ -56,7 +86,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterator
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +110,14 @@ __all__ = ["TPCache", "build", "local_kv_heads", "local_q_heads", "shard_config"
 _ERRORS: dict[str, type[CellCacheError]] = {
     cls.__name__: cls for cls in (StepTooLarge, InvalidArgument, InvalidState, OutOfMemory,
                                   CudaError, CellCacheError)}
+
+#: Every agreement is one ``all_reduce(MAX)`` of this many int64 values, whatever the round
+#: (so a rank one round out of step still pairs with the others and is caught by the tag):
+#: ``[tag, -tag, failed, refused, fault, digest, -digest]`` then the caller's values.
+_VALUES = 8
+_HEAD = 7
+_TAGS = {"declare_step": 1, "prepare_step": 2, "commit_step": 3, "exchange": 4}
+_MOD = (1 << 61) - 1              # the outcome digest and the draws' checksum: mod this prime
 
 
 # -- the shard of the heads --------------------------------------------------------------------
@@ -223,11 +262,11 @@ def shard_model(model: Any) -> Any:
 
 # -- the cache ---------------------------------------------------------------------------------
 def _agreement_group(group: Any) -> Any:
-    """``group`` when its backend moves CPU tensors (gloo), else a gloo group over the same
-    ranks (created collectively: every rank builds its TPCache at the same point)."""
-    backend = str(dist.get_backend(group))
-    if "gloo" in backend:
-        return group
+    """A gloo group of its own over ``group``'s ranks (created collectively: every rank builds
+    its TPCache at the same point). Never the model's group, even when that one is gloo: a
+    rank that fails on its own between two agreements then waits in the agreement while the
+    others wait in the model's collectives, and the group's timeout ends both (on a shared
+    group the two collectives could pair with each other)."""
     ranks = None if group is None else dist.get_process_group_ranks(group)
     return dist.new_group(ranks=ranks, backend="gloo")
 
@@ -284,14 +323,23 @@ class TPCache(_CacheLike):
       difference raises InvalidState on every rank naming the first rank that differs from
       rank 0, and this wrapper refuses every later call.
 
+    ``deferred=True`` (or :meth:`defer`): ``declare_step``, ``commit_step`` and a
+    ``prepare_step`` that does not grow the pools run no collective (their outcomes are
+    functions of the table, folded into a digest); growth is agreed as above; a rank's own
+    failure after the agreement is raised there at once and, at the next :meth:`exchange`
+    (which the caller runs at least once a step), on every rank with the same class,
+    naming the rank, after which the wrapper refuses every call (the others went on);
+    digests that differ raise InvalidState on every rank. The module docstring says why
+    this keeps the contract. ``rounds`` counts the agreement's collectives.
+
     An error that is not the library's (a ``KeyboardInterrupt``, a bug) is re-raised as is
     on the rank that had it; the other ranks raise InvalidState naming it. Queries
     (``pos``, ``free_cells``, ``buffer``, ...) are local. The runner's forward uses
     ``local`` (``cellcache.hf.attach(model, tp_cache.local)``).
 
-    ``group``: the ranks that agree (default: the world). Collectives run on it when its
-    backend is gloo, else on a gloo group over the same ranks created here (so every rank
-    must build its TPCache at the same point of the program).
+    ``group``: the ranks that agree (default: the world). Collectives run on a gloo group
+    over the same ranks created here (so every rank must build its TPCache at the same
+    point of the program).
 
     Example
     -------
@@ -301,11 +349,13 @@ class TPCache(_CacheLike):
     >>> step = cache.prepare_step(); cache.commit_step()                         # doctest: +SKIP
     """
 
-    def __init__(self, local: CellCache, group: Any = None, *, debug: bool = False):
+    def __init__(self, local: CellCache, group: Any = None, *, debug: bool = False,
+                 deferred: bool = False):
         if not isinstance(local, CellCache):
             raise InvalidArgument(f"local of type {type(local).__name__} is not a cellcache cache")
-        if not isinstance(debug, bool):
-            raise InvalidArgument(f"debug of type {type(debug).__name__} is not a bool")
+        for name, flag in (("debug", debug), ("deferred", deferred)):
+            if not isinstance(flag, bool):
+                raise InvalidArgument(f"{name} of type {type(flag).__name__} is not a bool")
         self.rank, self.world = _group_rank(group)
         self.local = local
         self.group = group
@@ -313,6 +363,10 @@ class TPCache(_CacheLike):
         self._agree_group = _agreement_group(group)
         self._diverged: str | None = None
         self._steps = 0
+        self._deferred = deferred
+        self._fault: BaseException | None = None   # deferred: a local failure not agreed yet
+        self._digest = 0                            # deferred: the outcomes since the start
+        self.rounds = 0                             # collectives run by the agreement (not debug's)
 
     # -- agreement ---------------------------------------------------------------------------
     @contextmanager
@@ -322,15 +376,89 @@ class TPCache(_CacheLike):
                 raise InvalidState(f"the ranks' caches diverged ({self._diverged}); build new caches")
             yield
 
+    def _diverge(self, reason: str) -> InvalidState:
+        """Marks the wrapper diverged (every later call refuses); the error to raise."""
+        self._diverged = reason
+        return InvalidState(f"the ranks' caches diverged: {reason}; build new caches")
+
+    def _fold(self, code: int) -> None:
+        """Deferred mode: adds an outcome to the digest the next round compares."""
+        self._digest = (self._digest * 1_000_003 + code + 1) % _MOD
+
+    def _note_fault(self, error: BaseException) -> None:
+        """Deferred mode: a failure the other ranks did not see; they learn at the next round."""
+        if self._fault is None:
+            self._fault = error
+
+    def _round(self, verb: str, error: BaseException | None = None, refused: bool = False,
+               rows: int | None = None, values: Sequence[int] = ()) -> tuple[list[int], bool]:
+        """The one collective of every agreement: an all_reduce MAX of ``[tag, -tag, failed,
+        refused, fault, digest, -digest, *values]`` (always ``_HEAD + _VALUES`` int64s).
+        Raises, the same way on every rank: InvalidState (diverged) when the ranks ran
+        different rounds or their deferred digests differ; a deferred fault's error (then
+        diverged too: the failing rank went its own way after an agreement); this round's
+        agreed error when a rank failed. Returns the reduced ``values`` and whether a rank
+        refused."""
+        if len(values) > _VALUES:
+            raise InvalidArgument(f"an agreement carries at most {_VALUES} values, not {len(values)}")
+        tag = _TAGS[verb]
+        vec = [tag, -tag, int(error is not None), int(refused), int(self._fault is not None),
+               self._digest, -self._digest, *values] + [0] * (_VALUES - len(values))
+        flags = torch.tensor(vec, dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._agree_group)
+        self.rounds += 1
+        r = flags.tolist()
+        if r[0] != -r[1]:
+            raise self._diverge(f"the ranks ran different agreements at once (rank {self.rank}: "
+                                f"{verb}); their calls are out of step")
+        if r[4]:                                    # a deferred fault somewhere
+            fault, self._fault = self._fault, None
+            raise self._fault_error(fault)
+        if r[5] != -r[6]:
+            raise self._diverge("the ranks' cache outcomes (declare_step, prepare_step) differ "
+                                f"since the last agreement (rank {self.rank} at {verb})")
+        if r[2]:
+            raise self._agreed_error(verb, error, rows)
+        return r[_HEAD:_HEAD + len(values)], bool(r[3])
+
     def _agree(self, verb: str, error: BaseException | None, refused: bool = False,
                rows: int | None = None) -> bool:
         """One round: raises the agreed error when a rank failed; True when a rank refused."""
-        flags = torch.tensor([error is not None, refused], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._agree_group)
-        failed, any_refused = (int(v) for v in flags.tolist())
-        if failed:
-            raise self._agreed_error(verb, error, rows)
-        return bool(any_refused)
+        return self._round(verb, error, refused, rows)[1]
+
+    def exchange(self, values: Sequence[int] = ()) -> list[int]:
+        """One agreement round carrying the caller's ``values`` (at most 8 ints in the int64
+        range): returns their element-wise maximum over the ranks. It also settles what a
+        ``deferred`` wrapper left open: a failure a rank had on its own after a step's
+        agreement is raised on every rank (same class, naming the rank) and the wrapper then
+        refuses every call; outcomes (declarations, steps) that differ between ranks raise
+        InvalidState on every rank. Every rank must call it at the same point (the
+        Generator's hand-overs do, twice a step)."""
+        with self._usable():
+            return self._round("exchange", values=values)[0]
+
+    def mark_diverged(self, reason: str) -> None:
+        """Marks the ranks' caches as differing (``reason``): every later call raises
+        InvalidState. Call it on every rank at the same point (on an agreed finding)."""
+        self._diverged = reason
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the step verbs agree only where a rank could differ (see the class)."""
+        return self._deferred
+
+    def defer(self) -> None:
+        """Switches to deferred agreement (see the class) from now on. Call it at the same
+        point on every rank, then call :meth:`exchange` at least once per step."""
+        with self._usable():
+            self._deferred = True
+
+    def _needs_growth(self) -> bool:
+        """Whether preparing the declared step grows the pools (the cache's own rule:
+        ``min(capacity, used_end + width) > rows``): a pure function of the table, so the
+        same on every rank whose tables agree."""
+        t = self.local.table
+        return min(self.local.config.capacity, t.used_end + t.declared_width) > self.local.rows
 
     def _agreed_error(self, verb: str, error: BaseException | None,
                       rows: int | None) -> BaseException:
@@ -356,6 +484,28 @@ class TPCache(_CacheLike):
         agreed = InvalidState(f"{verb} failed on rank {first} of {self.world} with {name}: {message}; "
                               f"rank {self.rank} changed nothing")
         agreed.__cause__ = error
+        agreed.__suppress_context__ = True
+        return agreed
+
+    def _fault_error(self, fault: BaseException | None) -> BaseException:
+        """Deferred mode: a rank failed on its own after the ranks agreed on a step (the
+        others went on): the first failing rank's error on every rank (library errors keep
+        their class, others become InvalidState), and the wrapper refuses from now on."""
+        reports: list[Any] = [None] * self.world
+        dist.all_gather_object(reports, _report(fault), group=self._agree_group)
+        first = next(r for r, rep in enumerate(reports) if rep is not None)
+        name, message, library, code, cuda_name = reports[first]
+        self._diverged = (f"rank {first} failed after the ranks agreed on a step ({name}: {message}) "
+                          "and the other ranks went on")
+        text = (f"{message} [rank {first} of {self.world} failed after the ranks agreed on the step; "
+                "the other ranks went on, so the ranks' caches may differ: build new caches]")
+        cls = _ERRORS.get(name) if library else None
+        if cls is None:
+            agreed: BaseException = InvalidState(f"the ranks' caches diverged: {self._diverged}; "
+                                                 "build new caches")
+        else:
+            agreed = CudaError(text, code, cuda_name) if cls is CudaError else cls(text)
+        agreed.__cause__ = fault
         agreed.__suppress_context__ = True
         return agreed
 
@@ -428,7 +578,8 @@ class TPCache(_CacheLike):
     def declare_step(self, seq_ids: Any) -> bool:
         """``local.declare_step(seq_ids)`` agreed: True only if True on every rank; an error
         on one rank is the same error everywhere; a False or an error leaves nothing declared
-        on any rank."""
+        on any rank. Deferred: local (the outcome is a function of the table), folded into
+        the digest the next round compares."""
         with self._usable():
             error: BaseException | None = None
             ok = False
@@ -436,6 +587,20 @@ class TPCache(_CacheLike):
                 ok = self.local.declare_step(seq_ids)
             except BaseException as e:  # noqa: BLE001 - agreed, then raised on every rank
                 error = e
+            if self._deferred:
+                if error is None:
+                    self._fold(int(ok))
+                elif isinstance(error, CellCacheError):       # a check: the same everywhere
+                    self._fold(2 + zlib.crc32(type(error).__name__.encode()))
+                else:                                          # a rank's own failure
+                    self._note_fault(error)
+                if self.debug:
+                    outcome = ok if error is None else type(error).__name__
+                    self._same("declare_step", ("declare_step", outcome, self.local.table.declared,
+                                                self._summary()))
+                if error is not None:
+                    raise error
+                return ok
             try:
                 refused = self._agree("declare_step", error, refused=not ok)
             except BaseException:
@@ -459,28 +624,43 @@ class TPCache(_CacheLike):
         if agree is not None:
             raise InvalidArgument("a TPCache agrees its steps itself: call prepare_step() without agree=")
         with self._usable():
-            passed = False
+            grows = self._needs_growth()
+            ran = passed = checked = False
 
             def agree(error: BaseException | None) -> None:
-                nonlocal passed
-                self._agree("prepare_step", error)
-                passed = True
+                # growth is an allocation one rank alone can fail: agreed before it happens
+                nonlocal ran, passed, checked
+                checked = error is None
+                if grows:
+                    ran = True
+                    self._agree("prepare_step", error)
+                    passed = True
 
             error: BaseException | None = None
             step: Step | None = None
             try:
                 step = self.local.prepare_step(width, stream, pad_to=pad_to, agree=agree)
             except BaseException as e:  # noqa: BLE001 - after the agreement: agreed again below
-                if not passed:
+                if ran and not passed:
                     raise                    # every rank raised this one in the agreement
+                if self._deferred:
+                    if checked or passed or not isinstance(e, CellCacheError):
+                        self._note_fault(e)  # after the checks: this rank's own failure
+                    else:                    # a check (the same on every rank)
+                        self._fold(2 + zlib.crc32(type(e).__name__.encode()))
+                    raise
                 error = e
-            # a rank that failed after the agreement: every other rank takes its step back
-            try:
-                self._agree("prepare_step", error, rows=self.local.rows)
-            except BaseException:
-                if error is None:
-                    self.local.unprepare_step()
-                raise
+            if self._deferred:
+                assert step is not None
+                self._fold((step.read_len * 4099 + step.rows) * 4099 + step.pad_to)
+            else:
+                # a rank that failed after the agreement: every other rank takes its step back
+                try:
+                    self._agree("prepare_step", error, rows=self.local.rows)
+                except BaseException:
+                    if error is None:
+                        self.local.unprepare_step()
+                    raise
             assert step is not None
             self._steps += 1
             if self.debug:
@@ -489,13 +669,18 @@ class TPCache(_CacheLike):
 
     def commit_step(self) -> None:
         """``local.commit_step()`` agreed: a failure on one rank is the same error on every
-        rank."""
+        rank. Deferred: local (a failure is agreed at the next round)."""
         with self._usable():
             error: BaseException | None = None
             try:
                 self.local.commit_step()
             except BaseException as e:  # noqa: BLE001 - agreed, then raised on every rank
                 error = e
+            if self._deferred:
+                if error is not None:
+                    self._note_fault(error)
+                    raise error
+                return
             self._agree("commit_step", error)
 
     def unprepare_step(self) -> None:
@@ -530,8 +715,8 @@ class TPCache(_CacheLike):
     # -- queries: local ----------------------------------------------------------------------
     @property
     def agreement_group(self) -> Any:
-        """The gloo group the agreement runs on (``group`` itself, or the one built over its
-        ranks): others that exchange host values in the same lockstep may use it."""
+        """The gloo group the agreement runs on (built over ``group``'s ranks): others that
+        exchange host values in the same lockstep may use it."""
         return self._agree_group
 
     @property
@@ -611,10 +796,11 @@ class TPCache(_CacheLike):
 
 
 def build(backend: str, kind: str, config: CacheConfig, group: Any = None, *,
-          debug: bool = False) -> TPCache:
+          debug: bool = False, deferred: bool = False) -> TPCache:
     """A :class:`TPCache` over ``cellcache.build(backend, kind, shard)``, ``shard`` being
     ``config`` for this rank of ``group`` (:func:`shard_config`; ``config`` has the full
     head counts). With the CUDA backend ``config.device`` is the rank's device
     (:func:`cellcache.hf.cache_config` takes it from the model)."""
     rank, world = _group_rank(group)
-    return TPCache(build_local(backend, kind, shard_config(config, rank, world)), group, debug=debug)
+    return TPCache(build_local(backend, kind, shard_config(config, rank, world)), group, debug=debug,
+                   deferred=deferred)

@@ -162,12 +162,17 @@ def walk(cache: Any, seed: int, n_ops: int) -> list:
     return out
 
 
-def walk_on_rank(rank: int, world: int, seed: int, n_ops: int, debug: bool) -> dict:
+def walk_on_rank(rank: int, world: int, seed: int, n_ops: int, debug: bool,
+                 deferred: bool = False) -> dict:
     cache = shard_cache(rank, world, debug=debug, growth="copy")
+    if deferred:
+        cache.defer()
     records = walk(cache, seed, n_ops)
+    rounds = cache.rounds                      # the agreement's collectives during the walk
+    cache.exchange()                           # settles the deferred outcomes: they agree
     cache.check_invariants()
     return {"records": records, "heads": [layer.n_kv_heads for layer in cache.config.layers],
-            "pool_shape": list(cache.buffer("layer_1_k").shape)}
+            "pool_shape": list(cache.buffer("layer_1_k").shape), "rounds": rounds}
 
 
 # -- refusals ------------------------------------------------------------------------------
@@ -214,9 +219,11 @@ def _outcome(fn: Any) -> tuple[str, str]:
     return "none", ""
 
 
-def oom_on_one_rank(rank: int, world: int) -> dict:
+def oom_on_one_rank(rank: int, world: int, deferred: bool = False) -> dict:
     alloc = RankAllocator()
     cache = shard_cache(rank, world, growth="copy", allocator=alloc)
+    if deferred:
+        cache.defer()
     local = cache.local
     a = cache.seq_new()
     assert cache.declare_step([a] * 4) is True
@@ -299,6 +306,49 @@ def fault_after_agreement(rank: int, world: int) -> dict:
     step = cache.prepare_step()
     cache.commit_step()
     return {"outcome": outcome, "step": step_record(local, step)}
+
+
+def deferred_faults(rank: int, world: int) -> dict:
+    """A deferred TPCache: what one rank alone sees between two rounds is settled by the next
+    round (``exchange``): a fault after the step's agreement (rank 1 fails writing its step
+    buffers) and a declaration that differs (rank 1 refuses)."""
+    out: dict = {}
+    # 1. a fault after the agreement: rank 1 raises at once, rank 0 goes on; the next round
+    #    raises rank 1's error on both, and both refuse from then on
+    cache = shard_cache(rank, world, cls=FaultyHostCache)
+    cache.defer()
+    local = cache.local
+    a = cache.seq_new()
+    assert cache.declare_step([a] * 2) is True
+    cache.prepare_step()                                  # grows: the one round of these steps
+    cache.commit_step()
+    rounds = cache.rounds
+    assert cache.declare_step([a] * 2) is True            # no growth: rows stay 4
+    if rank == 1:
+        local.write_fault = MemoryError("injected")
+    out["prepare"] = _outcome(lambda: (cache.prepare_step(), cache.commit_step()))
+    out["rounds"] = cache.rounds - rounds                 # no collective in that step
+    local.write_fault = None
+    out["exchange"] = _outcome(cache.exchange)
+    out["diverged"] = cache.diverged
+    out["after"] = _outcome(lambda: cache.declare_step([a]))
+    # 2. a declaration refused on rank 1 only: caught by the next round, on both ranks
+    cache = shard_cache(rank, world, cls=FaultyHostCache)
+    cache.defer()
+    local = cache.local
+    a = cache.seq_new()
+    assert cache.declare_step([a] * 2) is True
+    cache.prepare_step()
+    cache.commit_step()
+    local.refuse = rank == 1
+    out["declared"] = cache.declare_step([a])
+    local.refuse = False
+    if out["declared"]:
+        cache.prepare_step()
+        cache.commit_step()
+    out["refused"] = _outcome(cache.exchange)
+    out["refused_after"] = _outcome(cache.exchange)
+    return out
 
 
 def divergence(rank: int, world: int) -> dict:
@@ -422,6 +472,7 @@ def serve_workload(gen: Any, rank: int, alloc: Any = None) -> dict:
             raise ValueError("injected: a client's callback failed")
 
     step = 0
+    flights = 0                                   # steps left in flight (async_steps)
     reqs_at: set[int] = set()
     last = max(GEN_ARRIVALS)
     while step < 500:
@@ -442,6 +493,7 @@ def serve_workload(gen: Any, rank: int, alloc: Any = None) -> dict:
             raised.append(f"{type(e).__name__}: {e}")
             busy = True
         step += 1
+        flights += gen._flight is not None
         if not busy and step > last:
             break
     cache = gen.cache
@@ -449,7 +501,7 @@ def serve_workload(gen: Any, rank: int, alloc: Any = None) -> dict:
     return {"outputs": [r.outputs for r in gen.requests],
             "reasons": [r.finish_reasons for r in gen.requests],
             "errors": [None if r.error is None else type(r.error).__name__ for r in gen.requests],
-            "stats": dict(gen.stats), "raised": raised, "steps": step}
+            "stats": dict(gen.stats), "raised": raised, "steps": step, "flights": flights}
 
 
 def gen_model() -> Any:
@@ -467,15 +519,17 @@ def gen_cache_config(model: Any) -> CacheConfig:
 GEN_OPTIONS = dict(max_batch_tokens=16, prefill_chunk=8, eos=[], reserve=0.0)
 
 
-def generator_on_rank(rank: int, world: int) -> dict:
-    """``Generator(tp=2)`` over a TPCache (debug digests) with rank 1's allocator made to fail."""
+def generator_on_rank(rank: int, world: int, async_steps: bool = False, debug: bool = True) -> dict:
+    """``Generator(tp=2)`` over a TPCache (``debug``: digests every step) with rank 1's
+    allocator made to fail."""
     from cellcache.generate import Generator, Sampling
 
     model = gen_model()
     alloc = RankAllocator()
     shard = tp.shard_config(gen_cache_config(model), rank, world)
-    cache = tp.TPCache(HostCellCache(shard, growth="copy", allocator=alloc), debug=True)
-    gen = Generator(model, cache, tp=True, **GEN_OPTIONS)     # type: ignore[arg-type]
+    cache = tp.TPCache(HostCellCache(shard, growth="copy", allocator=alloc), debug=debug)
+    gen = Generator(model, cache, tp=True, async_steps=async_steps,  # type: ignore[arg-type]
+                    **GEN_OPTIONS)
     refused = {}
     if rank == 1:                                 # the other ranks follow rank 0
         refused["add"] = _outcome(lambda: gen.add([1, 2, 3]))
@@ -488,14 +542,115 @@ def generator_on_rank(rank: int, world: int) -> dict:
     return out
 
 
-def generator_single() -> dict:
+def generator_single(async_steps: bool = False) -> dict:
     """The reference: the same workload in one process, on the whole cache."""
     from cellcache.generate import Generator
 
     model = gen_model()
     cache = HostCellCache(gen_cache_config(model), growth="copy", allocator=FailingAllocator())
-    gen = Generator(model, cache, **GEN_OPTIONS)          # type: ignore[arg-type]
+    gen = Generator(model, cache, async_steps=async_steps, **GEN_OPTIONS)  # type: ignore[arg-type]
     return serve_workload(gen, 0)
+
+
+class CollectiveCounter:
+    """Counts the torch.distributed calls made on ``group`` (patched in this process)."""
+
+    NAMES = ("all_reduce", "broadcast", "all_gather_object", "broadcast_object_list", "all_gather",
+             "barrier")
+
+    def __init__(self, group: Any):
+        self.group, self.calls = group, 0
+        self.saved = {name: getattr(dist, name) for name in self.NAMES}
+        for name, fn in self.saved.items():
+            setattr(dist, name, self._counted(fn))
+
+    def restore(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+    def _counted(self, fn: Any) -> Any:
+        def counted(*args: Any, **kw: Any) -> Any:
+            if kw.get("group") is self.group:
+                self.calls += 1
+            return fn(*args, **kw)
+        return counted
+
+
+def steady_decode_on_rank(rank: int, world: int) -> dict:
+    """The agreement's collectives in each step of a decode-only stretch, synchronous and
+    asynchronous: ``(collectives, rows grew, steps in flight)`` per step, and the outputs."""
+    from cellcache.generate import Generator, Sampling
+
+    out: dict = {}
+    prompts = gen_prompts()[:4]
+    for async_steps in (False, True):
+        from cellcache import hf as cchf
+
+        model = gen_model()                       # pools from 8 rows: they grow while decoding
+        cache = tp.build("host", "batched", cchf.cache_config(model, capacity=256, max_write=16,
+                                                              max_seqs=8, initial_capacity=8))
+        gen = Generator(model, cache, tp=True, eos=[], prefix_cache=False,  # type: ignore[arg-type]
+                        async_steps=async_steps)
+        counter = CollectiveCounter(gen.cache.agreement_group)
+        if rank == 0:
+            for p in prompts:
+                gen.add(p, Sampling(max_new_tokens=24))
+        records = []
+        busy = True
+        while busy:
+            calls, rows = counter.calls, gen.cache.rows
+            decode = not gen.waiting and all(len(s.tokens) - s.in_cache == 1 for s in gen.running)
+            busy = gen.step()
+            records.append((counter.calls - calls, gen.cache.rows > rows, decode,
+                            gen._flight is not None))
+        out[async_steps] = {"records": records, "outputs": [r.outputs for r in gen.requests]}
+        counter.restore()
+    return out
+
+
+def diverged_draws_on_rank(rank: int, world: int) -> dict:
+    """Rank 1's sampler draws another id once (its 4th launch): every rank must raise
+    InvalidState naming the step, then refuse every later step. Synchronous, asynchronous,
+    and asynchronous with debug digests."""
+    from cellcache.generate import Generator, Sampling
+    from cellcache.generate.sampler import Draw, SamplerOutput
+
+    out: dict = {}
+    prompts = gen_prompts()[:3]
+    for key, (async_steps, debug) in {"sync": (False, False), "async": (True, False),
+                                      "async_debug": (True, True)}.items():
+        model = gen_model()
+        cache = tp.build("host", "batched", gen_cache_config(model), debug=debug)
+        gen = Generator(model, cache, tp=True, async_steps=async_steps, **GEN_OPTIONS)  # type: ignore[arg-type]
+        inner = gen.sampler.inner
+        launch, launched = inner.launch, [0]
+
+        def other_id(logits: Any, spec: Any, launch: Any = launch, launched: list = launched) -> Any:
+            draw = launch(logits, spec)
+            launched[0] += 1
+            if launched[0] != 4 or rank != 1:
+                return draw
+            got = draw.result()
+            ids = got.ids.copy()
+            ids[0] = (ids[0] + 1) % 512
+            return Draw(SamplerOutput(ids, got.accepted, torch.from_numpy(ids)))
+
+        inner.launch = other_id
+        if rank == 0:
+            for p in prompts:
+                gen.add(p, Sampling(max_new_tokens=10))
+        first = None
+        for call in range(40):
+            try:
+                if not gen.step():
+                    break
+            except Exception as e:  # noqa: BLE001 - compared across ranks
+                first = (call, type(e).__name__, str(e))
+                break
+        later = _outcome(gen.step)
+        out[key] = {"first": first, "later": later, "diverged": gen.cache.diverged,
+                    "launched": launched[0]}
+    return out
 
 
 # -- the GPU machine: two ranks over NCCL (tests/gpu/test_tp_gpu.py) ------------------------------
@@ -537,6 +692,7 @@ def gpu_tp_on_rank(rank: int, world: int, arch: str, n_new: int, device_type: st
     gen = Generator(random_model(arch, torch.float32, device, seed=3), tp=True, **opts)
     out: dict = {"tp2": gpu_greedy(gen, rank, n_new), "graph_steps": gen.stats["graph_steps"],
                  "graphs": gen.runner.graphs_enabled, "preempted": gen.stats["preempted"],
+                 "async": gen.async_steps, "diverged": gen.cache.diverged,
                  "kv_heads": [layer.n_kv_heads for layer in gen.cache.config.layers]}
     gen.cache.check_invariants()
     dist.barrier()

@@ -149,10 +149,10 @@ def test_unprepare_takes_the_step_back_and_undeclare_drops_it():
 
 # -- two ranks over gloo -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("debug", [False, True])
-def test_every_rank_takes_the_decisions_of_one_process(tmp_path, debug):
+@pytest.mark.parametrize("debug, deferred", [(False, False), (True, False), (False, True)])
+def test_every_rank_takes_the_decisions_of_one_process(tmp_path, debug, deferred):
     seed, n_ops = 3, 120
-    ranks = H.run_ranks(H.walk_on_rank, tmp_path, seed, n_ops, debug)
+    ranks = H.run_ranks(H.walk_on_rank, tmp_path, seed, n_ops, debug, deferred)
     single = H.walk(HostCellCache(H.full_config(), growth="copy"), seed, n_ops)
     kinds = {r[0] for r in single}
     assert {"step", "declare", "clone", "rm", "rewind"} <= kinds    # the walk reaches them all
@@ -165,10 +165,13 @@ def test_every_rank_takes_the_decisions_of_one_process(tmp_path, debug):
         for i, (mine, ref) in enumerate(zip(out["records"], single)):
             assert mine == ref, f"rank {rank} differs from one process at record {i}"
         assert len(out["records"]) == len(single)
+        if deferred:                         # a collective only where a step grew the pools
+            assert out["rounds"] == sum(1 for r in single if r[0] == "step" and r[2][4])
 
 
-def test_an_allocation_failure_on_one_rank_is_the_same_error_on_both(tmp_path):
-    r0, r1 = H.run_ranks(H.oom_on_one_rank, tmp_path)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_an_allocation_failure_on_one_rank_is_the_same_error_on_both(tmp_path, deferred):
+    r0, r1 = H.run_ranks(H.oom_on_one_rank, tmp_path, deferred)
     assert r0["outcome"] == r1["outcome"]
     kind, message = r0["outcome"]
     assert kind == "OutOfMemory"
@@ -200,6 +203,28 @@ def test_a_fault_after_the_agreement_takes_the_step_back_on_every_rank(tmp_path)
     assert kind == "OutOfMemory" and "writing the step ran out of memory" in message
     assert "on rank 1 of 2" in message
     assert r0["step"] == r1["step"]
+
+
+def test_deferred_agreement_settles_at_the_next_round(tmp_path):
+    """Deferred: a step without growth runs no collective; a rank's own failure after the
+    agreement is raised there at once and on every rank at the next round, and the wrapper
+    refuses from then on; outcomes that differ (one rank refused) are caught by that round."""
+    r0, r1 = H.run_ranks(H.deferred_faults, tmp_path)
+    assert r0["rounds"] == r1["rounds"] == 0
+    assert r0["prepare"] == ("none", "")
+    kind, message = r1["prepare"]
+    assert kind == "OutOfMemory" and "writing the step ran out of memory" in message
+    for out in (r0, r1):
+        kind, message = out["exchange"]
+        assert kind == "OutOfMemory", out
+        assert "rank 1 of 2 failed after the ranks agreed on the step" in message
+        assert "writing the step ran out of memory" in message
+        assert out["diverged"] is not None and "rank 1 failed after the ranks agreed" in out["diverged"]
+        assert out["after"][0] == "InvalidState" and "build new caches" in out["after"][1]
+        kind, message = out["refused"]
+        assert kind == "InvalidState" and "cache outcomes (declare_step, prepare_step) differ" in message
+        assert out["refused_after"][0] == "InvalidState"
+    assert r0["declared"] is True and r1["declared"] is False
 
 
 def test_debug_mode_names_the_rank_that_diverged(tmp_path):

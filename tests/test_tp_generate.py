@@ -21,9 +21,14 @@ from cellcache import InvalidArgument, InvalidState  # noqa: E402
 from tests import helpers_tp as H  # noqa: E402
 
 
-def test_two_ranks_serve_what_one_process_serves(tmp_path):
-    single = H.generator_single()
-    r0, r1 = H.run_ranks(H.generator_on_rank, tmp_path, timeout=150)
+@pytest.mark.parametrize("async_steps, debug", [(False, True), (True, False)])
+def test_two_ranks_serve_what_one_process_serves(tmp_path, async_steps, debug):
+    """Every rank samples for itself (no ids broadcast): the outputs are one process's,
+    synchronous with debug digests, and asynchronous (steps left in flight) without."""
+    single = H.generator_single(async_steps)
+    r0, r1 = H.run_ranks(H.generator_on_rank, tmp_path, async_steps, debug, timeout=150)
+    if async_steps:                                                # the asynchronous path ran
+        assert single["flights"] >= 3 and r0["flights"] == r1["flights"] >= 3
     # the workload reaches what it is meant to
     st = single["stats"]
     assert st["preempted"] > 0 and st["forks"] == 1
@@ -48,6 +53,38 @@ def test_two_ranks_serve_what_one_process_serves(tmp_path):
     assert kind == "InvalidState" and "added on rank 0 only" in message
     kind, message = r0["refused"]["draft"]
     assert kind == "InvalidArgument" and "draft" in message
+
+
+def test_a_steady_decode_step_runs_two_collectives(tmp_path):
+    """The agreement's collectives in a decode step: the two hand-overs (which also compare
+    the draws and settle the cache), plus one when the step grows the pools; synchronous and
+    asynchronous, with the same outputs."""
+    r0, r1 = H.run_ranks(H.steady_decode_on_rank, tmp_path, timeout=150)
+    for out in (r0, r1):
+        for async_steps in (False, True):
+            records = out[async_steps]["records"]
+            decode = [(calls, grew) for calls, grew, is_decode, _ in records[1:] if is_decode]
+            assert len(decode) >= 20
+            assert any(grew for _, grew in decode)                 # growth is agreed: one more
+            assert all(calls == 2 + grew for calls, grew in decode), records
+            if async_steps:
+                assert sum(flight for *_, flight in records) >= 20
+        assert out[True]["outputs"] == out[False]["outputs"] == r0[False]["outputs"]
+
+
+def test_sampled_ids_that_differ_raise_on_every_rank(tmp_path):
+    """Rank 1 draws another id once (its sampler patched): every rank raises InvalidState
+    naming the step, and refuses every later step."""
+    r0, r1 = H.run_ranks(H.diverged_draws_on_rank, tmp_path, timeout=150)
+    for key in ("sync", "async", "async_debug"):
+        a, b = r0[key], r1[key]
+        assert a["first"] is not None and b["first"] is not None, key
+        assert a["first"][0] == b["first"][0], key                 # the same step() call
+        for out in (a, b):
+            call, kind, message = out["first"]
+            assert kind == "InvalidState" and "sampled ids diverged at step 4 " in message, key
+            assert out["later"][0] == "InvalidState" and "diverged" in out["later"][1], key
+            assert "sampled ids diverged" in out["diverged"]
 
 
 def test_tp_needs_a_process_group_of_its_size():

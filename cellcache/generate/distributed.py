@@ -1,21 +1,41 @@
 """The Generator across the ranks of a ``torch.distributed`` group (``Generator(tp=...)``):
 one schedule, decided the same way on every rank, with rank 0 deciding whatever is not
-deterministic.
+deterministic (which requests arrive, cancels, callbacks).
 
 ::
 
     every rank, in lockstep (gen.step() / gen.run() on all of them)
     ------------------------------------------------------------------------------------------
-    step start   hand-over  rank 0's add()/cancel() queues ──broadcast──▶ every rank queues the
-                            same requests (mirrors: same ids, prompts, sampling) and cancels
-    schedule     the scheduler's cache verbs on a tp.TPCache (deterministic; growth, refusals
-                 and allocation failures agreed there)
+    step start   hand-over  one all_reduce: rank 0's queue counts, the draws' checksum, the
+                            cache's deferred state; then, only when rank 0 queued something,
+                            its requests/cancels broadcast: every rank queues the same
+                            requests (mirrors: same ids, prompts, sampling) and cancels
+    schedule     the scheduler's cache verbs on a deferred tp.TPCache (local; growth agreed)
     forward      the model's own collectives (transformers' TP plan); graphs on every rank
-    sample       rank 0 draws ──broadcast the ids──▶ every rank decides with rank 0's tokens
+    sample       every rank samples its own logits (identical after the TP plan gathers the
+                 head's output) with the same keyed sampler: the same ids, no broadcast;
+                 Sampler.launch's asynchronous Draw, so async_steps works as in one process
     apply        update_from_output: the same on every rank
     deliver      on_token callbacks on rank 0 only (a callback's failure is recorded)
     step end     hand-over  again: requests and cancels made during the step, callback
                             failures (the request ends with "error" everywhere)
+
+**Sampling on every rank** (vLLM's workers do the same): the logits are bit-identical on
+every rank and a token depends only on its logits and its key (seed, continuation, output
+index), so every rank draws the same ids. That is checked, never assumed: when a step's
+ids reach the host, each rank folds them into a running checksum (a hash of ids times
+their slot, mod 2**61 - 1) that every hand-over compares (``[c, -c]`` in the all_reduce
+MAX: equal iff ``max(c) == -max(-c)``; at once when the step lands in debug mode). Ids that
+differ raise InvalidState on every rank naming the step ("the ranks' sampled ids
+diverged"), at the end of the step() call that applied them, before any later decision
+reads them; the generator refuses every later step (build new ones). A sampler that raises
+does so on every rank (same inputs): each rolls its step back as one process does.
+
+**Collectives per step**: two in a steady decode step (the two hand-overs), one more when
+the step grows the pools (the growth agreement), one broadcast per hand-over that carries
+requests; debug mode adds its digests. (Before: declare, prepare twice, commit, the draws'
+broadcast and both hand-overs; rank 0 sampled synchronously and the others waited for its
+ids, so the ranks ran serially and the asynchronous step path was off.)
 
 **Contract.** Every rank builds its Generator with the same arguments and the same model
 weights at the same point, then calls :meth:`Generator.step` / :meth:`Generator.run` the
@@ -36,10 +56,14 @@ where every rank raises (rank 0 the callback's exception, the others InvalidStat
 it); ``busy`` counts only what every rank knows (requests queued on rank 0 and not yet
 handed over are not in it).
 
-Costs: the hand-overs are one broadcast of three ints each when nothing was queued (the
-requests themselves go as one pickled object when there are some); the draws one
-broadcast of the step's ids (int64). All on the TPCache's gloo group (host values; no
-device round trip with NCCL).
+Costs: each hand-over is one all_reduce of 15 int64s on the TPCache's gloo group (host
+values; no device round trip with NCCL), plus one pickled broadcast when rank 0 has
+requests, cancels or callback failures to hand over.
+
+A rank's own failure after the step's agreement (a CUDA error, a signal, a bug: never an
+allocation, which is agreed first) is raised on that rank at once; the others learn at the
+next hand-over, raise the same error class naming the rank, and refuse from then on (if
+they are waiting inside the model's collectives meanwhile, the group's timeout ends it).
 
 Multi-node works the same way through torchrun's rendezvous (``torchrun --nnodes M
 --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m cellcache generate
@@ -60,10 +84,12 @@ import torch.distributed as dist
 from ..errors import InvalidArgument, InvalidState
 from ..tp import TPCache
 from .requests import Request
-from .sampler import SamplerOutput, SampleSpec
+from .sampler import Draw, SamplerOutput, SampleSpec
 from .scheduler import Job, Scheduler, Seq
 
 __all__ = ["RankSync", "is_sharded", "tp_world"]
+
+_MOD = (1 << 61) - 1              # the draws' running checksum is kept mod this prime
 
 
 def tp_world(tp: Any) -> int | None:
@@ -99,10 +125,13 @@ class RankSync:
     """Keeps a Generator's ranks in lockstep (the module docstring): installed by
     ``Generator(tp=...)`` as ``gen.tp``; ``rank`` and ``world`` are public. It reads the
     Generator only through public names (``requests``, ``scheduler``, ``clock``,
-    ``sampler``); the Generator hands it rank 0's queued requests at each boundary."""
+    ``sampler``, ``stats``); the Generator hands it rank 0's queued requests at each
+    boundary. It switches the cache to deferred agreement (:meth:`TPCache.defer`): its
+    hand-overs are the per-step rounds that settle it."""
 
     def __init__(self, gen: Any, cache: TPCache):
         self.gen = gen
+        self.cache = cache
         self.rank, self.world = cache.rank, cache.world
         self.group = cache.agreement_group            # gloo: host values, bounded by its timeout
         self.src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
@@ -111,7 +140,11 @@ class RankSync:
         self._cancelled: set[int] = set()             # their request ids (callbacks skipped)
         self._failures: list[tuple[int, int | None, BaseException]] = []   # rank 0: callbacks
         self._jobs: dict[int, Job] = {}               # request id -> job, every rank
-        gen.sampler = _RankZeroSampler(gen.sampler, self)
+        self._checksum = 0                            # every draw landed so far, hashed
+        self._landed = 0                              # steps whose draws landed
+        self._agreed = 0                              # ... as of the last agreement
+        cache.defer()                                 # the hand-overs settle every step
+        gen.sampler = _RankSampler(gen.sampler, self)
 
     # -- rank 0's side of add()/cancel() -----------------------------------------------------
     def adding(self, on_token: Callable | None, draft: Callable | None) -> Callable | None:
@@ -167,9 +200,15 @@ class RankSync:
                 failures, self._failures = self._failures, []
         elif incoming:
             raise InvalidState(f"rank {self.rank} has requests of its own queued; add them on rank 0")
-        counts = torch.tensor([len(incoming), len(cancels), len(failures)], dtype=torch.int64)
-        dist.broadcast(counts, self.src, group=self.group)
-        if not counts.any():
+        counts = [len(incoming), len(cancels), len(failures)]
+        try:                                          # rank 0's counts (the others give 0s),
+            counts = self._agree(counts)              # the draws' checksums, the cache's state
+        except BaseException:
+            if self.rank == 0:                        # not handed over: kept for a later try
+                with self._lock:
+                    self._cancels[:0], self._failures[:0] = cancels, failures
+            raise
+        if not any(counts):
             return
         payload: list[Any] = [None]
         if self.rank == 0:
@@ -217,55 +256,76 @@ class RankSync:
         gen.requests.append(req)
         return Scheduler.new_seq(Job(req), 0, list(prompt))
 
-    def draws(self, sampler: Any, logits: torch.Tensor, spec: SampleSpec) -> SamplerOutput:
-        """Rank 0 samples; its ids (and accepted counts) are broadcast: every rank decides with
-        rank 0's tokens. A sampling failure on rank 0 is raised there and as InvalidState on
-        the others (each rolls its step back)."""
-        n, g = len(spec), len(spec.groups)
-        if n + g == 0:
-            return SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.int64))
-        buf = torch.zeros(1 + n + g, dtype=torch.int64)
-        error: BaseException | None = None
-        out: SamplerOutput | None = None
-        if self.rank == 0:
-            try:
-                out = sampler(logits, spec)
-                buf[1:1 + n] = torch.from_numpy(np.asarray(out.ids, dtype=np.int64))
-                buf[1 + n:] = torch.from_numpy(np.asarray(out.accepted, dtype=np.int64))
-            except BaseException as e:  # noqa: BLE001 - the others are told, then it is raised
-                error = e
-                buf[0] = 1
-        dist.broadcast(buf, self.src, group=self.group)
-        if error is not None:
-            raise error
-        if buf[0]:
-            raise InvalidState("sampling failed on rank 0 (its step raised there); this rank "
-                               "rolled its step back too")
-        if out is not None:
-            return out
-        ids = buf[1:1 + n].numpy().copy()
-        device_ids = torch.from_numpy(ids).to(logits.device, non_blocking=False)
-        return SamplerOutput(ids, buf[1 + n:].numpy().copy(), device_ids)
+    # -- the draws: every rank samples; their checksums are compared --------------------------------
+    def landed(self, out: SamplerOutput) -> None:
+        """A step's draws reached the host (every rank, in the same order): folds them into
+        the running checksum the next agreement compares (at once in debug mode)."""
+        ids = np.asarray(out.ids).astype(np.uint64, copy=False)
+        accepted = np.asarray(out.accepted).astype(np.uint64, copy=False)
+        with np.errstate(over="ignore"):              # wrapping: the same on every rank
+            h = int((ids * np.arange(1, ids.size + 1, dtype=np.uint64)).sum(dtype=np.uint64))
+            h ^= int((accepted * np.arange(3, 2 * accepted.size + 3, 2, dtype=np.uint64))
+                     .sum(dtype=np.uint64)) << 1
+        self._checksum = (self._checksum * 1_000_003 + h % _MOD + ids.size) % _MOD
+        self._landed += 1
+        if self.cache.debug:
+            self._agree([0, 0, 0])
+
+    def _agree(self, counts: list[int]) -> list[int]:
+        """The one collective of a hand-over (the cache's :meth:`TPCache.exchange`): the max of
+        the counts (rank 0's: the others give 0s) and of ``[checksum, -checksum]``; raises
+        InvalidState on every rank, the wrapper refusing from then on, when the checksums
+        differ (equal iff ``max(c) == -max(-c)``)."""
+        if self.rank != 0:
+            counts = [0, 0, 0]
+        got = self.cache.exchange([*counts, self._checksum, -self._checksum])
+        if got[3] != -got[4]:
+            first, last = self._agreed + 1, self._landed
+            steps = f"step {last}" if first >= last else f"steps {first} to {last}"
+            reason = (f"the ranks' sampled ids diverged at {steps} (counting the steps whose draws "
+                      f"landed; the generator's step {self.gen.stats['steps']}): rank {self.rank}'s "
+                      f"checksum {self._checksum}, the ranks' range [{-got[4]}, {got[3]}]")
+            self.cache.mark_diverged(reason)
+            raise InvalidState(f"{reason}; the ranks' outputs differ from there: build new generators")
+        self._agreed = self._landed
+        return got[:3]
 
 
-class _RankZeroSampler:
-    """The Generator's sampler under TP: ``__call__`` is :meth:`RankSync.draws`; everything
-    else (``device``, ``copies``, ...) is the wrapped sampler's."""
+class _CheckedDraw:
+    """A launched step's draws under TP (what :meth:`Sampler.launch` returns, wrapped):
+    ``device_ids`` at once; :meth:`result` lands them and folds them into the ranks'
+    checksum, once."""
+
+    __slots__ = ("_draw", "_sync", "_out", "device_ids")
+
+    def __init__(self, draw: Draw, sync: RankSync):
+        self._draw, self._sync = draw, sync
+        self._out: SamplerOutput | None = None
+        self.device_ids = draw.device_ids
+
+    def result(self) -> SamplerOutput:
+        if self._out is None:
+            out = self._draw.result()
+            self._sync.landed(out)
+            self._out = out
+        return self._out
+
+
+class _RankSampler:
+    """The Generator's sampler under TP: every rank samples its own (identical) logits with
+    the same sampler (``inner``), so the draws are the same everywhere without a broadcast;
+    :meth:`launch` is the inner sampler's asynchronous launch, its Draw wrapped to be
+    checked. Everything else (``device``, ``copies``, ...) is the inner sampler's."""
 
     def __init__(self, inner: Any, sync: RankSync):
-        self._inner, self._sync = inner, sync
+        self.inner, self._sync = inner, sync
 
     def __call__(self, logits: torch.Tensor, spec: SampleSpec) -> SamplerOutput:
-        return self._sync.draws(self._inner, logits, spec)
+        return self.launch(logits, spec).result()
 
     def launch(self, logits: torch.Tensor, spec: SampleSpec) -> Any:
-        """:meth:`Sampler.launch` under TP: the draws agreed at once (rank 0's ids broadcast
-        over the host group), handed back as a finished ``Draw``. (Overlapping the next
-        step with the copy would broadcast ``device_ids`` on the device group instead.)"""
-        from . import sampler as _sampler
-
-        return _sampler.Draw(self._sync.draws(self._inner, logits, spec))
+        """:meth:`Sampler.launch` on this rank, the Draw checked when it lands."""
+        return _CheckedDraw(self.inner.launch(logits, spec), self._sync)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
+        return getattr(self.inner, name)

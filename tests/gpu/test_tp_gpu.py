@@ -1,7 +1,8 @@
 """Tensor parallelism on the GPU machine with two GPUs (device kind ``nvidia-h200-x2``): two
 ranks over NCCL, each model sharded by transformers' own plan, decode steps replayed from
-CUDA graphs captured on every rank; greedy output (float32) equals one GPU's and Hugging
-Face's teacher-forced argmax. Skipped like every GPU test without a usable device
+CUDA graphs captured on every rank, every rank sampling for itself with asynchronous steps
+(its draws' checksums compared at every hand-over); greedy output (float32) equals one
+GPU's and Hugging Face's teacher-forced argmax. Skipped like every GPU test without a usable device
 (tests/gpu/conftest.py), and also with fewer than two GPUs or without NCCL."""
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def test_tp2_greedy_equals_one_gpu_and_hf_with_graphs(tmp_path, arch):
     r0, r1 = H.run_ranks(H.gpu_tp_on_rank, tmp_path, arch, n_new, backend="nccl", timeout=300)
     for out in (r0, r1):
         assert out["graphs"] and out["graph_steps"] > 0        # captured and replayed on every rank
+        assert out["async"] and out["diverged"] is None        # every rank samples, steps ahead
         assert out["kv_heads"] == [1] * len(out["kv_heads"])   # 2 KV heads over 2 ranks
         assert out["preempted"] > 0                            # cells ran short: it preempted
         assert out["tp2"] == r0["tp1"]                         # both ranks: one GPU's outputs
