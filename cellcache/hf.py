@@ -616,6 +616,9 @@ class ModelRunner:
 
         ``decode`` says every row is its sequence's next token (one token per sequence);
         then, on CUDA with graphs on, the step is replayed from a graph of its padded width.
+        A replayed step's logits (decode or mixed) are a view of the graph's float32 output:
+        valid until the next forward replays that graph (as the step's sampling reads them,
+        in stream order); ``clone()`` them to keep them longer.
         """
         if not isinstance(step, Step):
             raise InvalidArgument(f"step of type {type(step).__name__} is not a Step")
@@ -653,8 +656,8 @@ class ModelRunner:
             self.input_ids[0, :width].copy_(device_tokens, non_blocking=True)
         elif ids_np is not None:
             self._upload(ids_np)
-        if T > width:
-            self.input_ids[0, width:T].zero_()
+        # rows [width, T) are padding: they keep ids of earlier steps (always ids in [0, vocab):
+        # the buffer starts zeroed and only checked or drawn ids are written), their outputs dropped
         every = rows is None or (rows.size == width and (
             width == 0 or (rows[0] == 0 and rows[-1] == width - 1 and bool((np.diff(rows) == 1).all()))))
         with torch.inference_mode():
@@ -662,15 +665,15 @@ class ModelRunner:
                 logits = self._replay(step)
                 self.replays += 1
                 if every:                     # every real row: a slice, no index upload
-                    return logits[:width].float()
+                    return logits[:width]
                 assert rows is not None
-                return logits[self._index(rows)].float()
+                return logits[self._index(rows)]
             n_rows = width if rows is None else rows.size
             if self.graphs_enabled and not decode and T in self.mixed_buckets \
-                    and 0 < n_rows <= self.logit_cap:
+                    and n_rows <= self.logit_cap:
                 logits = self._replay_mixed(step, rows, n_rows)
                 self.replays += 1
-                return logits[:n_rows].float()
+                return logits[:n_rows]
             self.eager += 1
             # "auto": on CUDA with the paged view, the path choose_path gives each layer's
             # shape (cellcache's decode kernel for decode steps, its prefill kernel with the
@@ -733,7 +736,7 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             # one memory pool for every mixed graph: they replay one at a time, in stream order
             with torch.cuda.graph(graph, pool=self._mixed_pool):
-                logits = self._run(step, "auto", self._rows_dev)
+                logits = self._run(step, "auto", self._rows_dev).float()
             self._mixed[T] = (graph, logits)
         graph, logits = self._mixed[T]
         graph.replay()
@@ -748,8 +751,8 @@ class ModelRunner:
                 self._run(step, "auto", None)          # warm-up: allocations, kernel loads
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self._run(step, "auto", None)
+            with torch.cuda.graph(graph):         # float32 logits out of the graph: no launch after
+                logits = self._run(step, "auto", None).float()
             self._graphs[T] = (graph, logits)
         graph, logits = self._graphs[T]
         graph.replay()

@@ -159,8 +159,10 @@ class Generator:
     (``cache``: None, or a :class:`cellcache.tp.TPCache`) and attaches to the rank's shard.
     Every rank builds the Generator the same way and calls :meth:`step` / :meth:`run` in
     lockstep (``gen.run()`` on every rank); requests are added and cancelled on rank 0 only
-    and join every rank at the next step boundary; rank 0 draws the tokens and broadcasts
-    them; ``on_token`` runs on rank 0 only; every rank's requests end with the same outputs.
+    and join every rank at the next step boundary; every rank samples its own (identical)
+    logits, the draws' checksums compared at each step boundary (asynchronous steps work
+    as in one process); ``on_token`` runs on rank 0 only; every rank's requests end with
+    the same outputs.
     ``gen.tp`` (``rank``, ``world``) is None in one process.
 
     ``stats``: ``steps``, ``tokens_in`` (every row fed), ``tokens_out``, ``preempted``,
