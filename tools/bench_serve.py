@@ -144,6 +144,7 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
         return busy
 
     gen.step = timed_step
+    replay_events = _time_replays(gen) if with_breakdown and device == "cuda" else None
     _sync(device)
     t0 = time.perf_counter()
     if arrival == "poisson":
@@ -173,6 +174,17 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
         res[f"{kind}_step_ms_total"] = 1e3 * sum(times)
         res[f"{kind}_step_ms_median"] = 1e3 * statistics.median(times) if times else 0.0
     res["outputs"] = [r.outputs[0] for r in reqs]
+    if replay_events is not None:
+        # GPU time of the run's own decode forwards (graph replays of its usual width),
+        # measured in the run by events on the stream: the step's GPU time for the host target
+        rows: dict[int, list[float]] = {}
+        for T, a, b in replay_events:
+            rows.setdefault(T, []).append(a.elapsed_time(b))
+        if rows:
+            T = max(rows, key=lambda k: len(rows[k]))
+            res["decode_gpu_ms_median"] = statistics.median(rows[T])
+            res["decode_gpu_rows"] = T
+            res["decode_gpu_samples"] = len(rows[T])
     if with_breakdown and device == "cuda":
         res["breakdown"] = breakdown(gen, model)
     gen.cache.close()
@@ -198,6 +210,32 @@ def chat(model, first, messages, new_tokens, capacity: int, w: dict, device: str
     res["outputs"] = [r.outputs[0] for r in reqs]
     gen.cache.close()
     return res
+
+
+def _time_replays(gen) -> list:
+    """Wraps the runner's decode replay so that each records a CUDA event pair around it on
+    the stream (events made beforehand: no allocation in the timed steps); returns the list
+    of (bucket, start, end) the run fills."""
+    import torch
+
+    runner = gen.runner
+    real = runner._replay
+    pool = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(4096)]
+    out: list = []
+
+    def timed(step):
+        if len(out) >= len(pool):
+            return real(step)
+        a, b = pool[len(out)]
+        a.record()
+        logits = real(step)
+        b.record()
+        out.append((step.pad_to, a, b))
+        return logits
+
+    runner._replay = timed
+    return out
 
 
 def breakdown(gen, model) -> dict:
@@ -670,10 +708,12 @@ def main(argv=None) -> int:
             f"; inter-token p50 {r['itl_ms_p50']:.2f} ms, p99 {r['itl_ms_p99']:.2f} ms"
         print(f"TTFT: p50 {r['ttft_ms_p50']:.1f} ms, p99 {r['ttft_ms_p99']:.1f} ms over "
               f"{r['turns_done']} turns{itl}")
-    if bd and "decode_host_us_per_step_total" in res["cellcache"]:
-        host_us, gpu_us = res["cellcache"]["decode_host_us_per_step_total"], 1e3 * bd["forward_ms"]
+    r = res["cellcache"]
+    if "decode_gpu_ms_median" in r and "decode_host_us_per_step_total" in r:
+        host_us, gpu_us = r["decode_host_us_per_step_total"], 1e3 * r["decode_gpu_ms_median"]
         targets.append((host_us <= 0.1 * gpu_us, f"host time per decode step <= 10% of its GPU time "
-                        f"({host_us:.0f} us vs a {gpu_us:.0f} us forward: {100 * host_us / gpu_us:.1f}%)"))
+                        f"({host_us:.0f} us vs the run's {r['decode_gpu_rows']}-row decode forwards, "
+                        f"{gpu_us:.0f} us median on the GPU: {100 * host_us / gpu_us:.1f}%)"))
     for ok, text in targets:
         print(f"target {'met ' if ok else 'MISSED'}: {text}")
     res["targets"] = [{"met": ok, "target": text} for ok, text in targets]
