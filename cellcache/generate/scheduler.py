@@ -24,8 +24,10 @@ requests, threads, drafts, the forward and the sampler around it.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -121,6 +123,11 @@ class StepPlan:
     fast: _Steady | None = None           # an ahead lean plan's steady-state record
 
 
+def _consume(it: Any) -> None:
+    """Runs an iterator to its end at C speed (the appends of a steady step)."""
+    deque(it, maxlen=0)
+
+
 @dataclass(eq=False)
 class _Steady:
     """What an ahead lean plan (:meth:`Scheduler.schedule_decode` with ``after``) knows about
@@ -132,6 +139,7 @@ class _Steady:
     sids: list[int]
     outs: list[list[int]]                 # the rows' output lists (req.outputs[s.index])
     times: list[list[float]]              # their token_times lists
+    tokens: list[list[int]]               # the sequences' token lists (Seq.tokens)
     hooked: list[tuple[int, Job, int]]    # (row, job, continuation) of requests with on_token
     min_left: int                         # min over rows of max_new_tokens - len(outputs), at planning
     used: int                             # the rows' kv entries with this step's token
@@ -584,7 +592,7 @@ class Scheduler:
             reqs = [s.job.req for s in rows]
             plan.fast = _Steady(
                 self.epoch, sids, [r.outputs[s.index] for r, s in zip(reqs, rows)],
-                [r.token_times[s.index] for r, s in zip(reqs, rows)],
+                [r.token_times[s.index] for r, s in zip(reqs, rows)], [s.tokens for s in rows],
                 [(i, s.job, s.index) for i, (r, s) in enumerate(zip(reqs, rows)) if r.on_token is not None],
                 min_left, used, stops)
         return plan
@@ -619,13 +627,16 @@ class Scheduler:
             spec.temperature, spec.top_k, spec.top_p = prev.temperature, prev.top_k, prev.top_p
             spec.seed, spec.index, spec.draft = prev.seed, prev.index, prev.draft
             spec.position = [p + 1 for p in prev.position]
-        plan.fast = _Steady(fast.epoch, fast.sids, fast.outs, fast.times, fast.hooked,
+        plan.fast = _Steady(fast.epoch, fast.sids, fast.outs, fast.times, fast.tokens, fast.hooked,
                             fast.min_left - 1, used, fast.stops)
         return plan
 
     def drop_ended(self, plan: StepPlan) -> None:
         """Removes from a lean plan (not applied yet) the rows of sequences that ended or
         were freed meanwhile: their cells went with them, and their tokens are not drawn."""
+        fast = plan.fast
+        if fast is not None and fast.epoch == self.epoch:
+            return                             # nothing was freed or ended since it was planned
         keep = [i for i, s in enumerate(plan.seqs) if s.sid is not None and not s.job.closed]
         if len(keep) == len(plan.seqs):
             return
@@ -695,10 +706,11 @@ class Scheduler:
             return None
         toks = arr.tolist()
         now = self.clock()
-        for s, out, times, tok in zip(plan.seqs, fast.outs, fast.times, toks):
-            out.append(tok)
-            times.append(now)
-            s.tokens.append(tok)
+        seqs = plan.seqs
+        _consume(map(list.append, fast.outs, toks))      # the appends at C speed
+        _consume(map(list.append, fast.times, repeat(now, n)))
+        _consume(map(list.append, fast.tokens, toks))
+        for s in seqs:
             s.in_cache += 1
         pc = self.prefix
         if pc is not None:
