@@ -39,6 +39,22 @@ def make(model, async_steps, **kw):
         return real(step, tokens, logit_rows, decode)
 
     gen.runner.forward = forward
+    # the steady path (the same rows as the step in flight, applied without per-row checks)
+    sched = gen.scheduler
+    gen.steady = {"plans": 0, "applied": 0, "declined": 0}
+    plan_real, apply_real = sched._steady_decode, sched._apply_steady
+
+    def steady_plan(after):
+        plan = plan_real(after)
+        gen.steady["plans"] += plan is not None
+        return plan
+
+    def steady_apply(*args):
+        events = apply_real(*args)
+        gen.steady["applied" if events is not None else "declined"] += 1
+        return events
+
+    sched._steady_decode, sched._apply_steady = steady_plan, steady_apply
     return gen
 
 
@@ -110,6 +126,7 @@ def adder(ps, sampling, streaming=True, **kw):
 def test_greedy_outputs_streams_and_stats_are_the_synchronous_ones(model):
     reqs, gen = same(model, adder(prompts(1, 6), Sampling(max_new_tokens=12)))
     assert all(r.finish_reasons == ["length"] for r in reqs)
+    assert gen.steady["plans"] > 0 and gen.steady["applied"] > 0
     p = gen.profile
     assert p["steps"] == gen.stats["steps"] and p["decode_steps"] > 0
     assert set(p["decode_host_ms"]) == {"schedule", "prepare", "forward", "sample", "wait", "update",
@@ -131,7 +148,10 @@ def test_eos_and_without_streaming(model):
     ps = prompts(3, 5)
     ref, _, _, _ = serve(model, False, adder(ps, Sampling(max_new_tokens=12)))
     eos = [ref[0].outputs[0][4], ref[2].outputs[0][2]]
-    same(model, adder(ps, Sampling(max_new_tokens=12), streaming=False), kw=dict(eos=eos))
+    reqs, gen = same(model, adder(ps, Sampling(max_new_tokens=12), streaming=False), kw=dict(eos=eos))
+    assert any(r.finish_reasons == ["stop"] for r in reqs)
+    # steady steps ran, and an eos drawn in one sent it to the general loop
+    assert gen.steady["plans"] > 0 and gen.steady["applied"] > 0 and gen.steady["declined"] > 0
 
 
 def test_seeded_sampling_and_forks(model):
