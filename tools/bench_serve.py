@@ -436,6 +436,11 @@ def tp_bench(p, args) -> int:
         host = r.get("host_ms_per_step", float("nan"))
         log(f"[serve-tp] cellcache tp={world}: {r['tokens_per_s']:.0f} tokens/s, "
             f"step median {r['step_ms_median']:.2f} ms, host/step {host:.3f} ms")
+    stem = f"serve-tp{world}-{args.model}-{res['date']}"
+    path = args.json or ROOT / "benchmarks" / "results" / f"{stem}.json"
+    if rank == 0:                                 # saved now, and again with HF's run
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=2, default=str) + "\n")
     if "hf-batch" not in set(filter(None, args.skip.split(","))):
         try:
             hf_batch(model, prompts[:4], 4, device)                 # warm-up
@@ -448,9 +453,8 @@ def tp_bench(p, args) -> int:
         if rank == 0 and "tokens_per_s" in res["hf-batch"]:
             log(f"[serve-tp] HF generate_batch tp={world}: {res['hf-batch']['tokens_per_s']:.0f} tokens/s")
     if rank == 0:
-        stem = f"serve-tp{world}-{args.model}-{res['date']}"
-        path = args.json or ROOT / "benchmarks" / "results" / f"{stem}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if "tokens_per_s" in res.get("hf-batch", {}):
+            res["cellcache_vs_hf_batch"] = res["cellcache"]["tokens_per_s"] / res["hf-batch"]["tokens_per_s"]
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
         print(json.dumps(res, indent=2, default=str))
     if world > 1:
