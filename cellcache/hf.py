@@ -447,8 +447,10 @@ class ModelRunner:
         self.buckets = chosen
         #: Token-count buckets of the mixed-step graphs (see the class).
         self.mixed_buckets = mixed
-        #: The most logit rows a mixed-step graph gives (its fixed index buffer's length).
-        self.logit_cap = min(mw, bucket_for(min(cache.max_seqs, mw), chosen) or mw)
+        #: The most logit rows a mixed-step graph gives (its fixed index buffer's length: the
+        #: largest decode bucket; a step with more logit rows runs eagerly).
+        self.logit_cap = min(mw, chosen[-1])
+        self._out: torch.Tensor | None = None          # the graphs' float32 logits, shared
         self._mixed: dict[int, tuple[Any, torch.Tensor]] = {}
         self._mixed_pool: Any = None
         self._rows_dev: torch.Tensor | None = None     # the mixed graphs' logit rows (device)
@@ -731,16 +733,29 @@ class ModelRunner:
             stream = torch.cuda.Stream(device=self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._run(step, "auto", self._rows_dev)    # warm-up: allocations, kernel loads
+                warm = self._run(step, "auto", self._rows_dev)   # warm-up: allocations, kernels
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # one memory pool for every mixed graph: they replay one at a time, in stream order
+            out = self._shared_out(cap, warm.shape[-1])
+            del warm
             with torch.cuda.graph(graph, pool=self._mixed_pool):
-                logits = self._run(step, "auto", self._rows_dev).float()
+                logits = out[:cap]
+                logits.copy_(self._run(step, "auto", self._rows_dev))
             self._mixed[T] = (graph, logits)
         graph, logits = self._mixed[T]
         graph.replay()
         return logits
+
+    def _shared_out(self, rows: int, width: int) -> torch.Tensor:
+        """The one float32 logits buffer every graph writes its output into (graphs replay
+        one at a time in stream order, and a step's logits are read before the next replay):
+        ``[max(logit_cap, largest bucket), width]``, made before the first capture (``width``:
+        the logits' width, from the warm-up forward)."""
+        n = max(self.logit_cap, self.buckets[-1], rows)
+        if self._out is None or self._out.shape[1] != width or self._out.shape[0] < rows:
+            self._out = torch.empty((n, width), dtype=torch.float32, device=self.device)
+        return self._out
 
     def _replay(self, step: Step) -> torch.Tensor:
         T = step.pad_to
@@ -748,11 +763,14 @@ class ModelRunner:
             stream = torch.cuda.Stream(device=self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._run(step, "auto", None)          # warm-up: allocations, kernel loads
+                warm = self._run(step, "auto", None)   # warm-up: allocations, kernel loads
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            out = self._shared_out(T, warm.shape[-1])
+            del warm
             with torch.cuda.graph(graph):         # float32 logits out of the graph: no launch after
-                logits = self._run(step, "auto", None).float()
+                logits = out[:T]
+                logits.copy_(self._run(step, "auto", None))
             self._graphs[T] = (graph, logits)
         graph, logits = self._graphs[T]
         graph.replay()

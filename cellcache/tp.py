@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -256,7 +257,18 @@ def shard_model(model: Any) -> Any:
         return model
     from transformers.distributed import DistributedConfig
 
-    dconfig, _device_map, mesh = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
+    # transformers reads the accelerator index from LOCAL_RANK, which torchrun sets; a group
+    # joined otherwise (mp.spawn + init_process_group) has none: the model's own device then
+    added = mesh_type != "cpu" and "LOCAL_RANK" not in os.environ
+    if added:
+        index = device.index if isinstance(device, torch.device) and device.index is not None \
+            else torch.cuda.current_device()
+        os.environ["LOCAL_RANK"] = str(index)
+    try:
+        dconfig, _device_map, mesh = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
+    finally:
+        if added:
+            del os.environ["LOCAL_RANK"]
     return cls.maybe_distribute_model(model, dconfig, mesh)
 
 

@@ -74,7 +74,15 @@ def _sync(device: str) -> None:
 
 
 def make_gen(model, w: dict, prefix: bool, capacity: int, max_seqs: int):
+    import gc
+
+    import torch
+
     from cellcache.generate import Generator
+
+    gc.collect()                    # earlier runs' generators (cycles through the timers) and
+    if torch.cuda.is_available():   # their graphs go before this one's are captured
+        torch.cuda.empty_cache()
 
     gen = Generator(model, capacity=capacity, max_batch_tokens=w["max_batch_tokens"],
                     max_seqs=max_seqs, prefill_chunk=w["prefill_chunk"], eos=[],
