@@ -11,6 +11,7 @@ Every function here that a rank runs is a module-level function, so spawn can im
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import random
@@ -36,6 +37,10 @@ COLLECTIVE_TIMEOUT = 30      # seconds a collective may wait for the other rank
 
 
 def _entry(rank: int, fn: Any, world: int, tmp: str, args: tuple, backend: str = "gloo") -> None:
+    # a rank that hangs dumps every thread's stack on SIGUSR1 (run_ranks sends it at its
+    # timeout, or when interrupted, before killing the ranks)
+    stacks = open(os.path.join(tmp, f"stack{rank}.txt"), "w")  # noqa: SIM115 - the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     torch.set_num_threads(1)
     if backend == "nccl":                            # tests/gpu: rank r on GPU r
         torch.cuda.set_device(rank)
@@ -66,11 +71,16 @@ def run_ranks(fn: Any, tmp_path: Path, *args: Any, world: int = WORLD, timeout: 
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
     deadline = time.monotonic() + timeout
+    dumped = False
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
-                pytest.fail(f"the ranks did not finish within {timeout} s")
+                dumped = True
+                pytest.fail(f"the ranks did not finish within {timeout} s; their stacks:\n"
+                            + _stacks(ctx, tmp_path))
     finally:
+        if not dumped and any(p.is_alive() for p in ctx.processes):
+            sys.stderr.write(_stacks(ctx, tmp_path))     # interrupted: where they were
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
@@ -80,6 +90,22 @@ def run_ranks(fn: Any, tmp_path: Path, *args: Any, world: int = WORLD, timeout: 
         with open(tmp_path / f"result{rank}.pkl", "rb") as f:
             out.append(pickle.load(f))
     return out
+
+
+def _stacks(ctx: Any, tmp_path: Path) -> str:
+    """Every live rank's thread stacks (faulthandler, on SIGUSR1), as text."""
+    alive = [(rank, p) for rank, p in enumerate(ctx.processes) if p.is_alive()]
+    for _, p in alive:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(1.0)
+    text = []
+    for rank, _ in alive:
+        path = tmp_path / f"stack{rank}.txt"
+        text.append(f"--- rank {rank} ---\n" + (path.read_text() if path.exists() else "(none)\n"))
+    return "".join(text)
 
 
 # -- configurations ------------------------------------------------------------------------
