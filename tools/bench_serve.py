@@ -468,6 +468,7 @@ def tp_bench(p, args) -> int:
     if world > 1:
         import torch.distributed as dist
 
+        dist.barrier()                    # every rank past its last collective first
         dist.destroy_process_group()
     return 0
 

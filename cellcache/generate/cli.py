@@ -189,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(2)
         p.error(str(e))
     try:
-        return _serve(p, args, texts, device, place, dtype, rank, world)
+        code = _serve(p, args, texts, device, place, dtype, rank, world)
+        if world > 1:         # every rank past its last collective before any tears them down
+            import torch.distributed as dist
+
+            dist.barrier()
+        return code
     finally:
         if world > 1:
             import torch.distributed as dist
