@@ -471,12 +471,16 @@ class ModelRunner:
         """The captured mixed-step graphs by token bucket (a copy, as :attr:`graphs`)."""
         return dict(self._mixed)
 
-    def mixed_bucket(self, width: int) -> int | None:
-        """The mixed-step bucket a step of ``width`` tokens is padded to, or None (it runs
-        eagerly): on CUDA with graphs, the smallest of :attr:`mixed_buckets` holding it."""
+    def mixed_bucket(self, width: int, logit_rows: int = 1) -> int | None:
+        """The mixed-step bucket a step of ``width`` tokens with ``logit_rows`` rows to sample
+        is padded to, or None (it runs eagerly, unpadded): on CUDA with graphs, the smallest
+        of :attr:`mixed_buckets` holding it, when its graph gives that many logit rows."""
         if not self.graphs_enabled:
             return None
-        return bucket_for(width, self.mixed_buckets)
+        bucket = bucket_for(width, self.mixed_buckets)
+        if bucket is None or logit_rows > min(bucket, self.logit_cap):
+            return None
+        return bucket
 
     @property
     def graphs(self) -> dict[int, tuple[Any, torch.Tensor]]:
@@ -618,9 +622,9 @@ class ModelRunner:
 
         ``decode`` says every row is its sequence's next token (one token per sequence);
         then, on CUDA with graphs on, the step is replayed from a graph of its padded width.
-        A replayed step's logits (decode or mixed) are a view of the graph's float32 output:
-        valid until the next forward replays that graph (as the step's sampling reads them,
-        in stream order); ``clone()`` them to keep them longer.
+        A replayed step's logits (decode or mixed) are a view of the float32 buffer every
+        graph of this runner writes: valid until the next replayed forward, of any width (the
+        step's sampling reads them before, in stream order); ``clone()`` them to keep them.
         """
         if not isinstance(step, Step):
             raise InvalidArgument(f"step of type {type(step).__name__} is not a Step")
@@ -672,7 +676,7 @@ class ModelRunner:
                 return logits[self._index(rows)]
             n_rows = width if rows is None else rows.size
             if self.graphs_enabled and not decode and T in self.mixed_buckets \
-                    and n_rows <= self.logit_cap:
+                    and n_rows <= min(T, self.logit_cap):
                 logits = self._replay_mixed(step, rows, n_rows)
                 self.replays += 1
                 return logits[:n_rows]
@@ -711,37 +715,46 @@ class ModelRunner:
 
     def _replay_mixed(self, step: Step, rows: np.ndarray | None, n: int) -> torch.Tensor:
         """Replays (capturing on first use) the mixed-step graph of ``step.pad_to`` tokens;
-        its logits ``[logit_cap, vocab]`` are for ``rows`` (None: rows 0..n-1), written into
-        the graph's index buffer (the rest point at row 0)."""
+        its logits (``min(pad_to, logit_cap)`` rows) are for ``rows`` (None: rows 0..n-1),
+        written into the graphs' index buffer (the rest point at row 0). The capture runs
+        the prefill kernels whatever the captured step looks like (:data:`cct.MIXED_CAPTURE`):
+        the graph replays any mix of rows."""
         T = step.pad_to
-        cap = self.logit_cap
+        cap = min(T, self.logit_cap)
         if self._rows_dev is None:
-            self._rows_dev = torch.zeros(cap, dtype=torch.long, device=self.device)
-            self._rows_host = torch.zeros(cap, dtype=torch.long, pin_memory=True)
+            self._rows_dev = torch.zeros(self.logit_cap, dtype=torch.long, device=self.device)
+            self._rows_host = torch.zeros(self.logit_cap, dtype=torch.long, pin_memory=True)
             self._rows_staged = torch.cuda.Event()
         else:
             self._rows_staged.synchronize()   # the previous upload has left the buffer
         assert self._rows_host is not None
         host = self._rows_host.numpy()
         host[:n] = np.arange(n) if rows is None else rows
-        host[n:] = 0
-        self._rows_dev.copy_(self._rows_host, non_blocking=True)
+        host[n:cap] = 0
+        self._rows_dev[:cap].copy_(self._rows_host[:cap], non_blocking=True)
         self._rows_staged.record(torch.cuda.current_stream(self.device))
         if T not in self._mixed:
             if self._mixed_pool is None:
                 self._mixed_pool = torch.cuda.graph_pool_handle()
-            stream = torch.cuda.Stream(device=self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                warm = self._run(step, "auto", self._rows_dev)   # warm-up: allocations, kernels
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # one memory pool for every mixed graph: they replay one at a time, in stream order
-            out = self._shared_out(cap, warm.shape[-1])
-            del warm
-            with torch.cuda.graph(graph, pool=self._mixed_pool):
-                logits = out[:cap]
-                logits.copy_(self._run(step, "auto", self._rows_dev))
+            index = self._rows_dev[:cap]
+            token = cct.MIXED_CAPTURE.set(True)
+            try:
+                stream = torch.cuda.Stream(device=self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                try:
+                    with torch.cuda.stream(stream):
+                        warm = self._run(step, "auto", index)   # warm-up: allocations, kernels
+                finally:
+                    torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                out = self._shared_out(cap, warm.shape[-1])
+                del warm
+                # one memory pool for every mixed graph: they replay one at a time, in stream order
+                with torch.cuda.graph(graph, pool=self._mixed_pool):
+                    logits = out[:cap]
+                    logits.copy_(self._run(step, "auto", index))
+            finally:
+                cct.MIXED_CAPTURE.reset(token)
             self._mixed[T] = (graph, logits)
         graph, logits = self._mixed[T]
         graph.replay()
@@ -762,9 +775,11 @@ class ModelRunner:
         if T not in self._graphs:
             stream = torch.cuda.Stream(device=self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                warm = self._run(step, "auto", None)   # warm-up: allocations, kernel loads
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            try:
+                with torch.cuda.stream(stream):
+                    warm = self._run(step, "auto", None)   # warm-up: allocations, kernel loads
+            finally:
+                torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             out = self._shared_out(T, warm.shape[-1])
             del warm

@@ -349,9 +349,15 @@ def _check_scale(scale: Any) -> float | None:
     return value
 
 
+#: True while a runner captures a mixed-step graph: the graph replays any mix of rows later,
+#: so its kernels must be the prefill ones even when the captured step has one row a run.
+MIXED_CAPTURE: contextvars.ContextVar = contextvars.ContextVar("cellcache_mixed_capture", default=False)
+
+
 def _decode_step(step: Step) -> bool:
-    """Every real run of the step is one row (a decode step): the decode kernel's case."""
-    return step.n_runs >= step.width
+    """Every real run of the step is one row (a decode step): the decode kernel's case
+    (never while a mixed-step graph is captured: :data:`MIXED_CAPTURE`)."""
+    return step.n_runs >= step.width and not MIXED_CAPTURE.get()
 
 
 def _plan(view: TorchView, layer: int, q: torch.Tensor, k_pool: torch.Tensor,

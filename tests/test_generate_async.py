@@ -505,8 +505,9 @@ def test_warmup_runs_one_step_per_bucket_and_leaves_the_cache_as_it_was(model, m
     fail = False
     # decode: up to the bucket of max_seqs=6 rows; mixed: every token bucket
     assert gen.warmup() == {"decode": [1, 2, 4, 8], "mixed": [16, 32]}
-    assert seen == [(1, 1, True, 1, None), (2, 2, True, 2, None), (4, 4, True, 4, None),
-                    (6, 8, True, 6, None), (16, 16, False, 1, [15]), (32, 32, False, 1, [31])]
+    # the steps needing the most cells first (a growth that moves the pools drops graphs)
+    assert seen == [(32, 32, False, 1, [31]), (16, 16, False, 1, [15]), (6, 8, True, 6, None),
+                    (4, 4, True, 4, None), (2, 2, True, 2, None), (1, 1, True, 1, None)]
     assert cache.live_seqs() == [] and cache.free_cells == free and cache.prepared_step is None
     cache.check_invariants()
     seen.clear()
@@ -518,8 +519,48 @@ def test_warmup_runs_one_step_per_bucket_and_leaves_the_cache_as_it_was(model, m
         assert cache.live_seqs() == [] and cache.free_cells == free and cache.prepared_step is None
         cache.check_invariants()
     fail = False
+    other = cache.seq_new()                           # another user of the cache declared a step
+    assert cache.declare_step([other])
+    seen.clear()
+    with pytest.raises(InvalidState, match="declared or prepared"):
+        gen.warmup()
+    assert seen == [] and cache.table.declared_width == 1 and cache.live_seqs() == [other]
+    cache.undeclare()
+    cache.seq_rm(other)
     gen.add([1, 2, 3], Sampling(max_new_tokens=2))
     seen.clear()
     with pytest.raises(InvalidState, match="queued or running"):
         gen.warmup()
     assert seen == [] and len(gen.waiting) == 1
+
+
+def test_mixed_steps_are_padded_only_to_a_graph_that_gives_their_logit_rows(model, monkeypatch):
+    """A mixed step is padded to a token bucket only when that bucket's graph gives all its
+    logit rows (``min(bucket, logit_cap)``); otherwise it runs eagerly at its own width. A
+    mixed graph's capture uses the prefill kernels even for a step of one row a run."""
+    import dataclasses
+
+    from cellcache import torch as cct
+
+    gen = Generator(model, capacity=256, max_batch_tokens=32, max_seqs=6, eos=[], prefix_cache=False)
+    runner = gen.runner
+    assert runner.mixed_bucket(5) is None                  # no graphs on the CPU
+    monkeypatch.setattr(runner, "graphs_enabled", True)
+    assert runner.mixed_buckets == [16, 32] and runner.logit_cap == 32
+    assert runner.mixed_bucket(5) == 16 and runner.mixed_bucket(5, 5) == 16
+    assert runner.mixed_bucket(17, 16) == 32 and runner.mixed_bucket(33) is None
+    monkeypatch.setattr(runner, "logit_cap", 8)
+    assert runner.mixed_bucket(20, 8) == 32 and runner.mixed_bucket(20, 9) is None
+    assert runner.mixed_bucket(5, 9) is None               # more than the 16-row graph gives
+    cache = gen.cache
+    a, b = cache.seq_new(), cache.seq_new()
+    assert cache.declare_step([a, b])
+    step = dataclasses.replace(cache.prepare_step(), n_runs=2)   # (the paged view's count)
+    assert cct._decode_step(step)                          # one row a run
+    token = cct.MIXED_CAPTURE.set(True)
+    try:
+        assert not cct._decode_step(step)
+    finally:
+        cct.MIXED_CAPTURE.reset(token)
+    assert cct._decode_step(step)
+    cache.commit_step()

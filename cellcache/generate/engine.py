@@ -503,7 +503,9 @@ class Generator:
         a step's). InvalidArgument for a width that is not a bucket; InvalidState while
         requests are queued or running, a step is in flight, or from inside a step;
         OutOfMemory (that bucket not captured, its sequences freed) when the cache cannot
-        hold the step.
+        hold the step (StepTooLarge when a prompt-chunk bucket exceeds the paged view's
+        ``max_kv``). Refused as well (InvalidState, nothing changed) while the cache has a
+        step declared or prepared by another user.
         """
         runner, cache = self.runner, self.cache
         limit = bucket_for(min(cache.max_seqs, self.max_batch), runner.buckets) or runner.buckets[-1]
@@ -516,22 +518,29 @@ class Generator:
                                "call it before serving")
         try:
             with self._state_lock:
-                if self.busy or self._incoming:
+                # (under TP only rank 0 has add()'s queue: it is not in what every rank sees)
+                if self.busy or (self._incoming and self.tp is None):
                     raise InvalidState("warmup() while requests are queued or running: call it "
                                        "before adding requests, or once run() has returned")
-                if cache.prepared_step is not None:
-                    raise InvalidState("warmup() while the cache has a step prepared")
+                table = getattr(cache, "local", cache).table
+                if cache.prepared_step is not None or table.declared_width:
+                    raise InvalidState("warmup() while the cache has a step declared or prepared "
+                                       "(another user's): call it when no step is pending")
                 done: dict[str, list[int]] = {"decode": [], "mixed": []}
                 if not (runner.cuda and runner.graphs_enabled):
                     return done
-                for kind, todo in (("decode", chosen), ("mixed", mixed_chosen)):
-                    for width in todo:
+                # the steps that need the most cells first: a growth that moves the pools
+                # (copy growth) drops the graphs, so it happens before any is captured
+                todo = [("mixed", w) for w in reversed(mixed_chosen)] + \
+                       [("decode", w) for w in reversed(chosen)]
+                with cache.lock:
+                    for kind, width in todo:
                         have = runner.graphs if kind == "decode" else runner.mixed_graphs
                         if width in have and not runner.view.stale():
                             continue
                         self._capture(width, kind == "decode")
                         done[kind].append(width)
-                return done
+                return {k: sorted(v) for k, v in done.items()}
         finally:
             self._step_lock.release()
 
@@ -566,15 +575,11 @@ class Generator:
                 raise OutOfMemory(f"warmup: the cache has no room for a step at bucket {width} "
                                   f"({room} free cells, {len(sids)} sequence ids)")
             step = cache.prepare_step(stream=self.stream, pad_to=width)
-            committed = False
             try:
                 self.runner.forward(step, [0] * len(feed), None if decode else [len(feed) - 1],
                                     decode=decode)
-                cache.commit_step()
-                committed = True
-            finally:
-                if not committed:
-                    cache.unprepare_step()
+            finally:                              # committed even when it raised (as a step's
+                cache.commit_step()               # rollback does): its writes may be queued
         finally:
             for sid in sids:
                 cache.seq_rm(sid)
@@ -823,7 +828,10 @@ class Generator:
             pad_to = runner.bucket(len(plan.rows))
         decode = plan.decode_only and pad_to is not None
         if pad_to is None and runner.graphs_enabled:  # a mixed step: padded to a token bucket
-            pad_to = runner.mixed_bucket(len(plan.rows) if plan.lean else len(plan.tokens))
+            if plan.lean:                             # (wider than every decode bucket)
+                pad_to = runner.mixed_bucket(len(plan.rows), len(plan.rows))
+            else:
+                pad_to = runner.mixed_bucket(len(plan.tokens), len(plan.logit_rows))
         replays = runner.replays
         prepared = committed = False
         try:
