@@ -712,11 +712,8 @@ class Scheduler:
         _consume(map(list.append, fast.tokens, toks))
         for s in seqs:
             s.in_cache += 1
-        pc = self.prefix
-        if pc is not None:
-            for s in plan.seqs:
-                if not s.stored and s.in_cache >= len(s.job.req.prompt):
-                    self._store_prompt(s)
+        # no prompt to store: every row was applied in the step before this one (its rows are
+        # among that step's, nothing ended since), which stored any prompt it completed
         self.stats["tokens_out"] += n
         if deliver:
             return [(s.job, s.index, tok) for s, tok in zip(plan.seqs, toks)]
