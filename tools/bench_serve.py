@@ -225,28 +225,30 @@ def chat(model, first, messages, new_tokens, capacity: int, w: dict, device: str
 
 
 def _time_replays(gen) -> list:
-    """Wraps the runner's decode replay so that each records a CUDA event pair around it on
-    the stream (events made beforehand: no allocation in the timed steps); returns the list
-    of (bucket, start, end) the run fills."""
+    """Wraps the runner's forward so that each decode step it replays from a graph records a
+    CUDA event pair around it on the stream (events made beforehand: no allocation in the
+    timed steps); returns the list of (bucket, start, end) the run fills."""
     import torch
 
     runner = gen.runner
-    real = runner._replay
+    real = runner.forward
     pool = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             for _ in range(4096)]
     out: list = []
 
-    def timed(step):
-        if len(out) >= len(pool):
-            return real(step)
+    def timed(step, tokens=None, logit_rows=None, decode=False, **kw):
+        if not decode or len(out) >= len(pool):
+            return real(step, tokens, logit_rows, decode, **kw)
         a, b = pool[len(out)]
+        replays = runner.replays
         a.record()
-        logits = real(step)
+        logits = real(step, tokens, logit_rows, decode, **kw)
         b.record()
-        out.append((step.pad_to, a, b))
+        if runner.replays > replays:
+            out.append((step.pad_to, a, b))
         return logits
 
-    runner._replay = timed
+    runner.forward = timed
     return out
 
 
