@@ -736,26 +736,12 @@ class ModelRunner:
         if T not in self._mixed:
             if self._mixed_pool is None:
                 self._mixed_pool = torch.cuda.graph_pool_handle()
-            index = self._rows_dev[:cap]
             token = cct.MIXED_CAPTURE.set(True)
             try:
-                stream = torch.cuda.Stream(device=self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                try:
-                    with torch.cuda.stream(stream):
-                        warm = self._run(step, "auto", index)   # warm-up: allocations, kernels
-                finally:
-                    torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                out = self._shared_out(cap, warm.shape[-1])
-                del warm
                 # one memory pool for every mixed graph: they replay one at a time, in stream order
-                with torch.cuda.graph(graph, pool=self._mixed_pool):
-                    logits = out[:cap]
-                    logits.copy_(self._run(step, "auto", index))
+                self._mixed[T] = self._capture(step, self._rows_dev[:cap], cap, self._mixed_pool)
             finally:
                 cct.MIXED_CAPTURE.reset(token)
-            self._mixed[T] = (graph, logits)
         graph, logits = self._mixed[T]
         graph.replay()
         return logits
@@ -770,23 +756,30 @@ class ModelRunner:
             self._out = torch.empty((n, width), dtype=torch.float32, device=self.device)
         return self._out
 
+    def _capture(self, step: Step, index: torch.Tensor | None, rows: int,
+                 pool: Any = None) -> tuple[Any, torch.Tensor]:
+        """A graph of ``step``'s forward (logits of ``index``, None: every row) writing its
+        ``rows`` float32 logits into the shared buffer, after one eager warm-up on a side
+        stream (allocations, kernel loads); returns (graph, its logits view)."""
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                warm = self._run(step, "auto", index)
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        out = self._shared_out(rows, warm.shape[-1])
+        del warm
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):  # float32 logits out of the graph: no launch after
+            logits = out[:rows]
+            logits.copy_(self._run(step, "auto", index))
+        return graph, logits
+
     def _replay(self, step: Step) -> torch.Tensor:
         T = step.pad_to
         if T not in self._graphs:
-            stream = torch.cuda.Stream(device=self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            try:
-                with torch.cuda.stream(stream):
-                    warm = self._run(step, "auto", None)   # warm-up: allocations, kernel loads
-            finally:
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            out = self._shared_out(T, warm.shape[-1])
-            del warm
-            with torch.cuda.graph(graph):         # float32 logits out of the graph: no launch after
-                logits = out[:T]
-                logits.copy_(self._run(step, "auto", None))
-            self._graphs[T] = (graph, logits)
+            self._graphs[T] = self._capture(step, None, T)
         graph, logits = self._graphs[T]
         graph.replay()
         return logits

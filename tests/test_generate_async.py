@@ -484,11 +484,13 @@ def test_warmup_runs_one_step_per_bucket_and_leaves_the_cache_as_it_was(model, m
     cache, runner = gen.cache, gen.runner
     assert runner.mixed_buckets == [16, 32]
     assert gen.warmup() == {"decode": [], "mixed": []}          # no graphs on the CPU
+    before = (cache.free_cells, cache.live_seqs(), cache.table.declared_width)
     for bad in ([3], [64], "8", [0]):
         with pytest.raises(InvalidArgument, match="width"):
             gen.warmup(bad)
     with pytest.raises(InvalidArgument, match="mixed"):
         gen.warmup([], [8])
+    assert (cache.free_cells, cache.live_seqs(), cache.table.declared_width) == before
     seen = []
 
     def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):

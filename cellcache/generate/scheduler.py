@@ -23,6 +23,7 @@ requests, threads, drafts, the forward and the sampler around it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable
@@ -627,8 +628,7 @@ class Scheduler:
             spec.temperature, spec.top_k, spec.top_p = prev.temperature, prev.top_k, prev.top_p
             spec.seed, spec.index, spec.draft = prev.seed, prev.index, prev.draft
             spec.position = [p + 1 for p in prev.position]
-        plan.fast = _Steady(fast.epoch, fast.sids, fast.outs, fast.times, fast.tokens, fast.hooked,
-                            fast.min_left - 1, used, fast.stops)
+        plan.fast = dataclasses.replace(fast, min_left=fast.min_left - 1, used=used)
         return plan
 
     def drop_ended(self, plan: StepPlan) -> None:
@@ -706,11 +706,10 @@ class Scheduler:
             return None
         toks = arr.tolist()
         now = self.clock()
-        seqs = plan.seqs
         _consume(map(list.append, fast.outs, toks))      # the appends at C speed
         _consume(map(list.append, fast.times, repeat(now, n)))
         _consume(map(list.append, fast.tokens, toks))
-        for s in seqs:
+        for s in plan.seqs:
             s.in_cache += 1
         # no prompt to store: every row was applied in the step before this one (its rows are
         # among that step's, nothing ended since), which stored any prompt it completed
