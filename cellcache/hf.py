@@ -451,6 +451,15 @@ class ModelRunner:
         #: largest decode bucket; a step with more logit rows runs eagerly).
         self.logit_cap = min(mw, chosen[-1])
         self._out: torch.Tensor | None = None          # the graphs' float32 logits, shared
+        self._greedy: torch.Tensor | None = None       # and the argmax of each of their rows
+        #: The greedy ids (argmax, on the device) of the last forward's logits, row for row,
+        #: when the forward was a graph replay that returned a plain slice of the graph's
+        #: output (the graph computes them: no launch after it); None otherwise. Valid
+        #: until the next replay, as the logits are.
+        self.greedy: torch.Tensor | None = None
+        # input_ids[0, :_fed_rows] holds the last decode graph's greedy ids (it writes them
+        # there for the next step); 0 once anything else writes input_ids
+        self._fed_rows = 0
         self._mixed: dict[int, tuple[Any, torch.Tensor]] = {}
         self._mixed_pool: Any = None
         self._rows_dev: torch.Tensor | None = None     # the mixed graphs' logit rows (device)
@@ -549,6 +558,10 @@ class ModelRunner:
 
     def _check_attached(self) -> None:
         for c in self._attn_configs:
+            # what transformers' property returns, read without its __getattribute__ (~7 us
+            # a config on the GPU host); anything else goes the documented way
+            if vars(c).get("_attn_implementation_internal") == ATTENTION_NAME:
+                continue
             impl = getattr(c, "_attn_implementation", None)
             if impl != ATTENTION_NAME:
                 raise InvalidState(
@@ -658,27 +671,40 @@ class ModelRunner:
             self._graphs.clear()              # they read the old pools: recaptured on next use
             self._mixed.clear()
             self._graph_generation = self.view.generation
+        self.greedy = None
         if device_tokens is not None:
-            self.input_ids[0, :width].copy_(device_tokens, non_blocking=True)
+            # the previous decode graph's own greedy ids: already in input_ids (it put them there)
+            greedy = self._greedy
+            if not (greedy is not None and width <= self._fed_rows
+                    and device_tokens.data_ptr() == greedy.data_ptr()
+                    and device_tokens.dtype == greedy.dtype and device_tokens.stride(0) == 1):
+                self.input_ids[0, :width].copy_(device_tokens, non_blocking=True)
+                self._fed_rows = 0
         elif ids_np is not None:
             self._upload(ids_np)
+            self._fed_rows = 0
         # rows [width, T) are padding: they keep ids of earlier steps (always ids in [0, vocab):
         # the buffer starts zeroed and only checked or drawn ids are written), their outputs dropped
         every = rows is None or (rows.size == width and (
             width == 0 or (rows[0] == 0 and rows[-1] == width - 1 and bool((np.diff(rows) == 1).all()))))
+        if self.graphs_enabled and decode and T in self.buckets:
+            logits = self._replay(step)       # (the capture, on first use, in inference mode)
+            self.replays += 1
+            self._fed_rows = T
+            if every:                         # every real row: a slice, no index upload
+                assert self._greedy is not None
+                self.greedy = self._greedy[:width]
+                return logits[:width]
+            assert rows is not None
+            return logits[self._index(rows)]
         with torch.inference_mode():
-            if self.graphs_enabled and decode and T in self.buckets:
-                logits = self._replay(step)
-                self.replays += 1
-                if every:                     # every real row: a slice, no index upload
-                    return logits[:width]
-                assert rows is not None
-                return logits[self._index(rows)]
             n_rows = width if rows is None else rows.size
             if self.graphs_enabled and not decode and T in self.mixed_buckets \
                     and n_rows <= min(T, self.logit_cap):
                 logits = self._replay_mixed(step, rows, n_rows)
                 self.replays += 1
+                assert self._greedy is not None
+                self.greedy = self._greedy[:n_rows]
                 return logits[:n_rows]
             self.eager += 1
             # "auto": on CUDA with the paged view, the path choose_path gives each layer's
@@ -739,7 +765,8 @@ class ModelRunner:
             token = cct.MIXED_CAPTURE.set(True)
             try:
                 # one memory pool for every mixed graph: they replay one at a time, in stream order
-                self._mixed[T] = self._capture(step, self._rows_dev[:cap], cap, self._mixed_pool)
+                self._mixed[T] = self._capture(step, self._rows_dev[:cap], cap, self._mixed_pool,
+                                               feed=False)
             finally:
                 cct.MIXED_CAPTURE.reset(token)
         graph, logits = self._mixed[T]
@@ -750,30 +777,42 @@ class ModelRunner:
         """The one float32 logits buffer every graph writes its output into (graphs replay
         one at a time in stream order, and a step's logits are read before the next replay):
         ``[max(logit_cap, largest bucket), width]``, made before the first capture (``width``:
-        the logits' width, from the warm-up forward)."""
+        the logits' width, from the warm-up forward), with the int64 buffer of their rows'
+        greedy ids beside it."""
         n = max(self.logit_cap, self.buckets[-1], rows)
         if self._out is None or self._out.shape[1] != width or self._out.shape[0] < rows:
             self._out = torch.empty((n, width), dtype=torch.float32, device=self.device)
+            self._greedy = torch.zeros(n, dtype=torch.long, device=self.device)
         return self._out
 
     def _capture(self, step: Step, index: torch.Tensor | None, rows: int,
-                 pool: Any = None) -> tuple[Any, torch.Tensor]:
+                 pool: Any = None, feed: bool = True) -> tuple[Any, torch.Tensor]:
         """A graph of ``step``'s forward (logits of ``index``, None: every row) writing its
-        ``rows`` float32 logits into the shared buffer, after one eager warm-up on a side
-        stream (allocations, kernel loads); returns (graph, its logits view)."""
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(stream):
-                warm = self._run(step, "auto", index)
-        finally:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-        out = self._shared_out(rows, warm.shape[-1])
-        del warm
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):  # float32 logits out of the graph: no launch after
-            logits = out[:rows]
-            logits.copy_(self._run(step, "auto", index))
+        ``rows`` float32 logits into the shared buffer and their greedy ids (argmax) into
+        the ids buffer, after one eager warm-up on a side stream (allocations, kernel
+        loads); returns (graph, its logits view). ``feed`` (decode graphs, every row's
+        logits): the graph also copies the greedy ids into ``input_ids``, where the next
+        decode step of the same rows, greedy, finds its tokens without a launch."""
+        with torch.inference_mode():
+            stream = torch.cuda.Stream(device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            try:
+                with torch.cuda.stream(stream):
+                    warm = self._run(step, "auto", index)
+            finally:
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+            out = self._shared_out(rows, warm.shape[-1])
+            greedy = self._greedy
+            assert greedy is not None
+            del warm
+            graph = torch.cuda.CUDAGraph()
+            # float32 logits and their greedy ids out of the graph: no launch after it
+            with torch.cuda.graph(graph, pool=pool):
+                logits = out[:rows]
+                logits.copy_(self._run(step, "auto", index))
+                torch.argmax(logits, dim=-1, out=greedy[:rows])
+                if feed:                      # ids in [0, vocab): pad rows' are harmless too
+                    self.input_ids[0, :rows].copy_(greedy[:rows])
         return graph, logits
 
     def _replay(self, step: Step) -> torch.Tensor:

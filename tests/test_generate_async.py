@@ -133,6 +133,41 @@ def test_greedy_outputs_streams_and_stats_are_the_synchronous_ones(model):
                                         "callbacks"}
 
 
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_rows_ending_by_length_keep_the_steady_path(model, prefix_cache):
+    """Requests of different lengths, greedy and seeded, streamed and not: the plan made
+    after a step leaves out the rows that step ends by length (filtering the steady record,
+    not visiting the rows), the apply ends them itself, and the next plan (made before they
+    ended) stays steady. Everything observable equals the synchronous run."""
+    sched_calls = {"less": 0, "foreseen": 0}
+
+    def sampling(i):
+        return Sampling(max_new_tokens=3 + 2 * i, temperature=0.8 if i % 3 == 2 else 0.0, seed=i)
+
+    def work(gen):
+        sched = gen.scheduler
+        less, drop = sched._steady_less, sched.drop_ended
+
+        def counted_less(after, fast):
+            plan = less(after, fast)
+            sched_calls["less"] += plan is not None
+            return plan
+
+        def counted_drop(plan):
+            was = plan.fast.epoch if plan.fast is not None else None
+            drop(plan)
+            sched_calls["foreseen"] += was is not None and was != sched.epoch and \
+                plan.fast.epoch == sched.epoch
+        sched._steady_less, sched.drop_ended = counted_less, counted_drop
+        return [gen.add(p, sampling(i), on_token=gen.on_token if i % 2 else None)
+                for i, p in enumerate(prompts(4, 9))]
+
+    reqs, gen = same(model, work, kw=dict(max_batch_tokens=64, prefix_cache=prefix_cache))
+    assert [len(r.outputs[0]) for r in reqs] == [3 + 2 * i for i in range(9)]
+    assert sched_calls["less"] >= 5 and sched_calls["foreseen"] >= 5
+    assert gen.steady["declined"] == 0 and gen.steady["applied"] > 10
+
+
 def test_stop_tokens_drop_the_speculative_row(model):
     """Sequences that end on a stop token already have a row in the step launched after
     theirs: it is dropped (its cell freed), and nothing of it is delivered."""

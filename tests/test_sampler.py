@@ -35,6 +35,37 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_id():
     assert out.ids[1] == 3 and out.ids[2] == 0 and out.ids[4] == 49
 
 
+def test_given_greedy_ids_replace_the_argmax_only_where_slot_i_is_row_i(monkeypatch):
+    """A replayed graph hands its own argmax over (``greedy``): taken as the greedy draws
+    (no argmax launched) when slot i draws from row i, random slots still sampled; ignored
+    when the spec picks rows; a tensor that is not one id per row is refused before
+    anything is queued."""
+    from cellcache.errors import InvalidArgument
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn((5, 40), generator=g)
+    marked = torch.tensor([39, 38, 37, 36, 35])      # not the argmax: shows which ids were used
+    calls = []
+    real = torch.argmax
+    monkeypatch.setattr(torch, "argmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sampler = Sampler("cpu")
+    assert sampler.launch(logits, spec_for(5), marked).result().ids.tolist() == marked.tolist()
+    assert calls == []
+    spec = spec_for(5, temperature=0.0)
+    spec.temperature[2] = 0.8
+    mixed = sampler.launch(logits, spec, marked).result().ids
+    assert [mixed[i] for i in (0, 1, 3, 4)] == [39, 38, 36, 35]
+    assert mixed[2] == Sampler("cpu")(logits, spec).ids[2]            # the seeded draw, unchanged
+    picked = spec_for(3, rows=[4, 0, 2])
+    assert sampler.launch(logits, picked, marked).result().ids.tolist() == \
+        real(logits[[4, 0, 2]], dim=-1).tolist()
+    copies = sampler.copies
+    for bad in (marked[:4], marked.to(torch.int32), marked[:, None]):
+        with pytest.raises(InvalidArgument, match="greedy ids"):
+            sampler.launch(logits, spec_for(5), bad)
+    assert sampler.copies == copies
+
+
 def test_a_draw_depends_only_on_its_key_and_logits():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn((8, 100), generator=g) * 3

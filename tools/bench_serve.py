@@ -597,15 +597,28 @@ def main(argv=None) -> int:
     for rep in range(args.repeat):
         for key, prefix in (modes if rep % 2 == 0 else modes[::-1]):
             log(f"[serve] {key} (prefix cache {'on' if prefix else 'off'})")
-            r = run(prefix, breakdown_=prefix and rep == args.repeat - 1)
+            r = run(prefix)
             log(f"[serve] {key}: {r['tokens_per_s']:.0f} tokens/s, prompt tokens computed "
                 f"{r['computed_tokens']} (ideal {work['ideal_computed']})")
             if key not in res or r["tokens_per_s"] > res[key]["tokens_per_s"]:
-                if key in res and "breakdown" in res[key] and "breakdown" not in r:
-                    r["breakdown"] = res[key]["breakdown"]
                 res[key] = r
             res.setdefault("runs", []).append({"run": key, "tokens_per_s": r["tokens_per_s"]})
             save()
+    if device == "cuda" and name != "chat":
+        # The GPU time of the decode steps, for the host-time target, comes from one more run
+        # of the same workload (prefix cache on) with CUDA events around each decode replay
+        # and the breakdown after it: the events' own host cost stays out of the timed runs'
+        # host phases, which the target reads.
+        log("[serve] cellcache, GPU timing pass (events around the decode replays)")
+        t = run(True, breakdown_=True)
+        r = res["cellcache"]
+        for k in ("decode_gpu_ms_median", "decode_gpu_rows", "decode_gpu_samples", "breakdown"):
+            if k in t:
+                r[k] = t[k]
+        r["gpu_timing_pass"] = {"tokens_per_s": t["tokens_per_s"],
+                                "decode_host_us_per_step_total": t["decode_host_us_per_step_total"],
+                                "same_outputs": t["outputs"] == r["outputs"]}
+        save()
     if name == "default" and args.arrival == "staggered" and "staggered" not in skip:
         log("[serve] cellcache, staggered")
         res["cellcache_staggered"] = run(True, "staggered")
@@ -738,7 +751,8 @@ def main(argv=None) -> int:
     if "decode_gpu_ms_median" in r and "decode_host_us_per_step_total" in r:
         host_us, gpu_us = r["decode_host_us_per_step_total"], 1e3 * r["decode_gpu_ms_median"]
         targets.append((host_us <= 0.1 * gpu_us, f"host time per decode step <= 10% of its GPU time "
-                        f"({host_us:.0f} us vs the run's {r['decode_gpu_rows']}-row decode forwards, "
+                        f"({host_us:.0f} us vs the {r['decode_gpu_rows']}-row decode forwards of the "
+                        f"timing pass, "
                         f"{gpu_us:.0f} us median on the GPU: {100 * host_us / gpu_us:.1f}%)"))
     for ok, text in targets:
         print(f"target {'met ' if ok else 'MISSED'}: {text}")

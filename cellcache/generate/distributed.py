@@ -323,9 +323,9 @@ class _RankSampler:
     def __call__(self, logits: torch.Tensor, spec: SampleSpec) -> SamplerOutput:
         return self.launch(logits, spec).result()
 
-    def launch(self, logits: torch.Tensor, spec: SampleSpec) -> Any:
+    def launch(self, logits: torch.Tensor, spec: SampleSpec, greedy: torch.Tensor | None = None) -> Any:
         """:meth:`Sampler.launch` on this rank, the Draw checked when it lands."""
-        return _CheckedDraw(self.inner.launch(logits, spec), self._sync)
+        return _CheckedDraw(self.inner.launch(logits, spec, greedy), self._sync)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -322,6 +322,9 @@ class Generator:
         self._phase: str | None = None         # "draft" / "deliver": callbacks are running
         self._drawn: SamplerOutput | None = None   # the step's draws, while it is decided
         self.stream = torch.cuda.current_stream(self.runner.device) if self.runner.cuda else None
+        self.sampler.stream = self.stream             # (looking the stream up costs ~30 us a step)
+        self._fed_host: torch.Tensor | None = None    # pinned row indexes of a gathered feed
+        self._fed_done: Any = None                    # and the event of their last upload
         #: The ranks' lockstep under tensor parallelism (``tp.rank``, ``tp.world``), or None.
         self.tp: RankSync | None = RankSync(self, cache) if isinstance(cache, TPCache) else None
         # -- asynchronous scheduling and the host profile (async_steps checked at the top) --
@@ -847,7 +850,11 @@ class Generator:
             self.cache.commit_step()
             committed = True
             t = self._tick("forward", t)
-            draw = self.sampler.launch(logits, plan.spec)
+            greedy = runner.greedy            # the graph's own argmax of each row, or None
+            if greedy is None:
+                draw = self.sampler.launch(logits, plan.spec)
+            else:
+                draw = self.sampler.launch(logits, plan.spec, greedy)
             self._tick("sample", t)
         except BaseException:
             self.scheduler.rollback(plan, prepared and not committed)
@@ -864,10 +871,22 @@ class Generator:
             return ids[:n]
         # rows left out: those reaching max_new_tokens, and rows dropped from `after` itself
         # once its own predecessor landed (its slots keep their numbers)
-        where = {id(s): slot for s, _, slot, _ in after.plan.owners}
-        index = torch.tensor([where[id(s)] for s in plan.seqs], dtype=torch.int64)
-        if ids.device.type == "cuda":
-            index = index.pin_memory().to(ids.device, non_blocking=True)
+        if plan.feed is not None:                     # (the scheduler knows them)
+            slots = plan.feed
+        else:
+            where = {id(s): slot for s, _, slot, _ in after.plan.owners}
+            slots = np.fromiter((where[id(s)] for s in plan.seqs), np.int64, n)
+        if ids.device.type != "cuda":
+            return ids.index_select(0, torch.from_numpy(slots))
+        # through a pinned buffer kept for it (reused once its previous upload has run)
+        if self._fed_host is None or self._fed_host.numel() < n:
+            self._fed_host = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+            self._fed_done = torch.cuda.Event()
+        else:
+            self._fed_done.synchronize()
+        self._fed_host.numpy()[:n] = slots
+        index = self._fed_host[:n].to(ids.device, non_blocking=True)
+        self._fed_done.record(self.stream)
         return ids.index_select(0, index)
 
     def _hooked(self) -> bool:

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import InvalidArgument
+
 __all__ = ["Draw", "SampleSpec", "Sampler", "SamplerOutput", "uniforms"]
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -138,9 +140,12 @@ class Sampler:
     [1]
     """
 
-    def __init__(self, device: Any = "cpu"):
+    def __init__(self, device: Any = "cpu", stream: Any = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        #: The torch stream the draws are queued on (CUDA), whose event marks the host copy
+        #: done; None: the device's current stream at each call.
+        self.stream = stream
         self.copies = 0
         # pinned landing buffers and their events (CUDA): two, used in turn, so a step's
         # copy can be queued while the previous step's has not been read yet
@@ -159,17 +164,26 @@ class Sampler:
         device). Returns host arrays; the only host sync is their copy."""
         return self.launch(logits, spec).result()
 
-    def launch(self, logits: torch.Tensor, spec: SampleSpec) -> Draw:
+    def launch(self, logits: torch.Tensor, spec: SampleSpec, greedy: torch.Tensor | None = None) -> Draw:
         """Queues every draw of ``spec`` and the one device-to-host copy of the ids, without
         waiting for them: :meth:`Draw.result` waits (asynchronous scheduling feeds
-        ``Draw.device_ids`` to the next step before that)."""
+        ``Draw.device_ids`` to the next step before that).
+
+        ``greedy``: the argmax of each row of ``logits``, already on the device (a replayed
+        graph computes it: :attr:`cellcache.hf.ModelRunner.greedy`), used instead of an
+        argmax launch when slot i draws from row i."""
         n = len(spec)
         if n == 0:
             return Draw(SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.int64)))
         x = logits
         if not spec.identity(logits.shape[0]):
             x = logits.index_select(0, self._up(spec.rows, torch.int64))
-        ids = torch.argmax(x, dim=-1)
+            greedy = None
+        if greedy is not None and (greedy.shape != logits.shape[:1] or greedy.dtype != torch.int64
+                                   or greedy.device != logits.device):
+            raise InvalidArgument(f"greedy ids of shape {tuple(greedy.shape)} {greedy.dtype} on "
+                             f"{greedy.device} for logits {tuple(logits.shape)} on {logits.device}")
+        ids = greedy if greedy is not None else torch.argmax(x, dim=-1)
         if spec.any_random():
             temps = np.asarray(spec.temperature, dtype=np.float64)
             rand = np.flatnonzero(temps > 0)
@@ -245,7 +259,8 @@ class Sampler:
         event = self._events[self._turn]
         host = buf[:m]
         host.copy_(out, non_blocking=True)
-        event.record(torch.cuda.current_stream(self.device))
+        stream = self.stream
+        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         return Draw(None, host, event, n, ids)
 
 

@@ -122,6 +122,8 @@ class StepPlan:
     ahead: bool = False                   # scheduled before the previous step's ids arrived:
     #                                       ``tokens`` is empty, the ids are fed on the device
     fast: _Steady | None = None           # an ahead lean plan's steady-state record
+    feed: np.ndarray | None = None        # ahead: the previous plan's slots its rows feed from
+    #                                       (None: every slot, in order, or look them up)
 
 
 def _consume(it: Any) -> None:
@@ -145,6 +147,8 @@ class _Steady:
     min_left: int                         # min over rows of max_new_tokens - len(outputs), at planning
     used: int                             # the rows' kv entries with this step's token
     stops: bool                           # some row's request has its own stop tokens
+    left: np.ndarray                      # each row's max_new_tokens - len(outputs), at planning:
+    #                                       2 ends the row by length with this plan's token
 
 
 class PendingPrompts:
@@ -266,6 +270,8 @@ class Scheduler:
         #: Bumped whenever a sequence is freed or a request ended: a lean plan's steady
         #: record (:class:`_Steady`) holds only while it is unchanged.
         self.epoch = 0
+        # (epoch before, after) the finishes a steady apply foresaw (see drop_ended)
+        self._foreseen: tuple[int, int] | None = None
         self._stamps = 0
 
     # -- sequences ----------------------------------------------------------------------------------
@@ -528,6 +534,7 @@ class Scheduler:
         rows: list[Seq] = []
         sids: list[int] = []
         tokens: list[int] = []
+        lefts: list[int] = []
         random = False
         stops = False
         last = 0
@@ -554,6 +561,7 @@ class Scheduler:
                     continue                   # ends by length in `after`
                 if left < min_left:
                     min_left = left
+                lefts.append(left)
                 if sp.stop:
                     stops = True
             used += s.in_cache + ahead + 1
@@ -595,18 +603,22 @@ class Scheduler:
                 self.epoch, sids, [r.outputs[s.index] for r, s in zip(reqs, rows)],
                 [r.token_times[s.index] for r, s in zip(reqs, rows)], [s.tokens for s in rows],
                 [(i, s.job, s.index) for i, (r, s) in enumerate(zip(reqs, rows)) if r.on_token is not None],
-                min_left, used, stops)
+                min_left, used, stops, np.array(lefts, dtype=np.int64))
         return plan
 
     def _steady_decode(self, after: StepPlan) -> StepPlan | None:
         """:meth:`schedule_decode` after ``after`` when nothing ended since it was planned
-        (same epoch) and none of its rows ends by length in it: the same rows, each one
-        token further, without visiting them one by one. None when that does not hold (the
-        general loop decides)."""
+        (same epoch): the same rows, each one token further, without visiting them one by
+        one, less those that end by length in ``after`` (:meth:`_steady_less`). None when
+        that does not hold (the general loop decides)."""
         fast = after.fast
         assert fast is not None
+        if fast.epoch != self.epoch:
+            return None
+        if fast.min_left <= 2:
+            return self._steady_less(after, fast)
         n = len(fast.sids)
-        if fast.epoch != self.epoch or fast.min_left <= 2 or n > self.cache.free_cells:
+        if n > self.cache.free_cells:
             return None
         cfg = self.cache.config
         used = fast.used + n
@@ -628,7 +640,56 @@ class Scheduler:
             spec.temperature, spec.top_k, spec.top_p = prev.temperature, prev.top_k, prev.top_p
             spec.seed, spec.index, spec.draft = prev.seed, prev.index, prev.draft
             spec.position = [p + 1 for p in prev.position]
-        plan.fast = dataclasses.replace(fast, min_left=fast.min_left - 1, used=used)
+        plan.fast = dataclasses.replace(fast, min_left=fast.min_left - 1, used=used, left=fast.left - 1)
+        return plan
+
+    def _steady_less(self, after: StepPlan, fast: _Steady) -> StepPlan | None:
+        """:meth:`_steady_decode` when some of ``after``'s rows end by length with its token
+        (their ``left`` is 2 at its planning): the other rows, in order, each one token
+        further; exactly the plan the general loop would make (it skips those rows too), at
+        the cost of filtering the record's lists. None (nothing declared) when no row goes
+        on or the step does not fit."""
+        left = fast.left - 1                   # one token (the step before `after`) applied since
+        keep = left > 1
+        idx = np.flatnonzero(keep)
+        m = int(idx.size)
+        if not m or m > self.cache.free_cells:
+            return None
+        at = idx.tolist()
+        seqs = after.seqs
+        rows = [seqs[i] for i in at]
+        used = sum(s.in_cache for s in rows) + 2 * m
+        cfg = self.cache.config
+        if cfg.paged and used > cfg.max_kv:
+            return None
+        sids = [fast.sids[i] for i in at]
+        try:
+            if not self.cache.declare_step(sids):
+                return None
+        except StepTooLarge:
+            return None
+        plan = StepPlan([(s, _ONE) for s in rows], [], True, lean=True, seqs=rows, ahead=True)
+        plan.feed = idx                        # row j feeds from after's slot idx[j]
+        plan.logit_rows = list(range(m))
+        plan.owners = [(s, _ONE, j, -1) for j, s in enumerate(rows)]
+        spec, prev = plan.spec, after.spec
+        spec.rows = plan.logit_rows
+        spec.dense, spec.random = m, prev.random
+        if prev.random:
+            spec.temperature = [prev.temperature[i] for i in at]
+            spec.top_k = [prev.top_k[i] for i in at]
+            spec.top_p = [prev.top_p[i] for i in at]
+            spec.seed = [prev.seed[i] for i in at]
+            spec.index = [prev.index[i] for i in at]
+            spec.draft = [prev.draft[i] for i in at]
+            spec.position = [prev.position[i] + 1 for i in at]
+        new_at = np.cumsum(keep) - 1           # a kept row's index in the new lists
+        kept = left[idx]
+        plan.fast = _Steady(
+            fast.epoch, sids, [fast.outs[i] for i in at], [fast.times[i] for i in at],
+            [fast.tokens[i] for i in at],
+            [(int(new_at[i]), job, k) for i, job, k in fast.hooked if keep[i]],
+            int(kept.min()), used, fast.stops, kept)
         return plan
 
     def drop_ended(self, plan: StepPlan) -> None:
@@ -637,6 +698,11 @@ class Scheduler:
         fast = plan.fast
         if fast is not None and fast.epoch == self.epoch:
             return                             # nothing was freed or ended since it was planned
+        if fast is not None and self._foreseen == (fast.epoch, self.epoch):
+            # only the rows that ended by length in the step before, which this plan left out
+            # when it was made (it was planned from that step's record): still steady
+            fast.epoch = self.epoch
+            return
         keep = [i for i, s in enumerate(plan.seqs) if s.sid is not None and not s.job.closed]
         if len(keep) == len(plan.seqs):
             return
@@ -652,7 +718,7 @@ class Scheduler:
         freed meanwhile are skipped. Returns the tokens to deliver (``deliver`` False: only
         those of requests with an ``on_token``)."""
         fast = plan.fast
-        if fast is not None and fast.epoch == self.epoch and fast.min_left > 2 and not fast.stops:
+        if fast is not None and fast.epoch == self.epoch and not fast.stops:
             events = self._apply_steady(plan, fast, ids, deliver)
             if events is not None:
                 return events
@@ -709,14 +775,22 @@ class Scheduler:
         _consume(map(list.append, fast.outs, toks))      # the appends at C speed
         _consume(map(list.append, fast.times, repeat(now, n)))
         _consume(map(list.append, fast.tokens, toks))
-        for s in plan.seqs:
+        seqs = plan.seqs
+        for s in seqs:
             s.in_cache += 1
         # no prompt to store: every row was applied in the step before this one (its rows are
         # among that step's, nothing ended since), which stored any prompt it completed
         self.stats["tokens_out"] += n
-        if deliver:
-            return [(s.job, s.index, tok) for s, tok in zip(plan.seqs, toks)]
-        return [(job, k, toks[i]) for i, job, k in fast.hooked]
+        events = ([(s.job, s.index, tok) for s, tok in zip(seqs, toks)] if deliver
+                  else [(job, k, toks[i]) for i, job, k in fast.hooked])
+        if fast.min_left <= 2:                 # rows whose max_new_tokens this token reaches
+            before = self.epoch
+            for i in np.flatnonzero(fast.left <= 2).tolist():
+                self.finish(seqs[i], "length")
+            self.running = [s for s in self.running if s.sid is not None]
+            # the plan made after this one (from its record) left exactly these rows out
+            self._foreseen = (before, self.epoch)
+        return events
 
     def _order_lpm(self) -> None:
         """Longest cached prefix first (stable: FIFO among equals); preempted sequences (read
