@@ -323,8 +323,10 @@ class Generator:
         self._drawn: SamplerOutput | None = None   # the step's draws, while it is decided
         self.stream = torch.cuda.current_stream(self.runner.device) if self.runner.cuda else None
         self.sampler.stream = self.stream             # (looking the stream up costs ~30 us a step)
-        self._fed_host: torch.Tensor | None = None    # pinned row indexes of a gathered feed
-        self._fed_done: Any = None                    # and the event of their last upload
+        # pinned row indexes of gathered feeds, four used in turn, and their uploads' events
+        self._fed_host: list[torch.Tensor | None] = [None] * 4
+        self._fed_done: list[Any] = [None] * 4
+        self._fed_turn = 0
         #: The ranks' lockstep under tensor parallelism (``tp.rank``, ``tp.world``), or None.
         self.tp: RankSync | None = RankSync(self, cache) if isinstance(cache, TPCache) else None
         # -- asynchronous scheduling and the host profile (async_steps checked at the top) --
@@ -878,15 +880,18 @@ class Generator:
             slots = np.fromiter((where[id(s)] for s in plan.seqs), np.int64, n)
         if ids.device.type != "cuda":
             return ids.index_select(0, torch.from_numpy(slots))
-        # through a pinned buffer kept for it (reused once its previous upload has run)
-        if self._fed_host is None or self._fed_host.numel() < n:
-            self._fed_host = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
-            self._fed_done = torch.cuda.Event()
+        # through pinned buffers kept for it, used in turn: one is written again only once
+        # its upload has run, which with at most two steps queued it has (no wait)
+        self._fed_turn = turn = (self._fed_turn + 1) % len(self._fed_host)
+        host, done = self._fed_host[turn], self._fed_done[turn]
+        if host is None or host.numel() < n:
+            host = self._fed_host[turn] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+            done = self._fed_done[turn] = torch.cuda.Event()
         else:
-            self._fed_done.synchronize()
-        self._fed_host.numpy()[:n] = slots
-        index = self._fed_host[:n].to(ids.device, non_blocking=True)
-        self._fed_done.record(self.stream)
+            done.synchronize()
+        host.numpy()[:n] = slots
+        index = host[:n].to(ids.device, non_blocking=True)
+        done.record(self.stream)
         return ids.index_select(0, index)
 
     def _hooked(self) -> bool:
