@@ -12,8 +12,9 @@
 //               mirror and writes the small step buffers (cells, positions, read_len, width,
 //               ids, indptrs, runs, the padding rows' sink entries).
 //   build_step  blocks [0, mask_blocks) write every window's mask rows [0, pad_to) x
-//               columns [0, read_len) (bytes or bits), a 32-column word per thread; the
-//               rest fill each run's kv_indices.
+//               columns [0, read_len) (bools, a 32-column word per thread: mask_tile); the
+//               rest fill each run's kv_indices. Bit masks launch build_step_bits instead
+//               (same arguments and grid; a 64-column word per thread: mask_bits_tile).
 #include "abi.h"
 
 // One thread per (record, owner word), then the header's arrays. Records name distinct
@@ -232,6 +233,203 @@ build_step(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
         const cc_i32 r0 = (cc_i32)(by * rows_per_block);
         const cc_i32 r1 = (cc_i32)min(pad_to, (cc_i64)r0 + rows_per_block);
         mask_tile(P, bx, r0, r1, read_len);
+    } else {
+        const cc_i64 pb = b - mask_blocks;
+        paged_chunk(P, pb / paged_chunks, pb % paged_chunks, read_len);
+    }
+}
+
+// ---- Bit masks: build_step_bits ----------------------------------------------------------
+// The engine launches build_step_bits in place of build_step when the masks are bits: same
+// arguments, same grid (mask blocks of 2048 columns x rows_per_block rows, then the paged
+// blocks), a kernel of its own so that neither path's registers or shared memory weigh on
+// the other (build_step's bool path keeps its code and its occupancy).
+//
+// A mask block's 2048 columns are 32 words of 64 columns: lane l of every warp owns word l
+// (one seqbits word read and one 8-byte store per row and window), and the four warps split
+// the block's rows (warp k: rows r0 + k, r0 + k + 4, ...), so a warp stores 256 consecutive
+// bytes of one row at a time. Everything the block reads is issued before its first
+// barrier: the tile's positions (cp.async, 16 bytes a thread, coalesced, into shared memory
+// with the 16-byte chunks of word w rotated by w & 7, so that lanes reading their own words
+// meet no bank conflict), the rows' ids and positions (a lane per row, shuffled round for
+// the first batch) and the first BITS_BATCH rows' seqbits words. A word the row's sequence
+// does not own is a zero store; an owned word whose 64 positions run p0, p0 + 1, ... (cells
+// placed by one run; the block's threads vote once per word) is visible on the bit range
+// [lo - p0, qp - p0]; any other owned word takes one unsigned compare per column, as in
+// mask_tile.
+#define BITS_WORDS 32                                       // 64-column words of a tile
+#define BITS_TILE_COLS (BITS_WORDS * 64)
+#define BITS_WARPS (CC_STEP_THREADS / 32)                   // warps sharing a tile's rows
+#define BITS_BATCH 4                                        // seqbits reads in flight a lane
+#define BITS_CHUNKS (BITS_TILE_COLS / 4 / CC_STEP_THREADS)  // 16-byte position loads a thread
+#define BITS_MIN_BLOCKS 12                                  // resident blocks an SM (registers)
+static_assert(CC_STEP_THREADS * CC_MASK_COLS == BITS_TILE_COLS, "bits tile = engine tile");
+static_assert(CC_MASK_MAX_ROWS <= 32 * BITS_WARPS, "a lane per row of a warp");
+
+// Bits [a, b] of a 64-bit word (none when a > b), a and b clamped to [0, 63].
+__device__ __forceinline__ cc_u64 bit_range(cc_i64 a, cc_i64 b)
+{
+    a = a < 0 ? 0 : a;
+    b = b > 63 ? 63 : b;
+    return a > b ? 0ull : (~0ull << a) & (~0ull >> (63 - b));
+}
+
+// The first ncols bits of `on` to dst (bytes [0, ceil(ncols / 8))) when dst is not 8-byte
+// aligned or the word is the last, short one: the widest units the alignment allows.
+__device__ __forceinline__ void store_bits_slow(cc_u8* dst, cc_u64 on, int ncols)
+{
+    const cc_u64 addr = (cc_u64)dst;
+    if (ncols == 64 && (addr & 3) == 0) {
+        reinterpret_cast<cc_u32*>(dst)[0] = (cc_u32)on;
+        reinterpret_cast<cc_u32*>(dst)[1] = (cc_u32)(on >> 32);
+    } else if (ncols == 64 && (addr & 1) == 0) {
+        for (int h = 0; h < 4; ++h)
+            reinterpret_cast<unsigned short*>(dst)[h] = (unsigned short)(on >> (16 * h));
+    } else {
+        for (int b = 0; b < (ncols + 7) >> 3; ++b) dst[b] = (cc_u8)(on >> (8 * b));
+    }
+}
+
+__device__ __forceinline__ void mask_bits_tile(const cc_step_params* __restrict__ P, cc_i64 bx,
+                                               cc_i32 r0, cc_i32 r1, cc_i64 read_len)
+{
+    __shared__ __align__(16) cc_i32 s_pos[BITS_TILE_COLS];    // chunk q of word w at q ^ (w & 7)
+    __shared__ cc_i32 s_p0[BITS_WORDS];                      // a run's first position, else -1
+    __shared__ cc_i64 s_seq[CC_MASK_MAX_ROWS];               // row r0 + r's id, position
+    __shared__ cc_i32 s_qp[CC_MASK_MAX_ROWS];
+    __shared__ cc_i64 s_win[CC_MAX_WINDOWS];
+    __shared__ cc_u64 s_dst[CC_MAX_WINDOWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const cc_i64 tile0 = bx * BITS_TILE_COLS;
+    const cc_i32* pos = (const cc_i32*)P->pos;
+    // the tile's positions, straight to shared memory (cp.async: no registers held): pass j
+    // of thread t copies chunk i = t + CC_STEP_THREADS * j, columns tile0 + 4i .. 4i + 3
+    // (-1 past read_len)
+    int4* s_pos4 = reinterpret_cast<int4*>(s_pos);
+#pragma unroll
+    for (int j = 0; j < BITS_CHUNKS; ++j) {
+        const int i = threadIdx.x + CC_STEP_THREADS * j, w = i >> 4, q = i & 15;
+        const cc_i64 c = tile0 + 4 * i;
+        int4* d = s_pos4 + (w << 4) + (q ^ (w & 7));
+        if (c + 4 <= read_len) {
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                         :: "r"((cc_u32)__cvta_generic_to_shared(d)), "l"(pos + c) : "memory");
+        } else {
+            int4 v;
+            v.x = c < read_len ? pos[c] : -1;
+            v.y = c + 1 < read_len ? pos[c + 1] : -1;
+            v.z = c + 2 < read_len ? pos[c + 2] : -1;
+            v.w = c + 3 < read_len ? pos[c + 3] : -1;
+            *d = v;
+        }
+    }
+    // this warp's rows: lane k reads row warp + BITS_WARPS * k
+    const cc_i32 nrows = r1 - r0;
+    const int nk = nrows > warp ? (nrows - warp + BITS_WARPS - 1) / BITS_WARPS : 0;
+    cc_i64 my_seq = 0;
+    if (lane < nk) {
+        const cc_i32 r = warp + BITS_WARPS * lane;
+        my_seq = ((const cc_i64*)P->seq_ids)[r0 + r];
+        s_seq[r] = my_seq;
+        s_qp[r] = (cc_i32)((const cc_i64*)P->positions)[r0 + r];
+    }
+    const cc_i64 col0 = tile0 + 64 * lane;
+    const bool active = col0 < read_len;
+    const int ncols = active ? (int)min((cc_i64)64, read_len - col0) : 0;
+    const cc_u64 col_mask = ncols == 64 ? ~0ull : ((1ull << ncols) - 1ull);
+    const cc_u64* bits = (const cc_u64*)P->seqbits + (col0 >> 6);
+    const cc_i64 bit_words = P->bit_words;
+    cc_u64 own[BITS_BATCH];
+#pragma unroll
+    for (int u = 0; u < BITS_BATCH; ++u) {
+        const cc_i64 s = __shfl_sync(0xFFFFFFFFu, my_seq, u);
+        own[u] = active && u < nk ? __ldg(bits + s * bit_words) & col_mask : 0ull;
+    }
+    const cc_i32 n_windows = (cc_i32)P->n_windows;
+    if (threadIdx.x < n_windows) {
+        s_win[threadIdx.x] = P->windows[threadIdx.x];
+        s_dst[threadIdx.x] = P->masks[threadIdx.x];
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+    {
+        // does word t / 4 run p0, p0 + 1, ..., p0 + 63? thread t checks its chunks
+        // 4 (t % 4) .. 4 (t % 4) + 3, the word's four threads vote
+        const int w = threadIdx.x >> 2, sw = w & 7, q0 = 4 * (threadIdx.x & 3);
+        const int4* wp = s_pos4 + (w << 4);
+        const cc_i32 first = wp[sw].x;                   // chunk 0 lies at 0 ^ sw
+        bool run = first >= 0;
+#pragma unroll
+        for (int qq = 0; qq < 4; ++qq) {
+            const int q = q0 + qq;
+            const int4 v = wp[q ^ sw];
+            const cc_i32 e = first + 4 * q;
+            run = run && v.x == e && v.y == e + 1 && v.z == e + 2 && v.w == e + 3;
+        }
+        const cc_u32 vote = (__ballot_sync(0xFFFFFFFFu, run) >> (lane & 28)) & 0xFu;
+        if (q0 == 0) s_p0[w] = vote == 0xFu ? first : -1;
+    }
+    __syncthreads();
+    if (!active || nk == 0) return;        // no barrier or shuffle below
+    const cc_i32 p0 = s_p0[lane];
+    const int4* my_pos = reinterpret_cast<const int4*>(s_pos) + (lane << 4);
+    const int sw = lane & 7;
+    const cc_i64 pitch = P->mask_row_bytes;
+    cc_i64 off = (cc_i64)(r0 + warp) * pitch + (col0 >> 3);  // row r0 + warp + 4k's bytes
+    // rows in order, BITS_BATCH seqbits reads in flight: own[0] is row k's word, and row
+    // k + BITS_BATCH's read is issued as row k is made
+#pragma unroll 1
+    for (int k = 0; k < nk; ++k) {
+        const cc_u64 o = own[0];
+#pragma unroll
+        for (int u = 0; u < BITS_BATCH - 1; ++u) own[u] = own[u + 1];
+        const int kn = k + BITS_BATCH;
+        own[BITS_BATCH - 1] = kn < nk ? __ldg(bits + s_seq[warp + BITS_WARPS * kn] * bit_words)
+                                        & col_mask : 0ull;
+        const cc_i32 qp = s_qp[warp + BITS_WARPS * k];
+#pragma unroll 1
+        for (cc_i32 wi = 0; wi < n_windows; ++wi) {
+            cc_u64 on = 0;
+            if (o) {
+                const cc_i64 win = s_win[wi];
+                // visible positions are [lo, qp]; owned cells are occupied (pos >= 0)
+                const cc_i32 lo = (win == 0 || qp - win + 1 < 0) ? 0 : (cc_i32)(qp - win + 1);
+                if (p0 >= 0) {
+                    on = bit_range((cc_i64)lo - p0, (cc_i64)qp - p0);
+                } else {
+                    const cc_u32 span = (cc_u32)(qp - lo);
+                    cc_u32 half[2] = {0u, 0u};
+#pragma unroll
+                    for (int q = 0; q < 16; ++q) {
+                        const int4 v = my_pos[q ^ sw];
+                        const cc_u32 nib = (cc_u32)((cc_u32)(v.x - lo) <= span)
+                                         | (cc_u32)((cc_u32)(v.y - lo) <= span) << 1
+                                         | (cc_u32)((cc_u32)(v.z - lo) <= span) << 2
+                                         | (cc_u32)((cc_u32)(v.w - lo) <= span) << 3;
+                        half[q >> 3] |= nib << (4 * (q & 7));
+                    }
+                    on = (cc_u64)half[0] | ((cc_u64)half[1] << 32);
+                }
+                on &= o;
+            }
+            cc_u8* dst = (cc_u8*)s_dst[wi] + off;
+            if (ncols == 64 && ((cc_u64)dst & 7) == 0) *reinterpret_cast<cc_u64*>(dst) = on;
+            else store_bits_slow(dst, on, ncols);
+        }
+        off += BITS_WARPS * pitch;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CC_STEP_THREADS, BITS_MIN_BLOCKS)
+build_step_bits(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
+                cc_i64 mask_gx, cc_i64 mask_blocks, cc_i32 rows_per_block, cc_i64 paged_chunks)
+{
+    const cc_i64 b = blockIdx.x;
+    if (b < mask_blocks) {
+        const cc_i64 bx = b % mask_gx, by = b / mask_gx;
+        const cc_i32 r0 = (cc_i32)(by * rows_per_block);
+        const cc_i32 r1 = (cc_i32)min(pad_to, (cc_i64)r0 + rows_per_block);
+        mask_bits_tile(P, bx, r0, r1, read_len);
     } else {
         const cc_i64 pb = b - mask_blocks;
         paged_chunk(P, pb / paged_chunks, pb % paged_chunks, read_len);

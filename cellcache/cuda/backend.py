@@ -243,7 +243,9 @@ class CudaCellCache(CellCache):
         module = drv.load_module("step")
         self._undo.callback(_release, cu.cuModuleUnload, module)
         self._fn_apply = drv.function(module, "apply_step")
-        self._fn_build = drv.function(module, "build_step")
+        # bit masks have a kernel of their own (same arguments and grid: cuda/step.cu)
+        bits = self.config.mask_format == "bits"
+        self._fn_build = drv.function(module, "build_step_bits" if bits else "build_step")
 
     def _alloc_step_buffers(self) -> None:
         """The step buffers as :func:`cellcache.buffers.step_buffers` describes them, then
