@@ -452,6 +452,7 @@ class ModelRunner:
         self.logit_cap = min(mw, chosen[-1])
         self._out: torch.Tensor | None = None          # the graphs' float32 logits, shared
         self._greedy: torch.Tensor | None = None       # and the argmax of each of their rows
+        self._replayed_greedy: Any = None              # the last replayed graph's part of it
         #: The greedy ids (argmax, on the device) of the last forward's logits, row for row,
         #: when the forward was a graph replay that returned a plain slice of the graph's
         #: output (the graph computes them: no launch after it); None otherwise. Valid
@@ -460,7 +461,7 @@ class ModelRunner:
         # input_ids[0, :_fed_rows] holds the last decode graph's greedy ids (it writes them
         # there for the next step); 0 once anything else writes input_ids
         self._fed_rows = 0
-        self._mixed: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._mixed: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._mixed_pool: Any = None
         self._rows_dev: torch.Tensor | None = None     # the mixed graphs' logit rows (device)
         self._rows_host: torch.Tensor | None = None    # and their pinned staging, event
@@ -469,14 +470,14 @@ class ModelRunner:
         self.input_ids = torch.zeros((1, mw), dtype=torch.long, device=self.device)
         self._staging: torch.Tensor | None = None     # pinned upload buffer (CUDA) and its event
         self._staged: Any = None
-        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._graph_generation = view.generation
         self._attn_configs: list[Any] = [_text_config(config)]
         self.replays = 0
         self.eager = 0
 
     @property
-    def mixed_graphs(self) -> dict[int, tuple[Any, torch.Tensor]]:
+    def mixed_graphs(self) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
         """The captured mixed-step graphs by token bucket (a copy, as :attr:`graphs`)."""
         return dict(self._mixed)
 
@@ -492,7 +493,7 @@ class ModelRunner:
         return bucket
 
     @property
-    def graphs(self) -> dict[int, tuple[Any, torch.Tensor]]:
+    def graphs(self) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
         """The captured decode graphs by bucket: (``torch.cuda.CUDAGraph``, its logits
         tensor). A copy: dropping or adding entries changes nothing in the runner."""
         return dict(self._graphs)
@@ -692,8 +693,7 @@ class ModelRunner:
             self.replays += 1
             self._fed_rows = T
             if every:                         # every real row: a slice, no index upload
-                assert self._greedy is not None
-                self.greedy = self._greedy[:width]
+                self.greedy = self._replayed_greedy[:width]
                 return logits[:width]
             assert rows is not None
             return logits[self._index(rows)]
@@ -703,8 +703,7 @@ class ModelRunner:
                     and n_rows <= min(T, self.logit_cap):
                 logits = self._replay_mixed(step, rows, n_rows)
                 self.replays += 1
-                assert self._greedy is not None
-                self.greedy = self._greedy[:n_rows]
+                self.greedy = self._replayed_greedy[:n_rows]
                 return logits[:n_rows]
             self.eager += 1
             # "auto": on CUDA with the paged view, the path choose_path gives each layer's
@@ -769,8 +768,9 @@ class ModelRunner:
                                                feed=False)
             finally:
                 cct.MIXED_CAPTURE.reset(token)
-        graph, logits = self._mixed[T]
+        graph, logits, greedy = self._mixed[T]
         graph.replay()
+        self._replayed_greedy = greedy
         return logits
 
     def _shared_out(self, rows: int, width: int) -> torch.Tensor:
@@ -786,11 +786,11 @@ class ModelRunner:
         return self._out
 
     def _capture(self, step: Step, index: torch.Tensor | None, rows: int,
-                 pool: Any = None, feed: bool = True) -> tuple[Any, torch.Tensor]:
+                 pool: Any = None, feed: bool = True) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """A graph of ``step``'s forward (logits of ``index``, None: every row) writing its
         ``rows`` float32 logits into the shared buffer and their greedy ids (argmax) into
         the ids buffer, after one eager warm-up on a side stream (allocations, kernel
-        loads); returns (graph, its logits view). ``feed`` (decode graphs, every row's
+        loads); returns (graph, its logits view, its greedy ids view). ``feed`` (decode graphs, every row's
         logits): the graph also copies the greedy ids into ``input_ids``, where the next
         decode step of the same rows, greedy, finds its tokens without a launch."""
         with torch.inference_mode():
@@ -813,14 +813,15 @@ class ModelRunner:
                 torch.argmax(logits, dim=-1, out=greedy[:rows])
                 if feed:                      # ids in [0, vocab): pad rows' are harmless too
                     self.input_ids[0, :rows].copy_(greedy[:rows])
-        return graph, logits
+        return graph, logits, greedy[:rows]
 
     def _replay(self, step: Step) -> torch.Tensor:
         T = step.pad_to
         if T not in self._graphs:
             self._graphs[T] = self._capture(step, None, T)
-        graph, logits = self._graphs[T]
+        graph, logits, greedy = self._graphs[T]
         graph.replay()
+        self._replayed_greedy = greedy
         return logits
 
 
