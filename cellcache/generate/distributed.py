@@ -325,7 +325,9 @@ class _RankSampler:
 
     def launch(self, logits: torch.Tensor, spec: SampleSpec, greedy: torch.Tensor | None = None) -> Any:
         """:meth:`Sampler.launch` on this rank, the Draw checked when it lands."""
-        return _CheckedDraw(self.inner.launch(logits, spec, greedy), self._sync)
+        # (greedy only when given: a sampler with the older two-argument launch still works)
+        draw = self.inner.launch(logits, spec) if greedy is None else self.inner.launch(logits, spec, greedy)
+        return _CheckedDraw(draw, self._sync)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
