@@ -257,19 +257,25 @@ def shard_model(model: Any) -> Any:
         return model
     from transformers.distributed import DistributedConfig
 
-    # transformers reads the accelerator index from LOCAL_RANK, which torchrun sets; a group
-    # joined otherwise (mp.spawn + init_process_group) has none: the model's own device then
+    # transformers reads the accelerator index from LOCAL_RANK, which torchrun sets, and binds
+    # the process to that device; a group joined otherwise (mp.spawn + init_process_group)
+    # has none: the model's own device then, for the whole sharding (a read defaulting to 0
+    # would move rank 1's current device to GPU 0: graphs captured on the wrong device's
+    # stream, two ranks' communicators on one GPU)
     added = mesh_type != "cpu" and "LOCAL_RANK" not in os.environ
+    index = device.index if isinstance(device, torch.device) and device.index is not None else None
+    current = torch.cuda.current_device() if mesh_type == "cuda" else None
     if added:
-        index = device.index if isinstance(device, torch.device) and device.index is not None \
-            else torch.cuda.current_device()
-        os.environ["LOCAL_RANK"] = str(index)
+        os.environ["LOCAL_RANK"] = str(index if index is not None else current)
     try:
         dconfig, _device_map, mesh = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
+        model = cls.maybe_distribute_model(model, dconfig, mesh)
     finally:
         if added:
             del os.environ["LOCAL_RANK"]
-    return cls.maybe_distribute_model(model, dconfig, mesh)
+    if mesh_type == "cuda" and index is not None and torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)             # the rank's current device is its model's
+    return model
 
 
 # -- the cache ---------------------------------------------------------------------------------
@@ -379,6 +385,7 @@ class TPCache(_CacheLike):
         self._fault: BaseException | None = None   # deferred: a local failure not agreed yet
         self._digest = 0                            # deferred: the outcomes since the start
         self.rounds = 0                             # collectives run by the agreement (not debug's)
+        self._flags = torch.zeros(_HEAD + _VALUES, dtype=torch.int64)   # every round's values
 
     # -- agreement ---------------------------------------------------------------------------
     @contextmanager
@@ -416,7 +423,8 @@ class TPCache(_CacheLike):
         tag = _TAGS[verb]
         vec = [tag, -tag, int(error is not None), int(refused), int(self._fault is not None),
                self._digest, -self._digest, *values] + [0] * (_VALUES - len(values))
-        flags = torch.tensor(vec, dtype=torch.int64)
+        flags = self._flags                         # one buffer (the cache's lock is held)
+        flags.numpy()[:] = vec
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._agree_group)
         self.rounds += 1
         r = flags.tolist()
@@ -445,7 +453,7 @@ class TPCache(_CacheLike):
         agreement is raised on every rank (same class, naming the rank) and the wrapper then
         refuses every call; outcomes (declarations, steps) that differ between ranks raise
         InvalidState on every rank. Every rank must call it at the same point (the
-        Generator's hand-overs do, twice a step)."""
+        Generator's hand-overs do, once or twice a step)."""
         with self._usable():
             return self._round("exchange", values=values)[0]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import os
 import pickle
 import random
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -34,41 +36,88 @@ from tests.helpers import FailingAllocator, assert_same, state
 
 WORLD = 2
 COLLECTIVE_TIMEOUT = 30      # seconds a collective may wait for the other rank
+_TRACE: list = []            # a rank's trace file and start time (empty outside the ranks)
 
 
-def _entry(rank: int, fn: Any, world: int, tmp: str, args: tuple, backend: str = "gloo") -> None:
-    # a rank that hangs dumps every thread's stack on SIGUSR1 (run_ranks sends it at its
-    # timeout, or when interrupted, before killing the ranks)
+def trace(message: str) -> None:
+    """A line in this rank's trace (``trace<rank>.txt``, flushed at once: a run that hangs or
+    dies shows how far each rank got); nothing outside the ranks."""
+    if _TRACE:
+        f, t0 = _TRACE
+        f.write(f"{time.monotonic() - t0:8.2f}s {message}\n")
+        f.flush()
+
+
+def _entry(rank: int, fn: Any, world: int, tmp: str, args: tuple, backend: str = "gloo",
+           deadline: float = 0.0) -> None:
+    # A rank that hangs dumps every thread's stack: on SIGUSR1 (run_ranks sends it at its
+    # timeout, or when interrupted, before killing the ranks), on SIGTERM (torch's join ends
+    # the others that way when one rank fails), on a fatal signal (an NCCL abort is SIGABRT),
+    # and by itself at ``deadline`` seconds, after which it exits (so a rank never outlives
+    # its test, even when the test process is interrupted and cannot signal it).
     stacks = open(os.path.join(tmp, f"stack{rank}.txt"), "w")  # noqa: SIM115 - the process's life
+    faulthandler.enable(file=stacks, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
+    if deadline > 0:
+        faulthandler.dump_traceback_later(deadline, exit=True, file=stacks)
+    _TRACE[:] = [open(os.path.join(tmp, f"trace{rank}.txt"), "w"), time.monotonic()]  # noqa: SIM115
     torch.set_num_threads(1)
+    timeout = COLLECTIVE_TIMEOUT
     if backend == "nccl":                            # tests/gpu: rank r on GPU r
         torch.cuda.set_device(rank)
+        # NCCL's init lines (the transport between the GPUs: "via P2P/..." or "via SHM/...")
+        # go to a file of the rank's, read back by the test
+        os.environ.setdefault("NCCL_DEBUG", "INFO")
+        os.environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,GRAPH")
+        os.environ.setdefault("NCCL_DEBUG_FILE", os.path.join(tmp, f"nccl{rank}.txt"))
+        timeout = 2 * COLLECTIVE_TIMEOUT             # first kernels, first communicators
+    trace(f"rank {rank} of {world}: {backend}, pid {os.getpid()}")
     dist.init_process_group(backend, init_method=f"file://{tmp}/rendezvous", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    trace("process group up")
     try:
-        result = fn(rank, world, *args)
+        try:
+            result = fn(rank, world, *args)
+        except BaseException:                        # torch's join reports only the first
+            trace("raised:\n" + traceback.format_exc())   # rank to fail: each keeps its own
+            raise
         with open(os.path.join(tmp, f"result{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        trace("result written")
+        if backend == "nccl":
+            # what the rank ran may hold CUDA graphs with NCCL kernels of the model's
+            # communicator: gone, and the device idle, before the group is torn down
+            result = None
+            gc.collect()
+            torch.cuda.synchronize()
         # both ranks past their last collective before either tears its groups down: a rank
         # that closed its gloo pairs while the other still sent its last chunk aborted the
         # other (std::terminate, SIGABRT; 1 run in 13 of tests/test_tp_generate.py)
-        dist.barrier()
+        if backend == "nccl":
+            dist.barrier(device_ids=[rank])
+        else:
+            dist.barrier()
+        trace("final barrier passed")
     finally:
         dist.destroy_process_group()
+        trace("process group destroyed")
+        faulthandler.cancel_dump_traceback_later()
 
 
 def run_ranks(fn: Any, tmp_path: Path, *args: Any, world: int = WORLD, timeout: float = 90,
               backend: str = "gloo") -> list:
     """``fn(rank, world, *args)`` on ``world`` spawned ranks over ``backend`` (gloo: the ranks
-    see no GPU; nccl: rank r on GPU r); the results by rank."""
+    see no GPU; nccl: rank r on GPU r); the results by rank. A rank that raises, dies or is
+    still running after ``timeout`` seconds fails the test with every rank's thread stacks
+    and trace (:func:`trace`); each rank also ends itself, stacks dumped, 5 s after that."""
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     # CPU tests: the ranks see no GPU, so transformers' mesh is on the CPU even on a GPU host
     if backend == "gloo":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        ctx = mp.start_processes(_entry, args=(fn, world, str(tmp_path), args, backend), nprocs=world,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(fn, world, str(tmp_path), args, backend, timeout + 5),
+                                 nprocs=world, join=False, start_method="spawn")
     finally:
         if saved is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -80,8 +129,13 @@ def run_ranks(fn: Any, tmp_path: Path, *args: Any, world: int = WORLD, timeout: 
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
                 dumped = True
-                pytest.fail(f"the ranks did not finish within {timeout} s; their stacks:\n"
+                pytest.fail(f"the ranks did not finish within {timeout} s; their stacks and traces:\n"
                             + _stacks(ctx, tmp_path))
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        dumped = True
+        # torch's join ended the other ranks (SIGTERM: their stacks were dumped)
+        pytest.fail(f"a rank failed: {e}\n--- every rank's stacks and trace ---\n"
+                    + _stacks(ctx, tmp_path), pytrace=False)
     finally:
         if not dumped and any(p.is_alive() for p in ctx.processes):
             sys.stderr.write(_stacks(ctx, tmp_path))     # interrupted: where they were
@@ -97,18 +151,24 @@ def run_ranks(fn: Any, tmp_path: Path, *args: Any, world: int = WORLD, timeout: 
 
 
 def _stacks(ctx: Any, tmp_path: Path) -> str:
-    """Every live rank's thread stacks (faulthandler, on SIGUSR1), as text."""
-    alive = [(rank, p) for rank, p in enumerate(ctx.processes) if p.is_alive()]
-    for _, p in alive:
+    """Every rank's thread stacks (faulthandler: live ranks are sent SIGUSR1 now; a rank that
+    died left what it dumped then) and trace, as text."""
+    alive = [p for p in ctx.processes if p.is_alive()]
+    for p in alive:
         try:
             os.kill(p.pid, signal.SIGUSR1)
         except OSError:
             pass
-    time.sleep(1.0)
+    if alive:
+        time.sleep(1.0)
     text = []
-    for rank, _ in alive:
-        path = tmp_path / f"stack{rank}.txt"
-        text.append(f"--- rank {rank} ---\n" + (path.read_text() if path.exists() else "(none)\n"))
+    for rank, p in enumerate(ctx.processes):
+        state = "alive" if p.is_alive() else f"exit code {p.exitcode}"
+        text.append(f"--- rank {rank} ({state}) ---\n")
+        for name in (f"trace{rank}.txt", f"stack{rank}.txt"):
+            path = tmp_path / name
+            body = path.read_text()[-20000:] if path.exists() else "(none)\n"
+            text.append(f"[{name}]\n{body or '(empty)'}\n")
     return "".join(text)
 
 
@@ -608,12 +668,14 @@ class CollectiveCounter:
 
 def steady_decode_on_rank(rank: int, world: int) -> dict:
     """The agreement's collectives in each step of a decode-only stretch, synchronous and
-    asynchronous: ``(collectives, rows grew, steps in flight)`` per step, and the outputs."""
+    asynchronous, without and with streams (an ``on_token`` callback on every request):
+    ``(collectives, rows grew, decode, step in flight)`` per step, and the outputs."""
     from cellcache.generate import Generator, Sampling
 
     out: dict = {}
     prompts = gen_prompts()[:4]
-    for async_steps in (False, True):
+    streamed: list[tuple[int, int]] = []
+    for async_steps, streams in ((False, False), (True, False), (False, True), (True, True)):
         from cellcache import hf as cchf
 
         model = gen_model()                       # pools from 8 rows: they grow while decoding
@@ -624,7 +686,8 @@ def steady_decode_on_rank(rank: int, world: int) -> dict:
         counter = CollectiveCounter(gen.cache.agreement_group)
         if rank == 0:
             for p in prompts:
-                gen.add(p, Sampling(max_new_tokens=24))
+                gen.add(p, Sampling(max_new_tokens=24),
+                        on_token=(lambda req, k, tok: streamed.append((req.id, tok))) if streams else None)
         records = []
         busy = True
         while busy:
@@ -632,9 +695,11 @@ def steady_decode_on_rank(rank: int, world: int) -> dict:
             decode = not gen.waiting and all(len(s.tokens) - s.in_cache == 1 for s in gen.running)
             busy = gen.step()
             records.append((counter.calls - calls, gen.cache.rows > rows, decode,
-                            gen._flight is not None))
-        out[async_steps] = {"records": records, "outputs": [r.outputs for r in gen.requests]}
+                            gen._flight is not None, gen.busy))
+        out[async_steps, streams] = {"records": records, "outputs": [r.outputs for r in gen.requests],
+                                     "skipped": gen.tp.skipped, "exchanges": gen.tp.exchanges}
         counter.restore()
+    out["streamed"] = len(streamed)
     return out
 
 
@@ -655,8 +720,9 @@ def diverged_draws_on_rank(rank: int, world: int) -> dict:
         inner = gen.sampler.inner
         launch, launched = inner.launch, [0]
 
-        def other_id(logits: Any, spec: Any, launch: Any = launch, launched: list = launched) -> Any:
-            draw = launch(logits, spec)
+        def other_id(logits: Any, spec: Any, greedy: Any = None, launch: Any = launch,
+                     launched: list = launched) -> Any:
+            draw = launch(logits, spec, greedy)
             launched[0] += 1
             if launched[0] != 4 or rank != 1:
                 return draw
@@ -694,44 +760,84 @@ def gpu_prompts() -> list[list[int]]:
 
 
 def gpu_greedy(gen: Any, rank: int, n_new: int) -> list:
-    """Prompts arriving over three steps (added on rank 0), greedy, stop tokens off."""
+    """Prompts arriving over three steps (added on rank 0), greedy, stop tokens off. Each
+    step is traced (:func:`trace`): a run that hangs shows the step and what it replayed."""
     from cellcache.generate import Sampling
 
     prompts = gpu_prompts()
     sampling = Sampling(max_new_tokens=n_new)
+    runner = gen.runner
+
+    def step() -> bool:
+        n, replays = gen.stats["steps"], runner.replays
+        graphs = (len(runner.graphs), len(runner.mixed_graphs))
+        trace(f"step {n}: {len(gen.waiting)} waiting, {len(gen.running)} running, "
+              f"in flight {gen._flight is not None}")
+        busy = gen.step()
+        trace(f"step {n} done: replays +{runner.replays - replays}, graphs (decode, mixed) "
+              f"{graphs} -> {(len(runner.graphs), len(runner.mixed_graphs))}, busy {busy}")
+        return busy
+
     if rank == 0:
         for p in prompts[:4]:
             gen.add(p, sampling)
     for _ in range(3):
-        gen.step()
+        step()
     if rank == 0:
         for p in prompts[4:]:
             gen.add(p, sampling)
-    gen.run()
+    while step():
+        pass
+    if runner.cuda:
+        torch.cuda.synchronize(runner.device)
     return [r.outputs for r in gen.requests]
 
 
+def gpu_placement(gen: Any) -> dict:
+    """Where a rank's parts live: the model's, the cache's and torch's current device (all
+    the rank's own GPU, or two ranks share one and NCCL deadlocks or refuses)."""
+    placement = {"model": str(gen.model.device), "runner": str(gen.runner.device),
+                 "cache": str(getattr(gen.cache.config, "device", None))}
+    if torch.cuda.is_available():
+        placement["current"] = f"cuda:{torch.cuda.current_device()}"
+    return placement
+
+
 def gpu_tp_on_rank(rank: int, world: int, arch: str, n_new: int, device_type: str = "cuda") -> dict:
-    """TP=2 on GPU ``rank`` (graphs on by default); rank 0 then serves the same requests with
-    TP=1 on an unsharded copy and takes HF's teacher-forced argmax of every output.
+    """TP=2 on GPU ``rank`` (graphs on by default), traced step by step; the test compares
+    its outputs with one GPU's and HF's (:func:`gpu_reference`, in the test's process once the
+    ranks are gone: a rank waiting at a collective while the other served alone timed out).
     (``device_type="cpu"`` over gloo: a dry run of the same code, without graphs.)"""
     from cellcache.generate import Generator, random_model
 
     device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
-    opts = dict(capacity=160, max_batch_tokens=32, max_seqs=32, prefill_chunk=9, eos=[], reserve=0.0)
-    gen = Generator(random_model(arch, torch.float32, device, seed=3), tp=True, **opts)
+    model = random_model(arch, torch.float32, device, seed=3)
+    trace(f"model built on {device}")
+    gen = Generator(model, tp=True, **GPU_OPTIONS)
+    placement = gpu_placement(gen)
+    trace(f"generator built: sharded, placement {placement}, graphs {gen.runner.graphs_enabled}, "
+          f"async {gen.async_steps}")
     out: dict = {"tp2": gpu_greedy(gen, rank, n_new), "graph_steps": gen.stats["graph_steps"],
                  "graphs": gen.runner.graphs_enabled, "preempted": gen.stats["preempted"],
                  "async": gen.async_steps, "diverged": gen.cache.diverged,
-                 "kv_heads": [layer.n_kv_heads for layer in gen.cache.config.layers]}
+                 "kv_heads": [layer.n_kv_heads for layer in gen.cache.config.layers],
+                 "placement": placement, "exchanges": gen.tp.exchanges, "skipped": gen.tp.skipped}
+    trace(f"served: {gen.stats['steps']} steps, {gen.stats['graph_steps']} replayed")
     gen.cache.check_invariants()
-    dist.barrier()
-    if rank != 0:
-        return out
+    gen.cache.close()
+    return out
+
+
+GPU_OPTIONS = dict(capacity=160, max_batch_tokens=32, max_seqs=32, prefill_chunk=9, eos=[], reserve=0.0)
+
+
+def gpu_reference(arch: str, n_new: int, device: str) -> dict:
+    """One GPU (TP=1) on the same requests, and HF's teacher-forced argmax of every output."""
+    from cellcache.generate import Generator, random_model
+
     model = random_model(arch, torch.float32, device, seed=3)
-    one = Generator(model, **opts)
-    out["tp1"] = gpu_greedy(one, 0, n_new)
-    out["tp1_graph_steps"] = one.stats["graph_steps"]
+    one = Generator(model, **GPU_OPTIONS)
+    out: dict = {"tp1": gpu_greedy(one, 0, n_new), "tp1_graph_steps": one.stats["graph_steps"]}
     one.cache.close()
     model.set_attn_implementation("sdpa")                  # HF's own attention again
     forced = []
@@ -741,6 +847,120 @@ def gpu_tp_on_rank(rank: int, world: int, arch: str, n_new: int, device_type: st
             forced.append(logits[len(p) - 1:-1].argmax(-1).tolist())
     out["hf"] = forced
     return out
+
+
+def comm_probe_on_rank(rank: int, world: int, rows: int = 256, hidden: int = 3584,
+                       vocab: int = 152064, layers: int = 28) -> dict:
+    """What the collectives of one TP decode step of a Qwen2-7B-sized model cost on this
+    pair, apart from the model: the ``2 * layers + 1`` all-reduces of ``[rows, hidden]`` bf16
+    (attention and MLP outputs, the embedding) and the all-gather of the head's
+    ``[rows, vocab / world]`` logits, eagerly and replayed from a CUDA graph (ms per step);
+    one all-reduce alone (us); the gloo all-reduce of 15 int64s the hand-overs run (us);
+    whether the GPUs reach each other's memory (P2P)."""
+    dev = torch.device("cuda", rank)
+    out: dict = {"peer": torch.cuda.can_device_access_peer(rank, (rank + 1) % world)}
+    x = torch.ones(rows, hidden, dtype=torch.bfloat16, device=dev)
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    out["sum_ok"] = bool((x == world).all())
+    trace(f"first all-reduce: sum ok {out['sum_ok']}, peer access {out['peer']}")
+    part = torch.ones(rows, vocab // world, dtype=torch.bfloat16, device=dev)
+    gathered = torch.empty(rows * world, vocab // world, dtype=torch.bfloat16, device=dev)
+
+    def step_comms() -> None:
+        for _ in range(2 * layers + 1):
+            dist.all_reduce(x)
+        dist.all_gather_into_tensor(gathered, part)
+
+    def timed(fn: Any, n: int = 10) -> float:
+        fn()
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[rank])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    out["eager_ms"] = timed(step_comms)
+    out["all_reduce_us"] = 1e3 * timed(lambda: dist.all_reduce(x), 100)
+    out["all_gather_ms"] = timed(lambda: dist.all_gather_into_tensor(gathered, part))
+    trace(f"eager: {out['eager_ms']:.3f} ms a step")
+    side = torch.cuda.Stream(device=dev)                  # warm-up on a side stream, as captures do
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        step_comms()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    trace("capturing")
+    with torch.cuda.graph(graph):
+        step_comms()
+    trace("captured")
+    out["graph_ms"] = timed(graph.replay)
+    trace(f"graph: {out['graph_ms']:.3f} ms a step")
+    del graph
+    group = dist.new_group(backend="gloo")
+    flags = torch.zeros(15, dtype=torch.int64)
+    for _ in range(50):
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    t0 = time.perf_counter()
+    for _ in range(500):
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    out["gloo_us"] = 1e6 * (time.perf_counter() - t0) / 500
+    dist.barrier(group=group)
+    return out
+
+
+def nccl_transport(tmp_path: Path) -> list[str]:
+    """The lines of the ranks' NCCL logs that name the transport between the GPUs."""
+    lines: list[str] = []
+    for path in sorted(tmp_path.glob("nccl*.txt")):
+        lines += [line.strip() for line in path.read_text().splitlines()
+                  if " via " in line or "P2P" in line and "NVLS" not in line][:6]
+    return lines
+
+
+def generator_freed_on_rank(rank: int, world: int) -> dict:
+    """Whether a Generator(tp=True) and its runner (which holds the CUDA graphs) are gone as
+    soon as the last reference goes, without a garbage collection: NCCL will not destroy a
+    communicator while a graph that captured one of its kernels lives, so a generator kept
+    by a reference cycle made destroy_process_group() wait forever."""
+    import weakref
+
+    from cellcache.generate import Generator
+
+    gc.disable()
+    try:
+        gen = Generator(gen_model(), tp=True, capacity=64, eos=[])
+        if rank == 0:
+            gen.add([1, 2, 3])
+        gen.run()
+        refs = weakref.ref(gen), weakref.ref(gen.runner)
+        del gen
+        return {"alive": [r() is not None for r in refs]}
+    finally:
+        gc.enable()
+
+
+def mismatched_handovers_on_rank(rank: int, world: int) -> dict:
+    """Rank 0 at a step's start hand-over while rank 1 is at an end's: both raise InvalidState
+    (never pair them), and refuse from then on."""
+    from cellcache.generate import Generator
+
+    gen = Generator(gen_model(), tp=True, capacity=64, eos=[])
+    first = _outcome(lambda: gen.tp.handover([], end=rank == 1))
+    return {"first": first, "later": _outcome(gen.step), "diverged": gen.cache.diverged}
+
+
+def hang_on_rank_1(rank: int, world: int) -> dict:
+    """Rank 1 sleeps past any test's limit (rank 0 waits at the final barrier)."""
+    if rank == 1:
+        trace("rank 1 waits forever")
+        time.sleep(3600)
+    return {}
 
 
 # -- the CLI under torchrun -------------------------------------------------------------------------
@@ -758,7 +978,9 @@ def run_cli(args: list[str], torchrun: bool, tmp_path: Path, cuda: bool = False
                 "--nproc-per-node", "2"] if torchrun else [sys.executable]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", CELLCACHE_TP_TIMEOUT="60",
+    # PYTHONFAULTHANDLER: a process sent SIGABRT (below, at the time limit) prints every
+    # thread's stack on its stderr first
+    env.update(OMP_NUM_THREADS="1", CELLCACHE_TP_TIMEOUT="60", PYTHONFAULTHANDLER="1",
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -768,9 +990,14 @@ def run_cli(args: list[str], torchrun: bool, tmp_path: Path, cuda: bool = False
     try:
         out, err = proc.communicate(timeout=CLI_TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"cellcache generate did not finish within {CLI_TIMEOUT} s:\n{err[-3000:]}")
+        os.killpg(proc.pid, signal.SIGABRT)          # stacks first (faulthandler), then gone
+        try:
+            out, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"cellcache generate did not finish within {CLI_TIMEOUT} s; its stderr, "
+                    f"the processes' stacks last:\n{err[-12000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 

@@ -55,21 +55,37 @@ def test_two_ranks_serve_what_one_process_serves(tmp_path, async_steps, debug):
     assert kind == "InvalidArgument" and "draft" in message
 
 
-def test_a_steady_decode_step_runs_two_collectives(tmp_path):
-    """The agreement's collectives in a decode step: the two hand-overs (which also compare
-    the draws and settle the cache), plus one when the step grows the pools; synchronous and
-    asynchronous, with the same outputs."""
+def test_a_steady_decode_step_runs_one_collective_two_with_streams(tmp_path):
+    """The agreement's collectives in a decode step: the step's start hand-over (which also
+    compares the draws and settles the cache), the end's too when a request streams (its
+    callback may add or cancel), plus one when the step grows the pools; synchronous and
+    asynchronous, with the same outputs. The last step (nothing left: step() may return
+    False) always runs both."""
     r0, r1 = H.run_ranks(H.steady_decode_on_rank, tmp_path, timeout=150)
+    assert r0["streamed"] == 2 * 4 * 24 and r1["streamed"] == 0  # rank 0 ran the callbacks
     for out in (r0, r1):
         for async_steps in (False, True):
-            records = out[async_steps]["records"]
-            decode = [(calls, grew) for calls, grew, is_decode, _ in records[1:] if is_decode]
-            assert len(decode) >= 20
-            assert any(grew for _, grew in decode)                 # growth is agreed: one more
-            assert all(calls == 2 + grew for calls, grew in decode), records
-            if async_steps:
-                assert sum(flight for *_, flight in records) >= 20
-        assert out[True]["outputs"] == out[False]["outputs"] == r0[False]["outputs"]
+            for streams in (False, True):
+                run = out[async_steps, streams]
+                records = run["records"]
+                # decode steps after which the generator stays busy (the others may end the
+                # run: step() returns False only with both hand-overs)
+                decode = [(calls, grew) for calls, grew, is_decode, _, busy in records[1:]
+                          if is_decode and busy]
+                assert len(decode) >= 20
+                assert any(grew for _, grew in decode)             # growth is agreed: one more
+                per_step = 2 if streams else 1
+                # asynchronous: the first step only launches (nothing lands, so the end's
+                # hand-over is not told apart from a start's: it runs, as it always may)
+                off = [calls - grew - per_step for calls, grew in decode if calls != per_step + grew]
+                assert off == ([1] if async_steps and not streams else []), (streams, records)
+                assert all(calls >= 2 for calls, _, _, _, busy in records if not busy)
+                assert (run["skipped"] > 20) != streams
+                if async_steps:
+                    assert sum(r[3] for r in records) >= 20
+        keys = ((False, False), (True, False), (False, True), (True, True))
+        assert all(out[key]["outputs"] == r0[False, False]["outputs"] for key in keys)
+    assert r1[True, True]["outputs"] == r0[True, True]["outputs"]
 
 
 def test_sampled_ids_that_differ_raise_on_every_rank(tmp_path):
@@ -85,6 +101,45 @@ def test_sampled_ids_that_differ_raise_on_every_rank(tmp_path):
             assert kind == "InvalidState" and "sampled ids diverged at step 4 " in message, key
             assert out["later"][0] == "InvalidState" and "diverged" in out["later"][1], key
             assert "sampled ids diverged" in out["diverged"]
+
+
+def test_the_two_gpu_test_runs_over_gloo_on_the_cpu(tmp_path):
+    """tests/gpu/test_tp_gpu.py's rank function, dry run over gloo (no graphs, synchronous
+    steps): the outputs of one process, a trace of every step on each rank, and a clean
+    teardown."""
+    r0, r1 = H.run_ranks(H.gpu_tp_on_rank, tmp_path, "tiny", 6, "cpu", timeout=150)
+    ref = H.gpu_reference("tiny", 6, "cpu")
+    for rank, out in enumerate((r0, r1)):
+        assert out["tp2"] == ref["tp1"], rank
+        assert out["diverged"] is None and out["placement"]["model"] == "cpu"
+        assert out["exchanges"] > 0
+        lines = (tmp_path / f"trace{rank}.txt").read_text().splitlines()
+        assert "process group up" in lines[1] and "generator built" in "".join(lines)
+        assert lines[-1].endswith("process group destroyed")
+
+
+def test_a_tp_generator_is_freed_with_its_last_reference(tmp_path):
+    """No reference cycle keeps a TP generator's runner (its CUDA graphs) alive: with NCCL,
+    destroy_process_group() after its last use would otherwise wait for them forever."""
+    for out in H.run_ranks(H.generator_freed_on_rank, tmp_path, timeout=120):
+        assert out["alive"] == [False, False]
+
+
+def test_ranks_at_different_hand_overs_raise_instead_of_pairing_them(tmp_path):
+    for out in H.run_ranks(H.mismatched_handovers_on_rank, tmp_path, timeout=120):
+        kind, message = out["first"]
+        assert kind == "InvalidState" and "different hand-overs" in message, out
+        assert out["later"][0] == "InvalidState" and "different hand-overs" in out["diverged"]
+
+
+def test_a_rank_that_hangs_fails_the_test_with_every_ranks_stacks(tmp_path):
+    """run_ranks' time limit: the failure shows each rank's trace and where its threads were."""
+    with pytest.raises(pytest.fail.Exception) as failed:
+        H.run_ranks(H.hang_on_rank_1, tmp_path, timeout=15)
+    text = str(failed.value)
+    assert "did not finish within 15 s" in text
+    assert "--- rank 1 (alive) ---" in text and "in hang_on_rank_1" in text
+    assert "rank 1 waits forever" in text                           # its trace
 
 
 def test_tp_needs_a_process_group_of_its_size():

@@ -18,7 +18,9 @@ deterministic (which requests arrive, cancels, callbacks).
     apply        update_from_output: the same on every rank
     deliver      on_token callbacks on rank 0 only (a callback's failure is recorded)
     step end     hand-over  again: requests and cancels made during the step, callback
-                            failures (the request ends with "error" everywhere)
+                            failures (the request ends with "error" everywhere); skipped
+                            when no live request streams (on_token) and the generator
+                            stays busy: see RankSync.handover
 
 **Sampling on every rank** (vLLM's workers do the same): the logits are bit-identical on
 every rank and a token depends only on its logits and its key (seed, continuation, output
@@ -27,15 +29,19 @@ ids reach the host, each rank folds them into a running checksum (a hash of ids 
 their slot, mod 2**61 - 1) that every hand-over compares (``[c, -c]`` in the all_reduce
 MAX: equal iff ``max(c) == -max(-c)``; at once when the step lands in debug mode). Ids that
 differ raise InvalidState on every rank naming the step ("the ranks' sampled ids
-diverged"), at the end of the step() call that applied them, before any later decision
-reads them; the generator refuses every later step (build new ones). A sampler that raises
-does so on every rank (same inputs): each rolls its step back as one process does.
+diverged"), at the next hand-over after they landed (the step's end, or the next step's
+start when the end needs none), before any later decision reads them; the generator refuses
+every later step (build new ones). A sampler that raises does so on every rank (same
+inputs): each rolls its step back as one process does.
 
-**Collectives per step**: two in a steady decode step (the two hand-overs), one more when
-the step grows the pools (the growth agreement), one broadcast per hand-over that carries
-requests; debug mode adds its digests. (Before: declare, prepare twice, commit, the draws'
-broadcast and both hand-overs; rank 0 sampled synchronously and the others waited for its
-ids, so the ranks ran serially and the asynchronous step path was off.)
+**Collectives per step**: one in a steady decode step without streams (the step's start
+hand-over; the end's is needed only when a callback may have queued something one process
+applies at once, or when the generator may go idle), two with streams (on_token), one more
+when the step grows the pools (the growth agreement), one broadcast per hand-over that
+carries requests; debug mode adds its digests and keeps both hand-overs. (Before: declare,
+prepare twice, commit, the draws' broadcast and both hand-overs; rank 0 sampled
+synchronously and the others waited for its ids, so the ranks ran serially and the
+asynchronous step path was off.)
 
 **Contract.** Every rank builds its Generator with the same arguments and the same model
 weights at the same point, then calls :meth:`Generator.step` / :meth:`Generator.run` the
@@ -65,6 +71,12 @@ allocation, which is agreed first) is raised on that rank at once; the others le
 next hand-over, raise the same error class naming the rank, and refuse from then on (if
 they are waiting inside the model's collectives meanwhile, the group's timeout ends it).
 
+**Teardown.** With NCCL (2.26 and later) a communicator is not destroyed while a CUDA graph
+that captured one of its kernels lives: ``destroy_process_group()`` waits for the decode
+graphs to go. Drop every Generator (its runner holds the graphs) before it; nothing here
+keeps one alive (the RankSync holds its Generator weakly: no reference cycle, so the last
+reference going frees the graphs at once, without a garbage collection).
+
 Multi-node works the same way through torchrun's rendezvous (``torchrun --nnodes M
 --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m cellcache generate
 --tp M*N ...``); nothing here is node-specific (untested: one host here). Tensor
@@ -74,6 +86,7 @@ parallelism across nodes is rarely worth it: the rowwise all-reduces then cross 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -123,14 +136,19 @@ def is_sharded(model: Any) -> bool:
 
 class RankSync:
     """Keeps a Generator's ranks in lockstep (the module docstring): installed by
-    ``Generator(tp=...)`` as ``gen.tp``; ``rank`` and ``world`` are public. It reads the
-    Generator only through public names (``requests``, ``scheduler``, ``clock``,
-    ``sampler``, ``stats``); the Generator hands it rank 0's queued requests at each
-    boundary. It switches the cache to deferred agreement (:meth:`TPCache.defer`): its
-    hand-overs are the per-step rounds that settle it."""
+    ``Generator(tp=...)`` as ``gen.tp``; ``rank`` and ``world`` are public. It holds the
+    Generator weakly and reads it through public names (``requests``, ``scheduler``,
+    ``clock``, ``sampler``, ``stats``, ``busy``); the Generator hands it rank 0's queued
+    requests at each boundary. It switches the cache to deferred agreement
+    (:meth:`TPCache.defer`): its hand-overs are the per-step rounds that settle it."""
 
     def __init__(self, gen: Any, cache: TPCache):
-        self.gen = gen
+        # weakly: the Generator holds this (gen.tp, and its sampler through _RankSampler), and
+        # a cycle would keep a generator that went out of scope, its runner and CUDA graphs
+        # alive until a garbage collection. NCCL (2.26+) will not destroy a communicator
+        # while a CUDA graph that captured one of its kernels lives: destroy_process_group()
+        # after the generator's last use (the CLI, the bench) then blocked forever.
+        self._gen = weakref.ref(gen)
         self.cache = cache
         self.rank, self.world = cache.rank, cache.world
         self.group = cache.agreement_group            # gloo: host values, bounded by its timeout
@@ -143,8 +161,22 @@ class RankSync:
         self._checksum = 0                            # every draw landed so far, hashed
         self._landed = 0                              # steps whose draws landed
         self._agreed = 0                              # ... as of the last agreement
+        self._handed = 0                              # ... as of the last hand-over
+        self._held: list[Seq] = []                    # rank 0: queued, not handed over yet
+        self._streamed: dict[int, Job] = {}           # every rank: live requests with on_token
+        self._callbacks = False                       # ... some live at this step's start
+        self.exchanges = 0                            # hand-over rounds run
+        self.skipped = 0                              # step ends that needed none (see handover)
         cache.defer()                                 # the hand-overs settle every step
         gen.sampler = _RankSampler(gen.sampler, self)
+
+    @property
+    def gen(self) -> Any:
+        """The Generator this keeps in lockstep (held weakly)."""
+        gen = self._gen()
+        if gen is None:
+            raise InvalidState("the generator of this RankSync is gone")
+        return gen
 
     # -- rank 0's side of add()/cancel() -----------------------------------------------------
     def adding(self, on_token: Callable | None, draft: Callable | None) -> Callable | None:
@@ -186,41 +218,94 @@ class RankSync:
         return True
 
     # -- every rank -----------------------------------------------------------------------------
-    def handover(self, incoming: list[Seq]) -> None:
+    def handover(self, incoming: list[Seq], end: bool | None = None) -> None:
         """At a step boundary, on every rank: rank 0's ``incoming`` (the Generator's queue,
         empty elsewhere), cancels and callback failures, broadcast and applied the same way
         everywhere. Raises (on every rank, once everything is applied) when a callback
-        failed: rank 0 its exception, the others InvalidState naming it."""
+        failed: rank 0 its exception, the others InvalidState naming it.
+
+        ``end``: whether this is the hand-over at the end of a step (after its callbacks);
+        None infers it: a step's draws landed since the last hand-over (only a step's end
+        sees one; the same on every rank).
+        **A step's end needs no round** when every rank knows, from state they share, that
+        nothing rank 0 could have queued during the step must be applied before the step
+        returns: no live request had an ``on_token`` callback at the step's start (only
+        callbacks add, cancel or fail during a step in a way one process applies at once),
+        and the generator stays busy (``step()`` returns True whatever rank 0 queued), and
+        not in debug mode. What another thread queued on rank 0 meanwhile joins at the next
+        step's start, before anything is scheduled: the schedule is the same as one
+        process's (which applies it at the step's end, before the same next schedule). The
+        draws' checksums and the cache's deferred state are then compared at the next
+        step's start, still before any later decision reads the draws. So a steady decode
+        step without streams runs one round, not two. Every rank takes the same decision
+        (the round carries which hand-over it is: ranks that disagree raise InvalidState
+        instead of pairing two different hand-overs). Inferred, a step that raised on every
+        rank after its draws landed and before its end makes the next call's start count as
+        an end: at worst what rank 0 queued between those calls joins one step later."""
         gen = self.gen
+        if end is None:
+            end = self._landed != self._handed
+        self._handed = self._landed
+        if self.rank != 0 and incoming:
+            raise InvalidState(f"rank {self.rank} has requests of its own queued; add them on rank 0")
+        if end and not self._callbacks and not self.cache.debug and gen.busy:
+            if incoming:                              # rank 0: joins at the next step's start
+                self._held.extend(incoming)
+            self.skipped += 1
+            return
         cancels: list[Job] = []
         failures: list[tuple[int, int | None, BaseException]] = []
         if self.rank == 0:
+            if self._held:
+                incoming, self._held = self._held + list(incoming), []
             with self._lock:
                 cancels, self._cancels = self._cancels, []
                 failures, self._failures = self._failures, []
-        elif incoming:
-            raise InvalidState(f"rank {self.rank} has requests of its own queued; add them on rank 0")
         counts = [len(incoming), len(cancels), len(failures)]
         try:                                          # rank 0's counts (the others give 0s),
-            counts = self._agree(counts)              # the draws' checksums, the cache's state
+            counts = self._agree(counts, 2 if end else 1)   # the draws' checksums, the cache's state
         except BaseException:
             if self.rank == 0:                        # not handed over: kept for a later try
+                self._held[:0] = incoming
                 with self._lock:
                     self._cancels[:0], self._failures[:0] = cancels, failures
             raise
-        if not any(counts):
-            return
+        try:
+            if any(counts):
+                self._apply(incoming, cancels, failures)
+        finally:
+            if not end:                               # what the step's end decides from
+                self._callbacks = self._streams_live()
+
+    def _streams_live(self) -> bool:
+        """Whether a live request has an ``on_token`` callback (on rank 0; every rank knows
+        which from the hand-over), dropping the ones done."""
+        streamed = self._streamed
+        if not streamed:
+            return False
+        done = [rid for rid, job in streamed.items() if job.req.done]
+        for rid in done:
+            del streamed[rid]
+        return bool(streamed)
+
+    def _apply(self, incoming: list[Seq], cancels: list[Job],
+               failures: list[tuple[int, int | None, BaseException]]) -> None:
+        """The hand-over's payload, broadcast from rank 0 and applied on every rank."""
+        gen = self.gen
         payload: list[Any] = [None]
         if self.rank == 0:
-            payload = [([(s.req.id, s.req.prompt, s.req.sampling) for s in incoming],
+            payload = [([(s.req.id, s.req.prompt, s.req.sampling, s.req.on_token is not None)
+                         for s in incoming],
                         [job.req.id for job in cancels],
                         [(rid, k, f"{type(e).__name__}: {e}") for rid, k, e in failures])]
         dist.broadcast_object_list(payload, self.src, group=self.group)
         new, cancel_ids, failed = payload[0]
         if self.rank != 0:
-            incoming = [self._mirror(rid, prompt, sampling) for rid, prompt, sampling in new]
-        for s in incoming:
-            self._jobs[s.req.id] = s.job
+            incoming = [self._mirror(rid, prompt, sampling) for rid, prompt, sampling, _ in new]
+        for s, (rid, _, _, streamed) in zip(incoming, new):
+            self._jobs[rid] = s.job
+            if streamed:
+                self._streamed[rid] = s.job
         gen.scheduler.waiting.extend(incoming)
         for rid in cancel_ids:
             job = self._jobs[rid]
@@ -269,16 +354,24 @@ class RankSync:
         self._checksum = (self._checksum * 1_000_003 + h % _MOD + ids.size) % _MOD
         self._landed += 1
         if self.cache.debug:
-            self._agree([0, 0, 0])
+            self._agree([0, 0, 0], 3)
 
-    def _agree(self, counts: list[int]) -> list[int]:
+    def _agree(self, counts: list[int], kind: int = 3) -> list[int]:
         """The one collective of a hand-over (the cache's :meth:`TPCache.exchange`): the max of
-        the counts (rank 0's: the others give 0s) and of ``[checksum, -checksum]``; raises
-        InvalidState on every rank, the wrapper refusing from then on, when the checksums
-        differ (equal iff ``max(c) == -max(-c)``)."""
+        the counts (rank 0's: the others give 0s), of ``[checksum, -checksum]`` and of
+        ``[kind, -kind]`` (1: a step's start, 2: its end, 3: debug's check of landed draws);
+        raises InvalidState on every rank, the wrapper refusing from then on, when the
+        checksums differ (equal iff ``max(c) == -max(-c)``) or the ranks ran different
+        hand-overs."""
         if self.rank != 0:
             counts = [0, 0, 0]
-        got = self.cache.exchange([*counts, self._checksum, -self._checksum])
+        got = self.cache.exchange([*counts, self._checksum, -self._checksum, kind, -kind])
+        self.exchanges += 1
+        if got[5] != -got[6]:
+            reason = (f"the ranks ran different hand-overs at once (rank {self.rank}: kind {kind}, "
+                      f"the generator's step {self.gen.stats['steps']}); their steps are out of step")
+            self.cache.mark_diverged(reason)
+            raise InvalidState(f"{reason}: build new generators")
         if got[3] != -got[4]:
             first, last = self._agreed + 1, self._landed
             steps = f"step {last}" if first >= last else f"steps {first} to {last}"
@@ -323,11 +416,20 @@ class _RankSampler:
     def __call__(self, logits: torch.Tensor, spec: SampleSpec) -> SamplerOutput:
         return self.launch(logits, spec).result()
 
-    def launch(self, logits: torch.Tensor, spec: SampleSpec, greedy: torch.Tensor | None = None) -> Any:
-        """:meth:`Sampler.launch` on this rank, the Draw checked when it lands."""
+    def launch(self, logits: torch.Tensor, spec: SampleSpec,
+               greedy: torch.Tensor | None = None) -> Any:
+        """:meth:`Sampler.launch` on this rank (``greedy``: the graph's argmax of each row, as
+        there), the Draw checked when it lands."""
         # (greedy only when given: a sampler with the older two-argument launch still works)
         draw = self.inner.launch(logits, spec) if greedy is None else self.inner.launch(logits, spec, greedy)
         return _CheckedDraw(draw, self._sync)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # settings (``stream``, ...) are the inner sampler's, whenever they are made
+        if name in ("inner", "_sync"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)

@@ -2,8 +2,11 @@
 ranks over NCCL, each model sharded by transformers' own plan, decode steps replayed from
 CUDA graphs captured on every rank, every rank sampling for itself with asynchronous steps
 (its draws' checksums compared at every hand-over); greedy output (float32) equals one
-GPU's and Hugging Face's teacher-forced argmax. Skipped like every GPU test without a usable device
-(tests/gpu/conftest.py), and also with fewer than two GPUs or without NCCL."""
+GPU's and Hugging Face's teacher-forced argmax (computed in the test's process once the ranks
+are gone). First, a probe of what a 7B decode step's collectives cost on the pair. Skipped like
+every GPU test without a usable device (tests/gpu/conftest.py), and also with fewer than two
+GPUs or without NCCL. A rank that hangs or dies fails its test with every rank's stacks and
+step trace (tests/helpers_tp.run_ranks); ``-s`` prints the numbers and NCCL's transport."""
 
 from __future__ import annotations
 
@@ -17,6 +20,10 @@ pytest.importorskip("transformers")
 
 from tests import helpers_tp as H  # noqa: E402
 
+#: Seconds the two ranks of one test may run (spawn, NCCL, sharding, captures, ~40 steps):
+#: well under the 240 s a whole run of this file is given, so a hang fails with the stacks
+RANKS_TIMEOUT = 100
+
 
 def _two_gpus() -> None:
     """Skips (never fails) when this host cannot run two NCCL ranks."""
@@ -27,19 +34,42 @@ def _two_gpus() -> None:
         pytest.skip("needs torch.distributed with NCCL")
 
 
+def test_the_pair_runs_a_7b_decode_steps_collectives(tmp_path):
+    """First, and quick: the collectives of a Qwen2-7B-sized TP=2 decode step alone, eager and
+    from a CUDA graph (a hang here is NCCL in graphs itself, with the stacks); ``-s`` prints
+    what they cost, what one gloo hand-over costs, and the transport NCCL chose."""
+    _two_gpus()
+    r0, r1 = H.run_ranks(H.comm_probe_on_rank, tmp_path, backend="nccl", timeout=90)
+    print("\n[comm] NCCL transport:", *H.nccl_transport(tmp_path) or ["(no lines)"], sep="\n  ")
+    for rank, r in enumerate((r0, r1)):
+        print(f"[comm] rank {rank}: P2P {r['peer']}; a decode step's collectives {r['eager_ms']:.3f} ms "
+              f"eager, {r['graph_ms']:.3f} ms in a graph; one all-reduce {r['all_reduce_us']:.1f} us; "
+              f"the logits' all-gather {r['all_gather_ms']:.3f} ms; a gloo hand-over {r['gloo_us']:.1f} us")
+        assert r["sum_ok"]
+
+
 @pytest.mark.parametrize("arch", H.GPU_ARCHS)
 def test_tp2_greedy_equals_one_gpu_and_hf_with_graphs(tmp_path, arch):
+    """A rank that hangs or dies fails this within ``RANKS_TIMEOUT`` s with every rank's
+    thread stacks and step trace (tests/helpers_tp.run_ranks); ``-s`` prints the transport
+    NCCL chose between the two GPUs."""
     _two_gpus()
     n_new = 24
-    r0, r1 = H.run_ranks(H.gpu_tp_on_rank, tmp_path, arch, n_new, backend="nccl", timeout=300)
+    r0, r1 = H.run_ranks(H.gpu_tp_on_rank, tmp_path, arch, n_new, backend="nccl",
+                         timeout=RANKS_TIMEOUT)
+    print(f"\n[tp2 {arch}] NCCL transport:", *H.nccl_transport(tmp_path) or ["(no lines)"], sep="\n  ")
+    print(f"[tp2 {arch}] placement: rank 0 {r0['placement']}, rank 1 {r1['placement']}; hand-overs "
+          f"run {r0['exchanges']}, skipped {r0['skipped']}")
+    assert r0["placement"]["model"] == "cuda:0" and r1["placement"]["model"] == "cuda:1"
+    ref = H.gpu_reference(arch, n_new, "cuda:0")           # here, once the ranks are gone
     for out in (r0, r1):
         assert out["graphs"] and out["graph_steps"] > 0        # captured and replayed on every rank
         assert out["async"] and out["diverged"] is None        # every rank samples, steps ahead
         assert out["kv_heads"] == [1] * len(out["kv_heads"])   # 2 KV heads over 2 ranks
         assert out["preempted"] > 0                            # cells ran short: it preempted
-        assert out["tp2"] == r0["tp1"]                         # both ranks: one GPU's outputs
-    assert r0["tp1_graph_steps"] > 0
-    for outputs, forced in zip(r0["tp1"], r0["hf"]):
+        assert out["tp2"] == ref["tp1"]                        # both ranks: one GPU's outputs
+    assert ref["tp1_graph_steps"] > 0
+    for outputs, forced in zip(ref["tp1"], ref["hf"]):
         assert outputs[0] == forced
 
 
