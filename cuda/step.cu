@@ -223,20 +223,30 @@ __device__ __forceinline__ void paged_chunk(const cc_step_params* __restrict__ P
     }
 }
 
-extern "C" __global__ void __launch_bounds__(CC_STEP_THREADS, 8)
-build_step(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
-           cc_i64 mask_gx, cc_i64 mask_blocks, cc_i32 rows_per_block, cc_i64 paged_chunks)
+// A build kernel's blocks: [0, mask_blocks) make mask tiles with TILE (bool or bits), the
+// rest fill the runs' kv_indices.
+template <void (*TILE)(const cc_step_params* __restrict__, cc_i64, cc_i32, cc_i32, cc_i64)>
+__device__ __forceinline__ void build_blocks(const cc_step_params* __restrict__ P, cc_i64 pad_to,
+                                             cc_i64 read_len, cc_i64 mask_gx, cc_i64 mask_blocks,
+                                             cc_i32 rows_per_block, cc_i64 paged_chunks)
 {
     const cc_i64 b = blockIdx.x;
     if (b < mask_blocks) {
         const cc_i64 bx = b % mask_gx, by = b / mask_gx;
         const cc_i32 r0 = (cc_i32)(by * rows_per_block);
         const cc_i32 r1 = (cc_i32)min(pad_to, (cc_i64)r0 + rows_per_block);
-        mask_tile(P, bx, r0, r1, read_len);
+        TILE(P, bx, r0, r1, read_len);
     } else {
         const cc_i64 pb = b - mask_blocks;
         paged_chunk(P, pb / paged_chunks, pb % paged_chunks, read_len);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(CC_STEP_THREADS, 8)
+build_step(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
+           cc_i64 mask_gx, cc_i64 mask_blocks, cc_i32 rows_per_block, cc_i64 paged_chunks)
+{
+    build_blocks<mask_tile>(P, pad_to, read_len, mask_gx, mask_blocks, rows_per_block, paged_chunks);
 }
 
 // ---- Bit masks: build_step_bits ----------------------------------------------------------
@@ -424,14 +434,6 @@ extern "C" __global__ void __launch_bounds__(CC_STEP_THREADS, BITS_MIN_BLOCKS)
 build_step_bits(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
                 cc_i64 mask_gx, cc_i64 mask_blocks, cc_i32 rows_per_block, cc_i64 paged_chunks)
 {
-    const cc_i64 b = blockIdx.x;
-    if (b < mask_blocks) {
-        const cc_i64 bx = b % mask_gx, by = b / mask_gx;
-        const cc_i32 r0 = (cc_i32)(by * rows_per_block);
-        const cc_i32 r1 = (cc_i32)min(pad_to, (cc_i64)r0 + rows_per_block);
-        mask_bits_tile(P, bx, r0, r1, read_len);
-    } else {
-        const cc_i64 pb = b - mask_blocks;
-        paged_chunk(P, pb / paged_chunks, pb % paged_chunks, read_len);
-    }
+    build_blocks<mask_bits_tile>(P, pad_to, read_len, mask_gx, mask_blocks, rows_per_block,
+                                 paged_chunks);
 }
