@@ -182,7 +182,7 @@ class Sampler:
         if greedy is not None and (greedy.shape != logits.shape[:1] or greedy.dtype != torch.int64
                                    or greedy.device != logits.device):
             raise InvalidArgument(f"greedy ids of shape {tuple(greedy.shape)} {greedy.dtype} on "
-                             f"{greedy.device} for logits {tuple(logits.shape)} on {logits.device}")
+                                  f"{greedy.device} for logits {tuple(logits.shape)} on {logits.device}")
         ids = greedy if greedy is not None else torch.argmax(x, dim=-1)
         if spec.any_random():
             temps = np.asarray(spec.temperature, dtype=np.float64)
