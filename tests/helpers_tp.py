@@ -919,7 +919,7 @@ def nccl_transport(tmp_path: Path) -> list[str]:
     lines: list[str] = []
     for path in sorted(tmp_path.glob("nccl*.txt")):
         lines += [line.strip() for line in path.read_text().splitlines()
-                  if " via " in line or "P2P" in line and "NVLS" not in line][:6]
+                  if (" via " in line or "P2P" in line) and "NVLS" not in line][:6]
     return lines
 
 
