@@ -19,10 +19,12 @@
 //                       (zero-fill past the end) into a ring of ST buffers, K and V in separate
 //                       commit groups, the kv_indices of a tile loaded one iteration before
 //                       its copies are issued (through shared memory: no index registers).
-//                       m2 variants with k64 score 32-key sub-tiles; ..b<B> variants are
-//                       compiled for B CTAs an SM. S = Q K^T and O += P V with mma.m16n8k16 (f32
-//                       accumulate), operands from ldmatrix (.trans for V), online softmax in
-//                       exp2 with scale * log2(e) folded in; masks only on edge tiles.
+//                       m2 variants with k64 score 32-key sub-tiles (..x<KS> variants: KS keys
+//                       at once); ..b<B> variants are compiled for B CTAs an SM. S = Q K^T and
+//                       O += P V with mma.m16n8k16 (f32 accumulate), operands from ldmatrix
+//                       (.trans for V, every address a per-lane register plus an immediate),
+//                       online softmax in exp2 with scale * log2(e) folded in (the row sums on
+//                       the tensor cores at d128 m2); masks only on edge tiles.
 //   tc_merge_T          the splits of each split row merged (a no-op launch without splits).
 //
 // Masks mirror attention.cu: query i of a run of qo_len queries over a list of L entries sees
@@ -84,6 +86,14 @@ __device__ __forceinline__ void cp_async16(cc_u32 dst, const void* src, int src_
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// 16 bytes global -> shared, zeros when cell < 0 (the ignore-src predicate, PTX ISA 7.5: one
+// compare a copy instead of a computed source size; src must still be a valid address)
+__device__ __forceinline__ void cp_async16_cell(cc_u32 dst, const void* src, int cell)
+{
+    asm volatile("{\n\t.reg .pred z;\n\tsetp.lt.s32 z, %2, 0;\n\t"
+                 "cp.async.cg.shared.global [%0], [%1], 16, z;\n\t}"
+                 :: "r"(dst), "l"(src), "r"(cell) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait()
 {
@@ -128,6 +138,7 @@ template <> struct Mma<f16> {
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
     }
+    static constexpr cc_u32 ONES = 0x3c003c00u;        // (1, 1)
 };
 template <> struct Mma<bf16> {
     static __device__ __forceinline__ void run(float (&d)[4], const cc_u32 (&a)[4], cc_u32 b0, cc_u32 b1)
@@ -143,6 +154,7 @@ template <> struct Mma<bf16> {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
         return r;
     }
+    static constexpr cc_u32 ONES = 0x3f803f80u;        // (1, 1)
 };
 
 // -- variants ----------------------------------------------------------------------------------
@@ -152,7 +164,7 @@ template <> struct Mma<bf16> {
 // each takes its own KT/4 keys of every tile, merged through shared memory at the end), KT kv
 // entries a tile (the CTA's), ST ring stages. Shared memory: Q (QROWS rows) + 2 x ST tiles of
 // KT rows; the end-of-unit merge of WKV > 1 reuses it.
-template <int D, int MQ, int WKV, int KT, int ST> struct Tile {
+template <int D, int MQ, int WKV, int KT, int ST, int KS = 0> struct Tile {
     static constexpr int CH = D / 8;                        // 16-byte chunks of a row
     static constexpr bool SWZ = CH % 8 == 0;
     static constexpr int RS = SWZ ? CH : CH + 1;            // row stride in chunks
@@ -163,22 +175,31 @@ template <int D, int MQ, int WKV, int KT, int ST> struct Tile {
     // keys a warp scores at once: two 16-row blocks a warp with more than 32 keys of a tile
     // score them in 32-key sub-tiles (S of 64 keys next to O would spill at d128), each with
     // its own online-softmax step; then K and V of a tile are waited for together
-    static constexpr int KSUB = MQ == 2 && KW > 32 ? 32 : KW;
+    // (KS > 0: the variant's own sub-tile, ..x<KS> variants)
+    static constexpr int KSUB = KS > 0 ? KS : MQ == 2 && KW > 32 ? 32 : KW;
     static constexpr int Q_CH = QROWS * RS, KV_CH = KT * RS;
     static constexpr int RING = 16 * (Q_CH + 2 * ST * KV_CH);
     static constexpr int OS = D + 8;                        // merge: floats a row (+8: banks)
     static constexpr int MERGE = WKV > 1 ? 4 * 4 * WROWS * (OS + 2) : 0;
     static constexpr int SMEM = RING > MERGE ? RING : MERGE;
     static constexpr int NP = (KT * CH + TC_THREADS - 1) / TC_THREADS;  // load passes a tile
-    static_assert(4 % WKV == 0 && KW % 16 == 0 && KW % KSUB == 0 && (MQ == 1 || MQ == 2) && ST >= 1 &&
-                  KT <= TC_THREADS, "tile");
+    static_assert(4 % WKV == 0 && KW % 16 == 0 && KW % KSUB == 0 && KSUB % 16 == 0 && (MQ == 1 || MQ == 2) &&
+                  ST >= 1 && KT <= TC_THREADS, "tile");
     static __device__ __forceinline__ int at(int row, int c) { return row * RS + (SWZ ? (c ^ (row & 7)) : c); }
-    // bytes to chunk 2k + b of a row, y = b ^ (row & 7): 16 at(row, 2k + b) written so that a
-    // lane's ldmatrix addresses are a few per-lane values plus constants (k is unrolled)
-    static __device__ __forceinline__ cc_u32 ld_off(int row, int k, int b, int y)
+    // Bytes to chunk 2k + b of a row (16 at(row, 2k + b)) for ldmatrix, split into per-lane
+    // registers and constants: a lane's row is a base row with low bits lx = row & 7 plus a
+    // multiple of 8 (a constant, ROWB bytes a row), and chunk 2k + b of it is at one of NOFF
+    // per-lane offsets loff(row, b, koff_sel(k)) (SWZ: the XOR of 2 (k & 3) with b ^ lx; else
+    // one) plus the constant koff(k). So every ldmatrix of the unrolled loops is a register
+    // plus an immediate: no per-load address arithmetic (which cost ~2 instructions a load).
+    static constexpr int NOFF = SWZ ? 4 : 1;
+    static constexpr int ROWB = 16 * RS;                     // bytes a row
+    static __device__ __forceinline__ cc_u32 loff(int row, int b, int i)
     {
-        return 16 * (row * RS + (SWZ ? 8 * (k >> 2) + ((2 * (k & 3)) ^ y) : 2 * k + b));
+        return 16 * (row * RS + (SWZ ? ((2 * i) ^ (b ^ (row & 7))) : b));
     }
+    static __device__ __forceinline__ constexpr int koff_sel(int k) { return SWZ ? (k & 3) : 0; }
+    static __device__ __forceinline__ constexpr int koff(int k) { return SWZ ? 128 * (k >> 2) : 32 * k; }
 };
 
 // -- one unit --------------------------------------------------------------------------------
@@ -212,10 +233,10 @@ __device__ __forceinline__ void unit_keys(int shift, int p0, int p1, int G, int 
     }
 }
 
-template <typename T, int D, int MQ, int WKV, int KT, int ST>
+template <typename T, int D, int MQ, int WKV, int KT, int ST, int KS>
 __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
 {
-    using C = Tile<D, MQ, WKV, KT, ST>;
+    using C = Tile<D, MQ, WKV, KT, ST, KS>;
     constexpr int CH = C::CH, NP = C::NP, QROWS = C::QROWS, KW = C::KW, WROWS = C::WROWS;
     constexpr int KSUB = C::KSUB, NSUB = KW / KSUB;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -293,7 +314,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                     const int cell = from_smem ? cells[row] : cell_of(j, row);
                     const char* src = colp + (cc_u64)(cc_u32)max(cell, 0) * cbytes;
                     const int chunk = RPP % 8 == 0 ? row * C::RS + cx : C::at(row, ccol);
-                    cp_async16(buf + 16 * chunk, src, cell >= 0 ? 16 : 0);
+                    cp_async16_cell(buf + 16 * chunk, src, cell);
                 }
             }
         } else {
@@ -305,6 +326,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                     const int row = c / CH, col = c - row * CH;
                     const int cell = from_smem ? cells[row] : cell_of(j, row);
                     const T* src = head + (cc_u64)(cc_u32)max(cell, 0) * (cbytes / sizeof(T)) + col * 8;
+                    // (the COLFIX forms cost registers here: 164 instead of 128 at d80)
                     cp_async16(buf + 16 * C::at(row, col), src, cell >= 0 ? 16 : 0);
                 }
             }
@@ -329,15 +351,34 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     // lane / 16; K rows lx + 8 (lane / 16), chunk bit (lane / 8) % 2
     const int lx = lane & 7, b8 = (lane >> 3) & 1, b16 = lane >> 4;
     const int qv_row = lx + 8 * b8, k_row = lx + 8 * b16;
+    // per-lane ldmatrix addresses (Tile::loff): Q's absolute, K's and V's relative to a tile
+    constexpr int NOFF = C::NOFF, ROWB = C::ROWB;
+    cc_u32 q_la[NOFF], k_lo[NOFF], v_lo[NOFF];
+#pragma unroll
+    for (int i = 0; i < NOFF; ++i) {
+        q_la[i] = a_q + C::loff(wq * WROWS + qv_row, b16, i);
+        k_lo[i] = C::loff(k_row, b8, i);
+        v_lo[i] = C::loff(qv_row, b16, i);
+    }
 
     float o[MQ][D / 8][4];
 #pragma unroll
     for (int mq = 0; mq < MQ; ++mq)
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) o[mq][n][0] = o[mq][n][1] = o[mq][n][2] = o[mq][n][3] = 0.f;
-    float m[2 * MQ], l[2 * MQ];
+    // m: the rows' running maxima. l: the row sums of P, per thread (its keys; summed over
+    // the row's four lanes at the end), or with LQ (m2 variants of d128 and up, where the
+    // adds cost the most; at d64 the 6 more registers would cost the third CTA an SM) on the
+    // tensor cores: P as packed for P V times a 16 x 8 block of ones, lq[mq] an
+    // mma accumulator whose elements 0 and 2 are the full sums of rows g and g + 8 (every
+    // column of the product is the row sum over all 16 keys, all four lanes), of the same
+    // rounded P that O accumulates: one mma per 16 keys instead of an add a score
+    constexpr bool LQ = MQ == 2 && D >= 128;
+    float m[2 * MQ], l[2 * MQ], lq[MQ][4];
 #pragma unroll
     for (int i = 0; i < 2 * MQ; ++i) { m[i] = TC_NEG_INF; l[i] = 0.f; }
+#pragma unroll
+    for (int mq = 0; mq < MQ; ++mq) lq[mq][0] = lq[mq][1] = lq[mq][2] = lq[mq][3] = 0.f;
 
     for (int j = 0; j < n_tiles; ++j) {
         const int ncell = tid < KT ? cell_of(j + ST + 1, tid) : -1;   // in flight while we compute
@@ -351,6 +392,12 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
         for (int h = 0; h < NSUB; ++h) {               // not unrolled: one S live at a time
             const int kh = kw0 + h * KSUB;             // the sub-tile's first key in the tile
             float s[MQ][KSUB / 8][4];
+            cc_u32 k_la[NOFF], v_la[NOFF];             // this sub-tile's K and V lane addresses
+#pragma unroll
+            for (int i = 0; i < NOFF; ++i) {
+                k_la[i] = kb + kh * ROWB + k_lo[i];
+                v_la[i] = vb + kh * ROWB + v_lo[i];
+            }
             if (active) {
 #pragma unroll
                 for (int mq = 0; mq < MQ; ++mq)
@@ -361,11 +408,11 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                     cc_u32 aq[MQ][4];
 #pragma unroll
                     for (int mq = 0; mq < MQ; ++mq)
-                        ldsm_x4(a_q + C::ld_off(wq * WROWS + 16 * mq + qv_row, ks, b16, b16 ^ lx), aq[mq]);
+                        ldsm_x4(q_la[C::koff_sel(ks)] + ROWB * 16 * mq + C::koff(ks), aq[mq]);
 #pragma unroll
                     for (int jj = 0; jj < KSUB / 16; ++jj) {
                         cc_u32 b[4];
-                        ldsm_x4(kb + C::ld_off(kh + 16 * jj + k_row, ks, b8, b8 ^ lx), b);
+                        ldsm_x4(k_la[C::koff_sel(ks)] + ROWB * 16 * jj + C::koff(ks), b);
 #pragma unroll
                         for (int mq = 0; mq < MQ; ++mq) {
                             Mma<T>::run(s[mq][2 * jj], aq[mq], b[0], b[1]);
@@ -389,16 +436,16 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                             }
                 }
                 // online softmax, 2 MQ rows a thread, m in scaled log2 units: p = 2^(s sl2 - m)
-                // (one fma + ex2 a score); l stays a per-thread partial sum until the end; O is
-                // rescaled only when some row of the warp has a new maximum
+                // (one fma + ex2 a score); O and the row sums lq are rescaled only when some
+                // row of the warp has a new maximum
                 float corr[2 * MQ];
                 bool grew = false;
 #pragma unroll
                 for (int i = 0; i < 2 * MQ; ++i) {
                     const int mq = i >> 1, r = i & 1;
-                    float mx = TC_NEG_INF;
+                    float mx = fmaxf(s[mq][0][2 * r], s[mq][0][2 * r + 1]);
 #pragma unroll
-                    for (int n = 0; n < KSUB / 8; ++n) mx = fmaxf(mx, fmaxf(s[mq][n][2 * r], s[mq][n][2 * r + 1]));
+                    for (int n = 1; n < KSUB / 8; ++n) mx = fmaxf(mx, fmaxf(s[mq][n][2 * r], s[mq][n][2 * r + 1]));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                     mx = fmaxf(m[i], mx * sl2);
@@ -406,23 +453,28 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                     corr[i] = ex2(m[i] - base);
                     grew |= corr[i] != 1.f;
                     m[i] = mx;
-                    float sum = 0.f;
 #pragma unroll
                     for (int n = 0; n < KSUB / 8; ++n) {
                         s[mq][n][2 * r] = ex2(fmaf(s[mq][n][2 * r], sl2, -base));
                         s[mq][n][2 * r + 1] = ex2(fmaf(s[mq][n][2 * r + 1], sl2, -base));
-                        sum += s[mq][n][2 * r] + s[mq][n][2 * r + 1];
                     }
-                    l[i] = l[i] * corr[i] + sum;
+                    if (!LQ) {
+                        float sum = s[mq][0][2 * r] + s[mq][0][2 * r + 1];
+#pragma unroll
+                        for (int n = 1; n < KSUB / 8; ++n) sum += s[mq][n][2 * r] + s[mq][n][2 * r + 1];
+                        l[i] = l[i] * corr[i] + sum;
+                    }
                 }
                 if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-                    for (int i = 0; i < 2 * MQ; ++i)
+                    for (int i = 0; i < 2 * MQ; ++i) {
+                        if (LQ) lq[i >> 1][2 * (i & 1)] *= corr[i];    // (1 and 3 are not read)
 #pragma unroll
                         for (int n = 0; n < D / 8; ++n) {
                             o[i >> 1][n][2 * (i & 1)] *= corr[i];
                             o[i >> 1][n][2 * (i & 1) + 1] *= corr[i];
                         }
+                    }
                 }
             }
             if (NSUB == 1) {
@@ -441,11 +493,12 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                         pa[mq][1] = Mma<T>::pack(s[mq][2 * t][2], s[mq][2 * t][3]);
                         pa[mq][2] = Mma<T>::pack(s[mq][2 * t + 1][0], s[mq][2 * t + 1][1]);
                         pa[mq][3] = Mma<T>::pack(s[mq][2 * t + 1][2], s[mq][2 * t + 1][3]);
+                        if (LQ) Mma<T>::run(lq[mq], pa[mq], Mma<T>::ONES, Mma<T>::ONES);   // row sums
                     }
 #pragma unroll
                     for (int dp = 0; dp < D / 16; ++dp) {
                         cc_u32 b[4];
-                        ldsm_x4_t(vb + C::ld_off(kh + 16 * t + qv_row, dp, b16, b16 ^ lx), b);
+                        ldsm_x4_t(v_la[C::koff_sel(dp)] + ROWB * 16 * t + C::koff(dp), b);
 #pragma unroll
                         for (int mq = 0; mq < MQ; ++mq) {
                             Mma<T>::run(o[mq][2 * dp], pa[mq], b[0], b[1]);
@@ -471,8 +524,12 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     if (!active) return;
 #pragma unroll
     for (int i = 0; i < 2 * MQ; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        if (LQ) {
+            l[i] = lq[i >> 1][2 * (i & 1)];            // full row sums already
+        } else {
+            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        }
     }
     if (WKV > 1) {
         // the key slices of a row block: warps wk > 0 leave (m, l, o) in shared memory (the
@@ -549,7 +606,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
 }
 
 // Persistent: each CTA takes units from the counter the plan reset until the list is done.
-template <typename T, int D, int MQ, int WKV, int KT, int ST>
+template <typename T, int D, int MQ, int WKV, int KT, int ST, int KS = 0>
 __device__ void tc_attend(const TcArgs& a)
 {
     extern __shared__ uint4 smem[];
@@ -560,7 +617,7 @@ __device__ void tc_attend(const TcArgs& a)
         __syncthreads();
         const int u = s_unit;
         if (u >= n_units) break;
-        tc_unit<T, D, MQ, WKV, KT, ST>(a, u, smem);
+        tc_unit<T, D, MQ, WKV, KT, ST, KS>(a, u, smem);
         __syncthreads();                               // s_unit and the buffers free again
     }
 }
@@ -797,8 +854,8 @@ __device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
 // -- entry points ----------------------------------------------------------------------------
 
 // The variants, one line each: X(D, MQ, WKV, KT, ST). The host reads this list from the
-// module (tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, dynamic shared bytes, B} each,
-// after tc_n_variants), so it is the one source of which kernels exist. Named
+// module (tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, dynamic shared bytes, B, KS}
+// each, after tc_n_variants), so it is the one source of which kernels exist. Named
 // tc_attend_<dtype>_d<D>_m<MQ>w<WKV>k<KT>s<ST>. Rows a warp x warps along the rows: the unit;
 // "w4" variants (warps along the kv tile, 16 rows) are for decode-like steps. m2 variants with
 // k64 score in 32-key sub-tiles (Tile::KSUB).
@@ -815,13 +872,22 @@ __device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
 // tc_attend_<dtype>_d<D>_m<MQ>w<WKV>k<KT>s<ST>b<B>.
 #define TC_VARIANTS_B(Y)                                                                        \
     Y(64, 1, 4, 64, 2, 5) Y(64, 2, 1, 32, 2, 3)
+// Variants that score KS keys at once (one online-softmax step per KS keys) where the default
+// rule would split the tile (m2 with k64: 32): Z(D, MQ, WKV, KT, ST, KS), named
+// tc_attend_<dtype>_d<D>_m<MQ>w<WKV>k<KT>s<ST>x<KS>. Fewer instructions a key (one max /
+// rescale step a tile), more registers: at d128 S of 64 keys beside O leaves ptxas a few
+// spilled words a tile (tools/bench.py --section attention decides).
+#define TC_VARIANTS_X(Z)                                                                        \
+    Z(64, 2, 1, 64, 2, 64) Z(128, 2, 1, 64, 2, 64)
 
-#define TC_ROW(D, MQ, WKV, KT, ST) D, MQ, WKV, KT, ST, Tile<D, MQ, WKV, KT, ST>::QROWS, Tile<D, MQ, WKV, KT, ST>::SMEM, 0,
-#define TC_ROW_B(D, MQ, WKV, KT, ST, B) D, MQ, WKV, KT, ST, Tile<D, MQ, WKV, KT, ST>::QROWS, Tile<D, MQ, WKV, KT, ST>::SMEM, B,
+#define TC_ROW(D, MQ, WKV, KT, ST) D, MQ, WKV, KT, ST, Tile<D, MQ, WKV, KT, ST>::QROWS, Tile<D, MQ, WKV, KT, ST>::SMEM, 0, 0,
+#define TC_ROW_B(D, MQ, WKV, KT, ST, B) D, MQ, WKV, KT, ST, Tile<D, MQ, WKV, KT, ST>::QROWS, Tile<D, MQ, WKV, KT, ST>::SMEM, B, 0,
+#define TC_ROW_X(D, MQ, WKV, KT, ST, KS) D, MQ, WKV, KT, ST, Tile<D, MQ, WKV, KT, ST, KS>::QROWS, Tile<D, MQ, WKV, KT, ST, KS>::SMEM, 0, KS,
 #define TC_ONE(D, MQ, WKV, KT, ST) +1
 #define TC_ONE_B(D, MQ, WKV, KT, ST, B) +1
-extern "C" __device__ const cc_i32 tc_n_variants = 0 TC_VARIANTS(TC_ONE) TC_VARIANTS_B(TC_ONE_B);
-extern "C" __device__ const cc_i32 tc_variants[] = {TC_VARIANTS(TC_ROW) TC_VARIANTS_B(TC_ROW_B)};
+#define TC_ONE_X(D, MQ, WKV, KT, ST, KS) +1
+extern "C" __device__ const cc_i32 tc_n_variants = 0 TC_VARIANTS(TC_ONE) TC_VARIANTS_B(TC_ONE_B) TC_VARIANTS_X(TC_ONE_X);
+extern "C" __device__ const cc_i32 tc_variants[] = {TC_VARIANTS(TC_ROW) TC_VARIANTS_B(TC_ROW_B) TC_VARIANTS_X(TC_ROW_X)};
 
 extern "C" __global__ void __launch_bounds__(TC_PLAN_THREADS) tc_plan(const TcArgs a, cc_i32 qrows,
                                                                       cc_i32 min_chunk, cc_i32 head_dim,
@@ -845,6 +911,15 @@ tc_attend_##SUFFIX##_d##D##_m##MQ##w##WKV##k##KT##s##ST##b##B(const TcArgs a)   
 #define TC_ATTEND_B_BF16(D, MQ, WKV, KT, ST, B) TC_ATTEND_B(bfloat16, bf16, D, MQ, WKV, KT, ST, B)
 TC_VARIANTS_B(TC_ATTEND_B_F16)
 TC_VARIANTS_B(TC_ATTEND_B_BF16)
+
+#define TC_ATTEND_X(SUFFIX, T, D, MQ, WKV, KT, ST, KS)                                          \
+extern "C" __global__ void __launch_bounds__(TC_THREADS)                                        \
+tc_attend_##SUFFIX##_d##D##_m##MQ##w##WKV##k##KT##s##ST##x##KS(const TcArgs a)                 \
+{ tc_attend<T, D, MQ, WKV, KT, ST, KS>(a); }
+#define TC_ATTEND_X_F16(D, MQ, WKV, KT, ST, KS) TC_ATTEND_X(float16, f16, D, MQ, WKV, KT, ST, KS)
+#define TC_ATTEND_X_BF16(D, MQ, WKV, KT, ST, KS) TC_ATTEND_X(bfloat16, bf16, D, MQ, WKV, KT, ST, KS)
+TC_VARIANTS_X(TC_ATTEND_X_F16)
+TC_VARIANTS_X(TC_ATTEND_X_BF16)
 
 #define TC_MERGE(SUFFIX, T)                                                                    \
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_merge_##SUFFIX(const TcArgs a,     \

@@ -49,13 +49,14 @@ _LOG2E = 1.4426950408889634
 #: TcArgs in cuda/tc_attention.cu: every field 8 bytes
 _ARGS = struct.Struct("=8Q4q5q2Q3qd")
 #: tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, shared bytes, B (CTAs an SM asked of
-#: the compiler, 0: none; named ...b<B>)}
-_VARIANT_WORDS = 8
+#: the compiler, 0: none; named ...b<B>), KS (keys scored at once, 0: the default rule; named
+#: ...x<KS>)}
+_VARIANT_WORDS = 9
 
 
 class Choice(NamedTuple):
-    """What a run launches: the variant ``m<MQ>w<WKV>k<KT>s<ST>[b<B>]`` (``b<B>``: compiled for
-    B CTAs an SM); ``split``: the step is
+    """What a run launches: the variant ``m<MQ>w<WKV>k<KT>s<ST>[b<B>][x<KS>]`` (``b<B>``: compiled
+    for B CTAs an SM; ``x<KS>``: KS keys scored at once); ``split``: the step is
     split along kv when it has fewer than split x CTAs units (into at most 2 x split x CTAs);
     ``order``: the work list run by run (0, neighbours share K/V in L2) or heaviest first over
     the step (1, no tail)."""
@@ -68,15 +69,17 @@ class Choice(NamedTuple):
 #: (head_dim, shape class) -> Choice; class "decode" (every run one query) or "prefill" (any
 #: other step). Set from ``tools/bench.py --section attention`` on the target GPU, which
 #: times every variant and prints the winners in this form (H200, 2026-11-30:
-#: benchmarks/results/attention-tuned-2026-11-30.log; d80/96/256 have no case there).
+#: benchmarks/results/attention-tuned-2026-11-30.log; d80/96/256 have no case there). The
+#: d64 and d128 prefill entries: the best of every variant after the instruction cut,
+#: benchmarks/results/attention-d128wip-2026-12-01.log (H200, 2026-12-01).
 TABLE: dict[tuple[int, str], Choice] = {
-    (64, "prefill"): Choice("m2w1k32s2", 1, 1),
+    (64, "prefill"): Choice("m2w1k64s2x64", 1, 0),
     (64, "decode"): Choice("m1w4k64s2", 2, 1),
     (80, "prefill"): Choice("m2w1k32s2", 1, 1),
     (80, "decode"): Choice("m1w4k64s2", 4, 1),
     (96, "prefill"): Choice("m2w1k32s2", 1, 1),
     (96, "decode"): Choice("m1w4k64s2", 4, 1),
-    (128, "prefill"): Choice("m2w1k64s2", 1, 1),
+    (128, "prefill"): Choice("m2w1k64s2", 1, 0),
     (128, "decode"): Choice("m1w4k64s2", 4, 1),
     (256, "prefill"): Choice("m1w1k16s3", 1, 1),
     (256, "decode"): Choice("m1w4k64s2", 4, 1),
@@ -123,8 +126,8 @@ class TensorCoreAttention:
             #: ctas, f}
             self.variants: dict[int, dict[str, dict[str, int]]] = {d: {} for d in HEAD_DIMS}
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            for d, mq, wkv, kt, st, qrows, smem, minb in self._read_variants():
-                name = f"m{mq}w{wkv}k{kt}s{st}" + (f"b{minb}" if minb else "")
+            for d, mq, wkv, kt, st, qrows, smem, minb, ks in self._read_variants():
+                name = f"m{mq}w{wkv}k{kt}s{st}" + (f"b{minb}" if minb else "") + (f"x{ks}" if ks else "")
                 f = drv.function(self.module, f"tc_attend_{dtype}_d{d}_{name}")
                 check(cu.cuFuncSetAttribute(f, attr, smem), "cuFuncSetAttribute")
                 per_sm = int(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, THREADS, smem),
