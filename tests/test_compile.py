@@ -154,6 +154,24 @@ def test_inductor_equals_hf_generate():
     assert compiled == refs
 
 
+def test_released_compile_workers_leave_compile_working(monkeypatch):
+    """What ``warmup()`` does after capturing compiled graphs: inductor's worker pool is
+    shut down through torch's own function, and a later compile still works (it starts
+    what it needs again)."""
+    from torch._inductor import async_compile
+
+    from cellcache.generate.engine import release_compile_workers
+
+    calls = []
+    real = async_compile.shutdown_compile_workers
+    monkeypatch.setattr(async_compile, "shutdown_compile_workers", lambda: (calls.append(1), real())[1])
+    x = torch.arange(5.0)
+    torch.testing.assert_close(torch.compile(lambda t: t.sin() * 2 + 1)(x), x.sin() * 2 + 1)
+    release_compile_workers()
+    assert calls == [1] and not async_compile._pool_set
+    torch.testing.assert_close(torch.compile(lambda t: t.cos() - 3)(x), x.cos() - 3)
+
+
 def test_the_op_outside_a_step_is_refused():
     q = torch.zeros(2, 4, 16)
     k = torch.zeros(2, 2, 16)

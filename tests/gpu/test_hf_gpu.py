@@ -143,7 +143,8 @@ def test_graph_greedy_ids_and_fed_inputs_match_the_synchronous_run():
     samplings = [Sampling(max_new_tokens=12 + 3 * (i % 4), temperature=0.9 if i % 3 == 1 else 0.0,
                           top_k=20 if i % 3 == 1 else 0, seed=i) for i in range(len(prompts))]
     # an explicit mask: HF would take the prompts' id 0 for padding (pad_token_id=0) and mask it
-    refs = [model.generate(torch.tensor([p], device="cuda"), attention_mask=torch.ones((1, len(p)), dtype=torch.long, device="cuda"),
+    refs = [model.generate(torch.tensor([p], device="cuda"),
+                           attention_mask=torch.ones((1, len(p)), dtype=torch.long, device="cuda"),
                            max_new_tokens=s.max_new_tokens, do_sample=False, eos_token_id=None,
                            pad_token_id=0)[0, len(p):].tolist()
             for p, s in zip(prompts, samplings)]
