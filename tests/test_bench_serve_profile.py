@@ -110,7 +110,12 @@ def test_tp2_gloo_profile_every_rank(tmp_path):
         pytest.fail("bench_serve --tp 2 --profile-steps did not finish within 180 s")
     assert proc.returncode == 0, stderr[-4000:]
     res = json.loads(out.read_text())
-    summaries = res["cellcache"]["profile"]
+    r = res["cellcache"]                             # the timed run's seconds by kind of step
+    assert r["mixed_calls"] >= 1 and r["decode_calls"] >= 1
+    assert r["mixed_calls"] + r["decode_calls"] + r["none_calls"] == r["steps"] + r["none_calls"]
+    walls = r["mixed_ms_total"] + r["decode_ms_total"] + r["none_ms_total"]
+    assert 0.5 * 1e3 * r["seconds"] <= walls <= 1e3 * r["seconds"]
+    summaries = r["profile"]
     assert [s["rank"] for s in summaries] == [0, 1]
     for s in summaries:
         _check_summary(s, 2)

@@ -773,12 +773,19 @@ def tp_bench(p, args) -> int:
         for prompt in batch if rank == 0 else []:
             gen.add(prompt, sampling)
         step_s: list[float] = []
+        by_kind: dict[str, list[float]] = {"mixed": [], "decode": [], "none": []}
+        gp = gen.profile
         _sync(device)
         t0 = time.perf_counter()
         while True:
+            m, d = gp["mixed_steps"], gp["decode_steps"]
             s = time.perf_counter()
             busy = gen.step()
-            step_s.append(time.perf_counter() - s)
+            took = time.perf_counter() - s
+            step_s.append(took)
+            # a call is booked by the step it applied (async: it launches the next one)
+            by_kind["mixed" if gp["mixed_steps"] > m else "decode" if gp["decode_steps"] > d
+                    else "none"].append(took)
             if not busy:
                 break
         _sync(device)
@@ -787,6 +794,10 @@ def tp_bench(p, args) -> int:
         res = {"seconds": elapsed, "tokens_out": st["tokens_out"], "tokens_per_s": st["tokens_out"] / elapsed,
                "steps": st["steps"], "graph_steps": st["graph_steps"],
                "step_ms_median": 1e3 * statistics.median(step_s), "step_ms_mean": 1e3 * elapsed / len(step_s)}
+        for kind, times in by_kind.items():      # where the run's seconds go, by kind of step
+            res[f"{kind}_calls"] = len(times)
+            res[f"{kind}_ms_total"] = 1e3 * sum(times)
+            res[f"{kind}_ms_median"] = 1e3 * statistics.median(times) if times else 0.0
         prof = getattr(gen, "profile", None)
         if isinstance(prof, dict) and prof.get("steps"):
             host = {k: v for k, v in prof["host_ms"].items() if k != "wait"}
@@ -824,7 +835,10 @@ def tp_bench(p, args) -> int:
         r = res["cellcache"]
         host = r.get("host_ms_per_step", float("nan"))
         log(f"[serve-tp] cellcache tp={world}: {r['tokens_per_s']:.0f} tokens/s, "
-            f"step median {r['step_ms_median']:.2f} ms, host/step {host:.3f} ms")
+            f"step median {r['step_ms_median']:.2f} ms, host/step {host:.3f} ms; "
+            f"{r['mixed_calls']} mixed steps {r['mixed_ms_total']:.0f} ms (median "
+            f"{r['mixed_ms_median']:.2f}), {r['decode_calls']} decode steps {r['decode_ms_total']:.0f} ms "
+            f"(median {r['decode_ms_median']:.2f})")
         if "profile" in r:
             print_profile(r["profile"], f"cellcache tp={world} {args.model}, {n} requests x "
                                         f"({plen} + {new}); files {path.parent}/{path.stem}-*-rank*")
