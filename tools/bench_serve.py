@@ -852,6 +852,8 @@ def tp_bench(p, args) -> int:
             res["hf-batch"] = {k: v for k, v in hf.items() if k != "outputs"}
             res["hf-batch"]["how"] = ("transformers' TP plan (prepare_distribute_model + "
                                       "maybe_distribute_model)" if world > 1 else "one process")
+            if args.profile_steps:            # (CUPTI may stay loaded after the profile pass)
+                res["hf-batch"]["after_profiler"] = True
         except Exception as e:  # noqa: BLE001 - reported
             res["hf-batch"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         if rank == 0 and "tokens_per_s" in res["hf-batch"]:
@@ -919,8 +921,9 @@ def main(argv=None) -> int:
                    help="tensor parallelism (issue 19): N ranks under torchrun --nproc-per-node N "
                         "(1: one process, the comparison); the default workload only")
     p.add_argument("--profile-steps", type=in_range(0, 1024), default=0, metavar="N",
-                   help="after the first cellcache run (prefix cache on; with --tp the measured "
-                        "run), serve its requests once more on the same generator with "
+                   help="a cellcache run (prefix cache on) after every other run (with --tp: the "
+                        "measured run, before HF's), then its requests once more on the same "
+                        "generator with "
                         "torch.profiler (CUDA activities on CUDA, the CPU's otherwise) over N "
                         "consecutive steps from the middle of the decode steps, on every rank, "
                         f"after {PROFILE_WARMUP} steps it discards; prints per step: the GPU's "
@@ -1008,10 +1011,7 @@ def main(argv=None) -> int:
     for rep in range(args.repeat):
         for key, prefix in (modes if rep % 2 == 0 else modes[::-1]):
             log(f"[serve] {key} (prefix cache {'on' if prefix else 'off'})")
-            profiled = args.profile_steps if rep == 0 and key == "cellcache" else 0
-            r = run(prefix, profile_steps=profiled)
-            if "profile" in r:
-                res["profile"] = [r.pop("profile")]
+            r = run(prefix)
             log(f"[serve] {key}: {r['tokens_per_s']:.0f} tokens/s, prompt tokens computed "
                 f"{r['computed_tokens']} (ideal {work['ideal_computed']})")
             if key not in res or r["tokens_per_s"] > res[key]["tokens_per_s"]:
@@ -1065,6 +1065,11 @@ def main(argv=None) -> int:
             log(f"[serve] {hf}: {res[hf]['tokens_per_s']:.0f} tokens/s")
         except Exception as e:  # noqa: BLE001 - reported in the table
             res[hf] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        save()
+    if args.profile_steps:
+        # last, so that nothing measured runs after the profiler (CUPTI may stay loaded)
+        log(f"[serve] cellcache, profile pass ({args.profile_steps} steps, torch.profiler)")
+        res["profile"] = [run(True, profile_steps=args.profile_steps)["profile"]]
         save()
     base = res["cellcache"]["outputs"]
     for key in ("cellcache_off", "cellcache_staggered", "cellcache_poisson", "cellcache_poisson_at_capacity",
