@@ -37,7 +37,10 @@ cellcache's (eager steps). Every cellcache run reports time to
 first token and inter-token latency, p50 and p99 (``Generator.latency()``). On CUDA the
 default workload runs once more with CUDA events around each decode replay: its decode GPU
 time and breakdown are the host-time target's denominator, while the host phases come from
-the timed run, which carries no events.
+the timed run, which carries no events. ``--profile-steps N`` (with or without ``--tp``)
+serves the first run's requests once more on its generator with ``torch.profiler`` over N
+steady decode steps from the middle of the run, on every rank, and prints where a step's
+time goes (GPU time by kernel category, GPU idle, host time, the top kernels).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import re
 import statistics
 import sys
 import time
@@ -120,10 +124,14 @@ def summarize(gen, elapsed: float, reqs) -> dict:
 
 
 def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, device: str,
-         prefix: bool = True, with_breakdown: bool = False, rate: float = 0.0, seed: int = 0) -> dict:
+         prefix: bool = True, with_breakdown: bool = False, rate: float = 0.0, seed: int = 0,
+         profile_steps: int = 0, profile_to: tuple[Path, str] | None = None) -> dict:
     """Every prompt served: all arriving ``"together"``, ``"staggered"`` (32 every 16 steps)
     or at the times of a seeded Poisson process of ``rate`` requests a second (``"poisson"``:
-    added by a client thread while this one steps, as a server would see them)."""
+    added by a client thread while this one steps, as a server would see them).
+    ``profile_steps``: then the same prompts once more on the same generator, all together,
+    through :func:`profile_pass` (its summary in ``res["profile"]``, its files written to
+    ``profile_to``: folder, stem)."""
     from cellcache.generate import Sampling, poisson_arrivals, serve_arrivals
 
     gen = make_gen(model, w, prefix, capacity, len(prompts) + 8)
@@ -202,6 +210,12 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
             res["decode_gpu_samples"] = len(rows[T])
     if with_breakdown and device == "cuda":
         res["breakdown"] = breakdown(gen, model)
+    if profile_steps:
+        gen.step, gen.cache.prepare_step = real_step, real_prepare    # the timers off
+        start = max(0, (gen.profile["decode_steps"] - profile_steps - PROFILE_WARMUP) // 2)
+        summary = profile_pass(gen, prompts, new_tokens, profile_steps, start, device)
+        folder, stem = profile_to or (ROOT / "benchmarks" / "results", "serve")
+        res["profile"] = save_profile(summary, folder, stem, 0)
     gen.cache.close()
     return res
 
@@ -367,6 +381,346 @@ def build_workload(name: str, w: dict, vocab: int, seed: int) -> dict:
     return {"prompts": prompts, "ideal_computed": ideal}
 
 
+# -- --profile-steps N: torch.profiler over N steady decode steps ---------------------------------
+#: Steps the profiler runs before recording (its own start-up, CUPTI's first buffers, stays
+#: out of the N recorded steps).
+PROFILE_WARMUP = 2
+#: Kernel (CPU: operator) categories of the profile table, in its order.
+CATEGORIES = ("gemm", "collective", "attention", "cellcache_step", "memcpy", "other")
+_ANNOTATIONS = ("cellcache.step", "cellcache.handover", "cellcache.prepare_step",
+                "cellcache.forward", "cellcache.sample_launch")
+
+
+def kernel_category(name: str) -> str:
+    """The profile table's category of a GPU kernel (or, on the CPU, an operator) by name:
+    memcpy (copies, memsets), collective (NCCL kernels; gloo/c10d ops on the CPU),
+    attention (cellcache's kernels: paged decode/prefill/merge, store_kv, tc_attend, the
+    prefill plan; FlashInfer's; on the CPU, SDPA), cellcache_step (the step kernels build_step/apply_step),
+    gemm (cuBLAS/cuBLASLt/CUTLASS kernels, aten matmuls on the CPU), other (elementwise,
+    norms, rotary, argmax, ...)."""
+    n = name.lower()
+    if "memcpy" in n or "memset" in n or n in ("aten::copy_", "aten::to", "aten::_to_copy"):
+        return "memcpy"
+    if any(k in n for k in ("nccl", "gloo", "c10d", "all_reduce", "allreduce", "all_gather",
+                            "allgather", "reduce_scatter", "broadcast_", "wait_tensor")):
+        return "collective"
+    if any(k in n for k in ("paged_decode", "paged_prefill", "paged_merge", "prefill_plan",
+                            "store_kv", "tc_attend", "attend_", "flashinfer", "batchdecode",
+                            "batchprefill", "cellcache::attention", "scaled_dot_product")):
+        return "attention"
+    if n.startswith(("build_step", "apply_step")):
+        return "cellcache_step"
+    if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "gemv", "splitk",
+                            "wgmma", "triton_tem", "aten::mm", "aten::addmm", "aten::bmm",
+                            "aten::matmul", "aten::linear", "aten::baddbmm")):
+        return "gemm"
+    return "other"
+
+
+def _annotate(gen, forward_events: list | None):
+    """Wraps the generator's handover (TP), the cache's prepare_step, the runner's forward
+    and the sampler's launch in ``record_function`` ranges (``cellcache.*``), for the host
+    table; with ``forward_events`` (CUDA), each forward also records a CUDA event pair
+    around it while ``forward_events`` is armed (its first item, a list of free pairs, is
+    non-empty). Returns a function that takes the wrappers off."""
+    from torch.profiler import record_function
+
+    undo = []
+
+    def wrap(obj, attr: str, label: str, events: bool = False) -> None:
+        real = getattr(obj, attr)
+
+        def wrapped(*a, **k):
+            with record_function(label):
+                if events and forward_events and forward_events[0]:
+                    start, end = forward_events[0].pop()
+                    start.record()
+                    out = real(*a, **k)
+                    end.record()
+                    forward_events.append((start, end))
+                    return out
+                return real(*a, **k)
+
+        had = attr in vars(obj) if hasattr(obj, "__dict__") else False
+        setattr(obj, attr, wrapped)
+        undo.append((obj, attr, real, had))
+
+    if gen.tp is not None:
+        wrap(gen.tp, "handover", "cellcache.handover")
+    wrap(gen.cache, "prepare_step", "cellcache.prepare_step")
+    wrap(gen.runner, "forward", "cellcache.forward", events=True)
+    sampler = gen.sampler.inner if hasattr(gen.sampler, "inner") else gen.sampler
+    wrap(sampler, "launch", "cellcache.sample_launch")
+
+    def off() -> None:
+        for obj, attr, real, had in reversed(undo):
+            if had:
+                setattr(obj, attr, real)
+            else:
+                try:
+                    delattr(obj, attr)
+                except AttributeError:
+                    setattr(obj, attr, real)
+
+    return off
+
+
+def profile_pass(gen, prompts: list, new_tokens: int, steps: int, start_after: int, device: str,
+                 add: bool = True) -> dict:
+    """Serves ``prompts`` (all arriving together; ``add``: this rank adds them, rank 0 under
+    TP) on ``gen`` (idle, its graphs captured by the timed run) once more, with
+    ``torch.profiler`` (CUDA activities on CUDA, the CPU's otherwise) over ``steps``
+    consecutive ``step()`` calls once ``start_after`` decode steps have landed (the middle
+    of the run's decode steps), after :data:`PROFILE_WARMUP` calls the profiler discards.
+    Every rank runs it (the window is a function of the shared schedule). Returns
+    :func:`profile_summary`'s dict for this rank; the pass's own throughput is not reported
+    (the profiler's overhead is in it)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+    from cellcache.generate import Sampling
+
+    cuda = device == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    pairs = ([(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(steps + 4)] if cuda else [])
+    fwd_events: list = [[]]                  # [free pairs while armed, then the used pairs]
+    off = _annotate(gen, fwd_events if cuda else None)
+    sampling = Sampling(max_new_tokens=new_tokens)
+    if add:
+        for p in prompts:
+            gen.add(p, sampling)
+    kept: list = []
+    prof = None
+    calls = 0                                # step() calls since the profiler started
+    walls: list[float] = []
+    kinds: list[str] = []
+    p_before: dict = {}
+    decode0 = gen.profile["decode_steps"]
+    total = PROFILE_WARMUP + steps
+    try:
+        while True:
+            d, m = gen.profile["decode_steps"], gen.profile["mixed_steps"]
+            recording = prof is not None and PROFILE_WARMUP <= calls < total
+            if recording and calls == PROFILE_WARMUP:
+                fwd_events[0] = pairs[::-1]  # armed for the recorded calls
+                p_before = {k: dict(gen.profile[k]) for k in ("host_ms", "decode_host_ms")}
+                p_before["steps"], p_before["decode_steps"] = gen.profile["steps"], d
+            s = time.perf_counter()
+            with record_function("cellcache.step"):
+                busy = gen.step()
+            took = time.perf_counter() - s
+            landed = ("decode" if gen.profile["decode_steps"] > d else
+                      "mixed" if gen.profile["mixed_steps"] > m else "none")
+            if prof is None:
+                if landed == "decode" and gen.profile["decode_steps"] - decode0 >= start_after \
+                        and busy:
+                    prof = profile(activities=acts, schedule=schedule(
+                        wait=0, warmup=PROFILE_WARMUP, active=steps, repeat=1),
+                        on_trace_ready=kept.append)
+                    prof.start()
+            elif calls < total:
+                if recording:
+                    walls.append(took)
+                    kinds.append(landed)
+                calls += 1
+                if calls == total:
+                    fwd_events[0] = []
+                    p_after = {k: dict(gen.profile[k]) for k in ("host_ms", "decode_host_ms")}
+                    p_after["steps"] = gen.profile["steps"]
+                    p_after["decode_steps"] = gen.profile["decode_steps"]
+                prof.step()
+            if not busy:
+                break
+    finally:
+        if prof is not None and not kept:
+            prof.stop()                      # the run ended inside the window
+        off()
+    if prof is None or not walls:
+        return {"error": f"the run ended before a profile window of {steps} steps after "
+                         f"{start_after} decode steps (give fewer --profile-steps or more "
+                         f"--new-tokens)", "steps": 0}
+    if calls < total:
+        p_after = {k: dict(gen.profile[k]) for k in ("host_ms", "decode_host_ms")}
+        p_after["steps"], p_after["decode_steps"] = gen.profile["steps"], gen.profile["decode_steps"]
+    if cuda:
+        torch.cuda.synchronize()
+    fwd_ms = [a.elapsed_time(b) for a, b in fwd_events[1:]]
+    n_steps = max(1, p_after["steps"] - p_before["steps"])
+    phases = {k: round(1e3 * (v - p_before["host_ms"].get(k, 0.0)) / n_steps, 1)
+              for k, v in p_after["host_ms"].items()}
+    summary = profile_summary(prof, len(walls), cuda)
+    summary.update(
+        window={"start_after_decode_steps": start_after, "warmup_calls": PROFILE_WARMUP,
+                "kinds": {k: kinds.count(k) for k in sorted(set(kinds))}},
+        step_wall_us={"median": round(1e6 * statistics.median(walls), 1),
+                      "mean": round(1e6 * sum(walls) / len(walls), 1),
+                      "max": round(1e6 * max(walls), 1)},
+        host_phases_us_per_step=phases,
+        host_us_per_step=round(sum(v for k, v in phases.items() if k != "wait"), 1))
+    if fwd_ms:
+        summary["forward_gpu_us"] = {"median": round(1e3 * statistics.median(fwd_ms), 1),
+                                     "min": round(1e3 * min(fwd_ms), 1),
+                                     "max": round(1e3 * max(fwd_ms), 1), "samples": len(fwd_ms)}
+    summary["_prof"] = prof                  # for the trace export; dropped before JSON
+    return summary
+
+
+def profile_summary(prof, steps: int, cuda: bool) -> dict:
+    """Per-step numbers from a finished profiler over ``steps`` steps, from torch.profiler's
+    own events: device time by :func:`kernel_category` (CUDA: every kernel, copy and memset
+    the window recorded; CPU: the operators' self time), the GPU's busy time (union of its
+    kernels), span (first start to last end) and idle gaps, the top 15 kernels, and host
+    time by annotation and CUDA runtime call."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    per: dict[str, list[float]] = {}          # name -> [total us, count]
+    intervals: list[tuple[float, float]] = []
+    devices: set = set()
+    if cuda:
+        for e in events:
+            if e.device_type == DeviceType.CPU or getattr(e, "is_user_annotation", False) \
+                    or e.name in _ANNOTATIONS or e.name.startswith("ProfilerStep"):
+                continue                     # (record_function ranges drawn on the GPU's rows)
+            start, end = e.time_range.start, e.time_range.end
+            intervals.append((start, end))
+            devices.add(getattr(e, "device_index", None))
+            row = per.setdefault(e.name, [0.0, 0])
+            row[0] += end - start
+            row[1] += 1
+    host: dict[str, list[float]] = {}
+    for a in prof.key_averages():
+        if getattr(a, "device_type", DeviceType.CPU) != DeviceType.CPU:
+            continue
+        key = a.key
+        if key in _ANNOTATIONS or re.match(r"cu(da)?[A-Z]", key) \
+                or key.startswith(("gloo", "c10d::")) or "nccl" in key.lower():
+            host[key] = [a.cpu_time_total, a.count]
+        if not cuda and not key.startswith(("cellcache.", "ProfilerStep")) and a.self_cpu_time_total > 0:
+            per[key] = [float(a.self_cpu_time_total), a.count]
+    n = max(steps, 1)
+    cats = dict.fromkeys(CATEGORIES, 0.0)
+    for name, (tot, _) in per.items():
+        cats[kernel_category(name)] += tot
+    out: dict[str, Any] = {
+        "steps": steps, "activities": "cuda" if cuda else "cpu",
+        "device_us_per_step": {k: round(v / n, 1) for k, v in cats.items()},
+        "device_us_per_step_total": round(sum(cats.values()) / n, 1),
+        "top_kernels": [{"name": name, "category": kernel_category(name),
+                         "us_per_step": round(tot / n, 1), "calls_per_step": round(cnt / n, 2),
+                         "us_per_call": round(tot / max(cnt, 1), 2)}
+                        for name, (tot, cnt) in sorted(per.items(), key=lambda kv: -kv[1][0])[:15]],
+        "host_us_per_step": {},
+        "host_calls_per_step": {k: {"us": round(t / n, 1), "calls": round(c / n, 2)}
+                                for k, (t, c) in sorted(host.items(), key=lambda kv: -kv[1][0])[:12]},
+    }
+    if cuda:
+        out["devices"] = sorted(d for d in devices if d is not None)
+        if intervals:
+            intervals.sort()
+            busy, gaps = 0.0, []
+            cur_s, cur_e = intervals[0]
+            for s, e in intervals[1:]:
+                if s > cur_e:
+                    busy += cur_e - cur_s
+                    gaps.append(s - cur_e)
+                    cur_s, cur_e = s, e
+                else:
+                    cur_e = max(cur_e, e)
+            busy += cur_e - cur_s
+            span = cur_e - intervals[0][0]
+            out["gpu"] = {"span_us_per_step": round(span / n, 1), "busy_us_per_step": round(busy / n, 1),
+                          "idle_us_per_step": round((span - busy) / n, 1),
+                          "largest_gap_us": round(max(gaps, default=0.0), 1),
+                          "gaps_over_50us": sum(g > 50 for g in gaps),
+                          "kernels_per_step": round(len(intervals) / n, 1)}
+        else:
+            out["gpu"] = {"note": "no GPU activity recorded (CUPTI traced no kernel)"}
+    return out
+
+
+def print_profile(summaries: list[dict], title: str) -> None:
+    """The profile table: a column per rank (``summaries[r]``)."""
+    ok = [s for s in summaries if "error" not in s]
+    print()
+    print(f"profile: {title}")
+    for r, s in enumerate(summaries):
+        if "error" in s:
+            print(f"  rank {r}: {s['error']}")
+    if not ok:
+        return
+    ranks = [r for r, s in enumerate(summaries) if "error" not in s]
+    head = "".join(f"{'rank ' + str(r):>12}" for r in ranks)
+    w0 = ok[0]
+    unit = "GPU" if w0["activities"] == "cuda" else "CPU (operators' self time)"
+    print(f"  {w0['steps']} steps recorded (kinds {w0['window']['kinds']}), after "
+          f"{w0['window']['start_after_decode_steps']} decode steps; us per step")
+    print(f"  {'':<34}{head}")
+
+    def line(label: str, get) -> None:
+        vals = []
+        for s in ok:
+            try:
+                v = get(s)
+            except (KeyError, TypeError):
+                v = None
+            vals.append(f"{v:>12.1f}" if isinstance(v, (int, float)) else f"{'-':>12}")
+        print(f"  {label:<34}{''.join(vals)}")
+
+    line("step wall (median)", lambda s: s["step_wall_us"]["median"])
+    line("step wall (mean)", lambda s: s["step_wall_us"]["mean"])
+    if w0["activities"] == "cuda":
+        line("forward on the GPU (events, median)", lambda s: s["forward_gpu_us"]["median"])
+        line("GPU span (first to last kernel)", lambda s: s["gpu"]["span_us_per_step"])
+        line("GPU busy (union of kernels)", lambda s: s["gpu"]["busy_us_per_step"])
+        line("GPU idle (gaps)", lambda s: s["gpu"]["idle_us_per_step"])
+        line("  largest single gap", lambda s: s["gpu"]["largest_gap_us"])
+        line("  kernels per step", lambda s: s["gpu"]["kernels_per_step"])
+    print(f"  {unit} time by category:")
+    for c in CATEGORIES:
+        line(f"  {c}", lambda s, c=c: s["device_us_per_step"][c])
+    line("  sum", lambda s: s["device_us_per_step_total"])
+    print("  host (profiler overhead included):")
+    line("  host phases (Generator.profile)", lambda s: s["host_us_per_step"])
+    for k in w0["host_phases_us_per_step"]:
+        line(f"    {k}", lambda s, k=k: s["host_phases_us_per_step"][k])
+    keys = list(dict.fromkeys(k for s in ok for k in s["host_calls_per_step"]))
+    for k in keys:
+        line(f"  {k[:32]}", lambda s, k=k: s["host_calls_per_step"][k]["us"])
+    for r, s in zip(ranks, ok):
+        print(f"  rank {r}: top kernels" + (f" (device {s['devices']})" if s.get("devices") else ""))
+        print(f"    {'us/step':>9} {'calls':>6} {'us/call':>8}  {'category':<14} name")
+        for k in s["top_kernels"]:
+            print(f"    {k['us_per_step']:>9.1f} {k['calls_per_step']:>6.1f} {k['us_per_call']:>8.2f}  "
+                  f"{k['category']:<14} {k['name'][:90]}")
+
+
+def save_profile(summary: dict, folder: Path, stem: str, rank: int) -> dict:
+    """Writes this rank's summary (``{stem}-profile-rank{rank}.json``) and chrome trace
+    (``...-trace-rank{rank}.json.gz``) into ``folder``; returns the summary without the
+    profiler object."""
+    import gzip
+    import shutil
+    import tempfile
+
+    prof = summary.pop("_prof", None)
+    folder.mkdir(parents=True, exist_ok=True)
+    if prof is not None:
+        trace = folder / f"{stem}-trace-rank{rank}.json.gz"
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = Path(tmp) / "trace.json"
+            try:
+                prof.export_chrome_trace(str(raw))
+                with open(raw, "rb") as fin, gzip.open(trace, "wb") as fout:
+                    shutil.copyfileobj(fin, fout)
+                summary["trace"] = str(trace)
+            except Exception as e:  # noqa: BLE001 - the summary is what matters
+                summary["trace_error"] = f"{type(e).__name__}: {e}"[:200]
+    (folder / f"{stem}-profile-rank{rank}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 # -- tensor parallelism (issue 19): --tp N under torchrun ------------------------------------------
 def tp_bench(p, args) -> int:
     """``torchrun --nproc-per-node N tools/bench_serve.py --model qwen2-7b --tp N`` (``--tp 1``
@@ -406,7 +760,11 @@ def tp_bench(p, args) -> int:
     prompts = [rng.integers(0, model.config.vocab_size, size=plen).tolist() for _ in range(n)]
     capacity = n * (plen + new) + 4096
 
-    def serve(batch: list, new_tokens: int) -> dict:
+    date = _dt.date.today().isoformat()
+    stem = f"serve-tp{world}-{args.model}-{date}"
+    path = args.json or ROOT / "benchmarks" / "results" / f"{stem}.json"
+
+    def serve(batch: list, new_tokens: int, profile_steps: int = 0) -> dict:
         gen = Generator(model, capacity=capacity, max_batch_tokens=w["max_batch_tokens"],
                         max_seqs=len(batch) + 8, prefill_chunk=w["prefill_chunk"], eos=[],
                         prefix_cache=False, tp=world if world > 1 else None)
@@ -415,12 +773,19 @@ def tp_bench(p, args) -> int:
         for prompt in batch if rank == 0 else []:
             gen.add(prompt, sampling)
         step_s: list[float] = []
+        by_kind: dict[str, list[float]] = {"mixed": [], "decode": [], "none": []}
+        gp = gen.profile
         _sync(device)
         t0 = time.perf_counter()
         while True:
+            m, d = gp["mixed_steps"], gp["decode_steps"]
             s = time.perf_counter()
             busy = gen.step()
-            step_s.append(time.perf_counter() - s)
+            took = time.perf_counter() - s
+            step_s.append(took)
+            # a call is booked by the step it applied (async: it launches the next one)
+            by_kind["mixed" if gp["mixed_steps"] > m else "decode" if gp["decode_steps"] > d
+                    else "none"].append(took)
             if not busy:
                 break
         _sync(device)
@@ -429,6 +794,10 @@ def tp_bench(p, args) -> int:
         res = {"seconds": elapsed, "tokens_out": st["tokens_out"], "tokens_per_s": st["tokens_out"] / elapsed,
                "steps": st["steps"], "graph_steps": st["graph_steps"],
                "step_ms_median": 1e3 * statistics.median(step_s), "step_ms_mean": 1e3 * elapsed / len(step_s)}
+        for kind, times in by_kind.items():      # where the run's seconds go, by kind of step
+            res[f"{kind}_calls"] = len(times)
+            res[f"{kind}_ms_total"] = 1e3 * sum(times)
+            res[f"{kind}_ms_median"] = 1e3 * statistics.median(times) if times else 0.0
         prof = getattr(gen, "profile", None)
         if isinstance(prof, dict) and prof.get("steps"):
             host = {k: v for k, v in prof["host_ms"].items() if k != "wait"}
@@ -437,24 +806,42 @@ def tp_bench(p, args) -> int:
             if prof.get("decode_steps"):
                 res["decode_host_ms_per_step"] = sum(
                     v for k, v in prof["decode_host_ms"].items() if k != "wait") / prof["decode_steps"]
+        if profile_steps:
+            # after the timed run, on the same generator (graphs captured): the same requests
+            # again, the profiler over steps from the middle of their decode steps
+            start = max(0, (prof["decode_steps"] - profile_steps - PROFILE_WARMUP) // 2)
+            summary = profile_pass(gen, batch, new_tokens, profile_steps, start, device, add=rank == 0)
+            summary["rank"] = rank
+            summary = save_profile(summary, path.parent, path.stem, rank)
+            every = [summary]
+            if world > 1:
+                import torch.distributed as dist
+
+                every = [None] * world
+                dist.all_gather_object(every, summary, group=gen.tp.group)
+            res["profile"] = every
         gen.cache.close()
         return res
 
-    res: dict = {"date": _dt.date.today().isoformat(), "command": " ".join(sys.argv),
+    res: dict = {"date": date, "command": " ".join(sys.argv),
                  "workload": {"model": args.model, "device": device, "tp": world, "requests": n,
                               "prompt_len": plen, "new_tokens": new, "capacity": capacity,
                               "max_batch_tokens": w["max_batch_tokens"], "prefill_chunk": w["prefill_chunk"]}}
     if rank == 0:
         log(f"[serve-tp] tp={world} {args.model}: warm-up")
     serve(prompts[:8], 8)                                         # kernels, graphs
-    res["cellcache"] = serve(prompts, new)
+    res["cellcache"] = serve(prompts, new, args.profile_steps)
     if rank == 0:
         r = res["cellcache"]
         host = r.get("host_ms_per_step", float("nan"))
         log(f"[serve-tp] cellcache tp={world}: {r['tokens_per_s']:.0f} tokens/s, "
-            f"step median {r['step_ms_median']:.2f} ms, host/step {host:.3f} ms")
-    stem = f"serve-tp{world}-{args.model}-{res['date']}"
-    path = args.json or ROOT / "benchmarks" / "results" / f"{stem}.json"
+            f"step median {r['step_ms_median']:.2f} ms, host/step {host:.3f} ms; "
+            f"{r['mixed_calls']} mixed steps {r['mixed_ms_total']:.0f} ms (median "
+            f"{r['mixed_ms_median']:.2f}), {r['decode_calls']} decode steps {r['decode_ms_total']:.0f} ms "
+            f"(median {r['decode_ms_median']:.2f})")
+        if "profile" in r:
+            print_profile(r["profile"], f"cellcache tp={world} {args.model}, {n} requests x "
+                                        f"({plen} + {new}); files {path.parent}/{path.stem}-*-rank*")
     if rank == 0:                                 # saved now, and again with HF's run
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
@@ -465,6 +852,8 @@ def tp_bench(p, args) -> int:
             res["hf-batch"] = {k: v for k, v in hf.items() if k != "outputs"}
             res["hf-batch"]["how"] = ("transformers' TP plan (prepare_distribute_model + "
                                       "maybe_distribute_model)" if world > 1 else "one process")
+            if args.profile_steps:            # (CUPTI may stay loaded after the profile pass)
+                res["hf-batch"]["after_profiler"] = True
         except Exception as e:  # noqa: BLE001 - reported
             res["hf-batch"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         if rank == 0 and "tokens_per_s" in res["hf-batch"]:
@@ -473,7 +862,9 @@ def tp_bench(p, args) -> int:
         if "tokens_per_s" in res.get("hf-batch", {}):
             res["cellcache_vs_hf_batch"] = res["cellcache"]["tokens_per_s"] / res["hf-batch"]["tokens_per_s"]
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
-        print(json.dumps(res, indent=2, default=str))
+        shown = {k: ({kk: vv for kk, vv in v.items() if kk != "profile"} if isinstance(v, dict) else v)
+                 for k, v in res.items()}         # the profile: its table above, and the files
+        print(json.dumps(shown, indent=2, default=str))
     if world > 1:
         import torch.distributed as dist
 
@@ -529,7 +920,25 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=in_range(1, 1 << 12), default=None,
                    help="tensor parallelism (issue 19): N ranks under torchrun --nproc-per-node N "
                         "(1: one process, the comparison); the default workload only")
+    p.add_argument("--profile-steps", type=in_range(0, 1024), default=0, metavar="N",
+                   help="a cellcache run (prefix cache on) after every other run (with --tp: the "
+                        "measured run, before HF's), then its requests once more on the same "
+                        "generator with "
+                        "torch.profiler (CUDA activities on CUDA, the CPU's otherwise) over N "
+                        "consecutive steps from the middle of the decode steps, on every rank, "
+                        f"after {PROFILE_WARMUP} steps it discards; prints per step: the GPU's "
+                        "time by kernel category (gemm, collective, attention, cellcache_step, "
+                        "memcpy, other), its busy, span and idle time, the forward's GPU time "
+                        "(CUDA events), host time (step wall, Generator.profile phases, "
+                        "annotated calls, CUDA runtime calls), and the top 15 kernels; each rank "
+                        "writes <json stem>-profile-rank<r>.json and a chrome trace "
+                        "<json stem>-trace-rank<r>.json.gz beside the --json file (default: "
+                        "benchmarks/results). The headline numbers come from the run before, "
+                        "which carries no profiler. 0: off (default); default and shared "
+                        "workloads")
     args = p.parse_args(argv)
+    if args.profile_steps and args.tp is None and args.workload == "chat":
+        p.error("--profile-steps profiles the default and shared workloads (not chat)")
     if args.tp is not None:
         if args.compile:
             p.error("--compile is measured in one process (without --tp)")
@@ -585,11 +994,13 @@ def main(argv=None) -> int:
                 for k, v in res.items()}
         path.write_text(json.dumps(slim, indent=2, default=str) + "\n")
 
-    def run(prefix: bool, arrival: str = "together", breakdown_: bool = False, rate: float = 0.0) -> dict:
+    def run(prefix: bool, arrival: str = "together", breakdown_: bool = False, rate: float = 0.0,
+            profile_steps: int = 0) -> dict:
         if name == "chat":
             return chat(model, work["first"], work["messages"], new, capacity, w, device, prefix)
         return ours(model, work["prompts"], new, arrival, capacity, w, device, prefix, breakdown_,
-                    rate=rate, seed=args.seed)
+                    rate=rate, seed=args.seed, profile_steps=profile_steps,
+                    profile_to=(path.parent, path.stem))
 
     log(f"[serve] {name}: warm-up")                            # kernels, graphs
     if name == "chat":
@@ -655,6 +1066,11 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - reported in the table
             res[hf] = {"error": f"{type(e).__name__}: {e}"[:300]}
         save()
+    if args.profile_steps:
+        # last, so that nothing measured runs after the profiler (CUPTI may stay loaded)
+        log(f"[serve] cellcache, profile pass ({args.profile_steps} steps, torch.profiler)")
+        res["profile"] = [run(True, profile_steps=args.profile_steps)["profile"]]
+        save()
     base = res["cellcache"]["outputs"]
     for key in ("cellcache_off", "cellcache_staggered", "cellcache_poisson", "cellcache_poisson_at_capacity",
                 "hf-batch", "hf-static"):
@@ -692,6 +1108,9 @@ def main(argv=None) -> int:
         if "same_outputs_as_cellcache" in res.get(key, {}):
             same = res[key]["same_outputs_as_cellcache"]
             print(f"{key}: same greedy outputs as cellcache for {same} requests")
+    if "profile" in res:
+        print_profile(res["profile"], f"cellcache (prefix cache on) {args.model}, {name} workload; "
+                                      f"files {path.parent}/{path.stem}-*-rank0*")
     bd = res["cellcache"].get("breakdown", {})
     if bd:
         print(f"decode step of {bd['decode_rows']} rows: forward {bd['forward_ms']:.2f} ms = attention "

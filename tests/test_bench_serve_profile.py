@@ -1,0 +1,126 @@
+"""tools/bench_serve.py --profile-steps on the CPU: the option's usage errors, the kernel
+categories, a one-process run and a 2-rank gloo run under torchrun (tiny model, --quick)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from .helpers import TOOLS, load_tool
+
+TOOL = TOOLS / "bench_serve.py"
+ROOT = TOOLS.parent
+QUICK = ["--device", "cpu", "--model", "tiny", "--quick"]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", CELLCACHE_TP_TIMEOUT="60", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def test_help_documents_the_option():
+    r = subprocess.run([sys.executable, str(TOOL), "--help"], capture_output=True, text=True, env=_env())
+    assert r.returncode == 0
+    assert "--profile-steps N" in r.stdout and "top 15 kernels" in " ".join(r.stdout.split())
+
+
+@pytest.mark.parametrize("args", [["--profile-steps", "-1"], ["--profile-steps", "x"],
+                                  ["--profile-steps", "2", "--workload", "chat"]])
+def test_bad_usage_exits_2_with_one_line(args):
+    r = subprocess.run([sys.executable, str(TOOL), *QUICK, *args], capture_output=True, text=True,
+                       env=_env())
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("bench_serve: error:")
+
+
+def test_kernel_categories():
+    cat = load_tool("bench_serve").kernel_category
+    names = {
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collective",
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collective",
+        "nvjet_tst_128x64_64x8_2x1_v_bz_coopA_NTN": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "gemm",
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>":
+            "gemm",
+        "paged_decode_bf16_g7": "attention",
+        "tc_attend_bf16_d128_m2w1k64s2x64": "attention",
+        "store_kv_bf16": "attention",
+        "build_step": "cellcache_step",
+        "Memcpy HtoD (Pinned -> Device)": "memcpy",
+        "Memset (Device)": "memcpy",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>":
+            "other",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps>>":
+            "other",
+        "aten::mm": "gemm",
+        "gloo:all_reduce": "collective",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+    }
+    assert {n: cat(n) for n in names} == names
+
+
+def _check_summary(s: dict, steps: int) -> None:
+    assert "error" not in s, s
+    assert s["steps"] == steps and s["activities"] == "cpu"
+    assert s["window"]["kinds"] == {"decode": steps}           # steady decode steps only
+    per = s["device_us_per_step"]
+    assert set(per) == {"gemm", "collective", "attention", "cellcache_step", "memcpy", "other"}
+    assert per["gemm"] > 0 and per["attention"] > 0
+    assert s["device_us_per_step_total"] == pytest.approx(sum(per.values()), abs=1)
+    assert 0 < len(s["top_kernels"]) <= 15
+    tops = [k["us_per_step"] for k in s["top_kernels"]]
+    assert tops == sorted(tops, reverse=True)
+    assert s["step_wall_us"]["median"] > 0 and s["host_us_per_step"] > 0
+    assert s["host_calls_per_step"]["cellcache.forward"]["calls"] == 1   # one forward a step
+
+
+def test_one_process_profile(tmp_path, capsys):
+    mod = load_tool("bench_serve")
+    out = tmp_path / "s.json"
+    code = mod.main([*QUICK, "--skip", "off,staggered,hf-batch,hf-static", "--json", str(out),
+                     "--profile-steps", "3"])
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert "profile" not in res["cellcache"]           # the headline run carries no profile
+    (s,) = res["profile"]
+    _check_summary(s, 3)
+    assert s["window"]["start_after_decode_steps"] > 0    # from the middle, not the start
+    assert (tmp_path / "s-profile-rank0.json").exists() and (tmp_path / "s-trace-rank0.json.gz").exists()
+    printed = capsys.readouterr().out
+    assert "profile: cellcache" in printed and "top kernels" in printed
+
+
+def test_tp2_gloo_profile_every_rank(tmp_path):
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(TOOL), *QUICK, "--tp", "2", "--skip", "hf-batch", "--json", str(out), "--profile-steps", "2"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("bench_serve --tp 2 --profile-steps did not finish within 180 s")
+    assert proc.returncode == 0, stderr[-4000:]
+    res = json.loads(out.read_text())
+    r = res["cellcache"]                             # the timed run's seconds by kind of step
+    assert r["mixed_calls"] >= 1 and r["decode_calls"] >= 1
+    assert r["mixed_calls"] + r["decode_calls"] + r["none_calls"] == r["steps"] + r["none_calls"]
+    walls = r["mixed_ms_total"] + r["decode_ms_total"] + r["none_ms_total"]
+    assert 0.5 * 1e3 * r["seconds"] <= walls <= 1e3 * r["seconds"]
+    summaries = r["profile"]
+    assert [s["rank"] for s in summaries] == [0, 1]
+    for s in summaries:
+        _check_summary(s, 2)
+        assert s["device_us_per_step"]["collective"] > 0          # the model's all-reduces (gloo)
+        assert s["host_calls_per_step"]["cellcache.handover"]["calls"] >= 1
+    for r in (0, 1):
+        assert (tmp_path / f"tp-profile-rank{r}.json").exists()
+    assert "rank 0" in stdout and "rank 1" in stdout and "top kernels" in stdout
