@@ -495,7 +495,8 @@ class ModelRunner:
     @property
     def graphs(self) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
         """The captured decode graphs by bucket: (``torch.cuda.CUDAGraph``, its logits
-        tensor). A copy: dropping or adding entries changes nothing in the runner."""
+        tensor, its greedy ids tensor). A copy: dropping or adding entries changes nothing in
+        the runner."""
         return dict(self._graphs)
 
     # -- the model's attention setting -------------------------------------------------------
@@ -703,6 +704,7 @@ class ModelRunner:
                     and n_rows <= min(T, self.logit_cap):
                 logits = self._replay_mixed(step, rows, n_rows)
                 self.replays += 1
+                self._fed_rows = 0            # its greedy ids overwrote the decode graph's
                 self.greedy = self._replayed_greedy[:n_rows]
                 return logits[:n_rows]
             self.eager += 1

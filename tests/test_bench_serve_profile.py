@@ -3,6 +3,7 @@ categories, a one-process run and a 2-rank gloo run under torchrun (tiny model, 
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def test_bad_usage_exits_2_with_one_line(args):
     r = subprocess.run([sys.executable, str(TOOL), *QUICK, *args], capture_output=True, text=True,
                        env=_env())
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert r.stderr.startswith("bench_serve: error:")
+    assert r.stderr.startswith("bench_serve: error:") and "profile-steps" in r.stderr
 
 
 def test_kernel_categories():
@@ -65,6 +66,18 @@ def test_kernel_categories():
     assert {n: cat(n) for n in names} == names
 
 
+def test_every_shipped_kernel_is_attention_or_a_step_kernel():
+    """The kernels cellcache launches, by their names in the shipped PTX: none lands in
+    "other" (the row meant for the model's elementwise kernels)."""
+    cat = load_tool("bench_serve").kernel_category
+    names = {m for f in (ROOT / "cellcache" / "ptx").glob("*.ptx")
+             for m in re.findall(r"\.entry\s+(\w+)", f.read_text())}
+    assert len(names) > 20
+    got = {n: cat(n) for n in names}
+    assert {n for n, c in got.items() if c not in ("attention", "cellcache_step")} == set()
+    assert got["build_step"] == got["apply_step"] == "cellcache_step"
+
+
 def _check_summary(s: dict, steps: int) -> None:
     assert "error" not in s, s
     assert s["steps"] == steps and s["activities"] == "cpu"
@@ -72,10 +85,8 @@ def _check_summary(s: dict, steps: int) -> None:
     per = s["device_us_per_step"]
     assert set(per) == {"gemm", "collective", "attention", "cellcache_step", "memcpy", "other"}
     assert per["gemm"] > 0 and per["attention"] > 0
-    assert s["device_us_per_step_total"] == pytest.approx(sum(per.values()), abs=1)
     assert 0 < len(s["top_kernels"]) <= 15
-    tops = [k["us_per_step"] for k in s["top_kernels"]]
-    assert tops == sorted(tops, reverse=True)
+    assert all(k["category"] in per and k["calls_per_step"] > 0 for k in s["top_kernels"])
     assert s["step_wall_us"]["median"] > 0 and s["host_us_per_step"] > 0
     assert s["host_calls_per_step"]["cellcache.forward"]["calls"] == 1   # one forward a step
 

@@ -138,11 +138,12 @@ def test_rows_ending_by_length_keep_the_steady_path(model, prefix_cache):
     """Requests of different lengths, greedy and seeded, streamed and not: the plan made
     after a step leaves out the rows that step ends by length (filtering the steady record,
     not visiting the rows), the apply ends them itself, and the next plan (made before they
-    ended) stays steady. Everything observable equals the synchronous run."""
-    sched_calls = {"less": 0, "foreseen": 0}
+    ended) stays steady; once the last sampled row ended, the steps draw greedily. Everything
+    observable equals the synchronous run."""
+    sched_calls = {"less": 0, "foreseen": 0, "random_wrong": 0, "turned_greedy": 0}
 
-    def sampling(i):
-        return Sampling(max_new_tokens=3 + 2 * i, temperature=0.8 if i % 3 == 2 else 0.0, seed=i)
+    def sampling(i):                          # the longest request greedy
+        return Sampling(max_new_tokens=3 + 2 * i, temperature=0.8 if i % 3 == 1 else 0.0, seed=i)
 
     def work(gen):
         sched = gen.scheduler
@@ -151,6 +152,10 @@ def test_rows_ending_by_length_keep_the_steady_path(model, prefix_cache):
         def counted_less(after, fast):
             plan = less(after, fast)
             sched_calls["less"] += plan is not None
+            if plan is not None:
+                sampled = any(s.job.req.sampling.temperature > 0 for s in plan.seqs)
+                sched_calls["random_wrong"] += plan.spec.random != sampled
+                sched_calls["turned_greedy"] += after.spec.random and not plan.spec.random
             return plan
 
         def counted_drop(plan):
@@ -165,6 +170,7 @@ def test_rows_ending_by_length_keep_the_steady_path(model, prefix_cache):
     reqs, gen = same(model, work, kw=dict(max_batch_tokens=64, prefix_cache=prefix_cache))
     assert [len(r.outputs[0]) for r in reqs] == [3 + 2 * i for i in range(9)]
     assert sched_calls["less"] >= 5 and sched_calls["foreseen"] >= 5
+    assert sched_calls["random_wrong"] == 0 and sched_calls["turned_greedy"] >= 1
     assert gen.steady["declined"] == 0 and gen.steady["applied"] > 10
 
 

@@ -212,6 +212,8 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
         res["breakdown"] = breakdown(gen, model)
     if profile_steps:
         gen.step, gen.cache.prepare_step = real_step, real_prepare    # the timers off
+        if gen.prefix is not None:            # the same cache state as the run it profiles:
+            gen.prefix.clear()                # no prompt of its own first pass to hit
         start = max(0, (gen.profile["decode_steps"] - profile_steps - PROFILE_WARMUP) // 2)
         summary = profile_pass(gen, prompts, new_tokens, profile_steps, start, device)
         folder, stem = profile_to or (ROOT / "benchmarks" / "results", "serve")
@@ -394,10 +396,10 @@ _ANNOTATIONS = ("cellcache.step", "cellcache.handover", "cellcache.prepare_step"
 def kernel_category(name: str) -> str:
     """The profile table's category of a GPU kernel (or, on the CPU, an operator) by name:
     memcpy (copies, memsets), collective (NCCL kernels; gloo/c10d ops on the CPU),
-    attention (cellcache's kernels: paged decode/prefill/merge, store_kv, tc_attend, the
-    prefill plan; FlashInfer's; on the CPU, SDPA), cellcache_step (the step kernels build_step/apply_step),
-    gemm (cuBLAS/cuBLASLt/CUTLASS kernels, aten matmuls on the CPU), other (elementwise,
-    norms, rotary, argmax, ...)."""
+    attention (cellcache's kernels: paged decode/prefill/merge and its plan, store_kv,
+    the tensor-core tc_plan/tc_attend/tc_merge; FlashInfer's; on the CPU, SDPA),
+    cellcache_step (the step kernels build_step/apply_step), gemm (cuBLAS/cuBLASLt/CUTLASS
+    kernels, aten matmuls on the CPU), other (elementwise, norms, rotary, argmax, ...)."""
     n = name.lower()
     if "memcpy" in n or "memset" in n or n in ("aten::copy_", "aten::to", "aten::_to_copy"):
         return "memcpy"
@@ -405,7 +407,8 @@ def kernel_category(name: str) -> str:
                             "allgather", "reduce_scatter", "broadcast_", "wait_tensor")):
         return "collective"
     if any(k in n for k in ("paged_decode", "paged_prefill", "paged_merge", "prefill_plan",
-                            "store_kv", "tc_attend", "attend_", "flashinfer", "batchdecode",
+                            "store_kv", "tc_attend", "tc_plan", "tc_merge", "attend_",
+                            "flashinfer", "batchdecode",
                             "batchprefill", "cellcache::attention", "scaled_dot_product")):
         return "attention"
     if n.startswith(("build_step", "apply_step")):

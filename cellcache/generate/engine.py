@@ -112,7 +112,6 @@ class _HoldInterrupts:
             self._old = None
 
 
-
 def release_compile_workers() -> None:
     """Shuts down inductor's compile-worker pool (``torch.compile``'s subprocesses and the
     threads that tend them), which it keeps alive after compiling. The decode loop never
@@ -128,6 +127,7 @@ def release_compile_workers() -> None:
     shutdown = getattr(async_compile, "shutdown_compile_workers", None)
     if callable(shutdown):
         shutdown()
+
 
 class Generator:
     """Continuous batching of a transformers decoder over a cellcache (package docstring).

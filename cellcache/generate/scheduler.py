@@ -683,6 +683,8 @@ class Scheduler:
             spec.index = [prev.index[i] for i in at]
             spec.draft = [prev.draft[i] for i in at]
             spec.position = [prev.position[i] + 1 for i in at]
+            # the sampled rows may be the ones that ended: then the steps on draw greedily
+            spec.random = any(t > 0 for t in spec.temperature)
         new_at = np.cumsum(keep) - 1           # a kept row's index in the new lists
         kept = left[idx]
         plan.fast = _Steady(
