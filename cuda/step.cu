@@ -255,26 +255,36 @@ build_step(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
 // blocks), a kernel of its own so that neither path's registers or shared memory weigh on
 // the other (build_step's bool path keeps its code and its occupancy).
 //
-// A mask block's 2048 columns are 32 words of 64 columns: lane l of every warp owns word l
-// (one seqbits word read and one 8-byte store per row and window), and the four warps split
-// the block's rows (warp k: rows r0 + k, r0 + k + 4, ...), so a warp stores 256 consecutive
-// bytes of one row at a time. Everything the block reads is issued before its first
-// barrier: the tile's positions (cp.async, 16 bytes a thread, coalesced, into shared memory
-// with the 16-byte chunks of word w rotated by w & 7, so that lanes reading their own words
-// meet no bank conflict), the rows' ids and positions (a lane per row, shuffled round for
-// the first batch) and the first BITS_BATCH rows' seqbits words. A word the row's sequence
-// does not own is a zero store; an owned word whose 64 positions run p0, p0 + 1, ... (cells
-// placed by one run; the block's threads vote once per word) is visible on the bit range
-// [lo - p0, qp - p0]; any other owned word takes one unsigned compare per column, as in
-// mask_tile.
+// A mask block's 2048 columns are 16 pairs of 64-column words: lane l of a warp owns pair
+// l % 16 (128 columns, one 16-byte store per row and window) and the warp's two half-warps
+// take two rows at a time, the block's eight half-warps splitting its rows (half-warp k:
+// rows r0 + k, r0 + k + 8, ...), so one store instruction writes 256 consecutive bytes of
+// each of two rows. Every global read of the block is issued before the rows are made, and
+// none is left to registers the compiler may sink past a barrier (ptxas moved the previous
+// kernel's four register-held seqbits reads behind both of its barriers):
+//   1. all threads: the tile's positions, cp.async into shared memory (16 bytes a thread
+//      and pass, coalesced; the 16-byte chunks of word w rotated by (w / 2) & 7, so that
+//      lanes reading their own word pairs meet no bank conflict);
+//   2. warp 0: the rows' ids and positions (two rows a lane) and the rows' distinct
+//      sequences (match.any), each row's slot in that compact list;
+//   3. barrier, then all threads: each distinct sequence's 32 seqbits words of the tile
+//      once, cp.async into shared memory (32 sequences a batch; more in the rare block whose
+//      rows hold more than 32 sequences, batch by batch);
+//   4. the positions' wait and barrier, then a vote: does word w run p0, p0 + 1, ...,
+//      p0 + 63 (cells placed by one run)? Then the seqbits' wait and barrier.
+// A row's words then come from shared memory: a word the row's sequence does not own is a
+// zero store; an owned run word is visible on the bit range [lo - p0, qp - p0]; any other
+// owned word takes one unsigned compare per column, as in mask_tile.
 #define BITS_WORDS 32                                       // 64-column words of a tile
+#define BITS_PAIRS (BITS_WORDS / 2)                         // a lane's two words
 #define BITS_TILE_COLS (BITS_WORDS * 64)
-#define BITS_WARPS (CC_STEP_THREADS / 32)                   // warps sharing a tile's rows
-#define BITS_BATCH 4                                        // seqbits reads in flight a lane
+#define BITS_HALVES (CC_STEP_THREADS / 16)                  // half-warps sharing a tile's rows
+#define BITS_SLOTS 32                                       // sequences staged at a time
 #define BITS_CHUNKS (BITS_TILE_COLS / 4 / CC_STEP_THREADS)  // 16-byte position loads a thread
 #define BITS_MIN_BLOCKS 12                                  // resident blocks an SM (registers)
 static_assert(CC_STEP_THREADS * CC_MASK_COLS == BITS_TILE_COLS, "bits tile = engine tile");
-static_assert(CC_MASK_MAX_ROWS <= 32 * BITS_WARPS, "a lane per row of a warp");
+static_assert(CC_MASK_MAX_ROWS <= 64, "warp 0 reads two rows a lane");
+static_assert(BITS_SLOTS * BITS_PAIRS % CC_STEP_THREADS == 0, "whole staging passes");
 
 // Bits [a, b] of a 64-bit word (none when a > b), a and b clamped to [0, 63].
 __device__ __forceinline__ cc_u64 bit_range(cc_i64 a, cc_i64 b)
@@ -300,133 +310,221 @@ __device__ __forceinline__ void store_bits_slow(cc_u8* dst, cc_u64 on, int ncols
     }
 }
 
+// Word `on` of `ncols` columns (1..64) to dst: one 8-byte store when it can.
+__device__ __forceinline__ void store_bits_word(cc_u8* dst, cc_u64 on, int ncols)
+{
+    if (ncols == 64 && ((cc_u64)dst & 7) == 0) *reinterpret_cast<cc_u64*>(dst) = on;
+    else store_bits_slow(dst, on, ncols);
+}
+
+// The visible columns of an owned word `o` for a row at qp seeing positions [lo, qp]: a run
+// word (p0 >= 0) by its bit range, any other by its 64 positions (wp: the word's chunks in
+// shared memory, rotated by sw).
+__device__ __forceinline__ cc_u64 visible_bits(cc_u64 o, cc_i32 p0, cc_i32 lo, cc_i32 qp,
+                                               const int4* wp, int sw)
+{
+    if (p0 >= 0) return bit_range((cc_i64)lo - p0, (cc_i64)qp - p0) & o;
+    const cc_u32 span = (cc_u32)(qp - lo);
+    cc_u32 half[2] = {0u, 0u};
+#pragma unroll
+    for (int q = 0; q < 16; ++q) {
+        const int4 v = wp[q ^ sw];
+        const cc_u32 nib = (cc_u32)((cc_u32)(v.x - lo) <= span)
+                         | (cc_u32)((cc_u32)(v.y - lo) <= span) << 1
+                         | (cc_u32)((cc_u32)(v.z - lo) <= span) << 2
+                         | (cc_u32)((cc_u32)(v.w - lo) <= span) << 3;
+        half[q >> 3] |= nib << (4 * (q & 7));
+    }
+    return ((cc_u64)half[0] | ((cc_u64)half[1] << 32)) & o;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                 :: "r"((cc_u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async8(void* dst, const void* src)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n"
+                 :: "r"((cc_u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+}
+
+// Slots [b0, b0 + BITS_SLOTS) of the block's sequence list (ids in s_slot_seq, nd of them):
+// tile bx's seqbits words below read_len of each, to s_bits[slot - b0][word]; the last
+// tile's words past read_len are not read and stay as they were (every reader masks them).
+__device__ __forceinline__ void stage_seqbits(const cc_step_params* __restrict__ P, cc_i64 bx,
+                                              cc_i64 read_len, cc_u64* s_bits,
+                                              const cc_i64* s_slot_seq, int b0, int nd)
+{
+    const cc_u64* bits = (const cc_u64*)P->seqbits + bx * BITS_WORDS;
+    const cc_i64 bit_words = P->bit_words;
+    const cc_i64 nwords = (read_len + 63) / 64 - bx * BITS_WORDS;     // >= 1
+    const int n = min(BITS_SLOTS, nd - b0) * BITS_PAIRS;
+#pragma unroll 1
+    for (int i = threadIdx.x; i < n; i += CC_STEP_THREADS) {
+        const int k = i / BITS_PAIRS, w = 2 * (i % BITS_PAIRS);
+        if (w >= nwords) continue;
+        const cc_u64* src = bits + s_slot_seq[b0 + k] * bit_words + w;
+        cc_u64* dst = s_bits + k * BITS_WORDS + w;
+        if (w + 1 < nwords && ((cc_u64)src & 15) == 0) {
+            cp_async16(dst, src);
+        } else {                              // an odd bit_words row, or the last word
+            cp_async8(dst, src);
+            if (w + 1 < nwords) cp_async8(dst + 1, src + 1);
+        }
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
 __device__ __forceinline__ void mask_bits_tile(const cc_step_params* __restrict__ P, cc_i64 bx,
                                                cc_i32 r0, cc_i32 r1, cc_i64 read_len)
 {
-    __shared__ __align__(16) cc_i32 s_pos[BITS_TILE_COLS];    // chunk q of word w at q ^ (w & 7)
-    __shared__ cc_i32 s_p0[BITS_WORDS];                      // a run's first position, else -1
-    __shared__ cc_i64 s_seq[CC_MASK_MAX_ROWS];               // row r0 + r's id, position
-    __shared__ cc_i32 s_qp[CC_MASK_MAX_ROWS];
+    __shared__ __align__(16) cc_i32 s_pos[BITS_TILE_COLS];    // chunk q of word w at q ^ sw(w)
+    __shared__ __align__(16) cc_u64 s_bits[BITS_SLOTS * BITS_WORDS];  // [slot][word]
+    __shared__ __align__(8) cc_i32 s_p0[BITS_WORDS];        // a run's first position, else -1
+    __shared__ cc_i64 s_slot_seq[CC_MASK_MAX_ROWS];          // the block's distinct sequences
+    __shared__ cc_i32 s_qp[CC_MASK_MAX_ROWS];                // row r0 + r's position, slot
+    __shared__ cc_u8 s_slot[CC_MASK_MAX_ROWS];
     __shared__ cc_i64 s_win[CC_MAX_WINDOWS];
     __shared__ cc_u64 s_dst[CC_MAX_WINDOWS];
+    __shared__ int s_nd;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const cc_i64 tile0 = bx * BITS_TILE_COLS;
-    const cc_i32* pos = (const cc_i32*)P->pos;
-    // the tile's positions, straight to shared memory (cp.async: no registers held): pass j
-    // of thread t copies chunk i = t + CC_STEP_THREADS * j, columns tile0 + 4i .. 4i + 3
-    // (-1 past read_len)
-    int4* s_pos4 = reinterpret_cast<int4*>(s_pos);
-#pragma unroll
-    for (int j = 0; j < BITS_CHUNKS; ++j) {
-        const int i = threadIdx.x + CC_STEP_THREADS * j, w = i >> 4, q = i & 15;
-        const cc_i64 c = tile0 + 4 * i;
-        int4* d = s_pos4 + (w << 4) + (q ^ (w & 7));
-        if (c + 4 <= read_len) {
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
-                         :: "r"((cc_u32)__cvta_generic_to_shared(d)), "l"(pos + c) : "memory");
-        } else {
-            int4 v;
-            v.x = c < read_len ? pos[c] : -1;
-            v.y = c + 1 < read_len ? pos[c + 1] : -1;
-            v.z = c + 2 < read_len ? pos[c + 2] : -1;
-            v.w = c + 3 < read_len ? pos[c + 3] : -1;
-            *d = v;
-        }
-    }
-    // this warp's rows: lane k reads row warp + BITS_WARPS * k
     const cc_i32 nrows = r1 - r0;
-    const int nk = nrows > warp ? (nrows - warp + BITS_WARPS - 1) / BITS_WARPS : 0;
-    cc_i64 my_seq = 0;
-    if (lane < nk) {
-        const cc_i32 r = warp + BITS_WARPS * lane;
-        my_seq = ((const cc_i64*)P->seq_ids)[r0 + r];
-        s_seq[r] = my_seq;
-        s_qp[r] = (cc_i32)((const cc_i64*)P->positions)[r0 + r];
-    }
-    const cc_i64 col0 = tile0 + 64 * lane;
-    const bool active = col0 < read_len;
-    const int ncols = active ? (int)min((cc_i64)64, read_len - col0) : 0;
-    const cc_u64 col_mask = ncols == 64 ? ~0ull : ((1ull << ncols) - 1ull);
-    const cc_u64* bits = (const cc_u64*)P->seqbits + (col0 >> 6);
-    const cc_i64 bit_words = P->bit_words;
-    cc_u64 own[BITS_BATCH];
+    // 1. the tile's positions, straight to shared memory (cp.async: no registers held): pass
+    // j of thread t copies chunk i = t + CC_STEP_THREADS * j, columns tile0 + 4i .. 4i + 3
+    // (-1 past read_len)
+    {
+        const cc_i32* pos = (const cc_i32*)P->pos;
+        int4* s_pos4 = reinterpret_cast<int4*>(s_pos);
 #pragma unroll
-    for (int u = 0; u < BITS_BATCH; ++u) {
-        const cc_i64 s = __shfl_sync(0xFFFFFFFFu, my_seq, u);
-        own[u] = active && u < nk ? __ldg(bits + s * bit_words) & col_mask : 0ull;
+        for (int j = 0; j < BITS_CHUNKS; ++j) {
+            const int i = threadIdx.x + CC_STEP_THREADS * j, w = i >> 4, q = i & 15;
+            const cc_i64 c = tile0 + 4 * i;
+            int4* d = s_pos4 + (w << 4) + (q ^ ((w >> 1) & 7));
+            if (c + 4 <= read_len) {
+                cp_async16(d, pos + c);
+            } else {
+                int4 v;
+                v.x = c < read_len ? pos[c] : -1;
+                v.y = c + 1 < read_len ? pos[c + 1] : -1;
+                v.z = c + 2 < read_len ? pos[c + 2] : -1;
+                v.w = c + 3 < read_len ? pos[c + 3] : -1;
+                *d = v;
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
-    const cc_i32 n_windows = (cc_i32)P->n_windows;
-    if (threadIdx.x < n_windows) {
-        s_win[threadIdx.x] = P->windows[threadIdx.x];
-        s_dst[threadIdx.x] = P->masks[threadIdx.x];
+    // 2. warp 0: rows r0 + lane (a) and r0 + 32 + lane (b); ids are >= 0, -1 marks no row.
+    // A row's slot is its sequence's index in the block's list of distinct sequences, listed
+    // in order of first row.
+    if (warp == 0) {
+        const cc_i64* ids = (const cc_i64*)P->seq_ids + r0;
+        const cc_i64* qps = (const cc_i64*)P->positions + r0;
+        const bool va = lane < nrows, vb = lane + 32 < nrows;
+        const cc_i64 ia = va ? ids[lane] : -1, ib = vb ? ids[lane + 32] : -1;
+        if (va) s_qp[lane] = (cc_i32)qps[lane];
+        if (vb) s_qp[lane + 32] = (cc_i32)qps[lane + 32];
+        const int la = __ffs(__match_any_sync(0xFFFFFFFFu, ia)) - 1;    // a's first row
+        const cc_u32 lead_a = __ballot_sync(0xFFFFFFFFu, va && la == lane);
+        const int na = __popc(lead_a);
+        int fb = -1;                                                    // an a row with b's id
+        if (nrows > 32) {
+#pragma unroll 1
+            for (int k = 0; k < 32; ++k) {
+                const cc_i64 x = __shfl_sync(0xFFFFFFFFu, ia, k);
+                if (fb < 0 && vb && x == ib) fb = k;
+            }
+        }
+        const bool nb = vb && fb < 0;                                   // b's sequence is new
+        const int lb = __ffs(__match_any_sync(0xFFFFFFFFu, nb ? ib : -1)) - 1;
+        const cc_u32 lead_b = __ballot_sync(0xFFFFFFFFu, nb && lb == lane);
+        const int sa = __popc(lead_a & ((1u << la) - 1u));
+        const int sb = fb >= 0 ? __popc(lead_a & ((1u << fb) - 1u))
+                               : na + __popc(lead_b & ((1u << lb) - 1u));
+        if (va) s_slot[lane] = (cc_u8)sa;
+        if (vb) s_slot[lane + 32] = (cc_u8)sb;
+        if (va && la == lane) s_slot_seq[sa] = ia;
+        if (nb && lb == lane) s_slot_seq[sb] = ib;
+        if (lane == 0) s_nd = na + __popc(lead_b);
+    } else if (warp == 1 && lane < P->n_windows) {
+        s_win[lane] = P->windows[lane];
+        s_dst[lane] = P->masks[lane];
     }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+    // 3. the first batch of the sequences' words
+    const int nd = s_nd;
+    stage_seqbits(P, bx, read_len, s_bits, s_slot_seq, 0, nd);
+    // 4. the positions are in: does word t / 4 run p0, p0 + 1, ..., p0 + 63? Thread t
+    // checks four of its chunks (an odd word's threads in the other order, so the eight
+    // lanes of a shared-memory phase meet eight banks), the word's four threads vote
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
     __syncthreads();
     {
-        // does word t / 4 run p0, p0 + 1, ..., p0 + 63? thread t checks its chunks
-        // 4 (t % 4) .. 4 (t % 4) + 3, the word's four threads vote
-        const int w = threadIdx.x >> 2, sw = w & 7, q0 = 4 * (threadIdx.x & 3);
-        const int4* wp = s_pos4 + (w << 4);
+        const int w = threadIdx.x >> 2, sw = (w >> 1) & 7, i = threadIdx.x & 3;
+        const int4* wp = reinterpret_cast<const int4*>(s_pos) + (w << 4);
         const cc_i32 first = wp[sw].x;                   // chunk 0 lies at 0 ^ sw
         bool run = first >= 0;
 #pragma unroll
         for (int qq = 0; qq < 4; ++qq) {
-            const int q = q0 + qq;
+            const int q = 4 * (qq ^ (w & 1)) + i;
             const int4 v = wp[q ^ sw];
             const cc_i32 e = first + 4 * q;
             run = run && v.x == e && v.y == e + 1 && v.z == e + 2 && v.w == e + 3;
         }
         const cc_u32 vote = (__ballot_sync(0xFFFFFFFFu, run) >> (lane & 28)) & 0xFu;
-        if (q0 == 0) s_p0[w] = vote == 0xFu ? first : -1;
+        if (i == 0) s_p0[w] = vote == 0xFu ? first : -1;
     }
-    __syncthreads();
-    if (!active || nk == 0) return;        // no barrier or shuffle below
-    const cc_i32 p0 = s_p0[lane];
-    const int4* my_pos = reinterpret_cast<const int4*>(s_pos) + (lane << 4);
-    const int sw = lane & 7;
+    // the rows: lane l of half-warp hw makes word pair l % 16 of rows hw, hw + 8, ...
+    const int hw = threadIdx.x >> 4, pr = threadIdx.x & 15, sw = pr & 7;
+    const cc_i64 col0 = tile0 + 128 * pr;
+    const cc_i64 left = read_len - col0;
+    const int n0 = left <= 0 ? 0 : (left >= 64 ? 64 : (int)left);
+    const int n1 = left <= 64 ? 0 : (left >= 128 ? 64 : (int)(left - 64));
+    const cc_u64 cm0 = n0 == 64 ? ~0ull : ((1ull << n0) - 1ull);
+    const cc_u64 cm1 = n1 == 64 ? ~0ull : ((1ull << n1) - 1ull);
+    const int4* wp0 = reinterpret_cast<const int4*>(s_pos) + (pr << 5);
+    const int4* wp1 = wp0 + 16;
+    const cc_i32 n_windows = (cc_i32)P->n_windows;
     const cc_i64 pitch = P->mask_row_bytes;
-    cc_i64 off = (cc_i64)(r0 + warp) * pitch + (col0 >> 3);  // row r0 + warp + 4k's bytes
-    // rows in order, BITS_BATCH seqbits reads in flight: own[0] is row k's word, and row
-    // k + BITS_BATCH's read is issued as row k is made
+    const cc_i64 off0 = (cc_i64)(r0 + hw) * pitch + (col0 >> 3);      // row r0 + hw's bytes
 #pragma unroll 1
-    for (int k = 0; k < nk; ++k) {
-        const cc_u64 o = own[0];
-#pragma unroll
-        for (int u = 0; u < BITS_BATCH - 1; ++u) own[u] = own[u + 1];
-        const int kn = k + BITS_BATCH;
-        own[BITS_BATCH - 1] = kn < nk ? __ldg(bits + s_seq[warp + BITS_WARPS * kn] * bit_words)
-                                        & col_mask : 0ull;
-        const cc_i32 qp = s_qp[warp + BITS_WARPS * k];
+    for (int b0 = 0;; b0 += BITS_SLOTS) {
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        __syncthreads();                   // s_bits' batch and (first time) s_p0 are in
+        if (n0 > 0) {
+            const int2 p0 = reinterpret_cast<const int2*>(s_p0)[pr];
+            cc_i64 off = off0 - BITS_HALVES * pitch;
 #pragma unroll 1
-        for (cc_i32 wi = 0; wi < n_windows; ++wi) {
-            cc_u64 on = 0;
-            if (o) {
-                const cc_i64 win = s_win[wi];
-                // visible positions are [lo, qp]; owned cells are occupied (pos >= 0)
-                const cc_i32 lo = (win == 0 || qp - win + 1 < 0) ? 0 : (cc_i32)(qp - win + 1);
-                if (p0 >= 0) {
-                    on = bit_range((cc_i64)lo - p0, (cc_i64)qp - p0);
-                } else {
-                    const cc_u32 span = (cc_u32)(qp - lo);
-                    cc_u32 half[2] = {0u, 0u};
-#pragma unroll
-                    for (int q = 0; q < 16; ++q) {
-                        const int4 v = my_pos[q ^ sw];
-                        const cc_u32 nib = (cc_u32)((cc_u32)(v.x - lo) <= span)
-                                         | (cc_u32)((cc_u32)(v.y - lo) <= span) << 1
-                                         | (cc_u32)((cc_u32)(v.z - lo) <= span) << 2
-                                         | (cc_u32)((cc_u32)(v.w - lo) <= span) << 3;
-                        half[q >> 3] |= nib << (4 * (q & 7));
+            for (cc_i32 r = hw; r < nrows; r += BITS_HALVES) {
+                off += BITS_HALVES * pitch;
+                const cc_u32 k = (cc_u32)s_slot[r] - (cc_u32)b0;
+                if (k >= BITS_SLOTS) continue;                  // another batch's row
+                const ulonglong2 own =
+                    reinterpret_cast<const ulonglong2*>(s_bits + k * BITS_WORDS)[pr];
+                const cc_u64 o0 = own.x & cm0, o1 = own.y & cm1;
+                const cc_i32 qp = s_qp[r];
+#pragma unroll 1
+                for (cc_i32 wi = 0; wi < n_windows; ++wi) {
+                    const cc_i64 win = s_win[wi];
+                    // visible positions are [lo, qp]; owned cells are occupied (pos >= 0)
+                    const cc_i32 lo = (win == 0 || qp - win + 1 < 0) ? 0 : (cc_i32)(qp - win + 1);
+                    const cc_u64 on0 = o0 ? visible_bits(o0, p0.x, lo, qp, wp0, sw) : 0ull;
+                    const cc_u64 on1 = o1 ? visible_bits(o1, p0.y, lo, qp, wp1, sw) : 0ull;
+                    cc_u8* dst = (cc_u8*)s_dst[wi] + off;
+                    if (n1 == 64 && ((cc_u64)dst & 15) == 0) {
+                        *reinterpret_cast<ulonglong2*>(dst) = make_ulonglong2(on0, on1);
+                    } else {
+                        store_bits_word(dst, on0, n0);
+                        if (n1 > 0) store_bits_word(dst + 8, on1, n1);
                     }
-                    on = (cc_u64)half[0] | ((cc_u64)half[1] << 32);
                 }
-                on &= o;
             }
-            cc_u8* dst = (cc_u8*)s_dst[wi] + off;
-            if (ncols == 64 && ((cc_u64)dst & 7) == 0) *reinterpret_cast<cc_u64*>(dst) = on;
-            else store_bits_slow(dst, on, ncols);
         }
-        off += BITS_WARPS * pitch;
+        if (b0 + BITS_SLOTS >= nd) break;
+        __syncthreads();                   // every row of this batch is made: restage
+        stage_seqbits(P, bx, read_len, s_bits, s_slot_seq, b0 + BITS_SLOTS, nd);
     }
 }
 

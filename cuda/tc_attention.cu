@@ -16,9 +16,12 @@
 //                       along the kv tile (w4: QROWS = 16, each warp its own KT / 4 keys of
 //                       every tile, the four (m, l, O) merged in shared memory at the end: the
 //                       decode shape). K/V tiles of KT entries are gathered with cp.async
-//                       (zero-fill past the end) into a ring of ST buffers, K and V in separate
-//                       commit groups, the kv_indices of a tile loaded one iteration before
-//                       its copies are issued (through shared memory: no index registers).
+//                       (zero-fill past the end) into a ring of ST buffers, the kv_indices of
+//                       a tile loaded one iteration before its copies are issued (through
+//                       shared memory: no index registers). m2 variants: one barrier a tile,
+//                       tile j + ST - 1 issued right after it into tile j - 1's buffer (K and
+//                       V one commit group); the others: K and V in separate groups, ST tiles
+//                       ahead, issued after a second barrier at the end of the iteration.
 //                       m2 variants with k64 score 32-key sub-tiles (..x<KS> variants: KS keys
 //                       at once); ..b<B> variants are compiled for B CTAs an SM. S = Q K^T and
 //                       O += P V with mma.m16n8k16 (f32 accumulate), operands from ldmatrix
@@ -332,14 +335,32 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
             }
         }
     };
+    // ONEBAR (the m2 variants, compute-bound prefill shapes): one barrier a tile. After the
+    // barrier of iteration j every warp is done with tile j - 1, so tile j + ST - 1 goes into
+    // its buffer right there (K and V in one commit group, ST - 1 tiles ahead, as FlashInfer's
+    // fa2 does with one tile); the cells of tile j + ST are read at the start of iteration j
+    // and stored at its end. Other variants (decode shapes, bound by the bytes in flight):
+    // ST tiles ahead, issued after a second barrier at the end of the iteration.
+    constexpr bool ONEBAR = MQ == 2;
+    static_assert(!ONEBAR || ST >= 2, "one barrier a tile needs two stages");
+    if constexpr (ONEBAR) {
 #pragma unroll
-    for (int s = 0; s < ST; ++s) {
-        issue(kp, a_k, s, false);
-        cp_async_commit();
-        issue(vp, a_v, s, false);
-        cp_async_commit();
+        for (int s = 0; s < ST - 1; ++s) {
+            issue(kp, a_k, s, false);
+            issue(vp, a_v, s, false);
+            cp_async_commit();
+        }
+        if (tid < KT) s_cells[(ST - 1) & 1][tid] = cell_of(ST - 1, tid);   // read after the first barrier
+    } else {
+#pragma unroll
+        for (int s = 0; s < ST; ++s) {
+            issue(kp, a_k, s, false);
+            cp_async_commit();
+            issue(vp, a_v, s, false);
+            cp_async_commit();
+        }
+        if (tid < KT) s_cells[ST & 1][tid] = cell_of(ST, tid);   // read after the loop's first barrier
     }
-    if (tid < KT) s_cells[ST & 1][tid] = cell_of(ST, tid);   // read after the loop's first barrier
 
     // this thread's rows: g and g + 8 of each of the warp's MQ 16-row blocks
     const int wp0 = p0 + wq * WROWS;
@@ -347,8 +368,10 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     const float sl2 = (float)a.sl2;
     const int kw0 = wk * KW;                            // the warp's first key of a tile
     // the lane's ldmatrix rows and chunk bits (every row base below is a multiple of 8, so a
-    // row's low 3 bits are lx): Q and V (.trans) rows lx + 8 ((lane / 8) % 2), chunk bit
-    // lane / 16; K rows lx + 8 (lane / 16), chunk bit (lane / 8) % 2
+    // row's low 3 bits are lx): rows lx + 8 ((lane / 8) % 2), chunk bit lane / 16, for Q, V
+    // (.trans) and K alike (K's four 8 x 8 matrices are then keys 0-7 / 8-15 of dims 0-7,
+    // then of dims 8-15: b[0], b[2] are the first n8 block's b0, b1 and b[1], b[3] the
+    // second's), so K and V share one set of per-lane offsets
     const int lx = lane & 7, b8 = (lane >> 3) & 1, b16 = lane >> 4;
     const int qv_row = lx + 8 * b8, k_row = lx + 8 * b16;
     // per-lane ldmatrix addresses (Tile::loff): Q's absolute, K's and V's relative to a tile
@@ -381,10 +404,16 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     for (int mq = 0; mq < MQ; ++mq) lq[mq][0] = lq[mq][1] = lq[mq][2] = lq[mq][3] = 0.f;
 
     for (int j = 0; j < n_tiles; ++j) {
-        const int ncell = tid < KT ? cell_of(j + ST + 1, tid) : -1;   // in flight while we compute
-        if (NSUB > 1) cp_async_wait<2 * ST - 2>();     // Q, K(j) and V(j) have landed
+        const int ncell = tid < KT ? cell_of(j + ST + (ONEBAR ? 0 : 1), tid) : -1;   // in flight while we compute
+        if (ONEBAR) cp_async_wait<ONEBAR ? ST - 2 : 0>();   // Q and tile j have landed
+        else if (NSUB > 1) cp_async_wait<2 * ST - 2>();     // Q, K(j) and V(j) have landed
         else cp_async_wait<2 * ST - 1>();              // Q and K(j) have landed
         __syncthreads();
+        if constexpr (ONEBAR) {                        // into tile j - 1's buffer: every warp is done with it
+            issue(kp, a_k, j + ST - 1, true);
+            issue(vp, a_v, j + ST - 1, true);
+            cp_async_commit();
+        }
         const int st = j % ST, t0 = r0 + j * KT;
         const cc_u32 kb = a_k + 16 * st * C::KV_CH, vb = a_v + 16 * st * C::KV_CH;
         const bool edge = !(t0 >= full_lo && t0 + KT - 1 <= full_hi);
@@ -398,7 +427,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                 k_la[i] = kb + kh * ROWB + k_lo[i];
                 v_la[i] = vb + kh * ROWB + v_lo[i];
             }
-            if (active) {
+            {
 #pragma unroll
                 for (int mq = 0; mq < MQ; ++mq)
 #pragma unroll
@@ -477,13 +506,13 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                     }
                 }
             }
-            if (NSUB == 1) {
+            if (NSUB == 1 && !ONEBAR) {
                 cp_async_wait<2 * ST - 2>();           // V(j) has landed
                 __syncthreads();                       // ... and every warp is done with K(j)
                 issue(kp, a_k, j + ST, true);
                 cp_async_commit();
             }
-            if (active) {
+            {
 #pragma unroll
                 for (int t = 0; t < KSUB / 16; ++t) {
                     cc_u32 pa[MQ][4];
@@ -508,16 +537,22 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                 }
             }
         }
-        __syncthreads();                               // every warp is done with V(j) (and K(j))
-        if (NSUB > 1) {
-            issue(kp, a_k, j + ST, true);
+        if constexpr (ONEBAR) {
+            // the other slot: its cells (tile j + ST - 2) were read before this iteration's
+            // barrier (iteration j - 1's issue); these are read after the next one
+            if (tid < KT) s_cells[(j + ST) & 1][tid] = ncell;
+        } else {
+            __syncthreads();                           // every warp is done with V(j) (and K(j))
+            if (NSUB > 1) {
+                issue(kp, a_k, j + ST, true);
+                cp_async_commit();
+            }
+            issue(vp, a_v, j + ST, true);
             cp_async_commit();
+            // the other slot: its cells (tile j + ST - 1) were last read before this iteration's
+            // first barrier; these are read after the next one
+            if (tid < KT) s_cells[(j + ST + 1) & 1][tid] = ncell;
         }
-        issue(vp, a_v, j + ST, true);
-        cp_async_commit();
-        // the other slot: its cells (tile j + ST - 1) were last read before this iteration's
-        // first barrier; these are read after the next one
-        if (tid < KT) s_cells[(j + ST + 1) & 1][tid] = ncell;
     }
     cp_async_wait<0>();                                // nothing in flight into the buffers
     if (WKV > 1) __syncthreads();                      // ... from any thread (the merge reuses them)

@@ -246,6 +246,11 @@ class CudaCellCache(CellCache):
         # bit masks have a kernel of their own (same arguments and grid: cuda/step.cu)
         bits = self.config.mask_format == "bits"
         self._fn_build = drv.function(module, "build_step_bits" if bits else "build_step")
+        if bits:
+            # its 12 resident blocks an SM take ~218 KiB of shared memory (H100/H200: 228):
+            # ask for the largest shared-memory carveout, a hint the driver may refine
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            check(cu.cuFuncSetAttribute(self._fn_build, attr, 100), "cuFuncSetAttribute")
 
     def _alloc_step_buffers(self) -> None:
         """The step buffers as :func:`cellcache.buffers.step_buffers` describes them, then
