@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import json
 import re
 import statistics
@@ -163,6 +164,29 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
         return busy
 
     gen.step = timed_step
+    # each landed decode step's host time (every phase but "wait"), and the interpreter's
+    # garbage collections during the run: where a mean above the typical step comes from
+    step_host: list[float] = []
+    step_info: list[tuple[int, dict]] = []
+    real_book = gen._book
+
+    def book(flight) -> None:
+        if flight.plan.decode_only:
+            step_host.append(sum(v for k, v in flight.prof.items() if k != "wait"))
+            step_info.append((len(flight.plan.rows), dict(flight.prof)))
+        real_book(flight)
+
+    gen._book = book
+    gc_runs: list[tuple[int, float]] = []
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_runs.append((info["generation"], time.perf_counter() - gc_start[0]))
+
+    gc.callbacks.append(on_gc)
     replay_events = _time_replays(gen) if with_breakdown and device == "cuda" else None
     _sync(device)
     t0 = time.perf_counter()
@@ -186,8 +210,24 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
             steps += 1
     _sync(device)
     elapsed = time.perf_counter() - t0
+    gc.callbacks.remove(on_gc)
+    del gen._book
     res = summarize(gen, elapsed, reqs)
     res["arrival"] = arrival if arrival != "poisson" else f"poisson {rate:.2f} requests/s"
+    if step_host:
+        us = sorted(1e6 * h for h in step_host)
+        top = us[-max(1, len(us) // 20):]
+        res["decode_host_us_distribution"] = {
+            "mean": round(statistics.mean(us), 1), "median": round(statistics.median(us), 1),
+            "p90": round(us[int(0.9 * (len(us) - 1))], 1), "max": round(us[-1], 1),
+            "top5pct_share": round(sum(top) / sum(us), 3)}
+        # the costliest steps: their number among the run's decode steps, rows, phases (us)
+        worst = sorted(range(len(step_host)), key=step_host.__getitem__)[-8:][::-1]
+        res["decode_host_costliest"] = [
+            {"step": i, "rows": step_info[i][0], "host_us": round(1e6 * step_host[i]),
+             **{k: round(1e6 * v) for k, v in step_info[i][1].items() if k != "wait"}} for i in worst]
+    res["gc"] = {"collections": [sum(1 for g, _ in gc_runs if g == k) for k in range(3)],
+                 "ms": round(1e3 * sum(t for _, t in gc_runs), 2)}
     if arrival == "poisson":
         res["last_arrival_s"] = last_arrival
     res["prepare_step_host_ms_total"] = 1e3 * sum(prep)
@@ -1130,6 +1170,15 @@ def main(argv=None) -> int:
             parts = ", ".join(f"{k} {v:.0f}" for k, v in r["decode_host_us_per_step"].items())
             print(f"{key}: host per decode step {r['decode_host_us_per_step_total']:.0f} us "
                   f"(async_steps={r['async_steps']}): {parts} (wait: blocked on the device)")
+        if "decode_host_us_distribution" in r:
+            d, g = r["decode_host_us_distribution"], r["gc"]
+            print(f"{key}: host per decode step, median {d['median']:.0f} us, p90 {d['p90']:.0f}, "
+                  f"max {d['max']:.0f}; the costliest 5% of steps hold {100 * d['top5pct_share']:.0f}% "
+                  f"of it; garbage collections in the run {g['collections']} (gen 0/1/2), "
+                  f"{g['ms']:.1f} ms")
+            for c in r.get("decode_host_costliest", [])[:5]:
+                parts = ", ".join(f"{k} {v}" for k, v in c.items() if k not in ("step", "rows", "host_us"))
+                print(f"  decode step {c['step']} ({c['rows']} rows): {c['host_us']} us host: {parts}")
 
     targets = []
     ideal = work["ideal_computed"]
