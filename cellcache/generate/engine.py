@@ -340,10 +340,16 @@ class Generator:
         self._drawn: SamplerOutput | None = None   # the step's draws, while it is decided
         self.stream = torch.cuda.current_stream(self.runner.device) if self.runner.cuda else None
         self.sampler.stream = self.stream             # (looking the stream up costs ~30 us a step)
-        # pinned row indexes of gathered feeds, four used in turn, and their uploads' events
+        # pinned row indexes of gathered feeds, four used in turn, and their uploads' events;
+        # made now on CUDA: a pinned allocation is a driver call that can take milliseconds,
+        # and the first gathered feeds come in the middle of serving (where rows start ending)
         self._fed_host: list[torch.Tensor | None] = [None] * 4
         self._fed_done: list[Any] = [None] * 4
         self._fed_turn = 0
+        if self.runner.cuda:
+            rows = max(1024, self.cache.max_seqs)
+            self._fed_host = [torch.empty(rows, dtype=torch.int64, pin_memory=True) for _ in range(4)]
+            self._fed_done = [torch.cuda.Event() for _ in range(4)]
         #: The ranks' lockstep under tensor parallelism (``tp.rank``, ``tp.world``), or None.
         self.tp: RankSync | None = RankSync(self, cache) if isinstance(cache, TPCache) else None
         # -- asynchronous scheduling and the host profile (async_steps checked at the top) --
@@ -891,7 +897,7 @@ class Generator:
         assert ids is not None
         n = len(plan.seqs)
         if n == len(after.plan.spec):                 # every row drawn goes on (slot i: row i)
-            return ids[:n]
+            return ids if ids.shape[0] == n else ids[:n]
         # rows left out: those reaching max_new_tokens, and rows dropped from `after` itself
         # once its own predecessor landed (its slots keep their numbers)
         if plan.feed is not None:                     # (the scheduler knows them)

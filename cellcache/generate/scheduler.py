@@ -23,7 +23,6 @@ requests, threads, drafts, the forward and the sampler around it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable
@@ -640,7 +639,8 @@ class Scheduler:
             spec.temperature, spec.top_k, spec.top_p = prev.temperature, prev.top_k, prev.top_p
             spec.seed, spec.index, spec.draft = prev.seed, prev.index, prev.draft
             spec.position = [p + 1 for p in prev.position]
-        plan.fast = dataclasses.replace(fast, min_left=fast.min_left - 1, used=used, left=fast.left - 1)
+        plan.fast = _Steady(fast.epoch, fast.sids, fast.outs, fast.times, fast.tokens, fast.hooked,
+                            fast.min_left - 1, used, fast.stops, fast.left - 1)
         return plan
 
     def _steady_less(self, after: StepPlan, fast: _Steady) -> StepPlan | None:
