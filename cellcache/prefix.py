@@ -39,6 +39,8 @@ Rules the tree keeps:
   clone shares them; when the caller computed the shared part itself, the new leaf holds
   its own copy of those cells until one of the two leaves is evicted. When the new leaf
   extends an old leaf, the old leaf's sequence is dropped (the new one covers its path).
+  ``give(seq, tokens)`` is the same for a caller that ends ``seq``: the leaf takes ``seq``
+  itself (no clone, no cell changes owner), or ``seq`` is removed when nothing is stored.
 - Eviction drops only the prefix cache's owner bits: a cell that a caller's sequence also
   owns stays allocated and keeps its contents, so no running sequence loses a cell.
 - Ownership: sequences the prefix cache owns (``owned_seqs()``) must not be touched by
@@ -462,6 +464,25 @@ class PrefixCache:
         a refusal changes nothing. The tokens are the caller's word: the tree cannot see
         token ids in cells.
         """
+        return self._store(seq_id, tokens, priority, give=False)
+
+    def give(self, seq_id: int, tokens: Any, *, priority: float = 0.0) -> int:
+        """:meth:`insert`, and the caller's sequence goes with it: what a caller ending
+        ``seq_id`` calls instead of ``insert`` then ``seq_rm``.
+
+        Where insert makes a new leaf, the tree takes ``seq_id`` itself as that leaf's
+        sequence (rewound to ``len(tokens)`` first) instead of a clone of it; otherwise
+        (everything already cached, no id to be had) it removes ``seq_id`` with ``seq_rm``.
+        Either way the caller no longer holds ``seq_id`` once it returns. The cells of the
+        stored tokens then change no owner, where insert + seq_rm changes every one of them
+        twice (the clone, then the removal): less work for the cache and its device mirror.
+
+        Returns and refuses as :meth:`insert` does; after a refusal nothing has changed and
+        the caller still holds ``seq_id``.
+        """
+        return self._store(seq_id, tokens, priority, give=True)
+
+    def _store(self, seq_id: int, tokens: Any, priority: float, give: bool) -> int:
         s = check_seq_id(seq_id, self.cache.max_seqs)
         arr = _as_tokens(tokens)
         if isinstance(priority, (bool, np.bool_)) or not isinstance(
@@ -481,6 +502,8 @@ class PrefixCache:
                     f"sequence {s} holds positions [0, {p}); inserting {n} tokens needs "
                     f"pos(seq) >= {n}")
             if n == 0:
+                if give:
+                    self.cache.seq_rm(s)
                 return 0
             self._clock += 1
             self._stats["inserts"] += 1
@@ -488,12 +511,19 @@ class PrefixCache:
             node, m = self._walk(qb, n)
             if m == n:
                 self._touch(node, priority)
+                if give:
+                    self.cache.seq_rm(s)
                 return 0
-            new = self._take_id(qb, n, node, m, s)
+            new = self._take_id(qb, n, node, m, s, clone=not give)
             if new is None:
                 self._stats["insert_skipped"] += 1
+                if give:
+                    self.cache.seq_rm(s)
                 return 0
-            if new in self._owned:          # an id the tree holds was free: cleared underneath
+            if give:
+                if p > n:
+                    self.cache.rewind(s, n)
+            elif new in self._owned:        # an id the tree holds was free: cleared underneath
                 self._invalidate_locked()
             # evictions for the id keep the cached path but may have made a leaf of its end
             # (or, finding the cache cleared underneath, forgotten the tree): walk again
@@ -517,9 +547,11 @@ class PrefixCache:
                 self._events.append(PrefixEvent("stored", arr.copy(), n - m))
             return n - m
 
-    def _take_id(self, qb: bytes, n: int, node: PrefixNode, m: int, s: int) -> int | None:
+    def _take_id(self, qb: bytes, n: int, node: PrefixNode, m: int, s: int,
+                 clone: bool = True) -> int | None:
         """A clone of caller sequence s (``upto=n``), evicting leaves off the cached path for
-        an id where the tree's budget or the cache's ids run out; None when none is had."""
+        an id where the tree's budget or the cache's ids run out; None when none is had.
+        ``clone`` False: s itself once the tree's budget has room for it (no new id)."""
         path = set()
         x: PrefixNode | None = node
         while x is not None:
@@ -532,6 +564,8 @@ class PrefixCache:
                 return None
         if node.seq is not None and m == node.end and self.cache.pos(node.seq) != node.end:
             self._invalidate_locked()
+        if not clone:
+            return s
         new = self.cache.seq_clone(s, n)
         if new is None:
             self._evict_locked(0, 1, path)

@@ -393,6 +393,33 @@ def test_an_on_event_error_is_raised_once_the_step_is_whole(llama):
     assert seen.count("stored") > 1
 
 
+def test_an_on_event_error_while_a_finished_sequence_is_given_to_the_tree(llama):
+    """A finished sequence's id goes to the tree (PrefixCache.give); a callback raising on
+    that store leaves the id the tree's, not removed twice nor leaked."""
+    model, ref = llama
+    _, ps = shared_prompts(16, 4)
+    raised = []
+
+    def on_event(ev):
+        # a store with output tokens in it: a finished sequence's (prompts alone are shorter)
+        if ev.kind == "stored" and len(ev.tokens) > max(map(len, ps)) and not raised:
+            raised.append(ev.tokens.tolist())
+            raise ValueError("router unreachable")
+
+    gen = make(model, {"on_event": on_event})
+    reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW)) for p in ps]
+    with pytest.raises(ValueError, match="router"):
+        while gen.step():
+            check(gen)
+    check(gen)
+    [path] = raised
+    assert any(p == tuple(path) for p, _ in gen.prefix.prefixes())   # stored all the same
+    while gen.step():
+        check(gen)
+    assert outputs(reqs) == [[ref.generate(p)] for p in ps]
+    check_tree_kv(gen, ref)
+
+
 def test_cancel_and_errors_release_pins_and_store_what_was_computed(llama):
     model, ref = llama
     _, ps = shared_prompts(15, 6, own=(8, 20))

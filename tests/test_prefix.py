@@ -248,6 +248,61 @@ def test_extending_a_leaf_moves_its_id():
     prefix.check_invariants()
 
 
+def test_give_hands_the_sequence_to_the_tree_without_changing_a_stored_cell():
+    cache, prefix, w, events = setup()
+    s = w.new([1, 2, 3, 4, 5])
+    cells = [cache.table.seq_cell_at(s, q) for q in range(5)]
+
+    def owners(cs):
+        snap = cache.table.snapshot()["owners"]
+        return [sorted(snap[c]) for c in cs]
+
+    assert prefix.give(s, [1, 2, 3]) == 3
+    assert prefix.owned_seqs() == [s] and cache.pos(s) == 3          # rewound, not cloned
+    assert owners(cells) == [[s], [s], [s], [], []]                 # only the rewound cells changed
+    assert [e.kind for e in events] == ["stored"]
+    w.holds(s, [1, 2, 3])
+    # the same store through insert + seq_rm: every stored cell changes owner
+    b = w.new([7, 8])
+    b_cells = [cache.table.seq_cell_at(b, q) for q in range(2)]
+    assert prefix.insert(b, [7, 8]) == 2
+    cache.seq_rm(b)
+    [leaf] = [t for p, t in prefix.prefixes() if p == (7, 8)]
+    assert leaf != b and owners(b_cells) == [[leaf], [leaf]]
+    prefix.check_invariants()
+
+
+def test_give_extends_a_leaf_and_takes_over_from_its_id():
+    cache, prefix, w, _ = setup()
+    s = w.new([1, 2, 3])
+    assert prefix.insert(s, [1, 2, 3]) == 3
+    [old] = prefix.owned_seqs()
+    w.write(s, [4, 5])
+    assert prefix.give(s, [1, 2, 3, 4, 5]) == 2
+    assert prefix.owned_seqs() == [s] and old not in cache.live_seqs()
+    assert prefix.metrics()["leaves"] == 1 and cache.free_cells == cache.capacity - 5
+    prefix.check_invariants()
+
+
+def test_give_removes_the_sequence_when_nothing_is_stored():
+    cache, prefix, w, _ = setup(tree_seqs=1)
+    a = w.new([1, 2, 3])
+    assert prefix.insert(a, [1, 2, 3]) == 3
+    cache.seq_rm(a)
+    b = w.new([1, 2, 3])                      # the same tokens, computed again: all cached
+    assert prefix.give(b, [1, 2, 3]) == 0
+    assert b not in cache.live_seqs() and prefix.metrics()["leaves"] == 1
+    c = w.new([7, 8])                         # the tree's one id is pinned: no room
+    prefix.pin([1, 2, 3])
+    skipped = prefix.metrics()["insert_skipped"]
+    assert prefix.give(c, [7, 8]) == 0
+    assert c not in cache.live_seqs() and prefix.metrics()["insert_skipped"] == skipped + 1
+    d = w.new([5])
+    assert prefix.give(d, []) == 0 and d not in cache.live_seqs()
+    assert cache.free_cells == cache.capacity - 3
+    prefix.check_invariants()
+
+
 def test_an_independent_copy_of_a_cached_prompt_is_not_stored_twice():
     cache, prefix, w, _ = setup()
     a, b = w.new([1, 2, 3, 4]), w.new([1, 2, 3, 4])      # same prompt, computed twice
@@ -607,7 +662,8 @@ def loaded():
 def test_tokens_that_are_not_int_ids(loaded, tokens):
     cache, prefix, w, s = loaded
     before = state(prefix)
-    for call in (lambda: prefix.insert(s, tokens), lambda: prefix.match(tokens),
+    for call in (lambda: prefix.insert(s, tokens), lambda: prefix.give(s, tokens),
+                 lambda: prefix.match(tokens),
                  lambda: prefix.peek(tokens), lambda: prefix.pin(tokens),
                  lambda: prefix.unpin(tokens, 1)):
         with pytest.raises(InvalidArgument):
@@ -628,6 +684,13 @@ def test_tokens_that_are_not_int_ids(loaded, tokens):
     (lambda p, s: p.insert(s, [1, 2], priority="high"), InvalidArgument),
     (lambda p, s: p.insert(s, [1, 2], priority=float("nan")), InvalidArgument),
     (lambda p, s: p.insert(s, [1, 2], priority=True), InvalidArgument),
+    (lambda p, s: p.give(None, [1]), InvalidArgument),
+    (lambda p, s: p.give(8, [1]), InvalidArgument),
+    (lambda p, s: p.give(p.owned_seqs()[0], [1, 2]), InvalidArgument),       # the tree's own
+    (lambda p, s: p.give(5, [1]), InvalidState),                             # not live
+    (lambda p, s: p.give(5, []), InvalidState),
+    (lambda p, s: p.give(s, [1, 2, 3, 4, 5]), InvalidState),                # holds only 4
+    (lambda p, s: p.give(s, [1, 2], priority=float("nan")), InvalidArgument),
     (lambda p, s: p.match([1, 2], max_len=-1), InvalidArgument),
     (lambda p, s: p.match([1, 2], max_len=1.5), InvalidArgument),
     (lambda p, s: p.match([1, 2], pin=1), InvalidArgument),
@@ -813,6 +876,28 @@ class PrefixMachine(RuleBasedStateMachine):
             assert (self.ref_lcp(toks) == len(toks)
                     or self.prefix.metrics()["insert_skipped"] == skipped + 1)
 
+    @precondition(lambda self: self.world.tokens)
+    @rule(i=st.integers(0, 50), k=st.integers(0, 30), prio=st.integers(0, 2))
+    def give(self, i, k, prio):
+        """insert, and the caller's sequence goes to the tree (its leaf) or away."""
+        s = self.pick(i)
+        toks = tuple(self.world.tokens[s][: k % (len(self.world.tokens[s]) + 1)])
+        skipped = self.prefix.metrics()["insert_skipped"]
+        got = self.prefix.give(s, np.array(toks, np.int64), priority=prio)
+        stored = self.apply_events()
+        del self.world.tokens[s]
+        event("give: stored" if got else "give: cached or skipped")
+        if got:
+            [ev] = stored
+            assert ev.tokens.tolist() == list(toks) and ev.n == got
+            assert got == len(toks) - self.ref_lcp(toks)
+            self.ref_add(toks)
+            assert s in self.prefix.owned_seqs() and self.cache.pos(s) == len(toks)
+        else:
+            assert not stored and s not in self.cache.live_seqs()
+            assert (not toks or self.ref_lcp(toks) == len(toks)
+                    or self.prefix.metrics()["insert_skipped"] == skipped + 1)
+
     def query(self, source, i, cut, tail):
         if source == 0 and self.ref:
             base = sorted(self.ref)[i % len(self.ref)]
@@ -844,10 +929,11 @@ class PrefixMachine(RuleBasedStateMachine):
             self.pins.append((limited[:n], n))
 
     @rule(source=st.integers(0, 2), i=st.integers(0, 50), cut=st.none() | st.integers(0, 40),
-          tail=st.lists(st.integers(0, 3), min_size=1, max_size=8), keep=st.booleans())
+          tail=st.lists(st.integers(0, 3), min_size=1, max_size=8),
+          keep=st.sampled_from(["running", "insert + remove", "give"]))
     def serve(self, source, i, cut, tail, keep):
         """A generator's request: match (one token left to feed), compute the rest, insert;
-        the request keeps running or finishes."""
+        the request keeps running or finishes (insert then seq_rm, or give)."""
         q = self.query(source, i, cut, tail)
         want = self.ref_lcp(q[:-1])
         seq, n = self.prefix.match(list(q), max_len=len(q) - 1)
@@ -863,8 +949,11 @@ class PrefixMachine(RuleBasedStateMachine):
         event("serve: hit" if n else "serve: miss")
         done = self.world.write(seq, q[n:], evict_with=self.prefix)
         self.apply_events()
+        if keep == "give":
+            self.give(self.callers().index(seq), n + done, 0)
+            return
         self.insert(self.callers().index(seq), n + done, 0)
-        if not keep:
+        if keep != "running":
             self.remove(self.callers().index(seq))
 
     @precondition(lambda self: self.pins)

@@ -298,9 +298,22 @@ class Scheduler:
             self.pending.remove(s.pending)
             s.pending = None
         pc = self.prefix
+        sid = s.sid
+        mine = sid is not None                # the id is still s's to remove
         try:
-            if pc is not None and store and s.sid is not None and s.in_cache > 0:
-                self._pcall(0, pc.insert, s.sid, self.tokens_of(s)[:s.in_cache])
+            if pc is not None and store and sid is not None and s.in_cache > 0:
+                tokens = self.tokens_of(s)[:s.in_cache]
+                # the tree takes the id itself (or removes it): no clone, and the stored
+                # cells keep their owners (a clone and a removal would change each twice)
+                mine = False
+                try:
+                    pc.give(sid, tokens)
+                except BaseException:
+                    # a refusal changed nothing; an on_event callback raises after the store
+                    mine = sid in self.cache.live_seqs() and sid not in pc.owned_seqs()
+                    raise
+        except Exception as e:                # as _pcall: raised once the step is complete
+            self.later.append(e)
         finally:            # a BaseException from a user's on_event (Ctrl-C) still frees s
             if pc is not None:
                 for arr, n in s.pins:
@@ -309,8 +322,8 @@ class Scheduler:
                     except CellCacheError:            # the tree was cleared or forgotten meanwhile
                         pass
             s.pins, s.stored = [], False
-            if s.sid is not None:
-                self.cache.seq_rm(s.sid)
+            if mine and sid is not None:
+                self.cache.seq_rm(sid)
             s.sid, s.in_cache, s.drafts = None, 0, []
 
     # -- the prefix cache --------------------------------------------------------------------------
