@@ -133,6 +133,30 @@ def test_greedy_outputs_streams_and_stats_are_the_synchronous_ones(model):
                                         "callbacks"}
 
 
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_the_step_log_adds_up_to_the_profile(model, async_steps):
+    gen = make(model, async_steps)
+    log: list = []
+    gen.step_log = log
+    for p in prompts(2, 5):
+        gen.add(p, Sampling(max_new_tokens=6))
+    gen.run()
+    p = gen.profile
+    assert len(log) == p["steps"] == gen.stats["steps"]
+    assert [k for k, _, _ in log].count("decode") == p["decode_steps"] > 0
+    assert [k for k, _, _ in log].count("mixed") == p["mixed_steps"] > 0
+    for kind in ("decode", "mixed"):
+        for phase, ms in p[f"{kind}_host_ms"].items():
+            got = sum(d[phase] for k, _, d in log if k == kind) * 1e3
+            assert got == pytest.approx(ms, rel=1e-6, abs=1e-9)
+    assert all(rows >= 1 for k, rows, _ in log if k == "decode")
+    gen.step_log = None                       # off again: nothing more is recorded
+    n, steps = len(log), p["steps"]
+    gen.add(prompts(3, 1)[0], Sampling(max_new_tokens=2))
+    gen.run()
+    assert len(log) == n and gen.profile["steps"] > steps
+
+
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_rows_ending_by_length_keep_the_steady_path(model, prefix_cache):
     """Requests of different lengths, greedy and seeded, streamed and not: the plan made

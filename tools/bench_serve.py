@@ -166,17 +166,7 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
     gen.step = timed_step
     # each landed decode step's host time (every phase but "wait"), and the interpreter's
     # garbage collections during the run: where a mean above the typical step comes from
-    step_host: list[float] = []
-    step_info: list[tuple[int, dict]] = []
-    real_book = gen._book
-
-    def book(flight) -> None:
-        if flight.plan.decode_only:
-            step_host.append(sum(v for k, v in flight.prof.items() if k != "wait"))
-            step_info.append((len(flight.plan.rows), dict(flight.prof)))
-        real_book(flight)
-
-    gen._book = book
+    gen.step_log = []
     gc_runs: list[tuple[int, float]] = []
     gc_start = [0.0]
 
@@ -211,7 +201,9 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
     _sync(device)
     elapsed = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
-    del gen._book
+    step_info = [(rows, prof) for kind, rows, prof in gen.step_log if kind == "decode"]
+    step_host = [sum(v for k, v in prof.items() if k != "wait") for _, prof in step_info]
+    gen.step_log = None
     res = summarize(gen, elapsed, reqs)
     res["arrival"] = arrival if arrival != "poisson" else f"poisson {rate:.2f} requests/s"
     if step_host:

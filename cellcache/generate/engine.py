@@ -368,6 +368,10 @@ class Generator:
             "steps": 0, "decode_steps": 0, "mixed_steps": 0,
             "host_ms": dict.fromkeys(PHASES, 0.0), "decode_host_ms": dict.fromkeys(PHASES, 0.0),
             "mixed_host_ms": dict.fromkeys(PHASES, 0.0)}
+        #: None, or a list (a ``deque(maxlen=...)`` for a long run) the caller sets: each
+        #: applied step is appended as ``(kind, rows, {phase: seconds})``, kind ``"decode"``
+        #: or ``"mixed"``: where a mean of :attr:`profile` comes from, step by step.
+        self.step_log: Any = None
 
     # -- what the scheduler holds, by their old names ------------------------------------------------
     @property
@@ -803,6 +807,8 @@ class Generator:
         """Adds a landed step's phases to :attr:`profile`."""
         p = self.profile
         kind = "decode" if flight.plan.decode_only else "mixed"
+        if self.step_log is not None:
+            self.step_log.append((kind, len(flight.plan.rows), dict(flight.prof)))
         p["steps"] += 1
         p[f"{kind}_steps"] += 1
         for totals in (p["host_ms"], p[f"{kind}_host_ms"]):
