@@ -326,6 +326,14 @@ class Scheduler:
                 self.cache.seq_rm(sid)
             s.sid, s.in_cache, s.drafts = None, 0, []
 
+    def _declare(self, sids: Any) -> bool:
+        """Declares a step of ``sids``' tokens; False (nothing declared) when the cache has
+        no room for it now or the paged view cannot take it (StepTooLarge)."""
+        try:
+            return self.cache.declare_step(sids)
+        except StepTooLarge:
+            return False
+
     # -- the prefix cache --------------------------------------------------------------------------
     def _pcall(self, default: Any, fn: Callable, *args: Any, **kw: Any) -> Any:
         """A prefix-cache operation that changes it. An exception (from a user's ``on_event``:
@@ -496,11 +504,7 @@ class Scheduler:
                 self.finish(self.waiting.pop(0), "capacity")
                 continue
             width = sum(len(feed) for _, feed in plan.rows)
-            try:
-                ok = self.cache.declare_step([s.sid for s, feed in plan.rows for _ in feed])
-            except StepTooLarge:
-                ok = False
-            if ok:
+            if self._declare([s.sid for s, feed in plan.rows for _ in feed]):
                 self._layout(plan)
                 return plan
             # the plan fits the free cells and max_kv; only cells taken behind the
@@ -585,10 +589,7 @@ class Scheduler:
         n = len(rows)
         if not n or n > self.cache.free_cells:
             return None
-        try:
-            if not self.cache.declare_step(sids):
-                return None
-        except StepTooLarge:
+        if not self._declare(sids):
             return None
         plan = StepPlan([(s, _ONE) for s in rows], [], True, lean=True, seqs=rows, prompt_last=last,
                         ahead=after is not None)
@@ -636,10 +637,7 @@ class Scheduler:
         used = fast.used + n
         if cfg.paged and used > cfg.max_kv:
             return None
-        try:
-            if not self.cache.declare_step(fast.sids):
-                return None
-        except StepTooLarge:
+        if not self._declare(fast.sids):
             return None
         rows = after.seqs
         plan = StepPlan(after.rows, [], True, lean=True, seqs=rows, ahead=True)
@@ -676,10 +674,7 @@ class Scheduler:
         if cfg.paged and used > cfg.max_kv:
             return None
         sids = [fast.sids[i] for i in at]
-        try:
-            if not self.cache.declare_step(sids):
-                return None
-        except StepTooLarge:
+        if not self._declare(sids):
             return None
         plan = StepPlan([(s, _ONE) for s in rows], [], True, lean=True, seqs=rows, ahead=True)
         plan.feed = idx                        # row j feeds from after's slot idx[j]
