@@ -514,6 +514,16 @@ class PrefixCache:
                 if give:
                     self.cache.seq_rm(s)
                 return 0
+            if give and self._owned:
+                # the tree must still be the cache's before it takes s: insert's clone
+                # would meet a released id, give checks a leaf (the one over the path, or
+                # any): after cache.clear() underneath, s would join a tree forgotten later
+                leaf = node if m else next(iter(self._owned.values()))
+                while leaf.seq is None:
+                    leaf = next(iter(leaf.children.values()))
+                if self.cache.pos(leaf.seq) != leaf.end:
+                    self._invalidate_locked()
+                    node, m = self._walk(qb, n)
             new = self._take_id(qb, n, node, m, s, clone=not give)
             if new is None:
                 self._stats["insert_skipped"] += 1
@@ -521,8 +531,9 @@ class PrefixCache:
                     self.cache.seq_rm(s)
                 return 0
             if give:
-                if p > n:
-                    self.cache.rewind(s, n)
+                # always, even at pos n: like seq_rm, it drops a declared step naming s and
+                # ends the undo of a placement, which would otherwise move the leaf's sequence
+                self.cache.rewind(s, n)
             elif new in self._owned:        # an id the tree holds was free: cleared underneath
                 self._invalidate_locked()
             # evictions for the id keep the cached path but may have made a leaf of its end
@@ -755,6 +766,11 @@ class PrefixCache:
             raise error
 
     # -- queries -----------------------------------------------------------------------------
+    def owns(self, seq: Any) -> bool:
+        """Whether ``seq`` is one of the sequence ids the prefix cache owns (a leaf's)."""
+        with self._lock:
+            return seq in self._owned
+
     def owned_seqs(self) -> list[int]:
         """The sequence ids the prefix cache owns, ascending (one per leaf)."""
         with self._lock:

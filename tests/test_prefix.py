@@ -303,6 +303,41 @@ def test_give_removes_the_sequence_when_nothing_is_stored():
     prefix.check_invariants()
 
 
+def test_give_ends_the_sequences_pending_step_as_seq_rm_would():
+    """A step declared for the given sequence, or its placement not yet committed, must not
+    reach the tree's leaf: give drops them as insert + seq_rm did (InvalidState after)."""
+    cache, prefix, w, _ = setup()
+    s = w.new([1, 2, 3])
+    assert cache.declare_step([s])
+    assert prefix.give(s, [1, 2, 3]) == 3
+    with pytest.raises(InvalidState):
+        cache.prepare_step()
+    t = cache.seq_new()
+    assert cache.declare_step([t] * 2)
+    cache.prepare_step()
+    assert prefix.give(t, [4, 5]) == 2
+    with pytest.raises(InvalidState):
+        cache.unprepare_step()
+    assert cache.pos(s) == 3 and cache.pos(t) == 2
+    assert prefix.owns(s) and prefix.owns(t) and not prefix.owns(99) and not prefix.owns("x")
+    prefix.check_invariants()
+
+
+def test_give_after_a_cache_clear_underneath_forgets_the_old_tree_first():
+    cache, prefix, w, events = setup()
+    a = w.new([1, 2, 3])
+    prefix.insert(a, [1, 2, 3])
+    cache.seq_rm(a)
+    cache.clear()                             # without invalidate()
+    w = World(cache)
+    s = w.new([9, 9, 9, 9])
+    assert prefix.give(s, [9, 9, 9, 9]) == 4
+    assert prefix.metrics()["invalidations"] == 1 and "invalidated" in [e.kind for e in events]
+    assert prefix.owned_seqs() == [s] == cache.live_seqs()        # nothing left behind
+    assert prefix.validate() is True
+    prefix.check_invariants()
+
+
 def test_an_independent_copy_of_a_cached_prompt_is_not_stored_twice():
     cache, prefix, w, _ = setup()
     a, b = w.new([1, 2, 3, 4]), w.new([1, 2, 3, 4])      # same prompt, computed twice

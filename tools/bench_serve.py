@@ -177,30 +177,32 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
             gc_runs.append((info["generation"], time.perf_counter() - gc_start[0]))
 
     gc.callbacks.append(on_gc)
-    replay_events = _time_replays(gen) if with_breakdown and device == "cuda" else None
-    _sync(device)
-    t0 = time.perf_counter()
-    if arrival == "poisson":
-        offsets = poisson_arrivals(len(prompts), rate, seed)
-        last_arrival = max(offsets)
-        reqs = serve_arrivals(gen, prompts, offsets, sampling)
-    else:
-        pending = list(prompts)
-        reqs = []
-        if arrival == "together":
-            reqs = [gen.add(p, sampling) for p in pending]
-            pending = []
-        steps = 0
-        while pending or gen.busy:
-            if pending and steps % 16 == 0:
-                reqs += [gen.add(p, sampling) for p in pending[:32]]
-                pending = pending[32:]
-            if not gen.step() and not pending:
-                break
-            steps += 1
-    _sync(device)
-    elapsed = time.perf_counter() - t0
-    gc.callbacks.remove(on_gc)
+    try:
+        replay_events = _time_replays(gen) if with_breakdown and device == "cuda" else None
+        _sync(device)
+        t0 = time.perf_counter()
+        if arrival == "poisson":
+            offsets = poisson_arrivals(len(prompts), rate, seed)
+            last_arrival = max(offsets)
+            reqs = serve_arrivals(gen, prompts, offsets, sampling)
+        else:
+            pending = list(prompts)
+            reqs = []
+            if arrival == "together":
+                reqs = [gen.add(p, sampling) for p in pending]
+                pending = []
+            steps = 0
+            while pending or gen.busy:
+                if pending and steps % 16 == 0:
+                    reqs += [gen.add(p, sampling) for p in pending[:32]]
+                    pending = pending[32:]
+                if not gen.step() and not pending:
+                    break
+                steps += 1
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+    finally:                                  # (a failed run leaves no callback behind)
+        gc.callbacks.remove(on_gc)
     step_info = [(rows, prof) for kind, rows, prof in gen.step_log if kind == "decode"]
     step_host = [sum(v for k, v in prof.items() if k != "wait") for _, prof in step_info]
     gen.step_log = None

@@ -305,12 +305,13 @@ class Scheduler:
                 tokens = self.tokens_of(s)[:s.in_cache]
                 # the tree takes the id itself (or removes it): no clone, and the stored
                 # cells keep their owners (a clone and a removal would change each twice)
+                owned = pc.owns(sid)          # (only after cache.clear() underneath)
                 mine = False
                 try:
                     pc.give(sid, tokens)
                 except BaseException:
                     # a refusal changed nothing; an on_event callback raises after the store
-                    mine = sid in self.cache.live_seqs() and sid not in pc.owned_seqs()
+                    mine = owned or (sid in self.cache.live_seqs() and not pc.owns(sid))
                     raise
         except Exception as e:                # as _pcall: raised once the step is complete
             self.later.append(e)
