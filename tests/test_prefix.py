@@ -889,49 +889,38 @@ class PrefixMachine(RuleBasedStateMachine):
         del self.world.tokens[s]
 
     # the prefix cache -------------------------------------------------------------------------
-    @precondition(lambda self: self.world.tokens)
-    @rule(i=st.integers(0, 50), k=st.integers(0, 30), prio=st.integers(0, 2))
-    def insert(self, i, k, prio):
+    def store(self, i, k, prio, give):
+        """insert, or give: the caller's sequence goes to the tree (its leaf) or away."""
         s = self.pick(i)
         toks = tuple(self.world.tokens[s][: k % (len(self.world.tokens[s]) + 1)])
         skipped = self.prefix.metrics()["insert_skipped"]
-        if not toks:
-            assert self.prefix.insert(s, list(toks)) == 0
-            return
-        got = self.prefix.insert(s, np.array(toks, np.int64), priority=prio)
+        verb = "give" if give else "insert"
+        got = getattr(self.prefix, verb)(s, np.array(toks, np.int64), priority=prio)
         stored = self.apply_events()
-        event("insert: stored" if got else "insert: cached or skipped")
+        if give:
+            del self.world.tokens[s]
+        event(f"{verb}: stored" if got else f"{verb}: cached or skipped")
         if got:
             [ev] = stored
             assert ev.tokens.tolist() == list(toks) and ev.n == got
             assert got == len(toks) - self.ref_lcp(toks)
             self.ref_add(toks)
+            assert not give or (self.prefix.owns(s) and self.cache.pos(s) == len(toks))
         else:
             assert not stored
-            assert (self.ref_lcp(toks) == len(toks)
+            assert not give or s not in self.cache.live_seqs()
+            assert (not toks or self.ref_lcp(toks) == len(toks)
                     or self.prefix.metrics()["insert_skipped"] == skipped + 1)
 
     @precondition(lambda self: self.world.tokens)
     @rule(i=st.integers(0, 50), k=st.integers(0, 30), prio=st.integers(0, 2))
+    def insert(self, i, k, prio):
+        self.store(i, k, prio, give=False)
+
+    @precondition(lambda self: self.world.tokens)
+    @rule(i=st.integers(0, 50), k=st.integers(0, 30), prio=st.integers(0, 2))
     def give(self, i, k, prio):
-        """insert, and the caller's sequence goes to the tree (its leaf) or away."""
-        s = self.pick(i)
-        toks = tuple(self.world.tokens[s][: k % (len(self.world.tokens[s]) + 1)])
-        skipped = self.prefix.metrics()["insert_skipped"]
-        got = self.prefix.give(s, np.array(toks, np.int64), priority=prio)
-        stored = self.apply_events()
-        del self.world.tokens[s]
-        event("give: stored" if got else "give: cached or skipped")
-        if got:
-            [ev] = stored
-            assert ev.tokens.tolist() == list(toks) and ev.n == got
-            assert got == len(toks) - self.ref_lcp(toks)
-            self.ref_add(toks)
-            assert s in self.prefix.owned_seqs() and self.cache.pos(s) == len(toks)
-        else:
-            assert not stored and s not in self.cache.live_seqs()
-            assert (not toks or self.ref_lcp(toks) == len(toks)
-                    or self.prefix.metrics()["insert_skipped"] == skipped + 1)
+        self.store(i, k, prio, give=True)
 
     def query(self, source, i, cut, tail):
         if source == 0 and self.ref:
