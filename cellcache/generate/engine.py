@@ -340,12 +340,13 @@ class Generator:
         self._drawn: SamplerOutput | None = None   # the step's draws, while it is decided
         self.stream = torch.cuda.current_stream(self.runner.device) if self.runner.cuda else None
         self.sampler.stream = self.stream             # (looking the stream up costs ~30 us a step)
-        # pinned row indexes of gathered feeds, four used in turn, and their uploads' events;
-        # made now on CUDA: a pinned allocation is a driver call that can take milliseconds,
-        # and the first gathered feeds come in the middle of serving (where rows start ending)
-        self._fed_host: list[torch.Tensor | None] = [None] * 4
-        self._fed_done: list[Any] = [None] * 4
+        # pinned row indexes of gathered feeds (a feed has at most max_seqs rows), four used
+        # in turn, and their uploads' events; made now, on CUDA: a pinned allocation is a
+        # driver call that can take milliseconds, and the first gathered feeds come in the
+        # middle of serving (where rows start ending)
         self._fed_turn = 0
+        self._fed_host: list[torch.Tensor] = []
+        self._fed_done: list[Any] = []
         if self.runner.cuda:
             rows = max(1024, self.cache.max_seqs)
             self._fed_host = [torch.empty(rows, dtype=torch.int64, pin_memory=True) for _ in range(4)]
@@ -917,11 +918,7 @@ class Generator:
         # its upload has run, which with at most two steps queued it has (no wait)
         self._fed_turn = turn = (self._fed_turn + 1) % len(self._fed_host)
         host, done = self._fed_host[turn], self._fed_done[turn]
-        if host is None or host.numel() < n:
-            host = self._fed_host[turn] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
-            done = self._fed_done[turn] = torch.cuda.Event()
-        else:
-            done.synchronize()
+        done.synchronize()
         host.numpy()[:n] = slots
         index = host[:n].to(ids.device, non_blocking=True)
         done.record(self.stream)
