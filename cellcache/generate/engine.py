@@ -575,6 +575,8 @@ class Generator:
                             continue
                         self._capture(width, kind == "decode")
                         done[kind].append(width)
+                if self._fed_host:
+                    self._warm_feed()
                 if runner.compile is not None and (done["decode"] or done["mixed"]):
                     release_compile_workers()
                 return {k: sorted(v) for k, v in done.items()}
@@ -620,6 +622,17 @@ class Generator:
         finally:
             for sid in sids:
                 cache.seq_rm(sid)
+
+    def _warm_feed(self) -> None:
+        """Runs the gathered feed's ``index_select`` (see :meth:`_fed`) once with up to 16
+        indices and once with more (torch launches a different kernel for each): the first
+        launch of a torch kernel loads its code on first use, which cost 12.3 ms on the H200
+        in the middle of serving, in the step where the first rows ended (2026-12-01)."""
+        device = self.runner.device
+        ids = torch.zeros(len(self._fed_host[0]), dtype=torch.int64, device=device)
+        for n in (1, len(ids)):
+            ids.index_select(0, torch.zeros(n, dtype=torch.int64, device=device))
+        torch.cuda.current_stream(device).synchronize()
 
     def _drain(self, boundary: bool = False) -> None:
         """Queues requests added, and applies cancels made, while a step ran (state lock held).
