@@ -910,6 +910,26 @@ def tp_bench(p, args) -> int:
     return 0
 
 
+
+def host_target(res: dict) -> tuple[bool, str] | None:
+    """Issue #20's host target from a run's results: host time per decode step <= 10% of
+    the decode step's GPU time (the timing pass's median forward). The host varies between
+    runs of one tree far more than the GPU does (up to ~1.9x on the H200's machine), so with
+    ``--repeat`` it reads the median of the prefix-cache-on runs. None without a GPU time."""
+    r = res["cellcache"]
+    if "decode_gpu_ms_median" not in r or "decode_host_us_per_step_total" not in r:
+        return None
+    hosts = [e["decode_host_us_per_step_total"] for e in res.get("runs", [])
+             if e["run"] == "cellcache" and "decode_host_us_per_step_total" in e]
+    host_us = statistics.median(hosts or [r["decode_host_us_per_step_total"]])
+    gpu_us = 1e3 * r["decode_gpu_ms_median"]
+    of = f"median of {len(hosts)} runs ({', '.join(f'{h:.0f}' for h in hosts)}): " if len(hosts) > 1 else ""
+    return (host_us <= 0.1 * gpu_us,
+            f"host time per decode step <= 10% of its GPU time ({of}{host_us:.0f} us vs the "
+            f"{r['decode_gpu_rows']}-row decode forwards of the timing pass, {gpu_us:.0f} us median "
+            f"on the GPU: {100 * host_us / gpu_us:.1f}%)")
+
+
 def main(argv=None) -> int:
     p = Parser(prog="bench_serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
@@ -930,7 +950,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=in_range(1, 1 << 16), default=None,
                    help="prompt tokens a sequence reads a step (default 512, shared 2048; --quick 32)")
     p.add_argument("--repeat", type=in_range(1, 16), default=1,
-                   help="cellcache on/off runs, alternating; the best of each is reported")
+                   help="cellcache on/off runs, alternating; the best of each is reported (the host "
+                        "target: the median of the runs)")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--arrival", choices=["staggered", "poisson", "none"], default="staggered",
                    help="default workload: the run beside 'all together' (default staggered: 32 "
@@ -1049,11 +1070,16 @@ def main(argv=None) -> int:
         for key, prefix in (modes if rep % 2 == 0 else modes[::-1]):
             log(f"[serve] {key} (prefix cache {'on' if prefix else 'off'})")
             r = run(prefix)
+            host = f", host per decode step {r['decode_host_us_per_step_total']:.0f} us" \
+                if "decode_host_us_per_step_total" in r else ""
             log(f"[serve] {key}: {r['tokens_per_s']:.0f} tokens/s, prompt tokens computed "
-                f"{r['computed_tokens']} (ideal {work['ideal_computed']})")
+                f"{r['computed_tokens']} (ideal {work['ideal_computed']}){host}")
             if key not in res or r["tokens_per_s"] > res[key]["tokens_per_s"]:
                 res[key] = r
-            res.setdefault("runs", []).append({"run": key, "tokens_per_s": r["tokens_per_s"]})
+            entry = {"run": key, "tokens_per_s": r["tokens_per_s"]}
+            if "decode_host_us_per_step_total" in r:
+                entry["decode_host_us_per_step_total"] = r["decode_host_us_per_step_total"]
+            res.setdefault("runs", []).append(entry)
             save()
     if device == "cuda" and name == "default":
         # The GPU time of the decode steps, for the host-time target (the default workload's),
@@ -1218,13 +1244,9 @@ def main(argv=None) -> int:
             f"; inter-token p50 {r['itl_ms_p50']:.2f} ms, p99 {r['itl_ms_p99']:.2f} ms"
         print(f"TTFT: p50 {r['ttft_ms_p50']:.1f} ms, p99 {r['ttft_ms_p99']:.1f} ms over "
               f"{r['turns_done']} turns{itl}")
-    r = res["cellcache"]
-    if "decode_gpu_ms_median" in r and "decode_host_us_per_step_total" in r:
-        host_us, gpu_us = r["decode_host_us_per_step_total"], 1e3 * r["decode_gpu_ms_median"]
-        targets.append((host_us <= 0.1 * gpu_us, f"host time per decode step <= 10% of its GPU time "
-                        f"({host_us:.0f} us vs the {r['decode_gpu_rows']}-row decode forwards of the "
-                        f"timing pass, "
-                        f"{gpu_us:.0f} us median on the GPU: {100 * host_us / gpu_us:.1f}%)"))
+    host = host_target(res)
+    if host is not None:
+        targets.append(host)
     for ok, text in targets:
         print(f"target {'met ' if ok else 'MISSED'}: {text}")
     res["targets"] = [{"met": ok, "target": text} for ok, text in targets]
