@@ -533,7 +533,9 @@ class Generator:
         to ``width`` one-token sequences, or a prompt chunk of up to ``width`` tokens of one
         sequence, padded to the bucket. The cache ends as it was, except that its pools may
         have grown. Under tensor parallelism every rank calls it (the verbs are agreed like
-        a step's). InvalidArgument for a width that is not a bucket; InvalidState while
+        a step's). On CUDA (graphs on) it also launches once the kernels that feed a decode
+        step whose rows are fewer than its predecessor's (their first launch cost 12 ms in the
+        middle of serving on the H200). InvalidArgument for a width that is not a bucket; InvalidState while
         requests are queued or running, a step is in flight, or from inside a step;
         OutOfMemory (that bucket not captured, its sequences freed) when the cache cannot
         hold the step (StepTooLarge when a prompt-chunk bucket exceeds the paged view's
