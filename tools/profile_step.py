@@ -87,6 +87,7 @@ def decode(args, rng) -> int:
     cache = CudaCellCache(CacheConfig(capacity=cap, layers=[LayerConfig(2, 64)] * 2,
                                       max_write=max(2048, args.width), initial_capacity=cap,
                                       max_seqs=args.max_seqs, mask_format="none", paged=True))
+    stream = 0
     try:
         seqs = fill_to(cache, args.read_len, args.width, rng)
         stream = int(check(cu.cuStreamCreate(1), "cuStreamCreate"))
@@ -107,6 +108,8 @@ def decode(args, rng) -> int:
         phases = {k: round(v / args.steps / 1e3, 1) for k, v in cache.phase_ns(True).items()}
     finally:
         cache.close()
+        if stream:
+            check(cu.cuStreamDestroy(stream), "cuStreamDestroy")
     print(f"profile_step: {args.steps} decode steps of {args.width} rows ({args.max_seqs} ids, "
           f"{args.read_len} cells read): prepare_step host median {1e6 * np.median(host):.1f} us, "
           f"declare_step {1e6 * np.median(decl):.1f} us; engine phases a step (us) {phases}")

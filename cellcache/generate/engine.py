@@ -535,11 +535,11 @@ class Generator:
         have grown. Under tensor parallelism every rank calls it (the verbs are agreed like
         a step's). On CUDA (graphs on) it also launches once the kernels that feed a decode
         step whose rows are fewer than its predecessor's (their first launch cost 12 ms in the
-        middle of serving on the H200). InvalidArgument for a width that is not a bucket; InvalidState while
-        requests are queued or running, a step is in flight, or from inside a step;
-        OutOfMemory (that bucket not captured, its sequences freed) when the cache cannot
-        hold the step (StepTooLarge when a prompt-chunk bucket exceeds the paged view's
-        ``max_kv``). Refused as well (InvalidState, nothing changed) while the cache has a
+        middle of serving on the H200). InvalidArgument for a width that is not a bucket;
+        InvalidState while requests are queued or running, a step is in flight, or from
+        inside a step; OutOfMemory (that bucket not captured, its sequences freed) when the
+        cache cannot hold the step (StepTooLarge when a prompt-chunk bucket exceeds the paged
+        view's ``max_kv``). Refused as well (InvalidState, nothing changed) while the cache has a
         step declared or prepared by another user. With ``compile=True``, once it has
         captured a graph it shuts inductor's idle compile workers down
         (:func:`release_compile_workers`).
