@@ -533,15 +533,15 @@ class Generator:
         to ``width`` one-token sequences, or a prompt chunk of up to ``width`` tokens of one
         sequence, padded to the bucket. The cache ends as it was, except that its pools may
         have grown. Under tensor parallelism every rank calls it (the verbs are agreed like
-        a step's). On CUDA (graphs on) it also launches once the kernels that feed a decode
-        step whose rows are fewer than its predecessor's (their first launch cost 12 ms in the
-        middle of serving on the H200). InvalidArgument for a width that is not a bucket;
+        a step's). On CUDA it also launches once the kernels that feed a decode step whose
+        rows are fewer than its predecessor's (their first launch cost 12 ms in the middle
+        of serving on the H200). InvalidArgument for a width that is not a bucket;
         InvalidState while requests are queued or running, a step is in flight, or from
         inside a step; OutOfMemory (that bucket not captured, its sequences freed) when the
-        cache cannot hold the step (StepTooLarge when a prompt-chunk bucket exceeds the paged
-        view's ``max_kv``). Refused as well (InvalidState, nothing changed) while the cache has a
-        step declared or prepared by another user. With ``compile=True``, once it has
-        captured a graph it shuts inductor's idle compile workers down
+        cache cannot hold the step (StepTooLarge when a prompt-chunk bucket exceeds the
+        paged view's ``max_kv``). Refused as well (InvalidState, nothing changed) while the
+        cache has a step declared or prepared by another user. With ``compile=True``, once
+        it has captured a graph it shuts inductor's idle compile workers down
         (:func:`release_compile_workers`).
         """
         runner, cache = self.runner, self.cache
@@ -564,6 +564,8 @@ class Generator:
                     raise InvalidState("warmup() while the cache has a step declared or prepared "
                                        "(another user's): call it when no step is pending")
                 done: dict[str, list[int]] = {"decode": [], "mixed": []}
+                if self._fed_host:                # (CUDA; async_steps may run without graphs)
+                    self._warm_feed()
                 if not (runner.cuda and runner.graphs_enabled):
                     return done
                 # the steps that need the most cells first: a growth that moves the pools
@@ -577,8 +579,6 @@ class Generator:
                             continue
                         self._capture(width, kind == "decode")
                         done[kind].append(width)
-                if self._fed_host:
-                    self._warm_feed()
                 if runner.compile is not None and (done["decode"] or done["mixed"]):
                     release_compile_workers()
                 return {k: sorted(v) for k, v in done.items()}
