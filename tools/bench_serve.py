@@ -910,7 +910,6 @@ def tp_bench(p, args) -> int:
     return 0
 
 
-
 def host_target(res: dict) -> tuple[bool, str] | None:
     """Issue #20's host target from a run's results: host time per decode step <= 10% of
     the decode step's GPU time (the timing pass's median forward). The host varies between
@@ -1244,9 +1243,9 @@ def main(argv=None) -> int:
             f"; inter-token p50 {r['itl_ms_p50']:.2f} ms, p99 {r['itl_ms_p99']:.2f} ms"
         print(f"TTFT: p50 {r['ttft_ms_p50']:.1f} ms, p99 {r['ttft_ms_p99']:.1f} ms over "
               f"{r['turns_done']} turns{itl}")
-    host = host_target(res)
-    if host is not None:
-        targets.append(host)
+    host_line = host_target(res)
+    if host_line is not None:
+        targets.append(host_line)
     for ok, text in targets:
         print(f"target {'met ' if ok else 'MISSED'}: {text}")
     res["targets"] = [{"met": ok, "target": text} for ok, text in targets]
