@@ -41,6 +41,8 @@ def main(argv=None, probe=None) -> int:
         p.error(f"--decode needs --width <= --max-seqs (one sequence a row): {args.width} > {args.max_seqs}")
     if (code := require_gpu("profile_step", probe)) is not None:
         return code
+    if args.decode:
+        return decode(args, np.random.default_rng(0))
     from bench_gpu import fill_to
 
     from cellcache.config import CacheConfig, LayerConfig
@@ -48,8 +50,6 @@ def main(argv=None, probe=None) -> int:
     from cellcache.cuda.driver import check, cu
 
     rng = np.random.default_rng(0)
-    if args.decode:
-        return decode(args, rng)
     windows = [0, 4096, 128][: args.windows]
     cap = args.read_len + args.width + 64
     cap += (-cap) % 16
