@@ -16,12 +16,17 @@ def test_the_per_step_host_record_adds_up(tmp_path, capsys):
     # the steps' own record against the profile's totals: the same mean
     assert abs(d["mean"] - r["decode_host_us_per_step_total"]) <= 0.2
     assert 0 < d["median"] <= d["p90"] <= d["max"] and 0.05 <= d["top5pct_share"] <= 1
+    med = d["phase_median"]
+    assert set(med) == set(r["decode_host_us_per_step"]) - {"wait"} and min(med.values()) >= 0
+    # each phase's median is at most its largest step; the prepare phase is never empty
+    assert med["prepare"] > 0 and all(v <= d["max"] + 0.1 for v in med.values())
     worst = r["decode_host_costliest"]
     assert 1 <= len(worst) <= 8 and abs(worst[0]["host_us"] - d["max"]) <= 1
     assert [w["host_us"] for w in worst] == sorted((w["host_us"] for w in worst), reverse=True)
     assert all(0 <= w["step"] < r["decode_steps"] and w["rows"] >= 1 for w in worst)
     assert len(r["gc"]["collections"]) == 3 and r["gc"]["ms"] >= 0
-    assert "costliest 5% of steps" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "costliest 5% of steps" in printed and "median of each phase: schedule" in printed
 
 
 def test_repeated_runs_each_keep_their_host_figure(tmp_path):

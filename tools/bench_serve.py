@@ -214,7 +214,10 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
         res["decode_host_us_distribution"] = {
             "mean": round(statistics.mean(us), 1), "median": round(statistics.median(us), 1),
             "p90": round(us[int(0.9 * (len(us) - 1))], 1), "max": round(us[-1], 1),
-            "top5pct_share": round(sum(top) / sum(us), 3)}
+            "top5pct_share": round(sum(top) / sum(us), 3),
+            # each phase's median over the decode steps: the steady step, which the mean hides
+            "phase_median": {k: round(1e6 * statistics.median(prof[k] for _, prof in step_info), 1)
+                             for k in step_info[0][1] if k != "wait"}}
         # the costliest steps: their number among the run's decode steps, rows, phases (us)
         worst = sorted(range(len(step_host)), key=step_host.__getitem__)[-8:][::-1]
         res["decode_host_costliest"] = [
@@ -1195,6 +1198,8 @@ def main(argv=None) -> int:
                   f"max {d['max']:.0f}; the costliest 5% of steps hold {100 * d['top5pct_share']:.0f}% "
                   f"of it; garbage collections in the run {g['collections']} (gen 0/1/2), "
                   f"{g['ms']:.1f} ms")
+            print(f"{key}: median of each phase: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in d["phase_median"].items()))
             for c in r.get("decode_host_costliest", [])[:5]:
                 parts = ", ".join(f"{k} {v}" for k, v in c.items() if k not in ("step", "rows", "host_us"))
                 print(f"  decode step {c['step']} ({c['rows']} rows): {c['host_us']} us host: {parts}")
