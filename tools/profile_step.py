@@ -107,9 +107,9 @@ def decode(args, rng) -> int:
         check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
         phases = {k: round(v / args.steps / 1e3, 1) for k, v in cache.phase_ns(True).items()}
     finally:
-        cache.close()
-        if stream:
+        if stream:                            # before the cache's context goes with it
             check(cu.cuStreamDestroy(stream), "cuStreamDestroy")
+        cache.close()
     print(f"profile_step: {args.steps} decode steps of {args.width} rows ({args.max_seqs} ids, "
           f"{args.read_len} cells read): prepare_step host median {1e6 * np.median(host):.1f} us, "
           f"declare_step {1e6 * np.median(decl):.1f} us; engine phases a step (us) {phases}")

@@ -387,6 +387,7 @@ class Generator:
 
     @property
     def running(self) -> list[Seq]:
+        self.scheduler.flush()                # their tokens up to date
         return self.scheduler.running
 
     @property

@@ -159,6 +159,9 @@ class Request:
     error: BaseException | None = None
     first_token: float | None = None
     token_times: list[list[float]] = field(default_factory=list)
+    # while the scheduler holds tokens of steady steps not yet in ``outputs`` and
+    # ``token_times`` (it defers those appends): what brings them in; reading either does
+    _sync: Callable[[], None] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def done(self) -> bool:
@@ -173,6 +176,31 @@ class Request:
         """Inter-token latencies: the gaps between consecutive tokens of each continuation
         (a continuation's first token is the TTFT's, not a gap)."""
         return [b - a for times in self.token_times for a, b in zip(times, times[1:])]
+
+
+def _synced(name: str) -> property:
+    """``Request.<name>`` as a property: brings the scheduler's deferred tokens in first."""
+    def get(self: Request) -> list:
+        if self._sync is not None:
+            self._sync()
+        return self.__dict__[name]
+
+    def put(self: Request, value: list) -> None:
+        self.__dict__[name] = value
+
+    return property(get, put)
+
+
+# read through the scheduler's deferred tokens (set after the dataclass made its fields)
+Request.outputs = _synced("outputs")  # type: ignore[assignment]
+Request.token_times = _synced("token_times")  # type: ignore[assignment]
+
+
+def defer(requests: Iterable[Request], sync: Callable[[], None] | None) -> None:
+    """Makes reading ``outputs`` or ``token_times`` of each of ``requests`` call ``sync``
+    first (the scheduler holds tokens of theirs not appended yet); None: no longer."""
+    for r in requests:
+        r._sync = sync
 
 
 def _percentiles(values: list[float], prefix: str) -> dict[str, float | None]:

@@ -24,6 +24,7 @@ requests, threads, drafts, the forward and the sampler around it.
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ import numpy as np
 from ..cache import CellCache
 from ..errors import CellCacheError, StepTooLarge
 from ..prefix import PrefixCache
-from .requests import Request
+from .requests import Request, defer
 from .sampler import SamplerOutput, SampleSpec
 
 __all__ = ["ADMISSION_POLICIES", "Job", "Outcome", "PendingPrompts", "Scheduler", "Seq", "StepPlan"]
@@ -128,6 +129,27 @@ class StepPlan:
 def _consume(it: Any) -> None:
     """Runs an iterator to its end at C speed (the appends of a steady step)."""
     deque(it, maxlen=0)
+
+
+class _Backlog:
+    """Tokens of steady steps applied but not appended yet: :meth:`Scheduler._apply_steady`
+    keeps each step's ids (and its time) here instead of appending them, one by one, to
+    every row's three lists (output, token times, sequence tokens): those appends touch
+    3 x rows lists a step, the largest host cost of a steady step. :meth:`Scheduler.sync`
+    appends them, up to :data:`BACKLOG_STEPS` steps at a time; every path but the steady
+    one calls it first, and so does reading a request's ``outputs`` or ``token_times``."""
+
+    __slots__ = ("outs", "times", "tokens", "reqs", "ids", "stamps")
+
+    def __init__(self, fast: _Steady, reqs: list[Request]):
+        self.outs, self.times, self.tokens = fast.outs, fast.times, fast.tokens
+        self.reqs = reqs                      # each row's request (Request._sync is set)
+        self.ids: list[np.ndarray] = []       # a step's ids, row i at [i]
+        self.stamps: list[float] = []         # its time
+
+
+#: Most steady steps whose tokens wait in a backlog before they are appended.
+BACKLOG_STEPS = 32
 
 
 @dataclass(eq=False)
@@ -272,15 +294,47 @@ class Scheduler:
         # (epoch before, after) the finishes a steady apply foresaw (see drop_ended)
         self._foreseen: tuple[int, int] | None = None
         self._stamps = 0
+        self._backlog: _Backlog | None = None
+        # a request's outputs read from another thread syncs while the stepping thread runs
+        self._backlog_lock = threading.RLock()
+
+    def sync(self) -> None:
+        """Appends the tokens (and times) that steady steps deferred to their lists (the
+        requests' ``outputs`` and ``token_times``, the sequences' ``tokens``) and lets the
+        requests go: every path but the steady one calls it first."""
+        if self._backlog is None:
+            return
+        with self._backlog_lock:
+            self.flush()
+            b = self._backlog
+            if b is not None:
+                self._backlog = None
+                defer(b.reqs, None)
+
+    def flush(self) -> None:
+        """The appends of :meth:`sync`, the requests kept (what reading a request's
+        ``outputs`` or ``token_times`` calls, from any thread)."""
+        b = self._backlog
+        if b is None or not b.ids:
+            return
+        with self._backlog_lock:
+            b = self._backlog
+            if b is None or not b.ids:
+                return
+            rows = np.stack(b.ids, axis=1).tolist()    # row i's tokens, in step order
+            _consume(map(list.extend, b.outs, rows))
+            _consume(map(list.extend, b.tokens, rows))
+            _consume(map(list.extend, b.times, repeat(b.stamps, len(rows))))
+            b.ids, b.stamps = [], []
 
     # -- sequences ----------------------------------------------------------------------------------
     @staticmethod
     def new_seq(job: Job, index: int, tokens: list[int]) -> Seq:
         return Seq(job, index, tokens)
 
-    @staticmethod
-    def tokens_of(s: Seq) -> np.ndarray:
+    def tokens_of(self, s: Seq) -> np.ndarray:
         """s's tokens as int32 (tokens only grow: extended, not rebuilt)."""
+        self.sync()
         arr, n = s.arr, len(s.tokens)
         if arr is None or len(arr) != n:
             if arr is None or len(arr) > n:
@@ -293,6 +347,7 @@ class Scheduler:
     def free(self, s: Seq, store: bool = False) -> None:
         """Gives back s's cache id and cells; s is then a sequence to be read from scratch.
         ``store``: s ends, its tokens in the cache go to the prefix cache first."""
+        self.sync()
         self.epoch += 1
         if s.pending is not None:
             self.pending.remove(s.pending)
@@ -422,6 +477,7 @@ class Scheduler:
     def end(self, job: Job, reason: str, index: int | None = None) -> None:
         """Ends every unfinished continuation of job's request (and continuation ``index``,
         finished or not) with reason; frees their cells; no callback of it runs again."""
+        self.sync()
         job.closed = True
         self.epoch += 1
         req = job.req
@@ -482,6 +538,7 @@ class Scheduler:
         evicts, preempts or ends a sequence, or declares a step: it returns. The plan
         depends only on the state after the previous step's update_from_output.
         """
+        self.sync()
         if self.running and not self.waiting:
             plan = self.schedule_decode()
             if plan is not None:
@@ -541,6 +598,7 @@ class Scheduler:
             plan = self._steady_decode(after)
             if plan is not None:
                 return plan
+        self.sync()
         ahead = 0 if after is None else 1
         seqs = self.running if after is None else after.seqs
         n = len(seqs)
@@ -733,6 +791,7 @@ class Scheduler:
             events = self._apply_steady(plan, fast, ids, deliver)
             if events is not None:
                 return events
+        self.sync()
         events = []
         toks = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         now = self.clock()
@@ -781,20 +840,32 @@ class Scheduler:
         arr = np.asarray(ids)[:n]
         if self.eos and np.isin(arr, np.fromiter(self.eos, np.int64, len(self.eos))).any():
             return None
-        toks = arr.tolist()
         now = self.clock()
-        _consume(map(list.append, fast.outs, toks))      # the appends at C speed
-        _consume(map(list.append, fast.times, repeat(now, n)))
-        _consume(map(list.append, fast.tokens, toks))
         seqs = plan.seqs
+        # the tokens go to the backlog (appended to the rows' lists by sync)
+        with self._backlog_lock:               # (a reader's sync may run meanwhile)
+            b = self._backlog
+            if b is None or b.outs is not fast.outs:
+                self.sync()                    # another set of rows
+                b = _Backlog(fast, [s.job.req for s in seqs])
+                defer(b.reqs, self.flush)
+                self._backlog = b
+            elif len(b.ids) >= BACKLOG_STEPS:
+                self.flush()
+            b.ids.append(np.array(arr))        # (arr: a view of a buffer the next step reuses)
+            b.stamps.append(now)
         for s in seqs:
             s.in_cache += 1
         # no prompt to store: every row was applied in the step before this one (its rows are
         # among that step's, nothing ended since), which stored any prompt it completed
         self.stats["tokens_out"] += n
-        events = ([(s.job, s.index, tok) for s, tok in zip(seqs, toks)] if deliver
-                  else [(job, k, toks[i]) for i, job, k in fast.hooked])
+        events = []
+        if deliver or fast.hooked:
+            toks = arr.tolist()
+            events = ([(s.job, s.index, tok) for s, tok in zip(seqs, toks)] if deliver
+                      else [(job, k, toks[i]) for i, job, k in fast.hooked])
         if fast.min_left <= 2:                 # rows whose max_new_tokens this token reaches
+            self.sync()
             before = self.epoch
             for i in np.flatnonzero(fast.left <= 2).tolist():
                 self.finish(seqs[i], "length")
@@ -973,6 +1044,7 @@ class Scheduler:
         """Undoes a declared or prepared step whose forward or sampling raised: every planned
         sequence back to the cells it had, this step's admissions requeued (their prefix
         hits dropped and unpinned). ``commit``: a step was prepared and not committed yet."""
+        self.sync()
         self.epoch += 1
         try:
             if commit:                                # the forward may have been queued
@@ -995,6 +1067,7 @@ class Scheduler:
         it raises is that request's own failure (returned in the failed list; the others'
         outcomes stand); anything else propagates. A verify run emits its accepted drafts
         and the next drawn token, cut at a stop."""
+        self.sync()
         ids = output.ids
         if take is None:
             def take(s: Seq, slot: int) -> int:
@@ -1036,6 +1109,7 @@ class Scheduler:
     def update_from_output(self, outcomes: list[Outcome]) -> list[tuple[Job, int, int]]:
         """Advances every sequence by its outcome (no user code runs); returns the tokens
         to deliver, in order, as (job, continuation, token)."""
+        self.sync()
         events: list[tuple[Job, int, int]] = []
         pc = self.prefix
         now = self.clock()

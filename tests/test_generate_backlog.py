@@ -1,0 +1,177 @@
+"""The steady steps' deferred appends (``Scheduler`` keeps each steady step's ids in a
+backlog and appends them to the rows' lists later): whatever reads a request's ``outputs``
+or ``token_times`` (between steps, in a callback, from another thread) sees every applied
+token, the lists hold no more than ``BACKLOG_STEPS`` steps behind, and a finished request
+does not keep the generator alive. CPU, tiny random model."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
+from cellcache.generate.scheduler import BACKLOG_STEPS  # noqa: E402
+
+from .helpers import random_prompts as prompts  # noqa: E402
+
+NEW = BACKLOG_STEPS + 40        # long enough for a full backlog and more
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("llama-tiny", seed=3)
+
+
+def make(model, async_steps):
+    return Generator(model, capacity=4096, max_batch_tokens=256, prefill_chunk=64,
+                     async_steps=async_steps, eos=[])
+
+
+def reference(model, ps, sampling):
+    """The synchronous generator's outputs and token counts (it defers nothing)."""
+    gen = make(model, False)
+    reqs = [gen.add(p, sampling) for p in ps]
+    gen.run()
+    return [r.outputs for r in reqs]
+
+
+def raw(req):
+    """The output lists as stored, without bringing deferred tokens in."""
+    return req.__dict__["outputs"]
+
+
+def test_deferred_tokens_are_appended_when_read_and_stay_within_the_backlog(model):
+    ps = prompts(2, 5)
+    sampling = Sampling(max_new_tokens=NEW)
+    want = reference(model, ps, sampling)
+    gen = make(model, True)
+    reqs = [gen.add(p, sampling) for p in ps]
+    lag_seen = 0
+    for _ in range(10 * NEW):
+        busy = gen.step()
+        for s in gen.scheduler.running:       # (the scheduler's list: reads nothing through)
+            r = s.req
+            assert len(r.__dict__["token_times"][0]) == len(raw(r)[0])  # stored together
+            applied = s.in_cache + 1 - len(r.prompt)  # its last token is fed by the next step
+            behind = applied - len(raw(r)[0])
+            assert 0 <= behind <= BACKLOG_STEPS   # never more than a full backlog behind
+            lag_seen = max(lag_seen, behind)
+        if not busy:
+            break
+    assert lag_seen >= BACKLOG_STEPS // 2      # the steady steps did defer their appends
+    # read now: every token, in order, as the synchronous generator drew them
+    assert [r.outputs for r in reqs] == want
+    assert all(len(t) == len(o) for r in reqs for t, o in zip(r.token_times, r.outputs))
+    assert all(r.finish_reasons == ["length"] for r in reqs)
+
+
+def test_reading_between_steps_sees_every_applied_token(model):
+    ps = prompts(3, 4)
+    sampling = Sampling(max_new_tokens=NEW)
+    want = reference(model, ps, sampling)
+    gen = make(model, True)
+    reqs = [gen.add(p, sampling) for p in ps]
+    while True:
+        busy = gen.step()
+        n = gen.stats["tokens_out"]
+        got = [r.outputs[0] for r in reqs]
+        # what was applied is what can be read: the counters and the lists agree
+        assert sum(len(o) for o in got) == n
+        assert all(o == w[0][:len(o)] for o, w in zip(got, want))
+        assert all(len(r.token_times[0]) == len(r.outputs[0]) for r in reqs)
+        for s in gen.running:                   # the sequences' own tokens are current too
+            assert s.tokens == s.req.prompt + s.req.outputs[s.index]
+        if not busy:
+            break
+    assert [r.outputs for r in reqs] == want
+
+
+def test_a_callback_reading_outputs_sees_its_own_token(model):
+    ps = prompts(4, 3)
+    sampling = Sampling(max_new_tokens=NEW)
+    want = reference(model, ps, sampling)
+    gen = make(model, True)
+    seen: dict[int, list[int]] = {}
+
+    def on_token(req, k, tok):
+        out = req.outputs[k]
+        assert out[-1] == tok                 # the token delivered is the last one stored
+        seen[req.id] = list(out)
+
+    reqs = [gen.add(p, sampling, on_token=on_token if i == 0 else None) for i, p in enumerate(ps)]
+    gen.run()
+    assert seen[reqs[0].id] == want[0][0]
+    assert [r.outputs for r in reqs] == want
+
+
+def test_a_cancel_between_steady_steps_keeps_every_applied_token(model):
+    ps = prompts(5, 4)
+    sampling = Sampling(max_new_tokens=NEW)
+    gen = make(model, True)
+    reqs = [gen.add(p, sampling) for p in ps]
+    for _ in range(BACKLOG_STEPS // 2 + 10):  # into the steady run, nothing read meanwhile
+        gen.step()
+    out_before = gen.stats["tokens_out"]
+    assert gen.cancel(reqs[1])
+    gen.run()
+    assert reqs[1].finish_reasons == ["cancelled"]
+    assert 0 < len(reqs[1].outputs[0]) < NEW
+    assert len(reqs[1].token_times[0]) == len(reqs[1].outputs[0])
+    assert sum(len(r.outputs[0]) for r in reqs) == gen.stats["tokens_out"] >= out_before
+    want = reference(model, ps, sampling)
+    assert reqs[1].outputs[0] == want[1][0][:len(reqs[1].outputs[0])]
+    assert [r.outputs for i, r in enumerate(reqs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
+
+
+def test_outputs_read_from_another_thread_are_always_a_prefix_of_the_result(model):
+    ps = prompts(6, 4)
+    sampling = Sampling(max_new_tokens=NEW)
+    want = reference(model, ps, sampling)
+    gen = make(model, True)
+    reqs = [gen.add(p, sampling) for p in ps]
+    snaps: list[list[list[int]]] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader():
+        try:
+            while not stop.is_set():
+                snaps.append([list(r.outputs[0]) for r in reqs])
+                for r in reqs:
+                    times, out = len(r.token_times[0]), len(r.outputs[0])
+                    assert times >= 0 and out >= 0
+        except BaseException as e:            # pragma: no cover - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        gen.run()
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+    assert [r.outputs for r in reqs] == want
+    assert snaps                                # the reader ran
+    for snap in snaps:                          # each one a prefix of the final outputs
+        assert all(o == w[0][:len(o)] for o, w in zip(snap, want))
+    lengths = [[len(o) for o in snap] for snap in snaps]
+    assert all(a <= b for x, y in zip(lengths, lengths[1:]) for a, b in zip(x, y))
+
+
+def test_finished_requests_do_not_keep_the_generator_alive(model):
+    gen = make(model, True)
+    reqs = [gen.add(p, Sampling(max_new_tokens=NEW)) for p in prompts(7, 3)]
+    gen.run()
+    sched = weakref.ref(gen.scheduler)
+    outs = [r.outputs for r in reqs]
+    del gen
+    gc.collect()
+    assert sched() is None
+    assert [r.outputs for r in reqs] == outs and all(len(o[0]) == NEW for o in outs)
