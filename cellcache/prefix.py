@@ -311,6 +311,7 @@ class PrefixCache:
         self._op = _Operation(self)
         self._clock = 0
         self._events: list[PrefixEvent] = []
+        self._shape = 0
         self._reset()
         self._stats = dict.fromkeys(
             ("matches", "hits", "hit_tokens", "no_id", "inserts", "stored_tokens",
@@ -323,6 +324,7 @@ class PrefixCache:
         self._cached = 0                          # tokens in the tree
         self._nodes = 0                           # nodes but the root
         self._pins = 0
+        self._shape += 1                          # bumped whenever nodes are removed
 
     # -- lookup ------------------------------------------------------------------------------
     def _walk(self, qb: bytes, nq: int) -> tuple[PrefixNode, int]:
@@ -524,6 +526,7 @@ class PrefixCache:
                 if self.cache.pos(leaf.seq) != leaf.end:
                     self._invalidate_locked()
                     node, m = self._walk(qb, n)
+            shape = self._shape
             new = self._take_id(qb, n, node, m, s, clone=not give)
             if new is None:
                 self._stats["insert_skipped"] += 1
@@ -538,7 +541,8 @@ class PrefixCache:
                 self._invalidate_locked()
             # evictions for the id keep the cached path but may have made a leaf of its end
             # (or, finding the cache cleared underneath, forgotten the tree): walk again
-            node, m = self._walk(qb, n)
+            if self._shape != shape:
+                node, m = self._walk(qb, n)
             if node.start < m < node.end:
                 node = self._split(node, m)
             old = node.seq                  # a leaf extended: its sequence is covered now
@@ -563,12 +567,8 @@ class PrefixCache:
         """A clone of caller sequence s (``upto=n``), evicting leaves off the cached path for
         an id where the tree's budget or the cache's ids run out; None when none is had.
         ``clone`` False: s itself once the tree's budget has room for it (no new id)."""
-        path = set()
-        x: PrefixNode | None = node
-        while x is not None:
-            path.add(x)
-            x = x.parent
         if not (node.seq is not None and m == node.end) and len(self._owned) >= self.max_seqs:
+            path = self._path(node)
             self._evict_locked(0, 1, path)
             node, m = self._walk(qb, n)
             if not (node.seq is not None and m == node.end) and len(self._owned) >= self.max_seqs:
@@ -579,9 +579,19 @@ class PrefixCache:
             return s
         new = self.cache.seq_clone(s, n)
         if new is None:
-            self._evict_locked(0, 1, path)
+            self._evict_locked(0, 1, self._path(node))
             new = self.cache.seq_clone(s, n)
         return new
+
+    @staticmethod
+    def _path(node: PrefixNode) -> set[PrefixNode]:
+        """``node`` and every node above it (what an eviction for it must keep)."""
+        path = set()
+        x: PrefixNode | None = node
+        while x is not None:
+            path.add(x)
+            x = x.parent
+        return path
 
     def _split(self, node: PrefixNode, m: int) -> PrefixNode:
         """Cuts ``node`` at depth m (``start < m < end``); returns the new upper part."""
@@ -680,6 +690,7 @@ class PrefixCache:
             assert parent is not None
             del parent.children[leaf.segb[:4]]
             del self._owned[seq]
+            self._shape += 1
             leaf.seq = None
             leaf.parent = None
             adopted = parent is not root and not parent.children
