@@ -134,16 +134,19 @@ def _consume(it: Any) -> None:
 class _Backlog:
     """Tokens of steady steps applied but not appended yet: :meth:`Scheduler._apply_steady`
     keeps each step's ids (and its time) here instead of appending them, one by one, to
-    every row's three lists (output, token times, sequence tokens): those appends touch
-    3 x rows lists a step, the largest host cost of a steady step. :meth:`Scheduler.sync`
-    appends them, up to :data:`BACKLOG_STEPS` steps at a time; every path but the steady
-    one calls it first, and so does reading a request's ``outputs`` or ``token_times``."""
+    every row's three lists (output, token times, sequence tokens) and counting them in
+    its ``in_cache``: that touches 4 x rows objects a step, the largest host cost of a
+    steady step. :meth:`Scheduler.flush` appends and counts them, up to
+    :data:`BACKLOG_STEPS` steps at a time; every path but the steady one calls it first
+    (through :meth:`Scheduler.sync`), and so does reading a request's ``outputs`` or
+    ``token_times``."""
 
-    __slots__ = ("outs", "times", "tokens", "reqs", "ids", "stamps")
+    __slots__ = ("outs", "times", "tokens", "seqs", "reqs", "ids", "stamps")
 
-    def __init__(self, fast: _Steady, reqs: list[Request]):
+    def __init__(self, fast: _Steady, seqs: list[Seq]):
         self.outs, self.times, self.tokens = fast.outs, fast.times, fast.tokens
-        self.reqs = reqs                      # each row's request (Request._sync is set)
+        self.seqs = seqs
+        self.reqs = [s.job.req for s in seqs]  # each row's request (deferred to this)
         self.ids: list[np.ndarray] = []       # a step's ids, row i at [i]
         self.stamps: list[float] = []         # its time
 
@@ -325,6 +328,9 @@ class Scheduler:
             _consume(map(list.extend, b.outs, rows))
             _consume(map(list.extend, b.tokens, rows))
             _consume(map(list.extend, b.times, repeat(b.stamps, len(rows))))
+            k = len(b.ids)
+            for s in b.seqs:
+                s.in_cache += k
             b.ids, b.stamps = [], []
 
     # -- sequences ----------------------------------------------------------------------------------
@@ -719,6 +725,7 @@ class Scheduler:
         further; exactly the plan the general loop would make (it skips those rows too), at
         the cost of filtering the record's lists. None (nothing declared) when no row goes
         on or the step does not fit."""
+        self.flush()                           # (the rows' in_cache are read below)
         left = fast.left - 1                   # one token (the step before `after`) applied since
         keep = left > 1
         idx = np.flatnonzero(keep)
@@ -847,15 +854,13 @@ class Scheduler:
             b = self._backlog
             if b is None or b.outs is not fast.outs:
                 self.sync()                    # another set of rows
-                b = _Backlog(fast, [s.job.req for s in seqs])
+                b = _Backlog(fast, seqs)
                 defer(b.reqs, self.flush)
                 self._backlog = b
             elif len(b.ids) >= BACKLOG_STEPS:
                 self.flush()
             b.ids.append(np.array(arr))        # (arr: a view of a buffer the next step reuses)
             b.stamps.append(now)
-        for s in seqs:
-            s.in_cache += 1
         # no prompt to store: every row was applied in the step before this one (its rows are
         # among that step's, nothing ended since), which stored any prompt it completed
         self.stats["tokens_out"] += n
