@@ -146,11 +146,8 @@ def test_outputs_read_from_another_thread_are_always_a_prefix_of_the_result(mode
 
     def reader():
         try:
-            while not stop.is_set():
+            while not stop.wait(0.0002):        # (a short wait: the stepping thread runs)
                 snaps.append([list(r.outputs[0]) for r in reqs])
-                for r in reqs:
-                    times, out = len(r.token_times[0]), len(r.outputs[0])
-                    assert times >= 0 and out >= 0
         except BaseException as e:            # pragma: no cover - reported below
             errors.append(e)
 
@@ -163,7 +160,8 @@ def test_outputs_read_from_another_thread_are_always_a_prefix_of_the_result(mode
         t.join()
     assert not errors
     assert [r.outputs for r in reqs] == want
-    assert snaps                                # the reader ran
+    # the reader ran while tokens came in (it saw more than one state)
+    assert len({tuple(len(o) for o in snap) for snap in snaps}) > 1
     for snap in snaps:                          # each one a prefix of the final outputs
         assert all(o == w[0][:len(o)] for o, w in zip(snap, want))
     lengths = [[len(o) for o in snap] for snap in snaps]

@@ -144,6 +144,11 @@ class Request:
     ``token_times[k][i]`` when continuation k's token i was applied (tokens of one step,
     such as accepted drafts, share a time), ``finished`` when its last continuation ended.
     :meth:`itl` lists the inter-token gaps.
+
+    Read ``outputs`` and ``token_times`` through the request each time (``req.outputs[k]``,
+    from any thread): the generator appends the tokens of steady decode steps in batches,
+    and reading either attribute brings them in first; a list kept from an earlier read may
+    lag by up to ``BACKLOG_STEPS`` (32) steps until then.
     """
 
     id: int
