@@ -41,17 +41,23 @@ def reference(model, ps, sampling):
     return [r.outputs for r in reqs]
 
 
+def started(model, seed, n):
+    """The synchronous generator's outputs for ``n`` greedy requests of NEW tokens, and an
+    asynchronous generator with the same requests added: (outputs, generator, requests)."""
+    ps = prompts(seed, n)
+    sampling = Sampling(max_new_tokens=NEW)
+    want = reference(model, ps, sampling)
+    gen = make(model, True)
+    return want, gen, [gen.add(p, sampling) for p in ps]
+
+
 def raw(req):
     """The output lists as stored, without bringing deferred tokens in."""
     return req.__dict__["outputs"]
 
 
 def test_deferred_tokens_are_appended_when_read_and_stay_within_the_backlog(model):
-    ps = prompts(2, 5)
-    sampling = Sampling(max_new_tokens=NEW)
-    want = reference(model, ps, sampling)
-    gen = make(model, True)
-    reqs = [gen.add(p, sampling) for p in ps]
+    want, gen, reqs = started(model, 2, 5)
     lag_seen = 0
     for _ in range(10 * NEW):
         busy = gen.step()
@@ -73,11 +79,7 @@ def test_deferred_tokens_are_appended_when_read_and_stay_within_the_backlog(mode
 
 
 def test_reading_between_steps_sees_every_applied_token(model):
-    ps = prompts(3, 4)
-    sampling = Sampling(max_new_tokens=NEW)
-    want = reference(model, ps, sampling)
-    gen = make(model, True)
-    reqs = [gen.add(p, sampling) for p in ps]
+    want, gen, reqs = started(model, 3, 4)
     while True:
         busy = gen.step()
         n = gen.stats["tokens_out"]
@@ -116,10 +118,7 @@ def test_a_callback_reading_outputs_sees_its_own_token(model):
 
 
 def test_a_cancel_between_steady_steps_keeps_every_applied_token(model):
-    ps = prompts(5, 4)
-    sampling = Sampling(max_new_tokens=NEW)
-    gen = make(model, True)
-    reqs = [gen.add(p, sampling) for p in ps]
+    want, gen, reqs = started(model, 5, 4)
     for _ in range(BACKLOG_STEPS // 2 + 10):  # into the steady run, nothing read meanwhile
         gen.step()
     out_before = gen.stats["tokens_out"]
@@ -129,17 +128,12 @@ def test_a_cancel_between_steady_steps_keeps_every_applied_token(model):
     assert 0 < len(reqs[1].outputs[0]) < NEW
     assert len(reqs[1].token_times[0]) == len(reqs[1].outputs[0])
     assert sum(len(r.outputs[0]) for r in reqs) == gen.stats["tokens_out"] >= out_before
-    want = reference(model, ps, sampling)
     assert reqs[1].outputs[0] == want[1][0][:len(reqs[1].outputs[0])]
     assert [r.outputs for i, r in enumerate(reqs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
 
 
 def test_outputs_read_from_another_thread_are_always_a_prefix_of_the_result(model):
-    ps = prompts(6, 4)
-    sampling = Sampling(max_new_tokens=NEW)
-    want = reference(model, ps, sampling)
-    gen = make(model, True)
-    reqs = [gen.add(p, sampling) for p in ps]
+    want, gen, reqs = started(model, 6, 4)
     snaps: list[list[list[int]]] = []
     stop = threading.Event()
     errors: list[BaseException] = []
