@@ -6,7 +6,10 @@ does not keep the generator alive. CPU, tiny random model."""
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
+import signal
 import threading
 import weakref
 
@@ -16,6 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
+from cellcache.generate import scheduler as scheduler_module  # noqa: E402
 from cellcache.generate.scheduler import BACKLOG_STEPS  # noqa: E402
 
 from .helpers import random_prompts as prompts  # noqa: E402
@@ -28,9 +32,9 @@ def model():
     return random_model("llama-tiny", seed=3)
 
 
-def make(model, async_steps):
+def make(model, async_steps, eos=()):
     return Generator(model, capacity=4096, max_batch_tokens=256, prefill_chunk=64,
-                     async_steps=async_steps, eos=[])
+                     async_steps=async_steps, eos=list(eos))
 
 
 def reference(model, ps, sampling):
@@ -172,3 +176,83 @@ def test_finished_requests_do_not_keep_the_generator_alive(model):
     gc.collect()
     assert sched() is None
     assert [r.outputs for r in reqs] == outs and all(len(o[0]) == NEW for o in outs)
+
+
+def test_an_interrupt_during_a_flush_is_held_until_the_lists_are_whole(model, monkeypatch):
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    want, gen, reqs = started(model, 8, 4)
+    for _ in range(BACKLOG_STEPS // 2 + 10):  # steady steps deferred, nothing read
+        gen.step()
+    consume, calls = scheduler_module._consume, []
+
+    def interrupted(it):                      # Ctrl-C arrives between the flush's appends
+        calls.append(True)
+        if len(calls) == 2:                   # (the outputs appended, the rest not yet)
+            signal.raise_signal(signal.SIGINT)
+        consume(it)
+
+    monkeypatch.setattr(scheduler_module, "_consume", interrupted)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            reqs[0].outputs                   # noqa: B018 - the read flushes
+    finally:
+        signal.signal(signal.SIGINT, old)
+    monkeypatch.undo()
+    assert len(calls) == 3                    # held: the flush ran to its end
+    # raised once the lists were whole: every applied token once, counts consistent
+    assert sum(len(r.outputs[0]) for r in reqs) == gen.stats["tokens_out"]
+    assert all(len(r.token_times[0]) == len(r.outputs[0]) for r in reqs)
+    for s in gen.running:
+        assert s.tokens == s.req.prompt + s.req.outputs[0] and len(s.tokens) - s.in_cache == 1
+    gen.run()
+    assert [r.outputs for r in reqs] == want
+
+
+def test_a_request_copied_or_pickled_mid_run_holds_its_tokens_and_no_generator(model):
+    want, gen, reqs = started(model, 9, 3)
+    for _ in range(BACKLOG_STEPS // 2 + 10):
+        gen.step()
+    n = gen.stats["tokens_out"] // len(reqs)
+    for clone in (copy.deepcopy(reqs[0]), pickle.loads(pickle.dumps(reqs[0]))):
+        assert clone.outputs[0] == want[0][0][:n] and len(clone.token_times[0]) == n
+    gen.run()
+    assert [r.outputs for r in reqs] == want
+
+
+def _serve_all(model, specs, async_steps, eos=()):
+    gen = make(model, async_steps, eos)
+    reqs = [gen.add(p, sp) for p, sp in specs]
+    gen.run()                                 # nothing read between steps
+    return reqs, gen.stats["tokens_out"]
+
+
+@pytest.mark.parametrize("case", ["lengths", "eos", "forks", "stops"])
+def test_deferred_steps_agree_with_the_synchronous_generator(model, case):
+    """Rows that end at different steps (by length, an eos among the draws, their own stop
+    tokens) and sampled forks, with steady steps deferred and nothing read between steps."""
+    ps = prompts(10, 4)
+    eos: tuple[int, ...] = ()
+    if case == "lengths":
+        specs = [(p, Sampling(max_new_tokens=NEW - 11 * i)) for i, p in enumerate(ps)]
+    elif case == "forks":
+        specs = [(p, Sampling(max_new_tokens=NEW - 5 * i, n=2, temperature=0.8, seed=i))
+                 for i, p in enumerate(ps)]
+    else:
+        # a token request 1 draws late in its run (the synchronous reference says which)
+        base, _ = _serve_all(model, [(p, Sampling(max_new_tokens=NEW)) for p in ps], False)
+        tok = base[1].outputs[0][BACKLOG_STEPS + 5]
+        if case == "eos":
+            eos = (tok,)
+            specs = [(p, Sampling(max_new_tokens=NEW)) for p in ps]
+        else:
+            specs = [(p, Sampling(max_new_tokens=NEW, stop=[tok] if i == 1 else []))
+                     for i, p in enumerate(ps)]
+    a, na = _serve_all(model, specs, False, eos)
+    b, nb = _serve_all(model, specs, True, eos)
+    assert [r.outputs for r in a] == [r.outputs for r in b] and na == nb
+    assert [r.finish_reasons for r in a] == [r.finish_reasons for r in b]
+    assert all(len(t) == len(o) for r in b for t, o in zip(r.token_times, r.outputs))
+    if case in ("eos", "stops"):              # the token ended request 1 early
+        assert b[1].finish_reasons == ["stop"] and len(b[1].outputs[0]) < NEW

@@ -29,9 +29,7 @@ is left in flight, and the next call overlaps the host with it::
 
 from __future__ import annotations
 
-import _signal  # type: ignore[import-not-found]
 import dataclasses
-import signal
 import sys
 import threading
 import time
@@ -53,7 +51,16 @@ from ..tp import build as tp_build
 from .distributed import RankSync, is_sharded, tp_world
 from .requests import Request, Sampling, latency_summary, real_number, token_ids
 from .sampler import Draw, Sampler, SamplerOutput
-from .scheduler import ADMISSION_POLICIES, Job, Outcome, PendingPrompts, Scheduler, Seq, StepPlan
+from .scheduler import (
+    ADMISSION_POLICIES,
+    HoldInterrupts,
+    Job,
+    Outcome,
+    PendingPrompts,
+    Scheduler,
+    Seq,
+    StepPlan,
+)
 
 __all__ = ["Generator"]
 
@@ -81,35 +88,6 @@ class _Flight:
     draw: Draw
     graph: bool
     prof: dict[str, float]
-
-
-_SIGINT = int(signal.SIGINT)
-
-
-class _HoldInterrupts:
-    """Holds Ctrl-C back while the generator's bookkeeping runs (on the main thread, with
-    Python's default SIGINT handler): an interrupt there would leave sequences half
-    advanced. ``hit`` tells the caller to raise KeyboardInterrupt once the state is whole."""
-
-    def __init__(self) -> None:
-        self.hit = False
-        self._old: Any = None
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        self.hit = True
-
-    # _signal: the functions behind the signal module's, without its enum conversions (which
-    # cost tens of microseconds a call, twice a step)
-    def __enter__(self) -> _HoldInterrupts:
-        if threading.current_thread() is threading.main_thread() \
-                and _signal.getsignal(_SIGINT) is signal.default_int_handler:
-            self._old = _signal.signal(_SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._old is not None:
-            _signal.signal(_SIGINT, self._old)
-            self._old = None
 
 
 def release_compile_workers() -> None:
@@ -728,7 +706,7 @@ class Generator:
             self._phase = "draft"
             self._propose(errors)
             self._phase = None
-            with _HoldInterrupts() as held:
+            with HoldInterrupts() as held:
                 plan = self._schedule()
             if held.hit:
                 if plan is not None:
@@ -841,7 +819,7 @@ class Generator:
         sched = self.scheduler
         nxt: _Flight | None = None
         if not self.waiting:                          # (running: among the flight's rows)
-            with _HoldInterrupts() as held:
+            with HoldInterrupts() as held:
                 plan = sched.schedule_decode(after=flight.plan)
             if held.hit or plan is None:
                 if plan is not None:
@@ -966,7 +944,7 @@ class Generator:
         finally:
             self._drawn_ids = self._drawn.ids if self._drawn is not None else None
             self._drawn = None
-        with _HoldInterrupts() as held:
+        with HoldInterrupts() as held:
             if plan.rows:                             # (an ahead step whose rows all ended: not one)
                 sched.count_step(plan, flight.graph)
             if lean:

@@ -168,6 +168,13 @@ class Request:
     # ``token_times`` (it defers those appends): what brings them in; reading either does
     _sync: Callable[[], None] | None = field(default=None, init=False, repr=False, compare=False)
 
+    def __getstate__(self) -> dict:
+        """For pickle and copy: the deferred tokens brought in, the scheduler's hook left
+        out (a copy is the request as it stands, not bound to the generator)."""
+        if self._sync is not None:
+            self._sync()
+        return {**self.__dict__, "_sync": None}
+
     @property
     def done(self) -> bool:
         return self.finished is not None

@@ -23,7 +23,9 @@ requests, threads, drafts, the forward and the sampler around it.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]
 import math
+import signal
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -126,6 +128,37 @@ class StepPlan:
     #                                       (None: every slot, in order, or look them up)
 
 
+_SIGINT = int(signal.SIGINT)
+
+
+class HoldInterrupts:
+    """Holds Ctrl-C back while the generator's bookkeeping runs (on the main thread, with
+    Python's default SIGINT handler): an interrupt there would leave sequences half
+    advanced. ``hit`` tells the caller to raise KeyboardInterrupt once the state is whole.
+    Inside another hold it does nothing (the outer one, whose handler is installed, keeps
+    the interrupt)."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._old: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.hit = True
+
+    # _signal: the functions behind the signal module's, without its enum conversions (which
+    # cost tens of microseconds a call, twice a step)
+    def __enter__(self) -> HoldInterrupts:
+        if threading.current_thread() is threading.main_thread() \
+                and _signal.getsignal(_SIGINT) is signal.default_int_handler:
+            self._old = _signal.signal(_SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            _signal.signal(_SIGINT, self._old)
+            self._old = None
+
+
 def _consume(it: Any) -> None:
     """Runs an iterator to its end at C speed (the appends of a steady step)."""
     deque(it, maxlen=0)
@@ -141,14 +174,13 @@ class _Backlog:
     (through :meth:`Scheduler.sync`), and so does reading a request's ``outputs`` or
     ``token_times``."""
 
-    __slots__ = ("outs", "times", "tokens", "seqs", "reqs", "ids", "stamps")
+    __slots__ = ("outs", "times", "tokens", "seqs", "reqs", "steps")
 
     def __init__(self, fast: _Steady, seqs: list[Seq]):
         self.outs, self.times, self.tokens = fast.outs, fast.times, fast.tokens
         self.seqs = seqs
         self.reqs = [s.job.req for s in seqs]  # each row's request (deferred to this)
-        self.ids: list[np.ndarray] = []       # a step's ids, row i at [i]
-        self.stamps: list[float] = []         # its time
+        self.steps: list[tuple[np.ndarray, float]] = []   # a step's ids (row i at [i]), its time
 
 
 #: Most steady steps whose tokens wait in a backlog before they are appended.
@@ -308,30 +340,43 @@ class Scheduler:
         if self._backlog is None:
             return
         with self._backlog_lock:
-            self.flush()
-            b = self._backlog
-            if b is not None:
-                self._backlog = None
-                defer(b.reqs, None)
+            with HoldInterrupts() as held:        # all of it or (interrupted before) none
+                self._flush_held()
+                b = self._backlog
+                if b is not None:
+                    self._backlog = None
+                    defer(b.reqs, None)
+        if held.hit:
+            raise KeyboardInterrupt
 
     def flush(self) -> None:
         """The appends of :meth:`sync`, the requests kept (what reading a request's
         ``outputs`` or ``token_times`` calls, from any thread)."""
         b = self._backlog
-        if b is None or not b.ids:
+        if b is None or not b.steps:
             return
         with self._backlog_lock:
-            b = self._backlog
-            if b is None or not b.ids:
-                return
-            rows = np.stack(b.ids, axis=1).tolist()    # row i's tokens, in step order
-            _consume(map(list.extend, b.outs, rows))
-            _consume(map(list.extend, b.tokens, rows))
-            _consume(map(list.extend, b.times, repeat(b.stamps, len(rows))))
-            k = len(b.ids)
-            for s in b.seqs:
-                s.in_cache += k
-            b.ids, b.stamps = [], []
+            with HoldInterrupts() as held:
+                self._flush_held()
+        if held.hit:
+            raise KeyboardInterrupt
+
+    def _flush_held(self) -> None:
+        """flush's work, under the backlog's lock with Ctrl-C held: an interrupt half-way
+        would append some rows' tokens and later append them again."""
+        b = self._backlog
+        if b is None or not b.steps:
+            return
+        steps = b.steps
+        rows = np.stack([ids for ids, _ in steps], axis=1).tolist()  # row i's tokens, in order
+        stamps = [t for _, t in steps]
+        _consume(map(list.extend, b.outs, rows))
+        _consume(map(list.extend, b.tokens, rows))
+        _consume(map(list.extend, b.times, repeat(stamps, len(rows))))
+        k = len(steps)
+        for s in b.seqs:
+            s.in_cache += k
+        b.steps = []
 
     # -- sequences ----------------------------------------------------------------------------------
     @staticmethod
@@ -857,10 +902,9 @@ class Scheduler:
                 b = _Backlog(fast, seqs)
                 defer(b.reqs, self.flush)
                 self._backlog = b
-            elif len(b.ids) >= BACKLOG_STEPS:
+            elif len(b.steps) >= BACKLOG_STEPS:
                 self.flush()
-            b.ids.append(np.array(arr))        # (arr: a view of a buffer the next step reuses)
-            b.stamps.append(now)
+            b.steps.append((np.array(arr), now))   # (arr: a view of a buffer the next step reuses)
         # no prompt to store: every row was applied in the step before this one (its rows are
         # among that step's, nothing ended since), which stored any prompt it completed
         self.stats["tokens_out"] += n
