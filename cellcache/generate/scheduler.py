@@ -160,7 +160,7 @@ class HoldInterrupts:
 
 
 def _consume(it: Any) -> None:
-    """Runs an iterator to its end at C speed (the appends of a steady step)."""
+    """Runs an iterator to its end at C speed (the backlog's appends)."""
     deque(it, maxlen=0)
 
 
@@ -886,15 +886,16 @@ class Scheduler:
                       deliver: bool) -> list[tuple[Job, int, int]] | None:
         """:meth:`apply_decode` of a steady plan (nothing ended since it was planned, no row
         reaches ``max_new_tokens``, no request stop tokens): every row takes its token, row i
-        slot i. None, changing nothing, when a drawn token is an end-of-sequence id (the
-        general loop ends those rows)."""
+        slot i, kept in the backlog (:class:`_Backlog`) until a flush appends it. None,
+        changing nothing, when a drawn token is an end-of-sequence id (the general loop
+        ends those rows)."""
         n = len(fast.sids)
         arr = np.asarray(ids)[:n]
         if self.eos and np.isin(arr, np.fromiter(self.eos, np.int64, len(self.eos))).any():
             return None
         now = self.clock()
         seqs = plan.seqs
-        # the tokens go to the backlog (appended to the rows' lists by sync)
+        # the tokens go to the backlog (appended to the rows' lists by flush)
         with self._backlog_lock:               # (a reader's sync may run meanwhile)
             b = self._backlog
             if b is None or b.outs is not fast.outs:
