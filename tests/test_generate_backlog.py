@@ -38,11 +38,8 @@ def make(model, async_steps, eos=()):
 
 
 def reference(model, ps, sampling):
-    """The synchronous generator's outputs and token counts (it defers nothing)."""
-    gen = make(model, False)
-    reqs = [gen.add(p, sampling) for p in ps]
-    gen.run()
-    return [r.outputs for r in reqs]
+    """The synchronous generator's outputs (it defers nothing)."""
+    return [r.outputs for r in _serve_all(model, [(p, sampling) for p in ps], False)[0]]
 
 
 def started(model, seed, n):
