@@ -24,11 +24,12 @@ already hold the prefix, nothing copied, at any token boundary.
 
 Rules the tree keeps:
 
-- One owned sequence per leaf, none on internal nodes and the root. A leaf's sequence holds
-  exactly its path: ``pos(seq) == leaf.end``, position ``q`` holds the path's token ``q``.
-  An internal node's prefix is held by every descendant leaf's sequence, so the ids the
-  tree needs are its leaves (at most ``max_seqs``, a budget the caller chooses so that
-  running requests keep enough ids).
+- One sequence per leaf, none on internal nodes and the root. An owned leaf's sequence
+  holds exactly its path: ``pos(seq) == leaf.end``, position ``q`` holds the path's token
+  ``q``; a lent leaf's (below) holds its path and maybe more. An internal node's prefix is
+  held by every descendant leaf's sequence, so the ids the tree needs are its owned leaves
+  (at most ``max_seqs``, a budget the caller chooses so that running requests keep enough
+  ids).
 - Every prefix of a stored path is cached: ``match`` finds the longest common prefix with
   any path, ending anywhere inside a node. Node boundaries are insertion ends and branch
   points; eviction takes whole leaves, least valuable first by the policy, never a pinned
@@ -41,6 +42,13 @@ Rules the tree keeps:
   extends an old leaf, the old leaf's sequence is dropped (the new one covers its path).
   ``give(seq, tokens)`` is the same for a caller that ends ``seq``: the leaf takes ``seq``
   itself (no clone, no cell changes owner), or ``seq`` is removed when nothing is stored.
+- ``lend(seq, tokens)`` is the same for a caller that goes on running ``seq``: the new leaf
+  names ``seq`` itself, still the caller's (``pos(seq) >= leaf.end``), so storing a prompt
+  changes no cell's owner. A lent leaf is never evicted. It stays lent until a longer path
+  covers it, or its lender gives ``seq`` (then the leaf is the tree's), or calls
+  ``reclaim(seq)``, which a lender must call before it removes ``seq`` or rewinds it below
+  the lent prefix: the tree then clones ``seq`` into an id of its own, or, with no id to
+  be had, drops the lent leaf (a ``"dropped"`` event; its pins go with it).
 - Eviction drops only the prefix cache's owner bits: a cell that a caller's sequence also
   owns stays allocated and keeps its contents, so no running sequence loses a cell.
 - Ownership: sequences the prefix cache owns (``owned_seqs()``) must not be touched by
@@ -112,7 +120,9 @@ class PrefixEvent:
       tokens are new), ``"evicted"`` (the prefix ``tokens[:length]`` lost its last ``n``
       tokens; ``tokens[:length - n]`` may still be cached), ``"cleared"`` (everything
       dropped by :meth:`PrefixCache.clear`, ``n`` tokens) or ``"invalidated"`` (everything
-      forgotten because the cache was cleared underneath, ``n`` tokens).
+      forgotten because the cache was cleared underneath, ``n`` tokens) or ``"dropped"`` (as
+      ``"evicted"``, for a lent prefix whose lender reclaimed it when no id could be had to
+      keep it; pins on those tokens went with them).
     - ``tokens``: the prefix, a read-only int32 array (empty for cleared/invalidated).
     - ``key``: :func:`prefix_key` of ``tokens`` (computed when first read).
     """
@@ -156,7 +166,7 @@ class PrefixNode:
         self.end = start + len(segb) // 4
         self.parent = parent
         self.children: dict[bytes, PrefixNode] = {}      # first token's 4 bytes -> child
-        self.seq: int | None = None                      # the owned sequence (leaves only)
+        self.seq: int | None = None                      # the leaf's sequence: owned or lent
         self.last_access = clock
         self.created = clock
         self.hits = 0
@@ -316,11 +326,12 @@ class PrefixCache:
         self._stats = dict.fromkeys(
             ("matches", "hits", "hit_tokens", "no_id", "inserts", "stored_tokens",
              "insert_skipped", "evictions", "evicted_tokens", "evicted_cells",
-             "invalidations"), 0)
+             "invalidations", "reclaims", "dropped"), 0)
 
     def _reset(self) -> None:
         self._root = PrefixNode(b"", 0, None, self._clock)
         self._owned: dict[int, PrefixNode] = {}   # owned sequence -> its leaf
+        self._lent: dict[int, PrefixNode] = {}    # a caller's sequence lending a leaf -> it
         self._cached = 0                          # tokens in the tree
         self._nodes = 0                           # nodes but the root
         self._pins = 0
@@ -390,14 +401,14 @@ class PrefixCache:
             leaf = node
             while leaf.seq is None:
                 leaf = next(iter(leaf.children.values()))
-            if self.cache.pos(leaf.seq) != leaf.end:
+            if not self._intact(leaf):
                 self._invalidate_locked()
                 return (None, 0)
             sid = self.cache.seq_clone(leaf.seq, n)
             if sid is None:
                 st["no_id"] += 1
                 return None, 0
-            if sid in self._owned:          # an id the tree holds was free: cleared underneath
+            if sid in self._owned or sid in self._lent:   # an id the tree names was free: cleared underneath
                 self.cache.seq_rm(sid)
                 self._invalidate_locked()
                 return (None, 0)
@@ -466,7 +477,7 @@ class PrefixCache:
         a refusal changes nothing. The tokens are the caller's word: the tree cannot see
         token ids in cells.
         """
-        return self._store(seq_id, tokens, priority, give=False)
+        return self._store(seq_id, tokens, priority, "insert")
 
     def give(self, seq_id: int, tokens: Any, *, priority: float = 0.0) -> int:
         """:meth:`insert`, and the caller's sequence goes with it: what a caller ending
@@ -479,18 +490,124 @@ class PrefixCache:
         stored tokens then change no owner, where insert + seq_rm changes every one of them
         twice (the clone, then the removal): less work for the cache and its device mirror.
 
+        A lender (see :meth:`lend`) gives as well: tokens that run on past its lent leaf
+        extend it (the lent leaf's path is then covered, nothing changes owner); otherwise
+        the tree keeps its lent leaf with ``seq_id`` itself, rewound to the leaf's end (or,
+        with no id in its budget, drops it) and stores nothing more.
+
         Returns and refuses as :meth:`insert` does; after a refusal nothing has changed and
         the caller still holds ``seq_id``.
         """
-        return self._store(seq_id, tokens, priority, give=True)
+        return self._store(seq_id, tokens, priority, "give")
 
-    def _store(self, seq_id: int, tokens: Any, priority: float, give: bool) -> int:
+    def lend(self, seq_id: int, tokens: Any, *, priority: float = 0.0) -> int:
+        """:meth:`insert` for a caller that goes on running ``seq_id`` (a request's prompt,
+        stored once placed): the new leaf names ``seq_id`` itself, no clone, so no cell
+        changes owner, and no id of the tree's budget is used.
+
+        The caller keeps ``seq_id`` and may extend it, but must call :meth:`reclaim`
+        before it removes ``seq_id`` or rewinds it below ``len(tokens)`` (or end it with
+        :meth:`give`). A lent leaf is never evicted (it would free no cell). It stops
+        being lent when a longer stored path covers it; a sequence lends one leaf at a
+        time (lending again reclaims the first, unless the new tokens extend it).
+
+        Returns and refuses as :meth:`insert` does (0 when the tokens were all cached:
+        nothing is lent then).
+        """
+        return self._store(seq_id, tokens, priority, "lend")
+
+    def reclaim(self, seq_id: int) -> bool:
+        """What a lender calls before it removes ``seq_id`` or rewinds it below its lent
+        leaf: the tree clones ``seq_id`` (up to the leaf's end) into an id of its own,
+        evicting a leaf off the path for one where its budget or the cache's ids run out;
+        with none to be had it drops the lent leaf (a ``"dropped"`` event; pins on its
+        tokens go with it: their ``unpin`` then raises InvalidState).
+
+        Returns whether the prefix stays cached; False also when ``seq_id`` lends nothing
+        (nothing changes). Raises InvalidArgument for a bad id.
+        """
+        s = check_seq_id(seq_id, self.cache.max_seqs)
+        if s not in self._lent:
+            return False
+        with self._op:
+            return self._reclaim_locked(s, adopt=False)
+
+    def lent_seqs(self) -> list[int]:
+        """The callers' sequence ids lending a leaf (see :meth:`lend`), ascending."""
+        with self._lock:
+            return sorted(self._lent)
+
+    def _intact(self, leaf: PrefixNode) -> bool:
+        """Whether leaf's sequence still holds its path as far as the cache can tell: an
+        owned one exactly (``pos == end``), a lent one at least (``pos >= end``)."""
+        p = self.cache.pos(leaf.seq)
+        return p == leaf.end if leaf.seq in self._owned else p >= leaf.end
+
+    def _reclaim_locked(self, s: int, adopt: bool) -> bool:
+        """Ends s's lend: its leaf gets an id of the tree's, a clone of s (``adopt``: s
+        itself, rewound to the leaf's end: the caller gives s away), or is dropped."""
+        leaf = self._lent.pop(s)
+        self._stats["reclaims"] += 1
+        root = self._root
+        if len(self._owned) >= self.max_seqs:
+            self._evict_locked(0, 1, self._path(leaf))
+        keep = None
+        if self._root is root and self.cache.pos(s) >= leaf.end and len(self._owned) < self.max_seqs:
+            if adopt:
+                keep = s if self.cache.rewind(s, leaf.end) else None
+            else:
+                keep = self.cache.seq_clone(s, leaf.end)
+                if keep is None:
+                    self._evict_locked(0, 1, self._path(leaf))
+                    keep = self.cache.seq_clone(s, leaf.end)
+                if keep is not None and (keep in self._owned or keep in self._lent
+                                         or self._root is not root):
+                    self.cache.seq_rm(keep)   # an id the tree names was free: cleared underneath
+                    self._invalidate_locked()
+                    return False
+        if self._root is not root:            # eviction found the cache cleared underneath
+            return False
+        if keep is not None:
+            leaf.seq = keep
+            self._owned[keep] = leaf
+            return True
+        self._drop(leaf)
+        return False
+
+    def _drop(self, leaf: PrefixNode) -> None:
+        """Removes a leaf whose sequence goes (a lent one with no id to keep it), and the
+        nodes above it left with neither children nor a sequence."""
+        node = leaf
+        root = self._root
+        while True:
+            parent = node.parent
+            assert parent is not None
+            if self.on_event is not None:
+                self._events.append(PrefixEvent("dropped", node.path(), node.n_tokens))
+            del parent.children[node.segb[:4]]
+            node.parent, node.seq = None, None
+            self._nodes -= 1
+            self._cached -= node.n_tokens
+            if node.pins:
+                self._pins -= sum(node.pins.values())
+                node.pins = None
+            st = self._stats
+            st["evictions"] += 1
+            st["evicted_tokens"] += node.n_tokens
+            st["dropped"] += 1
+            if parent is root or parent.children:
+                break
+            node = parent
+        self._shape += 1
+
+    def _store(self, seq_id: int, tokens: Any, priority: float, mode: str) -> int:
         s = check_seq_id(seq_id, self.cache.max_seqs)
         arr = _as_tokens(tokens)
         if isinstance(priority, (bool, np.bool_)) or not isinstance(
                 priority, (int, float, np.integer, np.floating)) or priority != priority:
             raise InvalidArgument(f"priority={priority!r} is not a real number")
         priority = float(priority)
+        give = mode == "give"
         n = len(arr)
         with self._op:
             if s in self._owned:
@@ -505,40 +622,49 @@ class PrefixCache:
                     f"pos(seq) >= {n}")
             if n == 0:
                 if give:
-                    self.cache.seq_rm(s)
+                    self._release(s)
                 return 0
             self._clock += 1
             self._stats["inserts"] += 1
             qb = arr.tobytes()
             node, m = self._walk(qb, n)
+            mine = self._lent.get(s)
+            if mine is not None and mode != "insert" and not (node is mine and m == mine.end < n):
+                # s lends a leaf these tokens do not run on from: the tree keeps it first
+                # (given: with s itself, which stores nothing more)
+                kept = self._reclaim_locked(s, adopt=give)
+                if give and kept:
+                    self._touch(mine, priority)
+                    return 0
+                node, m = self._walk(qb, n)
             if m == n:
                 self._touch(node, priority)
                 if give:
                     self.cache.seq_rm(s)
                 return 0
-            if give and self._owned:
+            if give and (self._owned or self._lent):
                 # the tree must still be the cache's before it takes s: insert's clone
                 # would meet a released id, give checks a leaf (the one over the path, or
                 # any): after cache.clear() underneath, s would join a tree forgotten later
-                leaf = node if m else next(iter(self._owned.values()))
+                leaf = node if m else next(iter((self._owned or self._lent).values()))
                 while leaf.seq is None:
                     leaf = next(iter(leaf.children.values()))
-                if self.cache.pos(leaf.seq) != leaf.end:
+                if not self._intact(leaf):
                     self._invalidate_locked()
                     node, m = self._walk(qb, n)
             shape = self._shape
-            new = self._take_id(qb, n, node, m, s, clone=not give)
+            new = self._take_id(qb, n, node, m, s, mode)
             if new is None:
                 self._stats["insert_skipped"] += 1
                 if give:
-                    self.cache.seq_rm(s)
+                    self._release(s)
                 return 0
             if give:
                 # always, even at pos n: like seq_rm, it drops a declared step naming s and
                 # ends the undo of a placement, which would otherwise move the leaf's sequence
                 self.cache.rewind(s, n)
-            elif new in self._owned:        # an id the tree holds was free: cleared underneath
-                self._invalidate_locked()
+            elif mode == "insert" and (new in self._owned or new in self._lent):
+                self._invalidate_locked()   # an id the tree names was free: cleared underneath
             # evictions for the id keep the cached path but may have made a leaf of its end
             # (or, finding the cache cleared underneath, forgotten the tree): walk again
             if self._shape != shape:
@@ -546,36 +672,52 @@ class PrefixCache:
             if node.start < m < node.end:
                 node = self._split(node, m)
             old = node.seq                  # a leaf extended: its sequence is covered now
+            if old is not None:
+                node.seq = None
+                if self._lent.get(old) is node:
+                    del self._lent[old]     # a lender's: it keeps its sequence
+                    old = None
+                else:
+                    del self._owned[old]
             leaf = PrefixNode(qb[4 * m:], m, node, self._clock, priority)
             leaf.seq = new
             node.children[leaf.segb[:4]] = leaf
-            self._owned[new] = leaf
+            (self._lent if mode == "lend" else self._owned)[new] = leaf
             self._nodes += 1
             self._cached += n - m
             self._touch(leaf, priority)
             if old is not None:
-                node.seq = None
-                del self._owned[old]
                 self.cache.seq_rm(old)
             self._stats["stored_tokens"] += n - m
             if self.on_event is not None:
                 self._events.append(PrefixEvent("stored", arr.copy(), n - m))
             return n - m
 
+    def _release(self, s: int) -> None:
+        """Removes caller sequence s (given away with nothing to store), keeping a leaf it
+        lends with s itself first."""
+        if s in self._lent and self._reclaim_locked(s, adopt=True):
+            return
+        self.cache.seq_rm(s)
+
     def _take_id(self, qb: bytes, n: int, node: PrefixNode, m: int, s: int,
-                 clone: bool = True) -> int | None:
+                 mode: str = "insert") -> int | None:
         """A clone of caller sequence s (``upto=n``), evicting leaves off the cached path for
         an id where the tree's budget or the cache's ids run out; None when none is had.
-        ``clone`` False: s itself once the tree's budget has room for it (no new id)."""
-        if not (node.seq is not None and m == node.end) and len(self._owned) >= self.max_seqs:
+        ``mode`` "give": s itself once the tree's budget has room for it (no new id);
+        "lend": s itself (no id of the tree's budget)."""
+        covers = node.seq is not None and m == node.end
+        if mode != "lend" and not (covers and node.seq in self._owned) \
+                and len(self._owned) >= self.max_seqs:
             path = self._path(node)
             self._evict_locked(0, 1, path)
             node, m = self._walk(qb, n)
-            if not (node.seq is not None and m == node.end) and len(self._owned) >= self.max_seqs:
+            covers = node.seq is not None and m == node.end
+            if not (covers and node.seq in self._owned) and len(self._owned) >= self.max_seqs:
                 return None
-        if node.seq is not None and m == node.end and self.cache.pos(node.seq) != node.end:
+        if covers and not self._intact(node):
             self._invalidate_locked()
-        if not clone:
+        if mode != "insert":
             return s
         new = self.cache.seq_clone(s, n)
         if new is None:
@@ -637,10 +779,10 @@ class PrefixCache:
         the cells it can free (a leaf holding its own copy of a prefix frees more; cells that
         a caller's sequence shares without a pin are counted but stay). Counting stops once
         ``limit`` is reached. O(nodes), nothing changes: an admission policy asks it only
-        when free cells run short."""
+        when free cells run short. A lent leaf (see :meth:`lend`) counts as pinned."""
         lim = None if limit is None else check_int(limit, "limit", 0, None)
         with self._lock:
-            if not self._pins or lim is not None and lim <= 0:
+            if not (self._pins or self._lent) or lim is not None and lim <= 0:
                 return self._cached if lim is None else min(self._cached, lim)
             order: list[PrefixNode] = []
             stack = list(self._root.children.values())
@@ -651,7 +793,8 @@ class PrefixCache:
             blocked: set[int] = set()
             total = 0
             for node in reversed(order):            # every child before its parent
-                if node.pins or id(node) in blocked:
+                if node.pins or id(node) in blocked or (
+                        node.seq is not None and node.seq in self._lent):
                     blocked.add(id(node.parent))
                     continue
                 total += node.n_tokens
@@ -727,14 +870,17 @@ class PrefixCache:
             return ok
 
     def _valid(self) -> bool:
-        if not self._owned:
+        if not (self._owned or self._lent):
             return True
         live = set(self.cache.live_seqs())
-        return all(s in live and self.cache.pos(s) == leaf.end for s, leaf in self._owned.items())
+        pos = self.cache.pos
+        return (all(s in live and pos(s) == leaf.end for s, leaf in self._owned.items())
+                and all(s in live and pos(s) >= leaf.end for s, leaf in self._lent.items()))
 
     def clear(self) -> int:
-        """Drops every cached prefix and pin, releasing the owned sequences; returns the
-        cells freed (cells a caller's sequence also owns stay). If the cache was cleared
+        """Drops every cached prefix and pin, releasing the owned sequences (lent ones stay
+        their callers'); returns the cells freed (cells a caller's sequence also owns
+        stay). If the cache was cleared
         underneath, forgets the tree instead (see :meth:`invalidate`) and returns 0."""
         with self._op:
             if not self._valid():
@@ -756,7 +902,7 @@ class PrefixCache:
             self._invalidate_locked()
 
     def _invalidate_locked(self) -> None:
-        if self._owned:
+        if self._owned or self._lent:
             self._stats["invalidations"] += 1
             if self.on_event is not None:
                 self._events.append(PrefixEvent("invalidated", np.zeros(0, _I32), self._cached))
@@ -788,25 +934,32 @@ class PrefixCache:
             return sorted(self._owned)
 
     def prefixes(self) -> list[tuple[tuple[int, ...], int]]:
-        """Every leaf's path and the sequence that holds it, as ``(tokens, seq)``, sorted by
-        tokens. Every prefix of a path is cached. O(cached tokens): for tests and tools."""
+        """Every leaf's path and the sequence that holds it (owned or lent), as ``(tokens,
+        seq)``, sorted by tokens. Every prefix of a path is cached. O(cached tokens): for
+        tests and tools."""
         with self._lock:
-            return sorted((tuple(leaf.path().tolist()), s) for s, leaf in self._owned.items())
+            leaves = [*self._owned.items(), *self._lent.items()]
+            return sorted((tuple(leaf.path().tolist()), s) for s, leaf in leaves)
 
     def metrics(self) -> dict:
-        """Counters: ``cached_tokens`` (tokens in the tree), ``nodes``, ``leaves`` (= owned
-        sequences), ``pins``, ``max_seqs``; since construction: ``matches``, ``hits``
+        """Counters: ``cached_tokens`` (tokens in the tree), ``nodes``, ``leaves`` (owned
+        and lent), ``lent`` (leaves a caller's sequence lends), ``pins``, ``max_seqs``; since
+        construction: ``matches``, ``hits``
         (matches that cloned), ``hit_tokens``, ``no_id`` (hits lost for want of an id),
         ``inserts``, ``stored_tokens``, ``insert_skipped``, ``evictions`` (leaves),
-        ``evicted_tokens``, ``evicted_cells`` (cells freed by eviction), ``invalidations``."""
+        ``evicted_tokens``, ``evicted_cells`` (cells freed by eviction), ``invalidations``,
+        ``reclaims`` (lends ended by :meth:`reclaim`, or by a lender's ``give`` or ``lend``
+        that did not run on from its leaf), ``dropped`` (nodes those removed for want of an
+        id; evictions and evicted tokens count them too)."""
         with self._lock:
             return {"cached_tokens": self._cached, "nodes": self._nodes,
-                    "leaves": len(self._owned), "pins": self._pins, "max_seqs": self.max_seqs,
+                    "leaves": len(self._owned) + len(self._lent), "lent": len(self._lent),
+                    "pins": self._pins, "max_seqs": self.max_seqs,
                     **self._stats}
 
     def check_invariants(self) -> None:
-        """Asserts the tree's structure and that every owned sequence holds its leaf's
-        length (tests call it after every operation)."""
+        """Asserts the tree's structure, that every owned sequence holds its leaf's length
+        and every lent one at least that (tests call it after every operation)."""
         with self._lock:
             seen: dict[int, PrefixNode] = {}
             total = nodes = pins = 0
@@ -828,13 +981,17 @@ class PrefixCache:
                     total += child.n_tokens
                     nodes += 1
                     stack.append(child)
-            assert seen == self._owned, (seen, self._owned)
+            assert not self._owned.keys() & self._lent.keys()
+            assert seen == {**self._owned, **self._lent}, (seen, self._owned, self._lent)
             assert total == self._cached and nodes == self._nodes and pins == self._pins
             assert len(self._owned) <= self.max_seqs
             live = set(self.cache.live_seqs())
             for s, leaf in self._owned.items():
                 assert s in live and self.cache.pos(s) == leaf.end, (s, leaf)
+            for s, leaf in self._lent.items():
+                assert s in live and self.cache.pos(s) >= leaf.end, (s, leaf)
 
     def __repr__(self) -> str:
         return (f"PrefixCache(cached_tokens={self._cached}, nodes={self._nodes}, "
-                f"leaves={len(self._owned)}, policy={self.policy!r})")
+                f"leaves={len(self._owned) + len(self._lent)}, lent={len(self._lent)}, "
+                f"policy={self.policy!r})")

@@ -111,6 +111,13 @@ def check(gen):
     if pc is not None:
         pc.check_invariants()
         tree = pc.owned_seqs()
+        # a lent leaf is a running sequence's prompt, placed
+        prompts = {s.sid: tuple(s.req.prompt) for s in gen.running}
+        lent = set(pc.lent_seqs())
+        assert lent <= prompts.keys()
+        for path, sid in pc.prefixes():
+            if sid in lent:
+                assert path == prompts[sid] and cache.pos(sid) >= len(path)
         # every pin is one a running sequence holds, and is taken back when it stops
         assert pc.metrics()["pins"] == sum(len(s.pins) for s in gen.running)
         # every cached path is tokens some request really had (prompt, then its output)
@@ -453,6 +460,59 @@ def test_cancel_and_errors_release_pins_and_store_what_was_computed(llama):
             assert r.outputs == [ref.generate(ps[i])]
     # what the cancelled request had placed was stored: a repeat of its prompt hits it
     assert gen.prefix.peek(ps[1]) > S
+
+
+def test_prompts_are_lent_to_the_tree_while_their_requests_run(llama):
+    """A placed prompt is stored by lending its running sequence (no clone: the cache holds
+    one id a request); a request arriving later hits the lent prompt, and each ending
+    request's sequence becomes the tree's own leaf."""
+    model, ref = llama
+    _, ps = shared_prompts(31, 4)
+    gen = make(model, prefill_chunk=64, max_batch_tokens=256)
+    reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW)) for p in ps]
+    pc, cache = gen.prefix, gen.cache
+    while len(pc.lent_seqs()) < 4:            # the shared prefix computed once, then hit
+        assert gen.step() and all(r.finished is None for r in reqs)
+        check(gen)
+    running = sorted(s.sid for s in gen.running)
+    assert len(running) == 4 and pc.lent_seqs() == running and pc.owned_seqs() == []
+    assert pc.metrics()["hit_tokens"] >= 3 * S
+    assert cache.live_seqs() == running       # no clone was made for the tree
+    assert sorted(p for p, _ in pc.prefixes()) == sorted(tuple(p) for p in ps)
+    more = ps[0] + [7, 8, 9]
+    reqs += serve(gen, [more])                # hits the first request's lent prompt
+    assert pc.metrics()["hit_tokens"] >= len(ps[0])
+    assert outputs(reqs) == [[ref.generate(p)] for p in ps + [more]]
+    m = pc.metrics()
+    assert m["lent"] == 0 and m["reclaims"] == 0 and len(pc.owned_seqs()) == m["leaves"] == 5
+
+
+def test_a_preempted_request_keeps_the_prompt_it_lent_cached(llama):
+    """Requests that run out of cells while decoding preempt the newest, whose prompt the
+    tree holds by lending: the tree clones it first (reclaim), so the prompt stays cached
+    and the request's recompute hits it; the tokens do not change."""
+    model, ref = llama
+    rng = np.random.default_rng(21)
+    ps = [rng.integers(0, VOCAB, size=20).tolist() for _ in range(3)]
+    gen = make(model, capacity=120, max_batch_tokens=64, prefill_chunk=64, reserve=0.0)
+    reqs = [gen.add(p, Sampling(max_new_tokens=40)) for p in ps]
+    pc, kept = gen.prefix, 0
+    while True:
+        lent = {s.sid: s.req.prompt for s in gen.running if s.sid in pc.lent_seqs()}
+        before = gen.stats["preempted"]
+        busy = gen.step()
+        check(gen)
+        if gen.stats["preempted"] > before:
+            for s in gen.waiting:             # a preempted lender: its prompt stays cached
+                if s.req.prompt in lent.values():
+                    assert pc.peek(s.req.prompt) == len(s.req.prompt)
+                    kept += 1
+        if not busy:
+            break
+    assert kept > 0
+    m = pc.metrics()
+    assert m["reclaims"] >= kept and m["lent"] == 0
+    assert outputs(reqs) == [[ref.generate(p, 40)] for p in ps]
 
 
 # -- 4. admission policy, options, ids, CLI ------------------------------------------------------

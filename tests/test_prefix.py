@@ -827,10 +827,14 @@ class PrefixMachine(RuleBasedStateMachine):
         for ev in self.events:
             toks = tuple(ev.tokens.tolist())
             assert ev.key == prefix_key(toks)
-            if ev.kind == "evicted":
+            if ev.kind in ("evicted", "dropped"):
                 assert toks in self.ref, (toks, self.ref)
-                assert not any(len(toks) - ev.n < n <= len(toks) and toks[:n] == pin
-                               for pin, n in self.pins), "a pinned prefix was evicted"
+                on_it = [(pin, n) for pin, n in self.pins
+                         if len(toks) - ev.n < n <= len(toks) and toks[:n] == pin]
+                if ev.kind == "evicted":
+                    assert not on_it, "a pinned prefix was evicted"
+                else:                     # a lent leaf its lender reclaimed without an id
+                    self.pins = [p for p in self.pins if p not in on_it]
                 self.ref.remove(toks)
                 rest = toks[:len(toks) - ev.n]
                 if rest and not any(p[:len(rest)] == rest for p in self.ref):
@@ -850,6 +854,28 @@ class PrefixMachine(RuleBasedStateMachine):
     def pick(self, i: int) -> int:
         c = self.callers()
         return c[i % len(c)]
+
+    def lent_len(self, s: int) -> int:
+        """The length of the leaf caller s lends (0: none)."""
+        if s not in self.prefix.lent_seqs():
+            return 0
+        [n] = [len(p) for p, t in self.prefix.prefixes() if t == s]
+        return n
+
+    def reclaimed(self, s: int) -> None:
+        """s's lend ended by reclaim: the prefix kept (owned now) or dropped (events)."""
+        n = self.lent_len(s)
+        path = tuple(self.world.tokens[s][:n])
+        kept = self.prefix.reclaim(s)
+        dropped = [ev for ev in self.events if ev.kind == "dropped"]
+        self.apply_events()
+        assert s not in self.prefix.lent_seqs()
+        event("reclaim: kept" if kept else "reclaim: nothing lent" if not n else "reclaim: dropped")
+        if kept:
+            assert not dropped and any(p == path and self.prefix.owns(t)
+                                       for p, t in self.prefix.prefixes())
+        elif n:
+            assert dropped and dropped[0].tokens.tolist() == list(path)
 
     # caller sequences -------------------------------------------------------------------------
     @rule(toks=st.lists(st.integers(0, 3), min_size=1, max_size=12))
@@ -878,6 +904,8 @@ class PrefixMachine(RuleBasedStateMachine):
     def rewind(self, i, back):
         s = self.pick(i)
         p = max(0, self.cache.pos(s) - back)
+        if p < self.lent_len(s):               # the lend contract: reclaim first
+            self.reclaimed(s)
         assert self.cache.rewind(s, p)
         del self.world.tokens[s][p:]
 
@@ -885,42 +913,63 @@ class PrefixMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 50))
     def remove(self, i):
         s = self.pick(i)
+        if self.lent_len(s):
+            self.reclaimed(s)
         assert self.cache.seq_rm(s)
         del self.world.tokens[s]
 
     # the prefix cache -------------------------------------------------------------------------
-    def store(self, i, k, prio, give):
-        """insert, or give: the caller's sequence goes to the tree (its leaf) or away."""
+    def store(self, i, k, prio, verb):
+        """insert, give (the caller's sequence goes to the tree, its leaf, or away) or lend
+        (the new leaf names the caller's sequence, which goes on)."""
         s = self.pick(i)
         toks = tuple(self.world.tokens[s][: k % (len(self.world.tokens[s]) + 1)])
         skipped = self.prefix.metrics()["insert_skipped"]
-        verb = "give" if give else "insert"
+        lent = self.lent_len(s)
         got = getattr(self.prefix, verb)(s, np.array(toks, np.int64), priority=prio)
         stored = self.apply_events()
+        give = verb == "give"
         if give:
             del self.world.tokens[s]
         event(f"{verb}: stored" if got else f"{verb}: cached or skipped")
+        if lent:
+            event(f"{verb} by a lender")
         if got:
             [ev] = stored
             assert ev.tokens.tolist() == list(toks) and ev.n == got
             assert got == len(toks) - self.ref_lcp(toks)
             self.ref_add(toks)
             assert not give or (self.prefix.owns(s) and self.cache.pos(s) == len(toks))
+            if verb == "lend":
+                assert s in self.prefix.lent_seqs() and self.lent_len(s) == len(toks)
         else:
             assert not stored
-            assert not give or s not in self.cache.live_seqs()
+            # given: removed, or (a lender whose leaf the tokens do not run on from) the
+            # tree's now, holding that leaf
+            assert not give or s not in self.cache.live_seqs() or (
+                lent and self.prefix.owns(s) and self.cache.pos(s) == lent)
             assert (not toks or self.ref_lcp(toks) == len(toks)
                     or self.prefix.metrics()["insert_skipped"] == skipped + 1)
 
     @precondition(lambda self: self.world.tokens)
     @rule(i=st.integers(0, 50), k=st.integers(0, 30), prio=st.integers(0, 2))
     def insert(self, i, k, prio):
-        self.store(i, k, prio, give=False)
+        self.store(i, k, prio, "insert")
 
     @precondition(lambda self: self.world.tokens)
     @rule(i=st.integers(0, 50), k=st.integers(0, 30), prio=st.integers(0, 2))
     def give(self, i, k, prio):
-        self.store(i, k, prio, give=True)
+        self.store(i, k, prio, "give")
+
+    @precondition(lambda self: self.world.tokens)
+    @rule(i=st.integers(0, 50), k=st.integers(0, 30), prio=st.integers(0, 2))
+    def lend(self, i, k, prio):
+        self.store(i, k, prio, "lend")
+
+    @precondition(lambda self: self.world.tokens)
+    @rule(i=st.integers(0, 50))
+    def reclaim(self, i):
+        self.reclaimed(self.pick(i))
 
     def query(self, source, i, cut, tail):
         if source == 0 and self.ref:
@@ -954,10 +1003,12 @@ class PrefixMachine(RuleBasedStateMachine):
 
     @rule(source=st.integers(0, 2), i=st.integers(0, 50), cut=st.none() | st.integers(0, 40),
           tail=st.lists(st.integers(0, 3), min_size=1, max_size=8),
-          keep=st.sampled_from(["running", "insert + remove", "give"]))
+          keep=st.sampled_from(["running", "insert + remove", "give", "lend",
+                                "lend + give"]))
     def serve(self, source, i, cut, tail, keep):
-        """A generator's request: match (one token left to feed), compute the rest, insert;
-        the request keeps running or finishes (insert then seq_rm, or give)."""
+        """A generator's request: match (one token left to feed), compute the rest, insert
+        (or lend); the request keeps running or finishes (insert then seq_rm, or give;
+        lent: runs on a few tokens, then gives)."""
         q = self.query(source, i, cut, tail)
         want = self.ref_lcp(q[:-1])
         seq, n = self.prefix.match(list(q), max_len=len(q) - 1)
@@ -975,6 +1026,13 @@ class PrefixMachine(RuleBasedStateMachine):
         self.apply_events()
         if keep == "give":
             self.give(self.callers().index(seq), n + done, 0)
+            return
+        if keep.startswith("lend"):
+            self.lend(self.callers().index(seq), n + done, 0)
+            if keep == "lend + give" and seq in self.world.tokens:
+                more = self.world.write(seq, tail, evict_with=self.prefix)
+                self.apply_events()
+                self.give(self.callers().index(seq), n + done + more, 0)
             return
         self.insert(self.callers().index(seq), n + done, 0)
         if keep != "running":
@@ -1028,6 +1086,7 @@ class PrefixMachine(RuleBasedStateMachine):
         assert {p for p, _ in leaves} == self.ref
         owned = set(self.prefix.owned_seqs())
         assert not owned & set(self.world.tokens)
+        assert set(self.prefix.lent_seqs()) <= set(self.world.tokens)
         assert len(owned) <= self.prefix.max_seqs
         # every cached node's cells hold exactly its tokens at its positions
         for path, s in leaves:

@@ -430,7 +430,11 @@ class Scheduler:
                         pass
             s.pins, s.stored = [], False
             if mine and sid is not None:
-                self.cache.seq_rm(sid)
+                try:                          # a prompt it lends: the tree's own copy first
+                    if pc is not None:
+                        self._pcall(False, pc.reclaim, sid)
+                finally:
+                    self.cache.seq_rm(sid)
             s.sid, s.in_cache, s.drafts = None, 0, []
 
     def _declare(self, sids: Any) -> bool:
@@ -499,11 +503,13 @@ class Scheduler:
         return None, 0
 
     def _store_prompt(self, s: Seq) -> None:
-        """s's prompt has been placed: stored in the prefix cache, and pinned while s runs."""
+        """s's prompt has been placed: stored in the prefix cache, and pinned while s runs.
+        s lends it (no clone: no cell changes owner); ending s gives the tree s itself,
+        and freeing it otherwise (preempted, cancelled) reclaims the prompt first."""
         pc = self.prefix
         assert pc is not None and s.sid is not None
         p = self.tokens_of(s)[:len(s.req.prompt)]
-        self._pcall(0, pc.insert, s.sid, p)
+        self._pcall(0, pc.lend, s.sid, p)
         n = pc.pin(p)
         if n:
             s.pins.append((p, n))
@@ -1082,6 +1088,8 @@ class Scheduler:
         """Drops s's cells from position ``keep`` on; a refusal (which would mean the cache and
         the generator disagree) requeues s to be read from scratch instead."""
         assert s.sid is not None
+        if self.prefix is not None and s.stored and keep < len(s.req.prompt):
+            self._pcall(False, self.prefix.reclaim, s.sid)   # (below a prompt it lends)
         if self.cache.rewind(s.sid, keep):
             s.in_cache = keep
         else:
