@@ -164,8 +164,9 @@ class Request:
     error: BaseException | None = None
     first_token: float | None = None
     token_times: list[list[float]] = field(default_factory=list)
-    # while the scheduler holds tokens of steady steps not yet in ``outputs`` and
-    # ``token_times`` (it defers those appends): what brings them in; reading either does
+    # the scheduler's hook, set once the request's tokens may be deferred (steady steps
+    # hold them back from ``outputs`` and ``token_times``): reading either calls it, which
+    # brings them in while the scheduler holds any
     _sync: Callable[[], None] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict:
@@ -210,7 +211,7 @@ Request.token_times = _synced("token_times")  # type: ignore[assignment]
 
 def defer(requests: Iterable[Request], sync: Callable[[], None] | None) -> None:
     """Makes reading ``outputs`` or ``token_times`` of each of ``requests`` call ``sync``
-    first (the scheduler holds tokens of theirs not appended yet); None: no longer."""
+    first (the scheduler may hold tokens of theirs not appended yet); None: no longer."""
     for r in requests:
         r._sync = sync
 

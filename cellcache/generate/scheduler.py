@@ -164,6 +164,23 @@ def _consume(it: Any) -> None:
     deque(it, maxlen=0)
 
 
+class _Hook:
+    """What every request the scheduler ran reads through (``Request._sync``): calls ``fn``,
+    the scheduler's flush while a backlog holds tokens, else nothing. Arming and releasing
+    it is one assignment, however many requests share it; released, it refers to nothing,
+    so a finished request does not keep the generator alive."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self) -> None:
+        self.fn: Callable[[], None] | None = None
+
+    def __call__(self) -> None:
+        fn = self.fn
+        if fn is not None:
+            fn()
+
+
 class _Backlog:
     """Tokens of steady steps applied but not appended yet: :meth:`Scheduler._apply_steady`
     keeps each step's ids (and its time) here instead of appending them, one by one, to
@@ -174,12 +191,11 @@ class _Backlog:
     (through :meth:`Scheduler.sync`), and so does reading a request's ``outputs`` or
     ``token_times``."""
 
-    __slots__ = ("outs", "times", "tokens", "seqs", "reqs", "steps")
+    __slots__ = ("outs", "times", "tokens", "seqs", "steps")
 
     def __init__(self, fast: _Steady, seqs: list[Seq]):
         self.outs, self.times, self.tokens = fast.outs, fast.times, fast.tokens
         self.seqs = seqs
-        self.reqs = [s.job.req for s in seqs]  # each row's request (deferred to this)
         self.steps: list[tuple[np.ndarray, float]] = []   # a step's ids (row i at [i]), its time
 
 
@@ -205,6 +221,9 @@ class _Steady:
     stops: bool                           # some row's request has its own stop tokens
     left: np.ndarray                      # each row's max_new_tokens - len(outputs), at planning:
     #                                       2 ends the row by length with this plan's token
+    # [True] once every row's request reads through the scheduler's hook: one list shared
+    # by the records made from this one (their rows are these or fewer, applied after)
+    hooked_rows: list[bool] = field(default_factory=lambda: [False])
 
 
 class PendingPrompts:
@@ -330,6 +349,7 @@ class Scheduler:
         self._foreseen: tuple[int, int] | None = None
         self._stamps = 0
         self._backlog: _Backlog | None = None
+        self._hook = _Hook()                  # armed (its fn: flush) while a backlog is held
         # a request's outputs read from another thread syncs while the stepping thread runs
         self._backlog_lock = threading.RLock()
 
@@ -342,10 +362,9 @@ class Scheduler:
         with self._backlog_lock:
             with HoldInterrupts() as held:        # all of it or (interrupted before) none
                 self._flush_held()
-                b = self._backlog
-                if b is not None:
+                if self._backlog is not None:
                     self._backlog = None
-                    defer(b.reqs, None)
+                    self._hook.fn = None
         if held.hit:
             raise KeyboardInterrupt
 
@@ -767,7 +786,7 @@ class Scheduler:
             spec.seed, spec.index, spec.draft = prev.seed, prev.index, prev.draft
             spec.position = [p + 1 for p in prev.position]
         plan.fast = _Steady(fast.epoch, fast.sids, fast.outs, fast.times, fast.tokens, fast.hooked,
-                            fast.min_left - 1, used, fast.stops, fast.left - 1)
+                            fast.min_left - 1, used, fast.stops, fast.left - 1, fast.hooked_rows)
         return plan
 
     def _steady_less(self, after: StepPlan, fast: _Steady) -> StepPlan | None:
@@ -816,7 +835,7 @@ class Scheduler:
             fast.epoch, sids, [fast.outs[i] for i in at], [fast.times[i] for i in at],
             [fast.tokens[i] for i in at],
             [(int(new_at[i]), job, k) for i, job, k in fast.hooked if keep[i]],
-            int(kept.min()), used, fast.stops, kept)
+            int(kept.min()), used, fast.stops, kept, fast.hooked_rows)
         return plan
 
     def drop_ended(self, plan: StepPlan) -> None:
@@ -906,9 +925,12 @@ class Scheduler:
             b = self._backlog
             if b is None or b.outs is not fast.outs:
                 self.sync()                    # another set of rows
+                if not fast.hooked_rows[0]:    # (rows of a record made from a hooked one are)
+                    defer((s.job.req for s in seqs), self._hook)
+                    fast.hooked_rows[0] = True
                 b = _Backlog(fast, seqs)
-                defer(b.reqs, self.flush)
                 self._backlog = b
+                self._hook.fn = self.flush
             elif len(b.steps) >= BACKLOG_STEPS:
                 self.flush()
             b.steps.append((np.array(arr), now))   # (arr: a view of a buffer the next step reuses)
