@@ -13,10 +13,10 @@ random weights):
   off), the same requests arriving otherwise (``--arrival``: ``staggered``, 32 every 16
   steps, the default; ``poisson``, a seeded Poisson process of ``--rate`` requests a second,
   by default 4x the rate "all together" completed requests at, so that the offered load
-  exceeds capacity as it does all together; the run at exactly that rate is a second
-  target line, printed with the floor its arrivals impose: its last arrival's decode steps
-  come after "all together" would have finished, whatever the server does; target: within
-  1.25x of all together), HF ``generate_batch`` and static ``generate``.
+  exceeds capacity as it does all together; target: within 1.25x of all together; the run
+  at exactly that rate is a second target line: its last arrival's decode steps come after
+  "all together" would have finished, whatever the server does, so its target is 1.25x of
+  the floor those arrivals impose), HF ``generate_batch`` and static ``generate``.
 - ``shared``: a system prompt: 512 requests of 2048 shared + 128 own tokens, 128 new:
   prefix cache on and off (target: on >= 3x off), prompt tokens computed against the ideal
   2048 + 512 x 128 (target: equal), HF ``generate_batch`` on the same requests.
@@ -962,7 +962,7 @@ def main(argv=None) -> int:
                    help="Poisson arrivals: requests a second (default: 4x the rate 'all together' "
                         "completed requests at, so the offered load exceeds what the server "
                         "completes and its queue fills, as all together; the run at exactly that "
-                        "rate is a second target line, with the floor its arrivals impose)")
+                        "rate is a second target line: within 1.25x of the floor its arrivals impose)")
     p.add_argument("--skip", default="",
                    help="comma-separated runs to skip: off, staggered, hf-batch, hf-static")
     p.add_argument("--async-steps", choices=["auto", "on", "off"], default="auto",
@@ -1226,10 +1226,14 @@ def main(argv=None) -> int:
             floor_s = max(res["cellcache"]["seconds"],
                           r["last_arrival_s"] + new * 1e-3 * r["decode_step_ms_median"])
             floor = floor_s / res["cellcache"]["seconds"]
-            targets.append((ratio <= 1.25, f"poisson arrivals at exactly the rate all together "
-                                           f"completes, within 1.25x ({ratio:.2f}x; the arrivals "
-                                           f"alone impose {floor:.2f}x: last at "
-                                           f"{r['last_arrival_s']:.2f} s, then {new} decode steps)"))
+            # the same 1.25x, over what the arrivals leave any server (the ratio itself cannot
+            # reach 1.25x: the floor alone is ~1.7x): what the server adds to them
+            targets.append((ratio <= 1.25 * floor, f"poisson arrivals at exactly the rate all "
+                                                   f"together completes, within 1.25x of the floor "
+                                                   f"its arrivals impose ({ratio:.2f}x all together "
+                                                   f"= {ratio / floor:.2f}x the floor of {floor:.2f}x: "
+                                                   f"last arrival at {r['last_arrival_s']:.2f} s, "
+                                                   f"then {new} decode steps)"))
         if device == "cuda":                  # issue #20's targets, for the H200
             targets.append((ours_tps >= 30_000, f">= 30,000 tokens/s ({ours_tps:,.0f})"))
             for key, times in (("hf-static", 5), ("hf-batch", 25)):
