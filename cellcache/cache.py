@@ -338,6 +338,7 @@ class CellCache:
         self._seq_ids = np.zeros(mw, np.int64)
         self._prepared: Step | None = None
         self._pools_generation = 0
+        self._clears = 0
         self._prepared_stream = 0
         self._steps = 0
         try:
@@ -549,6 +550,7 @@ class CellCache:
             if self._prepared is not None:
                 self._commit_locked()
             self._table.clear()
+            self._clears += 1
 
     @property
     def free_cells(self) -> int:
@@ -590,6 +592,13 @@ class CellCache:
         whose forward may write K/V at its ``cells``."""
         self._check_open()
         return self._prepared
+
+    @property
+    def clears(self) -> int:
+        """Counts the calls of :meth:`clear`: a holder of sequence ids (a prefix cache) that
+        reads another count knows its ids were released, and maybe given out again."""
+        self._check_open()
+        return self._clears
 
     @property
     def pools_generation(self) -> int:

@@ -47,16 +47,19 @@ Rules the tree keeps:
   changes no cell's owner. A lent leaf is never evicted. It stays lent until a longer path
   covers it, or its lender gives ``seq`` (then the leaf is the tree's), or calls
   ``reclaim(seq)``, which a lender must call before it removes ``seq`` or rewinds it below
-  the lent prefix: the tree then clones ``seq`` into an id of its own, or, with no id to
-  be had, drops the lent leaf (a ``"dropped"`` event; its pins go with it).
+  the lent prefix: the tree then clones ``seq`` into an id of its own, or, with no cache id
+  to be had, drops the lent leaf (a ``"dropped"`` event; its pins go with it). A lent leaf
+  counts in ``max_seqs`` like an owned one: the id its reclaim will need.
 - Eviction drops only the prefix cache's owner bits: a cell that a caller's sequence also
   owns stays allocated and keeps its contents, so no running sequence loses a cell.
 - Ownership: sequences the prefix cache owns (``owned_seqs()``) must not be touched by
-  anyone else. ``cache.clear()`` releases them: call :meth:`PrefixCache.invalidate` after
-  it. Otherwise the next operation that uses an owned sequence sees that it is no longer
-  what the tree holds (not live, or another length) and forgets the whole tree without
-  touching the cache (``metrics()["invalidations"]``); an id reused in between with the very
-  same length cannot be told apart, hence the rule.
+  anyone else. ``cache.clear()`` releases them (and the lenders'): call
+  :meth:`PrefixCache.invalidate` after it. Otherwise the next operation that changes the
+  tree sees the cache's count of clears moved (``CellCache.clears``) and forgets the whole
+  tree without touching the cache (``metrics()["invalidations"]``); over a cache that keeps
+  no such count, an owned sequence no longer live or of another length is what tells, and
+  an id reused in between with the very same length (or, lent, at least as long) cannot
+  be told apart, hence the rule.
 
 A server uses it so (``prompt`` an int32 array)::
 
@@ -332,6 +335,7 @@ class PrefixCache:
         self._root = PrefixNode(b"", 0, None, self._clock)
         self._owned: dict[int, PrefixNode] = {}   # owned sequence -> its leaf
         self._lent: dict[int, PrefixNode] = {}    # a caller's sequence lending a leaf -> it
+        self._clears = self._cache_clears()       # the cache's clear() count the tree is of
         self._cached = 0                          # tokens in the tree
         self._nodes = 0                           # nodes but the root
         self._pins = 0
@@ -392,6 +396,7 @@ class PrefixCache:
         if not isinstance(pin, (bool, np.bool_)):
             raise InvalidArgument(f"pin of type {type(pin).__name__} is not a bool")
         with self._op:
+            self._fresh()
             self._clock += 1
             st = self._stats
             st["matches"] += 1
@@ -503,7 +508,9 @@ class PrefixCache:
     def lend(self, seq_id: int, tokens: Any, *, priority: float = 0.0) -> int:
         """:meth:`insert` for a caller that goes on running ``seq_id`` (a request's prompt,
         stored once placed): the new leaf names ``seq_id`` itself, no clone, so no cell
-        changes owner, and no id of the tree's budget is used.
+        changes owner. The leaf counts in the tree's ``max_seqs`` budget as an owned one
+        does (the id a clone needs if the lender leaves early), so where the caller sizes
+        the cache with the tree's ids beside its own, :meth:`reclaim` always finds one.
 
         The caller keeps ``seq_id`` and may extend it, but must call :meth:`reclaim`
         before it removes ``seq_id`` or rewinds it below ``len(tokens)`` (or end it with
@@ -530,6 +537,9 @@ class PrefixCache:
         if s not in self._lent:
             return False
         with self._op:
+            self._fresh()
+            if s not in self._lent:           # the tree was forgotten
+                return False
             return self._reclaim_locked(s, adopt=False)
 
     def lent_seqs(self) -> list[int]:
@@ -537,34 +547,57 @@ class PrefixCache:
         with self._lock:
             return sorted(self._lent)
 
+    def _cache_clears(self) -> int | None:
+        """The cache's count of ``clear()`` calls (None: a cache that keeps none)."""
+        return getattr(self.cache, "clears", None)
+
+    def _fresh(self) -> None:
+        """What every changing operation does first: after a ``cache.clear()`` underneath
+        (the cache's count of them moved) the tree is forgotten, none of its ids being its
+        own or its lenders' any more (an id given out again, as long as a lent leaf or
+        exactly as long as an owned one, cannot be told apart otherwise); an empty tree
+        only takes the new count."""
+        c = self._cache_clears()
+        if c != self._clears:
+            if self._owned or self._lent:
+                self._invalidate_locked()     # (its reset takes the count)
+            else:
+                self._clears = c
+
     def _intact(self, leaf: PrefixNode) -> bool:
-        """Whether leaf's sequence still holds its path as far as the cache can tell: an
+        """Whether leaf's sequence still holds its path as far as its length tells: an
         owned one exactly (``pos == end``), a lent one at least (``pos >= end``)."""
         p = self.cache.pos(leaf.seq)
         return p == leaf.end if leaf.seq in self._owned else p >= leaf.end
 
     def _reclaim_locked(self, s: int, adopt: bool) -> bool:
         """Ends s's lend: its leaf gets an id of the tree's, a clone of s (``adopt``: s
-        itself, rewound to the leaf's end: the caller gives s away), or is dropped."""
+        itself, rewound to the leaf's end: the caller gives s away), or is dropped. The
+        leaf already counts in the budget; a clone needs a free cache id, had by evicting a
+        leaf off its path where none is. Whatever raises meanwhile (a policy key), the lend
+        has ended: no leaf names s any more."""
         leaf = self._lent.pop(s)
         self._stats["reclaims"] += 1
         root = self._root
-        if len(self._owned) >= self.max_seqs:
-            self._evict_locked(0, 1, self._path(leaf))
         keep = None
-        if self._root is root and self.cache.pos(s) >= leaf.end and len(self._owned) < self.max_seqs:
-            if adopt:
-                keep = s if self.cache.rewind(s, leaf.end) else None
-            else:
-                keep = self.cache.seq_clone(s, leaf.end)
-                if keep is None:
-                    self._evict_locked(0, 1, self._path(leaf))
+        try:
+            if self.cache.pos(s) >= leaf.end:
+                if adopt:
+                    keep = s if self.cache.rewind(s, leaf.end) else None
+                else:
                     keep = self.cache.seq_clone(s, leaf.end)
-                if keep is not None and (keep in self._owned or keep in self._lent
-                                         or self._root is not root):
-                    self.cache.seq_rm(keep)   # an id the tree names was free: cleared underneath
-                    self._invalidate_locked()
-                    return False
+                    if keep is None:
+                        self._evict_locked(0, 1, self._path(leaf))
+                        if self._root is root:
+                            keep = self.cache.seq_clone(s, leaf.end)
+        except BaseException:
+            if self._root is root:
+                self._drop(leaf)
+            raise
+        if keep is not None and not adopt and (keep in self._owned or keep in self._lent):
+            self.cache.seq_rm(keep)           # an id the tree names was free: cleared underneath
+            self._invalidate_locked()
+            return False
         if self._root is not root:            # eviction found the cache cleared underneath
             return False
         if keep is not None:
@@ -610,6 +643,7 @@ class PrefixCache:
         give = mode == "give"
         n = len(arr)
         with self._op:
+            self._fresh()
             if s in self._owned:
                 raise InvalidArgument(
                     f"sequence {s} is owned by the prefix cache; insert a sequence of yours")
@@ -704,16 +738,15 @@ class PrefixCache:
                  mode: str = "insert") -> int | None:
         """A clone of caller sequence s (``upto=n``), evicting leaves off the cached path for
         an id where the tree's budget or the cache's ids run out; None when none is had.
-        ``mode`` "give": s itself once the tree's budget has room for it (no new id);
-        "lend": s itself (no id of the tree's budget)."""
-        covers = node.seq is not None and m == node.end
-        if mode != "lend" and not (covers and node.seq in self._owned) \
-                and len(self._owned) >= self.max_seqs:
+        ``mode`` "give" or "lend": s itself once the tree's budget has room for it (no new
+        id; a lent leaf counts in the budget: the id it needs if its lender leaves early)."""
+        covers = node.seq is not None and m == node.end   # (its leaf's id goes: no new one)
+        if not covers and len(self._owned) + len(self._lent) >= self.max_seqs:
             path = self._path(node)
             self._evict_locked(0, 1, path)
             node, m = self._walk(qb, n)
             covers = node.seq is not None and m == node.end
-            if not (covers and node.seq in self._owned) and len(self._owned) >= self.max_seqs:
+            if not covers and len(self._owned) + len(self._lent) >= self.max_seqs:
                 return None
         if covers and not self._intact(node):
             self._invalidate_locked()
@@ -771,6 +804,7 @@ class PrefixCache:
         n_cells = check_int(n_cells, "n_cells", 0, None)
         n_ids = check_int(n_ids, "n_ids", 0, None)
         with self._op:
+            self._fresh()
             freed = self._evict_locked(n_cells, n_ids, ())
             return freed
 
@@ -872,6 +906,8 @@ class PrefixCache:
     def _valid(self) -> bool:
         if not (self._owned or self._lent):
             return True
+        if self._clears != self._cache_clears():
+            return False
         live = set(self.cache.live_seqs())
         pos = self.cache.pos
         return (all(s in live and pos(s) == leaf.end for s, leaf in self._owned.items())
@@ -984,7 +1020,7 @@ class PrefixCache:
             assert not self._owned.keys() & self._lent.keys()
             assert seen == {**self._owned, **self._lent}, (seen, self._owned, self._lent)
             assert total == self._cached and nodes == self._nodes and pins == self._pins
-            assert len(self._owned) <= self.max_seqs
+            assert len(self._owned) + len(self._lent) <= self.max_seqs
             live = set(self.cache.live_seqs())
             for s, leaf in self._owned.items():
                 assert s in live and self.cache.pos(s) == leaf.end, (s, leaf)

@@ -782,6 +782,10 @@ class TPCache(_CacheLike):
     def closed(self) -> bool:
         return self.local.closed
 
+    @property
+    def clears(self) -> int:
+        return self.local.clears
+
     def pos(self, seq: int) -> int:
         return self.local.pos(seq)
 

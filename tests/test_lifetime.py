@@ -34,6 +34,7 @@ CALLS = {
     "sink": lambda c: c.sink,
     "prepared_step": lambda c: c.prepared_step,
     "pools_generation": lambda c: c.pools_generation,
+    "clears": lambda c: c.clears,
     "check_invariants": lambda c: c.check_invariants(),
     "declare_step": lambda c: c.declare_step([0]),
     "prepare_step": lambda c: c.prepare_step(),

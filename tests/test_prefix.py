@@ -677,6 +677,72 @@ def test_a_failing_policy_leaves_the_tree_whole():
     w.holds(prefix.owned_seqs()[0], [1, 2])
 
 
+def test_lent_leaves_count_in_the_budget_and_are_never_evicted():
+    cache, prefix, w, events = setup(tree_seqs=2)
+    a, b = w.new([1, 2, 3]), w.new([4, 5])
+    assert prefix.lend(a, [1, 2, 3]) == 3 and prefix.lend(b, [4, 5]) == 2
+    assert prefix.lent_seqs() == [a, b] and prefix.owned_seqs() == []
+    assert cache.live_seqs() == [a, b]                     # no clone
+    assert prefix.evictable_tokens() == 0 and prefix.evict(100, n_ids=2) == 0
+    c = w.new([7, 7])
+    skipped = prefix.metrics()["insert_skipped"]
+    assert prefix.insert(c, [7, 7]) == 0                   # the budget is the lenders'
+    assert prefix.metrics()["insert_skipped"] == skipped + 1
+    # the lender ends: its leaf extended, the sequence the tree's (no owner changes)
+    assert prefix.give(a, [1, 2, 3]) == 0 and prefix.owned_seqs() == [a]
+    w.write(b, [6])
+    assert prefix.give(b, [4, 5, 6]) == 1 and prefix.owned_seqs() == [a, b]
+    assert prefix.lent_seqs() == [] and prefix.metrics()["reclaims"] == 1
+    prefix.check_invariants()
+
+
+def test_a_reclaim_whose_eviction_raises_ends_the_lend():
+    """No cache id free for the clone, and the policy's key raises while evicting for one:
+    the lent leaf is dropped before the error propagates, so once the lender removes its
+    sequence no leaf names the freed id (a new sequence given it is not taken for the
+    prompt)."""
+    cache = make_cache(max_seqs=3)
+    events = []
+
+    def key(node):
+        raise ZeroDivisionError("policy bug")
+
+    prefix = PrefixCache(cache, key, max_seqs=3, on_event=events.append)
+    w = World(cache)
+    o = w.new([1, 1])
+    prefix.give(o, [1, 1])                                 # an owned leaf: evictable
+    a, other = w.new([5, 6, 7, 8]), w.new([3])             # every cache id live
+    prefix.lend(a, [5, 6, 7, 8])
+    events.clear()
+    with pytest.raises(ZeroDivisionError):
+        prefix.reclaim(a)
+    assert prefix.lent_seqs() == [] and [e.kind for e in events] == ["dropped"]
+    assert [p for p, _ in prefix.prefixes()] == [(1, 1)]
+    cache.seq_rm(a)
+    del w.tokens[a]
+    prefix.check_invariants()
+    d = w.new([0, 0, 0, 0, 0])                             # a's id again
+    assert d == a and prefix.match([5, 6, 7, 8, 0]) == (None, 0)
+    assert other in cache.live_seqs()
+
+
+def test_a_cache_clear_underneath_forgets_lent_leaves_too():
+    cache, prefix, w, _ = setup()
+    a = w.new([1, 2, 3])
+    prefix.lend(a, [1, 2, 3])
+    n = cache.clears
+    cache.clear()
+    assert cache.clears == n + 1
+    w = World(cache)
+    b = w.new([9, 9, 9, 9])                                # the lender's id, and longer
+    assert b == a
+    assert prefix.match([1, 2, 3, 4]) == (None, 0)
+    assert prefix.metrics()["invalidations"] == 1 and prefix.prefixes() == []
+    prefix.check_invariants()
+    assert prefix.lend(b, [9, 9, 9]) == 3                  # a new tree of the cache's
+    assert prefix.match([9, 9, 9, 1])[1] == 3
+
+
 # -- refusals: the library's error, nothing changed ----------------------------------------
 
 BAD_TOKENS = [None, "abc", b"ab", 5, [1.5], ["a"], [[1, 2]], [None], [2**31], [-(2**31) - 1],
