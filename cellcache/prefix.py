@@ -509,8 +509,9 @@ class PrefixCache:
         """:meth:`insert` for a caller that goes on running ``seq_id`` (a request's prompt,
         stored once placed): the new leaf names ``seq_id`` itself, no clone, so no cell
         changes owner. The leaf counts in the tree's ``max_seqs`` budget as an owned one
-        does (the id a clone needs if the lender leaves early), so where the caller sizes
-        the cache with the tree's ids beside its own, :meth:`reclaim` always finds one.
+        does (the id a clone needs if the lender leaves early): where the caller sizes the
+        cache with the tree's ids beside its own, :meth:`reclaim` finds one unless the
+        caller's sequences have taken them.
 
         The caller keeps ``seq_id`` and may extend it, but must call :meth:`reclaim`
         before it removes ``seq_id`` or rewinds it below ``len(tokens)`` (or end it with
