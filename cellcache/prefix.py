@@ -497,8 +497,8 @@ class PrefixCache:
 
         A lender (see :meth:`lend`) gives as well: tokens that run on past its lent leaf
         extend it (the lent leaf's path is then covered, nothing changes owner); otherwise
-        the tree keeps its lent leaf with ``seq_id`` itself, rewound to the leaf's end (or,
-        with no id in its budget, drops it) and stores nothing more.
+        the tree keeps its lent leaf with ``seq_id`` itself, rewound to the leaf's end (no
+        new id: the leaf already counts in the budget) and stores nothing more.
 
         Returns and refuses as :meth:`insert` does; after a refusal nothing has changed and
         the caller still holds ``seq_id``.
@@ -526,10 +526,10 @@ class PrefixCache:
 
     def reclaim(self, seq_id: int) -> bool:
         """What a lender calls before it removes ``seq_id`` or rewinds it below its lent
-        leaf: the tree clones ``seq_id`` (up to the leaf's end) into an id of its own,
-        evicting a leaf off the path for one where its budget or the cache's ids run out;
-        with none to be had it drops the lent leaf (a ``"dropped"`` event; pins on its
-        tokens go with it: their ``unpin`` then raises InvalidState).
+        leaf: the tree clones ``seq_id`` (up to the leaf's end) into an id of its own (the
+        leaf already counts in the budget), evicting a leaf off the path where the cache
+        has no free id; with none to be had it drops the lent leaf (a ``"dropped"`` event;
+        pins on its tokens go with it: their ``unpin`` then raises InvalidState).
 
         Returns whether the prefix stays cached; False also when ``seq_id`` lends nothing
         (nothing changes). Raises InvalidArgument for a bad id.
