@@ -764,12 +764,19 @@ def test_tokens_that_are_not_int_ids(loaded, tokens):
     cache, prefix, w, s = loaded
     before = state(prefix)
     for call in (lambda: prefix.insert(s, tokens), lambda: prefix.give(s, tokens),
-                 lambda: prefix.match(tokens),
+                 lambda: prefix.lend(s, tokens), lambda: prefix.match(tokens),
                  lambda: prefix.peek(tokens), lambda: prefix.pin(tokens),
                  lambda: prefix.unpin(tokens, 1)):
         with pytest.raises(InvalidArgument):
             call()
         assert_same(state(prefix), before)
+
+
+def test_a_reclaim_of_a_sequence_lending_nothing_changes_nothing(loaded):
+    cache, prefix, w, s = loaded
+    before = state(prefix)
+    assert prefix.reclaim(s) is False and prefix.reclaim(prefix.owned_seqs()[0]) is False
+    assert_same(state(prefix), before)
 
 
 @pytest.mark.parametrize("call, error", [
@@ -792,6 +799,15 @@ def test_tokens_that_are_not_int_ids(loaded, tokens):
     (lambda p, s: p.give(5, []), InvalidState),
     (lambda p, s: p.give(s, [1, 2, 3, 4, 5]), InvalidState),                # holds only 4
     (lambda p, s: p.give(s, [1, 2], priority=float("nan")), InvalidArgument),
+    (lambda p, s: p.lend(None, [1]), InvalidArgument),
+    (lambda p, s: p.lend(8, [1]), InvalidArgument),
+    (lambda p, s: p.lend(p.owned_seqs()[0], [1, 2]), InvalidArgument),       # the tree's own
+    (lambda p, s: p.lend(5, [1]), InvalidState),                             # not live
+    (lambda p, s: p.lend(s, [1, 2, 3, 4, 5]), InvalidState),                # holds only 4
+    (lambda p, s: p.lend(s, [1, 2], priority=float("nan")), InvalidArgument),
+    (lambda p, s: p.reclaim(None), InvalidArgument),
+    (lambda p, s: p.reclaim(8), InvalidArgument),
+    (lambda p, s: p.reclaim(1.0), InvalidArgument),
     (lambda p, s: p.match([1, 2], max_len=-1), InvalidArgument),
     (lambda p, s: p.match([1, 2], max_len=1.5), InvalidArgument),
     (lambda p, s: p.match([1, 2], pin=1), InvalidArgument),
