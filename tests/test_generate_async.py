@@ -198,6 +198,62 @@ def test_rows_ending_by_length_keep_the_steady_path(model, prefix_cache):
     assert gen.steady["declined"] == 0 and gen.steady["applied"] > 10
 
 
+def test_rows_that_end_by_length_leave_from_the_end_and_the_rest_feed_on_without_a_gather(model):
+    """Requests admitted shortest-lived last: the lean steps order their rows by the tokens
+    each may still draw (most first), so the rows that end by length are the last ones and
+    every later step feeds on from a prefix of the ids in flight (the same tensor, not a
+    gather); the outputs are still the synchronous run's."""
+    feeds = {"prefix": 0, "gathered": 0}
+
+    def work(gen):
+        real = gen._fed
+
+        def fed(plan, after):
+            out = real(plan, after)
+            ids = after.draw.device_ids
+            whole = out.data_ptr() == ids.data_ptr() and out.numel() <= ids.numel()
+            if len(plan.seqs) < len(after.plan.spec):
+                feeds["prefix" if whole else "gathered"] += 1
+            return out
+
+        gen._fed = fed
+        feeds.update(prefix=0, gathered=0)
+        return [gen.add(p, Sampling(max_new_tokens=4 + 3 * i)) for i, p in enumerate(prompts(5, 6))]
+
+    reqs, gen = same(model, work, kw=dict(max_batch_tokens=64))
+    assert [len(r.outputs[0]) for r in reqs] == [4 + 3 * i for i in range(6)]
+    assert feeds["prefix"] >= 3 and feeds["gathered"] == 0
+    assert gen.steady["applied"] > 5
+
+
+def test_a_row_ending_in_the_middle_is_gathered_out(model):
+    """A stop token ends a row that is not the last: the next step's rows feed through a
+    gather of the ids in flight (the other rows' own slots), and the outputs are still the
+    synchronous run's."""
+    ps = prompts(6, 4)
+    ref, _, _, _ = serve(model, False, adder(ps, Sampling(max_new_tokens=12)))
+    feeds = {"prefix": 0, "gathered": 0}
+
+    def work(gen):
+        real = gen._fed
+
+        def fed(plan, after):
+            out = real(plan, after)
+            if len(plan.seqs) < len(after.plan.spec):
+                ids = after.draw.device_ids
+                feeds["prefix" if out.data_ptr() == ids.data_ptr() else "gathered"] += 1
+            return out
+
+        gen._fed = fed
+        feeds.update(prefix=0, gathered=0)
+        stop = [ref[1].outputs[0][5]]
+        return adder(ps, lambda i: Sampling(max_new_tokens=12, stop=stop if i == 1 else []))(gen)
+
+    reqs, _ = same(model, work)
+    assert reqs[1].finish_reasons == ["stop"] and len(reqs[1].outputs[0]) == 6
+    assert feeds["gathered"] >= 1
+
+
 def test_stop_tokens_drop_the_speculative_row(model):
     """Sequences that end on a stop token already have a row in the step launched after
     theirs: it is dropped (its cell freed), and nothing of it is delivered."""

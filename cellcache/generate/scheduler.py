@@ -300,6 +300,12 @@ class PendingPrompts:
         return b // 4
 
 
+def _left_of(s: Seq) -> int:
+    """The tokens s may still draw before it ends by length."""
+    req = s.job.req
+    return req.sampling.max_new_tokens - len(req.outputs[s.index])
+
+
 def ends(req: Request, n_out: int, tok: int, eos: set[int]) -> str | None:
     """Why a continuation with n_out tokens, the last tok, ends (None: it goes on)."""
     if tok in eos or tok in req.sampling.stop:
@@ -680,6 +686,11 @@ class Scheduler:
         n = len(seqs)
         if not n or n > self.max_batch:
             return None
+        if after is None:
+            # the rows that end by length soonest last (stable): the steps after this one keep
+            # its order, so the rows that end leave from the end and the rest feed on from a
+            # prefix of the ids in flight (no gather on the device, no index upload)
+            seqs = sorted(seqs, key=_left_of, reverse=True)
         cfg = self.cache.config
         kv = cfg.max_kv if cfg.paged else 1 << 62
         rows: list[Seq] = []
@@ -803,16 +814,21 @@ class Scheduler:
         if not m or m > self.cache.free_cells:
             return None
         at = idx.tolist()
-        seqs = after.seqs
-        rows = [seqs[i] for i in at]
+        # (the usual case: the rows that end are the last ones, schedule_decode's order)
+        head = at[-1] == m - 1
+
+        def pick(xs: list) -> list:
+            return xs[:m] if head else [xs[i] for i in at]
+
+        rows = pick(after.seqs)
         used = sum(s.in_cache for s in rows) + 2 * m
         cfg = self.cache.config
         if cfg.paged and used > cfg.max_kv:
             return None
-        sids = [fast.sids[i] for i in at]
+        sids = pick(fast.sids)
         if not self._declare(sids):
             return None
-        plan = StepPlan([(s, _ONE) for s in rows], [], True, lean=True, seqs=rows, ahead=True)
+        plan = StepPlan(pick(after.rows), [], True, lean=True, seqs=rows, ahead=True)
         plan.feed = idx                        # row j feeds from after's slot idx[j]
         plan.logit_rows = list(range(m))
         plan.owners = [(s, _ONE, j, -1) for j, s in enumerate(rows)]
@@ -820,20 +836,19 @@ class Scheduler:
         spec.rows = plan.logit_rows
         spec.dense, spec.random = m, prev.random
         if prev.random:
-            spec.temperature = [prev.temperature[i] for i in at]
-            spec.top_k = [prev.top_k[i] for i in at]
-            spec.top_p = [prev.top_p[i] for i in at]
-            spec.seed = [prev.seed[i] for i in at]
-            spec.index = [prev.index[i] for i in at]
-            spec.draft = [prev.draft[i] for i in at]
-            spec.position = [prev.position[i] + 1 for i in at]
+            spec.temperature = pick(prev.temperature)
+            spec.top_k = pick(prev.top_k)
+            spec.top_p = pick(prev.top_p)
+            spec.seed = pick(prev.seed)
+            spec.index = pick(prev.index)
+            spec.draft = pick(prev.draft)
+            spec.position = [p + 1 for p in pick(prev.position)]
             # the sampled rows may be the ones that ended: then the steps on draw greedily
             spec.random = any(t > 0 for t in spec.temperature)
         new_at = np.cumsum(keep) - 1           # a kept row's index in the new lists
         kept = left[idx]
         plan.fast = _Steady(
-            fast.epoch, sids, [fast.outs[i] for i in at], [fast.times[i] for i in at],
-            [fast.tokens[i] for i in at],
+            fast.epoch, sids, pick(fast.outs), pick(fast.times), pick(fast.tokens),
             [(int(new_at[i]), job, k) for i, job, k in fast.hooked if keep[i]],
             int(kept.min()), used, fast.stops, kept, fast.hooked_rows)
         return plan
