@@ -36,6 +36,9 @@ def test_repeated_runs_each_keep_their_host_figure(tmp_path):
     res = json.loads(out.read_text())
     runs = [e for e in res["runs"] if e["run"] == "cellcache"]
     assert len(runs) == 2 and all(e["decode_host_us_per_step_total"] > 0 for e in runs)
+    # each run carries the CPU-speed probe taken before and after it
+    assert all(e["cpu_probe_us"]["before"] > 0 and e["cpu_probe_us"]["after"] > 0 for e in runs)
+    assert res["cellcache"]["cpu_probe_us"] in [e["cpu_probe_us"] for e in runs]
     # the run reported is the faster one, with its own host figure
     best = max(runs, key=lambda e: e["tokens_per_s"])
     assert res["cellcache"]["decode_host_us_per_step_total"] == best["decode_host_us_per_step_total"]

@@ -34,7 +34,9 @@ Generator's defaults (8192-token steps, 2048-token prompt chunks) unless
 (``Generator.warmup()``) before the clock starts, as a serving engine does at start-up;
 ``--attention flashinfer`` runs FlashInfer's kernels over the same paged view instead of
 cellcache's (eager steps). Every cellcache run reports time to
-first token and inter-token latency, p50 and p99 (``Generator.latency()``). On CUDA the
+first token and inter-token latency, p50 and p99 (``Generator.latency()``), and a reading of
+the host CPU's speed before and after it (``cpu_probe_us``: a fixed piece of pure-Python
+work, timed), so that a run's host time can be read against the machine's state. On CUDA the
 default workload runs once more with CUDA events around each decode replay: its decode GPU
 time and breakdown are the host-time target's denominator, while the host phases come from
 the timed run, which carries no events. ``--profile-steps N`` (with or without ``--tp``)
@@ -79,6 +81,28 @@ def _sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+def cpu_probe() -> float:
+    """Microseconds a fixed piece of pure-Python work takes now (the kind the host phases
+    do: list appends, dict stores, attribute reads), the median of 7: a reading of the
+    host CPU's own speed, recorded beside each run's host time so that a slow run can be
+    told apart from a slow machine (the same code's host time has varied ~2x between runs
+    minutes apart on the same H200 host)."""
+    def work() -> int:
+        xs: list[int] = []
+        d: dict[int, int] = {}
+        for i in range(4000):
+            xs.append(i)
+            d[i & 63] = i
+        return len(xs) + len(d)
+
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - t)
+    return round(1e6 * statistics.median(times), 1)
 
 
 def make_gen(model, w: dict, prefix: bool, capacity: int, max_seqs: int):
@@ -180,6 +204,7 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
     try:
         replay_events = _time_replays(gen) if with_breakdown and device == "cuda" else None
         _sync(device)
+        probe_before = cpu_probe()
         t0 = time.perf_counter()
         if arrival == "poisson":
             offsets = poisson_arrivals(len(prompts), rate, seed)
@@ -207,6 +232,7 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
     step_host = [sum(v for k, v in prof.items() if k != "wait") for _, prof in step_info]
     gen.step_log = None
     res = summarize(gen, elapsed, reqs)
+    res["cpu_probe_us"] = {"before": probe_before, "after": cpu_probe()}
     res["arrival"] = arrival if arrival != "poisson" else f"poisson {rate:.2f} requests/s"
     if step_host:
         us = sorted(1e6 * h for h in step_host)
@@ -1074,6 +1100,9 @@ def main(argv=None) -> int:
             r = run(prefix)
             host = f", host per decode step {r['decode_host_us_per_step_total']:.0f} us" \
                 if "decode_host_us_per_step_total" in r else ""
+            if "cpu_probe_us" in r:
+                host += " (CPU probe {before:.0f} / {after:.0f} us before / after)".format(
+                    **r["cpu_probe_us"])
             log(f"[serve] {key}: {r['tokens_per_s']:.0f} tokens/s, prompt tokens computed "
                 f"{r['computed_tokens']} (ideal {work['ideal_computed']}){host}")
             if key not in res or r["tokens_per_s"] > res[key]["tokens_per_s"]:
@@ -1081,6 +1110,8 @@ def main(argv=None) -> int:
             entry = {"run": key, "tokens_per_s": r["tokens_per_s"]}
             if "decode_host_us_per_step_total" in r:
                 entry["decode_host_us_per_step_total"] = r["decode_host_us_per_step_total"]
+            if "cpu_probe_us" in r:
+                entry["cpu_probe_us"] = r["cpu_probe_us"]
             res.setdefault("runs", []).append(entry)
             save()
     if device == "cuda" and name == "default":
