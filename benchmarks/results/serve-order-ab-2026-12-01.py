@@ -5,12 +5,18 @@ state), so the host's drift hits both alike. The variants: lean steps' rows in t
 scheduler's own order ("old-order": every row keeps its admission order, so rows that end
 by length leave from the middle and the rest are gathered on the device) or ordered by
 tokens left ("new-order", 1ead309)."""
-import json, os, statistics, sys, time
-sys.path.insert(0, "tools")
+import json
+import statistics
+import sys
+import time
+
 import torch
-import bench_serve as B
-from cellcache.generate import random_model
+
 import cellcache.generate.scheduler as S
+from cellcache.generate import random_model
+
+sys.path.insert(0, "tools")
+import bench_serve as B  # noqa: E402
 
 real_left = S._left_of
 VARIANTS = {"old-order": lambda: setattr(S, "_left_of", lambda s: 0),
