@@ -487,6 +487,33 @@ def test_prompts_are_lent_to_the_tree_while_their_requests_run(llama):
     assert m["lent"] == 0 and m["reclaims"] == 0 and len(pc.owned_seqs()) == m["leaves"] == 5
 
 
+def test_a_lent_prompt_holds_no_pin_and_a_cached_one_is_pinned(llama):
+    """A prompt its request lends needs no pin (a lent leaf is never evicted): a running
+    request holds only its hit's pin. A prompt the tree held already (a repeat of one still
+    running) is not lent: that request pins it, and the pin goes when it ends."""
+    model, ref = llama
+    _, ps = shared_prompts(33, 4, dup=True)   # ps[4] repeats ps[3]
+    gen = make(model, prefill_chunk=64, max_batch_tokens=256)
+    reqs = [gen.add(p, Sampling(max_new_tokens=4 * N_NEW)) for p in ps[:4]]
+    pc = gen.prefix
+    while len(pc.lent_seqs()) < 4:
+        assert gen.step()
+        check(gen)
+    assert all(n < len(s.req.prompt) for s in gen.running for _, n in s.pins)
+    assert sum(len(s.pins) for s in gen.running) == 3      # the three hits on the shared prefix
+    dup = gen.add(ps[4], Sampling(max_new_tokens=N_NEW))
+    while not any(s.req is dup and s.stored for s in gen.running):
+        assert gen.step()
+        check(gen)
+    s = next(s for s in gen.running if s.req is dup)
+    assert s.sid not in pc.lent_seqs() and len(ps[4]) in [n for _, n in s.pins]
+    reqs.append(dup)
+    while gen.step():
+        check(gen)
+    assert pc.metrics()["pins"] == 0
+    assert outputs(reqs) == [[ref.generate(p, 4 * N_NEW)] for p in ps[:4]] + [[ref.generate(ps[4])]]
+
+
 def test_a_preempted_request_keeps_the_prompt_it_lent_cached(llama):
     """Requests that run out of cells while decoding preempt the newest, whose prompt the
     tree holds by lending: the tree clones it first (reclaim), so the prompt stays cached

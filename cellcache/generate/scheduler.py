@@ -528,16 +528,18 @@ class Scheduler:
         return None, 0
 
     def _store_prompt(self, s: Seq) -> None:
-        """s's prompt has been placed: stored in the prefix cache, and pinned while s runs.
-        s lends it (no clone: no cell changes owner); ending s gives the tree s itself,
-        and freeing it otherwise (preempted, cancelled) reclaims the prompt first."""
+        """s's prompt has been placed: stored in the prefix cache, and kept there while s
+        runs. s lends it (no clone: no cell changes owner); ending s gives the tree s
+        itself, and freeing it otherwise (preempted, cancelled) reclaims the prompt first.
+        A prompt s lends needs no pin (a lent leaf is never evicted, nor the path above
+        it); one the tree held already (nothing lent) is pinned, as a hit is."""
         pc = self.prefix
         assert pc is not None and s.sid is not None
         p = self.tokens_of(s)[:len(s.req.prompt)]
-        self._pcall(0, pc.lend, s.sid, p)
-        n = pc.pin(p)
-        if n:
-            s.pins.append((p, n))
+        if not self._pcall(0, pc.lend, s.sid, p):
+            n = pc.pin(p)
+            if n:
+                s.pins.append((p, n))
         s.stored = True
         if s.pending is not None:
             self.pending.remove(s.pending)
@@ -675,6 +677,12 @@ class Scheduler:
         ``tokens`` are None, the caller feeds the ids on the device), except those that
         reach ``max_new_tokens`` with it. A sequence that ends on a stop token in ``after``
         still has its row here; the caller drops it when ``after``'s ids arrive.
+
+        A plan made without ``after`` orders its rows by the tokens each may still draw,
+        most first (stable), and the plans made after it keep that order: the rows that end
+        by length are the last ones (the asynchronous generator feeds the others from a
+        prefix of the ids in flight). The synchronous generator orders them the same way,
+        so that the two run every step's callbacks in the same order.
         """
         if after is not None and after.fast is not None:
             plan = self._steady_decode(after)
