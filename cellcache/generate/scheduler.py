@@ -811,54 +811,45 @@ class Scheduler:
     def _steady_less(self, after: StepPlan, fast: _Steady) -> StepPlan | None:
         """:meth:`_steady_decode` when some of ``after``'s rows end by length with its token
         (their ``left`` is 2 at its planning): the other rows, in order, each one token
-        further; exactly the plan the general loop would make (it skips those rows too), at
-        the cost of filtering the record's lists. None (nothing declared) when no row goes
-        on or the step does not fit."""
+        further; exactly the plan the general loop would make (it skips those rows too).
+        The rows that end are the last ones (:meth:`schedule_decode` orders the rows by the
+        tokens they may still draw), so the record's lists are cut, not filtered. None
+        (nothing declared: the general loop decides) when no row goes on, the rows that end
+        are not the last ones, or the step does not fit."""
         self.flush()                           # (the rows' in_cache are read below)
         left = fast.left - 1                   # one token (the step before `after`) applied since
         keep = left > 1
         idx = np.flatnonzero(keep)
         m = int(idx.size)
-        if not m or m > self.cache.free_cells:
+        if not m or idx[-1] != m - 1 or m > self.cache.free_cells:
             return None
-        at = idx.tolist()
-        # (the usual case: the rows that end are the last ones, schedule_decode's order)
-        head = at[-1] == m - 1
-
-        def pick(xs: list) -> list:
-            return xs[:m] if head else [xs[i] for i in at]
-
-        rows = pick(after.seqs)
+        rows = after.seqs[:m]
         used = sum(s.in_cache for s in rows) + 2 * m
         cfg = self.cache.config
         if cfg.paged and used > cfg.max_kv:
             return None
-        sids = pick(fast.sids)
+        sids = fast.sids[:m]
         if not self._declare(sids):
             return None
-        plan = StepPlan(pick(after.rows), [], True, lean=True, seqs=rows, ahead=True)
-        plan.feed = idx                        # row j feeds from after's slot idx[j]
+        plan = StepPlan(after.rows[:m], [], True, lean=True, seqs=rows, ahead=True)
+        plan.feed = idx                        # row j feeds from after's slot j
         plan.logit_rows = list(range(m))
         plan.owners = [(s, _ONE, j, -1) for j, s in enumerate(rows)]
         spec, prev = plan.spec, after.spec
         spec.rows = plan.logit_rows
         spec.dense, spec.random = m, prev.random
         if prev.random:
-            spec.temperature = pick(prev.temperature)
-            spec.top_k = pick(prev.top_k)
-            spec.top_p = pick(prev.top_p)
-            spec.seed = pick(prev.seed)
-            spec.index = pick(prev.index)
-            spec.draft = pick(prev.draft)
-            spec.position = [p + 1 for p in pick(prev.position)]
+            spec.temperature, spec.top_k = prev.temperature[:m], prev.top_k[:m]
+            spec.top_p, spec.seed = prev.top_p[:m], prev.seed[:m]
+            spec.index, spec.draft = prev.index[:m], prev.draft[:m]
+            spec.position = [p + 1 for p in prev.position[:m]]
             # the sampled rows may be the ones that ended: then the steps on draw greedily
             spec.random = any(t > 0 for t in spec.temperature)
-        new_at = np.cumsum(keep) - 1           # a kept row's index in the new lists
-        kept = left[idx]
+        kept = left[:m]
         plan.fast = _Steady(
-            fast.epoch, sids, pick(fast.outs), pick(fast.times), pick(fast.tokens),
-            [(int(new_at[i]), job, k) for i, job, k in fast.hooked if keep[i]],
-            int(kept.min()), used, fast.stops, kept, fast.hooked_rows)
+            fast.epoch, sids, fast.outs[:m], fast.times[:m], fast.tokens[:m],
+            [h for h in fast.hooked if h[0] < m], int(kept.min()), used, fast.stops, kept,
+            fast.hooked_rows)
         return plan
 
     def drop_ended(self, plan: StepPlan) -> None:
