@@ -8,9 +8,10 @@
 // Per step the host writes into pinned staging (layout in abi.h) the header, the
 // step's ids, positions and cells, the paged view's runs and indptrs, and one change record
 // per cell whose pos or owners changed. Two launches follow:
-//   apply_step  reads the staging straight from host memory: applies the records to the
-//               mirror and writes the small step buffers (cells, positions, read_len, width,
-//               ids, indptrs, runs, the padding rows' sink entries).
+//   apply_step  reads the staging straight from host memory (one round trip: the sizes
+//               come as arguments): applies the records to the mirror and writes the small
+//               step buffers (cells, positions, read_len, width, ids, indptrs, runs, the
+//               padding rows' sink entries).
 //   build_step  blocks [0, mask_blocks) write every window's mask rows [0, pad_to) x
 //               columns [0, read_len) (bools, a 32-column word per thread: mask_tile); the
 //               rest fill each run's kv_indices. Bit masks launch build_step_bits instead
@@ -20,22 +21,72 @@
 // One thread per (record, owner word), then the header's arrays. Records name distinct
 // cells and each thread owns one (cell, word), so each (sequence, cell) bit of seqbits is
 // flipped by at most one thread, and XOR commutes: unordered atomics give the exact state.
+// The staging is pinned host memory read across PCIe: each dependent host read costs a round
+// trip (~1.3 us on the H200, where an empty kernel takes 0.6 us), so every size the loops need
+// comes as an argument (the host knows them) and each thread issues the host reads of its
+// first item of every part before it writes anything: one round trip for any step one pass
+// of the grid covers (every decode step), where reading the header first cost four.
 extern "C" __global__ void __launch_bounds__(CC_APPLY_THREADS)
 apply_step(const cc_step_params* __restrict__ P, const cc_i64* __restrict__ stage,
-           const cc_i64* __restrict__ records, cc_i64 n_records)
+           const cc_i64* __restrict__ records, cc_i64 n_records, cc_i64 ow, cc_i64 mw,
+           cc_i64 width, cc_i64 pad_to, cc_i64 n_runs, cc_i64 read_len, cc_i64 sink, cc_i64 paged)
 {
-    const cc_i64 ow = P->owner_words, capacity = P->capacity, mw = P->max_write;
     const cc_i64 t = (cc_i64)blockIdx.x * blockDim.x + threadIdx.x;
     const cc_i64 stride = (cc_i64)gridDim.x * blockDim.x;
+    const cc_i64* s_seq = stage + CC_OFF_SEQ(mw);
+    const cc_i64* s_pos = stage + CC_OFF_POS(mw);
+    const cc_i64* s_cells = stage + CC_OFF_CELLS(mw);
+    const cc_i64* s_qo = stage + CC_OFF_QO(mw);
+    const cc_i64* s_kv = stage + CC_OFF_KV(mw);
+    const cc_i64* s_run_seq = stage + CC_OFF_RUN_SEQ(mw);
+    const cc_i64* s_run_last = stage + CC_OFF_RUN_LAST(mw);
+    // the first item of each part: every host read issued here, together
+    const cc_i64 n_items = n_records * ow;
+    cc_i64 r_cell = 0, r_pos = 0, r_now = 0, r_w = 0;
+    if (t < n_items) {
+        const cc_i64 i = t / ow;
+        r_w = t - i * ow;
+        const cc_i64* rec = records + i * (2 + ow);
+        r_cell = rec[0];
+        r_pos = rec[1];
+        r_now = rec[2 + r_w];
+    }
+    cc_i64 a_cell = sink, a_pos = 0, a_seq = 0;
+    if (t < pad_to) {
+        const bool real = t < width;
+        if (real) a_cell = s_cells[t];
+        a_pos = s_pos[real ? t : 0];
+        a_seq = s_seq[real ? t : 0];
+    }
+    cc_i64 a_qo = 0, a_kv = 0, a_run_seq = 0, a_run_last = 0, a_pad_kv = 0;
+    if (paged) {
+        if (t <= pad_to) {
+            a_qo = s_qo[t];
+            a_kv = s_kv[t];
+        }
+        if (t < n_runs) {
+            a_run_seq = s_run_seq[t];
+            a_run_last = s_run_last[t];
+        }
+        if (t < pad_to - width) a_pad_kv = s_kv[n_runs + t];
+    }
+
+    const cc_i64 capacity = P->capacity;
     cc_i32* pos = (cc_i32*)P->pos;
     cc_u64* owners = (cc_u64*)P->owners;
     unsigned long long* seqbits = (unsigned long long*)P->seqbits;
-    for (cc_i64 k = t; k < n_records * ow; k += stride) {
-        cc_i64 i = k / ow, w = k % ow;
-        const cc_i64* rec = records + i * (2 + ow);
-        cc_i64 c = rec[0];
-        if (w == 0) pos[c] = (cc_i32)rec[1];
-        cc_u64 now = (cc_u64)rec[2 + w];
+    for (cc_i64 k = t; k < n_items; k += stride) {
+        cc_i64 c = r_cell, p = r_pos, w = r_w;
+        cc_u64 now = (cc_u64)r_now;
+        if (k != t) {
+            const cc_i64 i = k / ow;
+            w = k - i * ow;
+            const cc_i64* rec = records + i * (2 + ow);
+            c = rec[0];
+            p = rec[1];
+            now = (cc_u64)rec[2 + w];
+        }
+        if (w == 0) pos[c] = (cc_i32)p;
         cc_u64 diff = owners[w * capacity + c] ^ now;
         owners[w * capacity + c] = now;
         unsigned long long cell_bit = 1ull << (c & 63);
@@ -45,41 +96,39 @@ apply_step(const cc_step_params* __restrict__ P, const cc_i64* __restrict__ stag
             atomicXor(seqbits + (64 * w + b) * P->bit_words + (c >> 6), cell_bit);
         }
     }
-    const cc_i64 width = stage[CC_HDR_WIDTH], pad_to = stage[CC_HDR_PAD_TO];
-    const cc_i64 sink = stage[CC_HDR_SINK];
-    const cc_i64* s_seq = stage + CC_OFF_SEQ(mw);
-    const cc_i64* s_pos = stage + CC_OFF_POS(mw);
-    const cc_i64* s_cells = stage + CC_OFF_CELLS(mw);
     cc_i64* cells = (cc_i64*)P->cells;
     cc_i64* positions = (cc_i64*)P->positions;
     cc_i64* seq_ids = (cc_i64*)P->seq_ids;
     for (cc_i64 i = t; i < pad_to; i += stride) {
-        bool real = i < width;
-        cells[i] = real ? s_cells[i] : sink;
-        positions[i] = s_pos[real ? i : 0];
-        seq_ids[i] = s_seq[real ? i : 0];
+        if (i == t) {
+            cells[i] = a_cell;
+            positions[i] = a_pos;
+            seq_ids[i] = a_seq;
+        } else {
+            const bool real = i < width;
+            cells[i] = real ? s_cells[i] : sink;
+            positions[i] = s_pos[real ? i : 0];
+            seq_ids[i] = s_seq[real ? i : 0];
+        }
     }
-    if (P->paged) {
-        const cc_i64 n_runs = stage[CC_HDR_N_RUNS];
-        const cc_i64* s_qo = stage + CC_OFF_QO(mw);
-        const cc_i64* s_kv = stage + CC_OFF_KV(mw);
+    if (paged) {
         cc_i32* qo = (cc_i32*)P->qo_indptr;
         cc_i32* kv = (cc_i32*)P->kv_indptr;
         cc_i32* kv_indices = (cc_i32*)P->kv_indices;
         for (cc_i64 i = t; i <= pad_to; i += stride) {
-            qo[i] = (cc_i32)s_qo[i];
-            kv[i] = (cc_i32)s_kv[i];
+            qo[i] = (cc_i32)(i == t ? a_qo : s_qo[i]);
+            kv[i] = (cc_i32)(i == t ? a_kv : s_kv[i]);
         }
-        for (cc_i64 i = t; i < n_runs; i += stride) {
-            ((cc_i64*)P->run_seq)[i] = stage[CC_OFF_RUN_SEQ(mw) + i];
-            ((cc_i64*)P->run_last)[i] = stage[CC_OFF_RUN_LAST(mw) + i];
-            ((cc_i64*)P->run_kv)[i] = s_kv[i];
+        for (cc_i64 i = t; i < n_runs; i += stride) {       // (n_runs <= pad_to: a_kv is s_kv[t])
+            ((cc_i64*)P->run_seq)[i] = i == t ? a_run_seq : s_run_seq[i];
+            ((cc_i64*)P->run_last)[i] = i == t ? a_run_last : s_run_last[i];
+            ((cc_i64*)P->run_kv)[i] = i == t ? a_kv : s_kv[i];
         }
         for (cc_i64 i = t; i < pad_to - width; i += stride)
-            kv_indices[s_kv[n_runs + i]] = (cc_i32)sink;
+            kv_indices[i == t ? a_pad_kv : s_kv[n_runs + i]] = (cc_i32)sink;
     }
     if (t == 0) {
-        *(cc_i64*)P->read_len = stage[CC_HDR_READ_LEN];
+        *(cc_i64*)P->read_len = read_len;
         *(cc_i64*)P->width = width;
     }
 }

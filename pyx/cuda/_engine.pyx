@@ -339,7 +339,8 @@ cdef class StepEngine:
         cdef bint last
         cdef uint64_t dslot, drec
         cdef int32_t rpb32
-        cdef void* args[7]
+        cdef void* args[12]
+        cdef int64_t ow = self.owner_words, paged = 1 if self.paged else 0
         cdef int64_t t0 = 0
         check(cu_ctx_set_current(self.ctx), b"cuCtxSetCurrent")
         if self.masks:
@@ -382,6 +383,14 @@ cdef class StepEngine:
             args[1] = &dslot
             args[2] = &drec
             args[3] = &n
+            args[4] = &ow                 # the sizes as arguments: apply_step reads the
+            args[5] = &mw                 # staging in one PCIe round trip (cuda/step.cu)
+            args[6] = &width
+            args[7] = &pad_to
+            args[8] = &n_runs
+            args[9] = &read_len
+            args[10] = &sink
+            args[11] = &paged
             check(cu_launch(self.fn_apply, <unsigned int>cdiv(threads_needed, CC_APPLY_THREADS),
                             1, 1, CC_APPLY_THREADS, 1, 1, 0, stream, args, NULL),
                   b"cuLaunchKernel(apply_step)")
