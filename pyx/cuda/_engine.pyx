@@ -339,8 +339,14 @@ cdef class StepEngine:
         cdef bint last
         cdef uint64_t dslot, drec
         cdef int32_t rpb32
-        cdef void* args[12]
         cdef int64_t ow = self.owner_words, paged = 1 if self.paged else 0
+        # the kernels' arguments (addresses of the locals above, whose values a pass sets);
+        # apply_step gets every size, so it reads the staging in one PCIe round trip
+        cdef void* apply_args[12]
+        cdef void* build_args[7]
+        apply_args[:] = [&self.params, &dslot, &drec, &n, &ow, &mw, &width, &pad_to, &n_runs,
+                         &read_len, &sink, &paged]
+        build_args[:] = [&self.params, &pad_to, &read_len, &gx, &mask_blocks, &rpb32, &chunks]
         cdef int64_t t0 = 0
         check(cu_ctx_set_current(self.ctx), b"cuCtxSetCurrent")
         if self.masks:
@@ -379,20 +385,8 @@ cdef class StepEngine:
             threads_needed = n * self.owner_words
             if threads_needed < pad_to + 1:
                 threads_needed = pad_to + 1
-            args[0] = &self.params
-            args[1] = &dslot
-            args[2] = &drec
-            args[3] = &n
-            args[4] = &ow                 # the sizes as arguments: apply_step reads the
-            args[5] = &mw                 # staging in one PCIe round trip (cuda/step.cu)
-            args[6] = &width
-            args[7] = &pad_to
-            args[8] = &n_runs
-            args[9] = &read_len
-            args[10] = &sink
-            args[11] = &paged
             check(cu_launch(self.fn_apply, <unsigned int>cdiv(threads_needed, CC_APPLY_THREADS),
-                            1, 1, CC_APPLY_THREADS, 1, 1, 0, stream, args, NULL),
+                            1, 1, CC_APPLY_THREADS, 1, 1, 0, stream, apply_args, NULL),
                   b"cuLaunchKernel(apply_step)")
             self.launches += 1
             self.records_sent += n
@@ -401,15 +395,8 @@ cdef class StepEngine:
                 t0 = cc_now_ns()
             grid = mask_blocks + n_runs * chunks
             if last and grid > 0:
-                args[0] = &self.params
-                args[1] = &pad_to
-                args[2] = &read_len
-                args[3] = &gx
-                args[4] = &mask_blocks
-                args[5] = &rpb32
-                args[6] = &chunks
                 check(cu_launch(self.fn_build, <unsigned int>grid, 1, 1, CC_STEP_THREADS, 1, 1,
-                                0, stream, args, NULL), b"cuLaunchKernel(build_step)")
+                                0, stream, build_args, NULL), b"cuLaunchKernel(build_step)")
                 self.launches += 1
             if CC_PROFILE:
                 self.phase[2] += cc_now_ns() - t0
