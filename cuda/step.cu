@@ -273,15 +273,21 @@ __device__ __forceinline__ void paged_chunk(const cc_step_params* __restrict__ P
 }
 
 // A build kernel's blocks: [0, mask_blocks) make mask tiles with TILE (bool or bits), the
-// rest fill the runs' kv_indices.
-template <void (*TILE)(const cc_step_params* __restrict__, cc_i64, cc_i32, cc_i32, cc_i64)>
+// rest fill the runs' kv_indices. LAST_FIRST orders the mask blocks tile by tile from the
+// last tile (its row ranges together): the last tile usually holds the step's fresh cells,
+// whose words are not runs and take longest, and blocks that start first get their reads
+// served first.
+template <void (*TILE)(const cc_step_params* __restrict__, cc_i64, cc_i32, cc_i32, cc_i64),
+          bool LAST_FIRST>
 __device__ __forceinline__ void build_blocks(const cc_step_params* __restrict__ P, cc_i64 pad_to,
                                              cc_i64 read_len, cc_i64 mask_gx, cc_i64 mask_blocks,
                                              cc_i32 rows_per_block, cc_i64 paged_chunks)
 {
     const cc_i64 b = blockIdx.x;
     if (b < mask_blocks) {
-        const cc_i64 bx = b % mask_gx, by = b / mask_gx;
+        const cc_i64 gy = mask_blocks / mask_gx;
+        const cc_i64 bx = LAST_FIRST ? mask_gx - 1 - b / gy : b % mask_gx;
+        const cc_i64 by = LAST_FIRST ? b % gy : b / mask_gx;
         const cc_i32 r0 = (cc_i32)(by * rows_per_block);
         const cc_i32 r1 = (cc_i32)min(pad_to, (cc_i64)r0 + rows_per_block);
         TILE(P, bx, r0, r1, read_len);
@@ -295,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(CC_STEP_THREADS, 8)
 build_step(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
            cc_i64 mask_gx, cc_i64 mask_blocks, cc_i32 rows_per_block, cc_i64 paged_chunks)
 {
-    build_blocks<mask_tile>(P, pad_to, read_len, mask_gx, mask_blocks, rows_per_block, paged_chunks);
+    build_blocks<mask_tile, false>(P, pad_to, read_len, mask_gx, mask_blocks, rows_per_block, paged_chunks);
 }
 
 // ---- Bit masks: build_step_bits ----------------------------------------------------------
@@ -328,6 +334,7 @@ build_step(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
 #define BITS_PAIRS (BITS_WORDS / 2)                         // a lane's two words
 #define BITS_TILE_COLS (BITS_WORDS * 64)
 #define BITS_HALVES (CC_STEP_THREADS / 16)                  // half-warps sharing a tile's rows
+#define BITS_SPARSE 8                                       // owned columns tested one by one
 #define BITS_SLOTS 32                                       // sequences staged at a time
 #define BITS_CHUNKS (BITS_TILE_COLS / 4 / CC_STEP_THREADS)  // 16-byte position loads a thread
 #define BITS_MIN_BLOCKS 12                                  // resident blocks an SM (registers)
@@ -367,13 +374,29 @@ __device__ __forceinline__ void store_bits_word(cc_u8* dst, cc_u64 on, int ncols
 }
 
 // The visible columns of an owned word `o` for a row at qp seeing positions [lo, qp]: a run
-// word (p0 >= 0) by its bit range, any other by its 64 positions (wp: the word's chunks in
-// shared memory, rotated by sw).
+// word (p0 >= 0) by its bit range, any other by the positions of its owned columns when they
+// are few (BITS_SPARSE or fewer), else by all 64 (wp: the word's chunks in shared memory,
+// rotated by sw).
 __device__ __forceinline__ cc_u64 visible_bits(cc_u64 o, cc_i32 p0, cc_i32 lo, cc_i32 qp,
                                                const int4* wp, int sw)
 {
     if (p0 >= 0) return bit_range((cc_i64)lo - p0, (cc_i64)qp - p0) & o;
     const cc_u32 span = (cc_u32)(qp - lo);
+    if (__popcll(o) <= BITS_SPARSE) {
+        // few owned columns (a decode step's fresh cells, where every row's sequence owns
+        // one or two of the word's 64): test those only. The 64 compares below made the
+        // tile holding a step's new cells the kernel's slowest block by 2x (its lane's
+        // half-warp waited on them for every row and window).
+        const cc_i32* wp32 = reinterpret_cast<const cc_i32*>(wp);
+        cc_u64 on = 0ull, m = o;
+        while (m) {
+            const int j = __ffsll((long long)m) - 1;
+            m &= m - 1ull;
+            const cc_i32 v = wp32[4 * ((j >> 2) ^ sw) + (j & 3)];
+            if ((cc_u32)(v - lo) <= span) on |= 1ull << j;
+        }
+        return on;
+    }
     cc_u32 half[2] = {0u, 0u};
 #pragma unroll
     for (int q = 0; q < 16; ++q) {
@@ -581,6 +604,6 @@ extern "C" __global__ void __launch_bounds__(CC_STEP_THREADS, BITS_MIN_BLOCKS)
 build_step_bits(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
                 cc_i64 mask_gx, cc_i64 mask_blocks, cc_i32 rows_per_block, cc_i64 paged_chunks)
 {
-    build_blocks<mask_bits_tile>(P, pad_to, read_len, mask_gx, mask_blocks, rows_per_block,
+    build_blocks<mask_bits_tile, true>(P, pad_to, read_len, mask_gx, mask_blocks, rows_per_block,
                                  paged_chunks);
 }

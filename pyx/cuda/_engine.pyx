@@ -216,7 +216,7 @@ cdef class StepEngine:
     cdef CUevent commit_event
     cdef bint committed
     cdef CUstream commit_stream
-    cdef int64_t target_blocks
+    cdef public int64_t target_blocks   # blocks the mask grid aims at (8 an SM; tunable for experiments)
     cdef const int64_t* seq_ids
     cdef const int64_t* positions
     cdef const int64_t* cells

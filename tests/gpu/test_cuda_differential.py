@@ -98,6 +98,38 @@ def test_differential_session(max_seqs, fmt, growth):
     dev.close()
 
 
+def test_bit_masks_over_scattered_words():
+    """Bit masks where 64-cell words are not runs, compared with the host backend: words two
+    sequences interleave (each owns 32 cells: all 64 compared) and words a step's many
+    sequences share (each owns one or two: only those compared), in several 2048-column
+    tiles (the kernel orders them last first), beside run words, with windows."""
+    CudaCellCache, *_ = cuda()
+    rng = np.random.default_rng(5)
+    layers = [LayerConfig(1, 8, 0), LayerConfig(1, 8, 5), LayerConfig(1, 8, 700)]
+    cfg = CacheConfig(capacity=8192, layers=layers, max_write=64, initial_capacity=8192,
+                      max_seqs=40, dtype="bfloat16", mask_format="bits")
+    host, dev = HostCellCache(cfg), CudaCellCache(cfg)
+    seqs = [host.seq_new() for _ in range(36)]
+    assert [dev.seq_new() for _ in range(36)] == seqs
+    a, b = seqs[0], seqs[1]
+    plan = ([[a, b] * 32] * 20                                       # interleaved: dense words
+            + [[int(rng.choice(seqs))] * 64 for _ in range(30)]     # runs
+            + [[int(x) for x in rng.permutation(seqs)[:32]] * 2 for _ in range(20)]  # sparse
+            + [[a, b] * 32] * 10)
+    checked = 0
+    for i, ids in enumerate(plan + [[a] * 3 + [b] * 3 + seqs[2:20]] * 4):
+        assert host.declare_step(ids) and dev.declare_step(ids)
+        hs, ds = host.prepare_step(), dev.prepare_step()
+        if i < len(plan):    # placed in order on fresh cells, so the words are as planned
+            assert hs.cells.tolist() == list(range(64 * i, 64 * i + 64))
+        compare_step(host, dev, hs, ds, cfg)
+        checked += hs.read_len > 4096
+        host.commit_step()
+        dev.commit_step()
+    assert checked >= 20
+    dev.close()
+
+
 @pytest.mark.parametrize("view", ["bool", "bits", "paged"])
 def test_demo_on_cuda_has_no_mismatch(view):
     from cellcache import demo
