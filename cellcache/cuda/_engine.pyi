@@ -86,6 +86,7 @@ class EngineResources:
     ) -> None: ...
 @disjoint_base
 class StepEngine:
+    target_blocks: int  # blocks the mask grid aims at (8 an SM; settable for grid sweeps)
     @property
     def records_sent(self) -> int: ...
     @property
