@@ -91,15 +91,38 @@ def fill_to(cache: CudaCellCache, read_len: int, n_seqs: int, rng) -> list[int]:
     return seqs
 
 
+def step_config(width: int, read_len: int, n_windows: int, max_seqs: int,
+                fmt: str) -> CacheConfig:
+    """The masks cases' cache: windows [0, 4096, 128][:n_windows], room for read_len cells
+    and one step of width rows, its full capacity mapped up front."""
+    cap = read_len + width + 64
+    cap += (-cap) % 16
+    return CacheConfig(capacity=cap, layers=[LayerConfig(1, 8, w) for w in [0, 4096, 128][:n_windows]],
+                       max_write=max(width, 64), initial_capacity=cap, max_seqs=max_seqs,
+                       dtype="bfloat16", mask_format=fmt)
+
+
+def device_step_us(cache: CudaCellCache, ids: list[int], stream: int, torch_stream,
+                   ev: Events) -> float:
+    """One step of ``ids`` queued behind a spin: the device time of ``prepare_step`` between
+    two events; the step is committed and its tokens rewound, so the table stays as it was."""
+    assert cache.declare_step(ids)
+    hold(torch_stream)
+    check(cu.cuEventRecord(ev.a, stream), "cuEventRecord")
+    cache.prepare_step(stream=stream)
+    check(cu.cuEventRecord(ev.b, stream), "cuEventRecord")
+    check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    cache.commit_step()
+    for s in set(ids):
+        cache.rewind(s, cache.pos(s) - ids.count(s))
+    return ev.elapsed_us()
+
+
 def measure(width: int, read_len: int, n_windows: int, max_seqs: int,
             n_live: int, reps: int, stream: int, rng, fmt: str = "bool",
             baseline: bool = True) -> dict:
-    windows = [0, 4096, 128][:n_windows]
-    layers = [LayerConfig(1, 8, w) for w in windows]
-    cap = read_len + width + 64
-    cap += (-cap) % 16
-    cfg = CacheConfig(capacity=cap, layers=layers, max_write=max(width, 64),
-                      initial_capacity=cap, max_seqs=max_seqs, dtype="bfloat16", mask_format=fmt)
+    cfg = step_config(width, read_len, n_windows, max_seqs, fmt)
+    windows, cap = [0, 4096, 128][:n_windows], cfg.capacity
     cache = CudaCellCache(cfg)
     seqs = fill_to(cache, read_len - width, n_live, rng)
     batches = [[int(x) for x in rng.choice(seqs, size=width)] for _ in range(reps + 5)]

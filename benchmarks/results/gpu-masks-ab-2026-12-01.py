@@ -11,7 +11,6 @@ import numpy as np
 sys.path.insert(0, "tools")
 import bench_gpu as B  # noqa: E402
 
-from cellcache import CacheConfig, LayerConfig
 from cellcache.cuda import CudaCellCache
 from cellcache.cuda import driver as drv
 from cellcache.cuda.driver import Context, check, cu
@@ -33,27 +32,11 @@ ev = B.Events()
 variants = sys.argv[2:]
 def make(ptx, width, read_len, n_windows, max_seqs, n_live, fmt, seed):
     cur["ptx"] = ptx
-    windows = [0, 4096, 128][:n_windows]
-    cap = read_len + width + 64
-    cap += (-cap) % 16
-    cfg = CacheConfig(capacity=cap, layers=[LayerConfig(1, 8, w) for w in windows],
-                      max_write=max(width, 64), initial_capacity=cap, max_seqs=max_seqs,
-                      dtype="bfloat16", mask_format=fmt)
+    cfg = B.step_config(width, read_len, n_windows, max_seqs, fmt)
     cache = CudaCellCache(cfg)
     cur["ptx"] = None
     seqs = B.fill_to(cache, read_len - width, n_live, np.random.default_rng(seed))
     return cache, seqs
-def one(cache, ids):
-    assert cache.declare_step(ids)
-    B.hold(ts)
-    check(cu.cuEventRecord(ev.a, stream), "rec")
-    cache.prepare_step(stream=stream)
-    check(cu.cuEventRecord(ev.b, stream), "rec")
-    check(cu.cuStreamSynchronize(stream), "sync")
-    cache.commit_step()
-    for s in set(ids):
-        cache.rewind(s, cache.pos(s) - ids.count(s))
-    return ev.elapsed_us()
 out = {}
 CASES = [(64, 1 << 20, 2, 64, 64, "bits"), (64, 1 << 20, 2, 1024, 256, "bits"),
          (64, 131072, 2, 1024, 256, "bits")]
@@ -64,7 +47,8 @@ for case in CASES:
     for _round in range(6):
         for v, (cache, seqs) in zip(variants, caches):
             for i in range(23):
-                us = one(cache, [int(x) for x in rng.choice(seqs, size=case[0])])
+                us = B.device_step_us(cache, [int(x) for x in rng.choice(seqs, size=case[0])],
+                                      stream, ts, ev)
                 if i >= 3:
                     res[v].append(us)
     for cache, _ in caches:

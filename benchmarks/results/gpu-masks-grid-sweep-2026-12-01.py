@@ -10,7 +10,6 @@ import numpy as np
 sys.path.insert(0, "tools")
 import bench_gpu as B  # noqa: E402
 
-from cellcache import CacheConfig, LayerConfig
 from cellcache.cuda import CudaCellCache
 from cellcache.cuda.driver import Context, check, cu
 
@@ -22,33 +21,17 @@ rng = np.random.default_rng(0)
 ev = B.Events()
 out = {}
 def case(width, read_len, n_windows, max_seqs, n_live, fmt, targets, rounds=4, reps=25):
-    windows = [0, 4096, 128][:n_windows]
-    cap = read_len + width + 64
-    cap += (-cap) % 16
-    cfg = CacheConfig(capacity=cap, layers=[LayerConfig(1, 8, w) for w in windows],
-                      max_write=max(width, 64), initial_capacity=cap, max_seqs=max_seqs,
-                      dtype="bfloat16", mask_format=fmt)
+    cfg = B.step_config(width, read_len, n_windows, max_seqs, fmt)
     cache = CudaCellCache(cfg)
     seqs = B.fill_to(cache, read_len - width, n_live, rng)
     eng = cache._engine
     res = {t: [] for t in targets}
-    def one(ids, t):
-        eng.target_blocks = t
-        assert cache.declare_step(ids)
-        B.hold(ts)
-        check(cu.cuEventRecord(ev.a, stream), "rec")
-        cache.prepare_step(stream=stream)
-        check(cu.cuEventRecord(ev.b, stream), "rec")
-        check(cu.cuStreamSynchronize(stream), "sync")
-        cache.commit_step()
-        for s in set(ids):
-            cache.rewind(s, cache.pos(s) - ids.count(s))
-        return ev.elapsed_us()
     for _round in range(rounds):
         for t in targets:
             for i in range(reps + 3):
                 ids = [int(x) for x in rng.choice(seqs, size=width)]
-                us = one(ids, t)
+                eng.target_blocks = t
+                us = B.device_step_us(cache, ids, stream, ts, ev)
                 if i >= 3:
                     res[t].append(us)
     cache.close()

@@ -16,7 +16,6 @@ import numpy as np
 sys.path.insert(0, "tools")
 import bench_gpu as B  # noqa: E402
 
-from cellcache import CacheConfig, LayerConfig
 from cellcache.cuda import CudaCellCache
 from cellcache.cuda import driver as drv
 from cellcache.cuda.driver import Context, check, cu
@@ -40,11 +39,7 @@ rng = np.random.default_rng(0)
 ev = B.Events()
 tb = int(sys.argv[2]) if len(sys.argv) > 2 else 0
 width, read_len, n_windows, max_seqs, n_live = 64, 1 << 20, 2, 64, 64
-windows = [0, 4096, 128][:n_windows]
-cap = read_len + width + 64
-cap += (-cap) % 16
-cfg = CacheConfig(capacity=cap, layers=[LayerConfig(1, 8, w) for w in windows],
-                  max_write=64, initial_capacity=cap, max_seqs=max_seqs, dtype="bfloat16", mask_format="bits")
+cfg = B.step_config(width, read_len, n_windows, max_seqs, "bits")
 cache = CudaCellCache(cfg)
 if tb:
     cache._engine.target_blocks = tb
@@ -54,16 +49,7 @@ out = []
 dev = []
 for i in range(30):
     ids = [int(x) for x in rng.choice(seqs, size=width)]
-    assert cache.declare_step(ids)
-    B.hold(ts)
-    check(cu.cuEventRecord(ev.a, stream), "rec")
-    cache.prepare_step(stream=stream)
-    check(cu.cuEventRecord(ev.b, stream), "rec")
-    check(cu.cuStreamSynchronize(stream), "sync")
-    dev.append(ev.elapsed_us())
-    cache.commit_step()
-    for s in set(ids):
-        cache.rewind(s, cache.pos(s) - ids.count(s))
+    dev.append(B.device_step_us(cache, ids, stream, ts, ev))
     if i >= 20:
         h = np.zeros(16384 * 5, dtype=np.uint64)
         check(cu.cuMemcpyDtoH(h.ctypes.data, ptr, h.nbytes), "dtoh")
