@@ -329,7 +329,9 @@ build_step(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
 //      p0 + 63 (cells placed by one run)? Then the seqbits' wait and barrier.
 // A row's words then come from shared memory: a word the row's sequence does not own is a
 // zero store; an owned run word is visible on the bit range [lo - p0, qp - p0]; any other
-// owned word takes one unsigned compare per column, as in mask_tile.
+// owned word takes one unsigned compare per owned column when the row owns BITS_SPARSE or
+// fewer of its columns, else one per column, as in mask_tile. The mask blocks go tile by
+// tile from the last tile (build_blocks' LAST_FIRST).
 #define BITS_WORDS 32                                       // 64-column words of a tile
 #define BITS_PAIRS (BITS_WORDS / 2)                         // a lane's two words
 #define BITS_TILE_COLS (BITS_WORDS * 64)

@@ -178,6 +178,30 @@ def test_engine_resources_are_named_and_checked():
         _engine.EngineResources(**{**good, "ctx": "ctx"})
 
 
+def test_engine_target_blocks_is_checked_and_a_refusal_changes_nothing():
+    """The mask grid's target (8 blocks an SM) is settable for grid sweeps; a value the grid
+    cannot use (0 would divide by zero on the host) is refused and leaves it as it was."""
+    import numpy as np
+
+    from cellcache import InvalidArgument
+    from cellcache._table import CellTable
+
+    table = CellTable(64, 4, 8, track_changes=True)
+    words = _engine.staging_words(8, table.owner_words, 4)
+    res = _engine.EngineResources(ctx=1, fn_apply=2, fn_build=3, params=4, slot_words=words,
+                                  host_slots=(6, 7), dev_slots=(8, 9), slot_events=(10, 11),
+                                  commit_event=12, sm_count=13, paged=False, masks=True)
+    arrays = [np.zeros(8, np.int64) for _ in range(3)]
+    engine = _engine.StepEngine(table, res, *arrays)
+    assert engine.target_blocks == 8 * 13
+    engine.target_blocks = 2048
+    assert engine.target_blocks == 2048
+    for bad in (0, -1, 2**31, 1.5, "64", True, None):
+        with pytest.raises(InvalidArgument):
+            engine.target_blocks = bad
+        assert engine.target_blocks == 2048
+
+
 def test_launch_before_the_entry_points_is_refused():
     if _launch.entry_points_set():
         pytest.skip("a CUDA cache in this process has set the entry points")

@@ -34,6 +34,8 @@ from cellcache.cuda._launch cimport (
 
 import numpy as np
 
+from cellcache.errors import InvalidArgument
+
 cdef extern from "cuda/abi.h":
     int CC_MAX_WINDOWS, CC_MASK_COLS, CC_MASK_MAX_ROWS, CC_STEP_THREADS, CC_PAGED_WORDS
     int CC_APPLY_THREADS, CC_MASKS_NONE, CC_MASKS_BOOL, CC_MASKS_BITS
@@ -216,7 +218,7 @@ cdef class StepEngine:
     cdef CUevent commit_event
     cdef bint committed
     cdef CUstream commit_stream
-    cdef public int64_t target_blocks   # blocks the mask grid aims at (8 an SM; tunable for experiments)
+    cdef int64_t mask_target        # blocks the mask grid aims at (target_blocks)
     cdef const int64_t* seq_ids
     cdef const int64_t* positions
     cdef const int64_t* cells
@@ -250,9 +252,24 @@ cdef class StepEngine:
             self.slot_event[k] = <CUevent><size_t>resources.slot_events[k]
             self.slot_pending[k] = False
         self.commit_event = <CUevent><size_t>resources.commit_event
-        self.target_blocks = 8 * resources.sm_count
+        self.mask_target = 8 * resources.sm_count
         if staging_words(self.max_write, self.owner_words, 1) > resources.slot_words:
             raise ValueError("staging slot too small for one step and one change record")
+
+    @property
+    def target_blocks(self):
+        """How many blocks the mask grid aims at (8 an SM): rows are split into row groups
+        until the grid reaches it. Settable (an int in [1, 2**31 - 1]) for grid sweeps; a
+        bad value raises InvalidArgument and leaves it as it was."""
+        return self.mask_target
+
+    @target_blocks.setter
+    def target_blocks(self, value):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgument(f"target_blocks must be an int, not {type(value).__name__}")
+        if not 1 <= value <= 2**31 - 1:
+            raise InvalidArgument(f"target_blocks must be in [1, 2**31 - 1], got {value}")
+        self.mask_target = value
 
     cpdef int is_capturing(self, uint64_t stream) except -1:
         """1 when ``stream`` is being captured into a graph (active or invalidated)."""
@@ -351,7 +368,7 @@ cdef class StepEngine:
         check(cu_ctx_set_current(self.ctx), b"cuCtxSetCurrent")
         if self.masks:
             gx = cdiv(read_len, CC_STEP_THREADS * CC_MASK_COLS)
-            ty = cdiv(self.target_blocks, gx)
+            ty = cdiv(self.mask_target, gx)
             rpb = cdiv(pad_to, ty)
             rpb = 1 if rpb < 1 else (CC_MASK_MAX_ROWS if rpb > CC_MASK_MAX_ROWS else rpb)
             gy = cdiv(pad_to, rpb)
