@@ -301,7 +301,8 @@ extern "C" __global__ void __launch_bounds__(CC_STEP_THREADS, 8)
 build_step(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
            cc_i64 mask_gx, cc_i64 mask_blocks, cc_i32 rows_per_block, cc_i64 paged_chunks)
 {
-    build_blocks<mask_tile, false>(P, pad_to, read_len, mask_gx, mask_blocks, rows_per_block, paged_chunks);
+    build_blocks<mask_tile, false>(P, pad_to, read_len, mask_gx, mask_blocks, rows_per_block,
+                                   paged_chunks);
 }
 
 // ---- Bit masks: build_step_bits ----------------------------------------------------------
@@ -606,6 +607,6 @@ extern "C" __global__ void __launch_bounds__(CC_STEP_THREADS, BITS_MIN_BLOCKS)
 build_step_bits(const cc_step_params* __restrict__ P, cc_i64 pad_to, cc_i64 read_len,
                 cc_i64 mask_gx, cc_i64 mask_blocks, cc_i32 rows_per_block, cc_i64 paged_chunks)
 {
-    build_blocks<mask_bits_tile, true>(P, pad_to, read_len, mask_gx, mask_blocks, rows_per_block,
-                                 paged_chunks);
+    build_blocks<mask_bits_tile, true>(P, pad_to, read_len, mask_gx, mask_blocks,
+                                       rows_per_block, paged_chunks);
 }
