@@ -793,17 +793,18 @@ class Scheduler:
             return None
         if not self._declare(fast.sids):
             return None
-        rows = after.seqs
-        plan = StepPlan(after.rows, [], True, lean=True, seqs=rows, ahead=True)
-        plan.logit_rows = after.logit_rows
-        plan.owners = after.owners
-        spec, prev = plan.spec, after.spec
-        spec.rows = plan.logit_rows
-        spec.dense, spec.random = n, prev.random
-        if prev.random:
-            spec.temperature, spec.top_k, spec.top_p = prev.temperature, prev.top_k, prev.top_p
-            spec.seed, spec.index, spec.draft = prev.seed, prev.index, prev.draft
-            spec.position = [p + 1 for p in prev.position]
+        # `after`'s rows, owners, logit rows and (greedy) sample spec, shared: nothing changes a
+        # plan's lists once it is made (drop_ended replaces them). Copied field by field rather
+        # than built through StepPlan(): its default lists and SampleSpec cost ~15 allocations
+        plan = StepPlan.__new__(StepPlan)
+        plan.__dict__.update(after.__dict__)
+        plan.admitted, plan.tokens, plan.children, plan.feed = [], [], {}, None
+        prev = after.spec
+        if prev.random:                        # each slot's token number moves on
+            plan.spec = SampleSpec(rows=prev.rows, temperature=prev.temperature, top_k=prev.top_k,
+                                   top_p=prev.top_p, seed=prev.seed, index=prev.index,
+                                   position=[p + 1 for p in prev.position], draft=prev.draft,
+                                   dense=n, random=True)
         plan.fast = _Steady(fast.epoch, fast.sids, fast.outs, fast.times, fast.tokens, fast.hooked,
                             fast.min_left - 1, used, fast.stops, fast.left - 1, fast.hooked_rows)
         return plan
