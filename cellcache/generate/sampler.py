@@ -156,6 +156,12 @@ class Sampler:
         # the same width as the last one skips the slicing (torch calls cost ~5 us a piece on
         # the GPU host)
         self._views: list[tuple[int, torch.Tensor, np.ndarray] | None] = [None, None]
+        # the copy and its event through the CUDA driver (cuda-bindings), not torch: copy_
+        # and Event.record cost ~18 us a step together on the GPU host (copy_ records an event
+        # of its own for the pinned buffer), the two driver calls a few; None: not looked up
+        # yet, False: cuda-bindings is not installed (torch's calls then)
+        self._driver: Any = None
+        self._stream_of: tuple[Any, int, int] | None = None   # (torch stream, handle, device)
 
     def _up(self, values: Any, dtype: torch.dtype) -> torch.Tensor:
         t = torch.as_tensor(np.asarray(values), dtype=dtype)
@@ -262,14 +268,72 @@ class Sampler:
             if buf is None or buf.numel() < m:
                 buf = torch.empty(max(m, 1024), dtype=torch.int64, pin_memory=True)
                 self._host[turn] = buf
-                self._events[turn] = torch.cuda.Event()
+                if self._driver is None:
+                    self._driver = _driver_calls()
+                with torch.cuda.device(self.device):   # (the event's context: the device's)
+                    self._events[turn] = (_DriverEvent(*self._driver) if self._driver
+                                          else torch.cuda.Event())
             host = buf[:m]
             view = self._views[turn] = (m, host, host.numpy())
         event = self._events[turn]
-        view[1].copy_(out, non_blocking=True)
         stream = self.stream
-        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        if not isinstance(event, _DriverEvent):
+            view[1].copy_(out, non_blocking=True)
+            event.record(stream)
+            return Draw(None, view[2], event, n, ids)
+        so = self._stream_of
+        if so is None or so[0] is not stream:
+            so = self._stream_of = (stream, int(stream.cuda_stream), stream.device_index)
+        if so[2] == torch.cuda.current_device():
+            # the driver's current context is the current device's: the two calls straight
+            cu, check = self._driver
+            if out.dtype != torch.int64 or not out.is_contiguous():
+                out = out.to(torch.int64).contiguous()
+            check(cu.cuMemcpyDtoHAsync(view[1].data_ptr(), out.data_ptr(), 8 * m, so[1]),
+                  "cuMemcpyDtoHAsync (the sampled ids)")
+            event.record(so[1])
+        else:                                  # another device's: its context made current
+            with torch.cuda.device(so[2]):
+                view[1].copy_(out, non_blocking=True)
+                event.record(so[1])
         return Draw(None, view[2], event, n, ids)
+
+
+def _driver_calls() -> Any:
+    """(cuda.bindings.driver, cellcache's result check), or False without cuda-bindings."""
+    try:
+        from ..cuda.driver import check, cu
+    except ImportError:
+        return False
+    return cu, check
+
+
+class _DriverEvent:
+    """A CUDA event made and recorded through the driver, waited for as torch's is: the
+    sampler's copy-done marker on the driver path (``record`` takes a stream handle)."""
+
+    __slots__ = ("_cu", "_check", "handle")
+
+    def __init__(self, cu: Any, check: Any):
+        self._cu, self._check = cu, check
+        self.handle = check(cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)),
+                            "cuEventCreate (the sampler's copy event)")
+
+    def record(self, stream: int) -> None:
+        self._check(self._cu.cuEventRecord(self.handle, stream), "cuEventRecord (the sampled ids)")
+
+    def synchronize(self) -> None:
+        self._check(self._cu.cuEventSynchronize(self.handle), "cuEventSynchronize (the sampled ids)")
+
+    def __del__(self) -> None:
+        handle, self.handle = getattr(self, "handle", None), None
+        if handle is not None:
+            try:
+                self._cu.cuEventDestroy(handle)
+            except Exception:  # noqa: BLE001 - at interpreter exit the bindings may be gone
+                pass
 
 
 class Draw:

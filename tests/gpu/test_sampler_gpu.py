@@ -1,0 +1,90 @@
+"""The sampler on the GPU (issue 20): the step's one device-to-host copy goes through the
+CUDA driver (cuMemcpyDtoHAsync and a driver event), or through torch without cuda-bindings
+or when the stream is another device's than the current one. Every path draws what the CPU
+sampler draws, and two steps queued before either is read land in their own buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cellcache.generate import Sampler, SampleSpec  # noqa: E402
+from cellcache.generate import sampler as sampler_mod  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+
+
+def mixed_spec(n: int, seed: int) -> SampleSpec:
+    """Greedy and random slots, top-k and top-p, and one verify run of two drafts."""
+    rng = np.random.default_rng(seed)
+    spec = SampleSpec()
+    for i in range(n):
+        t = 0.0 if i % 3 == 0 else float(rng.uniform(0.5, 1.5))
+        spec.add(i, t, int(rng.choice([0, 5])), float(rng.choice([1.0, 0.9])), seed, 0, i,
+                 draft=-1)
+    spec.draft[0], spec.draft[1] = 7, 9          # slots 0..2 verify two drafts (slot j checks
+    #                                              draft[j]; the last one's, -1, never matches)
+    spec.temperature[:3] = [0.0, 0.0, 0.0]
+    spec.groups.append((0, 2))
+    return spec
+
+
+def draw_both(sampler: Sampler, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn((24, 300), generator=g)
+    logits[0, 7] = 50.0                          # the first draft is accepted, the second not
+    logits[1, 9] = -50.0
+    spec = mixed_spec(24, seed)
+    want = Sampler("cpu")(logits, spec)
+    got = sampler.launch(logits.to(sampler.device), spec)
+    return want, got
+
+
+def check_equal(want, got) -> None:
+    out = got.result()
+    assert out.ids.tolist() == want.ids.tolist()
+    assert out.accepted.tolist() == want.accepted.tolist() == [1]
+
+
+@pytest.mark.parametrize("path", ["driver", "torch", "other-device"])
+def test_cuda_draws_equal_the_cpu_sampler_on_every_copy_path(path, monkeypatch):
+    sampler = Sampler("cuda:0")
+    if path == "torch":                          # no cuda-bindings: torch's copy and event
+        monkeypatch.setattr(sampler_mod, "_driver_calls", lambda: False)
+    if path == "other-device":                   # the stream's device is not the current one
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 99)
+    calls = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    for seed in range(3):
+        want, got = draw_both(sampler, seed)
+        check_equal(want, got)
+    events = [type(e).__name__ for e in sampler._events if e is not None]
+    if path == "driver":
+        assert calls == [] and events == ["_DriverEvent", "_DriverEvent"]
+    elif path == "torch":
+        assert len(calls) == 3 and events == ["Event", "Event"]
+    else:
+        assert len(calls) == 3 and events == ["_DriverEvent", "_DriverEvent"]
+    assert sampler.copies == 3
+
+
+def test_two_steps_queued_before_either_is_read_keep_their_own_ids():
+    """Asynchronous scheduling queues step N+1's copy before reading step N's: the two
+    pinned buffers (and events) alternate, so neither copy overwrites the other."""
+    sampler = Sampler("cuda:0")
+    firsts = []
+    for seed in (10, 11, 12, 13):
+        firsts.append(draw_both(sampler, seed))
+        if len(firsts) == 2:
+            for want, got in firsts:
+                check_equal(want, got)
+            firsts = []
+    wide = torch.zeros((2000, 8), device=sampler.device)
+    wide[:, 5] = 1.0
+    spec = SampleSpec()
+    for i in range(2000):                        # more ids than the first buffers held
+        spec.add(i, 0.0, 0, 1.0, 0, 0, i)
+    assert sampler.launch(wide, spec).result().ids.tolist() == [5] * 2000
