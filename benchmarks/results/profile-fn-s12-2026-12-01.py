@@ -12,10 +12,13 @@ import torch
 
 sys.path.insert(0, "tools")
 import profile_serve as PS  # noqa: E402
+
 from cellcache import cache as C  # noqa: E402
 from cellcache import hf as H  # noqa: E402
 from cellcache.cuda import backend as CB  # noqa: E402
-from cellcache.generate import engine as E, sampler as SM, scheduler as S  # noqa: E402
+from cellcache.generate import engine as E  # noqa: E402
+from cellcache.generate import sampler as SM
+from cellcache.generate import scheduler as S
 
 acc: dict[str, float] = defaultdict(float)
 calls: dict[str, int] = defaultdict(int)
@@ -58,22 +61,23 @@ per_step = defaultdict(list)
 host = []
 N = int(os.environ.get("STEPS", "300"))
 gen.step_log = []
-for i in range(N):
+for _i in range(N):
     acc.clear()
     gen.step()
     for k, v in acc.items():
         per_step[k].append(1e6 * v)
-for kind, n, prof in gen.step_log:
+for _kind, _n, prof in gen.step_log:
     host.append(1e6 * sum(v for k, v in prof.items() if k != "wait"))
 ph = defaultdict(list)
-for kind, n, prof in gen.step_log:
+for _kind, _n, prof in gen.step_log:
     for k, v in prof.items():
         ph[k].append(1e6 * v)
 res = {"host_median": statistics.median(host), "host_mean": statistics.mean(host),
        "phases": {k: round(statistics.median(v), 1) for k, v in ph.items()},
        "functions": {k: {"median_us": round(statistics.median(v), 1), "calls_per_step": calls[k] / N}
                      for k, v in sorted(per_step.items(), key=lambda kv: -statistics.median(kv[1]))}}
-print(f"compile={compile_}: host median {res['host_median']:.0f} mean {res['host_mean']:.0f}; phases {res['phases']}")
+print(f"compile={compile_}: host median {res['host_median']:.0f} mean {res['host_mean']:.0f}; "
+      f"phases {res['phases']}")
 for k, v in res["functions"].items():
     print(f"  {k:40s} {v['median_us']:8.1f} us  x{v['calls_per_step']:.2f}")
 out = os.environ.get("OUT", ".")

@@ -2,14 +2,13 @@
 spin = torch's Event.synchronize (the driver's wait), poll = a Python loop on Event.query."""
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
-from cellcache.generate import random_model, sampler as SM
-from cellcache.generate.sampler import SamplerOutput
+from cellcache.generate import random_model
+from cellcache.generate import sampler as SM
 
 sys.path.insert(0, "tools")
 import bench_serve as B  # noqa: E402
