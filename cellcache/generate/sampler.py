@@ -163,6 +163,16 @@ class Sampler:
         self._driver: Any = None
         self._stream_of: tuple[Any, int, int] | None = None   # (torch stream, handle, device)
 
+    def __del__(self) -> None:
+        # the pinned buffers go back to torch's cache with the sampler: not while a driver
+        # copy into them (a Draw dropped unread) may still run
+        for event in getattr(self, "_events", ()):
+            if isinstance(event, _DriverEvent):
+                try:
+                    event.synchronize()
+                except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone
+                    pass
+
     def _up(self, values: Any, dtype: torch.dtype) -> torch.Tensor:
         t = torch.as_tensor(np.asarray(values), dtype=dtype)
         if self.cuda:
@@ -266,13 +276,17 @@ class Sampler:
         if view is None or view[0] != m:
             buf = self._host[turn]
             if buf is None or buf.numel() < m:
-                buf = torch.empty(max(m, 1024), dtype=torch.int64, pin_memory=True)
-                self._host[turn] = buf
                 if self._driver is None:
                     self._driver = _driver_calls()
+                old = self._events[turn]
                 with torch.cuda.device(self.device):   # (the event's context: the device's)
-                    self._events[turn] = (_DriverEvent(*self._driver) if self._driver
-                                          else torch.cuda.Event())
+                    event = _DriverEvent(*self._driver) if self._driver else torch.cuda.Event()
+                buf = torch.empty(max(m, 1024), dtype=torch.int64, pin_memory=True)
+                if isinstance(old, _DriverEvent):
+                    # torch's pinned-memory cache does not see a driver copy: the old buffer
+                    # goes back to it only once its last copy (maybe of a dropped Draw) is done
+                    old.synchronize()
+                self._host[turn], self._events[turn] = buf, event
             host = buf[:m]
             view = self._views[turn] = (m, host, host.numpy())
         event = self._events[turn]
@@ -326,6 +340,12 @@ class _DriverEvent:
 
     def synchronize(self) -> None:
         self._check(self._cu.cuEventSynchronize(self.handle), "cuEventSynchronize (the sampled ids)")
+
+    def query_done(self) -> bool:
+        """Whether the work before the last record has finished (without waiting)."""
+        code, _ = self._check(self._cu.cuEventQuery(self.handle), "cuEventQuery (the sampled ids)",
+                              allowed=(600,))     # CUDA_ERROR_NOT_READY
+        return code == 0
 
     def __del__(self) -> None:
         handle, self.handle = getattr(self, "handle", None), None

@@ -88,3 +88,46 @@ def test_two_steps_queued_before_either_is_read_keep_their_own_ids():
     for i in range(2000):                        # more ids than the first buffers held
         spec.add(i, 0.0, 0, 1.0, 0, 0, i)
     assert sampler.launch(wide, spec).result().ids.tolist() == [5] * 2000
+
+
+@pytest.mark.parametrize("side", [False, True], ids=["current-stream", "side-stream"])
+def test_the_copy_waits_for_the_work_queued_before_it_on_the_samplers_stream(side):
+    """The copy and its event are queued on the sampler's stream behind the logits' producer:
+    a producer held back by a long kernel still lands before the host reads the ids (a copy
+    or event on another stream would read the logits before they are written)."""
+    stream = torch.cuda.Stream(device=0) if side else torch.cuda.current_stream(0)
+    sampler = Sampler("cuda:0", stream=stream)
+    spec = SampleSpec()
+    for i in range(256):
+        spec.add(i, 0.0, 0, 1.0, 0, 0, i)
+    for col in (17, 3):                          # twice: both pinned buffers
+        logits = torch.zeros((256, 64), device="cuda:0")
+        stream.wait_stream(torch.cuda.current_stream(0))
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(100_000_000)       # tens of ms of the stream's time
+            logits[:, col] = 1.0                 # written only after it
+            draw = sampler.launch(logits, spec)
+        assert draw.result().ids.tolist() == [col] * 256
+
+
+def test_a_wider_step_waits_for_the_copy_into_the_buffer_it_replaces():
+    """A step wider than a pinned buffer replaces it; a Draw dropped unread may still be
+    copying into the old one, which goes back to torch's pinned cache only after that copy."""
+    sampler = Sampler("cuda:0")
+    small = torch.zeros((8, 16), device="cuda:0")
+    spec8 = SampleSpec()
+    for i in range(8):
+        spec8.add(i, 0.0, 0, 1.0, 0, 0, i)
+    torch.cuda._sleep(100_000_000)
+    sampler.launch(small, spec8)                 # dropped unread, its copy still queued
+    sampler.launch(small, spec8)
+    wide = torch.zeros((3000, 16), device="cuda:0")
+    wide[:, 9] = 1.0
+    spec = SampleSpec()
+    for i in range(3000):
+        spec.add(i, 0.0, 0, 1.0, 0, 0, i)
+    first = sampler._events[sampler._turn ^ 1]
+    draw = sampler.launch(wide, spec)            # replaces the first buffer: waits for it
+    if type(first).__name__ == "_DriverEvent":
+        assert first.query_done()
+    assert draw.result().ids.tolist() == [9] * 3000
