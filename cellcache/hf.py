@@ -454,7 +454,7 @@ class ModelRunner:
         self._greedy: torch.Tensor | None = None       # and the argmax of each of their rows
         self._replayed_greedy: Any = None              # the last replayed graph's part of it
         # forward's views of a decode graph's first rows: (its logits, the logits' first
-        # rows, its greedy ids' first rows) by (id of its logits, width) (_heads)
+        # rows, its greedy ids' first rows) by (id of its logits, width) (_first_rows)
         self._row_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self._handed: tuple[torch.Tensor, int] | None = None   # that view and its width, as
         #                                                          the last forward gave it

@@ -166,12 +166,12 @@ class Sampler:
     def __del__(self) -> None:
         # the pinned buffers go back to torch's cache with the sampler: not while a driver
         # copy into them (a Draw dropped unread) may still run
-        for event in getattr(self, "_events", ()):
-            if isinstance(event, _DriverEvent):
-                try:
+        try:
+            for event in getattr(self, "_events", ()):
+                if isinstance(event, _DriverEvent):
                     event.synchronize()
-                except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone
-                    pass
+        except Exception:  # noqa: BLE001 - at interpreter exit the driver (or this module) may be gone
+            pass
 
     def _up(self, values: Any, dtype: torch.dtype) -> torch.Tensor:
         t = torch.as_tensor(np.asarray(values), dtype=dtype)
