@@ -152,16 +152,21 @@ class Sampler:
         self._host: list[torch.Tensor | None] = [None, None]
         self._events: list[Any] = [None, None]
         self._turn = 0
-        # each buffer's last (length, its first `length` entries, their numpy view): a step of
+        # each buffer's last (length, its first `length` entries, their numpy view, its
+        # address): a step of
         # the same width as the last one skips the slicing (torch calls cost ~5 us a piece on
         # the GPU host)
-        self._views: list[tuple[int, torch.Tensor, np.ndarray] | None] = [None, None]
+        self._views: list[tuple[int, torch.Tensor, np.ndarray, int] | None] = [None, None]
         # the copy and its event through the CUDA driver (cuda-bindings), not torch: copy_
         # and Event.record cost ~18 us a step together on the GPU host (copy_ records an event
         # of its own for the pinned buffer), the two driver calls a few; None: not looked up
         # yet, False: cuda-bindings is not installed (torch's calls then)
         self._driver: Any = None
         self._stream_of: tuple[Any, int, int] | None = None   # (torch stream, handle, device)
+        # the last launch that copied a graph's own greedy ids, slot i row i, nothing random:
+        # (spec, logits, greedy ids, slots, the ids' device address); the same three objects
+        # again (a steady decode step) skip every check and go straight to the copy
+        self._fast: tuple[SampleSpec, torch.Tensor, torch.Tensor, int, int] | None = None
 
     def __del__(self) -> None:
         # the pinned buffers go back to torch's cache with the sampler: not while a driver
@@ -192,6 +197,10 @@ class Sampler:
         ``greedy``: the argmax of each row of ``logits``, already on the device (a replayed
         graph computes it: :attr:`cellcache.hf.ModelRunner.greedy`), used instead of an
         argmax launch when slot i draws from row i."""
+        fast = self._fast
+        if fast is not None and greedy is fast[2] and spec is fast[0] and logits is fast[1] \
+                and len(spec.rows) == fast[3]:
+            return self._copy_greedy(fast)
         n = len(spec)
         if n == 0:
             return Draw(SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.int64)))
@@ -215,7 +224,28 @@ class Sampler:
         out = ids
         if spec.groups:
             out = torch.cat([ids, self._accept(ids, spec)])
+        elif ids is greedy and self.cuda and ids.is_contiguous():
+            self._fast = (spec, logits, greedy, n, ids.data_ptr())
         return self._copy_out(out, n, ids)
+
+    def _copy_greedy(self, fast: tuple[SampleSpec, torch.Tensor, torch.Tensor, int, int]) -> Draw:
+        """:meth:`_copy_out` of a graph's greedy ids that :meth:`launch` has checked before
+        (``fast``): the driver's copy and event straight, when the buffer of this turn is
+        sized for them and the sampler's own stream is on the current device."""
+        _, _, ids, n, src = fast
+        turn = self._turn ^ 1
+        view, event, so = self._views[turn], self._events[turn], self._stream_of
+        if view is None or view[0] != n or not isinstance(event, _DriverEvent) or so is None \
+                or so[0] is not self.stream or so[2] != torch.cuda.current_device():
+            return self._copy_out(ids, n, ids)
+        self._turn = turn
+        self.copies += 1
+        cu, check = self._driver
+        result = cu.cuMemcpyDtoHAsync(view[3], src, 8 * n, so[1])
+        if int(result[0]):
+            check(result, "cuMemcpyDtoHAsync (the sampled ids)")
+        event.record(so[1])
+        return Draw(None, view[2], event, n, ids)
 
     def _draw(self, x: torch.Tensor, spec: SampleSpec, rand: np.ndarray, temps: np.ndarray) -> torch.Tensor:
         """Tokens of the random slots ``rand`` (host indexes into the spec)."""
@@ -288,7 +318,7 @@ class Sampler:
                     old.synchronize()
                 self._host[turn], self._events[turn] = buf, event
             host = buf[:m]
-            view = self._views[turn] = (m, host, host.numpy())
+            view = self._views[turn] = (m, host, host.numpy(), host.data_ptr())
         event = self._events[turn]
         stream = self.stream
         if stream is None:
@@ -305,7 +335,7 @@ class Sampler:
             cu, check = self._driver
             if out.dtype != torch.int64 or not out.is_contiguous():
                 out = out.to(torch.int64).contiguous()
-            check(cu.cuMemcpyDtoHAsync(view[1].data_ptr(), out.data_ptr(), 8 * m, so[1]),
+            check(cu.cuMemcpyDtoHAsync(view[3], out.data_ptr(), 8 * m, so[1]),
                   "cuMemcpyDtoHAsync (the sampled ids)")
             event.record(so[1])
         else:                                  # another device's: its context made current

@@ -131,3 +131,38 @@ def test_a_wider_step_waits_for_the_copy_into_the_buffer_it_replaces():
     if type(first).__name__ == "_DriverEvent":
         assert first.query_done()
     assert draw.result().ids.tolist() == [9] * 3000
+
+
+@pytest.mark.parametrize("stream", ["own", "current"])
+def test_a_graphs_greedy_ids_launched_again_skip_the_checks_and_land_each_time(stream):
+    """A steady decode step hands the sampler the same spec, logits and greedy-ids tensors
+    each time (a graph's outputs, rewritten in place): the repeat goes straight to the copy
+    with the sampler's own stream, and each Draw still lands that step's ids, two queued at
+    once; without a stream of its own the checked path runs every time. A spec given one
+    more slot is checked again."""
+    dev = torch.device("cuda:0")
+    sampler = Sampler(dev, stream=torch.cuda.current_stream(0) if stream == "own" else None)
+    n = 300
+    logits = torch.zeros((n, 32), device=dev)
+    greedy = torch.zeros(n, dtype=torch.int64, device=dev)
+    spec = SampleSpec(dense=n, random=False)
+    for i in range(n):
+        spec.add(i, 0.0, 0, 1.0, 0, 0, i)
+    seen = []                                    # the checked path's copies
+    real = sampler._copy_out
+    sampler._copy_out = lambda *a: seen.append(1) or real(*a)
+    draws = []
+    for k in range(6):
+        torch.cuda._sleep(20_000_000)            # the copy must wait for the write below
+        greedy.copy_(torch.arange(n, device=dev) * (k + 1) % 32)
+        draws.append((k, sampler.launch(logits, spec, greedy)))
+        if len(draws) == 2:
+            for j, draw in draws:
+                assert draw.result().ids.tolist() == (np.arange(n) * (j + 1) % 32).tolist()
+            draws = []
+    assert sampler.copies == 6 and len(seen) == (1 if stream == "own" else 6)
+    spec.add(0, 0.0, 0, 1.0, 0, 0, n)           # one more slot: row 0 again, not dense now
+    spec.dense = None
+    out = sampler.launch(logits, spec, greedy).result().ids.tolist()
+    assert out == [0] * (n + 1)                  # argmax of zero logits, not greedy's ids
+    assert len(seen) == (2 if stream == "own" else 7)
