@@ -278,3 +278,38 @@ def test_deferred_steps_agree_with_the_synchronous_generator(model, case):
     assert all(len(t) == len(o) for r in b for t, o in zip(r.token_times, r.outputs))
     if case in ("eos", "stops"):              # the token ended request 1 early
         assert b[1].finish_reasons == ["stop"] and len(b[1].outputs[0]) < NEW
+
+
+def test_rows_ending_by_length_leave_the_others_deferred(model):
+    """Rows that end by length are the last ones of the steady steps' order: only their
+    tokens are appended when they end, and the backlog goes on with the other rows (the
+    same object, their tokens still deferred). The rows read afterwards, the sequences'
+    counts of cached tokens and the finished requests' lists are what the synchronous
+    generator gives; once the last rows end the requests are let go."""
+    ps = prompts(12, 5)
+    specs = [(p, Sampling(max_new_tokens=NEW - 6 * i)) for i, p in enumerate(ps)]
+    want = [r.outputs for r in _serve_all(model, specs, False)[0]]
+    gen = make(model, True)
+    reqs = [gen.add(p, sp) for p, sp in specs]
+    sched = gen.scheduler
+    kept = 0
+    finished = 0
+    while True:
+        before = sched._backlog
+        busy = gen.step()
+        now = [r for r in reqs if r.finished is not None]
+        if len(now) > finished and before is not None and sched._backlog is before:
+            kept += 1
+            for r in now[finished:]:          # an ended row: all its tokens stored
+                assert len(raw(r)[0]) == r.sampling.max_new_tokens
+            held = len(before.steps)
+            for s in before.seqs:             # the rows going on: cached = stored + held
+                assert gen.cache.pos(s.sid) - s.in_cache - held in (0, 1)
+            assert gen.stats["tokens_out"] - sum(len(raw(q)[0]) for q in reqs) \
+                == held * len(before.seqs)
+        finished = len(now)
+        if not busy:
+            break
+    assert kept >= 3                            # rows ended while the backlog went on
+    assert [r.outputs for r in reqs] == want
+    assert sched._backlog is None and sched._hook.fn is None

@@ -189,13 +189,20 @@ class _Backlog:
     steady step. :meth:`Scheduler.flush` appends and counts them, up to
     :data:`BACKLOG_STEPS` steps at a time; every path but the steady one calls it first
     (through :meth:`Scheduler.sync`), and so does reading a request's ``outputs`` or
-    ``token_times``."""
+    ``token_times``.
 
-    __slots__ = ("outs", "times", "tokens", "seqs", "steps")
+    Rows that end by length are the last ones (see :meth:`Scheduler.schedule_decode`): only
+    their tokens are appended then (:meth:`Scheduler._flush_last`), and the backlog goes
+    on with the rows before them, as the steady records made after do (``origin``). A
+    step's ids may so be longer than the rows the backlog has left: row i's token is at
+    [i] still."""
+
+    __slots__ = ("outs", "times", "tokens", "seqs", "steps", "origin")
 
     def __init__(self, fast: _Steady, seqs: list[Seq]):
         self.outs, self.times, self.tokens = fast.outs, fast.times, fast.tokens
         self.seqs = seqs
+        self.origin = fast.origin
         self.steps: list[tuple[np.ndarray, float]] = []   # a step's ids (row i at [i]), its time
 
 
@@ -224,6 +231,9 @@ class _Steady:
     # [True] once every row's request reads through the scheduler's hook: one list shared
     # by the records made from this one (their rows are these or fewer, applied after)
     hooked_rows: list[bool] = field(default_factory=lambda: [False])
+    # the output lists of the record this one descends from (made by the general loop): the
+    # records made from it keep a prefix of its rows, which one backlog serves throughout
+    origin: list[list[int]] | None = None
 
 
 class PendingPrompts:
@@ -393,8 +403,9 @@ class Scheduler:
         if b is None or not b.steps:
             return
         steps = b.steps
-        rows = np.stack([ids for ids, _ in steps], axis=1).tolist()  # row i's tokens, in order
-        stamps = [t for _, t in steps]
+        n = len(b.outs)
+        rows = np.stack([ids if len(ids) == n else ids[:n] for ids, _ in steps], axis=1).tolist()
+        stamps = [t for _, t in steps]               # (rows: row i's tokens, in order)
         _consume(map(list.extend, b.outs, rows))
         _consume(map(list.extend, b.tokens, rows))
         _consume(map(list.extend, b.times, repeat(stamps, len(rows))))
@@ -402,6 +413,24 @@ class Scheduler:
         for s in b.seqs:
             s.in_cache += k
         b.steps = []
+
+    def _flush_last(self, m: int) -> None:
+        """Appends the backlog's tokens of its rows from ``m`` on (rows ending by length) and
+        keeps only the rows before them (under the backlog's lock, Ctrl-C held)."""
+        b = self._backlog
+        assert b is not None
+        n = len(b.outs)
+        steps = b.steps
+        if steps and m < n:
+            rows = np.stack([ids[m:n] for ids, _ in steps], axis=1).tolist()
+            stamps = [t for _, t in steps]
+            _consume(map(list.extend, b.outs[m:], rows))
+            _consume(map(list.extend, b.tokens[m:], rows))
+            _consume(map(list.extend, b.times[m:], repeat(stamps, len(rows))))
+            k = len(steps)
+            for s in b.seqs[m:]:
+                s.in_cache += k
+        b.outs, b.times, b.tokens, b.seqs = b.outs[:m], b.times[:m], b.tokens[:m], b.seqs[:m]
 
     # -- sequences ----------------------------------------------------------------------------------
     @staticmethod
@@ -411,6 +440,11 @@ class Scheduler:
     def tokens_of(self, s: Seq) -> np.ndarray:
         """s's tokens as int32 (tokens only grow: extended, not rebuilt)."""
         self.sync()
+        return self._tokens_of(s)
+
+    @staticmethod
+    def _tokens_of(s: Seq) -> np.ndarray:
+        """:meth:`tokens_of` of a sequence none of whose tokens wait in the backlog."""
         arr, n = s.arr, len(s.tokens)
         if arr is None or len(arr) != n:
             if arr is None or len(arr) > n:
@@ -420,10 +454,13 @@ class Scheduler:
             s.arr = arr
         return arr
 
-    def free(self, s: Seq, store: bool = False) -> None:
+    def free(self, s: Seq, store: bool = False, flushed: bool = False) -> None:
         """Gives back s's cache id and cells; s is then a sequence to be read from scratch.
-        ``store``: s ends, its tokens in the cache go to the prefix cache first."""
-        self.sync()
+        ``store``: s ends, its tokens in the cache go to the prefix cache first. ``flushed``:
+        none of s's tokens wait in the backlog (the caller appended them), whose other rows
+        then stay there."""
+        if not flushed:
+            self.sync()
         self.epoch += 1
         if s.pending is not None:
             self.pending.remove(s.pending)
@@ -433,7 +470,7 @@ class Scheduler:
         mine = sid is not None                # the id is still s's to remove
         try:
             if pc is not None and store and sid is not None and s.in_cache > 0:
-                tokens = self.tokens_of(s)[:s.in_cache]
+                tokens = self._tokens_of(s)[:s.in_cache]
                 # the tree takes the id itself (or removes it): no clone, and the stored
                 # cells keep their owners (a clone and a removal would change each twice)
                 owned = pc.owns(sid)          # (only after cache.clear() underneath)
@@ -546,16 +583,18 @@ class Scheduler:
             s.pending = None
 
     # -- ending sequences and requests --------------------------------------------------------------
-    def finish(self, s: Seq, reason: str) -> None:
-        """Ends continuation s (already out of the queues, or about to be) with reason."""
-        self.free(s, store=True)
+    def finish(self, s: Seq, reason: str, flushed: bool = False) -> None:
+        """Ends continuation s (already out of the queues, or about to be) with reason
+        (``flushed``: as :meth:`free`)."""
+        self.free(s, store=True, flushed=flushed)
         req = s.req
-        req.finish_reasons[s.index] = reason
+        reasons = req.finish_reasons
+        reasons[s.index] = reason
         if s.index == 0 and not s.job.forked:         # its continuations never started
             for k in range(1, req.sampling.n):
-                if req.finish_reasons[k] is None:
-                    req.finish_reasons[k] = reason
-        if req.finished is None and all(r is not None for r in req.finish_reasons):
+                if reasons[k] is None:
+                    reasons[k] = reason
+        if req.finished is None and None not in reasons:
             req.finished = self.clock()
 
     def end(self, job: Job, reason: str, index: int | None = None) -> None:
@@ -771,6 +810,7 @@ class Scheduler:
                 [r.token_times[s.index] for r, s in zip(reqs, rows)], [s.tokens for s in rows],
                 [(i, s.job, s.index) for i, (r, s) in enumerate(zip(reqs, rows)) if r.on_token is not None],
                 min_left, used, stops, np.array(lefts, dtype=np.int64))
+            plan.fast.origin = plan.fast.outs
         return plan
 
     def _steady_decode(self, after: StepPlan) -> StepPlan | None:
@@ -806,7 +846,8 @@ class Scheduler:
                                    position=[p + 1 for p in prev.position], draft=prev.draft,
                                    dense=n, random=True)
         plan.fast = _Steady(fast.epoch, fast.sids, fast.outs, fast.times, fast.tokens, fast.hooked,
-                            fast.min_left - 1, used, fast.stops, fast.left - 1, fast.hooked_rows)
+                            fast.min_left - 1, used, fast.stops, fast.left - 1, fast.hooked_rows,
+                            fast.origin)
         return plan
 
     def _steady_less(self, after: StepPlan, fast: _Steady) -> StepPlan | None:
@@ -817,7 +858,6 @@ class Scheduler:
         tokens they may still draw), so the record's lists are cut, not filtered. None
         (nothing declared: the general loop decides) when no row goes on, the rows that end
         are not the last ones, or the step does not fit."""
-        self.flush()                           # (the rows' in_cache are read below)
         left = fast.left - 1                   # one token (the step before `after`) applied since
         keep = left > 1
         idx = np.flatnonzero(keep)
@@ -825,7 +865,14 @@ class Scheduler:
         if not m or idx[-1] != m - 1 or m > self.cache.free_cells:
             return None
         rows = after.seqs[:m]
-        used = sum(s.in_cache for s in rows) + 2 * m
+        # the rows' tokens in the cache: their in_cache, and the steps the backlog holds for
+        # them (each of these rows has a token in every one: a backlog of their record's
+        # origin keeps a prefix of its rows)
+        b = self._backlog
+        if b is not None and (b.origin is None or b.origin is not fast.origin or len(b.outs) < m):
+            self.flush()
+        held = len(b.steps) if b is not None and b.origin is fast.origin else 0
+        used = sum(s.in_cache for s in rows) + (held + 2) * m
         cfg = self.cache.config
         if cfg.paged and used > cfg.max_kv:
             return None
@@ -850,7 +897,7 @@ class Scheduler:
         plan.fast = _Steady(
             fast.epoch, sids, fast.outs[:m], fast.times[:m], fast.tokens[:m],
             [h for h in fast.hooked if h[0] < m], int(kept.min()), used, fast.stops, kept,
-            fast.hooked_rows)
+            fast.hooked_rows, fast.origin)
         return plan
 
     def drop_ended(self, plan: StepPlan) -> None:
@@ -938,7 +985,8 @@ class Scheduler:
         # the tokens go to the backlog (appended to the rows' lists by flush)
         with self._backlog_lock:               # (a reader's sync may run meanwhile)
             b = self._backlog
-            if b is None or b.outs is not fast.outs:
+            if b is None or not (b.outs is fast.outs or (
+                    b.origin is fast.origin and b.origin is not None and len(b.outs) == n)):
                 self.sync()                    # another set of rows
                 if not fast.hooked_rows[0]:    # (rows of a record made from a hooked one are)
                     defer((s.job.req for s in seqs), self._hook)
@@ -958,10 +1006,22 @@ class Scheduler:
             events = ([(s.job, s.index, tok) for s, tok in zip(seqs, toks)] if deliver
                       else [(job, k, toks[i]) for i, job, k in fast.hooked])
         if fast.min_left <= 2:                 # rows whose max_new_tokens this token reaches
-            self.sync()
+            ending = np.flatnonzero(fast.left <= 2).tolist()
+            m = ending[0] if ending else n
+            # the last rows (schedule_decode's order): only their tokens are appended, the
+            # backlog goes on with the others (the next steady record's rows)
+            last = ending == list(range(m, n)) and self._backlog is b
+            if last:
+                with self._backlog_lock:
+                    self._flush_last(m)
+                    if not m:                  # no row left: the requests go (see _Hook)
+                        self._backlog = None
+                        self._hook.fn = None
+            else:
+                self.sync()
             before = self.epoch
-            for i in np.flatnonzero(fast.left <= 2).tolist():
-                self.finish(seqs[i], "length")
+            for i in ending:
+                self.finish(seqs[i], "length", flushed=last)
             self.running = [s for s in self.running if s.sid is not None]
             # the plan made after this one (from its record) left exactly these rows out
             self._foreseen = (before, self.epoch)
