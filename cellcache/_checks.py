@@ -24,6 +24,8 @@ CAPACITY_LIMIT = 1 << 40
 
 def _index(value: object) -> int | None:
     """``value`` as an int when it is an integer (not a bool), else None."""
+    if type(value) is int:                    # the common case, first (bool is not int here)
+        return value
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         return None
     try:

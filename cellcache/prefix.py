@@ -565,10 +565,11 @@ class PrefixCache:
             else:
                 self._clears = c
 
-    def _intact(self, leaf: PrefixNode) -> bool:
+    def _intact(self, leaf: PrefixNode, pos: int | None = None) -> bool:
         """Whether leaf's sequence still holds its path as far as its length tells: an
-        owned one exactly (``pos == end``), a lent one at least (``pos >= end``)."""
-        p = self.cache.pos(leaf.seq)
+        owned one exactly (``pos == end``), a lent one at least (``pos >= end``). ``pos``:
+        the sequence's position when the caller has just read it."""
+        p = self.cache.pos(leaf.seq) if pos is None else pos
         return p == leaf.end if leaf.seq in self._owned else p >= leaf.end
 
     def _reclaim_locked(self, s: int, adopt: bool) -> bool:
@@ -677,6 +678,7 @@ class PrefixCache:
                 if give:
                     self.cache.seq_rm(s)
                 return 0
+            checked = None                  # a leaf found intact just now
             if give and (self._owned or self._lent):
                 # the tree must still be the cache's before it takes s: insert's clone
                 # would meet a released id, give checks a leaf (the one over the path, or
@@ -684,11 +686,13 @@ class PrefixCache:
                 leaf = node if m else next(iter((self._owned or self._lent).values()))
                 while leaf.seq is None:
                     leaf = next(iter(leaf.children.values()))
-                if not self._intact(leaf):
+                if self._intact(leaf, p if leaf.seq == s else None):
+                    checked = leaf
+                else:
                     self._invalidate_locked()
                     node, m = self._walk(qb, n)
             shape = self._shape
-            new = self._take_id(qb, n, node, m, s, mode)
+            new = self._take_id(qb, n, node, m, s, mode, checked)
             if new is None:
                 self._stats["insert_skipped"] += 1
                 if give:
@@ -736,7 +740,7 @@ class PrefixCache:
         self.cache.seq_rm(s)
 
     def _take_id(self, qb: bytes, n: int, node: PrefixNode, m: int, s: int,
-                 mode: str = "insert") -> int | None:
+                 mode: str = "insert", checked: PrefixNode | None = None) -> int | None:
         """A clone of caller sequence s (``upto=n``), evicting leaves off the cached path for
         an id where the tree's budget or the cache's ids run out; None when none is had.
         ``mode`` "give" or "lend": s itself once the tree's budget has room for it (no new
@@ -749,7 +753,7 @@ class PrefixCache:
             covers = node.seq is not None and m == node.end
             if not covers and len(self._owned) + len(self._lent) >= self.max_seqs:
                 return None
-        if covers and not self._intact(node):
+        if covers and node is not checked and not self._intact(node):
             self._invalidate_locked()
         if mode != "insert":
             return s
