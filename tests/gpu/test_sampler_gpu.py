@@ -136,10 +136,10 @@ def test_a_wider_step_waits_for_the_copy_into_the_buffer_it_replaces():
 @pytest.mark.parametrize("stream", ["own", "current"])
 def test_a_graphs_greedy_ids_launched_again_skip_the_checks_and_land_each_time(stream):
     """A steady decode step hands the sampler the same spec, logits and greedy-ids tensors
-    each time (a graph's outputs, rewritten in place): the repeat goes straight to the copy
-    with the sampler's own stream, and each Draw still lands that step's ids, two queued at
-    once; without a stream of its own the checked path runs every time. A spec given one
-    more slot is checked again."""
+    each time (a graph's outputs, rewritten in place): once each pinned buffer has served
+    one, the repeat goes straight to the copy with the sampler's own stream, and each Draw
+    still lands that step's ids, two queued at once; without a stream of its own the
+    checked path runs every time. A spec given one more slot is checked again."""
     dev = torch.device("cuda:0")
     sampler = Sampler(dev, stream=torch.cuda.current_stream(0) if stream == "own" else None)
     n = 300
@@ -160,9 +160,10 @@ def test_a_graphs_greedy_ids_launched_again_skip_the_checks_and_land_each_time(s
             for j, draw in draws:
                 assert draw.result().ids.tolist() == (np.arange(n) * (j + 1) % 32).tolist()
             draws = []
-    assert sampler.copies == 6 and len(seen) == (1 if stream == "own" else 6)
+    # own stream: the first launch of each pinned buffer (two, used in turn) is checked
+    assert sampler.copies == 6 and len(seen) == (2 if stream == "own" else 6)
     spec.add(0, 0.0, 0, 1.0, 0, 0, n)           # one more slot: row 0 again, not dense now
     spec.dense = None
     out = sampler.launch(logits, spec, greedy).result().ids.tolist()
     assert out == [0] * (n + 1)                  # argmax of zero logits, not greedy's ids
-    assert len(seen) == (2 if stream == "own" else 7)
+    assert len(seen) == (3 if stream == "own" else 7)
