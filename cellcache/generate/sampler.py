@@ -152,10 +152,9 @@ class Sampler:
         self._host: list[torch.Tensor | None] = [None, None]
         self._events: list[Any] = [None, None]
         self._turn = 0
-        # each buffer's last (length, its first `length` entries, their numpy view, its
-        # address): a step of
-        # the same width as the last one skips the slicing (torch calls cost ~5 us a piece on
-        # the GPU host)
+        # each buffer's last (length, its first `length` entries, their numpy view, their
+        # address): a step of the same width as the last one skips the slicing (torch calls
+        # cost ~5 us a piece on the GPU host)
         self._views: list[tuple[int, torch.Tensor, np.ndarray, int] | None] = [None, None]
         # the copy and its event through the CUDA driver (cuda-bindings), not torch: copy_
         # and Event.record cost ~18 us a step together on the GPU host (copy_ records an event
@@ -163,9 +162,10 @@ class Sampler:
         # yet, False: cuda-bindings is not installed (torch's calls then)
         self._driver: Any = None
         self._stream_of: tuple[Any, int, int] | None = None   # (torch stream, handle, device)
-        # the last launch that copied a graph's own greedy ids, slot i row i, nothing random:
-        # (spec, logits, greedy ids, slots, the ids' device address); the same three objects
-        # again (a steady decode step) skip every check and go straight to the copy
+        # the last launch that copied a graph's own greedy ids for a spec that says it is
+        # dense and not random (slot i row i: the scheduler's lean plans): (spec, logits,
+        # greedy ids, slots, the ids' device address); the same three objects again (a
+        # steady decode step), the spec still saying so, skip the checks for the copy
         self._fast: tuple[SampleSpec, torch.Tensor, torch.Tensor, int, int] | None = None
 
     def __del__(self) -> None:
@@ -199,7 +199,8 @@ class Sampler:
         argmax launch when slot i draws from row i."""
         fast = self._fast
         if fast is not None and greedy is fast[2] and spec is fast[0] and logits is fast[1] \
-                and len(spec.rows) == fast[3]:
+                and spec.dense == fast[3] == len(spec.rows) and spec.random is False \
+                and not spec.groups:
             return self._copy_greedy(fast)
         n = len(spec)
         if n == 0:
@@ -224,7 +225,8 @@ class Sampler:
         out = ids
         if spec.groups:
             out = torch.cat([ids, self._accept(ids, spec)])
-        elif ids is greedy and self.cuda and ids.is_contiguous():
+        elif ids is greedy and self.cuda and spec.dense == n and spec.random is False \
+                and ids.is_contiguous():
             self._fast = (spec, logits, greedy, n, ids.data_ptr())
         return self._copy_out(out, n, ids)
 

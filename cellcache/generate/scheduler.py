@@ -416,7 +416,8 @@ class Scheduler:
 
     def _flush_last(self, m: int) -> None:
         """Appends the backlog's tokens of its rows from ``m`` on (rows ending by length) and
-        keeps only the rows before them (under the backlog's lock, Ctrl-C held)."""
+        keeps only the rows before them. The caller holds the backlog's lock and Ctrl-C
+        (as :meth:`_flush_held`'s callers do)."""
         b = self._backlog
         assert b is not None
         n = len(b.outs)
@@ -868,11 +869,12 @@ class Scheduler:
         # the rows' tokens in the cache: their in_cache, and the steps the backlog holds for
         # them (each of these rows has a token in every one: a backlog of their record's
         # origin keeps a prefix of its rows)
-        b = self._backlog
-        if b is not None and (b.origin is None or b.origin is not fast.origin or len(b.outs) < m):
-            self.flush()
-        held = len(b.steps) if b is not None and b.origin is fast.origin else 0
-        used = sum(s.in_cache for s in rows) + (held + 2) * m
+        with self._backlog_lock:               # (a reader's flush moves tokens from one to the other)
+            b = self._backlog
+            if b is not None and b.origin is not fast.origin:
+                self.flush()
+            held = len(b.steps) if b is not None and b.origin is fast.origin else 0
+            used = sum(s.in_cache for s in rows) + (held + 2) * m
         cfg = self.cache.config
         if cfg.paged and used > cfg.max_kv:
             return None
@@ -985,8 +987,7 @@ class Scheduler:
         # the tokens go to the backlog (appended to the rows' lists by flush)
         with self._backlog_lock:               # (a reader's sync may run meanwhile)
             b = self._backlog
-            if b is None or not (b.outs is fast.outs or (
-                    b.origin is fast.origin and b.origin is not None and len(b.outs) == n)):
+            if b is None or not (b.outs is fast.outs or (b.origin is fast.origin and len(b.outs) == n)):
                 self.sync()                    # another set of rows
                 if not fast.hooked_rows[0]:    # (rows of a record made from a hooked one are)
                     defer((s.job.req for s in seqs), self._hook)
@@ -1006,17 +1007,20 @@ class Scheduler:
             events = ([(s.job, s.index, tok) for s, tok in zip(seqs, toks)] if deliver
                       else [(job, k, toks[i]) for i, job, k in fast.hooked])
         if fast.min_left <= 2:                 # rows whose max_new_tokens this token reaches
-            ending = np.flatnonzero(fast.left <= 2).tolist()
-            m = ending[0] if ending else n
+            ending = np.flatnonzero(fast.left <= 2).tolist()   # (not empty: min_left <= 2)
+            m = ending[0]
             # the last rows (schedule_decode's order): only their tokens are appended, the
             # backlog goes on with the others (the next steady record's rows)
-            last = ending == list(range(m, n)) and self._backlog is b
+            last = ending == list(range(m, n))
             if last:
                 with self._backlog_lock:
-                    self._flush_last(m)
-                    if not m:                  # no row left: the requests go (see _Hook)
-                        self._backlog = None
-                        self._hook.fn = None
+                    with HoldInterrupts() as held:   # (all of it or none, as sync)
+                        self._flush_last(m)
+                        if not m:              # no row left: the requests go (see _Hook)
+                            self._backlog = None
+                            self._hook.fn = None
+                if held.hit:
+                    raise KeyboardInterrupt
             else:
                 self.sync()
             before = self.epoch

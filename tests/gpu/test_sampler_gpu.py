@@ -139,7 +139,9 @@ def test_a_graphs_greedy_ids_launched_again_skip_the_checks_and_land_each_time(s
     each time (a graph's outputs, rewritten in place): once each pinned buffer has served
     one, the repeat goes straight to the copy with the sampler's own stream, and each Draw
     still lands that step's ids, two queued at once; without a stream of its own the
-    checked path runs every time. A spec given one more slot is checked again."""
+    checked copy runs every time. A spec given one more slot, or changed in place to say
+    it samples, is checked again (the engine never changes a spec it launched; a user
+    of the sampler may)."""
     dev = torch.device("cuda:0")
     sampler = Sampler(dev, stream=torch.cuda.current_stream(0) if stream == "own" else None)
     n = 300
@@ -167,3 +169,13 @@ def test_a_graphs_greedy_ids_launched_again_skip_the_checks_and_land_each_time(s
     out = sampler.launch(logits, spec, greedy).result().ids.tolist()
     assert out == [0] * (n + 1)                  # argmax of zero logits, not greedy's ids
     assert len(seen) == (3 if stream == "own" else 7)
+    spec2 = SampleSpec(dense=n, random=False)   # a new dense spec: checked, then fast
+    for i in range(n):
+        spec2.add(i, 0.0, 0, 1.0, 0, 0, i)
+    for _ in range(3):
+        assert sampler.launch(logits, spec2, greedy).result().ids.tolist() == greedy.tolist()
+    spec2.temperature[:] = [1.0] * n            # changed in place: it samples now
+    spec2.random = True
+    drawn = sampler.launch(logits, spec2, greedy).result().ids.tolist()
+    want = Sampler("cpu")(logits.cpu(), spec2).ids.tolist()
+    assert drawn == want and drawn != greedy.tolist()
