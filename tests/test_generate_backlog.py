@@ -292,6 +292,15 @@ def test_rows_ending_by_length_leave_the_others_deferred(model):
     gen = make(model, True)
     reqs = [gen.add(p, sp) for p, sp in specs]
     sched = gen.scheduler
+    arrays_given = 0
+    real_free = sched.free
+
+    def free(s, store=False, flushed=False, arr=None):
+        nonlocal arrays_given
+        arrays_given += arr is not None
+        real_free(s, store, flushed, arr)
+
+    sched.free = free
     kept = 0
     finished = 0
     while True:
@@ -313,3 +322,10 @@ def test_rows_ending_by_length_leave_the_others_deferred(model):
     assert kept >= 3                            # rows ended while the backlog went on
     assert [r.outputs for r in reqs] == want
     assert sched._backlog is None and sched._hook.fn is None
+    # the ended rows' tokens went to the prefix cache as arrays made from the backlog's
+    # int32 blocks: the tree holds every token each sequence had in the cache (all but its
+    # last), in order
+    assert arrays_given >= len(reqs) - 1
+    for r in reqs:
+        toks = list(r.prompt) + r.outputs[0]
+        assert gen.prefix.peek(toks) == len(toks) - 1

@@ -195,15 +195,21 @@ class _Backlog:
     their tokens are appended then (:meth:`Scheduler._flush_last`), and the backlog goes
     on with the rows before them, as the steady records made after do (``origin``). A
     step's ids may so be longer than the rows the backlog has left: row i's token is at
-    [i] still."""
+    [i] still.
 
-    __slots__ = ("outs", "times", "tokens", "seqs", "steps", "origin")
+    Each flush also keeps its tokens as one int32 block (row i at [i]): a row that ends
+    gets its tokens as an array (for the prefix cache) from its tokens before the backlog
+    (``base``) and its rows of the blocks, without converting its list's ints again."""
+
+    __slots__ = ("outs", "times", "tokens", "seqs", "steps", "origin", "base", "blocks")
 
     def __init__(self, fast: _Steady, seqs: list[Seq]):
         self.outs, self.times, self.tokens = fast.outs, fast.times, fast.tokens
         self.seqs = seqs
         self.origin = fast.origin
         self.steps: list[tuple[np.ndarray, float]] = []   # a step's ids (row i at [i]), its time
+        self.base = [len(t) for t in fast.tokens]          # each row's tokens before the backlog
+        self.blocks: list[np.ndarray] = []                 # the flushed tokens, int32 [rows, k]
 
 
 #: Most steady steps whose tokens wait in a backlog before they are appended.
@@ -404,8 +410,10 @@ class Scheduler:
             return
         steps = b.steps
         n = len(b.outs)
-        rows = np.stack([ids if len(ids) == n else ids[:n] for ids, _ in steps], axis=1).tolist()
-        stamps = [t for _, t in steps]               # (rows: row i's tokens, in order)
+        block = np.stack([ids if len(ids) == n else ids[:n] for ids, _ in steps], axis=1)
+        rows = block.tolist()                        # row i's tokens, in order
+        b.blocks.append(block.astype(_I32))
+        stamps = [t for _, t in steps]
         _consume(map(list.extend, b.outs, rows))
         _consume(map(list.extend, b.tokens, rows))
         _consume(map(list.extend, b.times, repeat(stamps, len(rows))))
@@ -414,16 +422,20 @@ class Scheduler:
             s.in_cache += k
         b.steps = []
 
-    def _flush_last(self, m: int) -> None:
+    def _flush_last(self, m: int) -> list[np.ndarray | None]:
         """Appends the backlog's tokens of its rows from ``m`` on (rows ending by length) and
         keeps only the rows before them. The caller holds the backlog's lock and Ctrl-C
-        (as :meth:`_flush_held`'s callers do)."""
+        (as :meth:`_flush_held`'s callers do). Returns those rows' tokens as int32 arrays
+        (None where a row's list does not add up to them)."""
         b = self._backlog
         assert b is not None
         n = len(b.outs)
         steps = b.steps
+        last = None
         if steps and m < n:
-            rows = np.stack([ids[m:n] for ids, _ in steps], axis=1).tolist()
+            block = np.stack([ids[m:n] for ids, _ in steps], axis=1)
+            rows = block.tolist()
+            last = block.astype(_I32)
             stamps = [t for _, t in steps]
             _consume(map(list.extend, b.outs[m:], rows))
             _consume(map(list.extend, b.tokens[m:], rows))
@@ -431,7 +443,22 @@ class Scheduler:
             k = len(steps)
             for s in b.seqs[m:]:
                 s.in_cache += k
+        arrays: list[np.ndarray | None] = []
+        for j, s in enumerate(b.seqs[m:]):
+            i = m + j
+            base, arr = b.base[i], s.arr
+            if arr is None or len(arr) > base:
+                arr = np.array(s.tokens[:base], dtype=_I32)
+            elif len(arr) < base:
+                arr = np.concatenate([arr, np.array(s.tokens[len(arr):base], dtype=_I32)])
+            parts = [arr] + [blk[i] for blk in b.blocks]
+            if last is not None:
+                parts.append(last[j])
+            full = np.concatenate(parts)
+            arrays.append(full if len(full) == len(s.tokens) else None)
         b.outs, b.times, b.tokens, b.seqs = b.outs[:m], b.times[:m], b.tokens[:m], b.seqs[:m]
+        b.base = b.base[:m]
+        return arrays
 
     # -- sequences ----------------------------------------------------------------------------------
     @staticmethod
@@ -455,11 +482,12 @@ class Scheduler:
             s.arr = arr
         return arr
 
-    def free(self, s: Seq, store: bool = False, flushed: bool = False) -> None:
+    def free(self, s: Seq, store: bool = False, flushed: bool = False,
+             arr: np.ndarray | None = None) -> None:
         """Gives back s's cache id and cells; s is then a sequence to be read from scratch.
         ``store``: s ends, its tokens in the cache go to the prefix cache first. ``flushed``:
         none of s's tokens wait in the backlog (the caller appended them), whose other rows
-        then stay there."""
+        then stay there; ``arr``: then s's tokens as int32, when the caller has them."""
         if not flushed:
             self.sync()
         self.epoch += 1
@@ -471,6 +499,8 @@ class Scheduler:
         mine = sid is not None                # the id is still s's to remove
         try:
             if pc is not None and store and sid is not None and s.in_cache > 0:
+                if arr is not None:
+                    s.arr = arr
                 tokens = self._tokens_of(s)[:s.in_cache]
                 # the tree takes the id itself (or removes it): no clone, and the stored
                 # cells keep their owners (a clone and a removal would change each twice)
@@ -584,10 +614,11 @@ class Scheduler:
             s.pending = None
 
     # -- ending sequences and requests --------------------------------------------------------------
-    def finish(self, s: Seq, reason: str, flushed: bool = False) -> None:
+    def finish(self, s: Seq, reason: str, flushed: bool = False,
+               arr: np.ndarray | None = None) -> None:
         """Ends continuation s (already out of the queues, or about to be) with reason
-        (``flushed``: as :meth:`free`)."""
-        self.free(s, store=True, flushed=flushed)
+        (``flushed``, ``arr``: as :meth:`free`)."""
+        self.free(s, store=True, flushed=flushed, arr=arr)
         req = s.req
         reasons = req.finish_reasons
         reasons[s.index] = reason
@@ -1012,10 +1043,11 @@ class Scheduler:
             # the last rows (schedule_decode's order): only their tokens are appended, the
             # backlog goes on with the others (the next steady record's rows)
             last = ending == list(range(m, n))
+            arrays: list[np.ndarray | None] = [None] * len(ending)
             if last:
                 with self._backlog_lock:
                     with HoldInterrupts() as held:   # (all of it or none, as sync)
-                        self._flush_last(m)
+                        arrays = self._flush_last(m)
                         if not m:              # no row left: the requests go (see _Hook)
                             self._backlog = None
                             self._hook.fn = None
@@ -1024,8 +1056,8 @@ class Scheduler:
             else:
                 self.sync()
             before = self.epoch
-            for i in ending:
-                self.finish(seqs[i], "length", flushed=last)
+            for i, row_tokens in zip(ending, arrays):
+                self.finish(seqs[i], "length", flushed=last, arr=row_tokens)
             self.running = [s for s in self.running if s.sid is not None]
             # the plan made after this one (from its record) left exactly these rows out
             self._foreseen = (before, self.epoch)
