@@ -408,19 +408,24 @@ class Scheduler:
         b = self._backlog
         if b is None or not b.steps:
             return
-        steps = b.steps
-        n = len(b.outs)
-        block = np.stack([ids if len(ids) == n else ids[:n] for ids, _ in steps], axis=1)
-        rows = block.tolist()                        # row i's tokens, in order
-        b.blocks.append(block.astype(_I32))
-        stamps = [t for _, t in steps]
-        _consume(map(list.extend, b.outs, rows))
-        _consume(map(list.extend, b.tokens, rows))
-        _consume(map(list.extend, b.times, repeat(stamps, len(rows))))
-        k = len(steps)
-        for s in b.seqs:
-            s.in_cache += k
+        b.blocks.append(self._append(b, 0, len(b.outs)))
         b.steps = []
+
+    @staticmethod
+    def _append(b: _Backlog, lo: int, hi: int) -> np.ndarray:
+        """Appends the backlog's tokens of rows ``[lo, hi)`` to their lists and counts them
+        in their ``in_cache``; returns those tokens as an int32 block (row i - lo at [i - lo])."""
+        steps = b.steps
+        block = np.stack([ids[lo:hi] for ids, _ in steps], axis=1)
+        rows = block.tolist()                        # row i's tokens, in order
+        stamps = [t for _, t in steps]
+        _consume(map(list.extend, b.outs[lo:hi], rows))
+        _consume(map(list.extend, b.tokens[lo:hi], rows))
+        _consume(map(list.extend, b.times[lo:hi], repeat(stamps, len(rows))))
+        k = len(steps)
+        for s in b.seqs[lo:hi]:
+            s.in_cache += k
+        return block.astype(_I32)
 
     def _flush_last(self, m: int) -> list[np.ndarray | None]:
         """Appends the backlog's tokens of its rows from ``m`` on (rows ending by length) and
@@ -430,28 +435,11 @@ class Scheduler:
         b = self._backlog
         assert b is not None
         n = len(b.outs)
-        steps = b.steps
-        last = None
-        if steps and m < n:
-            block = np.stack([ids[m:n] for ids, _ in steps], axis=1)
-            rows = block.tolist()
-            last = block.astype(_I32)
-            stamps = [t for _, t in steps]
-            _consume(map(list.extend, b.outs[m:], rows))
-            _consume(map(list.extend, b.tokens[m:], rows))
-            _consume(map(list.extend, b.times[m:], repeat(stamps, len(rows))))
-            k = len(steps)
-            for s in b.seqs[m:]:
-                s.in_cache += k
+        last = self._append(b, m, n) if b.steps and m < n else None
         arrays: list[np.ndarray | None] = []
         for j, s in enumerate(b.seqs[m:]):
             i = m + j
-            base, arr = b.base[i], s.arr
-            if arr is None or len(arr) > base:
-                arr = np.array(s.tokens[:base], dtype=_I32)
-            elif len(arr) < base:
-                arr = np.concatenate([arr, np.array(s.tokens[len(arr):base], dtype=_I32)])
-            parts = [arr] + [blk[i] for blk in b.blocks]
+            parts = [self._tokens_of(s, b.base[i])] + [blk[i] for blk in b.blocks]
             if last is not None:
                 parts.append(last[j])
             full = np.concatenate(parts)
@@ -471,14 +459,17 @@ class Scheduler:
         return self._tokens_of(s)
 
     @staticmethod
-    def _tokens_of(s: Seq) -> np.ndarray:
-        """:meth:`tokens_of` of a sequence none of whose tokens wait in the backlog."""
-        arr, n = s.arr, len(s.tokens)
+    def _tokens_of(s: Seq, n: int | None = None) -> np.ndarray:
+        """:meth:`tokens_of` of a sequence none of whose first ``n`` tokens (default: all)
+        wait in the backlog: those tokens, kept in ``s.arr``."""
+        if n is None:
+            n = len(s.tokens)
+        arr = s.arr
         if arr is None or len(arr) != n:
             if arr is None or len(arr) > n:
-                arr = np.array(s.tokens, dtype=_I32)
+                arr = np.array(s.tokens[:n], dtype=_I32)
             else:
-                arr = np.concatenate([arr, np.array(s.tokens[len(arr):], dtype=_I32)])
+                arr = np.concatenate([arr, np.array(s.tokens[len(arr):n], dtype=_I32)])
             s.arr = arr
         return arr
 
