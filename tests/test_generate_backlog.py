@@ -1,8 +1,9 @@
 """The steady steps' deferred appends (``Scheduler`` keeps each steady step's ids in a
 backlog and appends them to the rows' lists later): whatever reads a request's ``outputs``
 or ``token_times`` (between steps, in a callback, from another thread) sees every applied
-token, the lists hold no more than ``BACKLOG_STEPS`` steps behind, and a finished request
-does not keep the generator alive. CPU, tiny random model."""
+token, the lists hold no more than a full backlog behind (``BACKLOG_STEPS``, 32 here:
+these tests fill it), the steady steps never flush otherwise, and a finished request does
+not keep the generator alive. CPU, tiny random model."""
 
 from __future__ import annotations
 
@@ -20,11 +21,16 @@ pytest.importorskip("transformers")
 
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
 from cellcache.generate import scheduler as scheduler_module  # noqa: E402
-from cellcache.generate.scheduler import BACKLOG_STEPS  # noqa: E402
 
 from .helpers import random_prompts as prompts  # noqa: E402
 
+BACKLOG_STEPS = 32              # the backlog's width in these tests (the library's is larger)
 NEW = BACKLOG_STEPS + 40        # long enough for a full backlog and more
+
+
+@pytest.fixture(autouse=True)
+def small_backlog(monkeypatch):
+    monkeypatch.setattr(scheduler_module, "BACKLOG_STEPS", BACKLOG_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +73,9 @@ def test_deferred_tokens_are_appended_when_read_and_stay_within_the_backlog(mode
             assert len(r.__dict__["token_times"][0]) == len(raw(r)[0])  # stored together
             stored += len(raw(r)[0])
         behind = gen.stats["tokens_out"] - stored
-        # never more than a full backlog of the rows behind
-        assert 0 <= behind <= BACKLOG_STEPS * len(gen.scheduler.running)
+        # never more than a full backlog of its rows (drawing or ended) behind
+        b = gen.scheduler._backlog
+        assert 0 <= behind <= BACKLOG_STEPS * (0 if b is None else len(b.outs))
         lag_seen = max(lag_seen, behind)
         if not busy:
             break
@@ -221,7 +228,7 @@ def test_an_interrupt_during_a_flush_is_held_until_the_lists_are_whole(model, mo
             reqs[0].outputs                   # noqa: B018 - the read flushes
     finally:
         signal.signal(signal.SIGINT, old)
-    monkeypatch.undo()
+    monkeypatch.setattr(scheduler_module, "_consume", consume)
     assert len(calls) == 3                    # held: the flush ran to its end
     # raised once the lists were whole: every applied token once, counts consistent
     assert sum(len(r.outputs[0]) for r in reqs) == gen.stats["tokens_out"]
@@ -281,11 +288,12 @@ def test_deferred_steps_agree_with_the_synchronous_generator(model, case):
 
 
 def test_rows_ending_by_length_leave_the_others_deferred(model):
-    """Rows that end by length are the last ones of the steady steps' order: only their
-    tokens are appended when they end, and the backlog goes on with the other rows (the
-    same object, their tokens still deferred). The rows read afterwards, the sequences'
-    counts of cached tokens and the finished requests' lists are what the synchronous
-    generator gives; once the last rows end the requests are let go."""
+    """Rows that end by length are the last ones of the steady steps' order: they leave
+    the backlog's drawing rows with their tokens still held (counted in the cache, not
+    appended), and the backlog goes on with the other rows (the same object). The rows
+    read afterwards, the sequences' counts of cached tokens and the finished requests'
+    lists are what the synchronous generator gives; once the last rows end the requests
+    are let go."""
     ps = prompts(12, 5)
     specs = [(p, Sampling(max_new_tokens=NEW - 6 * i)) for i, p in enumerate(ps)]
     want = [r.outputs for r in _serve_all(model, specs, False)[0]]
@@ -307,15 +315,20 @@ def test_rows_ending_by_length_leave_the_others_deferred(model):
         before = sched._backlog
         busy = gen.step()
         now = [r for r in reqs if r.finished is not None]
-        if len(now) > finished and before is not None and sched._backlog is before:
+        b = sched._backlog
+        if len(now) > finished and before is not None and b is before:
             kept += 1
-            for r in now[finished:]:          # an ended row: all its tokens stored
-                assert len(raw(r)[0]) == r.sampling.max_new_tokens
-            held = len(before.steps)
-            for s in before.seqs:             # the rows going on: cached = stored + held
-                assert gen.cache.pos(s.sid) - s.in_cache - held in (0, 1)
+            held = len(b.stamps)
+            for i, s in enumerate(b.seqs):
+                r = s.req
+                if i < b.live:                # the rows going on: cached = stored + held
+                    assert gen.cache.pos(s.sid) - s.in_cache - held in (0, 1)
+                else:                         # an ended row: stored + its own held = all
+                    assert s.sid is None and r.finished is not None
+                    assert len(raw(r)[0]) + b.counts[i] == r.sampling.max_new_tokens
+            assert any(len(raw(r)[0]) < r.sampling.max_new_tokens for r in now)
             assert gen.stats["tokens_out"] - sum(len(raw(q)[0]) for q in reqs) \
-                == held * len(before.seqs)
+                == held * b.live + sum(b.counts[b.live:])
         finished = len(now)
         if not busy:
             break
@@ -323,9 +336,40 @@ def test_rows_ending_by_length_leave_the_others_deferred(model):
     assert [r.outputs for r in reqs] == want
     assert sched._backlog is None and sched._hook.fn is None
     # the ended rows' tokens went to the prefix cache as arrays made from the backlog's
-    # int32 blocks: the tree holds every token each sequence had in the cache (all but its
+    # int32 matrix: the tree holds every token each sequence had in the cache (all but its
     # last), in order
     assert arrays_given >= len(reqs) - 1
     for r in reqs:
         toks = list(r.prompt) + r.outputs[0]
         assert gen.prefix.peek(toks) == len(toks) - 1
+
+
+def test_steady_steps_leave_the_lists_to_a_read_or_the_end_of_the_run(model, monkeypatch):
+    """With the library's backlog (wide enough for every step of these rows), nothing is
+    appended from the first steady step until the run ends, though rows end by length
+    meanwhile (their lists stay short of their tokens); the step that finds nothing left
+    to do appends them all and lets the requests go."""
+    monkeypatch.undo()                        # the library's BACKLOG_STEPS
+    assert scheduler_module.BACKLOG_STEPS >= NEW + 2
+    ps = prompts(13, 4)
+    specs = [(p, Sampling(max_new_tokens=NEW - 9 * i)) for i, p in enumerate(ps)]
+    want = [r.outputs for r in _serve_all(model, specs, False)[0]]
+    gen = make(model, True)
+    reqs = [gen.add(p, sp) for p, sp in specs]
+    sched = gen.scheduler
+    log = []
+    while True:
+        busy = gen.step()
+        log.append((sum(r.finished is not None for r in reqs), sched.flushed_tokens,
+                    sum(len(raw(r)[0]) for r in reqs)))
+        if not busy:
+            break
+    first = next(i for i, e in enumerate(log) if e[0])
+    assert first >= NEW // 2                  # (the steady run came before)
+    # the steps from the one before the first row ended to the last one: no flush
+    assert len({e[1] for e in log[first - 1:-1]}) == 1
+    assert log[-2][0] == len(reqs) - 1 and log[-2][2] < gen.stats["tokens_out"]
+    # the last step appended every held token and let the requests go
+    assert log[-1][2] == gen.stats["tokens_out"] == sum(len(o[0]) for o in want)
+    assert sched._backlog is None and sched._hook.fn is None
+    assert [r.outputs for r in reqs] == want

@@ -747,7 +747,10 @@ class Generator:
             later.clear()
         if errors:
             raise errors[0]
-        return plan is not None or self._flight is not None or self.busy
+        if plan is not None or self._flight is not None or self.busy:
+            return True
+        self.scheduler.sync()                         # done: the lists whole, the requests let go
+        return False
 
     def _schedule(self) -> StepPlan | None:
         """The scheduler's plan for this step (declared), or None."""

@@ -146,9 +146,11 @@ class Request:
     :meth:`itl` lists the inter-token gaps.
 
     Read ``outputs`` and ``token_times`` through the request each time (``req.outputs[k]``,
-    from any thread): the generator appends the tokens of steady decode steps in batches,
-    and reading either attribute brings them in first; a list kept from an earlier read may
-    lag by up to ``BACKLOG_STEPS`` (32) steps until then.
+    from any thread): the generator holds the tokens of steady decode steps back and
+    appends them when either attribute is read (of any request it runs), when it takes
+    any other kind of step, and when it runs out of work; a list kept from an earlier read
+    lags until then (up to ``BACKLOG_STEPS``, 4096 steps). A finished request's lists may
+    so be short of its tokens until they are read through it.
     """
 
     id: int

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -183,37 +184,41 @@ class _Hook:
 
 class _Backlog:
     """Tokens of steady steps applied but not appended yet: :meth:`Scheduler._apply_steady`
-    keeps each step's ids (and its time) here instead of appending them, one by one, to
-    every row's three lists (output, token times, sequence tokens) and counting them in
-    its ``in_cache``: that touches 4 x rows objects a step, the largest host cost of a
-    steady step. :meth:`Scheduler.flush` appends and counts them, up to
-    :data:`BACKLOG_STEPS` steps at a time; every path but the steady one calls it first
-    (through :meth:`Scheduler.sync`), and so does reading a request's ``outputs`` or
-    ``token_times``.
+    writes each step's ids into one int32 matrix (step j at ``ids[j]``, row i at
+    ``ids[j, i]``) and keeps the step's time, instead of appending them, one by one, to
+    every row's three lists (output, token times, sequence tokens) and counting them in its
+    ``in_cache``: that touches 4 x rows objects a step, the largest host cost of a steady
+    step. :meth:`Scheduler.flush` appends and counts them; every path but the steady one
+    calls it first (through :meth:`Scheduler.sync`), and so does reading a request's
+    ``outputs`` or ``token_times``. The steady steps never do (unless ``ids`` is full,
+    :data:`BACKLOG_STEPS` steps): the lists are built when they are read.
 
-    Rows that end by length are the last ones (see :meth:`Scheduler.schedule_decode`): only
-    their tokens are appended then (:meth:`Scheduler._flush_last`), and the backlog goes
-    on with the rows before them, as the steady records made after do (``origin``). A
-    step's ids may so be longer than the rows the backlog has left: row i's token is at
-    [i] still.
+    Rows that end by length are the last ones (see :meth:`Scheduler.schedule_decode`): they
+    leave the drawing rows (``live``) and keep their tokens here (``counts``: the steps
+    each holds) until a flush; their ``in_cache`` counts them at once, and they get their
+    tokens as an array (for the prefix cache) from their tokens before the backlog
+    (``base``) and their column of ``ids``. The backlog goes on with the rows before them,
+    as the steady records made after do (``origin``); a step's ids may so be longer than
+    the rows still drawing: row i's token is at [i] still."""
 
-    Each flush also keeps its tokens as one int32 block (row i at [i]): a row that ends
-    gets its tokens as an array (for the prefix cache) from its tokens before the backlog
-    (``base``) and its rows of the blocks, without converting its list's ints again."""
+    __slots__ = ("outs", "times", "tokens", "seqs", "origin", "base", "ids", "stamps", "live",
+                 "counts")
 
-    __slots__ = ("outs", "times", "tokens", "seqs", "steps", "origin", "base", "blocks")
-
-    def __init__(self, fast: _Steady, seqs: list[Seq]):
+    def __init__(self, fast: _Steady, seqs: list[Seq], width: int):
         self.outs, self.times, self.tokens = fast.outs, fast.times, fast.tokens
         self.seqs = seqs
         self.origin = fast.origin
-        self.steps: list[tuple[np.ndarray, float]] = []   # a step's ids (row i at [i]), its time
+        n = len(seqs)
+        self.ids = np.empty((width, n), dtype=_I32)        # step j's ids at [j] (row i at [j, i])
+        self.stamps: list[float] = []                      # step j's time (one a step held)
+        self.live = n                                      # rows [0, live) still draw
+        self.counts = [0] * n                              # an ended row's steps held
         self.base = [len(t) for t in fast.tokens]          # each row's tokens before the backlog
-        self.blocks: list[np.ndarray] = []                 # the flushed tokens, int32 [rows, k]
 
 
-#: Most steady steps whose tokens wait in a backlog before they are appended.
-BACKLOG_STEPS = 32
+#: Most steady steps whose tokens wait in a backlog before they are appended (the steady
+#: steps flush only a full backlog; reading a request's lists or any other path flushes it).
+BACKLOG_STEPS = 4096
 
 
 @dataclass(eq=False)
@@ -374,6 +379,10 @@ class Scheduler:
         self._hook = _Hook()                  # armed (its fn: flush) while a backlog is held
         # a request's outputs read from another thread syncs while the stepping thread runs
         self._backlog_lock = threading.RLock()
+        #: Time (s) and tokens of the backlog's flushes: the lists built for the steady
+        #: steps, whenever that happened (a read, a non-steady path, the end of a run)
+        self.flush_s = 0.0
+        self.flushed_tokens = 0
 
     def sync(self) -> None:
         """Appends the tokens (and times) that steady steps deferred to their lists (the
@@ -394,7 +403,7 @@ class Scheduler:
         """The appends of :meth:`sync`, the requests kept (what reading a request's
         ``outputs`` or ``token_times`` calls, from any thread)."""
         b = self._backlog
-        if b is None or not b.steps:
+        if b is None or (not b.stamps and b.live == len(b.outs)):
             return
         with self._backlog_lock:
             with HoldInterrupts() as held:
@@ -404,48 +413,55 @@ class Scheduler:
 
     def _flush_held(self) -> None:
         """flush's work, under the backlog's lock with Ctrl-C held: an interrupt half-way
-        would append some rows' tokens and later append them again."""
+        would append some rows' tokens and later append them again. Appends every row's
+        held tokens to its lists (and counts a drawing row's in its ``in_cache``; an ended
+        row's were counted when it ended), then keeps only the drawing rows, none held."""
         b = self._backlog
-        if b is None or not b.steps:
+        if b is None:
             return
-        b.blocks.append(self._append(b, 0, len(b.outs)))
-        b.steps = []
-
-    @staticmethod
-    def _append(b: _Backlog, lo: int, hi: int) -> np.ndarray:
-        """Appends the backlog's tokens of rows ``[lo, hi)`` to their lists and counts them
-        in their ``in_cache``; returns those tokens as an int32 block (row i - lo at [i - lo])."""
-        steps = b.steps
-        block = np.stack([ids[lo:hi] for ids, _ in steps], axis=1)
-        rows = block.tolist()                        # row i's tokens, in order
-        stamps = [t for _, t in steps]
-        _consume(map(list.extend, b.outs[lo:hi], rows))
-        _consume(map(list.extend, b.tokens[lo:hi], rows))
-        _consume(map(list.extend, b.times[lo:hi], repeat(stamps, len(rows))))
-        k = len(steps)
-        for s in b.seqs[lo:hi]:
+        k, live, n = len(b.stamps), b.live, len(b.outs)
+        if not k and live == n:
+            return
+        t = perf_counter()
+        rows = b.ids[:k, :n].T.tolist()            # row i's tokens, in order
+        stamps = b.stamps
+        times: Any = repeat(stamps, n)
+        if live < n:                               # ended rows: only the steps each held
+            counts = b.counts
+            for i in range(live, n):
+                del rows[i][counts[i]:]
+            times = [stamps] * live + [stamps[:counts[i]] for i in range(live, n)]
+        _consume(map(list.extend, b.outs, rows))
+        _consume(map(list.extend, b.tokens, rows))
+        _consume(map(list.extend, b.times, times))
+        for s in b.seqs[:live]:
             s.in_cache += k
-        return block.astype(_I32)
+        if live < n:
+            b.outs, b.times, b.tokens, b.seqs = b.outs[:live], b.times[:live], b.tokens[:live], b.seqs[:live]
+            b.counts = b.counts[:live]
+        b.base = [len(x) for x in b.tokens]
+        b.stamps = []
+        self.flushed_tokens += sum(map(len, rows))
+        self.flush_s += perf_counter() - t
 
-    def _flush_last(self, m: int) -> list[np.ndarray | None]:
-        """Appends the backlog's tokens of its rows from ``m`` on (rows ending by length) and
-        keeps only the rows before them. The caller holds the backlog's lock and Ctrl-C
-        (as :meth:`_flush_held`'s callers do). Returns those rows' tokens as int32 arrays
-        (None where a row's list does not add up to them)."""
+    def _end_rows(self, m: int) -> list[np.ndarray]:
+        """Rows ``[m, live)`` of the backlog end by length: their held tokens are counted in
+        their ``in_cache`` and stay held (appended to their lists by a flush); the backlog
+        goes on with the rows before them. The caller holds the backlog's lock and Ctrl-C
+        (as :meth:`_flush_held`'s callers do). Returns each ending row's tokens as an int32
+        array (its tokens before the backlog, then its held ones)."""
         b = self._backlog
         assert b is not None
-        n = len(b.outs)
-        last = self._append(b, m, n) if b.steps and m < n else None
-        arrays: list[np.ndarray | None] = []
-        for j, s in enumerate(b.seqs[m:]):
-            i = m + j
-            parts = [self._tokens_of(s, b.base[i])] + [blk[i] for blk in b.blocks]
-            if last is not None:
-                parts.append(last[j])
-            full = np.concatenate(parts)
-            arrays.append(full if len(full) == len(s.tokens) else None)
-        b.outs, b.times, b.tokens, b.seqs = b.outs[:m], b.times[:m], b.tokens[:m], b.seqs[:m]
-        b.base = b.base[:m]
+        k = len(b.stamps)
+        col = b.ids[:k]
+        arrays = []
+        for i in range(m, b.live):
+            s = b.seqs[i]
+            assert len(s.tokens) == b.base[i]      # (its list is appended only by a flush)
+            arrays.append(np.concatenate((self._tokens_of(s, b.base[i]), col[:, i])))
+            s.in_cache += k
+            b.counts[i] = k
+        b.live = m
         return arrays
 
     # -- sequences ----------------------------------------------------------------------------------
@@ -477,8 +493,9 @@ class Scheduler:
              arr: np.ndarray | None = None) -> None:
         """Gives back s's cache id and cells; s is then a sequence to be read from scratch.
         ``store``: s ends, its tokens in the cache go to the prefix cache first. ``flushed``:
-        none of s's tokens wait in the backlog (the caller appended them), whose other rows
-        then stay there; ``arr``: then s's tokens as int32, when the caller has them."""
+        the caller counted s's held tokens in its ``in_cache`` (:meth:`_end_rows`), and the
+        backlog stays as it is; ``arr``: then s's tokens as int32 (its list may lack the
+        held ones)."""
         if not flushed:
             self.sync()
         self.epoch += 1
@@ -491,8 +508,10 @@ class Scheduler:
         try:
             if pc is not None and store and sid is not None and s.in_cache > 0:
                 if arr is not None:
-                    s.arr = arr
-                tokens = self._tokens_of(s)[:s.in_cache]
+                    s.arr = arr                # (rebuilt from the list if it is shorter)
+                else:
+                    arr = self._tokens_of(s)
+                tokens = arr[:s.in_cache]
                 # the tree takes the id itself (or removes it): no clone, and the stored
                 # cells keep their owners (a clone and a removal would change each twice)
                 owned = pc.owns(sid)          # (only after cache.clear() underneath)
@@ -750,6 +769,9 @@ class Scheduler:
             plan = self._steady_decode(after)
             if plan is not None:
                 return plan
+            f = after.fast
+            if f.epoch == self.epoch and int(f.left.max()) <= 2:
+                return None                    # every row ends by length with after's token
         self.sync()
         ahead = 0 if after is None else 1
         seqs = self.running if after is None else after.seqs
@@ -895,7 +917,7 @@ class Scheduler:
             b = self._backlog
             if b is not None and b.origin is not fast.origin:
                 self.flush()
-            held = len(b.steps) if b is not None and b.origin is fast.origin else 0
+            held = len(b.stamps) if b is not None and b.origin is fast.origin else 0
             used = sum(s.in_cache for s in rows) + (held + 2) * m
         cfg = self.cache.config
         if cfg.paged and used > cfg.max_kv:
@@ -1009,17 +1031,19 @@ class Scheduler:
         # the tokens go to the backlog (appended to the rows' lists by flush)
         with self._backlog_lock:               # (a reader's sync may run meanwhile)
             b = self._backlog
-            if b is None or not (b.outs is fast.outs or (b.origin is fast.origin and len(b.outs) == n)):
+            if b is None or b.origin is not fast.origin or b.live != n:
                 self.sync()                    # another set of rows
                 if not fast.hooked_rows[0]:    # (rows of a record made from a hooked one are)
                     defer((s.job.req for s in seqs), self._hook)
                     fast.hooked_rows[0] = True
-                b = _Backlog(fast, seqs)
+                # as many steps as any row may still draw (a record made later draws fewer)
+                b = _Backlog(fast, seqs, min(BACKLOG_STEPS, int(fast.left.max()) + 2))
                 self._backlog = b
                 self._hook.fn = self.flush
-            elif len(b.steps) >= BACKLOG_STEPS:
+            elif len(b.stamps) >= len(b.ids):
                 self.flush()
-            b.steps.append((np.array(arr), now))   # (arr: a view of a buffer the next step reuses)
+            b.ids[len(b.stamps), :n] = arr     # (arr: a view of a buffer the next step reuses)
+            b.stamps.append(now)
         # no prompt to store: every row was applied in the step before this one (its rows are
         # among that step's, nothing ended since), which stored any prompt it completed
         self.stats["tokens_out"] += n
@@ -1031,17 +1055,15 @@ class Scheduler:
         if fast.min_left <= 2:                 # rows whose max_new_tokens this token reaches
             ending = np.flatnonzero(fast.left <= 2).tolist()   # (not empty: min_left <= 2)
             m = ending[0]
-            # the last rows (schedule_decode's order): only their tokens are appended, the
-            # backlog goes on with the others (the next steady record's rows)
+            # the last rows (schedule_decode's order): they leave the backlog's drawing rows,
+            # their tokens still held, and it goes on with the others (the next steady
+            # record's rows); with no row left it holds the ended rows' tokens until a flush
             last = ending == list(range(m, n))
             arrays: list[np.ndarray | None] = [None] * len(ending)
             if last:
                 with self._backlog_lock:
                     with HoldInterrupts() as held:   # (all of it or none, as sync)
-                        arrays = self._flush_last(m)
-                        if not m:              # no row left: the requests go (see _Hook)
-                            self._backlog = None
-                            self._hook.fn = None
+                        arrays = list(self._end_rows(m))
                 if held.hit:
                     raise KeyboardInterrupt
             else:
