@@ -278,6 +278,8 @@ def stream_handle(stream: object) -> int:
     ``cuda_stream`` (torch), ``handle`` or ``ptr`` (cupy, cuda.core)."""
     if stream is None:
         return 0
+    if type(stream) is int and 0 <= stream < 1 << 64:
+        return stream
     value: Any = stream
     for attr in ("cuda_stream", "handle", "ptr"):
         if hasattr(stream, attr):

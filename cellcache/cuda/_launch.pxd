@@ -15,6 +15,7 @@ ctypedef CUresult (*fn_event_sync_t)(CUevent) noexcept nogil
 ctypedef CUresult (*fn_stream_wait_event_t)(CUstream, CUevent, unsigned int) noexcept nogil
 ctypedef CUresult (*fn_ctx_set_current_t)(CUcontext) noexcept nogil
 ctypedef CUresult (*fn_stream_is_capturing_t)(CUstream, int*) noexcept nogil
+ctypedef CUresult (*fn_memcpy_dtoh_async_t)(void*, unsigned long long, size_t, CUstream) noexcept nogil
 
 # Process-wide, NULL until set_entry_points() has run (the CUDA backend runs it before it
 # builds an engine). Modules that cimport these share this one copy.
@@ -24,6 +25,7 @@ cdef fn_event_sync_t cu_event_sync
 cdef fn_stream_wait_event_t cu_stream_wait_event
 cdef fn_ctx_set_current_t cu_ctx_set_current
 cdef fn_stream_is_capturing_t cu_stream_is_capturing
+cdef fn_memcpy_dtoh_async_t cu_memcpy_dtoh_async
 
 
 # Raises the failed driver result ``r`` through cellcache.cuda.driver.raise_cuda_error;

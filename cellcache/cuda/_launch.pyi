@@ -16,6 +16,7 @@ def launch(
     fn: int, grid: tuple[int, int, int], block: int, smem: int, stream: int, args: bytes,
     offsets: tuple[int, ...],
 ) -> None: ...
+def copy_to_host(dst: int, src: int, nbytes: int, stream: int, event: int) -> None: ...
 
 # Cython's table of the C declarations in cellcache/cuda/_launch.pxd (cimported by _engine)
 __pyx_capi__: dict[str, Any]

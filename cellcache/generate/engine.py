@@ -318,6 +318,8 @@ class Generator:
         self._drawn: SamplerOutput | None = None   # the step's draws, while it is decided
         self.stream = torch.cuda.current_stream(self.runner.device) if self.runner.cuda else None
         self.sampler.stream = self.stream             # (looking the stream up costs ~30 us a step)
+        # its handle, which prepare_step takes without looking at the object's attributes
+        self._stream_handle = None if self.stream is None else int(self.stream.cuda_stream)
         # pinned row indexes of gathered feeds (a feed has at most max_seqs rows), four used
         # in turn, and their uploads' events; made now, on CUDA: a pinned allocation is a
         # driver call that can take milliseconds, and the first gathered feeds come in the
@@ -871,7 +873,7 @@ class Generator:
         replays = runner.replays
         prepared = committed = False
         try:
-            step = self.cache.prepare_step(stream=self.stream, pad_to=pad_to)
+            step = self.cache.prepare_step(stream=self._stream_handle, pad_to=pad_to)
             prepared = True
             t = self._tick("prepare", t)
             rows = None if plan.lean else plan.logit_rows   # lean: every real row, in order

@@ -24,6 +24,7 @@ reached through a verify run of drafts. Greedy slots use no randomness at all.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,6 +163,7 @@ class Sampler:
         # yet, False: cuda-bindings is not installed (torch's calls then)
         self._driver: Any = None
         self._stream_of: tuple[Any, int, int] | None = None   # (torch stream, handle, device)
+        self._c_copy: Callable[[int, int, int, int, int], None] | None = None
         # the last launch that copied a graph's own greedy ids for a spec that says it is
         # dense and not random (slot i row i: the scheduler's lean plans): (spec, logits,
         # greedy ids, slots, the ids' device address); the same three objects again (a
@@ -242,12 +244,25 @@ class Sampler:
             return self._copy_out(ids, n, ids)
         self._turn = turn
         self.copies += 1
-        cu, check = self._driver
-        result = cu.cuMemcpyDtoHAsync(view[3], src, 8 * n, so[1])
-        if int(result[0]):
-            check(result, "cuMemcpyDtoHAsync (the sampled ids)")
-        event.record(so[1])
+        self._copy_ids(view[3], src, 8 * n, so[1], event)
         return Draw(None, view[2], event, n, ids)
+
+    def _copy_ids(self, dst: int, src: int, nbytes: int, stream: int, event: _DriverEvent) -> None:
+        """The driver's copy of ``nbytes`` from device ``src`` to pinned ``dst`` on ``stream``,
+        then ``event`` recorded behind it: from Cython once the CUDA backend has set the
+        driver's entry points (a cache of this process built its kernels), else through
+        cuda-bindings."""
+        copy = self._c_copy
+        if copy is None:
+            copy = _c_copy()
+            if copy is not None:
+                self._c_copy = copy
+        if copy is not None:
+            copy(dst, src, nbytes, stream, event.ptr)
+            return
+        cu, check = self._driver
+        check(cu.cuMemcpyDtoHAsync(dst, src, nbytes, stream), "cuMemcpyDtoHAsync (the sampled ids)")
+        event.record(stream)
 
     def _draw(self, x: torch.Tensor, spec: SampleSpec, rand: np.ndarray, temps: np.ndarray) -> torch.Tensor:
         """Tokens of the random slots ``rand`` (host indexes into the spec)."""
@@ -334,17 +349,24 @@ class Sampler:
             so = self._stream_of = (stream, int(stream.cuda_stream), stream.device_index)
         if so[2] == torch.cuda.current_device():
             # the driver's current context is the current device's: the two calls straight
-            cu, check = self._driver
             if out.dtype != torch.int64 or not out.is_contiguous():
                 out = out.to(torch.int64).contiguous()
-            check(cu.cuMemcpyDtoHAsync(view[3], out.data_ptr(), 8 * m, so[1]),
-                  "cuMemcpyDtoHAsync (the sampled ids)")
-            event.record(so[1])
+            self._copy_ids(view[3], out.data_ptr(), 8 * m, so[1], event)
         else:                                  # another device's: its context made current
             with torch.cuda.device(so[2]):
                 view[1].copy_(out, non_blocking=True)
                 event.record(so[1])
         return Draw(None, view[2], event, n, ids)
+
+
+def _c_copy() -> Callable[[int, int, int, int, int], None] | None:
+    """``cellcache.cuda._launch.copy_to_host`` once the driver's entry points are set in
+    this process, else None."""
+    try:
+        from ..cuda import _launch
+    except ImportError:
+        return None
+    return _launch.copy_to_host if _launch.entry_points_set() else None
 
 
 def _driver_calls() -> Any:
@@ -360,12 +382,13 @@ class _DriverEvent:
     """A CUDA event made and recorded through the driver, waited for as torch's is: the
     sampler's copy-done marker on the driver path (``record`` takes a stream handle)."""
 
-    __slots__ = ("_cu", "_check", "handle")
+    __slots__ = ("_cu", "_check", "handle", "ptr")
 
     def __init__(self, cu: Any, check: Any):
         self._cu, self._check = cu, check
         self.handle = check(cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)),
                             "cuEventCreate (the sampler's copy event)")
+        self.ptr = int(self.handle)           # (its address, for the Cython copy)
 
     def record(self, stream: int) -> None:
         self._check(self._cu.cuEventRecord(self.handle, stream), "cuEventRecord (the sampled ids)")

@@ -34,13 +34,13 @@ PREFILL_PAIRS = CC_PREFILL_PAIRS
 
 #: the entry points the Cython modules need, by the driver's base name
 ENTRY_POINTS = ("cuLaunchKernel", "cuEventRecord", "cuEventSynchronize", "cuStreamWaitEvent",
-                "cuCtxSetCurrent", "cuStreamIsCapturing")
+                "cuCtxSetCurrent", "cuStreamIsCapturing", "cuMemcpyDtoHAsync")
 
 
 def set_entry_points(dict pointers):
     """Installs the driver entry points (``{name: address}``, every name of ENTRY_POINTS)."""
     global cu_launch, cu_event_record, cu_event_sync, cu_stream_wait_event
-    global cu_ctx_set_current, cu_stream_is_capturing
+    global cu_ctx_set_current, cu_stream_is_capturing, cu_memcpy_dtoh_async
     missing = [n for n in ENTRY_POINTS if not pointers.get(n)]
     if missing:
         raise RuntimeError(f"driver entry points not resolved: {', '.join(missing)}")
@@ -50,6 +50,7 @@ def set_entry_points(dict pointers):
     cu_stream_wait_event = <fn_stream_wait_event_t><size_t>pointers["cuStreamWaitEvent"]
     cu_ctx_set_current = <fn_ctx_set_current_t><size_t>pointers["cuCtxSetCurrent"]
     cu_stream_is_capturing = <fn_stream_is_capturing_t><size_t>pointers["cuStreamIsCapturing"]
+    cu_memcpy_dtoh_async = <fn_memcpy_dtoh_async_t><size_t>pointers["cuMemcpyDtoHAsync"]
 
 
 def entry_points_set():
@@ -94,4 +95,16 @@ def launch(uint64_t fn, tuple grid, unsigned int block, unsigned int smem, uint6
         ptrs[k] = <void*>(base + <size_t>offsets[k])
     check(cu_launch(<CUfunction><size_t>fn, grid[0], grid[1], grid[2], block, 1, 1, smem,
                     <CUstream>stream, ptrs, NULL), b"cuLaunchKernel")
+    return None
+
+
+def copy_to_host(uint64_t dst, uint64_t src, size_t nbytes, uint64_t stream, uint64_t event):
+    """``cuMemcpyDtoHAsync`` of ``nbytes`` from device address ``src`` to host address ``dst``
+    on ``stream``, then ``cuEventRecord(event, stream)`` (the sampler's one copy of a step's
+    ids and its done marker: two driver calls at C cost)."""
+    if cu_memcpy_dtoh_async == NULL:
+        raise RuntimeError("driver entry points not set; call set_entry_points() first")
+    check(cu_memcpy_dtoh_async(<void*><size_t>dst, src, nbytes, <CUstream>stream),
+          b"cuMemcpyDtoHAsync")
+    check(cu_event_record(<CUevent>event, <CUstream>stream), b"cuEventRecord")
     return None
