@@ -347,8 +347,9 @@ def test_rows_ending_by_length_leave_the_others_deferred(model):
 def test_steady_steps_leave_the_lists_to_a_read_or_the_end_of_the_run(model, monkeypatch):
     """With the library's backlog (wide enough for every step of these rows), nothing is
     appended from the first steady step until the run ends, though rows end by length
-    meanwhile (their lists stay short of their tokens); the step that finds nothing left
-    to do appends them all and lets the requests go."""
+    meanwhile (their lists stay short of their tokens), and asking ``Generator.busy``
+    between steps does not flush; the step that finds nothing left to do appends them all
+    and lets the requests go."""
     monkeypatch.undo()                        # the library's BACKLOG_STEPS
     assert scheduler_module.BACKLOG_STEPS >= NEW + 2
     ps = prompts(13, 4)
@@ -360,6 +361,7 @@ def test_steady_steps_leave_the_lists_to_a_read_or_the_end_of_the_run(model, mon
     log = []
     while True:
         busy = gen.step()
+        assert gen.busy == busy                   # (asking flushes nothing)
         log.append((sum(r.finished is not None for r in reqs), sched.flushed_tokens,
                     sum(len(raw(r)[0]) for r in reqs)))
         if not busy:

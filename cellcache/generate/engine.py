@@ -496,7 +496,8 @@ class Generator:
     @property
     def busy(self) -> bool:
         """Whether a request is waiting or running, or a step is in flight."""
-        return bool(self.waiting or self.running or (self._incoming and self.tp is None)
+        # (the scheduler's list: the property would flush the held tokens first, each call)
+        return bool(self.waiting or self.scheduler.running or (self._incoming and self.tp is None)
                     or self._flight is not None)
 
     def warmup(self, widths: Sequence[int] | None = None,
