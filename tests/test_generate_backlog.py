@@ -58,6 +58,16 @@ def started(model, seed, n):
     return want, gen, [gen.add(p, sampling) for p in ps]
 
 
+def staggered(model, seed, n, gap):
+    """``n`` greedy requests whose lengths step down by ``gap`` (their rows end by length at
+    different steps): the synchronous generator's outputs, and an asynchronous generator
+    with the same requests added: (outputs, generator, requests)."""
+    specs = [(p, Sampling(max_new_tokens=NEW - gap * i)) for i, p in enumerate(prompts(seed, n))]
+    want = [r.outputs for r in _serve_all(model, specs, False)[0]]
+    gen = make(model, True)
+    return want, gen, [gen.add(p, sp) for p, sp in specs]
+
+
 def raw(req):
     """The output lists as stored, without bringing deferred tokens in."""
     return req.__dict__["outputs"]
@@ -294,11 +304,7 @@ def test_rows_ending_by_length_leave_the_others_deferred(model):
     read afterwards, the sequences' counts of cached tokens and the finished requests'
     lists are what the synchronous generator gives; once the last rows end the requests
     are let go."""
-    ps = prompts(12, 5)
-    specs = [(p, Sampling(max_new_tokens=NEW - 6 * i)) for i, p in enumerate(ps)]
-    want = [r.outputs for r in _serve_all(model, specs, False)[0]]
-    gen = make(model, True)
-    reqs = [gen.add(p, sp) for p, sp in specs]
+    want, gen, reqs = staggered(model, 12, 5, 6)
     sched = gen.scheduler
     arrays_given = 0
     real_free = sched.free
@@ -352,11 +358,7 @@ def test_steady_steps_leave_the_lists_to_a_read_or_the_end_of_the_run(model, mon
     and lets the requests go."""
     monkeypatch.undo()                        # the library's BACKLOG_STEPS
     assert scheduler_module.BACKLOG_STEPS >= NEW + 2
-    ps = prompts(13, 4)
-    specs = [(p, Sampling(max_new_tokens=NEW - 9 * i)) for i, p in enumerate(ps)]
-    want = [r.outputs for r in _serve_all(model, specs, False)[0]]
-    gen = make(model, True)
-    reqs = [gen.add(p, sp) for p, sp in specs]
+    want, gen, reqs = staggered(model, 13, 4, 9)
     sched = gen.scheduler
     log = []
     while True:
