@@ -79,7 +79,6 @@ cdef class CellTable:
     cdef object _declare_collected(self, Py_ssize_t n)
     cdef void _drop_declaration(self) noexcept
     cdef int _check_sequence(self, int64_t s) except -1
-    cdef void _set_used(self, int64_t c) noexcept
     cdef void _set_free(self, int64_t c) noexcept
     cdef int64_t _next_free(self, int64_t c) noexcept
     cdef int64_t _last_used_below(self, int64_t e) noexcept

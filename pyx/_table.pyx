@@ -254,13 +254,6 @@ cdef class CellTable:
         self.free_bits[c >> 6] |= bit(c)
         self._update_summaries(c >> 6)
 
-    cdef void _set_used(self, int64_t c) noexcept:
-        # Marks a free cell c used in the bitmap and its summaries.
-        CC_ASSUME(0 <= c < self.capacity, "_set_used: cell outside [0, capacity)")
-        CC_ASSUME((self.free_bits[c >> 6] & bit(c)) != 0, "_set_used: cell is not free")
-        self.free_bits[c >> 6] &= ~bit(c)
-        self._update_summaries(c >> 6)
-
     cdef int64_t _next_free(self, int64_t c) noexcept:
         # The lowest free cell >= c (c >= 0), or -1 when there is none.
         cdef int64_t w = c >> 6, sw, ww
@@ -690,7 +683,6 @@ cdef class CellTable:
         cdef int64_t* step_seq = self.step_seq
         cdef int64_t* seq_pos = self.seq_pos_
         cdef int64_t* scratch = self.scratch
-        cdef int64_t* map_cap = self.seq_map_cap
         cdef int64_t* cell_pos = self.cell_pos
         cdef uint64_t* owners = self.owners
         cdef int32_t* n_owners = self.n_owners
@@ -703,8 +695,7 @@ cdef class CellTable:
             scratch[s] += 1
         try:
             for i in range(n):
-                if positions[i] + 1 > map_cap[step_seq[i]]:
-                    self._ensure_map(step_seq[i], positions[i] + 1)
+                self._ensure_map(step_seq[i], positions[i] + 1)
         finally:
             for i in range(n):
                 scratch[step_seq[i]] = 0
