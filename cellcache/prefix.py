@@ -505,6 +505,46 @@ class PrefixCache:
         """
         return self._store(seq_id, tokens, priority, "give")
 
+    def _give_lent(self, seqs: list[int], starts: list[int], tails: list[bytes],
+                   given: list[bool]) -> None:
+        """:meth:`give` (priority 0) of several callers' sequences under one lock and one
+        check of the tree: what a generator ending a step's rows calls. It gives only the
+        common case, a sequence that lends a leaf (see :meth:`lend`) ending at ``starts[i]``,
+        its tokens running on past it by ``tails[i]`` (int32 bytes, not empty). It appends to
+        ``given`` whether it gave each row (False: nothing changed for it, the caller gives it
+        with :meth:`give`). A row given is left as :meth:`give` with the leaf's tokens, then
+        the tail, would have left it: the same tree, counters and events. (The tokens up to
+        the leaf's end are not compared: the caller lent them.)"""
+        with self._op:
+            self._fresh()
+            lent, owned, cache, st = self._lent, self._owned, self.cache, self._stats
+            for s, m, tail in zip(seqs, starts, tails):
+                mine = lent.get(s)
+                k = len(tail) // 4
+                n = m + k
+                # rewind: refused (False, nothing changed) unless s is live with pos >= n;
+                # as give's, it drops a declared step naming s
+                if mine is None or mine.end != m or not k or not cache.rewind(s, n):
+                    given.append(False)
+                    continue
+                # give's path for it: s itself becomes the new leaf's sequence, the lent
+                # leaf above it is covered (no id changes hands, no budget check: it counts)
+                self._clock += 1
+                st["inserts"] += 1
+                leaf = PrefixNode(tail, m, mine, self._clock)
+                leaf.seq = s
+                mine.seq = None
+                del lent[s]
+                mine.children[tail[:4]] = leaf
+                owned[s] = leaf
+                self._nodes += 1
+                self._cached += k
+                self._touch(leaf, 0.0)
+                st["stored_tokens"] += k
+                if self.on_event is not None:
+                    self._events.append(PrefixEvent("stored", leaf.path(), k))
+                given.append(True)
+
     def lend(self, seq_id: int, tokens: Any, *, priority: float = 0.0) -> int:
         """:meth:`insert` for a caller that goes on running ``seq_id`` (a request's prompt,
         stored once placed): the new leaf names ``seq_id`` itself, no clone, so no cell

@@ -306,15 +306,15 @@ def test_rows_ending_by_length_leave_the_others_deferred(model):
     are let go."""
     want, gen, reqs = staggered(model, 12, 5, 6)
     sched = gen.scheduler
-    arrays_given = 0
-    real_free = sched.free
+    rows_given = 0
+    real_give = gen.prefix._give_lent
 
-    def free(s, store=False, flushed=False, arr=None):
-        nonlocal arrays_given
-        arrays_given += arr is not None
-        real_free(s, store, flushed, arr)
+    def give_lent(sids, starts, tails, given):
+        nonlocal rows_given
+        real_give(sids, starts, tails, given)
+        rows_given += sum(given)
 
-    sched.free = free
+    gen.prefix._give_lent = give_lent
     kept = 0
     finished = 0
     while True:
@@ -341,10 +341,10 @@ def test_rows_ending_by_length_leave_the_others_deferred(model):
     assert kept >= 3                            # rows ended while the backlog went on
     assert [r.outputs for r in reqs] == want
     assert sched._backlog is None and sched._hook.fn is None
-    # the ended rows' tokens went to the prefix cache as arrays made from the backlog's
-    # int32 matrix: the tree holds every token each sequence had in the cache (all but its
-    # last), in order
-    assert arrays_given >= len(reqs) - 1
+    # the ended rows went to the prefix cache together, their tokens past the prompts they
+    # lend read from the backlog's int32 matrix: the tree holds every token each sequence
+    # had in the cache (all but its last), in order
+    assert rows_given >= len(reqs) - 1
     for r in reqs:
         toks = list(r.prompt) + r.outputs[0]
         assert gen.prefix.peek(toks) == len(toks) - 1

@@ -696,6 +696,65 @@ def test_lent_leaves_count_in_the_budget_and_are_never_evicted():
     prefix.check_invariants()
 
 
+def _lenders():
+    """A prefix cache whose callers lend prompts and ran on past them (the first two share
+    their first token), a caller lending nothing, and one lending a prompt run on by 1."""
+    cache, prefix, w, events = setup(tree_seqs=8, capacity=512, max_seqs=32)
+    rows = []
+    for prompt, more in [([1, 2, 3], [4, 5]), ([1, 7], [8, 9, 10]), ([6, 6, 6, 6], [2])]:
+        s = w.new(prompt + more)
+        assert prefix.lend(s, prompt) == len(prompt) - (prompt[0] == 1 and prompt[1] == 7)
+        rows.append((s, prompt, more))
+    lone = w.new([9, 9, 9])
+    events.clear()
+    return cache, prefix, w, events, rows, lone
+
+
+def test_giving_lenders_together_is_giving_them_one_by_one():
+    """``_give_lent`` (what the generator calls for the rows a step ends) leaves the tree,
+    its counters, the cache and the events exactly as ``give`` of each row in turn."""
+    one = _lenders()
+    together = _lenders()
+    cache, prefix, w, events, rows, _ = one
+    assert [prefix.give(s, p + m) for s, p, m in rows] == [2, 3, 1]
+    cache2, prefix2, w2, events2, rows2, _ = together
+    given: list[bool] = []
+    prefix2._give_lent([s for s, _, _ in rows2], [len(p) for _, p, _ in rows2],
+                       [np.array(m, np.int32).tobytes() for _, _, m in rows2], given)
+    assert given == [True, True, True]
+    assert_same(state(prefix), state(prefix2))
+    assert [(e.kind, e.tokens.tolist(), e.n) for e in events] == \
+        [(e.kind, e.tokens.tolist(), e.n) for e in events2]
+    prefix2.check_invariants()
+    for s, p, m in rows2:
+        w2.holds(s, p + m)
+
+
+def test_rows_that_giving_together_does_not_take_are_left_as_they_were():
+    """Rows ``_give_lent`` does not take (the caller gives them one by one) are left as they
+    were: a sequence lending nothing, a start that is not its leaf's end, an empty tail, a
+    tail past the sequence's position; the rows it takes beside them are given."""
+    cache, prefix, w, events, rows, lone = _lenders()
+    (a, pa, ma), (b, pb, mb), (c, pc, mc) = rows
+    before = state(prefix)
+    tail = np.array(ma, np.int32).tobytes()
+    cases = [(lone, 3, tail), (a, len(pa) - 1, tail), (a, len(pa), b""),
+             (a, len(pa), np.array(ma + [1], np.int32).tobytes())]
+    given: list[bool] = []
+    prefix._give_lent([s for s, _, _ in cases], [m for _, m, _ in cases],
+                      [t for _, _, t in cases], given)
+    assert given == [False] * 4
+    assert_same(before, state(prefix))
+    assert events == []
+    # taken beside one it does not take: only that row changed nothing
+    given = []
+    prefix._give_lent([lone, c], [3, len(pc)], [tail, np.array(mc, np.int32).tobytes()], given)
+    assert given == [False, True]
+    assert prefix.lent_seqs() == [a, b] and c in prefix.owned_seqs()
+    assert lone in cache.live_seqs() and cache.pos(lone) == 3
+    prefix.check_invariants()
+
+
 def test_a_reclaim_whose_eviction_raises_ends_the_lend():
     """No cache id free for the clone, and the policy's key raises while evicting for one:
     the lent leaf is dropped before the error propagates, so once the lender removes its

@@ -27,6 +27,7 @@ import _signal  # type: ignore[import-not-found]
 import math
 import signal
 import threading
+from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -444,25 +445,24 @@ class Scheduler:
         self.flushed_tokens += sum(map(len, rows))
         self.flush_s += perf_counter() - t
 
-    def _end_rows(self, m: int) -> list[np.ndarray]:
+    def _end_rows(self, m: int) -> tuple[list[int], np.ndarray]:
         """Rows ``[m, live)`` of the backlog end by length: their held tokens are counted in
         their ``in_cache`` and stay held (appended to their lists by a flush); the backlog
         goes on with the rows before them. The caller holds the backlog's lock and Ctrl-C
-        (as :meth:`_flush_held`'s callers do). Returns each ending row's tokens as an int32
-        array (its tokens before the backlog, then its held ones)."""
+        (as :meth:`_flush_held`'s callers do). Returns each ending row's tokens before the
+        backlog (its list's length) and their held tokens, a row each."""
         b = self._backlog
         assert b is not None
         k = len(b.stamps)
-        col = b.ids[:k]
-        arrays = []
+        held = b.ids[:k, m:b.live].T.copy()
+        bases = b.base[m:b.live]
         for i in range(m, b.live):
             s = b.seqs[i]
             assert len(s.tokens) == b.base[i]      # (its list is appended only by a flush)
-            arrays.append(np.concatenate((self._tokens_of(s, b.base[i]), col[:, i])))
             s.in_cache += k
             b.counts[i] = k
         b.live = m
-        return arrays
+        return bases, held
 
     # -- sequences ----------------------------------------------------------------------------------
     @staticmethod
@@ -525,20 +525,27 @@ class Scheduler:
         except Exception as e:                # as _pcall: raised once the step is complete
             self.later.append(e)
         finally:            # a BaseException from a user's on_event (Ctrl-C) still frees s
-            if pc is not None:
-                for arr, n in s.pins:
-                    try:
-                        pc.unpin(arr, n)
-                    except CellCacheError:            # the tree was cleared or forgotten meanwhile
-                        pass
-            s.pins, s.stored = [], False
-            if mine and sid is not None:
-                try:                          # a prompt it lends: the tree's own copy first
-                    if pc is not None:
-                        self._pcall(False, pc.reclaim, sid)
-                finally:
-                    self.cache.seq_rm(sid)
-            s.sid, s.in_cache, s.drafts = None, 0, []
+            self._let_go(s, mine)
+
+    def _let_go(self, s: Seq, mine: bool) -> None:
+        """The end of :meth:`free`: s's pins go, and its id (``mine``: still s's, removed
+        here); s is left a sequence to be read from scratch."""
+        pc = self.prefix
+        sid = s.sid
+        if pc is not None:
+            for arr, n in s.pins:
+                try:
+                    pc.unpin(arr, n)
+                except CellCacheError:            # the tree was cleared or forgotten meanwhile
+                    pass
+        s.pins, s.stored = [], False
+        if mine and sid is not None:
+            try:                          # a prompt it lends: the tree's own copy first
+                if pc is not None:
+                    self._pcall(False, pc.reclaim, sid)
+            finally:
+                self.cache.seq_rm(sid)
+        s.sid, s.in_cache, s.drafts = None, 0, []
 
     def _declare(self, sids: Any) -> bool:
         """Declares a step of ``sids``' tokens; False (nothing declared) when the cache has
@@ -629,6 +636,55 @@ class Scheduler:
         """Ends continuation s (already out of the queues, or about to be) with reason
         (``flushed``, ``arr``: as :meth:`free`)."""
         self.free(s, store=True, flushed=flushed, arr=arr)
+        self._ended(s, reason)
+
+    def _finish_held(self, ended: list[Seq], bases: list[int], held: np.ndarray) -> None:
+        """:meth:`finish` (``"length"``) of the rows :meth:`_end_rows` ended (``bases``,
+        ``held``: what it returned). The prefix cache takes the rows whose prompt they lend
+        in one call (:meth:`PrefixCache._give_lent`, given each row's tokens past its
+        prompt); the others are finished one by one. An exception from it (a user's
+        ``on_event``) is raised once every row is ended, as :meth:`free` does (an Exception:
+        when the step is complete)."""
+        pc = self.prefix
+        done = [False] * len(ended)
+        error: BaseException | None = None
+        if pc is not None:
+            picked, sids, starts, tails = [], [], [], []
+            for j, (s, base, row) in enumerate(zip(ended, bases, held)):
+                start, n = len(s.req.prompt), s.in_cache
+                if s.sid is None or not s.stored or start >= n:
+                    continue                   # (finished below, one by one)
+                picked.append(j)
+                sids.append(s.sid)
+                starts.append(start)
+                # tokens [start, n): its list's up to base, then its held ones
+                tails.append(array("i", s.tokens[start:min(base, n)]).tobytes()
+                             + row[:max(0, n - base)].tobytes())
+            given: list[bool] = []
+            try:
+                pc._give_lent(sids, starts, tails, given)
+            except BaseException as e:         # (after the tree took every row it gives)
+                error = e
+            for j, g in zip(picked, given):
+                done[j] = g
+        for j, s in enumerate(ended):
+            if done[j]:
+                self.epoch += 1
+                if s.pending is not None:
+                    self.pending.remove(s.pending)
+                    s.pending = None
+                self._let_go(s, False)
+                self._ended(s, "length")
+            else:
+                arr = np.concatenate((self._tokens_of(s, bases[j]), held[j]))
+                self.finish(s, "length", flushed=True, arr=arr)
+        if isinstance(error, Exception):
+            self.later.append(error)
+        elif error is not None:
+            raise error
+
+    def _ended(self, s: Seq, reason: str) -> None:
+        """The end of :meth:`finish`, s freed: its request's finish reasons (and time)."""
         req = s.req
         reasons = req.finish_reasons
         reasons[s.index] = reason
@@ -1059,18 +1115,20 @@ class Scheduler:
             # their tokens still held, and it goes on with the others (the next steady
             # record's rows); with no row left it holds the ended rows' tokens until a flush
             last = ending == list(range(m, n))
-            arrays: list[np.ndarray | None] = [None] * len(ending)
             if last:
                 with self._backlog_lock:
-                    with HoldInterrupts() as held:   # (all of it or none, as sync)
-                        arrays = list(self._end_rows(m))
-                if held.hit:
+                    with HoldInterrupts() as hold:   # (all of it or none, as sync)
+                        bases, held = self._end_rows(m)
+                if hold.hit:
                     raise KeyboardInterrupt
             else:
                 self.sync()
             before = self.epoch
-            for i, row_tokens in zip(ending, arrays):
-                self.finish(seqs[i], "length", flushed=last, arr=row_tokens)
+            if last:
+                self._finish_held(seqs[m:], bases, held)
+            else:
+                for i in ending:
+                    self.finish(seqs[i], "length")
             self.running = [s for s in self.running if s.sid is not None]
             # the plan made after this one (from its record) left exactly these rows out
             self._foreseen = (before, self.epoch)
