@@ -835,7 +835,7 @@ class ModelRunner:
         the GPU host, and a steady decode step takes two)."""
         key = (id(logits), width)
         views = self._row_views.get(key)
-        if views is None or views[0] is not logits:
+        if views is None:               # (an entry holds its logits: their id is not reused)
             if len(self._row_views) >= 1024:
                 self._row_views.clear()
             views = self._row_views[key] = (logits, logits[:width], self._replayed_greedy[:width])

@@ -396,12 +396,6 @@ class _DriverEvent:
     def synchronize(self) -> None:
         self._check(self._cu.cuEventSynchronize(self.handle), "cuEventSynchronize (the sampled ids)")
 
-    def query_done(self) -> bool:
-        """Whether the work before the last record has finished (without waiting)."""
-        code, _ = self._check(self._cu.cuEventQuery(self.handle), "cuEventQuery (the sampled ids)",
-                              allowed=(600,))     # CUDA_ERROR_NOT_READY
-        return code == 0
-
     def __del__(self) -> None:
         handle, self.handle = getattr(self, "handle", None), None
         if handle is not None:

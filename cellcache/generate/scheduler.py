@@ -532,20 +532,24 @@ class Scheduler:
         here); s is left a sequence to be read from scratch."""
         pc = self.prefix
         sid = s.sid
-        if pc is not None:
-            for arr, n in s.pins:
-                try:
-                    pc.unpin(arr, n)
-                except CellCacheError:            # the tree was cleared or forgotten meanwhile
-                    pass
-        s.pins, s.stored = [], False
+        if s.pins:
+            if pc is not None:
+                for arr, n in s.pins:
+                    try:
+                        pc.unpin(arr, n)
+                    except CellCacheError:        # the tree was cleared or forgotten meanwhile
+                        pass
+            s.pins = []
+        s.stored = False
         if mine and sid is not None:
             try:                          # a prompt it lends: the tree's own copy first
                 if pc is not None:
                     self._pcall(False, pc.reclaim, sid)
             finally:
                 self.cache.seq_rm(sid)
-        s.sid, s.in_cache, s.drafts = None, 0, []
+        s.sid, s.in_cache = None, 0
+        if s.drafts:
+            s.drafts = []
 
     def _declare(self, sids: Any) -> bool:
         """Declares a step of ``sids``' tokens; False (nothing declared) when the cache has
@@ -688,7 +692,7 @@ class Scheduler:
         req = s.req
         reasons = req.finish_reasons
         reasons[s.index] = reason
-        if s.index == 0 and not s.job.forked:         # its continuations never started
+        if req.sampling.n > 1 and s.index == 0 and not s.job.forked:   # its continuations never started
             for k in range(1, req.sampling.n):
                 if reasons[k] is None:
                     reasons[k] = reason
