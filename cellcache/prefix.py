@@ -505,37 +505,53 @@ class PrefixCache:
         """
         return self._store(seq_id, tokens, priority, "give")
 
-    def _give_lent(self, seqs: list[int], starts: list[int], tails: list[bytes],
-                   given: list[bool]) -> None:
-        """:meth:`give` (priority 0) of several callers' sequences under one lock and one
-        check of the tree: what a generator ending a step's rows calls. It gives only the
-        common case, a sequence that lends a leaf (see :meth:`lend`) ending at ``starts[i]``,
-        its tokens running on past it by ``tails[i]`` (int32 bytes, not empty). It appends to
-        ``given`` whether it gave each row (False: nothing changed for it, the caller gives it
-        with :meth:`give`). A row given is left as :meth:`give` with the leaf's tokens, then
-        the tail, would have left it: the same tree, counters and events. (The tokens up to
-        the leaf's end are not compared: the caller lent them.)"""
+    def give_lent(self, seqs: Any, starts: Any, tails: Any) -> list[bool]:
+        """:meth:`give` (priority 0) of callers' sequences that lend a leaf (see :meth:`lend`)
+        and ran on past it, under one lock and one check of the tree: what a generator
+        ending a step's rows calls. ``starts[i]`` is the length of the prefix ``seqs[i]``
+        lends, ``tails[i]`` the tokens it holds after it (positions ``[starts[i],
+        starts[i] + len(tails[i]))``): :meth:`give` of the prefix, then the tail.
+
+        Returns whether each row was given. A row is not (False, nothing changed for it:
+        give it with :meth:`give`) when its sequence lends no leaf ending at ``starts[i]``
+        (an id the tree owns lends none), its tail is empty, or the sequence holds fewer
+        positions than the two together. A
+        row given is left as :meth:`give` would have left it (the same tree, counters and
+        events), except that the lent prefix is not compared with the leaf's tokens: the
+        lender lent them.
+
+        Raises InvalidArgument, changing nothing, for ``seqs``, ``starts`` and ``tails`` that
+        are not lists (or tuples) of one length, a bad id, a start that is not an int >= 0,
+        or a tail that is not token ids. An exception from ``on_event`` propagates once every
+        row is done (a row given is one whose id the tree :meth:`owns` now)."""
+        if not all(isinstance(x, (list, tuple)) for x in (seqs, starts, tails)) \
+                or not len(seqs) == len(starts) == len(tails):
+            raise InvalidArgument("seqs, starts and tails must be lists (or tuples) of one length")
+        ms = self.cache.max_seqs
+        ids = [check_seq_id(s, ms) for s in seqs]
+        ends = [check_int(m, "start", 0, None) for m in starts]
+        arrs = [_as_tokens(t, "tail") for t in tails]
+        given = []
         with self._op:
             self._fresh()
             lent, owned, cache, st = self._lent, self._owned, self.cache, self._stats
-            for s, m, tail in zip(seqs, starts, tails):
+            for s, m, arr in zip(ids, ends, arrs):
                 mine = lent.get(s)
-                k = len(tail) // 4
-                n = m + k
-                # rewind: refused (False, nothing changed) unless s is live with pos >= n;
+                k = len(arr)
+                # rewind refuses (False, nothing changed) unless s is live with pos >= m + k;
                 # as give's, it drops a declared step naming s
-                if mine is None or mine.end != m or not k or not cache.rewind(s, n):
+                if mine is None or mine.end != m or not k or not cache.rewind(s, m + k):
                     given.append(False)
                     continue
                 # give's path for it: s itself becomes the new leaf's sequence, the lent
                 # leaf above it is covered (no id changes hands, no budget check: it counts)
                 self._clock += 1
                 st["inserts"] += 1
-                leaf = PrefixNode(tail, m, mine, self._clock)
+                leaf = PrefixNode(arr.tobytes(), m, mine, self._clock)
                 leaf.seq = s
                 mine.seq = None
                 del lent[s]
-                mine.children[tail[:4]] = leaf
+                mine.children[leaf.segb[:4]] = leaf
                 owned[s] = leaf
                 self._nodes += 1
                 self._cached += k
@@ -544,6 +560,7 @@ class PrefixCache:
                 if self.on_event is not None:
                     self._events.append(PrefixEvent("stored", leaf.path(), k))
                 given.append(True)
+        return given
 
     def lend(self, seq_id: int, tokens: Any, *, priority: float = 0.0) -> int:
         """:meth:`insert` for a caller that goes on running ``seq_id`` (a request's prompt,

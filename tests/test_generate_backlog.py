@@ -307,14 +307,15 @@ def test_rows_ending_by_length_leave_the_others_deferred(model):
     want, gen, reqs = staggered(model, 12, 5, 6)
     sched = gen.scheduler
     rows_given = 0
-    real_give = gen.prefix._give_lent
+    real_give = gen.prefix.give_lent
 
-    def give_lent(sids, starts, tails, given):
+    def give_lent(sids, starts, tails):
         nonlocal rows_given
-        real_give(sids, starts, tails, given)
+        given = real_give(sids, starts, tails)
         rows_given += sum(given)
+        return given
 
-    gen.prefix._give_lent = give_lent
+    gen.prefix.give_lent = give_lent
     kept = 0
     finished = 0
     while True:

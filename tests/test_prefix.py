@@ -711,17 +711,15 @@ def _lenders():
 
 
 def test_giving_lenders_together_is_giving_them_one_by_one():
-    """``_give_lent`` (what the generator calls for the rows a step ends) leaves the tree,
+    """``give_lent`` (what the generator calls for the rows a step ends) leaves the tree,
     its counters, the cache and the events exactly as ``give`` of each row in turn."""
     one = _lenders()
     together = _lenders()
     cache, prefix, w, events, rows, _ = one
     assert [prefix.give(s, p + m) for s, p, m in rows] == [2, 3, 1]
     cache2, prefix2, w2, events2, rows2, _ = together
-    given: list[bool] = []
-    prefix2._give_lent([s for s, _, _ in rows2], [len(p) for _, p, _ in rows2],
-                       [np.array(m, np.int32).tobytes() for _, _, m in rows2], given)
-    assert given == [True, True, True]
+    assert prefix2.give_lent([s for s, _, _ in rows2], [len(p) for _, p, _ in rows2],
+                             [np.array(m, np.int32) for _, _, m in rows2]) == [True] * 3
     assert_same(state(prefix), state(prefix2))
     assert [(e.kind, e.tokens.tolist(), e.n) for e in events] == \
         [(e.kind, e.tokens.tolist(), e.n) for e in events2]
@@ -731,28 +729,49 @@ def test_giving_lenders_together_is_giving_them_one_by_one():
 
 
 def test_rows_that_giving_together_does_not_take_are_left_as_they_were():
-    """Rows ``_give_lent`` does not take (the caller gives them one by one) are left as they
-    were: a sequence lending nothing, a start that is not its leaf's end, an empty tail, a
-    tail past the sequence's position; the rows it takes beside them are given."""
+    """Rows ``give_lent`` does not take (the caller gives them one by one) are left as they
+    were: a sequence lending nothing, an id the tree owns, a start that is not its leaf's
+    end, an empty tail, a tail past the sequence's position; the rows it takes beside them
+    are given."""
     cache, prefix, w, events, rows, lone = _lenders()
     (a, pa, ma), (b, pb, mb), (c, pc, mc) = rows
+    owned = w.new([3, 3])
+    prefix.insert(owned, [3, 3])
+    [tree_id] = prefix.owned_seqs()
+    events.clear()
     before = state(prefix)
-    tail = np.array(ma, np.int32).tobytes()
-    cases = [(lone, 3, tail), (a, len(pa) - 1, tail), (a, len(pa), b""),
-             (a, len(pa), np.array(ma + [1], np.int32).tobytes())]
-    given: list[bool] = []
-    prefix._give_lent([s for s, _, _ in cases], [m for _, m, _ in cases],
-                      [t for _, _, t in cases], given)
-    assert given == [False] * 4
+    cases = [(lone, 3, ma), (tree_id, 2, [1]), (a, len(pa) - 1, ma), (a, len(pa), []),
+             (a, len(pa), ma + [1])]
+    assert prefix.give_lent([s for s, _, _ in cases], [m for _, m, _ in cases],
+                            [t for _, _, t in cases]) == [False] * 5
     assert_same(before, state(prefix))
     assert events == []
     # taken beside one it does not take: only that row changed nothing
-    given = []
-    prefix._give_lent([lone, c], [3, len(pc)], [tail, np.array(mc, np.int32).tobytes()], given)
-    assert given == [False, True]
+    assert prefix.give_lent([lone, c], (3, len(pc)), [ma, mc]) == [False, True]
     assert prefix.lent_seqs() == [a, b] and c in prefix.owned_seqs()
     assert lone in cache.live_seqs() and cache.pos(lone) == 3
     prefix.check_invariants()
+
+
+@pytest.mark.parametrize("args", [
+    ("no list", [1], [[1]]),
+    ([0], [1, 2], [[1]]),                                  # lengths differ
+    ([0], [1], "tails"),
+    ([None], [1], [[1]]),                                  # a bad id
+    ([99], [1], [[1]]),
+    ([0], [-1], [[1]]),                                    # a bad start
+    ([0], [1.5], [[1]]),
+    ([0], [1], [[1.5]]),                                   # a tail that is not token ids
+    ([0], [1], [np.zeros((1, 1), np.int32)]),
+    ([0, 1], [3, 1], [[4], [2**40]]),                      # the second row's: nothing given
+])
+def test_giving_together_refuses_bad_input_and_changes_nothing(args):
+    cache, prefix, w, events, rows, lone = _lenders()
+    before = state(prefix)
+    with pytest.raises(InvalidArgument):
+        prefix.give_lent(*args)
+    assert_same(before, state(prefix))
+    assert events == []
 
 
 def test_a_reclaim_whose_eviction_raises_ends_the_lend():

@@ -907,11 +907,10 @@ class Generator:
             return ids if ids.shape[0] == n else ids[:n]
         # rows left out: those reaching max_new_tokens, and rows dropped from `after` itself
         # once its own predecessor landed (its slots keep their numbers)
-        if plan.feed is not None:                     # (the scheduler knows them)
-            slots = plan.feed
-        else:
-            where = {id(s): slot for s, _, slot, _ in after.plan.owners}
-            slots = np.fromiter((where[id(s)] for s in plan.seqs), np.int64, n)
+        if plan.prefix_fed:                           # (the scheduler knows them: the last)
+            return ids[:n]
+        where = {id(s): slot for s, _, slot, _ in after.plan.owners}
+        slots = np.fromiter((where[id(s)] for s in plan.seqs), np.int64, n)
         if n and slots[0] == 0 and slots[-1] == n - 1 and (n == 1 or bool((np.diff(slots) == 1).all())):
             return ids[:n]                            # the rows that ended were the last ones
         if ids.device.type != "cuda":

@@ -151,12 +151,13 @@ class Sampler:
         # pinned landing buffers and their events (CUDA): two, used in turn, so a step's
         # copy can be queued while the previous step's has not been read yet
         self._host: list[torch.Tensor | None] = [None, None]
+        self._host_np: list[tuple[np.ndarray, int] | None] = [None, None]  # (numpy, address)
         self._events: list[Any] = [None, None]
         self._turn = 0
-        # each buffer's last (length, its first `length` entries, their numpy view, their
-        # address): a step of the same width as the last one skips the slicing (torch calls
-        # cost ~5 us a piece on the GPU host)
-        self._views: list[tuple[int, torch.Tensor, np.ndarray, int] | None] = [None, None]
+        # each buffer's last (length, its first `length` entries as numpy, the buffer's
+        # address): a step of the same width as the last one skips even the numpy slice; a
+        # new width slices numpy, not torch (torch calls cost ~5 us a piece on the GPU host)
+        self._views: list[tuple[int, np.ndarray, int] | None] = [None, None]
         # the copy and its event through the CUDA driver (cuda-bindings), not torch: copy_
         # and Event.record cost ~18 us a step together on the GPU host (copy_ records an event
         # of its own for the pinned buffer), the two driver calls a few; None: not looked up
@@ -244,8 +245,8 @@ class Sampler:
             return self._copy_out(ids, n, ids)
         self._turn = turn
         self.copies += 1
-        self._copy_ids(view[3], src, 8 * n, so[1], event)
-        return Draw(None, view[2], event, n, ids)
+        self._copy_ids(view[2], src, 8 * n, so[1], event)
+        return Draw(None, view[1], event, n, ids)
 
     def _copy_ids(self, dst: int, src: int, nbytes: int, stream: int, event: _DriverEvent) -> None:
         """The driver's copy of ``nbytes`` from device ``src`` to pinned ``dst`` on ``stream``,
@@ -334,16 +335,18 @@ class Sampler:
                     # goes back to it only once its last copy (maybe of a dropped Draw) is done
                     old.synchronize()
                 self._host[turn], self._events[turn] = buf, event
-            host = buf[:m]
-            view = self._views[turn] = (m, host, host.numpy(), host.data_ptr())
+                self._host_np[turn] = (buf.numpy(), buf.data_ptr())
+            whole = self._host_np[turn]
+            assert whole is not None
+            view = self._views[turn] = (m, whole[0][:m], whole[1])
         event = self._events[turn]
         stream = self.stream
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
         if not isinstance(event, _DriverEvent):
-            view[1].copy_(out, non_blocking=True)
+            self._host[turn][:m].copy_(out, non_blocking=True)   # type: ignore[index]
             event.record(stream)
-            return Draw(None, view[2], event, n, ids)
+            return Draw(None, view[1], event, n, ids)
         so = self._stream_of
         if so is None or so[0] is not stream:
             so = self._stream_of = (stream, int(stream.cuda_stream), stream.device_index)
@@ -351,12 +354,12 @@ class Sampler:
             # the driver's current context is the current device's: the two calls straight
             if out.dtype != torch.int64 or not out.is_contiguous():
                 out = out.to(torch.int64).contiguous()
-            self._copy_ids(view[3], out.data_ptr(), 8 * m, so[1], event)
+            self._copy_ids(view[2], out.data_ptr(), 8 * m, so[1], event)
         else:                                  # another device's: its context made current
             with torch.cuda.device(so[2]):
-                view[1].copy_(out, non_blocking=True)
+                self._host[turn][:m].copy_(out, non_blocking=True)   # type: ignore[index]
                 event.record(so[1])
-        return Draw(None, view[2], event, n, ids)
+        return Draw(None, view[1], event, n, ids)
 
 
 def _c_copy() -> Callable[[int, int, int, int, int], None] | None:

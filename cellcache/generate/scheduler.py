@@ -27,7 +27,6 @@ import _signal  # type: ignore[import-not-found]
 import math
 import signal
 import threading
-from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,8 +125,9 @@ class StepPlan:
     ahead: bool = False                   # scheduled before the previous step's ids arrived:
     #                                       ``tokens`` is empty, the ids are fed on the device
     fast: _Steady | None = None           # an ahead lean plan's steady-state record
-    feed: np.ndarray | None = None        # ahead: the previous plan's slots its rows feed from
-    #                                       (None: every slot, in order, or look them up)
+    # ahead: its rows feed from the first slots of the previous plan's draws, in order (rows
+    # that ended there were its last ones); False: every slot in order, or look them up
+    prefix_fed: bool = False
 
 
 _SIGINT = int(signal.SIGINT)
@@ -645,7 +645,7 @@ class Scheduler:
     def _finish_held(self, ended: list[Seq], bases: list[int], held: np.ndarray) -> None:
         """:meth:`finish` (``"length"``) of the rows :meth:`_end_rows` ended (``bases``,
         ``held``: what it returned). The prefix cache takes the rows whose prompt they lend
-        in one call (:meth:`PrefixCache._give_lent`, given each row's tokens past its
+        in one call (:meth:`PrefixCache.give_lent`, given each row's tokens past its
         prompt); the others are finished one by one. An exception from it (a user's
         ``on_event``) is raised once every row is ended, as :meth:`free` does (an Exception:
         when the step is complete)."""
@@ -662,13 +662,16 @@ class Scheduler:
                 sids.append(s.sid)
                 starts.append(start)
                 # tokens [start, n): its list's up to base, then its held ones
-                tails.append(array("i", s.tokens[start:min(base, n)]).tobytes()
-                             + row[:max(0, n - base)].tobytes())
-            given: list[bool] = []
+                if n <= base:
+                    tails.append(np.array(s.tokens[start:n], dtype=_I32))
+                else:
+                    tails.append(np.concatenate((np.array(s.tokens[start:base], dtype=_I32),
+                                                 row[:n - base])))
             try:
-                pc._give_lent(sids, starts, tails, given)
-            except BaseException as e:         # (after the tree took every row it gives)
+                given = pc.give_lent(sids, starts, tails)
+            except BaseException as e:         # (raised once the tree took every row it gives)
                 error = e
+                given = [pc.owns(sid) for sid in sids]
             for j, g in zip(picked, given):
                 done[j] = g
         for j, s in enumerate(ended):
@@ -943,7 +946,7 @@ class Scheduler:
         # than built through StepPlan(): its default lists and SampleSpec cost ~15 allocations
         plan = StepPlan.__new__(StepPlan)
         plan.__dict__.update(after.__dict__)
-        plan.admitted, plan.tokens, plan.children, plan.feed = [], [], {}, None
+        plan.admitted, plan.tokens, plan.children, plan.prefix_fed = [], [], {}, False
         prev = after.spec
         if prev.random:                        # each slot's token number moves on
             plan.spec = SampleSpec(rows=prev.rows, temperature=prev.temperature, top_k=prev.top_k,
@@ -978,7 +981,11 @@ class Scheduler:
             if b is not None and b.origin is not fast.origin:
                 self.flush()
             held = len(b.stamps) if b is not None and b.origin is fast.origin else 0
-            used = sum(s.in_cache for s in rows) + (held + 2) * m
+            # their kv entries with this step's token: each row's in_cache + held + 2, had
+            # from the record's (every row's in_cache + held + 1, after's token counted) less
+            # the ending rows' (fewer than the kept ones, as a rule), without a walk of these
+            ending = after.seqs[m:]
+            used = fast.used - sum(s.in_cache for s in ending) - (held + 1) * len(ending) + m
         cfg = self.cache.config
         if cfg.paged and used > cfg.max_kv:
             return None
@@ -986,9 +993,11 @@ class Scheduler:
         if not self._declare(sids):
             return None
         plan = StepPlan(after.rows[:m], [], True, lean=True, seqs=rows, ahead=True)
-        plan.feed = idx                        # row j feeds from after's slot j
+        plan.prefix_fed = True                 # row j feeds from after's slot j
         plan.logit_rows = list(range(m))
-        plan.owners = [(s, _ONE, j, -1) for j, s in enumerate(rows)]
+        # after's owners are (seqs[i], _ONE, i, -1), as every steady plan's (drop_ended
+        # changes a plan's owners only when its record has gone stale): their first m
+        plan.owners = after.owners[:m]
         spec, prev = plan.spec, after.spec
         spec.rows = plan.logit_rows
         spec.dense, spec.random = m, prev.random
