@@ -6,6 +6,7 @@ perf_counter wrapper (~0.3 us a call of its own), totalled over the run's decode
 Run from the repository root (or from a copy of another tree's Python, to compare):
 ``REPS=2 python3 benchmarks/results/meanprof-s13-2026-12-01.py [compile] [tag]``. Prints the
 phase means and medians and the functions' us a step; writes ``$OUT/meanprof-<tag>.json``."""
+import gc
 import json
 import os
 import statistics
@@ -38,6 +39,18 @@ cap = 256 * (512 + 256) + 4096
 BS.ours(model, work["prompts"][:8], 8, "together", cap, w, "cuda")   # warm-up: kernels
 spent: dict[str, list[float]] = defaultdict(list)   # each timed call's seconds, by function
 on = [False]
+# the interpreter's collections in the window: (steps landed before it, generation, us)
+collections: list[tuple[int, int, float]] = []
+gc_t0 = [0.0]
+step_log: list[list] = [[]]           # the run's step log (steps landed so far)
+
+
+def on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        gc_t0[0] = time.perf_counter()
+    else:
+        collections.append((len(step_log[0]), info["generation"],
+                            round(1e6 * (time.perf_counter() - gc_t0[0]), 1)))
 
 
 def wrap(cls, name):
@@ -56,8 +69,9 @@ def wrap(cls, name):
 
 for cls, names in [
         (S.Scheduler, ["schedule_decode", "_steady_decode", "_steady_less", "apply_decode", "_apply_steady",
-                       "count_step", "drop_ended", "_flush_held", "finish", "free", "tokens_of", "sync"]),
-        (P.PrefixCache, ["give", "unpin"]),
+                       "count_step", "drop_ended", "_flush_held", "finish", "free", "tokens_of", "sync",
+                       "_end_rows", "_finish_held", "_let_go", "_ended"]),
+        (P.PrefixCache, ["give", "unpin", "give_lent"]),
         (C.CellCache, ["declare_step", "prepare_step", "_plan_step", "commit_step"]),
         (CB.CudaCellCache, ["_write_step"]),
         (H.ModelRunner, ["forward", "_replay", "_launch"]),
@@ -78,12 +92,16 @@ for rep in range(int(os.environ.get("REPS", "2"))):
         gen.step()
     gen.step_log = []
     spent.clear()
+    collections.clear()
+    step_log[0] = gen.step_log
+    gc.callbacks.append(on_gc)
     on[0] = True
     t0 = time.perf_counter()
     while gen.step():
         pass
     torch.cuda.synchronize()
     on[0] = False
+    gc.callbacks.remove(on_gc)
     wall = time.perf_counter() - t0
     acc = {k: sum(v) for k, v in spent.items()}
     calls = {k: len(v) for k, v in spent.items()}
@@ -97,6 +115,7 @@ for rep in range(int(os.environ.get("REPS", "2"))):
          "phase_mean": {k: round(1e6 * sum(p[k] for p in dec) / nd, 1) for k in ph},
          "phase_median": {k: round(1e6 * statistics.median(p[k] for p in dec), 1) for k in ph},
          "wall_ms": round(1e3 * wall, 1),
+         "gc": list(collections),
          "fn_us_per_step": {k: round(1e6 * v / nd, 1) for k, v in sorted(acc.items(), key=lambda kv: -kv[1])},
          "fn_us_per_call": {k: round(1e6 * v / calls[k], 1) for k, v in acc.items()},
          "fn_calls": dict(calls)}
@@ -106,6 +125,7 @@ for rep in range(int(os.environ.get("REPS", "2"))):
           flush=True)
     print("  phase_mean", r["phase_mean"])
     print("  phase_median", r["phase_median"])
+    print("  gc (steps before, generation, us)", r["gc"])
     for k, v in r["fn_us_per_step"].items():
         print(f"    {k:34s} {v:7.1f} us/step  {r['fn_us_per_call'][k]:8.1f} us/call  x{calls[k]}")
     out[f"rep{rep}"] = r
