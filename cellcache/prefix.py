@@ -515,10 +515,9 @@ class PrefixCache:
         Returns whether each row was given. A row is not (False, nothing changed for it:
         give it with :meth:`give`) when its sequence lends no leaf ending at ``starts[i]``
         (an id the tree owns lends none), its tail is empty, or the sequence holds fewer
-        positions than the two together. A
-        row given is left as :meth:`give` would have left it (the same tree, counters and
-        events), except that the lent prefix is not compared with the leaf's tokens: the
-        lender lent them.
+        positions than the two together. A row given is left as :meth:`give` would have
+        left it (the same tree, counters and events), except that the lent prefix is not
+        compared with the leaf's tokens: the lender lent them.
 
         Raises InvalidArgument, changing nothing, for ``seqs``, ``starts`` and ``tails`` that
         are not lists (or tuples) of one length, a bad id, a start that is not an int >= 0,
