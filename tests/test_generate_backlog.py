@@ -297,6 +297,37 @@ def test_deferred_steps_agree_with_the_synchronous_generator(model, case):
         assert b[1].finish_reasons == ["stop"] and len(b[1].outputs[0]) < NEW
 
 
+def test_rows_ending_by_length_without_a_prefix_cache(model):
+    """The same rows ending at different steps with the prefix cache off: nothing is stored,
+    each ending row's id goes back to the cache, and the outputs are the synchronous
+    generator's."""
+    specs = [(p, Sampling(max_new_tokens=NEW - 6 * i)) for i, p in enumerate(prompts(14, 5))]
+    want = [r.outputs for r in _serve_all(model, specs, False)[0]]
+    gen = Generator(model, capacity=4096, max_batch_tokens=256, prefill_chunk=64,
+                    async_steps=True, eos=[], prefix_cache=False)
+    assert gen.prefix is None
+    sched = gen.scheduler
+    real_finish_held = sched._finish_held
+    batches = []                              # rows the steady steps ended together
+
+    def finish_held(ended, bases, held):
+        batches.append(len(ended))
+        real_finish_held(ended, bases, held)
+
+    sched._finish_held = finish_held
+    reqs = [gen.add(p, sp) for p, sp in specs]
+    seen = set()
+    while gen.step():
+        done = sum(r.finished is not None for r in reqs)
+        # every finished request's id is back: as many live ids as rows still running
+        assert len(gen.cache.live_seqs()) == len(reqs) - done
+        seen.add(done)
+    assert len(seen) >= 4                     # the rows ended at different steps
+    assert sum(batches) >= len(reqs) - 1      # (by the steady steps, the last maybe not)
+    assert all(r.finished is not None for r in reqs) and gen.cache.live_seqs() == []
+    assert [r.outputs for r in reqs] == want
+
+
 def test_rows_ending_by_length_leave_the_others_deferred(model):
     """Rows that end by length are the last ones of the steady steps' order: they leave
     the backlog's drawing rows with their tokens still held (counted in the cache, not

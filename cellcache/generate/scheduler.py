@@ -498,10 +498,7 @@ class Scheduler:
         held ones)."""
         if not flushed:
             self.sync()
-        self.epoch += 1
-        if s.pending is not None:
-            self.pending.remove(s.pending)
-            s.pending = None
+        self._leaving(s)
         pc = self.prefix
         sid = s.sid
         mine = sid is not None                # the id is still s's to remove
@@ -526,6 +523,14 @@ class Scheduler:
             self.later.append(e)
         finally:            # a BaseException from a user's on_event (Ctrl-C) still frees s
             self._let_go(s, mine)
+
+    def _leaving(self, s: Seq) -> None:
+        """The start of :meth:`free`: the plans made before no longer hold (``epoch``), and
+        a prompt s was reading is no longer pending."""
+        self.epoch += 1
+        if s.pending is not None:
+            self.pending.remove(s.pending)
+            s.pending = None
 
     def _let_go(self, s: Seq, mine: bool) -> None:
         """The end of :meth:`free`: s's pins go, and its id (``mine``: still s's, removed
@@ -675,15 +680,12 @@ class Scheduler:
             for j, g in zip(picked, given):
                 done[j] = g
         for j, s in enumerate(ended):
-            if done[j]:
-                self.epoch += 1
-                if s.pending is not None:
-                    self.pending.remove(s.pending)
-                    s.pending = None
+            if done[j]:                        # free's start and end: the tree took its id
+                self._leaving(s)
                 self._let_go(s, False)
                 self._ended(s, "length")
-            else:
-                arr = np.concatenate((self._tokens_of(s, bases[j]), held[j]))
+            else:                              # (its whole token array only for a store)
+                arr = None if pc is None else np.concatenate((self._tokens_of(s, bases[j]), held[j]))
                 self.finish(s, "length", flushed=True, arr=arr)
         if isinstance(error, Exception):
             self.later.append(error)
