@@ -549,6 +549,41 @@ def test_sampling_accepts_numpy_and_torch_scalars_and_sequences():
     assert Sampling(temperature=1).temperature == 1.0 and Sampling(stop=range(2)).stop == (0, 1)
 
 
+def test_extreme_sampling_values_draw_their_limits_through_the_generator(model, prompts):
+    """Every finite temperature >= 0 and top_p in (0, 1] is accepted as given, and the ones
+    beyond what float32 computes draw as their limits (cellcache.generate.sampler): a
+    temperature of 1e-39 or 1e-300, a top_p of 1e-300, or 1e300 with top_k 1 give the
+    greedy tokens (the random model's logits have no ties); 1e300 alone draws what 1e15
+    draws (uniform over the vocabulary). Served beside them, a greedy request gives the
+    clean run's tokens and a seeded ordinary one what it draws alone."""
+    limits = [dict(temperature=1e-39, seed=1), dict(temperature=1e-300, seed=2),
+              dict(temperature=1.0, top_p=1e-300, seed=3), dict(temperature=1e300, top_k=1, seed=4)]
+    for kw in limits + [dict(temperature=5e-324), dict(top_p=5e-324)]:
+        sp = Sampling(**kw)
+        assert all(getattr(sp, name) == value for name, value in kw.items())
+    ordinary = Sampling(max_new_tokens=N_NEW, temperature=0.9, top_k=40, top_p=0.95, seed=5)
+
+    def alone(prompt, sampling):
+        gen = make(model)
+        req = gen.add(prompt, sampling)
+        gen.run()
+        return req.outputs[0]
+
+    greedy = clean(model, prompts[:3])
+    gen = make(model)
+    reqs = [[gen.add(p, Sampling(max_new_tokens=N_NEW, **kw)) for kw in limits] for p in prompts[:2]]
+    huge = gen.add(prompts[3], Sampling(max_new_tokens=N_NEW, temperature=1e300, seed=9))
+    beside = gen.add(prompts[4], ordinary)
+    plain = gen.add(prompts[2], Sampling(max_new_tokens=N_NEW))
+    gen.run()
+    for i, row in enumerate(reqs):
+        assert [r.outputs[0] for r in row] == [greedy[i]] * len(limits)
+    assert huge.outputs[0] == alone(prompts[3], Sampling(max_new_tokens=N_NEW, temperature=1e15, seed=9))
+    assert len(set(huge.outputs[0])) > N_NEW // 2             # spread over the vocabulary
+    assert beside.outputs[0] == alone(prompts[4], ordinary)
+    assert plain.outputs[0] == greedy[2]
+
+
 BAD_ADDS = [
     (dict(prompt=[]), "empty"), (dict(prompt="abc"), "not a sequence"),
     (dict(prompt=b"ab"), "not a sequence"), (dict(prompt=[1.5]), "ints"), (dict(prompt=[True, 2]), "ints"),

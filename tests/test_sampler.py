@@ -1,9 +1,11 @@
 """The batched sampler without a cache or a model (issue 20): greedy is torch.argmax
 (ties: the lowest id), seeded draws depend only on their key and logits (not on the batch
 around them), top-k and top-p restrict the support exactly as the per-row code did, the
-draws follow the distribution, verify runs count the leading accepted drafts, and a call
-makes exactly one device-to-host copy. Every random number here is a hash of a fixed key:
-nothing can come out differently from run to run."""
+draws follow the distribution, verify runs count the leading accepted drafts, a call
+makes exactly one device-to-host copy, and parameters beyond what float32 computes draw as
+their limits in every logits dtype while ordinary ones draw as the unclamped formula (issue
+38). Every random number here is a hash of a fixed key: nothing can come out differently
+from run to run."""
 
 from __future__ import annotations
 
@@ -138,7 +140,8 @@ def test_verify_groups_count_the_leading_accepted_drafts():
 
 
 def test_one_host_copy_per_call(monkeypatch):
-    """Every way a tensor's values reach the host is counted during the call: one."""
+    """Every way a tensor's values reach the host is counted during the call: one (the
+    clamping of extreme parameters reads the spec's lists, not tensors)."""
     seen = []
     for name in ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__"):
         real = getattr(torch.Tensor, name)
@@ -149,9 +152,10 @@ def test_one_host_copy_per_call(monkeypatch):
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     logits = torch.randn((5, 30))
-    spec = spec_for(5, rows=[0, 1, 2, 3, 3])
+    spec = spec_for(6, rows=[0, 1, 2, 3, 3, 4])
     spec.temperature[1] = spec.temperature[3] = 0.9
     spec.top_k[1], spec.top_p[3] = 4, 0.8
+    spec.temperature[4], spec.temperature[5], spec.top_p[5] = 1e-300, 1e300, 1e-300   # clamped
     spec.draft[0] = 7
     spec.groups.append((0, 1))
     sampler = Sampler("cpu")
@@ -166,3 +170,178 @@ def test_uniforms_are_a_fixed_function_of_the_key():
     assert len(np.unique(u)) == len(u)
     assert uniforms(3, 1, 4) == uniforms(3, 1, 4) != uniforms(3, 1, 5)
     assert uniforms(2**63 - 1, 65535, 2**40) < 1
+
+
+# -- parameters at the ends of their ranges -------------------------------------------------
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+V = 64
+
+
+def unclamped(logits, spec):
+    """The random slots' formula, row by row, with no clamping: float32(x) / T, top-k (the
+    k-th largest value, ties kept), softmax, top-p, inverse CDF. The oracle for ordinary
+    parameters, whose draws clamping must leave alone."""
+    out = []
+    for i, r in enumerate(spec.rows):
+        t = torch.tensor(spec.temperature[i], dtype=torch.float64).float()
+        x = logits[r].float() / t
+        k, n = spec.top_k[i], x.shape[-1]
+        if 0 < k < n:
+            x = x.masked_fill(x < torch.topk(x, k).values[-1], -torch.inf)
+        probs = torch.softmax(x, -1)
+        if spec.top_p[i] < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            p = torch.tensor(spec.top_p[i], dtype=torch.float64).float()
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < p
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p * keep)
+        cdf = torch.cumsum(probs.double(), 0)
+        u = float(uniforms(spec.seed[i], spec.index[i], spec.position[i]))
+        out.append(min(int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64),
+                                              right=True)[0]), n - 1))
+    return out
+
+
+def edge_logits(dtype, rows=6):
+    """Rows every dtype holds exactly: distinct values (spread to +-60000, near float16's
+    limit, in row 0), a three-way tie for the top (row 1), -inf for half the vocabulary
+    (row 2), a tie for the top among -inf entries (row 3)."""
+    g = torch.Generator().manual_seed(21)
+    logits = (torch.randn((rows, V), generator=g) * 4).to(dtype)
+    logits[0] = torch.linspace(-60000, 60000, V)[torch.randperm(V, generator=g)].to(dtype)
+    logits[1, [5, 20, 41]] = 30.0
+    logits[2, ::2] = -torch.inf
+    logits[3, 1::2] = -torch.inf
+    logits[3, [8, 30]] = 25.0
+    return logits
+
+
+def batch(logits, params, seed=7, keys=None):
+    """One slot per (row, temperature, top_k, top_p) of ``params``, keyed (seed, slot, 3)."""
+    spec = SampleSpec()
+    for j, (r, t, k, p) in enumerate(params):
+        spec.add(r, t, k, p, seed, j if keys is None else keys[j], 3)
+    return spec
+
+
+ORDINARY = [(r, t, k, p) for r in range(6) for t, k, p in
+            [(0.7, 0, 1.0), (1.3, 5, 0.9), (0.05, 0, 0.5), (4.0, 3, 1.0)]]
+
+
+def check_ordinary_rows_unchanged(logits, got, n_extreme):
+    """The batch's ordinary slots (after ``n_extreme`` extreme ones) drew what the
+    unclamped formula draws, and what they draw in a batch of their own."""
+    alone = batch(logits, ORDINARY, keys=list(range(n_extreme, n_extreme + len(ORDINARY))))
+    want = unclamped(logits, alone)
+    assert got[n_extreme:].tolist() == want == Sampler("cpu")(logits, alone).ids.tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ordinary_parameters_draw_as_the_unclamped_formula(dtype):
+    """Every value inside the thresholds, the thresholds included, reaches the device as
+    given: the draws are those of the formula without any clamping, slot by slot."""
+    from cellcache.generate.sampler import TEMPERATURE_MAX, TEMPERATURE_MIN, TOP_P_MIN
+
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn((6, V), generator=g) * 3).to(dtype)
+    params = list(ORDINARY)
+    params += [(r, TEMPERATURE_MIN, 0, 1.0) for r in range(4)]
+    params += [(r, TEMPERATURE_MAX, k, 1.0) for r in range(4) for k in (0, 7)]
+    params += [(r, 1.0, 0, TOP_P_MIN) for r in range(4)]
+    params += [(r, 0.9, k, p) for r in range(6) for k in (0, 1, 10, V) for p in (1.0, 0.95, 0.3, 1e-3)]
+    spec = batch(logits, params, seed=12)
+    got = Sampler("cpu")(logits, spec).ids.tolist()
+    assert got == unclamped(logits, spec)
+    assert len(set(got)) > 10                        # the draws are spread, not one id
+
+
+def test_a_spec_said_random_without_random_slots_draws_greedy():
+    """A caller's ``random=True`` over slots that are all greedy (a slice of a random
+    plan) goes through the random path with no slot in it: the argmax of every row."""
+    logits = torch.randn((4, V), generator=torch.Generator().manual_seed(9))
+    spec = spec_for(4)
+    spec.random = True
+    assert Sampler("cpu")(logits, spec).ids.tolist() == torch.argmax(logits, -1).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tiny_temperatures_draw_the_top_logit(dtype):
+    """A temperature below TEMPERATURE_MIN (subnormal in float32, 0 in float32, or just
+    under the threshold) draws as T -> 0+: the largest logit where it is unique, one of the
+    tied largest where several are (seeded, each of them for some key), never a -inf one.
+    Such a slot draws what the formula draws at the threshold itself; the batch's
+    ordinary slots draw what they draw without it."""
+    from cellcache.generate.sampler import TEMPERATURE_MIN
+
+    logits = edge_logits(dtype)
+    top = torch.argmax(logits.float(), -1).tolist()
+    ties = {1: {5, 20, 41}, 3: {8, 30}}
+    for t in (1e-39, 1e-300, 5e-324, TEMPERATURE_MIN / 2, 1e-30):
+        for k, p in ((0, 1.0), (4, 1.0), (0, 0.9)):
+            extreme = [(r, t, k, p) for r in range(6) for _ in range(8)]
+            sampler = Sampler("cpu")
+            got = sampler(logits, batch(logits, extreme + ORDINARY)).ids
+            n = len(extreme)
+            for j, (r, *_rest) in enumerate(extreme):
+                assert got[j] in ties.get(r, {top[r]}), (t, k, p, r, got[j])
+            at_min = batch(logits, [(r, TEMPERATURE_MIN, k, p) for r, *_ in extreme])
+            assert got[:n].tolist() == unclamped(logits, at_min)
+            check_ordinary_rows_unchanged(logits, got, n)
+            assert sampler.copies == 1
+    # the ties share the draws: each tied id for some keys
+    many = batch(logits, [(1, 1e-300, 0, 1.0)] * 300 + [(3, 1e-300, 0, 1.0)] * 300)
+    drawn = Sampler("cpu")(logits, many).ids
+    assert set(drawn[:300].tolist()) == ties[1] and set(drawn[300:].tolist()) == ties[3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tiny_top_p_keeps_the_top_token(dtype):
+    """A top_p below TOP_P_MIN (subnormal or 0 in float32) keeps the most probable token
+    alone, as any top_p under the largest probability does (1e-6 here, vocabulary 64): the
+    same draws, slot for slot, at every temperature and with top-k; the batch's ordinary
+    slots are unchanged."""
+    from cellcache.generate.sampler import TOP_P_MIN
+
+    logits = edge_logits(dtype)
+    top = torch.argmax(logits.float(), -1).tolist()
+    for p in (1e-40, 1e-46, 1e-300, 5e-324, TOP_P_MIN / 2):
+        extreme = [(r, t, k, p) for r in range(6) for t in (0.3, 1.0, 50.0) for k in (0, 5)]
+        got = Sampler("cpu")(logits, batch(logits, extreme + ORDINARY)).ids
+        n = len(extreme)
+        at_small_p = batch(logits, [(r, t, k, 1e-6) for r, t, k, _ in extreme])
+        assert got[:n].tolist() == unclamped(logits, at_small_p)
+        for j, (r, *_rest) in enumerate(extreme):
+            if r not in (1, 3):                      # a unique top: it
+                assert got[j] == top[r]
+            else:                                    # tied tops: one of them
+                assert got[j] in ({5, 20, 41} if r == 1 else {8, 30})
+        check_ordinary_rows_unchanged(logits, got, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_huge_temperatures_draw_uniformly_over_the_kept_tokens(dtype):
+    """A temperature above TEMPERATURE_MAX (inf in float32 from 3.5e38 up) draws as
+    T -> inf: uniformly over the top-k set, never a -inf id, as the formula does at 1e15
+    (where the logits' span over T, under 2**-25, already rounds every exp to 1); top-k 1
+    is then the top logit. The batch's ordinary slots are unchanged."""
+    logits = edge_logits(dtype)
+    f = logits.float()
+    for t in (1e300, 1e39, 2.0 ** 70):
+        for k in (0, 1, 3):
+            extreme = [(r, t, k, 1.0) for r in range(6) for _ in range(8)]
+            got = Sampler("cpu")(logits, batch(logits, extreme + ORDINARY)).ids
+            n = len(extreme)
+            at_1e15 = batch(logits, [(r, 1e15, k, 1.0) for r, *_ in extreme])
+            assert got[:n].tolist() == unclamped(logits, at_1e15)
+            for j, (r, *_rest) in enumerate(extreme):
+                assert torch.isfinite(f[r, got[j]])
+                if k:
+                    assert f[r, got[j]] >= torch.topk(f[r], k).values[-1]
+            check_ordinary_rows_unchanged(logits, got, n)
+    m = 4000
+    for r, k, support in ((2, 0, V // 2), (0, 3, 3), (1, 2, 3)):   # row 1: 3 tied at the top
+        drawn = Sampler("cpu")(logits, batch(logits, [(r, 1e300, k, 1.0)] * m)).ids
+        freq = np.bincount(drawn, minlength=V)
+        kept = np.flatnonzero(freq)
+        assert len(kept) == support and np.isfinite(f[r, kept].numpy()).all()
+        assert np.abs(freq[kept] / m - 1 / support).max() < 4 * np.sqrt(1 / support / m), freq[kept]

@@ -88,7 +88,11 @@ class Sampling:
     ``max_new_tokens`` an int >= 1, ``n`` an int in [1, 65536], ``top_k`` an int >= 0,
     ``seed`` None or an int in [0, 2**63), ``temperature`` a finite number >= 0, ``top_p``
     a finite number in (0, 1], ``stop`` a sequence of ints (kept as a tuple). Bools and
-    floats are not ints. A bad field raises InvalidArgument.
+    floats are not ints. A bad field raises InvalidArgument. Every accepted value samples
+    well-defined tokens: a temperature below 2**-64 draws as its limit (the top logit,
+    tied ones evenly), one above 2**64 as its limit (uniform over what top-k and top-p
+    keep), a top_p below 2**-64 keeps the most probable token alone
+    (:mod:`cellcache.generate.sampler` says why those thresholds).
 
     Seeded sampling is counter-based: continuation k's token number t is drawn with a
     uniform hashed from ``(seed, k, t)`` (``seed`` None: the request's id), so a request's

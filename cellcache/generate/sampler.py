@@ -2,9 +2,10 @@
 
 ::
 
-    logits [R, V] (float32, device) --rows--> x [S, V]   one slot per token to draw
-        greedy slots:  argmax(x)                         (ties: the lowest id, as torch.argmax)
-        random slots:  x / T -> top-k mask -> softmax -> top-p mask -> CDF
+    logits [R, V] (device, any float dtype) --rows--> x [S, V]   one slot per token to draw
+        greedy slots:  argmax(x)                  (ties: the lowest id, as torch.argmax)
+        random slots:  float32(x) / T -> top-k mask -> softmax -> top-p mask -> CDF
+                       (T, top_k, top_p clamped on the host first: see below)
                        token = first id whose CDF exceeds u * CDF[-1]
                        u = hash(seed, continuation, output index)  (host, per slot)
         verify runs:   accepted = leading slots whose token equals the draft they check
@@ -17,6 +18,33 @@ numpy operations) and uploaded with the other per-slot parameters; the vocabular
 depends only on its logits and its key: not on the batch around it, not on how many times
 a step was rolled back or a sequence recomputed after preemption, not on whether it was
 reached through a verify run of drafts. Greedy slots use no randomness at all.
+
+Every value :class:`~cellcache.generate.Sampling` accepts draws as the formula's limit
+where float32 arithmetic cannot compute the formula itself; the host clamps the step's
+parameters (a few numpy operations over the random slots) and the device work is unchanged:
+
+- ``temperature < TEMPERATURE_MIN`` (2**-64) draws as ``T -> 0+``: the largest logit, ties
+  sharing the draw evenly (seeded), i.e. top-k 1 at temperature 1. The formula's ``x / T``
+  overflows float32 for a logit of magnitude ``FLT_MAX * T`` (T under 2**-126 is even
+  subnormal or 0 in float32), and softmax turns ``inf - inf`` into NaN. From 2**-64 up,
+  ``x / T`` stays finite for every logit under 2**63 in magnitude (real logits: a few
+  hundred); at 2**-64 a logit more than 2**-57 below the largest already gets probability
+  0 (``exp(-128)`` underflows float32), so the formula there draws the limit too and the
+  two sides of the threshold draw alike.
+- ``temperature > TEMPERATURE_MAX`` (2**64) draws at 2**64, which is ``T -> inf``: uniform
+  over the kept set. Above FLT_MAX, T would be inf (``x / inf`` is 0, erasing top-k's order,
+  and NaN for a -inf logit). Dividing by a power of two keeps the logits' order exactly
+  (down to magnitudes of 2**-62), and ``exp(-d / 2**64)`` rounds to exactly 1 for logits
+  spanning less than 2**39, so the kept tokens are equally likely, -inf ones never drawn.
+  With top-p the head is then ``ceil(top_p * kept)`` of those equally likely tokens, in
+  the sort's order.
+- ``top_p < TOP_P_MIN`` (2**-64) keeps the most probable token alone, as every top-p below
+  the largest probability (>= 1/vocab) does: cast to float32 a smaller top-p is subnormal
+  or 0, and 0 keeps nothing (a row with nothing kept has no token: the search ends past
+  the last id).
+
+Ordinary values (``TEMPERATURE_MIN <= T <= TEMPERATURE_MAX``, ``top_p >= TOP_P_MIN``) pass
+through untouched: their draws are bit for bit those of the unclamped formula.
 
 :class:`Sampler` needs no cache and no model: logits and a :class:`SampleSpec` in, a
 :class:`SamplerOutput` of host arrays out.
@@ -33,7 +61,19 @@ import torch
 
 from ..errors import InvalidArgument
 
-__all__ = ["Draw", "SampleSpec", "Sampler", "SamplerOutput", "uniforms"]
+__all__ = ["TEMPERATURE_MAX", "TEMPERATURE_MIN", "TOP_P_MIN", "Draw", "SampleSpec", "Sampler",
+           "SamplerOutput", "uniforms"]
+
+#: Temperatures below this draw as their limit T -> 0+: top-k 1 at temperature 1 (module
+#: docstring: below it float32's ``x / T`` overflows for ever smaller logits, while the
+#: formula there already draws the limit).
+TEMPERATURE_MIN = 2.0 ** -64
+#: Temperatures above this draw at it, which is already their limit T -> inf: uniform over
+#: the kept tokens (a power of two: dividing by it keeps the logits' order exactly).
+TEMPERATURE_MAX = 2.0 ** 64
+#: top-p values below this keep the most probable token alone, as this one does (a normal
+#: float32, below 1/vocab for every vocabulary).
+TOP_P_MIN = 2.0 ** -64
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -266,16 +306,23 @@ class Sampler:
         event.record(stream)
 
     def _draw(self, x: torch.Tensor, spec: SampleSpec, rand: np.ndarray, temps: np.ndarray) -> torch.Tensor:
-        """Tokens of the random slots ``rand`` (host indexes into the spec)."""
+        """Tokens of the random slots ``rand`` (host indexes into the spec), their
+        parameters clamped to what float32 computes as the limit (module docstring)."""
         V = x.shape[-1]
         top_k = np.asarray(spec.top_k, dtype=np.int64)[rand]
-        top_p = np.asarray(spec.top_p, dtype=np.float64)[rand]
         u = uniforms(np.asarray(spec.seed, dtype=np.uint64)[rand], np.asarray(spec.index)[rand],
                      np.asarray(spec.position)[rand])
+        # every float parameter, uploaded at once: temperature, top_p, u
+        host = np.stack([temps[rand], np.asarray(spec.top_p, dtype=np.float64)[rand], u])
+        if host[0].min(initial=np.inf) < TEMPERATURE_MIN:   # T -> 0+: the top logit, ties kept
+            cold = host[0] < TEMPERATURE_MIN
+            host[0, cold] = 1.0
+            top_k = np.where(cold, 1, top_k)
+        np.minimum(host[0], TEMPERATURE_MAX, out=host[0])
+        np.maximum(host[1], TOP_P_MIN, out=host[1])
         has_k = (top_k > 0) & (top_k < V)
-        has_p = top_p < 1.0
-        # one upload of every float parameter: temperature, top_p, u
-        params = self._up(np.stack([temps[rand], top_p, u]), torch.float64)
+        has_p = host[1] < 1.0
+        params = self._up(host, torch.float64)
         xr = x if rand.size == x.shape[0] else x.index_select(0, self._up(rand, torch.int64))
         xr = xr.float() / params[0].float()[:, None]
         if has_k.any():                               # the k-th largest value: ties kept, as before

@@ -181,3 +181,52 @@ def test_a_graphs_greedy_ids_launched_again_skip_the_checks_and_land_each_time(s
     drawn = sampler.launch(logits, spec2, greedy).result().ids.tolist()
     want = Sampler("cpu")(logits.cpu(), spec2).ids.tolist()
     assert drawn == want and drawn != greedy.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_extreme_parameters_draw_on_cuda_as_on_the_cpu(dtype):
+    """Temperatures and top-p values beyond what float32 computes are clamped on the host
+    (the sampler module's docstring), so the device runs the same formula either side of
+    the thresholds: the CUDA sampler draws what the CPU one draws, in every logits dtype,
+    and that is the limit (tiny T: the top logit, or one of the tied top ones; tiny top_p:
+    the top token; huge T: a finite logit within top-k), the ordinary slots of the batch
+    drawing what they draw without the extreme ones. Ties meet top-p only where every tied
+    id is kept: the sort's order among equal probabilities is the device's own."""
+    g = torch.Generator().manual_seed(21)
+    V = 64
+    logits = (torch.randn((6, V), generator=g) * 4).to(dtype)
+    logits[0] = torch.linspace(-60000, 60000, V)[torch.randperm(V, generator=g)].to(dtype)
+    logits[1, [5, 20, 41]] = 30.0                # a three-way tie at the top
+    logits[2, ::2] = -torch.inf
+    logits[3, 1::2] = -torch.inf
+    logits[3, [8, 30]] = 25.0                    # a tie at the top among -inf entries
+    f = logits.float()
+    top = torch.argmax(f, -1).tolist()
+    ties = {1: {5, 20, 41}, 3: {8, 30}}
+    extreme = [(r, t, k, 1.0) for r in range(6) for t in (1e-39, 1e-300, 5e-324) for k in (0, 4)]
+    extreme += [(r, t, 0, p) for r in (0, 2, 4, 5) for t in (0.5, 1.0) for p in (1e-46, 1e-300)]
+    extreme += [(r, 1e300, k, 1.0) for r in range(6) for k in (0, 1, 3)]
+    ordinary = [(r, t, k, p) for r in (0, 2, 4, 5) for t, k, p in
+                [(0.7, 0, 1.0), (1.3, 5, 0.9), (0.05, 0, 0.5), (4.0, 3, 1.0)]]
+    ordinary += [(r, 0.8, k, 1.0) for r in (1, 3) for k in (0, 2)]
+
+    def spec_of(params, first):
+        spec = SampleSpec()
+        for j, (r, t, k, p) in enumerate(params):
+            spec.add(r, t, k, p, 7, first + j, 3)
+        return spec
+
+    spec = spec_of(extreme + ordinary, 0)
+    want = Sampler("cpu")(logits, spec).ids
+    got = Sampler("cuda:0")(logits.to("cuda:0"), spec).ids
+    assert got.tolist() == want.tolist()
+    for j, (r, t, k, p) in enumerate(extreme):
+        if t < 1e-30 or p < 1e-30:
+            assert got[j] in ties.get(r, {top[r]}), (r, t, k, p, got[j])
+        else:
+            assert torch.isfinite(f[r, got[j]])
+            if k:
+                assert f[r, got[j]] >= torch.topk(f[r], k).values[-1]
+    n = len(extreme)
+    alone = Sampler("cuda:0")(logits.to("cuda:0"), spec_of(ordinary, n)).ids
+    assert got[n:].tolist() == alone.tolist()
