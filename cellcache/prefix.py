@@ -33,7 +33,8 @@ Rules the tree keeps:
 - Every prefix of a stored path is cached: ``match`` finds the longest common prefix with
   any path, ending anywhere inside a node. Node boundaries are insertion ends and branch
   points; eviction takes whole leaves, least valuable first by the policy, never a pinned
-  one.
+  prefix: a leaf pinned only above its end loses its tail below the deepest pin (split
+  there), so a request holding a short hit into a long cached path never keeps the rest.
 - ``insert(seq, tokens)`` clones the caller's sequence (``upto=len(tokens)``) into one new
   owned sequence for the new leaf. When the caller's sequence came from ``match`` (the
   usual path: match, compute the tail, insert), its prefix cells are the tree's own and the
@@ -227,8 +228,10 @@ def _as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
             "list, tuple, range or 1-D integer array")
     if len(tokens) == 0:
         return np.zeros(0, _I32)
+    if bool in set(map(type, tokens)):                # (array.array takes True as 1)
+        raise InvalidArgument(f"{name} holds a bool; token ids are ints, as everywhere in cellcache")
     try:
-        arr = np.frombuffer(array.array("q", tokens), np.int64)   # refuses floats, strings
+        arr = np.frombuffer(array.array("q", tokens), np.int64)   # refuses floats, strings, np.bool_
     except (OverflowError, TypeError):
         raise InvalidArgument(
             f"{name} must be a flat sequence of int token ids in [-2**31, 2**31)") from None
@@ -853,7 +856,8 @@ class PrefixCache:
 
     # -- eviction ----------------------------------------------------------------------------
     def evict(self, n_cells: int = 0, *, n_ids: int = 0) -> int:
-        """Evicts unpinned leaves, the policy's smallest key first, until at least
+        """Evicts unpinned leaves (and the unpinned tails of leaves pinned above their end),
+        the policy's smallest key first, until at least
         ``n_cells`` cells have been freed and ``n_ids`` sequence ids released, or no leaf is
         left to evict. Returns the cells freed.
 
@@ -870,7 +874,8 @@ class PrefixCache:
             return freed
 
     def evictable_tokens(self, limit: int | None = None) -> int:
-        """Tokens in subtrees that hold no pin: what :meth:`evict` can take now, and so about
+        """Tokens in subtrees that hold no pin, and below the deepest pin of a pinned node
+        whose subtree holds no other: what :meth:`evict` can take now, and so about
         the cells it can free (a leaf holding its own copy of a prefix frees more; cells that
         a caller's sequence shares without a pin are counted but stay). Counting stops once
         ``limit`` is reached. O(nodes), nothing changes: an admission policy asks it only
@@ -888,17 +893,23 @@ class PrefixCache:
             blocked: set[int] = set()
             total = 0
             for node in reversed(order):            # every child before its parent
-                if node.pins or id(node) in blocked or (
-                        node.seq is not None and node.seq in self._lent):
+                if id(node) in blocked or (node.seq is not None and node.seq in self._lent):
                     blocked.add(id(node.parent))
                     continue
-                total += node.n_tokens
+                if node.pins:                       # its tail below the deepest pin
+                    total += node.end - max(node.pins)
+                    blocked.add(id(node.parent))
+                else:
+                    total += node.n_tokens
                 if lim is not None and total >= lim:
                     return lim
             return total
 
     def _evictable(self, node: PrefixNode, protect: Any) -> bool:
-        return node.seq is not None and not node.pins and node not in protect
+        """Whether eviction may take (the tail of) owned leaf ``node``: not protected, and
+        unpinned or pinned only above its end (its tail below the deepest pin goes)."""
+        return (node.seq is not None and node not in protect
+                and (not node.pins or max(node.pins) < node.end))
 
     def _evict_locked(self, n_cells: int, n_ids: int, protect: Any) -> int:
         if n_cells <= 0 and n_ids <= 0:
@@ -921,6 +932,8 @@ class PrefixCache:
             if cache.pos(seq) != leaf.end:
                 self._invalidate_locked()
                 break
+            if leaf.pins:                   # pinned above its end: the tail below goes alone
+                self._split(leaf, max(leaf.pins))
             if self.on_event is not None:
                 self._events.append(PrefixEvent("evicted", leaf.path(), leaf.n_tokens))
             before = cache.free_cells

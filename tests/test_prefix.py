@@ -420,7 +420,7 @@ def test_pins_keep_a_prefix_until_unpinned():
     assert [p for p, _ in prefix.prefixes()] == [tuple(toks)]
     prefix.unpin(toks, 8)
     prefix.evict(1000)
-    assert [p for p, _ in prefix.prefixes()] == [tuple(toks)]   # still pinned at 6
+    assert [p for p, _ in prefix.prefixes()] == [tuple(toks[:6])]   # pinned at 6: its tail went
     before = state(prefix)
     with pytest.raises(InvalidState):
         prefix.unpin(toks, 8)
@@ -430,6 +430,40 @@ def test_pins_keep_a_prefix_until_unpinned():
     prefix.unpin(toks[:6] + [0], 6)
     prefix.evict(1000)
     assert prefix.prefixes() == [] and prefix.metrics()["pins"] == 0
+    prefix.check_invariants()
+
+
+def test_eviction_takes_the_tail_of_a_leaf_pinned_above_its_end():
+    """A request holding a short hit into a long cached path pins only that hit: the rest of
+    the leaf is evictable (its cells freed, the hit kept, an "evicted" event for the tail);
+    a leaf pinned at its end keeps everything."""
+    cache, prefix, w, events = setup()
+    toks = list(range(1, 21))
+    prefix.insert(w.new(toks), toks)
+    for s in list(w.tokens):
+        cache.seq_rm(s)
+    free = cache.free_cells
+    t, n = prefix.match(toks[:5] + [0], pin=True)          # the caller holds 5 of the 20
+    assert n == 5
+    assert prefix.evictable_tokens() == 15 and prefix.evictable_tokens(4) == 4
+    events.clear()
+    assert prefix.evict(1) == 15                           # the whole tail: one leaf
+    assert cache.free_cells == free + 15
+    assert [p for p, _ in prefix.prefixes()] == [tuple(toks[:5])]
+    assert [(e.kind, e.length, e.n) for e in events] == [("evicted", 20, 15)]
+    prefix.check_invariants()
+    assert prefix.evict(1000) == 0 and prefix.evictable_tokens() == 0   # the hit stays pinned
+    cache.seq_rm(t)
+    prefix.unpin(toks, 5)
+    assert prefix.evictable_tokens() == 5
+    # pinned at its end: nothing to take
+    u = w.new(toks[:8])
+    prefix.insert(u, toks[:8])
+    cache.seq_rm(u)
+    assert prefix.pin(toks[:8]) == 8
+    before = state(prefix)
+    assert prefix.evict(1000) == 0
+    assert_same(state(prefix), before)
     prefix.check_invariants()
 
 
@@ -763,6 +797,7 @@ def test_rows_that_giving_together_does_not_take_are_left_as_they_were():
     ([0], [1.5], [[1]]),
     ([0], [1], [[1.5]]),                                   # a tail that is not token ids
     ([0], [1], [np.zeros((1, 1), np.int32)]),
+    ([0], [1], [[True]]),                                  # bools are not token ids
     ([0, 1], [3, 1], [[4], [2**40]]),                      # the second row's: nothing given
 ])
 def test_giving_together_refuses_bad_input_and_changes_nothing(args):
@@ -886,6 +921,15 @@ def test_a_reclaim_of_a_sequence_lending_nothing_changes_nothing(loaded):
     (lambda p, s: p.reclaim(None), InvalidArgument),
     (lambda p, s: p.reclaim(8), InvalidArgument),
     (lambda p, s: p.reclaim(1.0), InvalidArgument),
+    (lambda p, s: p.match([1, True], max_len=2), InvalidArgument),          # bools are not ids
+    (lambda p, s: p.match((False,)), InvalidArgument),
+    (lambda p, s: p.peek([np.bool_(True)]), InvalidArgument),
+    (lambda p, s: p.pin([1, True]), InvalidArgument),
+    (lambda p, s: p.insert(s, [1, 2, True]), InvalidArgument),
+    (lambda p, s: p.give(s, [True]), InvalidArgument),
+    (lambda p, s: p.lend(s, [1, False]), InvalidArgument),
+    (lambda p, s: p.unpin([1, True], 2), InvalidArgument),
+    (lambda p, s: p.match(np.array([True, False])), InvalidArgument),
     (lambda p, s: p.match([1, 2], max_len=-1), InvalidArgument),
     (lambda p, s: p.match([1, 2], max_len=1.5), InvalidArgument),
     (lambda p, s: p.match([1, 2], pin=1), InvalidArgument),
