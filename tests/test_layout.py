@@ -148,3 +148,12 @@ def test_every_allowed_entry_is_still_needed():
                   and (rel, node.value) in ALLOWED):
                 used.add((rel, node.value))
     assert used == set(ALLOWED)
+
+
+def test_the_cython_mark_names_test_modules_that_exist():
+    """tests/conftest.py's list of modules the bounds-checked pass runs: a renamed or removed
+    module would silently leave that pass."""
+    from .conftest import CYTHON
+
+    have = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    assert CYTHON <= have, sorted(CYTHON - have)

@@ -5,11 +5,14 @@
 #      CPU build where pip's find-links offer one for this Python (the tests need torch
 #      only on the CPU; a CUDA build from the index is several GB);
 #   2. the linters the project configures: ruff, mypy on the package, cython-lint on pyx/;
-#   3. the shipped PTX rebuilt with the pinned NVRTC and compared (tools/build_ptx.py);
-#   4. pytest;
-#   5. pytest again against a bounds-checked build of the Cython extensions
+#   3. pytest, every test once; among them the shipped PTX rebuilt with the pinned NVRTC and
+#      compared (tests/test_cuda_host_side.py, through tools/build_ptx.py --check; the
+#      compiler required on Linux x86_64, where its wheel exists);
+#   4. pytest again, the tests marked ``cython`` (tests/conftest.py: those whose subject is
+#      the compiled code), against a bounds-checked build of the Cython extensions
 #      (CELLCACHE_CYTHON_DEBUG=1: bounds checks and the table's assumption checks).
-# GPU tests skip where there is no cuda-bindings, driver or device.
+# GPU tests skip where there is no cuda-bindings, driver or device. About 10-15 minutes on
+# a 2-core machine, most of it the first pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -53,12 +56,8 @@ ruff check .
 mypy
 cython-lint pyx
 
-echo "== shipped PTX"
-require=""
-if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then require="--require-compiler"; fi
-python tools/build_ptx.py --check $require
-
 echo "== tests"
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then export CELLCACHE_REQUIRE_NVRTC=1; fi
 python -m pytest -q -p no:cacheprovider
 
 echo "== bounds-checked build (CELLCACHE_CYTHON_DEBUG=1)"
@@ -67,5 +66,5 @@ git ls-files -z | xargs -0 -I{} cp --parents {} "$work/tree"
 cd "$work/tree"
 CELLCACHE_CYTHON_DEBUG=1 python setup.py -q build_ext --inplace >/dev/null
 python -c 'import cellcache, os; assert os.path.dirname(cellcache.__file__).startswith(os.getcwd()), cellcache.__file__'
-CELLCACHE_MACHINE_EXAMPLES=${CELLCACHE_DEBUG_EXAMPLES:-200} python -m pytest -q -p no:cacheprovider
+CELLCACHE_MACHINE_EXAMPLES=${CELLCACHE_DEBUG_EXAMPLES:-200} python -m pytest -q -p no:cacheprovider -m cython
 cd "$root"
