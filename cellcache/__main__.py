@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 from .errors import CellCacheError
@@ -10,8 +11,42 @@ USAGE = """usage: cellcache COMMAND [options]
 
 commands:
   demo       simulated serving session, every token checked (cellcache demo --help)
-  generate   serve a Hugging Face model through the cache (cellcache generate --help)
+  generate   serve a Hugging Face model through the cache (cellcache generate --help;
+             needs the 'hf' extra: pip install 'cellcache[hf]')
 """
+
+#: What ``generate`` imports beyond the core: the modules of the ``hf`` extra.
+HF_EXTRA = ("torch", "transformers")
+
+
+def _missing_hf_extra() -> str | None:
+    """The first module of the ``hf`` extra that cannot be found, or None."""
+    for name in HF_EXTRA:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):           # a parent missing, a module without a spec
+            return name
+    return None
+
+
+def _generate(argv: list[str]) -> int:
+    """``cellcache generate``, or one line naming the ``hf`` extra and exit code 2 (as every
+    other missing piece: ``--backend cuda`` without cuda-bindings) when torch or transformers
+    is missing or will not import."""
+    missing = _missing_hf_extra()
+    if missing is None:
+        try:
+            from .generate import main as generate_main
+        except ModuleNotFoundError as e:          # found, yet a part of it is not there
+            if e.name is None or e.name.partition(".")[0] not in HF_EXTRA:
+                raise
+            missing = e.name
+        else:
+            return generate_main(argv)
+    print(f"cellcache generate: error: needs the 'hf' extra (no module named {missing!r}): "
+          "pip install 'cellcache[hf]'", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import main as demo_main
 
             return demo_main(rest)
-        from .generate import main as generate_main
-
-        return generate_main(rest)
+        return _generate(rest)
     except CellCacheError as e:
         # whatever a command did not catch itself (--device cuda without a driver, a refused
         # model, a cache that does not fit) is one line and exit code 2, never a traceback

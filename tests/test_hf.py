@@ -193,7 +193,7 @@ def test_generate_cli(tmp_path):
     (["--random", "tiny", "x y"], "is not token ids"),
     (["--random", "tiny", "99999"], "token ids must lie in [0, 512)"),
     (["--random", "tiny", "--random-prompts", "1", "--temperature", "-1"], "--temperature must be"),
-    (["--model", "/nonexistent/model", "--random-prompts", "1"], "cannot load the model"),
+    (["--model", "/nonexistent/model", "--random-prompts", "1"], "the directory does not exist"),
 ])
 def test_generate_usage_errors(args, fragment):
     r = subprocess.run([sys.executable, "-m", "cellcache", "generate", *args],
