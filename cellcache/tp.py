@@ -61,8 +61,17 @@ collectives), and nothing continues silently.
 Only ``torch.distributed`` collectives are used (``all_reduce``, ``all_gather_object``), on
 a gloo group of the wrapper's own: the values are host decisions (with NCCL a per-step
 collective on the device group would need a device round trip), and a group apart from the
-model's means an agreement never pairs with a model collective. Every wait is bounded by the
-group's timeout (``init_process_group(timeout=...)``).
+model's means an agreement never pairs with a model collective.
+
+Every wait is bounded by the timeout ``group`` was made with (``init_process_group(timeout=)``
+or ``new_group(timeout=)``; :attr:`TPCache.timeout`): the agreement's group is made with the
+same one, and gloo applies it to each wait of a collective. A rank that stops answering
+(stopped, hung, out of step) ends the others' wait after the timeout; a rank that dies closes
+its connections and ends it at once. Either way every other rank raises InvalidState on one
+line naming the rank, with its cache as the verb's own failure leaves it (declare_step, a
+growth, an exchange: nothing changed; prepare_step's last agreement: the step taken back;
+commit_step: committed), and the wrapper refuses every later call at once.
+:meth:`TPCache.peer_error` says the same of a failure inside the model's collectives.
 
 The model side: :func:`shard_model` applies the model's own tensor-parallel plan from
 transformers (``base_model_tp_plan``: q/k/v colwise, o rowwise, MLP colwise/rowwise, the
@@ -85,8 +94,12 @@ the model's config), sharded for the rank.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import os
+import re
+import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -279,14 +292,49 @@ def shard_model(model: Any) -> Any:
 
 
 # -- the cache ---------------------------------------------------------------------------------
-def _agreement_group(group: Any) -> Any:
-    """A gloo group of its own over ``group``'s ranks (created collectively: every rank builds
-    its TPCache at the same point). Never the model's group, even when that one is gloo: a
-    rank that fails on its own between two agreements then waits in the agreement while the
-    others wait in the model's collectives, and the group's timeout ends both (on a shared
-    group the two collectives could pair with each other)."""
+def _group_timeout(group: Any) -> datetime.timedelta:
+    """The timeout ``group`` (None: the default group) was made with, read from its backend;
+    torch's default for gloo when no backend tells (torch made the group without one)."""
+    pg: Any = dist.group.WORLD if group is None else group
+    for device in getattr(pg, "_device_types", None) or (torch.device("cpu"),):
+        try:
+            timeout = pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    return dist.distributed_c10d._get_default_timeout(dist.Backend(dist.Backend.GLOO))
+
+
+def _agreement_group(group: Any, timeout: datetime.timedelta) -> Any:
+    """A gloo group of its own over ``group``'s ranks, with ``group``'s timeout (created
+    collectively: every rank builds its TPCache at the same point). Never the model's group,
+    even when that one is gloo: a rank that fails on its own between two agreements then
+    waits in the agreement while the others wait in the model's collectives, and the
+    timeout ends both (on a shared group the two collectives could pair with each other).
+    torch gives a group made without a timeout its backend's default (30 minutes for gloo),
+    not the default group's."""
     ranks = None if group is None else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="gloo")
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+
+
+#: With more than two ranks, a rank whose collective failed waits for the others' reports of
+#: their own failure until this many seconds past the moment every rank still alive has
+#: failed too (the timeout after the collective began); the ranks that sent none are named.
+_ROLL_CALL_GRACE = 2.0
+
+#: What gloo (or another backend) says when a peer is gone or silent, as opposed to an error
+#: of the operation itself.
+_TRANSPORT = re.compile(r"gloo/transport|timed out|connection (?:closed|reset|refused)|"
+                        r"broken pipe|pair closure", re.IGNORECASE)
+
+
+def _transport_detail(error: BaseException) -> str:
+    """The backend's own words about a transport failure, on one line: the source location
+    and the advice after the first sentence left out."""
+    text = " ".join(str(error).split())
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". ")[0][:200] or type(error).__name__
 
 
 def _report(error: BaseException | None) -> tuple | None:
@@ -356,8 +404,11 @@ class TPCache(_CacheLike):
     ``local`` (``cellcache.hf.attach(model, tp_cache.local)``).
 
     ``group``: the ranks that agree (default: the world). Collectives run on a gloo group
-    over the same ranks created here (so every rank must build its TPCache at the same
-    point of the program).
+    over the same ranks created here with ``group``'s timeout (so every rank must build its
+    TPCache at the same point of the program). A rank that does not answer one of them
+    within that timeout, or whose connection closes, is named in an InvalidState on every
+    other rank (the module docstring says what each verb leaves), and the wrapper refuses
+    every later call at once (:attr:`lost`).
 
     Example
     -------
@@ -378,8 +429,10 @@ class TPCache(_CacheLike):
         self.local = local
         self.group = group
         self.debug = debug
-        self._agree_group = _agreement_group(group)
+        self._timeout = _group_timeout(group)
+        self._agree_group = _agreement_group(group, self._timeout)
         self._diverged: str | None = None
+        self._lost: str | None = None              # why a rank is known not to answer
         self._steps = 0
         self._deferred = deferred
         self._fault: BaseException | None = None   # deferred: a local failure not agreed yet
@@ -391,6 +444,8 @@ class TPCache(_CacheLike):
     @contextmanager
     def _usable(self) -> Iterator[None]:
         with self.local.lock:
+            if self._lost is not None:
+                raise InvalidState(self._lost)
             if self._diverged is not None:
                 raise InvalidState(f"the ranks' caches diverged ({self._diverged}); build new caches")
             yield
@@ -399,6 +454,89 @@ class TPCache(_CacheLike):
         """Marks the wrapper diverged (every later call refuses); the error to raise."""
         self._diverged = reason
         return InvalidState(f"the ranks' caches diverged: {reason}; build new caches")
+
+    @contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        """Runs a collective on :attr:`agreement_group` (``what`` names it in the error): a
+        rank that does not answer within :attr:`timeout`, or whose connection closes, raises
+        :meth:`peer_error`'s InvalidState (one line, naming the rank) instead of the
+        backend's error, and this wrapper refuses every later call. Every collective of the
+        wrapper runs in one; so should a caller's own on the same group."""
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, CellCacheError) or not (isinstance(e, dist.DistError)
+                                                     or _TRANSPORT.search(str(e))):
+                raise                        # the operation's own failure (a bug): as it is
+            raise self._peer_lost(e, what, own=True) from None
+
+    def peer_error(self, error: BaseException, what: str = "the model's collectives"
+                   ) -> InvalidState | None:
+        """The library's error for ``error`` when it is a collective's transport failure
+        among this group's ranks (the model's collectives too: a peer that did not answer
+        within the timeout, or whose connection closed): InvalidState on one line naming the
+        rank (``what``: where it happened), after which this wrapper refuses every call.
+        None for any other error (an operation's own failure stays what it is).
+
+        With more than two ranks the rank is found by a roll call through the default
+        group's store: every rank that failed reports, and those that did not within the
+        group's timeout and a few seconds are named. A CLI prints the result's message."""
+        if isinstance(error, CellCacheError):
+            return None
+        transport = isinstance(error, dist.DistNetworkError) or (
+            isinstance(error, RuntimeError) and _TRANSPORT.search(str(error)) is not None)
+        return self._peer_lost(error, what, own=False) if transport else None
+
+    def _peer_lost(self, error: BaseException, what: str, own: bool) -> InvalidState:
+        """The error for a collective's transport failure (see :meth:`collective`); ``own``:
+        the collective ran on the agreement's group (whose timeout the message can state)."""
+        if self._lost is not None:
+            return InvalidState(self._lost)
+        detail = _transport_detail(error)
+        silent = re.search(r"timed out|timeout", str(error), re.IGNORECASE) is not None
+        others = [r for r in range(self.world) if r != self.rank]
+        missing = others if self.world == 2 else self._roll_call(silent)
+        if missing:
+            who = (f"rank {missing[0]}" if len(missing) == 1 else
+                   "ranks " + ", ".join(map(str, missing))) + f" of {self.world}"
+        else:
+            who = f"a rank of {self.world} other than rank {self.rank}"
+        within = f"the group's timeout ({self.timeout:g} s)" if own else "its group's timeout"
+        if silent:
+            what_happened = (f"{who} did not answer {what} within {within}: it stopped, hangs or "
+                             "is out of step")
+        else:
+            what_happened = f"{who} closed its connection during {what}: the process died or left"
+        self._lost = f"{what_happened}; rank {self.rank} ends its wait: build new caches [{detail}]"
+        return InvalidState(self._lost)
+
+    def _roll_call(self, silent: bool) -> list[int] | None:
+        """After this rank's collective failed: the group's other ranks that did not report
+        a failure of their own through the default store before every rank still alive has
+        failed too (``_ROLL_CALL_GRACE`` past the timeout after the collective began: it
+        began a timeout ago when it timed out, now when a connection closed); None when the
+        store does not answer by then."""
+        deadline = time.monotonic() + (0.0 if silent else self.timeout) + _ROLL_CALL_GRACE
+        prefix = f"cellcache.tp/{self._agree_group.group_name}/failed/"
+        found: list[list[int]] = []
+
+        def call() -> None:
+            try:
+                store = dist.distributed_c10d._get_default_store()
+                store.set(f"{prefix}{self.rank}", "1")
+                waiting = [r for r in range(self.world) if r != self.rank]
+                while waiting and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    waiting = [r for r in waiting if not store.check([f"{prefix}{r}"])]
+                found.append(waiting)
+            except Exception:  # noqa: BLE001 - no store: the rank stays unnamed
+                pass
+
+        # a thread of its own: a store whose host is the rank that stopped never answers
+        caller = threading.Thread(target=call, name="cellcache-tp-roll-call", daemon=True)
+        caller.start()
+        caller.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        return found[0] if found else None
 
     def _fold(self, code: int) -> None:
         """Deferred mode: adds an outcome to the digest the next round compares."""
@@ -425,7 +563,8 @@ class TPCache(_CacheLike):
                self._digest, -self._digest, *values] + [0] * (_VALUES - len(values))
         flags = self._flags                         # one buffer (the cache's lock is held)
         flags.numpy()[:] = vec
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._agree_group)
+        with self.collective(f"{verb}()'s agreement"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._agree_group)
         self.rounds += 1
         r = flags.tolist()
         if r[0] != -r[1]:
@@ -483,7 +622,8 @@ class TPCache(_CacheLike):
     def _agreed_error(self, verb: str, error: BaseException | None,
                       rows: int | None) -> BaseException:
         reports: list[Any] = [None] * self.world
-        dist.all_gather_object(reports, (_report(error), rows), group=self._agree_group)
+        with self.collective(f"the report of {verb}()'s failure"):
+            dist.all_gather_object(reports, (_report(error), rows), group=self._agree_group)
         first = next(r for r, (rep, _) in enumerate(reports) if rep is not None)
         name, message, library, code, cuda_name = reports[first][0]
         all_rows = [r_rows for _, r_rows in reports]
@@ -512,7 +652,8 @@ class TPCache(_CacheLike):
         others went on): the first failing rank's error on every rank (library errors keep
         their class, others become InvalidState), and the wrapper refuses from now on."""
         reports: list[Any] = [None] * self.world
-        dist.all_gather_object(reports, _report(fault), group=self._agree_group)
+        with self.collective("the report of a rank's failure"):
+            dist.all_gather_object(reports, _report(fault), group=self._agree_group)
         first = next(r for r, rep in enumerate(reports) if rep is not None)
         name, message, library, code, cuda_name = reports[first]
         self._diverged = (f"rank {first} failed after the ranks agreed on a step ({name}: {message}) "
@@ -533,7 +674,8 @@ class TPCache(_CacheLike):
         """Debug: ``value`` (picklable) must be equal on every rank; InvalidState naming the
         first rank that differs from rank 0 otherwise (and this wrapper refuses from then)."""
         values: list[Any] = [None] * self.world
-        dist.all_gather_object(values, value, group=self._agree_group)
+        with self.collective(f"debug's comparison at {what}"):
+            dist.all_gather_object(values, value, group=self._agree_group)
         for r, v in enumerate(values):
             if v != values[0]:
                 self._diverged = f"at {what}, rank {r} has {v!r}, rank 0 {values[0]!r}"
@@ -738,6 +880,17 @@ class TPCache(_CacheLike):
         """The gloo group the agreement runs on (built over ``group``'s ranks): others that
         exchange host values in the same lockstep may use it."""
         return self._agree_group
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any collective of the agreement waits for a rank: ``group``'s timeout."""
+        return self._timeout.total_seconds()
+
+    @property
+    def lost(self) -> str | None:
+        """Why a rank is known not to answer (then every verb raises InvalidState saying so),
+        or None."""
+        return self._lost
 
     @property
     def diverged(self) -> str | None:

@@ -5,7 +5,9 @@ gloo group through a file rendezvous in the test's tmp_path, runs ``fn(rank, wor
 on each and returns the results by rank. A child's exception fails the test with the
 child's traceback (torch's ``ProcessRaisedException`` carries it); a collective waits at
 most ``COLLECTIVE_TIMEOUT`` seconds; a run past ``timeout`` kills the children and fails.
-Every function here that a rank runs is a module-level function, so spawn can import it.
+A rank is killed with the process that started it (even one that is stopped), so no rank
+outlives its test. Every function here that a rank runs is a module-level function, so
+spawn can import it.
 """
 
 from __future__ import annotations
@@ -48,8 +50,23 @@ def trace(message: str) -> None:
         f.flush()
 
 
+def _die_with_parent() -> None:
+    """This process gets SIGKILL when the process that started it ends (Linux; a no-op
+    elsewhere): a rank left stopped or waiting never outlives a test run that was killed."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)        # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:                             # the parent ended before that
+        os._exit(1)
+
+
 def _entry(rank: int, fn: Any, world: int, tmp: str, args: tuple, backend: str = "gloo",
-           deadline: float = 0.0) -> None:
+           deadline: float = 0.0, lost: int = -1) -> None:
+    _die_with_parent()
     # A rank that hangs dumps every thread's stack: on SIGUSR1 (run_ranks sends it at its
     # timeout, or when interrupted, before killing the ranks), on SIGTERM (torch's join ends
     # the others that way when one rank fails), on a fatal signal (an NCCL abort is SIGABRT),
@@ -94,7 +111,9 @@ def _entry(rank: int, fn: Any, world: int, tmp: str, args: tuple, backend: str =
         # both ranks past their last collective before either tears its groups down: a rank
         # that closed its gloo pairs while the other still sent its last chunk aborted the
         # other (std::terminate, SIGABRT; 1 run in 13 of tests/test_tp_generate.py)
-        if backend == "nccl":
+        if lost >= 0:
+            pass                                     # rank ``lost`` never answers again
+        elif backend == "nccl":
             dist.barrier(device_ids=[rank])
         else:
             dist.barrier()
@@ -106,23 +125,18 @@ def _entry(rank: int, fn: Any, world: int, tmp: str, args: tuple, backend: str =
 
 
 def run_ranks(fn: Any, tmp_path: Path, *args: Any, world: int = WORLD, timeout: float = 90,
-              backend: str = "gloo") -> list:
+              backend: str = "gloo", lost: int | None = None) -> list:
     """``fn(rank, world, *args)`` on ``world`` spawned ranks over ``backend`` (gloo: the ranks
     see no GPU; nccl: rank r on GPU r); the results by rank. A rank that raises, dies or is
     still running after ``timeout`` seconds fails the test with every rank's thread stacks
-    and trace (:func:`trace`); each rank also ends itself, stacks dumped, 5 s after that."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    # CPU tests: the ranks see no GPU, so transformers' mesh is on the CPU even on a GPU host
-    if backend == "gloo":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        ctx = mp.start_processes(_entry, args=(fn, world, str(tmp_path), args, backend, timeout + 5),
-                                 nprocs=world, join=False, start_method="spawn")
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    and trace (:func:`trace`); each rank also ends itself, stacks dumped, 5 s after that.
+
+    ``lost``: the rank that stops or dies on purpose: the others skip the final barrier and
+    are waited for alone; rank ``lost`` is then killed (a stopped one too) and its result is
+    None."""
+    if lost is not None:
+        return _run_losing(fn, tmp_path, args, world, timeout, lost)
+    ctx = _spawn(fn, tmp_path, args, world, timeout, backend)
     deadline = time.monotonic() + timeout
     dumped = False
     try:
@@ -145,6 +159,54 @@ def run_ranks(fn: Any, tmp_path: Path, *args: Any, world: int = WORLD, timeout: 
                 p.join(5)
     out = []
     for rank in range(world):
+        with open(tmp_path / f"result{rank}.pkl", "rb") as f:
+            out.append(pickle.load(f))
+    return out
+
+
+def _spawn(fn: Any, tmp_path: Path, args: tuple, world: int, timeout: float, backend: str,
+           lost: int = -1) -> Any:
+    """The ranks of :func:`run_ranks`, started (torch's process context)."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # CPU tests: the ranks see no GPU, so transformers' mesh is on the CPU even on a GPU host
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        return mp.start_processes(_entry, args=(fn, world, str(tmp_path), args, backend, timeout + 5, lost),
+                                  nprocs=world, join=False, start_method="spawn")
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _run_losing(fn: Any, tmp_path: Path, args: tuple, world: int, timeout: float, lost: int) -> list:
+    """:func:`run_ranks` with rank ``lost`` stopping or dying on purpose (gloo only)."""
+    ctx = _spawn(fn, tmp_path, args, world, timeout, "gloo", lost)
+    survivors = [(r, p) for r, p in enumerate(ctx.processes) if r != lost]
+    deadline = time.monotonic() + timeout
+    try:
+        for _, p in survivors:
+            p.join(max(0.0, deadline - time.monotonic()))
+        late = [r for r, p in survivors if p.exitcode is None]
+        if late:
+            pytest.fail(f"ranks {late} did not finish within {timeout} s; their stacks and traces:\n"
+                        + _stacks(ctx, tmp_path), pytrace=False)
+        failed = [(r, p.exitcode) for r, p in survivors if p.exitcode != 0]
+        if failed:
+            pytest.fail(f"ranks failed (rank, exit code): {failed}\n--- every rank's stacks and "
+                        "trace ---\n" + _stacks(ctx, tmp_path), pytrace=False)
+    finally:
+        for p in ctx.processes:                      # the lost rank: stopped, or gone already
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    out: list = []
+    for rank in range(world):
+        if rank == lost:
+            out.append(None)
+            continue
         with open(tmp_path / f"result{rank}.pkl", "rb") as f:
             out.append(pickle.load(f))
     return out
@@ -470,6 +532,129 @@ def divergence(rank: int, world: int) -> dict:
     return out
 
 
+# -- a rank that stops or dies -------------------------------------------------------------
+
+LOST_TIMEOUT = 4.0           # the group's timeout where a rank stops or dies on purpose
+# a stopped rank (silent: its connections open) is given up after the group's timeout, a
+# dead one at once: the tests allow this much more on a loaded machine (still far below
+# torch's 30-minute default)
+LOST_SLACK = 20.0
+
+
+def lose(rank: int, how: str) -> None:
+    """Rank ``rank`` ends here without a word: ``stop`` (SIGSTOP: silent, its connections
+    open) or ``die`` (SIGKILL: its connections closed by the kernel). run_ranks kills a
+    stopped rank once the others are done."""
+    trace(f"rank {rank}: {how}")
+    os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+    time.sleep(3600)                                  # never reached: SIGSTOP holds, SIGKILL ends
+
+
+def short_group() -> Any:
+    """A group over the world with LOST_TIMEOUT, the ranks in step when it is made (its own
+    creation waits at most that long)."""
+    dist.barrier()
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=LOST_TIMEOUT))
+
+
+def _timed(fn: Any) -> tuple[str, str, float, bool]:
+    """(class name, message, seconds, chained) of what ``fn()`` raises (``chained``: Python
+    would print another exception with it); ("none", "", seconds, False) when it returns."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the outcome
+        chained = e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__)
+        return type(e).__name__, str(e), time.monotonic() - t0, chained
+    return "none", "", time.monotonic() - t0, False
+
+
+def lost_peer_on_rank(rank: int, world: int, how: str, where: str) -> dict:
+    """The last rank stops or dies (``how``) where the others wait for it (``where``):
+    ``declare`` (declare_step's agreement), ``grow`` (prepare_step's growth agreement,
+    deferred) or ``exchange`` (a deferred round). The others report what they raised, how
+    long it took, their cache before and after, and the next call's outcome."""
+    lost = world - 1
+    config = full_config(layers=[LayerConfig(world, 4), LayerConfig(world, 2, 5)])
+    cache = tp.TPCache(HostCellCache(tp.shard_config(config, rank, world), growth="copy"),
+                       short_group())
+    if where != "declare":
+        cache.defer()
+    local = cache.local
+    a = cache.seq_new()
+    assert cache.declare_step([a] * 3) is True
+    cache.prepare_step()                                  # 4 rows: agreed (growth)
+    cache.commit_step()
+    cache.exchange()
+    if where == "grow":
+        assert cache.declare_step([a] * 2) is True        # local (deferred); 5 rows: a growth
+        call = cache.prepare_step
+    elif where == "declare":
+        call = lambda: cache.declare_step([a] * 2)        # noqa: E731
+    else:
+        assert cache.declare_step([a]) is True            # 4 rows: no growth, no collective
+        cache.prepare_step()
+        cache.commit_step()
+        call = cache.exchange
+    before = state(local)
+    if rank == lost:
+        lose(rank, how)
+    outcome = _timed(call)
+    trace(f"raised {outcome}")
+    after = state(local)
+    assert_same(before, after)                            # nothing changed by the failure
+    declared = local.table.declared
+    later = _timed(lambda: cache.declare_step([a]))       # refused at once
+    assert_same(before, state(local))
+    cache.check_invariants()
+    cache.close()
+    return {"outcome": outcome, "later": later, "lost": cache.lost, "declared": declared,
+            "closed": cache.closed, "timeout": cache.timeout}
+
+
+def _backend_timeout(group: Any) -> float:
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def agreement_timeouts(rank: int, world: int) -> dict:
+    """The timeouts of a TPCache over the world and over a group of LOST_TIMEOUT, with the
+    timeouts their agreement groups were made with."""
+    config = tp.shard_config(full_config(), rank, world)
+    over_world = tp.TPCache(HostCellCache(config))
+    over_short = tp.TPCache(HostCellCache(config), short_group())
+    return {"world": over_world.timeout, "world_agreement": _backend_timeout(over_world.agreement_group),
+            "short": over_short.timeout, "short_agreement": _backend_timeout(over_short.agreement_group)}
+
+
+GLOO_TIMED_OUT = ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                  "waiting 3000ms for recv operation to complete")
+GLOO_CLOSED = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               "[127.0.0.1]:34446. This is typically caused by a remote worker crashing. Check the "
+               "logs of the remote worker before reporting an error.")
+
+
+def peer_errors_on_rank(rank: int, world: int) -> dict:
+    """TPCache.peer_error on what gloo raises when a peer is silent or gone, and on errors that
+    are not a transport's (no collective after the caches are made)."""
+    config = tp.shard_config(full_config(), rank, world)
+    silent, gone, fine = (tp.TPCache(HostCellCache(config)) for _ in range(3))
+    out: dict = {"timed_out": str(silent.peer_error(RuntimeError(GLOO_TIMED_OUT)))}
+    out["refused"] = _outcome(silent.seq_new)
+    out["then_closed"] = str(silent.peer_error(RuntimeError(GLOO_CLOSED), "a step"))
+    out["closed"] = str(gone.peer_error(RuntimeError(GLOO_CLOSED), "a step"))
+    out["others"] = [fine.peer_error(e) for e in (
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 6x8)"),
+        InvalidArgument("a library error"), ValueError("timed out"), KeyboardInterrupt())]
+
+    def bug_in_a_collective() -> None:
+        with fine.collective("a collective"):
+            raise RuntimeError("Tensors must be CPU and dense")
+
+    out["bug"] = _outcome(bug_in_a_collective)
+    out["lost"] = fine.lost
+    return out
+
+
 # -- a sharded model ------------------------------------------------------------------------
 
 PROMPTS = ([5, 17, 301, 44, 9], [250, 3, 77])
@@ -703,6 +888,62 @@ def steady_decode_on_rank(rank: int, world: int) -> dict:
     return out
 
 
+LOST_AT_STEP = 3              # the step before which (or in whose forward) rank 1 is lost
+
+
+def lost_generator_on_rank(rank: int, world: int, how: str, where: str) -> dict:
+    """Generator(tp=True) over a TPCache of LOST_TIMEOUT; rank 1 stops or dies (``how``) at
+    step LOST_AT_STEP: before it (rank 0 waits in the step's start hand-over) or inside its
+    forward (``where="forward"``: rank 0 waits in the model's collectives). Rank 0 reports
+    what the step raised, ``gen.cache.peer_error`` of it, its requests and cache before and
+    after, and the next step's outcome."""
+    from cellcache.generate import Generator, Sampling
+
+    model = gen_model()
+    cache = tp.build("host", "batched", gen_cache_config(model), group=short_group())
+    gen = Generator(model, cache, tp=True, async_steps=False, **GEN_OPTIONS)  # type: ignore[arg-type]
+    if rank == 0:
+        for p in gen_prompts()[:3]:
+            gen.add(p, Sampling(max_new_tokens=10))
+    for _ in range(LOST_AT_STEP):
+        assert gen.step()
+    local = gen.cache.local
+
+    def seen() -> tuple:
+        return ([[list(o) for o in r.outputs] for r in gen.requests], local.live_seqs(),
+                [local.pos(s) for s in local.live_seqs()])
+
+    before, before_state = seen(), state(local)
+    if rank == 1:
+        if where == "forward":
+            def lost_inside(*args: Any, **kw: Any) -> Any:
+                lose(rank, how)
+
+            gen.model.model.layers[1].mlp.forward = lost_inside   # after layer 1's attention
+        else:
+            lose(rank, how)
+    t0 = time.monotonic()
+    try:
+        gen.step()
+        raised: BaseException | None = None
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        raised = e
+    seconds = time.monotonic() - t0
+    trace(f"step raised {raised!r}")
+    assert raised is not None
+    translated = gen.cache.peer_error(raised)
+    out = {"raised": (type(raised).__name__, str(raised), seconds),
+           "peer_error": None if translated is None else (type(translated).__name__, str(translated)),
+           "same": seen() == before, "lost": gen.cache.lost}
+    if where != "forward":                     # nothing ran: the whole cache as it was
+        assert_same(before_state, state(local))
+    gen.cache.check_invariants()
+    out["later"] = _timed(gen.step)
+    out["same_later"] = seen() == before
+    gen.cache.close()
+    return out
+
+
 def diverged_draws_on_rank(rank: int, world: int) -> dict:
     """Rank 1's sampler draws another id once (its 4th launch): every rank must raise
     InvalidState naming the step, then refuse every later step. Synchronous, asynchronous,
@@ -902,7 +1143,7 @@ def comm_probe_on_rank(rank: int, world: int, rows: int = 256, hidden: int = 358
     out["graph_ms"] = timed(graph.replay)
     trace(f"graph: {out['graph_ms']:.3f} ms a step")
     del graph
-    group = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
     flags = torch.zeros(15, dtype=torch.int64)
     for _ in range(50):
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
@@ -969,22 +1210,24 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT = 120
 
 
-def run_cli(args: list[str], torchrun: bool, tmp_path: Path, cuda: bool = False
-            ) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], torchrun: bool, tmp_path: Path, cuda: bool = False,
+            entry: tuple[str, ...] = ("-m", "cellcache"), tp_timeout: float = 60,
+            torchrun_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """``cellcache generate`` in a subprocess (under torchrun: 2 ranks, ``--standalone``: a
-    free port), killed with its children after CLI_TIMEOUT seconds. ``cuda``: the GPUs stay
-    visible."""
+    free port, ``torchrun_args`` added), killed with its children after CLI_TIMEOUT
+    seconds. ``cuda``: the GPUs stay visible. ``entry``: what each process runs (the
+    ``generate`` command and ``args`` follow it); ``tp_timeout``: the group's timeout."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2"] if torchrun else [sys.executable]
+                "--nproc-per-node", "2", *torchrun_args] if torchrun else [sys.executable]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     # PYTHONFAULTHANDLER: a process sent SIGABRT (below, at the time limit) prints every
     # thread's stack on its stderr first
-    env.update(OMP_NUM_THREADS="1", CELLCACHE_TP_TIMEOUT="60", PYTHONFAULTHANDLER="1",
+    env.update(OMP_NUM_THREADS="1", CELLCACHE_TP_TIMEOUT=f"{tp_timeout:g}", PYTHONFAULTHANDLER="1",
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.Popen(launcher + ["-m", "cellcache", "generate", *args], cwd=tmp_path, env=env,
+    proc = subprocess.Popen(launcher + [*entry, "generate", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -1016,3 +1259,43 @@ def refused_generator(rank: int, world: int) -> dict:
             raised = (raised or []) + [str(e)]
     return {"raised": raised, "sharded": is_sharded(model),
             "attention": model.config._attn_implementation}
+
+
+def _leave_in_cli(how: str, where: str) -> None:
+    """Rank 1 of ``cellcache generate`` under torchrun leaves at its generator's step
+    LOST_AT_STEP, before the step or inside its forward (``where``: ``step``, ``forward``):
+    ``sleep`` (silent, forever) or ``exit`` (its process gone; exit code 0, on which torchrun
+    waits for the other ranks instead of ending them: what rank 0 prints is its own)."""
+    from cellcache.generate import engine
+
+    _die_with_parent()                                # never outlives torchrun
+
+    def leave(*args: Any, **kw: Any) -> None:
+        if how == "sleep":                            # torchrun ends it once rank 0 is done
+            time.sleep(3 * float(os.environ["CELLCACHE_TP_TIMEOUT"]) + CLI_TIMEOUT)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    step, calls = engine.Generator.step, [0]
+
+    def leaving_step(gen: Any) -> bool:
+        calls[0] += 1
+        if calls[0] == LOST_AT_STEP:
+            if where == "forward":
+                gen.model.model.layers[1].mlp.forward = leave      # after layer 1's attention
+            else:
+                leave()
+        return step(gen)
+
+    engine.Generator.step = leaving_step  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    # python -m tests.helpers_tp HOW WHERE generate ARGS...: the CLI, rank 1 leaving (above)
+    how, where, *command = sys.argv[1:]
+    if os.environ.get("RANK") == "1":
+        _leave_in_cli(how, where)
+    from cellcache.__main__ import main
+
+    sys.exit(main(command))

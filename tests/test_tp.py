@@ -258,3 +258,70 @@ def test_a_model_sharded_by_transformers_gives_one_process_logits(tmp_path):
             assert mine.shape == ref.shape
             np.testing.assert_allclose(mine, ref, rtol=0, atol=1e-5)
             assert (mine.argmax(-1) == ref.argmax(-1)).all()
+
+
+# -- a rank that stops or dies ---------------------------------------------------------------
+
+def test_the_agreement_waits_as_long_as_the_group_it_agrees_over(tmp_path):
+    """The agreement's own gloo group is made with the timeout of the group it agrees over
+    (torch would give it gloo's 30 minutes): the default group's here."""
+    for out in H.run_ranks(H.agreement_timeouts, tmp_path):
+        assert out == {"world": H.COLLECTIVE_TIMEOUT, "world_agreement": H.COLLECTIVE_TIMEOUT,
+                       "short": H.LOST_TIMEOUT, "short_agreement": H.LOST_TIMEOUT}
+
+
+@pytest.mark.parametrize("how, where", [("stop", "declare"), ("stop", "exchange"), ("die", "grow"),
+                                        ("die", "exchange")])
+def test_a_rank_that_stops_or_dies_is_named_on_one_line_within_the_timeout(tmp_path, how, where):
+    r0, r1 = H.run_ranks(H.lost_peer_on_rank, tmp_path, how, where, lost=1, timeout=60)
+    assert r1 is None
+    kind, message, seconds, chained = r0["outcome"]
+    assert kind == "InvalidState" and not chained
+    assert "\n" not in message and message.startswith("rank 1 of 2 ")
+    assert "build new caches" in message
+    verb = {"declare": "declare_step", "grow": "prepare_step", "exchange": "exchange"}[where]
+    assert f"{verb}()'s agreement" in message
+    if how == "stop":
+        assert "did not answer" in message and f"timeout ({H.LOST_TIMEOUT:g} s)" in message
+        assert H.LOST_TIMEOUT - 0.5 <= seconds <= H.LOST_TIMEOUT + H.LOST_SLACK
+    else:
+        assert "closed its connection" in message and "died" in message
+        assert seconds <= H.LOST_TIMEOUT + H.LOST_SLACK
+    # nothing changed (the rank function compared its whole cache), and every later call
+    # is refused at once with the same line
+    assert r0["declared"] == (None if where in ("declare", "exchange") else [0, 0])
+    assert r0["later"][:2] == ("InvalidState", message) and r0["later"][2] < 1.0
+    assert r0["lost"] == message and r0["closed"]
+
+
+def test_with_three_ranks_the_roll_call_names_the_one_that_stopped(tmp_path):
+    *survivors, lost = H.run_ranks(H.lost_peer_on_rank, tmp_path, "stop", "exchange", world=3,
+                                   lost=2, timeout=60)
+    assert lost is None
+    for rank, out in enumerate(survivors):
+        kind, message, seconds, _ = out["outcome"]
+        assert kind == "InvalidState" and "\n" not in message, rank
+        assert message.startswith("rank 2 of 3 did not answer exchange()'s agreement"), message
+        assert f"rank {rank} ends its wait" in message
+        assert seconds <= H.LOST_TIMEOUT + H.LOST_SLACK
+
+
+def test_peer_error_names_only_a_transport_failure(tmp_path):
+    """What a CLI turns into one line: the backend's words for a peer gone or silent (inside
+    the model's collectives, say); any other error is left as it is (None), the wrapper
+    still usable."""
+    for rank, out in enumerate(H.run_ranks(H.peer_errors_on_rank, tmp_path)):
+        other = 1 - rank
+        assert out["timed_out"] == (
+            f"rank {other} of 2 did not answer the model's collectives within its group's timeout: "
+            f"it stopped, hangs or is out of step; rank {rank} ends "
+            "its wait: build new caches [Timed out waiting 3000ms for recv operation to complete]")
+        assert out["refused"] == ("InvalidState", out["timed_out"])
+        assert out["then_closed"] == out["timed_out"]          # the first reason stays
+        assert out["closed"] == (
+            f"rank {other} of 2 closed its connection during a step: the process died or left; "
+            f"rank {rank} ends its wait: build new caches [Connection closed by peer "
+            "[127.0.0.1]:34446]")
+        assert out["others"] == [None, None, None, None]
+        assert out["bug"] == ("RuntimeError", "Tensors must be CPU and dense")   # as it was
+        assert out["lost"] is None

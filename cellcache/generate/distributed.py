@@ -70,6 +70,11 @@ A rank's own failure after the step's agreement (a CUDA error, a signal, a bug: 
 allocation, which is agreed first) is raised on that rank at once; the others learn at the
 next hand-over, raise the same error class naming the rank, and refuse from then on (if
 they are waiting inside the model's collectives meanwhile, the group's timeout ends it).
+A rank that stops answering or dies: the others' hand-over (or the model's collective they
+wait in) ends within the group's timeout, or at once when its connection closes; a
+hand-over raises InvalidState on one line naming the rank (:meth:`TPCache.collective`), and
+``gen.cache.peer_error(e)`` turns the backend's error from the model's collectives into the
+same (what a CLI prints); every later step raises it at once.
 
 **Teardown.** With NCCL (2.26 and later) a communicator is not destroyed while a CUDA graph
 that captured one of its kernels lives: ``destroy_process_group()`` waits for the decode
@@ -298,7 +303,8 @@ class RankSync:
                          for s in incoming],
                         [job.req.id for job in cancels],
                         [(rid, k, f"{type(e).__name__}: {e}") for rid, k, e in failures])]
-        dist.broadcast_object_list(payload, self.src, group=self.group)
+        with self.cache.collective("the hand-over's broadcast"):
+            dist.broadcast_object_list(payload, self.src, group=self.group)
         new, cancel_ids, failed = payload[0]
         if self.rank != 0:
             incoming = [self._mirror(rid, prompt, sampling) for rid, prompt, sampling, _ in new]
