@@ -726,6 +726,25 @@ def gen_sampling(i: int) -> Any:
     return Sampling(max_new_tokens=12 if i % 2 else 9)
 
 
+def recorded(gen: Any) -> list:
+    """Every request ``gen`` is given from now on, added (rank 0) or mirrored (the other
+    ranks): a generator keeps only the unfinished ones."""
+    seen: list = []
+    add, mirror = gen.add, gen.mirror
+
+    def adding(*args: Any, **kwargs: Any) -> Any:
+        seen.append(add(*args, **kwargs))
+        return seen[-1]
+
+    def mirroring(*args: Any) -> Any:
+        s = mirror(*args)
+        seen.append(s.req)
+        return s
+
+    gen.add, gen.mirror = adding, mirroring
+    return seen
+
+
 def serve_workload(gen: Any, rank: int, alloc: Any = None) -> dict:
     """Arrivals over steps (added on rank 0 only), a follow-up added and a cancel made from
     callbacks, a callback that raises, an allocation failure on rank 1 (``alloc``); every
@@ -736,6 +755,7 @@ def serve_workload(gen: Any, rank: int, alloc: Any = None) -> dict:
     prompts = gen_prompts()
     reqs: dict[int, Any] = {}
     raised: list[str] = []
+    added = recorded(gen)
 
     def on_token(req: Any, k: int, tok: int) -> None:
         n_out = len(req.outputs[k])
@@ -773,9 +793,9 @@ def serve_workload(gen: Any, rank: int, alloc: Any = None) -> dict:
             break
     cache = gen.cache
     cache.check_invariants()
-    return {"outputs": [r.outputs for r in gen.requests],
-            "reasons": [r.finish_reasons for r in gen.requests],
-            "errors": [None if r.error is None else type(r.error).__name__ for r in gen.requests],
+    return {"outputs": [r.outputs for r in added],
+            "reasons": [r.finish_reasons for r in added],
+            "errors": [None if r.error is None else type(r.error).__name__ for r in added],
             "stats": dict(gen.stats), "raised": raised, "steps": step, "flights": flights}
 
 
@@ -869,6 +889,7 @@ def steady_decode_on_rank(rank: int, world: int) -> dict:
         gen = Generator(model, cache, tp=True, eos=[], prefix_cache=False,  # type: ignore[arg-type]
                         async_steps=async_steps)
         counter = CollectiveCounter(gen.cache.agreement_group)
+        added = recorded(gen)
         if rank == 0:
             for p in prompts:
                 gen.add(p, Sampling(max_new_tokens=24),
@@ -881,7 +902,7 @@ def steady_decode_on_rank(rank: int, world: int) -> dict:
             busy = gen.step()
             records.append((counter.calls - calls, gen.cache.rows > rows, decode,
                             gen._flight is not None, gen.busy))
-        out[async_steps, streams] = {"records": records, "outputs": [r.outputs for r in gen.requests],
+        out[async_steps, streams] = {"records": records, "outputs": [r.outputs for r in added],
                                      "skipped": gen.tp.skipped, "exchanges": gen.tp.exchanges}
         counter.restore()
     out["streamed"] = len(streamed)
@@ -1007,6 +1028,7 @@ def gpu_greedy(gen: Any, rank: int, n_new: int) -> list:
 
     prompts = gpu_prompts()
     sampling = Sampling(max_new_tokens=n_new)
+    added = recorded(gen)
     runner = gen.runner
 
     def step() -> bool:
@@ -1031,7 +1053,7 @@ def gpu_greedy(gen: Any, rank: int, n_new: int) -> list:
         pass
     if runner.cuda:
         torch.cuda.synchronize(runner.device)
-    return [r.outputs for r in gen.requests]
+    return [r.outputs for r in added]
 
 
 def gpu_placement(gen: Any) -> dict:

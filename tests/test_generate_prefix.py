@@ -17,7 +17,9 @@ No timing assertions."""
 
 from __future__ import annotations
 
+import functools
 import json
+import weakref
 
 import numpy as np
 import pytest
@@ -90,11 +92,26 @@ def shared_prompts(seed, n, prefix_len=S, own=(2, 12), dup=False):
     return shared, ps
 
 
+#: every request each generator of these tests was given (a generator keeps only the
+#: unfinished ones): what a cached path may hold
+ADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def make(model, prefix=True, **kw):
     opts = dict(capacity=1024, max_batch_tokens=32, max_seqs=24, prefill_chunk=8, eos=[],
                 prefix_cache=prefix)
     opts.update(kw)
-    return Generator(model, **opts)
+    gen = Generator(model, **opts)
+    added = ADDED.setdefault(gen, [])
+    add = gen.add
+
+    def recorded(*args, **kwargs):
+        req = add(*args, **kwargs)
+        added.append(req)
+        return req
+
+    gen.add = recorded
+    return gen
 
 
 def check(gen):
@@ -121,7 +138,7 @@ def check(gen):
         # every pin is one a running sequence holds, and is taken back when it stops
         assert pc.metrics()["pins"] == sum(len(s.pins) for s in gen.running)
         # every cached path is tokens some request really had (prompt, then its output)
-        seen = [r.prompt + o for r in gen.requests for o in r.outputs]
+        seen = [r.prompt + o for r in ADDED.get(gen, gen.requests) for o in r.outputs]
         for path, _ in pc.prefixes():
             assert any(tuple(t[:len(path)]) == path for t in seen), path
     assert gen._pending.size == sum(s.pending is not None for s in gen.running)
@@ -149,6 +166,8 @@ def serve(gen, prompts, n_new=N_NEW, arrive=None, every=None, **sampling):
     steps to the end checking after every step; returns the requests."""
     first = len(prompts) if arrive is None else arrive
     reqs = [gen.add(p, Sampling(max_new_tokens=n_new, **sampling)) for p in prompts[:first]]
+    if gen not in ADDED:                                 # a generator not from make()
+        ADDED[gen] = reqs
     rest = list(prompts[first:])
     i = 0
     while True:
@@ -257,6 +276,73 @@ def test_preemption_and_eviction_under_pressure(arch):
     assert m["evictions"] > 0 and m["evicted_cells"] > 0 and m["hits"] > 0
     assert m["pins"] == 0
     check_tree_kv(gen, ref)
+
+
+def test_a_fork_that_fits_alone_never_ends_for_capacity_with_the_cache_on(llama):
+    """n=2 in a pool one continuation fills: the first ends and is stored (prompt and
+    output); the second, preempted meanwhile, is readmitted with a short hit into that long
+    cached path. The path's unused tail is evicted for it: both finish, as with the cache
+    off."""
+    model, ref = llama
+    got = {}
+    for pc in (False, True):
+        gen = make(model, pc, capacity=64, max_batch_tokens=16)
+        req = gen.add([1, 2, 3, 4, 5], Sampling(max_new_tokens=60, n=2))
+        while gen.step():
+            check(gen)
+        assert req.finish_reasons == ["length", "length"], pc
+        got[pc] = req.outputs
+    assert got[True] == got[False] == [ref.generate([1, 2, 3, 4, 5], 60)] * 2
+
+
+@functools.cache
+def _model(name):
+    return random_model(name, seed=3)
+
+
+@pytest.mark.parametrize("name,seed", [("llama-tiny", 0), ("llama-tiny", 1), ("mistral-tiny", 2),
+                                       ("tiny", 3)])
+def test_randomized_workloads_give_the_same_tokens_with_the_cache_on_and_off(name, seed):
+    """Random pools (some tight enough to preempt and to fill with one request), shared
+    prefixes longer than the windows, forks, drafts, arrivals over time, reserve: outputs
+    and finish reasons are the same with the prefix cache on and off."""
+    model = _model(name)
+    rng = np.random.default_rng(100 + seed)
+    shared = rng.integers(0, VOCAB, size=int(rng.integers(8, 40))).tolist()
+    work = []
+    for _ in range(int(rng.integers(4, 9))):
+        own = rng.integers(0, VOCAB, size=int(rng.integers(1, 10))).tolist()
+        prompt = (shared[:int(rng.integers(1, len(shared) + 1))] if rng.random() < 0.7 else []) + own
+        work.append((prompt, int(rng.integers(1, 24)), int(rng.choice([1, 1, 2, 3])),
+                     bool(rng.random() < 0.3)))
+    need = max(len(p) + new - 1 for p, new, _, _ in work)
+    capacity = int(rng.integers(need, 2 * need + 40))
+    opts = dict(capacity=capacity, max_batch_tokens=min(capacity, int(rng.choice([8, 16, 32]))),
+                prefill_chunk=int(rng.choice([4, 7, 16])),
+                reserve=float(rng.choice([0.0, 0.5, 1.0])))
+    every = int(rng.integers(1, 4))
+
+    def draft(tokens, k):
+        return [(tokens[-1] * 31 + j) % VOCAB for j in range(k)]
+
+    got = {}
+    for pc in (False, True):
+        gen = make(model, pc, **opts)
+        reqs, i, rest = [], 0, list(work)
+        while True:
+            if rest and i % every == 0:
+                p, new, n, drafts = rest.pop(0)
+                reqs.append(gen.add(p, Sampling(max_new_tokens=new, n=n),
+                                    draft=draft if drafts else None, draft_k=2))
+            busy = gen.step()
+            check(gen)
+            i += 1
+            if not busy and not rest:
+                break
+            assert i < 3000
+        got[pc] = [(r.outputs, r.finish_reasons) for r in reqs]
+        assert all(r.done for r in reqs)
+    assert got[True] == got[False], opts
 
 
 def test_a_tight_pool_with_reserve_evicts_instead_of_preempting(llama):

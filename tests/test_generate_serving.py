@@ -49,12 +49,12 @@ def test_token_times_ttft_and_itl_with_a_step_clock(model):
     gen = stepped(model)
     a = gen.add(list(range(5)), Sampling(max_new_tokens=6))            # read in step 1
     b = gen.add(list(range(100, 120)), Sampling(max_new_tokens=3, n=2))  # 20 tokens: steps 1-3
-    gen.run()
+    assert gen.run() == [a, b]
     assert a.token_times == [[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]] and a.ttft == 1.0
     assert a.itl() == [1.0] * 5
     assert b.token_times == [[3.0, 4.0, 5.0]] * 2 and b.ttft == 3.0 and b.itl() == [1.0] * 4
     assert a.finished == 6.0 and b.finished == 5.0
-    lat = gen.latency()
+    lat = gen.latency([a, b])
     assert lat["requests"] == 2 and lat["gaps"] == 9
     assert lat["ttft_ms_p50"] == 2000.0 and lat["itl_ms_p50"] == lat["itl_ms_p99"] == 1000.0
     assert latency_summary([])["ttft_ms_p50"] is None

@@ -221,10 +221,7 @@ CLI_LOST_TIMEOUT = 10.0       # the group's timeout of the CLI runs that lose a 
 
 @pytest.mark.parametrize("how, where", [
     ("sleep", "step"), ("exit", "step"),
-    pytest.param("exit", "forward", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="cellcache generate must turn the model's collective error into one line: in its "
-               "gen.run() handler, gen.cache.peer_error(e) (cellcache/generate/cli.py)"))])
+    ("exit", "forward")])
 def test_the_cli_survivor_of_a_lost_rank_prints_one_line(tmp_path, how, where):
     """``cellcache generate --tp 2`` under torchrun whose rank 1 goes silent (sleeps) or exits
     before a step (rank 0 waits in the hand-over) or inside its forward (rank 0 waits in the

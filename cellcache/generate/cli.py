@@ -39,6 +39,7 @@ import torch
 from .._cli import Parser, in_range
 from ..errors import CellCacheError, InvalidArgument, OutOfMemory
 from ..hf import vocab_size
+from ..tp import TPCache
 from .engine import CPU_BATCH_TOKENS, CUDA_BATCH_TOKENS, Generator
 from .requests import Request, Sampling
 from .scheduler import ADMISSION_POLICIES
@@ -463,6 +464,9 @@ def _serve(p: Parser, args: Any, texts: list[str], device: str, place: Any, dtyp
     except KeyboardInterrupt:                         # the generator is whole: report what it has
         interrupted = True
     except RuntimeError as e:
+        lost = gen.cache.peer_error(e) if isinstance(gen.cache, TPCache) else None
+        if lost is not None:                          # a rank lost in the model's collectives
+            _refuse(lost)
         if not is_out_of_memory(e):
             raise
         _refuse(out_of_memory(f"a step of at most --max-batch-tokens {args.max_batch_tokens} on {place}",

@@ -103,7 +103,7 @@ from ..errors import InvalidArgument, InvalidState
 from ..tp import TPCache
 from .requests import Request
 from .sampler import Draw, SamplerOutput, SampleSpec
-from .scheduler import Job, Scheduler, Seq
+from .scheduler import Job, Seq
 
 __all__ = ["RankSync", "is_sharded", "tp_world"]
 
@@ -162,7 +162,9 @@ class RankSync:
         self._cancels: list[Job] = []                 # rank 0: cancelled, not handed over yet
         self._cancelled: set[int] = set()             # their request ids (callbacks skipped)
         self._failures: list[tuple[int, int | None, BaseException]] = []   # rank 0: callbacks
-        self._jobs: dict[int, Job] = {}               # request id -> job, every rank
+        # request id -> job, every rank, while the job lives (the Generator lets finished
+        # requests go; a cancel or failure of one handed over after that finds nothing)
+        self._jobs: weakref.WeakValueDictionary[int, Job] = weakref.WeakValueDictionary()
         self._checksum = 0                            # every draw landed so far, hashed
         self._landed = 0                              # steps whose draws landed
         self._agreed = 0                              # ... as of the last agreement
@@ -314,19 +316,20 @@ class RankSync:
                 self._streamed[rid] = s.job
         gen.scheduler.waiting.extend(incoming)
         for rid in cancel_ids:
-            job = self._jobs[rid]
-            if not job.req.done:
+            job = self._jobs.get(rid)
+            if job is not None and not job.req.done:
                 gen.scheduler.end(job, "cancelled")
         first: BaseException | None = None
         for i, (rid, k, text) in enumerate(failed):
-            job = self._jobs[rid]
+            job = self._jobs.get(rid)
             exc = failures[i][2] if self.rank == 0 else InvalidState(
                 f"request {rid}'s on_token raised on rank 0 ({text}); it ended with 'error' on "
                 f"every rank")
-            if job.req.error is None:
-                job.req.error = exc
-            if not job.req.done:
-                gen.scheduler.end(job, "error", k)
+            if job is not None:
+                if job.req.error is None:
+                    job.req.error = exc
+                if not job.req.done:
+                    gen.scheduler.end(job, "error", k)
             first = first or exc
         if self.rank == 0:
             with self._lock:                          # handed over: ended, nothing left to skip
@@ -336,16 +339,7 @@ class RankSync:
 
     def _mirror(self, rid: int, prompt: list[int], sampling: Any) -> Seq:
         """Ranks other than 0: the request rank 0 added, as add() queues it (same id)."""
-        gen = self.gen
-        n = sampling.n
-        req = Request(rid, list(prompt), sampling, None, None, 0,
-                      outputs=[[] for _ in range(n)], arrived=gen.clock(),
-                      finish_reasons=[None] * n, token_times=[[] for _ in range(n)])
-        if len(gen.requests) != rid:
-            raise InvalidState(f"rank {self.rank} has {len(gen.requests)} requests and rank 0 sent "
-                               f"request {rid}: the ranks' generators differ (build them the same way)")
-        gen.requests.append(req)
-        return Scheduler.new_seq(Job(req), 0, list(prompt))
+        return self.gen.mirror(rid, prompt, sampling)
 
     # -- the draws: every rank samples; their checksums are compared --------------------------------
     def landed(self, out: SamplerOutput) -> None:

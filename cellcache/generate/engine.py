@@ -33,6 +33,7 @@ import dataclasses
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -60,6 +61,7 @@ from .scheduler import (
     Scheduler,
     Seq,
     StepPlan,
+    read_clock,
 )
 
 __all__ = ["Generator"]
@@ -302,8 +304,13 @@ class Generator:
                                    clock=self.clock)
         #: Draws every token of a step on the model's device (one host copy a step).
         self.sampler = Sampler(self.runner.device)
-        self.requests: list[Request] = []
-        self._jobs: dict[int, Job] = {}        # id(request) -> its serving state
+        # the requests not finished yet, by id, in the order added (a finished one is let
+        # go at the end of the step or cancel that finished it: nothing here keeps it),
+        # every request added that someone still holds (weakly: which requests are this
+        # generator's), and the lists of the run() calls going on
+        self._live: dict[int, Job] = {}
+        self._added: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
+        self._collectors: list[list[Request]] = []
         self._ids = 0
         # _step_lock: held by the stepping thread (others are refused); _state_lock: held
         # while the queues and the cache change (a step, or add/cancel between steps);
@@ -390,13 +397,52 @@ class Generator:
     def _pending(self) -> PendingPrompts:
         return self.scheduler.pending
 
-    def latency(self, requests: Sequence[Request] | None = None) -> dict[str, float | int | None]:
-        """TTFT and inter-token latency p50/p99/mean in ms over ``requests`` (default every
-        request added): :func:`cellcache.generate.requests.latency_summary`."""
-        if requests is None:
-            with self._queue_lock:
-                requests = list(self.requests)
+    @property
+    def requests(self) -> list[Request]:
+        """The requests queued or running (not finished), in the order added. A finished
+        request is the caller's alone: the generator keeps nothing of it (what :meth:`add`
+        and :meth:`run` returned is how to reach it)."""
+        with self._queue_lock:
+            return [job.req for job in self._live.values()]
+
+    def latency(self, requests: Sequence[Request]) -> dict[str, float | int | None]:
+        """TTFT and inter-token latency p50/p99/mean in ms over ``requests`` (say, what
+        :meth:`run` returned): :func:`cellcache.generate.requests.latency_summary`."""
         return latency_summary(requests)
+
+    def _track(self, req: Request, job: Job) -> None:
+        """Holds ``req`` (``job``) until it finishes (queue lock held)."""
+        self._added[req.id] = req
+        self._live[req.id] = job
+        for collected in self._collectors:
+            collected.append(req)
+
+    def mirror(self, rid: int, prompt: list[int], sampling: Sampling) -> Seq:
+        """Tensor parallelism, ranks other than 0: the request rank 0 added as ``rid``
+        (checked there), held as :meth:`add` holds one; returns its first continuation, for
+        the hand-over to queue. InvalidState when ``rid`` is not this generator's next id
+        (the ranks' generators differ)."""
+        n = sampling.n
+        with self._queue_lock:
+            if rid != self._ids:
+                raise InvalidState(f"this rank's next request is {self._ids} and rank 0 sent request "
+                                   f"{rid}: the ranks' generators differ (build them the same way)")
+            req = Request(rid, list(prompt), sampling, None, None, 0,
+                          outputs=[[] for _ in range(n)], arrived=self.scheduler.now(),
+                          finish_reasons=[None] * n, token_times=[[] for _ in range(n)])
+            job = Job(req)
+            self._ids += 1
+            self._track(req, job)
+        return Scheduler.new_seq(job, 0, list(prompt))
+
+    def _release(self) -> None:
+        """Lets the requests that finished go (state lock held)."""
+        ended = self.scheduler.ended_jobs
+        if ended:
+            with self._queue_lock:
+                for job in ended:
+                    self._live.pop(job.req.id, None)
+            ended.clear()
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, prompt: Any, sampling: Sampling | None = None, *,
@@ -442,15 +488,15 @@ class Generator:
                 f"{need} kv entries in its last step; the cache's paged view holds "
                 f"max_kv={cfg.max_kv}: build the cache with a larger max_kv")
         n = sampling.n
+        arrived = read_clock(self.clock)               # (user code: raises with nothing queued)
         with self._queue_lock:
             req = Request(self._ids, ids, sampling, on_token, draft, draft_k if draft is not None else 0,
-                          outputs=[[] for _ in range(n)], arrived=self.clock(),
+                          outputs=[[] for _ in range(n)], arrived=arrived,
                           finish_reasons=[None] * n, token_times=[[] for _ in range(n)])
             job = Job(req)
-            self._jobs[id(req)] = job
             seq = Scheduler.new_seq(job, 0, list(ids))
             self._ids += 1
-            self.requests.append(req)
+            self._track(req, job)
             self._incoming.append(seq)
         if self._state_lock.acquire(blocking=False):   # between steps: queue it now
             try:
@@ -469,10 +515,13 @@ class Generator:
         returned) and applied when that step completes, before any further token of the
         request is delivered; ``request.done`` turns True then.
         """
-        job = self._jobs.get(id(request)) if isinstance(request, Request) else None
-        if job is None or job.req is not request:
+        if not isinstance(request, Request) or self._added.get(request.id) is not request:
             shown = f"request {request.id}" if isinstance(request, Request) else type(request).__name__
             raise InvalidArgument(f"{shown} is not a Request of this Generator")
+        with self._queue_lock:
+            job = self._live.get(request.id)
+        if job is None:                                # finished, and let go
+            job = Job(request)
         if self.tp is not None:                        # rank 0 queues it for the next boundary
             return self.tp.cancel(job)
         if request.done:
@@ -480,12 +529,13 @@ class Generator:
         if self._stepping == threading.get_ident():
             if self._phase in ("draft", "deliver"):
                 self._drain()
-                self.scheduler.end(job, "cancelled")
+                self.scheduler.end(job, "cancelled")   # (let go when the step ends)
                 return True
         elif self._state_lock.acquire(blocking=False):
             try:
                 self._drain()
                 self.scheduler.end(job, "cancelled")
+                self._release()
             finally:
                 self._state_lock.release()
             return True
@@ -690,6 +740,7 @@ class Generator:
                 finally:
                     self._stepping = None
                     self._phase = None
+                    self._release()
         finally:
             self._step_lock.release()
 
@@ -967,19 +1018,29 @@ class Generator:
         return events, held.hit
 
     def run(self, progress: bool = False) -> list[Request]:
-        """Steps until every request is done; returns the requests. An exception from
-        :meth:`step` propagates (the generator stays consistent: call run() again to go on)."""
+        """Steps until every request is done; returns the requests it served: those not
+        finished when it was called and those added while it ran, in the order added. An
+        exception from :meth:`step` propagates (the generator stays consistent: call run()
+        again to go on)."""
         with self._queue_lock:
-            total = sum(r.sampling.n * r.sampling.max_new_tokens for r in self.requests)
-        last = -1
-        while self.step():
-            if progress:
-                pct = 100 * self.stats["tokens_out"] // max(1, total)
-                if pct // 5 != last:
-                    last = pct // 5
-                    print(f"generate: {self.stats['tokens_out']} tokens out, step {self.stats['steps']}, "
-                          f"{len(self.running)} running, {len(self.waiting)} waiting",
-                          file=sys.stderr, flush=True)
-        if self.runner.cuda:
-            torch.cuda.synchronize(self.runner.device)
-        return self.requests
+            collected = [job.req for job in self._live.values()]
+            self._collectors.append(collected)
+        try:
+            total = sum(r.sampling.n * r.sampling.max_new_tokens for r in collected)
+            out0 = self.stats["tokens_out"]
+            last = -1
+            while self.step():
+                if progress:
+                    done = self.stats["tokens_out"] - out0
+                    pct = 100 * done // max(1, total)
+                    if pct // 5 != last:
+                        last = pct // 5
+                        print(f"generate: {done} tokens out, step {self.stats['steps']}, "
+                              f"{len(self.scheduler.running)} running, {len(self.waiting)} waiting",
+                              file=sys.stderr, flush=True)
+            if self.runner.cuda:
+                torch.cuda.synchronize(self.runner.device)
+        finally:
+            with self._queue_lock:
+                self._collectors = [c for c in self._collectors if c is not collected]
+        return collected

@@ -337,6 +337,15 @@ def ends(req: Request, n_out: int, tok: int, eos: set[int]) -> str | None:
     return None
 
 
+def read_clock(clock: Callable[[], Any]) -> float:
+    """A reading of a user's clock as a float; TypeError when it is not a finite real number."""
+    t = clock()
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(t):
+        raise TypeError(f"the clock returned {t!r} of type {type(t).__name__}, not a finite number")
+    return float(t)
+
+
 class Scheduler:
     """Admission, chunking under a token budget, preemption, forks and draft rewinds over
     ``cache`` (module docstring). ``max_batch``: rows a step (the token budget, at most the
@@ -368,7 +377,13 @@ class Scheduler:
         self.waiting: list[Seq] = []          # no cache id yet (new, or preempted)
         self.running: list[Seq] = []
         self.pending = PendingPrompts()
-        self.later: list[BaseException] = []  # prefix-cache callback errors, raised at step end
+        # errors of user code called in the middle of the bookkeeping (a prefix cache's
+        # on_event, the clock), raised once the step is complete
+        self.later: list[BaseException] = []
+        self._last_time = 0.0                 # the clock's last good reading
+        #: Jobs whose request finished since the caller last emptied the list (the
+        #: Generator lets them go: nothing of it keeps a finished request).
+        self.ended_jobs: list[Job] = []
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         #: Bumped whenever a sequence is freed or a request ended: a lean plan's steady
         #: record (:class:`_Steady`) holds only while it is unchanged.
@@ -384,6 +399,18 @@ class Scheduler:
         #: steps, whenever that happened (a read, a non-steady path, the end of a run)
         self.flush_s = 0.0
         self.flushed_tokens = 0
+
+    def now(self) -> float:
+        """The clock's time. A clock that raises (or returns something that is not a real
+        number) is user code failing in the middle of the bookkeeping: its exception is kept
+        in ``later`` (raised when the step is complete) and the clock's last good reading
+        stands in, so no state is left half changed."""
+        try:
+            self._last_time = t = read_clock(self.clock)
+        except BaseException as e:
+            self.later.append(e)
+            return self._last_time
+        return t
 
     def sync(self) -> None:
         """Appends the tokens (and times) that steady steps deferred to their lists (the
@@ -702,7 +729,8 @@ class Scheduler:
                 if reasons[k] is None:
                     reasons[k] = reason
         if req.finished is None and None not in reasons:
-            req.finished = self.clock()
+            req.finished = self.now()
+            self.ended_jobs.append(s.job)
 
     def end(self, job: Job, reason: str, index: int | None = None) -> None:
         """Ends every unfinished continuation of job's request (and continuation ``index``,
@@ -721,7 +749,8 @@ class Scheduler:
             if r is None or k == index:
                 req.finish_reasons[k] = reason
         if req.finished is None:
-            req.finished = self.clock()
+            req.finished = self.now()
+            self.ended_jobs.append(job)
         self._free_all(ending)
 
     def _free_all(self, seqs: list[Seq]) -> None:
@@ -1050,7 +1079,7 @@ class Scheduler:
         self.sync()
         events = []
         toks = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        now = self.clock()
+        now = self.now()
         eos = self.eos
         pc = self.prefix
         ended = False
@@ -1097,7 +1126,7 @@ class Scheduler:
         arr = np.asarray(ids)[:n]
         if self.eos and np.isin(arr, np.fromiter(self.eos, np.int64, len(self.eos))).any():
             return None
-        now = self.clock()
+        now = self.now()
         seqs = plan.seqs
         # the tokens go to the backlog (appended to the rows' lists by flush)
         with self._backlog_lock:               # (a reader's sync may run meanwhile)
@@ -1389,7 +1418,7 @@ class Scheduler:
         self.sync()
         events: list[tuple[Job, int, int]] = []
         pc = self.prefix
-        now = self.clock()
+        now = self.now()
         st = self.stats
         for o in outcomes:
             s, req = o.seq, o.seq.req
