@@ -253,11 +253,15 @@ class _Operation:
         self.prefix._lock.acquire()
 
     def __exit__(self, *exc: object) -> None:
+        prefix = self.prefix
         try:
-            if self.prefix._events:
-                self.prefix._deliver()
+            if prefix._events:
+                prefix._deliver()
         finally:
-            self.prefix._lock.release()
+            failure, prefix._failure = prefix._failure, None
+            prefix._lock.release()
+        if failure is not None and exc[0] is None:
+            raise failure
 
 
 class PrefixCache:
@@ -271,7 +275,10 @@ class PrefixCache:
     policy
         Which unpinned leaf eviction takes first: ``"lru"`` (default), ``"lfu"``,
         ``"priority"`` (lowest ``insert(priority=)`` first, then LRU), or a callable
-        ``key(node: PrefixNode) -> comparable`` (smallest first).
+        ``key(node: PrefixNode) -> comparable`` (smallest first). A callable that raises,
+        or whose keys do not compare with one another, is user code failing: that
+        operation evicts by LRU instead and the exception propagates once it has finished
+        (the tree and the cache are consistent), as ``on_event``'s does.
     max_seqs
         Most sequence ids the tree holds at once (one per leaf); default a quarter of the
         cache's ``max_seqs`` (at least 1). An insert that needs one more evicts a leaf.
@@ -327,6 +334,7 @@ class PrefixCache:
         self._op = _Operation(self)
         self._clock = 0
         self._events: list[PrefixEvent] = []
+        self._failure: Exception | None = None   # the policy's, raised once the operation ends
         self._shape = 0
         self._reset()
         self._stats = dict.fromkeys(
@@ -915,14 +923,16 @@ class PrefixCache:
         if n_cells <= 0 and n_ids <= 0:
             return 0
         cache = self.cache
+        leaves = [leaf for leaf in self._owned.values() if self._evictable(leaf, protect)]
         key = self._key
-        heap = []
-        tie = 0
-        for leaf in self._owned.values():
-            if self._evictable(leaf, protect):
-                heap.append((key(leaf), tie, leaf))
-                tie += 1
-        heapq.heapify(heap)
+        try:
+            heap = [(key(leaf), tie, leaf) for tie, leaf in enumerate(leaves)]
+            heap.sort()                     # (the keys must compare with one another)
+        except Exception as e:              # the user's policy: LRU for this operation
+            self._failure = self._failure or e
+            key = _lru
+            heap = sorted((key(leaf), tie, leaf) for tie, leaf in enumerate(leaves))
+        tie = len(heap)
         freed = ids = 0
         root = self._root
         while heap and (freed < n_cells or ids < n_ids):
@@ -962,7 +972,14 @@ class PrefixCache:
             st["evicted_tokens"] += leaf.n_tokens
             st["evicted_cells"] += got
             if adopted and self._evictable(parent, protect):
-                heapq.heappush(heap, (key(parent), tie, parent))   # the tree is whole here
+                try:                        # the tree is whole here
+                    heapq.heappush(heap, (key(parent), tie, parent))
+                except Exception as e:      # the user's policy: LRU from here on
+                    self._failure = self._failure or e
+                    key = _lru
+                    rest = {id(x): (t, x) for _, t, x in heap}
+                    rest[id(parent)] = (tie, parent)
+                    heap = sorted((key(x), t, x) for t, x in rest.values())
                 tie += 1
         return freed
 

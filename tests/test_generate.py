@@ -595,6 +595,10 @@ BAD_ADDS = [
     (dict(prompt=torch.zeros((1, 1, 3), dtype=torch.long)), "shape"), (dict(prompt=torch.ones(3)), "dtype"),
     (dict(prompt=np.array([1.0, 2.0])), "dtype"),
     (dict(prompt=torch.zeros((1, 0), dtype=torch.long)), "empty"),
+    (dict(prompt=torch.ones(3, dtype=torch.long, device="meta")), "meta tensor"),
+    (dict(prompt=torch.tensor([1, 2, 3]).to_sparse()), "sparse_coo tensor"),
+    (dict(prompt=torch.tensor([[1, 2, 3]]).to_sparse_csr()), "sparse_csr tensor"),
+    (dict(prompt=torch.nested.nested_tensor([torch.tensor([1, 2])])), "nested tensor"),
     (dict(sampling="greedy"), "not a Sampling"), (dict(sampling=dict(max_new_tokens=3)), "not a Sampling"),
     (dict(on_token=5), "not callable"), (dict(draft="x"), "not callable"),
     (dict(draft_k=-1), "draft_k"), (dict(draft_k=1.5), "draft_k"), (dict(draft_k=True), "draft_k"),
@@ -612,6 +616,21 @@ def test_add_refuses_and_queues_nothing(model, kw, fragment):
     with pytest.raises(InvalidArgument, match=fragment):
         gen.add(args.pop("prompt"), **args)
     assert snapshot(gen) == before
+
+
+@pytest.mark.parametrize("tensor", [torch.ones(2, dtype=torch.long, device="meta"),
+                                    torch.tensor([1, 2]).to_sparse()], ids=["meta", "sparse"])
+def test_stop_and_eos_refuse_tensors_without_plain_data(model, tensor):
+    with pytest.raises(InvalidArgument, match="tensor; give a dense tensor"):
+        Sampling(stop=tensor)
+    with pytest.raises(InvalidArgument, match="tensor; give a dense tensor"):
+        make(model, eos=tensor)
+
+
+@pytest.mark.parametrize("capacity", [np.int64(64), np.int32(64), torch.tensor(64)], ids=repr)
+def test_a_capacity_of_any_int_type_is_taken_as_the_int(model, capacity):
+    gen = make(model, capacity=capacity, max_batch_tokens=None)
+    assert gen.cache.config.capacity == 64 and gen.max_batch == 64
 
 
 def test_add_rechecks_a_sampling_changed_after_construction(model):

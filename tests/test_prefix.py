@@ -704,11 +704,32 @@ def test_a_failing_policy_leaves_the_tree_whole():
     cache.seq_rm(s)
     events.clear()
     with pytest.raises(ZeroDivisionError):
-        prefix.evict(100)                                 # [3 4] goes, then [1 2]'s key fails
-    assert [(e.kind, e.length) for e in events] == [("evicted", 4)]
-    assert prefix.prefixes()[0][0] == (1, 2) and cache.free_cells == cache.capacity - 2
+        prefix.evict(3)                                   # [3 4] goes, then [1 2]'s key fails
+    # the eviction went on by LRU ([1 2] too: 3 cells asked), then the policy's error
+    assert [(e.kind, e.length) for e in events] == [("evicted", 4), ("evicted", 2)]
+    assert prefix.prefixes() == [] and cache.free_cells == cache.capacity
     prefix.check_invariants()
-    w.holds(prefix.owned_seqs()[0], [1, 2])
+
+
+@pytest.mark.parametrize("policy", [lambda node: object(), lambda node: None if node.seg[0] < 2 else 1,
+                                    lambda node: 1 / 0], ids=["incomparable", "mixed", "raises"])
+def test_a_failing_policy_evicts_by_lru_and_raises_once_the_operation_is_whole(policy):
+    """A user's policy that raises or gives keys that do not compare: the operation frees
+    what was asked (by LRU), then the error propagates; the next operation runs as usual."""
+    cache = make_cache(capacity=64)
+    prefix = PrefixCache(cache, policy, max_seqs=8)
+    w = World(cache)
+    for i in range(4):
+        s = w.new([i] * 6)
+        prefix.insert(s, [i] * 6)
+        cache.seq_rm(s)
+    free = cache.free_cells
+    with pytest.raises((TypeError, ZeroDivisionError)):
+        prefix.evict(12)
+    assert cache.free_cells - free >= 12
+    assert [p for p, _ in prefix.prefixes()] == [(2,) * 6, (3,) * 6]      # the oldest went
+    prefix.check_invariants()
+    assert prefix.match([3] * 6)[1] == 6
 
 
 def test_lent_leaves_count_in_the_budget_and_are_never_evicted():
@@ -809,11 +830,12 @@ def test_giving_together_refuses_bad_input_and_changes_nothing(args):
     assert events == []
 
 
-def test_a_reclaim_whose_eviction_raises_ends_the_lend():
+def test_a_reclaim_whose_policy_raises_still_keeps_the_prompt():
     """No cache id free for the clone, and the policy's key raises while evicting for one:
-    the lent leaf is dropped before the error propagates, so once the lender removes its
-    sequence no leaf names the freed id (a new sequence given it is not taken for the
-    prompt)."""
+    that eviction goes on by LRU (the owned leaf goes, its id is free), the lent prompt is
+    cloned into it, then the error propagates; once the lender removes its sequence the
+    tree's own id holds the prompt (a new sequence given the lender's id is not taken for
+    it)."""
     cache = make_cache(max_seqs=3)
     events = []
 
@@ -829,13 +851,15 @@ def test_a_reclaim_whose_eviction_raises_ends_the_lend():
     events.clear()
     with pytest.raises(ZeroDivisionError):
         prefix.reclaim(a)
-    assert prefix.lent_seqs() == [] and [e.kind for e in events] == ["dropped"]
-    assert [p for p, _ in prefix.prefixes()] == [(1, 1)]
+    assert prefix.lent_seqs() == [] and [e.kind for e in events] == ["evicted"]
+    assert [p for p, _ in prefix.prefixes()] == [(5, 6, 7, 8)]
+    assert prefix.owned_seqs() == [o]                      # the freed id
     cache.seq_rm(a)
     del w.tokens[a]
     prefix.check_invariants()
+    w.holds(o, [5, 6, 7, 8])
     d = w.new([0, 0, 0, 0, 0])                             # a's id again
-    assert d == a and prefix.match([5, 6, 7, 8, 0]) == (None, 0)
+    assert d == a and prefix.peek([5, 6, 7, 8, 0]) == 4     # (no id free to match)
     assert other in cache.live_seqs()
 
 

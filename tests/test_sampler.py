@@ -316,6 +316,12 @@ def test_tiny_top_p_keeps_the_top_token(dtype):
             else:                                    # tied tops: one of them
                 assert got[j] in ({5, 20, 41} if r == 1 else {8, 30})
         check_ordinary_rows_unchanged(logits, got, n)
+        # at a temperature so high that every probability rounds alike: still the top logit
+        hot = [(r, t, k, p) for r in range(6) for t in (1e30, 1e300) for k in (0, 5)]
+        got = Sampler("cpu")(logits, batch(logits, hot + ORDINARY)).ids
+        for j, (r, *_rest) in enumerate(hot):
+            assert got[j] == top[r] if r not in (1, 3) else got[j] in ({5, 20, 41} if r == 1 else {8, 30})
+        check_ordinary_rows_unchanged(logits, got, len(hot))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

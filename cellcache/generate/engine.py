@@ -30,6 +30,7 @@ is left in flight, and the next call overlaps the host with it::
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 import threading
 import time
@@ -223,8 +224,12 @@ class Generator:
             raise InvalidArgument(f"async_steps of type {type(async_steps).__name__} is not a bool or None")
         on_cuda = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
         if max_batch_tokens is None:
-            max_batch_tokens = min(CUDA_BATCH_TOKENS if on_cuda else CPU_BATCH_TOKENS, capacity) \
-                if isinstance(capacity, int) and capacity > 0 else CPU_BATCH_TOKENS
+            try:                                  # (any int type: capacity is checked below)
+                cap = operator.index(capacity) if not isinstance(capacity, (bool, np.bool_)) else 0
+            except TypeError:
+                cap = 0
+            max_batch_tokens = min(CUDA_BATCH_TOKENS if on_cuda else CPU_BATCH_TOKENS, cap) \
+                if cap > 0 else CPU_BATCH_TOKENS
         if prefill_chunk is None:
             prefill_chunk = CUDA_PREFILL_CHUNK if on_cuda else CPU_PREFILL_CHUNK
         prefill_chunk = check_int(prefill_chunk, "prefill_chunk", 1)

@@ -42,6 +42,11 @@ def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool 
     one (what a tokenizer returns with ``return_tensors``), as a list of ints in
     ``[0, vocab)``; InvalidArgument for anything else."""
     shape_hint = "give a list of ints, or a 1-D or [1, T] integer array or tensor"
+    if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_nested
+                                            or value.is_quantized or value.device.type == "meta"):
+        kind = "nested" if value.is_nested else "quantized" if value.is_quantized else \
+            "meta" if value.device.type == "meta" else str(value.layout).removeprefix("torch.")
+        raise InvalidArgument(f"{what} is a {kind} tensor; give a dense tensor (or a list of ints)")
     if isinstance(value, (torch.Tensor, np.ndarray)):
         shape = tuple(value.shape)
         if isinstance(value, torch.Tensor):

@@ -38,10 +38,11 @@ parameters (a few numpy operations over the random slots) and the device work is
   spanning less than 2**39, so the kept tokens are equally likely, -inf ones never drawn.
   With top-p the head is then ``ceil(top_p * kept)`` of those equally likely tokens, in
   the sort's order.
-- ``top_p < TOP_P_MIN`` (2**-64) keeps the most probable token alone, as every top-p below
-  the largest probability (>= 1/vocab) does: cast to float32 a smaller top-p is subnormal
-  or 0, and 0 keeps nothing (a row with nothing kept has no token: the search ends past
-  the last id).
+- ``top_p < TOP_P_MIN`` (2**-64) keeps the largest logit alone (top-k 1, ties kept), as
+  every top-p below the largest probability (>= 1/vocab) does: cast to float32 a smaller
+  top-p is subnormal or 0, and 0 keeps nothing (a row with nothing kept has no token: the
+  search ends past the last id). Taken as top-k 1, it is so at any temperature, also one
+  so high that every probability rounds to the same value.
 
 Ordinary values (``TEMPERATURE_MIN <= T <= TEMPERATURE_MAX``, ``top_p >= TOP_P_MIN``) pass
 through untouched: their draws are bit for bit those of the unclamped formula.
@@ -318,6 +319,8 @@ class Sampler:
             cold = host[0] < TEMPERATURE_MIN
             host[0, cold] = 1.0
             top_k = np.where(cold, 1, top_k)
+        if host[1].min(initial=1.0) < TOP_P_MIN:      # the top logit alone, at any temperature
+            top_k = np.where(host[1] < TOP_P_MIN, 1, top_k)
         np.minimum(host[0], TEMPERATURE_MAX, out=host[0])
         np.maximum(host[1], TOP_P_MIN, out=host[1])
         has_k = (top_k > 0) & (top_k < V)

@@ -340,10 +340,17 @@ def ends(req: Request, n_out: int, tok: int, eos: set[int]) -> str | None:
 def read_clock(clock: Callable[[], Any]) -> float:
     """A reading of a user's clock as a float; TypeError when it is not a finite real number."""
     t = clock()
-    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(t):
-        raise TypeError(f"the clock returned {t!r} of type {type(t).__name__}, not a finite number")
-    return float(t)
+    try:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating)):
+            raise OverflowError
+        f = float(t)
+        if not math.isfinite(f):
+            raise OverflowError
+    except OverflowError:
+        shown = repr(t) if len(repr(t)) < 40 else repr(t)[:37] + "..."
+        raise TypeError(f"the clock returned {shown} of type {type(t).__name__}, "
+                        "not a finite number") from None
+    return f
 
 
 class Scheduler:
