@@ -108,6 +108,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from ._checks import check_int
 from .buffers import step_buffers
@@ -303,7 +304,7 @@ def _group_timeout(group: Any) -> datetime.timedelta:
             continue
         if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
             return timeout
-    return dist.distributed_c10d._get_default_timeout(dist.Backend(dist.Backend.GLOO))
+    return default_pg_timeout                    # what torch gives a gloo group without one
 
 
 def _agreement_group(group: Any, timeout: datetime.timedelta) -> Any:

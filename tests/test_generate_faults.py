@@ -19,6 +19,7 @@ import itertools
 import os
 import re
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -241,6 +242,7 @@ def test_finished_requests_are_let_go_over_tens_of_thousands(model, async_steps,
                     async_steps=async_steps)
     rng = np.random.default_rng(0)
     tally = {"tokens": 0, "ended": 0}
+    watched: list = []                                   # weak references to a sample
 
     def stream(req, k, tok):
         if tok % 97 == 0:
@@ -264,19 +266,20 @@ def test_finished_requests_are_let_go_over_tens_of_thousands(model, async_steps,
             except Fault:
                 pass
         assert all(r.done for r in reqs)
+        watched.extend(weakref.ref(r) for r in reqs[::50])
         tally["tokens"] += sum(len(o) for r in reqs for o in r.outputs)
         tally["ended"] += len(reqs)
 
     for _ in range(10):                                  # warm-up: allocators, caches
         wave(200)
     gc.collect()
-    objects, rss, ours = len(gc.get_objects()), _rss(), _ours()
-    assert ours == 0
+    objects, rss, ours = len(gc.get_objects()), _rss(), _ours()   # (other tests' too)
+    assert not any(w() for w in watched)
     for _ in range(waves):                               # 10,000-20,000 requests more
         wave(200)
     gc.collect()
     assert tally["ended"] == 200 * (10 + waves) and tally["tokens"] > 200 * waves
-    assert _ours() == 0                                  # nothing of a finished request
+    assert not any(w() for w in watched) and _ours() <= ours   # nothing of a finished request
     assert len(gc.get_objects()) - objects < 2_000       # (10,000 kept requests: ~110,000)
     if rss is not None:
         assert _rss() - rss < 8 << 20                    # (10,000 kept requests: ~15 MiB)
