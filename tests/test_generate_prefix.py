@@ -164,15 +164,22 @@ def check_tree_kv(gen, ref: Ref):
 def serve(gen, prompts, n_new=N_NEW, arrive=None, every=None, **sampling):
     """Adds prompts (``arrive``: how many at first, the rest ``every`` steps one at a time),
     steps to the end checking after every step; returns the requests."""
-    first = len(prompts) if arrive is None else arrive
-    reqs = [gen.add(p, Sampling(max_new_tokens=n_new, **sampling)) for p in prompts[:first]]
+    return drive(gen, [lambda p=p: gen.add(p, Sampling(max_new_tokens=n_new, **sampling)) for p in prompts],
+                 arrive, every)
+
+
+def drive(gen, adds, arrive=None, every=None):
+    """Calls ``adds`` (each adds one request: ``arrive`` of them at first, the rest one every
+    ``every`` steps), steps to the end checking after every step; returns the requests."""
+    first = len(adds) if arrive is None else arrive
+    reqs = [add() for add in adds[:first]]
     if gen not in ADDED:                                 # a generator not from make()
         ADDED[gen] = reqs
-    rest = list(prompts[first:])
+    rest = list(adds[first:])
     i = 0
     while True:
         if rest and (every is None or i % every == 0):
-            reqs.append(gen.add(rest.pop(0), Sampling(max_new_tokens=n_new, **sampling)))
+            reqs.append(rest.pop(0)())
         busy = gen.step()
         check(gen)
         i += 1
@@ -328,18 +335,9 @@ def test_randomized_workloads_give_the_same_tokens_with_the_cache_on_and_off(nam
     got = {}
     for pc in (False, True):
         gen = make(model, pc, **opts)
-        reqs, i, rest = [], 0, list(work)
-        while True:
-            if rest and i % every == 0:
-                p, new, n, drafts = rest.pop(0)
-                reqs.append(gen.add(p, Sampling(max_new_tokens=new, n=n),
-                                    draft=draft if drafts else None, draft_k=2))
-            busy = gen.step()
-            check(gen)
-            i += 1
-            if not busy and not rest:
-                break
-            assert i < 3000
+        reqs = drive(gen, [lambda w=w, g=gen: g.add(w[0], Sampling(max_new_tokens=w[1], n=w[2]),
+                                                    draft=draft if w[3] else None, draft_k=2)
+                           for w in work], arrive=1, every=every)
         got[pc] = [(r.outputs, r.finish_reasons) for r in reqs]
         assert all(r.done for r in reqs)
     assert got[True] == got[False], opts
