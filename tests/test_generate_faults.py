@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import itertools
 import os
-import re
 import time
 import weakref
 
@@ -27,6 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from cellcache import InvalidArgument  # noqa: E402
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
 from cellcache.generate.requests import Request  # noqa: E402
 from cellcache.generate.scheduler import Job, Seq  # noqa: E402
@@ -208,13 +208,13 @@ def test_a_clock_that_returns_no_number_is_refused_like_a_raising_one(model, bad
 
     gen = Generator(model, capacity=128, max_batch_tokens=16, eos=[], clock=clock)
     reqs = [gen.add([1, 2, 3, i], Sampling(max_new_tokens=5)) for i in range(3)]
-    with pytest.raises(TypeError, match=f"clock returned {re.escape(repr(bad)[:30])}"):
+    with pytest.raises(InvalidArgument, match="the clock's reading"):
         gen.run()
     gen.run()
     assert all(r.finish_reasons == ["length"] and len(r.outputs[0]) == 5 for r in reqs)
     assert all(isinstance(r.finished, float) and r.finished >= r.arrived for r in reqs)
     assert all(isinstance(t, float) for r in reqs for t in r.token_times[0])
-    with pytest.raises(TypeError, match="not a finite number"):     # add(): nothing queued
+    with pytest.raises(InvalidArgument, match="not a"):             # add(): nothing queued
         values = itertools.count(4)
         gen.add([1, 2], Sampling(max_new_tokens=2))
     assert gen.requests == [] and not gen.busy

@@ -31,9 +31,13 @@ def real_number(value: object, name: str) -> float:
     """``value`` as a finite float; InvalidArgument for bools, non-numbers, NaN and inf."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise InvalidArgument(f"{name} of type {type(value).__name__} is not a number")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:                         # an int past float's range
+        v = math.inf
     if not math.isfinite(v):
-        raise InvalidArgument(f"{name}={v} is not a finite number")
+        shown = repr(value) if len(repr(value)) < 40 else repr(value)[:37] + "..."
+        raise InvalidArgument(f"{name}={shown} is not a finite number")
     return v
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from ..cache import CellCache
 from ..errors import CellCacheError, StepTooLarge
 from ..prefix import PrefixCache
-from .requests import Request, defer
+from .requests import Request, defer, real_number
 from .sampler import SamplerOutput, SampleSpec
 
 __all__ = ["ADMISSION_POLICIES", "Job", "Outcome", "PendingPrompts", "Scheduler", "Seq", "StepPlan"]
@@ -338,19 +338,9 @@ def ends(req: Request, n_out: int, tok: int, eos: set[int]) -> str | None:
 
 
 def read_clock(clock: Callable[[], Any]) -> float:
-    """A reading of a user's clock as a float; TypeError when it is not a finite real number."""
-    t = clock()
-    try:
-        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating)):
-            raise OverflowError
-        f = float(t)
-        if not math.isfinite(f):
-            raise OverflowError
-    except OverflowError:
-        shown = repr(t) if len(repr(t)) < 40 else repr(t)[:37] + "..."
-        raise TypeError(f"the clock returned {shown} of type {type(t).__name__}, "
-                        "not a finite number") from None
-    return f
+    """A reading of a user's clock as a float; InvalidArgument when it is not a finite real
+    number (:func:`~cellcache.generate.requests.real_number`'s rule)."""
+    return real_number(clock(), "the clock's reading")
 
 
 class Scheduler:
