@@ -20,6 +20,7 @@ FLOORS = [
     {"cache", "host", "cuda", "cuda.probe", "cuda.driver", "cuda.pools", "cuda.backend",
      "cuda.kernels", "cuda.tc", "cuda._launch", "cuda._dlpack", "cuda._engine"},
     {"registry"},
+    {"radix"},
     {"attention", "session", "prefix", "torch", "hf", "tp"},
     # the generator package: each module only above those it imports
     {"generate.requests"},
