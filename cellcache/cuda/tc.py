@@ -68,10 +68,8 @@ class Choice(NamedTuple):
 
 #: (head_dim, shape class) -> Choice; class "decode" (every run one query) or "prefill" (any
 #: other step). Set from ``tools/bench.py --section attention`` on the target GPU, which
-#: times every variant and prints the winners in this form (H200, 2026-11-30:
-#: benchmarks/results/attention-tuned-2026-11-30.log; d80/96/256 have no case there). The
-#: d64 and d128 prefill entries: the best of every variant after the instruction cut,
-#: benchmarks/results/attention-d128wip-2026-12-01.log (H200, 2026-12-01).
+#: times every variant and prints the winners in this form; head dims the sweep has no case
+#: for keep a choice of the nearest swept one.
 TABLE: dict[tuple[int, str], Choice] = {
     (64, "prefill"): Choice("m2w1k64s2x64", 1, 0),
     (64, "decode"): Choice("m1w4k64s2", 2, 1),
