@@ -141,7 +141,7 @@ def check(gen):
         seen = [r.prompt + o for r in ADDED.get(gen, gen.requests) for o in r.outputs]
         for path, _ in pc.prefixes():
             assert any(tuple(t[:len(path)]) == path for t in seen), path
-    assert gen._pending.size == sum(s.pending is not None for s in gen.running)
+    assert gen.scheduler.pending.size == sum(s.pending is not None for s in gen.running)
     assert sorted(sids + tree) == cache.live_seqs()
 
 
@@ -708,10 +708,10 @@ def test_cli_prefix_cache_flags(capsys):
 def test_pending_prompts_tree_against_a_plain_list():
     """The tree of prompts being read: lcp(query) is the longest common prefix with any
     prompt added and not removed (duplicates counted), after every operation."""
-    from cellcache.generate import _Prompts
+    from cellcache.radix import PendingPrompts
 
     rng = np.random.default_rng(19)
-    tree, live = _Prompts(), []
+    tree, live = PendingPrompts(), []
 
     def draw():
         base = [1, 2, 3, 4, 5, 6, 7, 8][:int(rng.integers(0, 9))]

@@ -68,9 +68,7 @@ from .drivers import chat, poisson_arrivals, serve_arrivals
 from .engine import Generator
 from .requests import FINISH_REASONS, Request, Sampling, latency_summary
 from .sampler import Sampler, SamplerOutput, SampleSpec
-from .scheduler import ADMISSION_POLICIES, PendingPrompts, Scheduler, StepPlan
-
-_Prompts = PendingPrompts        # its name before the split (tests/test_generate_prefix.py)
+from .scheduler import ADMISSION_POLICIES, Scheduler, StepPlan
 
 __all__ = ["ADMISSION_POLICIES", "FINISH_REASONS", "RANDOM_MODELS", "Generator", "Request",
            "SampleSpec", "Sampler", "SamplerOutput", "Sampling", "Scheduler", "StepPlan", "chat",
