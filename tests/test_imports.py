@@ -21,9 +21,9 @@ FLOORS = [
      "cuda.kernels", "cuda.tc", "cuda._launch", "cuda._dlpack", "cuda._engine"},
     {"registry"},
     {"radix"},
-    {"attention", "session", "prefix", "torch", "hf", "tp"},
+    {"attention", "session", "prefix", "torch", "hf", "tp", "tp.shard", "tp.peers", "tp.agreement"},
     # the generator package: each module only above those it imports
-    {"generate.requests"},
+    {"generate.requests", "generate.readback"},
     {"generate.sampler"},
     {"generate.scheduler"},
     {"generate.distributed"},

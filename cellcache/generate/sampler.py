@@ -9,7 +9,7 @@
                        token = first id whose CDF exceeds u * CDF[-1]
                        u = hash(seed, continuation, output index)  (host, per slot)
         verify runs:   accepted = leading slots whose token equals the draft they check
-    ids [S] (+ accepted [G]) --one device-to-host copy--> numpy
+    ids [S] (+ accepted [G]) --one device-to-host copy (readback.Readback)--> numpy
 
 Seeds are counter-based: the uniform of continuation k's output token t is a SplitMix64
 hash of ``(seed, k, t)``, computed on the host for the step's slots (a few vectorized
@@ -53,7 +53,6 @@ through untouched: their draws are bit for bit those of the unclamped formula.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +60,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgument
+from .readback import Pending, Readback
 
 __all__ = ["TEMPERATURE_MAX", "TEMPERATURE_MIN", "TOP_P_MIN", "Draw", "SampleSpec", "Sampler",
            "SamplerOutput", "uniforms"]
@@ -167,12 +167,14 @@ class SamplerOutput:
     device_ids: torch.Tensor | None = None
 
 
+
 class Sampler:
     """Draws a step's tokens on ``device`` in one call: :meth:`__call__` (module docstring).
 
     Every per-slot parameter goes up in at most one host-to-device copy per dtype, and the
-    results come back in exactly one device-to-host copy (``copies`` counts them), into a
-    pinned buffer on CUDA. No ``.item()``, no per-row Python over the vocabulary.
+    results come back in exactly one device-to-host copy (``copies`` counts them), which
+    :attr:`readback` queues into a pinned buffer on CUDA. No ``.item()``, no per-row Python
+    over the vocabulary.
 
     Example
     -------
@@ -185,42 +187,28 @@ class Sampler:
     def __init__(self, device: Any = "cpu", stream: Any = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        #: The torch stream the draws are queued on (CUDA), whose event marks the host copy
-        #: done; None: the device's current stream at each call.
-        self.stream = stream
-        self.copies = 0
-        # pinned landing buffers and their events (CUDA): two, used in turn, so a step's
-        # copy can be queued while the previous step's has not been read yet
-        self._host: list[torch.Tensor | None] = [None, None]
-        self._host_np: list[tuple[np.ndarray, int] | None] = [None, None]  # (numpy, address)
-        self._events: list[Any] = [None, None]
-        self._turn = 0
-        # each buffer's last (length, its first `length` entries as numpy, the buffer's
-        # address): a step of the same width as the last one skips even the numpy slice; a
-        # new width slices numpy, not torch (torch calls cost ~5 us a piece on the GPU host)
-        self._views: list[tuple[int, np.ndarray, int] | None] = [None, None]
-        # the copy and its event through the CUDA driver (cuda-bindings), not torch: copy_
-        # and Event.record cost ~18 us a step together on the GPU host (copy_ records an event
-        # of its own for the pinned buffer), the two driver calls a few; None: not looked up
-        # yet, False: cuda-bindings is not installed (torch's calls then)
-        self._driver: Any = None
-        self._stream_of: tuple[Any, int, int] | None = None   # (torch stream, handle, device)
-        self._c_copy: Callable[[int, int, int, int, int], None] | None = None
+        #: The step's device-to-host copy of the ids (pinned buffers, events, the driver).
+        self.readback = Readback(self.device, stream)
         # the last launch that copied a graph's own greedy ids for a spec that says it is
         # dense and not random (slot i row i: the scheduler's lean plans): (spec, logits,
         # greedy ids, slots, the ids' device address); the same three objects again (a
         # steady decode step), the spec still saying so, skip the checks for the copy
         self._fast: tuple[SampleSpec, torch.Tensor, torch.Tensor, int, int] | None = None
 
-    def __del__(self) -> None:
-        # the pinned buffers go back to torch's cache with the sampler: not while a driver
-        # copy into them (a Draw dropped unread) may still run
-        try:
-            for event in getattr(self, "_events", ()):
-                if isinstance(event, _DriverEvent):
-                    event.synchronize()
-        except Exception:  # noqa: BLE001 - at interpreter exit the driver (or this module) may be gone
-            pass
+    @property
+    def stream(self) -> Any:
+        """The torch stream the draws are queued on (CUDA), whose event marks the host copy
+        done; None: the device's current stream at each call."""
+        return self.readback.stream
+
+    @stream.setter
+    def stream(self, stream: Any) -> None:
+        self.readback.stream = stream
+
+    @property
+    def copies(self) -> int:
+        """Device-to-host copies so far: one per launched step that draws anything."""
+        return self.readback.copies
 
     def _up(self, values: Any, dtype: torch.dtype) -> torch.Tensor:
         t = torch.as_tensor(np.asarray(values), dtype=dtype)
@@ -245,7 +233,10 @@ class Sampler:
         if fast is not None and greedy is fast[2] and spec is fast[0] and logits is fast[1] \
                 and spec.dense == fast[3] == len(spec.rows) and spec.random is False \
                 and not spec.groups:
-            return self._copy_greedy(fast)
+            n = fast[3]
+            pending = self.readback.copy_again(n, fast[4])
+            return Draw(None, pending if pending is not None else self.readback.copy(greedy), n,
+                        greedy)
         n = len(spec)
         if n == 0:
             return Draw(SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.int64)))
@@ -272,39 +263,7 @@ class Sampler:
         elif ids is greedy and self.cuda and spec.dense == n and spec.random is False \
                 and ids.is_contiguous():
             self._fast = (spec, logits, greedy, n, ids.data_ptr())
-        return self._copy_out(out, n, ids)
-
-    def _copy_greedy(self, fast: tuple[SampleSpec, torch.Tensor, torch.Tensor, int, int]) -> Draw:
-        """:meth:`_copy_out` of a graph's greedy ids that :meth:`launch` has checked before
-        (``fast``): the driver's copy and event straight, when the buffer of this turn is
-        sized for them and the sampler's own stream is on the current device."""
-        _, _, ids, n, src = fast
-        turn = self._turn ^ 1
-        view, event, so = self._views[turn], self._events[turn], self._stream_of
-        if view is None or view[0] != n or not isinstance(event, _DriverEvent) or so is None \
-                or so[0] is not self.stream or so[2] != torch.cuda.current_device():
-            return self._copy_out(ids, n, ids)
-        self._turn = turn
-        self.copies += 1
-        self._copy_ids(view[2], src, 8 * n, so[1], event)
-        return Draw(None, view[1], event, n, ids)
-
-    def _copy_ids(self, dst: int, src: int, nbytes: int, stream: int, event: _DriverEvent) -> None:
-        """The driver's copy of ``nbytes`` from device ``src`` to pinned ``dst`` on ``stream``,
-        then ``event`` recorded behind it: from Cython once the CUDA backend has set the
-        driver's entry points (a cache of this process built its kernels), else through
-        cuda-bindings."""
-        copy = self._c_copy
-        if copy is None:
-            copy = _c_copy()
-            if copy is not None:
-                self._c_copy = copy
-        if copy is not None:
-            copy(dst, src, nbytes, stream, event.ptr)
-            return
-        cu, check = self._driver
-        check(cu.cuMemcpyDtoHAsync(dst, src, nbytes, stream), "cuMemcpyDtoHAsync (the sampled ids)")
-        event.record(stream)
+        return Draw(None, self.readback.copy(out), n, ids)
 
     def _draw(self, x: torch.Tensor, spec: SampleSpec, rand: np.ndarray, temps: np.ndarray) -> torch.Tensor:
         """Tokens of the random slots ``rand`` (host indexes into the spec), their
@@ -360,120 +319,22 @@ class Sampler:
         acc = self._up(drafts, torch.int64)
         return acc.scatter_reduce(0, up[1], at, reduce="amin", include_self=True)
 
-    def _copy_out(self, out: torch.Tensor, n: int, ids: torch.Tensor) -> Draw:
-        """The step's one device-to-host copy, queued: into one of two pinned buffers on
-        CUDA (a step and the one queued behind it), waited for by :meth:`Draw.result`."""
-        self.copies += 1
-        if not self.cuda:
-            host = out.numpy().copy()
-            return Draw(SamplerOutput(host[:n], host[n:], ids))
-        m = out.numel()
-        self._turn ^= 1
-        turn = self._turn
-        view = self._views[turn]
-        if view is None or view[0] != m:
-            buf = self._host[turn]
-            if buf is None or buf.numel() < m:
-                if self._driver is None:
-                    self._driver = _driver_calls()
-                old = self._events[turn]
-                with torch.cuda.device(self.device):   # (the event's context: the device's)
-                    event = _DriverEvent(*self._driver) if self._driver else torch.cuda.Event()
-                buf = torch.empty(max(m, 1024), dtype=torch.int64, pin_memory=True)
-                if isinstance(old, _DriverEvent):
-                    # torch's pinned-memory cache does not see a driver copy: the old buffer
-                    # goes back to it only once its last copy (maybe of a dropped Draw) is done
-                    old.synchronize()
-                self._host[turn], self._events[turn] = buf, event
-                self._host_np[turn] = (buf.numpy(), buf.data_ptr())
-            whole = self._host_np[turn]
-            assert whole is not None
-            view = self._views[turn] = (m, whole[0][:m], whole[1])
-        event = self._events[turn]
-        stream = self.stream
-        if stream is None:
-            stream = torch.cuda.current_stream(self.device)
-        if not isinstance(event, _DriverEvent):
-            self._host[turn][:m].copy_(out, non_blocking=True)   # type: ignore[index]
-            event.record(stream)
-            return Draw(None, view[1], event, n, ids)
-        so = self._stream_of
-        if so is None or so[0] is not stream:
-            so = self._stream_of = (stream, int(stream.cuda_stream), stream.device_index)
-        if so[2] == torch.cuda.current_device():
-            # the driver's current context is the current device's: the two calls straight
-            if out.dtype != torch.int64 or not out.is_contiguous():
-                out = out.to(torch.int64).contiguous()
-            self._copy_ids(view[2], out.data_ptr(), 8 * m, so[1], event)
-        else:                                  # another device's: its context made current
-            with torch.cuda.device(so[2]):
-                self._host[turn][:m].copy_(out, non_blocking=True)   # type: ignore[index]
-                event.record(so[1])
-        return Draw(None, view[1], event, n, ids)
-
-
-def _c_copy() -> Callable[[int, int, int, int, int], None] | None:
-    """``cellcache.cuda._launch.copy_to_host`` once the driver's entry points are set in
-    this process, else None."""
-    try:
-        from ..cuda import _launch
-    except ImportError:
-        return None
-    return _launch.copy_to_host if _launch.entry_points_set() else None
-
-
-def _driver_calls() -> Any:
-    """(cuda.bindings.driver, cellcache's result check), or False without cuda-bindings."""
-    try:
-        from ..cuda.driver import check, cu
-    except ImportError:
-        return False
-    return cu, check
-
-
-class _DriverEvent:
-    """A CUDA event made and recorded through the driver, waited for as torch's is: the
-    sampler's copy-done marker on the driver path (``record`` takes a stream handle)."""
-
-    __slots__ = ("_cu", "_check", "handle", "ptr")
-
-    def __init__(self, cu: Any, check: Any):
-        self._cu, self._check = cu, check
-        self.handle = check(cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)),
-                            "cuEventCreate (the sampler's copy event)")
-        self.ptr = int(self.handle)           # (its address, for the Cython copy)
-
-    def record(self, stream: int) -> None:
-        self._check(self._cu.cuEventRecord(self.handle, stream), "cuEventRecord (the sampled ids)")
-
-    def synchronize(self) -> None:
-        self._check(self._cu.cuEventSynchronize(self.handle), "cuEventSynchronize (the sampled ids)")
-
-    def __del__(self) -> None:
-        handle, self.handle = getattr(self, "handle", None), None
-        if handle is not None:
-            try:
-                self._cu.cuEventDestroy(handle)
-            except Exception:  # noqa: BLE001 - at interpreter exit the bindings may be gone
-                pass
-
 
 class Draw:
     """A launched :meth:`Sampler.launch`: ``device_ids`` (the drawn ids, on the device, at
     once) and :meth:`result` (the host copy: waits for it the first time)."""
 
-    __slots__ = ("_out", "_host", "_event", "_n", "device_ids")
+    __slots__ = ("_out", "_pending", "_n", "device_ids")
 
-    def __init__(self, out: SamplerOutput | None, host: np.ndarray | None = None, event: Any = None,
-                 n: int = 0, device_ids: torch.Tensor | None = None):
-        self._out, self._host, self._event, self._n = out, host, event, n
+    def __init__(self, out: SamplerOutput | None, pending: Pending | None = None, n: int = 0,
+                 device_ids: torch.Tensor | None = None):
+        self._out, self._pending, self._n = out, pending, n
         self.device_ids = out.device_ids if out is not None else device_ids
 
     def result(self) -> SamplerOutput:
         if self._out is None:
-            assert self._host is not None
-            self._event.synchronize()
-            host = self._host.copy()             # (the pinned buffer is written again)
+            assert self._pending is not None
+            host = self._pending.wait()
             self._out = SamplerOutput(host[:self._n], host[self._n:], self.device_ids)
-            self._host = self._event = None
+            self._pending = None
         return self._out

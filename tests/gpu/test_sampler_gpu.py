@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cellcache.generate import Sampler, SampleSpec  # noqa: E402
-from cellcache.generate import sampler as sampler_mod  # noqa: E402
+from cellcache.generate import readback as readback_mod  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 
@@ -52,7 +52,7 @@ def check_equal(want, got) -> None:
 def test_cuda_draws_equal_the_cpu_sampler_on_every_copy_path(path, monkeypatch):
     sampler = Sampler("cuda:0")
     if path == "torch":                          # no cuda-bindings: torch's copy and event
-        monkeypatch.setattr(sampler_mod, "_driver_calls", lambda: False)
+        monkeypatch.setattr(readback_mod, "_driver_calls", lambda: False)
     if path == "other-device":                   # the stream's device is not the current one
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 99)
     calls = []
@@ -61,7 +61,7 @@ def test_cuda_draws_equal_the_cpu_sampler_on_every_copy_path(path, monkeypatch):
     for seed in range(3):
         want, got = draw_both(sampler, seed)
         check_equal(want, got)
-    events = [type(e).__name__ for e in sampler._events if e is not None]
+    events = [type(e).__name__ for e in sampler.readback._events if e is not None]
     if path == "driver":
         assert calls == [] and events == ["_DriverEvent", "_DriverEvent"]
     elif path == "torch":
@@ -126,7 +126,7 @@ def test_a_wider_step_waits_for_the_copy_into_the_buffer_it_replaces():
     spec = SampleSpec()
     for i in range(3000):
         spec.add(i, 0.0, 0, 1.0, 0, 0, i)
-    first = sampler._events[sampler._turn ^ 1]
+    first = sampler.readback._events[sampler.readback._turn ^ 1]
     draw = sampler.launch(wide, spec)            # replaces the first buffer: waits for it
     if type(first).__name__ == "_DriverEvent":     # done already: the query does not wait
         from cellcache.cuda.driver import check, cu
@@ -153,8 +153,8 @@ def test_a_graphs_greedy_ids_launched_again_skip_the_checks_and_land_each_time(s
     for i in range(n):
         spec.add(i, 0.0, 0, 1.0, 0, 0, i)
     seen = []                                    # the checked path's copies
-    real = sampler._copy_out
-    sampler._copy_out = lambda *a: seen.append(1) or real(*a)
+    real = sampler.readback.copy
+    sampler.readback.copy = lambda *a: seen.append(1) or real(*a)
     draws = []
     for k in range(6):
         torch.cuda._sleep(20_000_000)            # the copy must wait for the write below
