@@ -11,7 +11,12 @@ def test_the_per_step_host_record_adds_up(tmp_path, capsys):
     out = tmp_path / "s.json"
     assert load_tool("bench_serve").main(
         [*QUICK, "--skip", "off,staggered,hf-batch,hf-static", "--json", str(out)]) == 0
-    r = json.loads(out.read_text())["cellcache"]
+    res = json.loads(out.read_text())
+    # the record the results index reads: which benchmark, when, by what, on what
+    assert res["benchmark"] == "serve-default-tiny-cpu-quick" and len(res["date"]) == 10
+    assert res["command"].startswith("python3 tools/bench_serve.py --device cpu --model tiny --quick")
+    assert res["device"].endswith(" cores")
+    r = res["cellcache"]
     d = r["decode_host_us_distribution"]
     # the steps' own record against the profile's totals: the same mean
     assert abs(d["mean"] - r["decode_host_us_per_step_total"]) <= 0.2

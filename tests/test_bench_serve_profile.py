@@ -121,6 +121,9 @@ def test_tp2_gloo_profile_every_rank(tmp_path):
         pytest.fail("bench_serve --tp 2 --profile-steps did not finish within 180 s")
     assert proc.returncode == 0, stderr[-4000:]
     res = json.loads(out.read_text())
+    # the record names the TP benchmark and the launcher that ran it
+    assert res["benchmark"] == "serve-tp2-tiny-cpu-quick"
+    assert res["command"].startswith("torchrun --nproc-per-node 2 tools/bench_serve.py --device cpu")
     r = res["cellcache"]                             # the timed run's seconds by kind of step
     assert r["mixed_calls"] >= 1 and r["decode_calls"] >= 1
     assert r["mixed_calls"] + r["decode_calls"] + r["none_calls"] == r["steps"] + r["none_calls"]

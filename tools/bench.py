@@ -22,7 +22,6 @@ and non-zero only when a measurement itself fails (e.g. the two tables disagree)
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import platform
 import statistics
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import ROOT, log
+from _common import RESULTS, log, run_record
 
 
 def median_ns(fn, reps: int, setup=None) -> float:
@@ -407,6 +406,12 @@ def section_prefix(args) -> dict:
 
 
 SECTIONS = ("table", "soak", "prefix", "gpu", "growth", "attention")
+GPU_SECTIONS = ("gpu", "growth", "attention")
+
+
+def result_name(section: str) -> str:
+    """The benchmark a section's run records, the stem of its file in benchmarks/results."""
+    return {"gpu": "gpu-masks", "all-gpu": "gpu-all"}.get(section, section)
 
 
 def main(argv=None) -> int:
@@ -420,15 +425,15 @@ def main(argv=None) -> int:
                    help="calls of the soak section (default 10**6)")
     p.add_argument("--seed", type=in_range(0, 2**32 - 1), default=0)
     p.add_argument("--json", type=Path, default=None,
-                   help="where to write the JSON (default: benchmarks/results/<section>-<date>.json)")
+                   help="where to write the JSON (default: its canonical file, benchmarks/results/"
+                        "<benchmark>.json: the section's name, gpu-masks for gpu, gpu-all for all-gpu)")
     args = p.parse_args(argv)
-    result = {
-        "date": _dt.date.today().isoformat(),
-        "command": "python3 tools/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-                    "numpy": np.__version__},
-    }
-    sections = ("gpu", "growth", "attention") if args.section == "all-gpu" else (args.section,)
+    sections = GPU_SECTIONS if args.section == "all-gpu" else (args.section,)
+    words = ["python3", "tools/bench.py", *(argv if argv is not None else sys.argv[1:])]
+    result = run_record(result_name(args.section), words,
+                        "cuda" if set(sections) <= set(GPU_SECTIONS) else "cpu")
+    result["machine"] = {"python": platform.python_version(),
+                         "cpu": platform.processor() or platform.machine(), "numpy": np.__version__}
     for section in sections:
         if section == "table":
             result["table"] = section_table(args)
@@ -440,7 +445,7 @@ def main(argv=None) -> int:
             import bench_gpu
 
             result[section] = getattr(bench_gpu, {"gpu": "run"}.get(section, section))(args)
-    path = args.json or ROOT / "benchmarks" / "results" / f"{args.section}-{result['date']}.json"
+    path = args.json or RESULTS / f"{result['benchmark']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     log(f"wrote {path}")

@@ -48,7 +48,6 @@ time goes (GPU time by kernel category, GPU idle, host time, the top kernels).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
 import re
@@ -59,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import ROOT, log, require_gpu
+from _common import RESULTS, log, require_gpu, run_record
 
 from cellcache._cli import Parser, in_range
 
@@ -69,6 +68,7 @@ WORKLOADS = {
     "shared": dict(requests=512, prompt_len=128, new_tokens=128, shared_len=2048, turns=1, message_len=0),
     "chat": dict(requests=64, prompt_len=256, new_tokens=128, shared_len=0, turns=8, message_len=64),
 }
+DEFAULT_MODEL = "qwen2-0.5b"
 QUICK = {
     "default": dict(requests=8, prompt_len=32, new_tokens=16),
     "shared": dict(requests=16, prompt_len=8, new_tokens=8, shared_len=64),
@@ -87,8 +87,8 @@ def cpu_probe() -> float:
     """Microseconds a fixed piece of pure-Python work takes now (the kind the host phases
     do: list appends, dict stores, attribute reads), the median of 7: a reading of the
     host CPU's own speed, recorded beside each run's host time so that a slow run can be
-    told apart from a slow machine (the same code's host time has varied ~2x between runs
-    minutes apart on the same H200 host)."""
+    told apart from a slow machine (the host time of one tree varies between runs on one
+    machine far more than its GPU time does)."""
     def work() -> int:
         xs: list[int] = []
         d: dict[int, int] = {}
@@ -287,7 +287,7 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
             gen.prefix.clear()                # no prompt of its own first pass to hit
         start = max(0, (gen.profile["decode_steps"] - profile_steps - PROFILE_WARMUP) // 2)
         summary = profile_pass(gen, prompts, new_tokens, profile_steps, start, device)
-        folder, stem = profile_to or (ROOT / "benchmarks" / "results", "serve")
+        folder, stem = profile_to or (RESULTS, "serve")
         res["profile"] = save_profile(summary, folder, stem, 0)
     gen.cache.close()
     return res
@@ -796,13 +796,13 @@ def save_profile(summary: dict, folder: Path, stem: str, rank: int) -> dict:
 
 
 # -- tensor parallelism (issue 19): --tp N under torchrun ------------------------------------------
-def tp_bench(p, args) -> int:
+def tp_bench(p, args, argv: list[str]) -> int:
     """``torchrun --nproc-per-node N tools/bench_serve.py --model qwen2-7b --tp N`` (``--tp 1``
     without torchrun for the comparison): the default workload (256 requests x (512 + 256),
     all arriving together, greedy, prefix cache off) through ``Generator(tp=N)``, then HF
     ``generate_batch`` on the same sharded model. Reports tokens/s and rank 0's host time per
     step (wall time of ``step()``, and the host phases of ``Generator.profile`` when present);
-    rank 0 writes ``benchmarks/results/serve-tp{N}-{model}-{date}.json``.
+    rank 0 writes the JSON (default: ``benchmarks/results/serve-tp{N}-{model}.json``).
 
     HF's comparison: ``from_pretrained(..., tp_plan="auto")`` needs a checkpoint and
     ``accelerate``; the random model is sharded instead with the same plan through the same
@@ -834,9 +834,10 @@ def tp_bench(p, args) -> int:
     prompts = [rng.integers(0, model.config.vocab_size, size=plen).tolist() for _ in range(n)]
     capacity = n * (plen + new) + 4096
 
-    date = _dt.date.today().isoformat()
-    stem = f"serve-tp{world}-{args.model}-{date}"
-    path = args.json or ROOT / "benchmarks" / "results" / f"{stem}.json"
+    words = ["python3", "tools/bench_serve.py", *argv] if world == 1 else \
+        ["torchrun", "--nproc-per-node", str(world), "tools/bench_serve.py", *argv]
+    record = run_record(result_name(args, world), words, device, gpus=world)
+    path = args.json or RESULTS / f"{record['benchmark']}.json"
 
     def serve(batch: list, new_tokens: int, profile_steps: int = 0) -> dict:
         gen = Generator(model, capacity=capacity, max_batch_tokens=w["max_batch_tokens"],
@@ -897,7 +898,7 @@ def tp_bench(p, args) -> int:
         gen.cache.close()
         return res
 
-    res: dict = {"date": date, "command": " ".join(sys.argv),
+    res: dict = {**record,
                  "workload": {"model": args.model, "device": device, "tp": world, "requests": n,
                               "prompt_len": plen, "new_tokens": new, "capacity": capacity,
                               "max_batch_tokens": w["max_batch_tokens"], "prefill_chunk": w["prefill_chunk"]}}
@@ -947,10 +948,33 @@ def tp_bench(p, args) -> int:
     return 0
 
 
+def result_name(args, world: int | None = None) -> str:
+    """The benchmark a run records (the stem of its canonical file in benchmarks/results): the
+    workload, then whatever sets the run apart from that workload's plain GPU run, so that
+    a smoke run on the CPU never lands on a GPU result. ``world``: the ranks of a --tp run."""
+    if world is not None:
+        parts = [f"serve-tp{world}", args.model]
+    else:
+        parts = [f"serve-{args.workload}"]
+        if args.compile:
+            parts.append("compile")
+        if args.attention == "flashinfer":
+            parts.append("flashinfer")
+        if args.arrival == "poisson" and args.workload == "default":
+            parts.append("poisson")
+        if args.model != DEFAULT_MODEL:
+            parts.append(args.model)
+    if args.device != "cuda":
+        parts.append(args.device)
+    if args.quick:
+        parts.append("quick")
+    return "-".join(parts)
+
+
 def host_target(res: dict) -> tuple[bool, str] | None:
     """Issue #20's host target from a run's results: host time per decode step <= 10% of
     the decode step's GPU time (the timing pass's median forward). The host varies between
-    runs of one tree far more than the GPU does (up to ~1.9x on the H200's machine), so with
+    runs of one tree far more than the GPU does, so with
     ``--repeat`` it reads the median of the prefix-cache-on runs. None without a GPU time."""
     r = res["cellcache"]
     if "decode_gpu_ms_median" not in r or "decode_host_us_per_step_total" not in r:
@@ -973,7 +997,7 @@ def host_target(res: dict) -> tuple[bool, str] | None:
 def main(argv=None) -> int:
     p = Parser(prog="bench_serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
-    p.add_argument("--model", default="qwen2-0.5b", help="built-in random model (default qwen2-0.5b)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"built-in random model (default {DEFAULT_MODEL})")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda (default; bf16) or cpu (float32: a smoke run with a tiny model)")
     p.add_argument("--requests", type=in_range(1, 1 << 16), default=None,
@@ -1014,7 +1038,11 @@ def main(argv=None) -> int:
                    help="attention kernels (Generator(attention=)): auto, cellcache's own "
                         "(default); flashinfer, FlashInfer's over the same paged view (eager steps)")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None,
+                   help="where to write the JSON (default: its canonical file, benchmarks/results/"
+                        "<benchmark>.json, the benchmark named by result_name(): serve-<workload>, "
+                        "then -compile, -flashinfer, -poisson, the model, -cpu, -quick where they "
+                        "apply; serve-tp<N>-<model> with --tp)")
     p.add_argument("--tp", type=in_range(1, 1 << 12), default=None,
                    help="tensor parallelism (issue 19): N ranks under torchrun --nproc-per-node N "
                         "(1: one process, the comparison); the default workload only")
@@ -1030,17 +1058,16 @@ def main(argv=None) -> int:
                         "(CUDA events), host time (step wall, Generator.profile phases, "
                         "annotated calls, CUDA runtime calls), and the top 15 kernels; each rank "
                         "writes <json stem>-profile-rank<r>.json and a chrome trace "
-                        "<json stem>-trace-rank<r>.json.gz beside the --json file (default: "
-                        "benchmarks/results). The headline numbers come from the run before, "
-                        "which carries no profiler. 0: off (default); default and shared "
-                        "workloads")
+                        "<json stem>-trace-rank<r>.json.gz beside the JSON. The headline numbers "
+                        "come from the run before, which carries no profiler. 0: off (default); "
+                        "default and shared workloads")
     args = p.parse_args(argv)
     if args.profile_steps and args.tp is None and args.workload == "chat":
         p.error("--profile-steps profiles the default and shared workloads (not chat)")
     if args.tp is not None:
         if args.compile:
             p.error("--compile is measured in one process (without --tp)")
-        return tp_bench(p, args)
+        return tp_bench(p, args, argv if argv is not None else sys.argv[1:])
     if args.rate is not None and not 0 < args.rate < float("inf"):
         p.error(f"--rate must be a finite number > 0, not {args.rate}")
     if args.device == "cuda" and (code := require_gpu("bench_serve")) is not None:
@@ -1079,15 +1106,14 @@ def main(argv=None) -> int:
     else:
         capacity = n * (w["shared_len"] + w["prompt_len"] + new) + 4096
     capacity = max(capacity, w["max_batch_tokens"])
-    command = "python3 tools/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    res: dict = {"date": _dt.date.today().isoformat(), "command": command,
+    words = ["python3", "tools/bench_serve.py", *(argv if argv is not None else sys.argv[1:])]
+    res: dict = {**run_record(result_name(args), words, device),
                  "workload": {"name": name, "model": args.model, "device": device, **w,
                               "capacity": capacity, "ideal_computed": work["ideal_computed"]}}
-    stem = ("serve" if name == "default" else f"serve-{name}") + ("-compile" if args.compile else "")
-    path = args.json or ROOT / "benchmarks" / "results" / f"{stem}-{res['date']}.json"
+    path = args.json or RESULTS / f"{res['benchmark']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
 
-    def save() -> None:                  # after every run, so a cut-short session keeps what ran
+    def save() -> None:                  # after every run, so a run cut short keeps what it measured
         slim = {k: ({kk: vv for kk, vv in v.items() if kk != "outputs"} if isinstance(v, dict) else v)
                 for k, v in res.items()}
         path.write_text(json.dumps(slim, indent=2, default=str) + "\n")
@@ -1274,7 +1300,7 @@ def main(argv=None) -> int:
                           r["last_arrival_s"] + new * 1e-3 * r["decode_step_ms_median"])
             floor = floor_s / res["cellcache"]["seconds"]
             # the same 1.25x, over what the arrivals leave any server (the ratio itself cannot
-            # reach 1.25x: the floor alone is ~1.7x): what the server adds to them
+            # reach 1.25x, the floor alone being above it): what the server adds to them
             targets.append((ratio <= 1.25 * floor, f"poisson arrivals at exactly the rate all "
                                                    f"together completes, within 1.25x of the floor "
                                                    f"its arrivals impose ({ratio:.2f}x all together "

@@ -7,9 +7,10 @@ search, a summary scan that stops after the first word, ...). First the unmutate
 copied, built and tested: it must pass, or a failing test would prove nothing. Then for each
 mutant the tree (tracked files and untracked ones git does not ignore) is copied, the edit
 applied, the extensions rebuilt and the table's tests run; the mutant is caught when they fail
-(or crash). Prints a table and writes JSON; exit code 1 if any mutant survives, 2 on bad usage,
-a mutant whose text is not in its source, or a failing baseline. Takes a few minutes (one
-build per mutant); not part of CI.
+(or crash). Prints a table and writes JSON (by default benchmarks/results/mutate.json, the
+benchmark's canonical file, when every mutant ran; with --only, only where --json says); exit
+code 1 if any mutant survives, 2 on bad usage, a mutant whose text is not in its source, or a
+failing baseline. Takes a few minutes (one build per mutant); not part of CI.
 
   python3 tools/mutate.py [--examples 300] [--only NAME ...] [--json PATH]
 """
@@ -25,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT
+from _common import RESULTS, ROOT, run_record
 
 from cellcache._cli import Parser, in_range
 
@@ -156,9 +157,14 @@ def main(argv=None) -> int:
     p.add_argument("--examples", type=in_range(10, 100000), default=300,
                    help="state machine examples per run (default 300)")
     p.add_argument("--only", nargs="*", choices=sorted(MUTANTS), help="run only these mutants")
-    p.add_argument("--json", type=Path, default=None, help="where to write the JSON")
+    p.add_argument("--json", type=Path, default=None,
+                   help="where to write the JSON (default: benchmarks/results/mutate.json when every "
+                        "mutant runs; none with --only)")
     args = p.parse_args(argv)
     names = args.only or list(MUTANTS)
+    words = ["python3", "tools/mutate.py", *(argv if argv is not None else sys.argv[1:])]
+    record = run_record("mutate", words, "cpu")
+    path = args.json or (None if args.only else RESULTS / "mutate.json")
     stale = [f"{name} ({MUTANTS[name][1]})" for name in names
              if (ROOT / MUTANTS[name][1]).read_text().count(MUTANTS[name][2]) != 1]
     if stale:
@@ -181,9 +187,10 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['mutant']:<28} {r['status']:<24} {r.get('first_failure', '')[:70]}")
     print(f"caught {caught} of {len(rows)} mutants")
-    if args.json:
-        args.json.write_text(json.dumps({"caught": caught, "total": len(rows), "mutants": rows},
-                                        indent=2) + "\n")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**record, "caught": caught, "total": len(rows), "mutants": rows},
+                                   indent=2) + "\n")
     return 0 if caught == len(rows) else 1
 
 
