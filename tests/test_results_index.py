@@ -1,0 +1,200 @@
+"""tools/results_index.py: the index of benchmarks/results is what the results make, every
+result says what ran it, and new results are filed under their benchmark's name."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .helpers import TOOLS, load_tool
+
+TOOL = TOOLS / "results_index.py"
+ROOT = TOOLS.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@pytest.fixture(scope="module")
+def ri():
+    return load_tool("results_index")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True)
+
+
+SERVE = {"benchmark": "serve-default", "date": "2026-12-03", "device": "NVIDIA H200",
+         "command": "python3 tools/bench_serve.py --workload default --skip off",
+         "workload": {"name": "default", "device": "cuda"},
+         "cellcache": {"tokens_per_s": 40000.0, "decode_host_us_per_step_total": 100.0,
+                       "decode_gpu_ms_median": 4.0},
+         "hf-static": {"tokens_per_s": 8000.0}, "hf-batch": {"error": "RuntimeError: no"},
+         "targets": [{"met": True, "target": "a"}, {"met": False, "target": "b"}]}
+
+
+def write(folder, name, content):
+    p = folder / name
+    p.write_text(content if isinstance(content, str) else json.dumps(content))
+    return p
+
+
+# -- the committed record ---------------------------------------------------------------------
+def test_the_committed_index_is_what_the_results_make(ri):
+    """README.md cannot drift from the files: regenerate it with the tool after any change."""
+    assert ri.main(["--check"]) == 0, "run: python3 tools/results_index.py"
+
+
+def test_every_result_says_what_ran_it_and_is_named_after_its_benchmark(ri):
+    files = ri.result_files(RESULTS)
+    assert files and all(p.suffix in (".json", ".log") for p in files), files
+    for p in files:
+        row = ri.read_result(p)
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", row["date"]), p.name
+        assert row["command"] != ri.UNKNOWN and row["device"] != ri.UNKNOWN, p.name
+        assert row["headline"] != ri.UNKNOWN, p.name
+        if p.suffix == ".json":
+            assert json.loads(p.read_text())["benchmark"] == p.stem, p.name
+
+
+def test_the_record_stays_small_and_holds_no_scripts():
+    files = [p for p in (ROOT / "benchmarks").rglob("*") if p.is_file()]
+    assert len(files) <= 30, len(files)
+    assert not [p.name for p in files if p.suffix in (".py", ".sh", ".cu", ".patch")]
+
+
+# -- the index ------------------------------------------------------------------------------
+def test_a_serving_result_reads_as_its_throughput_ratios_host_and_targets(ri):
+    h = ri.headline(SERVE)
+    assert h.startswith("40,000 tok/s; 5.00x HF static")
+    assert "generate_batch" not in h                       # a failed comparison gives no ratio
+    assert "host 100 µs a decode step = 2.5% of its 4.00 ms on the GPU" in h
+    assert h.endswith("targets 1/2 met")
+
+
+def test_each_kind_of_result_has_its_headline(ri):
+    assert ri.headline({"mutants": [], "caught": 11, "total": 12}) == "caught 11 of 12 mutants"
+    tp = {"workload": {"tp": 2}, "cellcache": {"tokens_per_s": 12000.0, "step_ms_median": 11.9},
+          "cellcache_vs_hf_batch": 15.5}
+    assert ri.headline(tp) == "12,000 tok/s, step median 11.90 ms; 15.50x HF `generate_batch`"
+    prefix = {"prefix": {"cached_tokens": 100352, "match_us": 18.85, "targets": {"match": True}}}
+    assert ri.headline(prefix) == ("match of an 8K prompt over 100,352 cached tokens: 18.9 µs; "
+                                   "targets 1/1 met")
+    growth = {"growth": {"map": {"us": 1686.4}, "copy": {"us": 2017.4}}, "note": "one section"}
+    assert ri.headline(growth) == "grow to 1 GiB: map 1,686 µs; grow to 1 GiB: copy 2,017 µs; one section"
+    assert ri.headline({"date": "2026-01-01"}) == ri.UNKNOWN
+
+
+def test_the_table_has_a_row_per_file_and_says_unknown_for_what_a_file_lacks(ri, tmp_path):
+    write(tmp_path, "serve-default.json", SERVE)
+    write(tmp_path, "old.json", {"mutants": [], "caught": 1, "total": 1, "command": "a | b"})
+    write(tmp_path, "gpu-tests.log", "# 2026-12-03, NVIDIA H200: python3 -m pytest -q tests/gpu\n"
+                                     "....\n\n===== 4 passed in 1.00s =====\n\n")
+    text = ri.render(tmp_path)
+    rows = [ln for ln in text.splitlines() if ln.startswith("| [")]
+    assert [r.split("]")[0] for r in rows] == ["| [gpu-tests", "| [old", "| [serve-default"]
+    assert rows[0] == ("| [gpu-tests](gpu-tests.log) | 2026-12-03 | NVIDIA H200 | "
+                       "`python3 -m pytest -q tests/gpu` | 4 passed in 1.00s |")
+    assert rows[1] == "| [old](old.json) | unknown | unknown | `a \\| b` | caught 1 of 1 mutants |"
+    assert rows[2].startswith("| [serve-default](serve-default.json) | 2026-12-03 | NVIDIA H200 | "
+                              "`python3 tools/bench_serve.py --workload default --skip off` | 40,000 tok/s")
+
+
+def test_check_fails_on_a_stale_index_and_the_default_rewrites_it(ri, tmp_path):
+    write(tmp_path, "serve-default.json", SERVE)
+    assert ri.main(["--results", str(tmp_path), "--check"]) == 1          # no index yet
+    assert not (tmp_path / "README.md").exists()
+    assert ri.main(["--results", str(tmp_path)]) == 0
+    assert ri.main(["--results", str(tmp_path), "--check"]) == 0
+    write(tmp_path, "serve-default.json", {**SERVE, "date": "2026-12-04"})
+    assert ri.main(["--results", str(tmp_path), "--check"]) == 1
+
+
+def test_add_files_a_tool_json_under_its_benchmark_and_rewrites_the_index(ri, tmp_path):
+    results, out = tmp_path / "results", tmp_path / "out"
+    results.mkdir()
+    out.mkdir()
+    write(results, "serve-default.json", {**SERVE, "date": "2026-11-01"})
+    new = write(out, "serve.json", SERVE)
+    log = write(out, "gpu-tests.log", "# 2026-12-03, NVIDIA H200: pytest\n1 passed\n")
+    assert ri.main(["--results", str(results), "--add", str(new), str(log)]) == 0
+    assert json.loads((results / "serve-default.json").read_text()) == SERVE     # replaced
+    assert (results / "gpu-tests.log").exists()
+    assert ri.main(["--results", str(results), "--check"]) == 0
+    assert "| 2026-12-03 |" in (results / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name,content", [
+    ("x.json", {"date": "2026-12-03"}),                      # no benchmark field
+    ("x.json", {"benchmark": "../up", "date": "2026-12-03"}),
+    ("x.json", "{not json"),
+    ("x.log", "no header\n1 passed\n"),
+    ("x.txt", "anything"),
+])
+def test_add_refuses_what_is_not_a_result_and_changes_nothing(ri, tmp_path, name, content, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    write(results, "serve-default.json", SERVE)
+    before = {p.name: p.read_text() for p in results.iterdir()}
+    bad = write(tmp_path, name, content)
+    assert ri.main(["--results", str(results), "--add", str(bad)]) == 2
+    assert {p.name: p.read_text() for p in results.iterdir()} == before
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("results_index: ")
+
+
+def test_an_unreadable_result_in_the_folder_is_an_error_not_a_row(ri, tmp_path, capsys):
+    write(tmp_path, "broken.json", "[1, 2]")
+    assert ri.main(["--results", str(tmp_path)]) == 2
+    assert "broken.json: a result is a JSON object" in capsys.readouterr().err
+    assert not (tmp_path / "README.md").exists()
+
+
+# -- what the tools write ---------------------------------------------------------------------
+def test_a_tools_record_opens_with_what_the_index_reads():
+    common = load_tool("_common")
+    words = ["python3", "tools/bench.py", "--section", "gpu", "--json", "a b.json"]
+    r = common.run_record("gpu-masks", words, "cpu")
+    assert list(r) == ["benchmark", "date", "command", "device"]
+    assert r["benchmark"] == "gpu-masks" and re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"])
+    assert r["command"] == "python3 tools/bench.py --section gpu --json 'a b.json'"
+    assert r["device"].endswith(" cores") and common.RESULTS == RESULTS
+
+
+def test_the_tools_name_their_results_after_the_benchmark():
+    from types import SimpleNamespace
+
+    bench = load_tool("bench")
+    assert [bench.result_name(s) for s in ("table", "gpu", "all-gpu", "attention")] == [
+        "table", "gpu-masks", "gpu-all", "attention"]
+    name = load_tool("bench_serve").result_name
+    plain = dict(workload="default", compile=False, attention="auto", arrival="staggered",
+                 model="qwen2-0.5b", device="cuda", quick=False)
+    assert name(SimpleNamespace(**plain)) == "serve-default"
+    assert name(SimpleNamespace(**{**plain, "arrival": "none"})) == "serve-default"
+    assert name(SimpleNamespace(**{**plain, "compile": True})) == "serve-default-compile"
+    assert name(SimpleNamespace(**{**plain, "arrival": "poisson"})) == "serve-default-poisson"
+    assert name(SimpleNamespace(**{**plain, "workload": "chat"})) == "serve-chat"
+    assert name(SimpleNamespace(**{**plain, "attention": "flashinfer"})) == "serve-default-flashinfer"
+    assert name(SimpleNamespace(**{**plain, "model": "tiny", "device": "cpu", "quick": True})) == \
+        "serve-default-tiny-cpu-quick"                   # a smoke run never lands on a GPU result
+    assert name(SimpleNamespace(**{**plain, "model": "qwen2-7b"}), world=2) == "serve-tp2-qwen2-7b"
+    # every file kept here is one the tools would write under the same name
+    kept = {p.stem for p in RESULTS.glob("*.json")}
+    assert {"serve-default", "serve-default-compile", "gpu-masks", "attention"} <= kept
+
+
+# -- the command line -------------------------------------------------------------------------
+def test_help_documents_the_options():
+    r = run("--help")
+    assert r.returncode == 0
+    assert "--check" in r.stdout and "--add FILE" in r.stdout and "--results DIR" in r.stdout
+
+
+@pytest.mark.parametrize("args", [["--bogus"], ["--check", "--add", "x.json"], ["--add"],
+                                  ["--results", "/nonexistent/folder"], ["--add", "/nonexistent.json"]])
+def test_bad_usage_exits_2_with_one_line(args):
+    r = run(*args)
+    assert r.returncode == 2, r
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("results_index: error:"), r.stderr
+    assert not r.stdout
