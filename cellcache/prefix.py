@@ -102,6 +102,7 @@ import numpy as np
 
 from ._checks import check_int, check_seq_id
 from .errors import InvalidArgument, InvalidState
+from .radix import RadixNode, RadixTree
 
 __all__ = ["POLICIES", "PrefixCache", "PrefixEvent", "PrefixNode", "prefix_key"]
 
@@ -150,7 +151,7 @@ class PrefixEvent:
         return f"PrefixEvent({self.kind!r}, length={self.length}, n={self.n})"
 
 
-class PrefixNode:
+class PrefixNode(RadixNode):
     """A node of the tree: the tokens of positions ``[start, end)`` under its parent.
 
     Eviction policies read (never change) ``start``, ``end``, ``last_access`` (the prefix
@@ -159,17 +160,14 @@ class PrefixNode:
     and ``created``.
     """
 
-    __slots__ = ("children", "created", "end", "hits", "last_access", "parent", "pins",
-                 "priority", "seg", "segb", "seq", "start")
+    __slots__ = ("created", "hits", "last_access", "pins", "priority", "seq")
+
+    parent: PrefixNode | None
+    children: dict[bytes, PrefixNode]
 
     def __init__(self, segb: bytes, start: int, parent: PrefixNode | None, clock: int,
                  priority: float = 0.0):
-        self.segb = segb                                 # the tokens as int32 bytes
-        self.seg = np.frombuffer(segb, _I32)             # the same, read-only, no copy
-        self.start = start
-        self.end = start + len(segb) // 4
-        self.parent = parent
-        self.children: dict[bytes, PrefixNode] = {}      # first token's 4 bytes -> child
+        super().__init__(segb, start, parent)
         self.seq: int | None = None                      # the leaf's sequence: owned or lent
         self.last_access = clock
         self.created = clock
@@ -177,18 +175,19 @@ class PrefixNode:
         self.priority = priority
         self.pins: dict[int, int] | None = None          # depth -> count, depth in (start, end]
 
-    @property
-    def n_tokens(self) -> int:
-        return self.end - self.start
-
-    def path(self) -> np.ndarray:
-        """The tokens of positions ``[0, end)``, a new int32 array."""
-        parts = []
-        node: PrefixNode | None = self
-        while node is not None and node.end > 0:
-            parts.append(node.segb)
-            node = node.parent
-        return np.frombuffer(b"".join(reversed(parts)), _I32)
+    def head(self, m: int) -> PrefixNode:
+        """The upper part of a split at m: the node's keys, and its pins at depths <= m
+        (moved)."""
+        upper = PrefixNode(self.segb[:4 * (m - self.start)], self.start, self.parent,
+                           self.created, self.priority)
+        upper.last_access = self.last_access
+        upper.hits = self.hits
+        if self.pins:
+            up = {d: c for d, c in self.pins.items() if d <= m}
+            if up:
+                upper.pins = up
+                self.pins = {d: c for d, c in self.pins.items() if d > m} or None
+        return upper
 
     def __repr__(self) -> str:
         return f"PrefixNode([{self.start}, {self.end}), seq={self.seq}, children={len(self.children)})"
@@ -343,41 +342,14 @@ class PrefixCache:
              "invalidations", "reclaims", "dropped"), 0)
 
     def _reset(self) -> None:
-        self._root = PrefixNode(b"", 0, None, self._clock)
+        self._tree: RadixTree[PrefixNode] = RadixTree(PrefixNode(b"", 0, None, self._clock))
         self._owned: dict[int, PrefixNode] = {}   # owned sequence -> its leaf
         self._lent: dict[int, PrefixNode] = {}    # a caller's sequence lending a leaf -> it
         self._clears = self._cache_clears()       # the cache's clear() count the tree is of
-        self._cached = 0                          # tokens in the tree
-        self._nodes = 0                           # nodes but the root
         self._pins = 0
         self._shape += 1                          # bumped whenever nodes are removed
 
     # -- lookup ------------------------------------------------------------------------------
-    def _walk(self, qb: bytes, nq: int) -> tuple[PrefixNode, int]:
-        """The node holding the longest cached prefix of the query (``nq`` tokens as int32
-        bytes ``qb``) and its length n: ``node.start < n <= node.end``, or (root, 0)."""
-        node = self._root
-        d = 0
-        while d < nq:
-            b = 4 * d
-            child = node.children.get(qb[b:b + 4])
-            if child is None:
-                return node, d
-            if qb.startswith(child.segb, b):
-                node = child
-                d = child.end
-                continue
-            # the match ends in this node: where the query ends, or at the first difference
-            m = child.end - child.start
-            if nq - d < m:
-                if child.segb.startswith(qb[b:]):
-                    return child, nq
-                m = nq - d
-            # a difference lies in the first m tokens, so argmin finds the first False
-            eq = np.frombuffer(qb, _I32, m, b) == child.seg[:m]
-            return child, d + int(eq.argmin())
-        return node, d
-
     def _query(self, tokens: object, max_len: object) -> tuple[np.ndarray, bytes]:
         arr = _as_tokens(tokens)
         if max_len is not None:
@@ -391,7 +363,7 @@ class PrefixCache:
         changes nothing (admission policies use it)."""
         arr, qb = self._query(tokens, max_len)
         with self._lock:
-            return self._walk(qb, len(arr))[1]
+            return self._tree.walk(qb)[1]
 
     def match(self, tokens: Any, *, max_len: int | None = None,
               pin: bool = False) -> tuple[int | None, int]:
@@ -411,7 +383,7 @@ class PrefixCache:
             self._clock += 1
             st = self._stats
             st["matches"] += 1
-            node, n = self._walk(qb, len(arr))
+            node, n = self._tree.walk(qb)
             if n == 0:
                 return None, 0
             leaf = node
@@ -457,7 +429,7 @@ class PrefixCache:
         counted, and dropped by :meth:`clear` and :meth:`invalidate`."""
         arr, qb = self._query(tokens, max_len)
         with self._lock:
-            node, n = self._walk(qb, len(arr))
+            node, n = self._tree.walk(qb)
             if n:
                 self._pin_at(node, n)
             return n
@@ -468,7 +440,7 @@ class PrefixCache:
         arr, qb = self._query(tokens, None)
         n = check_int(n, "n", 1, len(arr))
         with self._lock:
-            node, d = self._walk(qb[:4 * n], n)
+            node, d = self._tree.walk(qb[:4 * n])
             if d != n or not node.pins or node.pins.get(n, 0) == 0:
                 raise InvalidState(
                     f"the first {n} tokens hold no pin; pin them with match(pin=True) or pin()")
@@ -561,10 +533,8 @@ class PrefixCache:
                 leaf.seq = s
                 mine.seq = None
                 del lent[s]
-                mine.children[leaf.segb[:4]] = leaf
+                self._tree.add(leaf)
                 owned[s] = leaf
-                self._nodes += 1
-                self._cached += k
                 self._touch(leaf, 0.0)
                 st["stored_tokens"] += k
                 if self.on_event is not None:
@@ -647,7 +617,7 @@ class PrefixCache:
         has ended: no leaf names s any more."""
         leaf = self._lent.pop(s)
         self._stats["reclaims"] += 1
-        root = self._root
+        tree = self._tree
         keep = None
         try:
             if self.cache.pos(s) >= leaf.end:
@@ -656,18 +626,18 @@ class PrefixCache:
                 else:
                     keep = self.cache.seq_clone(s, leaf.end)
                     if keep is None:
-                        self._evict_locked(0, 1, self._path(leaf))
-                        if self._root is root:
+                        self._evict_locked(0, 1, leaf.line())
+                        if self._tree is tree:
                             keep = self.cache.seq_clone(s, leaf.end)
         except BaseException:
-            if self._root is root:
+            if self._tree is tree:
                 self._drop(leaf)
             raise
         if keep is not None and not adopt and (keep in self._owned or keep in self._lent):
             self.cache.seq_rm(keep)           # an id the tree names was free: cleared underneath
             self._invalidate_locked()
             return False
-        if self._root is not root:            # eviction found the cache cleared underneath
+        if self._tree is not tree:            # eviction found the cache cleared underneath
             return False
         if keep is not None:
             leaf.seq = keep
@@ -680,16 +650,14 @@ class PrefixCache:
         """Removes a leaf whose sequence goes (a lent one with no id to keep it), and the
         nodes above it left with neither children nor a sequence."""
         node = leaf
-        root = self._root
+        root = self._tree.root
         while True:
             parent = node.parent
             assert parent is not None
             if self.on_event is not None:
                 self._events.append(PrefixEvent("dropped", node.path(), node.n_tokens))
-            del parent.children[node.segb[:4]]
-            node.parent, node.seq = None, None
-            self._nodes -= 1
-            self._cached -= node.n_tokens
+            self._tree.cut(node)
+            node.seq = None
             if node.pins:
                 self._pins -= sum(node.pins.values())
                 node.pins = None
@@ -730,7 +698,7 @@ class PrefixCache:
             self._clock += 1
             self._stats["inserts"] += 1
             qb = arr.tobytes()
-            node, m = self._walk(qb, n)
+            node, m = self._tree.walk(qb)
             mine = self._lent.get(s)
             if mine is not None and mode != "insert" and not (node is mine and m == mine.end < n):
                 # s lends a leaf these tokens do not run on from: the tree keeps it first
@@ -739,7 +707,7 @@ class PrefixCache:
                 if give and kept:
                     self._touch(mine, priority)
                     return 0
-                node, m = self._walk(qb, n)
+                node, m = self._tree.walk(qb)
             if m == n:
                 self._touch(node, priority)
                 if give:
@@ -757,7 +725,7 @@ class PrefixCache:
                     checked = leaf
                 else:
                     self._invalidate_locked()
-                    node, m = self._walk(qb, n)
+                    node, m = self._tree.walk(qb)
             shape = self._shape
             new = self._take_id(qb, n, node, m, s, mode, checked)
             if new is None:
@@ -774,9 +742,9 @@ class PrefixCache:
             # evictions for the id keep the cached path but may have made a leaf of its end
             # (or, finding the cache cleared underneath, forgotten the tree): walk again
             if self._shape != shape:
-                node, m = self._walk(qb, n)
+                node, m = self._tree.walk(qb)
             if node.start < m < node.end:
-                node = self._split(node, m)
+                node = self._tree.split(node, m)
             old = node.seq                  # a leaf extended: its sequence is covered now
             if old is not None:
                 node.seq = None
@@ -787,10 +755,8 @@ class PrefixCache:
                     del self._owned[old]
             leaf = PrefixNode(qb[4 * m:], m, node, self._clock, priority)
             leaf.seq = new
-            node.children[leaf.segb[:4]] = leaf
+            self._tree.add(leaf)
             (self._lent if mode == "lend" else self._owned)[new] = leaf
-            self._nodes += 1
-            self._cached += n - m
             self._touch(leaf, priority)
             if old is not None:
                 self.cache.seq_rm(old)
@@ -814,9 +780,9 @@ class PrefixCache:
         id; a lent leaf counts in the budget: the id it needs if its lender leaves early)."""
         covers = node.seq is not None and m == node.end   # (its leaf's id goes: no new one)
         if not covers and len(self._owned) + len(self._lent) >= self.max_seqs:
-            path = self._path(node)
+            path = node.line()
             self._evict_locked(0, 1, path)
-            node, m = self._walk(qb, n)
+            node, m = self._tree.walk(qb)
             covers = node.seq is not None and m == node.end
             if not covers and len(self._owned) + len(self._lent) >= self.max_seqs:
                 return None
@@ -826,41 +792,9 @@ class PrefixCache:
             return s
         new = self.cache.seq_clone(s, n)
         if new is None:
-            self._evict_locked(0, 1, self._path(node))
+            self._evict_locked(0, 1, node.line())
             new = self.cache.seq_clone(s, n)
         return new
-
-    @staticmethod
-    def _path(node: PrefixNode) -> set[PrefixNode]:
-        """``node`` and every node above it (what an eviction for it must keep)."""
-        path = set()
-        x: PrefixNode | None = node
-        while x is not None:
-            path.add(x)
-            x = x.parent
-        return path
-
-    def _split(self, node: PrefixNode, m: int) -> PrefixNode:
-        """Cuts ``node`` at depth m (``start < m < end``); returns the new upper part."""
-        k = 4 * (m - node.start)
-        parent = node.parent
-        assert parent is not None
-        upper = PrefixNode(node.segb[:k], node.start, parent, node.created, node.priority)
-        upper.last_access = node.last_access
-        upper.hits = node.hits
-        parent.children[node.segb[:4]] = upper
-        node.segb = node.segb[k:]
-        node.seg = np.frombuffer(node.segb, _I32)
-        node.start = m
-        node.parent = upper
-        upper.children[node.segb[:4]] = node
-        if node.pins:
-            up = {d: c for d, c in node.pins.items() if d <= m}
-            if up:
-                upper.pins = up
-                node.pins = {d: c for d, c in node.pins.items() if d > m} or None
-        self._nodes += 1
-        return upper
 
     # -- eviction ----------------------------------------------------------------------------
     def evict(self, n_cells: int = 0, *, n_ids: int = 0) -> int:
@@ -891,13 +825,9 @@ class PrefixCache:
         lim = None if limit is None else check_int(limit, "limit", 0, None)
         with self._lock:
             if not (self._pins or self._lent) or lim is not None and lim <= 0:
-                return self._cached if lim is None else min(self._cached, lim)
-            order: list[PrefixNode] = []
-            stack = list(self._root.children.values())
-            while stack:
-                node = stack.pop()
-                order.append(node)
-                stack.extend(node.children.values())
+                cached = self._tree.tokens
+                return cached if lim is None else min(cached, lim)
+            order = list(self._tree)
             blocked: set[int] = set()
             total = 0
             for node in reversed(order):            # every child before its parent
@@ -934,7 +864,8 @@ class PrefixCache:
             heap = sorted((key(leaf), tie, leaf) for tie, leaf in enumerate(leaves))
         tie = len(heap)
         freed = ids = 0
-        root = self._root
+        tree = self._tree
+        root = tree.root
         while heap and (freed < n_cells or ids < n_ids):
             _, _, leaf = heapq.heappop(heap)
             seq = leaf.seq
@@ -943,17 +874,16 @@ class PrefixCache:
                 self._invalidate_locked()
                 break
             if leaf.pins:                   # pinned above its end: the tail below goes alone
-                self._split(leaf, max(leaf.pins))
+                tree.split(leaf, max(leaf.pins))
             if self.on_event is not None:
                 self._events.append(PrefixEvent("evicted", leaf.path(), leaf.n_tokens))
             before = cache.free_cells
             parent = leaf.parent
             assert parent is not None
-            del parent.children[leaf.segb[:4]]
+            tree.cut(leaf)
             del self._owned[seq]
             self._shape += 1
             leaf.seq = None
-            leaf.parent = None
             adopted = parent is not root and not parent.children
             if adopted:                     # the parent becomes a leaf and takes the sequence
                 ok = cache.rewind(seq, parent.end)
@@ -965,8 +895,6 @@ class PrefixCache:
                 ids += 1
             got = cache.free_cells - before
             freed += got
-            self._nodes -= 1
-            self._cached -= leaf.n_tokens
             st = self._stats
             st["evictions"] += 1
             st["evicted_tokens"] += leaf.n_tokens
@@ -1017,8 +945,8 @@ class PrefixCache:
             for s in self._owned:
                 self.cache.seq_rm(s)
             freed = self.cache.free_cells - before
-            if self.on_event is not None and self._cached:
-                self._events.append(PrefixEvent("cleared", np.zeros(0, _I32), self._cached))
+            if self.on_event is not None and self._tree.tokens:
+                self._events.append(PrefixEvent("cleared", np.zeros(0, _I32), self._tree.tokens))
             self._reset()
             return freed
 
@@ -1032,7 +960,7 @@ class PrefixCache:
         if self._owned or self._lent:
             self._stats["invalidations"] += 1
             if self.on_event is not None:
-                self._events.append(PrefixEvent("invalidated", np.zeros(0, _I32), self._cached))
+                self._events.append(PrefixEvent("invalidated", np.zeros(0, _I32), self._tree.tokens))
         self._reset()
 
     def _deliver(self) -> None:
@@ -1079,7 +1007,7 @@ class PrefixCache:
         that did not run on from its leaf), ``dropped`` (nodes those removed for want of an
         id; evictions and evicted tokens count them too)."""
         with self._lock:
-            return {"cached_tokens": self._cached, "nodes": self._nodes,
+            return {"cached_tokens": self._tree.tokens, "nodes": self._tree.nodes,
                     "leaves": len(self._owned) + len(self._lent), "lent": len(self._lent),
                     "pins": self._pins, "max_seqs": self.max_seqs,
                     **self._stats}
@@ -1088,29 +1016,22 @@ class PrefixCache:
         """Asserts the tree's structure, that every owned sequence holds its leaf's length
         and every lent one at least that (tests call it after every operation)."""
         with self._lock:
+            tree = self._tree
+            tree.check()
+            assert tree.root.seq is None and not tree.root.pins
             seen: dict[int, PrefixNode] = {}
-            total = nodes = pins = 0
-            stack = [self._root]
-            assert self._root.seq is None and self._root.end == 0 and not self._root.pins
-            while stack:
-                node = stack.pop()
-                for k, child in node.children.items():
-                    assert child.parent is node and child.start == node.end
-                    assert child.end > child.start and len(child.segb) == 4 * child.n_tokens
-                    assert k == child.segb[:4]
-                    assert (child.seq is None) == bool(child.children)
-                    if child.seq is not None:
-                        assert child.seq not in seen
-                        seen[child.seq] = child
-                    if child.pins:
-                        assert all(child.start < d <= child.end and c > 0 for d, c in child.pins.items())
-                        pins += sum(child.pins.values())
-                    total += child.n_tokens
-                    nodes += 1
-                    stack.append(child)
+            pins = 0
+            for node in tree:
+                assert (node.seq is None) == bool(node.children)
+                if node.seq is not None:
+                    assert node.seq not in seen
+                    seen[node.seq] = node
+                if node.pins:
+                    assert all(node.start < d <= node.end and c > 0 for d, c in node.pins.items())
+                    pins += sum(node.pins.values())
             assert not self._owned.keys() & self._lent.keys()
             assert seen == {**self._owned, **self._lent}, (seen, self._owned, self._lent)
-            assert total == self._cached and nodes == self._nodes and pins == self._pins
+            assert pins == self._pins
             assert len(self._owned) + len(self._lent) <= self.max_seqs
             live = set(self.cache.live_seqs())
             for s, leaf in self._owned.items():
@@ -1119,6 +1040,6 @@ class PrefixCache:
                 assert s in live and self.cache.pos(s) >= leaf.end, (s, leaf)
 
     def __repr__(self) -> str:
-        return (f"PrefixCache(cached_tokens={self._cached}, nodes={self._nodes}, "
+        return (f"PrefixCache(cached_tokens={self._tree.tokens}, nodes={self._tree.nodes}, "
                 f"leaves={len(self._owned) + len(self._lent)}, lent={len(self._lent)}, "
                 f"policy={self.policy!r})")
