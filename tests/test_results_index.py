@@ -114,8 +114,9 @@ def test_add_files_a_tool_json_under_its_benchmark_and_rewrites_the_index(ri, tm
     results, out = tmp_path / "results", tmp_path / "out"
     results.mkdir()
     out.mkdir()
-    write(results, "serve-default.json", {**SERVE, "date": "2026-11-01"})
+    write(results, "serve-default.json", {**SERVE, "date": "2026-11-01"}).chmod(0o444)
     new = write(out, "serve.json", SERVE)
+    new.chmod(0o444)                                      # as a device machine's files come back
     log = write(out, "gpu-tests.log", "# 2026-12-03, NVIDIA H200: pytest\n1 passed\n")
     assert ri.main(["--results", str(results), "--add", str(new), str(log)]) == 0
     assert json.loads((results / "serve-default.json").read_text()) == SERVE     # replaced

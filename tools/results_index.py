@@ -240,7 +240,11 @@ def add(folder: Path, src: Path) -> Path:
     else:
         raise ResultError(f"{src}: a result is a .json or a .log file")
     if src.resolve() != dest.resolve():
-        shutil.copyfile(src, dest)
+        try:
+            dest.unlink(missing_ok=True)      # a read-only copy (a fetched file) is replaced too
+            shutil.copyfile(src, dest)
+        except OSError as e:
+            raise ResultError(f"{src}: cannot be filed as {dest} ({e})") from None
     return dest
 
 
