@@ -92,9 +92,7 @@ forwards.
 from __future__ import annotations
 
 import array
-import hashlib
 import heapq
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -102,53 +100,13 @@ import numpy as np
 
 from ._checks import check_int, check_seq_id
 from .errors import InvalidArgument, InvalidState
+from .prefix_events import Operations, PrefixEvent, prefix_key
 from .radix import RadixNode, RadixTree
 
 __all__ = ["POLICIES", "PrefixCache", "PrefixEvent", "PrefixNode", "prefix_key"]
 
 _I32 = np.dtype(np.int32)
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
-
-
-def prefix_key(tokens: Any) -> str:
-    """The key events carry for a prefix: blake2b-128 (hex) of the tokens as int32
-    little-endian bytes. Independent of how a tree splits the prefix into nodes, so a router
-    computes the same key from a prompt's first ``length`` tokens."""
-    arr = np.ascontiguousarray(np.asarray(tokens, dtype="<i4"))
-    return hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
-
-
-class PrefixEvent:
-    """A change of what a prefix cache holds, for a router of several replicas.
-
-    - ``kind``: ``"stored"`` (the prefix ``tokens[:length]`` is now cached; its last ``n``
-      tokens are new), ``"evicted"`` (the prefix ``tokens[:length]`` lost its last ``n``
-      tokens; ``tokens[:length - n]`` may still be cached), ``"cleared"`` (everything
-      dropped by :meth:`PrefixCache.clear`, ``n`` tokens) or ``"invalidated"`` (everything
-      forgotten because the cache was cleared underneath, ``n`` tokens) or ``"dropped"`` (as
-      ``"evicted"``, for a lent prefix whose lender reclaimed it when no id could be had to
-      keep it; pins on those tokens went with them).
-    - ``tokens``: the prefix, a read-only int32 array (empty for cleared/invalidated).
-    - ``key``: :func:`prefix_key` of ``tokens`` (computed when first read).
-    """
-
-    __slots__ = ("_key", "kind", "length", "n", "tokens")
-
-    def __init__(self, kind: str, tokens: np.ndarray, n: int):
-        self.kind = kind
-        self.tokens = tokens
-        self.length = len(tokens)
-        self.n = n
-        self._key: str | None = None
-
-    @property
-    def key(self) -> str:
-        if self._key is None:
-            self._key = prefix_key(self.tokens)
-        return self._key
-
-    def __repr__(self) -> str:
-        return f"PrefixEvent({self.kind!r}, length={self.length}, n={self.n})"
 
 
 class PrefixNode(RadixNode):
@@ -239,30 +197,6 @@ def _as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
     return arr.astype(_I32)
 
 
-class _Operation:
-    """``with prefix._op:`` holds the lock for one operation and delivers the events it
-    queued on the way out, even when the operation raised (a policy key, say)."""
-
-    __slots__ = ("prefix",)
-
-    def __init__(self, prefix: PrefixCache):
-        self.prefix = prefix
-
-    def __enter__(self) -> None:
-        self.prefix._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        prefix = self.prefix
-        try:
-            if prefix._events:
-                prefix._deliver()
-        finally:
-            failure, prefix._failure = prefix._failure, None
-            prefix._lock.release()
-        if failure is not None and exc[0] is None:
-            raise failure
-
-
 class PrefixCache:
     """Cached prompt prefixes over a :class:`cellcache.CellCache`, shared by cloning.
 
@@ -328,18 +262,19 @@ class PrefixCache:
         self.cache = cache
         self.policy = policy
         self._key = key
-        self.on_event = on_event
-        self._lock = threading.RLock()
-        self._op = _Operation(self)
+        self._op = Operations(on_event)           # the lock, and the events to deliver
         self._clock = 0
-        self._events: list[PrefixEvent] = []
-        self._failure: Exception | None = None   # the policy's, raised once the operation ends
         self._shape = 0
         self._reset()
         self._stats = dict.fromkeys(
             ("matches", "hits", "hit_tokens", "no_id", "inserts", "stored_tokens",
              "insert_skipped", "evictions", "evicted_tokens", "evicted_cells",
              "invalidations", "reclaims", "dropped"), 0)
+
+    @property
+    def on_event(self) -> Callable[[PrefixEvent], Any] | None:
+        """The callback events go to (None: none is queued)."""
+        return self._op.on_event
 
     def _reset(self) -> None:
         self._tree: RadixTree[PrefixNode] = RadixTree(PrefixNode(b"", 0, None, self._clock))
@@ -362,7 +297,7 @@ class PrefixCache:
         """The length of the longest cached prefix of ``tokens[:max_len]``; clones nothing,
         changes nothing (admission policies use it)."""
         arr, qb = self._query(tokens, max_len)
-        with self._lock:
+        with self._op.lock:
             return self._tree.walk(qb)[1]
 
     def match(self, tokens: Any, *, max_len: int | None = None,
@@ -428,7 +363,7 @@ class PrefixCache:
         (0: nothing pinned). A pinned prefix is never evicted until :meth:`unpin`; pins are
         counted, and dropped by :meth:`clear` and :meth:`invalidate`."""
         arr, qb = self._query(tokens, max_len)
-        with self._lock:
+        with self._op.lock:
             node, n = self._tree.walk(qb)
             if n:
                 self._pin_at(node, n)
@@ -439,7 +374,7 @@ class PrefixCache:
         returned n). Raises InvalidState when that prefix holds no pin (nothing changes)."""
         arr, qb = self._query(tokens, None)
         n = check_int(n, "n", 1, len(arr))
-        with self._lock:
+        with self._op.lock:
             node, d = self._tree.walk(qb[:4 * n])
             if d != n or not node.pins or node.pins.get(n, 0) == 0:
                 raise InvalidState(
@@ -537,8 +472,8 @@ class PrefixCache:
                 owned[s] = leaf
                 self._touch(leaf, 0.0)
                 st["stored_tokens"] += k
-                if self.on_event is not None:
-                    self._events.append(PrefixEvent("stored", leaf.path(), k))
+                if self._op.on_event is not None:
+                    self._op.events.append(PrefixEvent("stored", leaf.path(), k))
                 given.append(True)
         return given
 
@@ -582,7 +517,7 @@ class PrefixCache:
 
     def lent_seqs(self) -> list[int]:
         """The callers' sequence ids lending a leaf (see :meth:`lend`), ascending."""
-        with self._lock:
+        with self._op.lock:
             return sorted(self._lent)
 
     def _cache_clears(self) -> int | None:
@@ -654,8 +589,8 @@ class PrefixCache:
         while True:
             parent = node.parent
             assert parent is not None
-            if self.on_event is not None:
-                self._events.append(PrefixEvent("dropped", node.path(), node.n_tokens))
+            if self._op.on_event is not None:
+                self._op.events.append(PrefixEvent("dropped", node.path(), node.n_tokens))
             self._tree.cut(node)
             node.seq = None
             if node.pins:
@@ -761,8 +696,8 @@ class PrefixCache:
             if old is not None:
                 self.cache.seq_rm(old)
             self._stats["stored_tokens"] += n - m
-            if self.on_event is not None:
-                self._events.append(PrefixEvent("stored", arr.copy(), n - m))
+            if self._op.on_event is not None:
+                self._op.events.append(PrefixEvent("stored", arr.copy(), n - m))
             return n - m
 
     def _release(self, s: int) -> None:
@@ -823,7 +758,7 @@ class PrefixCache:
         ``limit`` is reached. O(nodes), nothing changes: an admission policy asks it only
         when free cells run short. A lent leaf (see :meth:`lend`) counts as pinned."""
         lim = None if limit is None else check_int(limit, "limit", 0, None)
-        with self._lock:
+        with self._op.lock:
             if not (self._pins or self._lent) or lim is not None and lim <= 0:
                 cached = self._tree.tokens
                 return cached if lim is None else min(cached, lim)
@@ -859,7 +794,7 @@ class PrefixCache:
             heap = [(key(leaf), tie, leaf) for tie, leaf in enumerate(leaves)]
             heap.sort()                     # (the keys must compare with one another)
         except Exception as e:              # the user's policy: LRU for this operation
-            self._failure = self._failure or e
+            self._op.fail(e)
             key = _lru
             heap = sorted((key(leaf), tie, leaf) for tie, leaf in enumerate(leaves))
         tie = len(heap)
@@ -875,8 +810,8 @@ class PrefixCache:
                 break
             if leaf.pins:                   # pinned above its end: the tail below goes alone
                 tree.split(leaf, max(leaf.pins))
-            if self.on_event is not None:
-                self._events.append(PrefixEvent("evicted", leaf.path(), leaf.n_tokens))
+            if self._op.on_event is not None:
+                self._op.events.append(PrefixEvent("evicted", leaf.path(), leaf.n_tokens))
             before = cache.free_cells
             parent = leaf.parent
             assert parent is not None
@@ -903,7 +838,7 @@ class PrefixCache:
                 try:                        # the tree is whole here
                     heapq.heappush(heap, (key(parent), tie, parent))
                 except Exception as e:      # the user's policy: LRU from here on
-                    self._failure = self._failure or e
+                    self._op.fail(e)
                     key = _lru
                     rest = {id(x): (t, x) for _, t, x in heap}
                     rest[id(parent)] = (tie, parent)
@@ -945,8 +880,8 @@ class PrefixCache:
             for s in self._owned:
                 self.cache.seq_rm(s)
             freed = self.cache.free_cells - before
-            if self.on_event is not None and self._tree.tokens:
-                self._events.append(PrefixEvent("cleared", np.zeros(0, _I32), self._tree.tokens))
+            if self._op.on_event is not None and self._tree.tokens:
+                self._op.events.append(PrefixEvent("cleared", np.zeros(0, _I32), self._tree.tokens))
             self._reset()
             return freed
 
@@ -959,40 +894,26 @@ class PrefixCache:
     def _invalidate_locked(self) -> None:
         if self._owned or self._lent:
             self._stats["invalidations"] += 1
-            if self.on_event is not None:
-                self._events.append(PrefixEvent("invalidated", np.zeros(0, _I32), self._tree.tokens))
+            if self._op.on_event is not None:
+                self._op.events.append(PrefixEvent("invalidated", np.zeros(0, _I32), self._tree.tokens))
         self._reset()
-
-    def _deliver(self) -> None:
-        """Delivers the events an operation queued; the first exception of the callback
-        propagates after every event was delivered."""
-        events, self._events = self._events, []
-        error: BaseException | None = None
-        for ev in events:
-            try:
-                self.on_event(ev)  # type: ignore[misc]
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                if error is None:
-                    error = e
-        if error is not None:
-            raise error
 
     # -- queries -----------------------------------------------------------------------------
     def owns(self, seq: Any) -> bool:
         """Whether ``seq`` is one of the sequence ids the prefix cache owns (a leaf's)."""
-        with self._lock:
+        with self._op.lock:
             return seq in self._owned
 
     def owned_seqs(self) -> list[int]:
         """The sequence ids the prefix cache owns, ascending (one per leaf)."""
-        with self._lock:
+        with self._op.lock:
             return sorted(self._owned)
 
     def prefixes(self) -> list[tuple[tuple[int, ...], int]]:
         """Every leaf's path and the sequence that holds it (owned or lent), as ``(tokens,
         seq)``, sorted by tokens. Every prefix of a path is cached. O(cached tokens): for
         tests and tools."""
-        with self._lock:
+        with self._op.lock:
             leaves = [*self._owned.items(), *self._lent.items()]
             return sorted((tuple(leaf.path().tolist()), s) for s, leaf in leaves)
 
@@ -1006,7 +927,7 @@ class PrefixCache:
         ``reclaims`` (lends ended by :meth:`reclaim`, or by a lender's ``give`` or ``lend``
         that did not run on from its leaf), ``dropped`` (nodes those removed for want of an
         id; evictions and evicted tokens count them too)."""
-        with self._lock:
+        with self._op.lock:
             return {"cached_tokens": self._tree.tokens, "nodes": self._tree.nodes,
                     "leaves": len(self._owned) + len(self._lent), "lent": len(self._lent),
                     "pins": self._pins, "max_seqs": self.max_seqs,
@@ -1015,7 +936,7 @@ class PrefixCache:
     def check_invariants(self) -> None:
         """Asserts the tree's structure, that every owned sequence holds its leaf's length
         and every lent one at least that (tests call it after every operation)."""
-        with self._lock:
+        with self._op.lock:
             tree = self._tree
             tree.check()
             assert tree.root.seq is None and not tree.root.pins
