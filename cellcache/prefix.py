@@ -78,11 +78,10 @@ A server uses it so (``prompt`` an int32 array)::
 Pinning is optional: eviction never takes a running sequence's cells anyway, but evicting
 the prefix a running request shares frees nothing and loses the entry.
 
-Tokens are ints in ``[-2**31, 2**31)``, stored as int32; comparisons run on their bytes
-(``bytes.startswith`` per node, numpy at the one node where the match ends), so a lookup
-costs a dict probe per node plus a memcmp, not Python work per token. Pass tokens as a 1-D
-int32 numpy array on hot paths: a list is converted first (about 20 ns a token, 160 us
-for 8K tokens, ten times the lookup).
+Tokens are ints in ``[-2**31, 2**31)``, stored as int32 in a :class:`cellcache.radix.RadixTree`
+(a lookup is a dict probe and a memcmp per node, not Python work per token). Pass tokens as
+a 1-D int32 numpy array on hot paths: a list is converted first, which costs Python work
+per token, more than the lookup itself.
 
 Each call is atomic under the prefix cache's own lock; each cache verb it makes is atomic
 under the cache's. Drive the prefix cache from the thread that drives the steps, between
@@ -91,8 +90,6 @@ forwards.
 
 from __future__ import annotations
 
-import array
-import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -101,12 +98,12 @@ import numpy as np
 from ._checks import check_int, check_seq_id
 from .errors import InvalidArgument, InvalidState
 from .prefix_events import Operations, PrefixEvent, prefix_key
-from .radix import RadixNode, RadixTree
+from .prefix_policy import POLICIES, EvictionOrder, evictable
+from .radix import RadixNode, RadixTree, as_tokens
 
 __all__ = ["POLICIES", "PrefixCache", "PrefixEvent", "PrefixNode", "prefix_key"]
 
 _I32 = np.dtype(np.int32)
-_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
 class PrefixNode(RadixNode):
@@ -149,52 +146,6 @@ class PrefixNode(RadixNode):
 
     def __repr__(self) -> str:
         return f"PrefixNode([{self.start}, {self.end}), seq={self.seq}, children={len(self.children)})"
-
-
-def _lru(node: PrefixNode) -> Any:
-    return node.last_access
-
-
-def _lfu(node: PrefixNode) -> Any:
-    return (node.hits, node.last_access)
-
-
-def _priority(node: PrefixNode) -> Any:
-    return (node.priority, node.last_access)
-
-
-#: Eviction policies by name: each maps a leaf to a key, the smallest key goes first.
-POLICIES: dict[str, Callable[[PrefixNode], Any]] = {"lru": _lru, "lfu": _lfu, "priority": _priority}
-
-
-def _as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
-    """``tokens`` as a 1-D int32 array (no copy for one); refuses anything else."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise InvalidArgument(
-                f"{name} is a {tokens.ndim}-D array of {tokens.dtype}; give a 1-D integer array "
-                "or a list of ints")
-        if tokens.dtype == _I32:
-            return tokens
-        if tokens.size and (int(tokens.min()) < _I32_MIN or int(tokens.max()) > _I32_MAX):
-            raise InvalidArgument(f"{name} has ids outside [-2**31, 2**31); token ids are int32")
-        return tokens.astype(_I32)
-    if not isinstance(tokens, (list, tuple, range)):
-        raise InvalidArgument(
-            f"{name} of type {type(tokens).__name__} is not a sequence of token ids; give a "
-            "list, tuple, range or 1-D integer array")
-    if len(tokens) == 0:
-        return np.zeros(0, _I32)
-    if bool in set(map(type, tokens)):                # (array.array takes True as 1)
-        raise InvalidArgument(f"{name} holds a bool; token ids are ints, as everywhere in cellcache")
-    try:
-        arr = np.frombuffer(array.array("q", tokens), np.int64)   # refuses floats, strings, np.bool_
-    except (OverflowError, TypeError):
-        raise InvalidArgument(
-            f"{name} must be a flat sequence of int token ids in [-2**31, 2**31)") from None
-    if int(arr.min()) < _I32_MIN or int(arr.max()) > _I32_MAX:
-        raise InvalidArgument(f"{name} has ids outside [-2**31, 2**31); token ids are int32")
-    return arr.astype(_I32)
 
 
 class PrefixCache:
@@ -286,7 +237,7 @@ class PrefixCache:
 
     # -- lookup ------------------------------------------------------------------------------
     def _query(self, tokens: object, max_len: object) -> tuple[np.ndarray, bytes]:
-        arr = _as_tokens(tokens)
+        arr = as_tokens(tokens)
         if max_len is not None:
             ml = check_int(max_len, "max_len", 0, None)
             if ml < len(arr):
@@ -447,7 +398,7 @@ class PrefixCache:
         ms = self.cache.max_seqs
         ids = [check_seq_id(s, ms) for s in seqs]
         ends = [check_int(m, "start", 0, None) for m in starts]
-        arrs = [_as_tokens(t, "tail") for t in tails]
+        arrs = [as_tokens(t, "tail") for t in tails]
         given = []
         with self._op:
             self._fresh()
@@ -607,7 +558,7 @@ class PrefixCache:
 
     def _store(self, seq_id: int, tokens: Any, priority: float, mode: str) -> int:
         s = check_seq_id(seq_id, self.cache.max_seqs)
-        arr = _as_tokens(tokens)
+        arr = as_tokens(tokens)
         if isinstance(priority, (bool, np.bool_)) or not isinstance(
                 priority, (int, float, np.integer, np.floating)) or priority != priority:
             raise InvalidArgument(f"priority={priority!r} is not a real number")
@@ -778,31 +729,17 @@ class PrefixCache:
                     return lim
             return total
 
-    def _evictable(self, node: PrefixNode, protect: Any) -> bool:
-        """Whether eviction may take (the tail of) owned leaf ``node``: not protected, and
-        unpinned or pinned only above its end (its tail below the deepest pin goes)."""
-        return (node.seq is not None and node not in protect
-                and (not node.pins or max(node.pins) < node.end))
-
     def _evict_locked(self, n_cells: int, n_ids: int, protect: Any) -> int:
         if n_cells <= 0 and n_ids <= 0:
             return 0
         cache = self.cache
-        leaves = [leaf for leaf in self._owned.values() if self._evictable(leaf, protect)]
-        key = self._key
-        try:
-            heap = [(key(leaf), tie, leaf) for tie, leaf in enumerate(leaves)]
-            heap.sort()                     # (the keys must compare with one another)
-        except Exception as e:              # the user's policy: LRU for this operation
-            self._op.fail(e)
-            key = _lru
-            heap = sorted((key(leaf), tie, leaf) for tie, leaf in enumerate(leaves))
-        tie = len(heap)
+        order = EvictionOrder(self._key, [leaf for leaf in self._owned.values()
+                                          if evictable(leaf, protect)], self._op.fail)
         freed = ids = 0
         tree = self._tree
         root = tree.root
-        while heap and (freed < n_cells or ids < n_ids):
-            _, _, leaf = heapq.heappop(heap)
+        while order and (freed < n_cells or ids < n_ids):
+            leaf = order.pop()
             seq = leaf.seq
             assert seq is not None
             if cache.pos(seq) != leaf.end:
@@ -834,16 +771,8 @@ class PrefixCache:
             st["evictions"] += 1
             st["evicted_tokens"] += leaf.n_tokens
             st["evicted_cells"] += got
-            if adopted and self._evictable(parent, protect):
-                try:                        # the tree is whole here
-                    heapq.heappush(heap, (key(parent), tie, parent))
-                except Exception as e:      # the user's policy: LRU from here on
-                    self._op.fail(e)
-                    key = _lru
-                    rest = {id(x): (t, x) for _, t, x in heap}
-                    rest[id(parent)] = (tie, parent)
-                    heap = sorted((key(x), t, x) for t, x in rest.values())
-                tie += 1
+            if adopted and evictable(parent, protect):
+                order.push(parent)          # (the tree is whole here: a failing key may raise)
         return freed
 
     # -- whole tree --------------------------------------------------------------------------

@@ -28,14 +28,50 @@ and the tokens they hold.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-__all__ = ["PendingPrompts", "PromptNode", "RadixNode", "RadixTree"]
+from .errors import InvalidArgument
+
+__all__ = ["PendingPrompts", "PromptNode", "RadixNode", "RadixTree", "as_tokens"]
 
 _I32 = np.dtype(np.int32)
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
+    """``tokens`` (token ids: a list, tuple, range or 1-D integer array) as a 1-D int32
+    array, the tree's keys once ``tobytes()``; no copy for an int32 array. Raises
+    InvalidArgument for anything else, or ids outside ``[-2**31, 2**31)``."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise InvalidArgument(
+                f"{name} is a {tokens.ndim}-D array of {tokens.dtype}; give a 1-D integer array "
+                "or a list of ints")
+        if tokens.dtype == _I32:
+            return tokens
+        if tokens.size and (int(tokens.min()) < _I32_MIN or int(tokens.max()) > _I32_MAX):
+            raise InvalidArgument(f"{name} has ids outside [-2**31, 2**31); token ids are int32")
+        return tokens.astype(_I32)
+    if not isinstance(tokens, (list, tuple, range)):
+        raise InvalidArgument(
+            f"{name} of type {type(tokens).__name__} is not a sequence of token ids; give a "
+            "list, tuple, range or 1-D integer array")
+    if len(tokens) == 0:
+        return np.zeros(0, _I32)
+    if bool in set(map(type, tokens)):                # (array.array takes True as 1)
+        raise InvalidArgument(f"{name} holds a bool; token ids are ints, as everywhere in cellcache")
+    try:
+        arr = np.frombuffer(array.array("q", tokens), np.int64)   # refuses floats, strings, np.bool_
+    except (OverflowError, TypeError):
+        raise InvalidArgument(
+            f"{name} must be a flat sequence of int token ids in [-2**31, 2**31)") from None
+    if int(arr.min()) < _I32_MIN or int(arr.max()) > _I32_MAX:
+        raise InvalidArgument(f"{name} has ids outside [-2**31, 2**31); token ids are int32")
+    return arr.astype(_I32)
 
 
 class RadixNode:

@@ -1,0 +1,80 @@
+"""Which cached leaf of a prefix cache eviction takes first.
+
+A policy maps a leaf (a :class:`cellcache.prefix.PrefixNode`, whose ``start``, ``end``,
+``last_access``, ``hits``, ``priority`` and ``created`` it reads and never changes) to a
+key; the smallest key goes first, ties in the order the leaves were given. A policy the
+user passes is user code: when it raises, or its keys do not compare with one another, the
+order falls back to LRU for the rest of the operation, and the exception goes to the
+caller's ``fail`` (raised once the operation is whole).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["POLICIES", "EvictionOrder", "evictable"]
+
+
+def lru(node: Any) -> Any:
+    return node.last_access
+
+
+def lfu(node: Any) -> Any:
+    return (node.hits, node.last_access)
+
+
+def priority(node: Any) -> Any:
+    return (node.priority, node.last_access)
+
+
+#: Eviction policies by name: each maps a leaf to a key, the smallest key goes first.
+POLICIES: dict[str, Callable[[Any], Any]] = {"lru": lru, "lfu": lfu, "priority": priority}
+
+
+def evictable(node: Any, protect: Any) -> bool:
+    """Whether eviction may take (the tail of) owned leaf ``node``: not in ``protect``, and
+    unpinned or pinned only above its end (its tail below the deepest pin goes)."""
+    return (node.seq is not None and node not in protect
+            and (not node.pins or max(node.pins) < node.end))
+
+
+class EvictionOrder:
+    """Leaves by a policy's key, smallest first: :meth:`pop` the next, :meth:`push` one
+    that became a leaf meanwhile. A key that fails goes to ``fail`` and LRU orders what is
+    left (see the module's docstring)."""
+
+    __slots__ = ("fail", "heap", "key", "tie")
+
+    def __init__(self, key: Callable[[Any], Any], leaves: Iterable[Any],
+                 fail: Callable[[BaseException], None]):
+        self.fail = fail
+        self.key = key
+        leaves = list(leaves)
+        try:
+            heap = [(key(leaf), tie, leaf) for tie, leaf in enumerate(leaves)]
+            heap.sort()                     # (the keys must compare with one another)
+        except Exception as e:              # the user's policy: LRU for this operation
+            fail(e)
+            self.key = lru
+            heap = sorted((lru(leaf), tie, leaf) for tie, leaf in enumerate(leaves))
+        self.heap = heap
+        self.tie = len(heap)
+
+    def __bool__(self) -> bool:
+        return bool(self.heap)
+
+    def pop(self) -> Any:
+        return heapq.heappop(self.heap)[2]
+
+    def push(self, leaf: Any) -> None:
+        try:
+            heapq.heappush(self.heap, (self.key(leaf), self.tie, leaf))
+        except Exception as e:              # the user's policy: LRU from here on
+            self.fail(e)
+            self.key = lru
+            rest = {id(x): (t, x) for _, t, x in self.heap}   # (a failed push may have added it)
+            rest[id(leaf)] = (self.tie, leaf)
+            self.heap = sorted((lru(x), t, x) for t, x in rest.values())
+        self.tie += 1
