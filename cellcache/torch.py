@@ -27,6 +27,12 @@ refuses before anything is written; then, for rows ``[0, T)``:
 
 No host synchronisation happens inside on CUDA, so the call can be captured in a graph.
 
+The path is planned once per step, as FlashInfer splits ``plan()`` from ``run()``: the step's
+first call makes its :class:`AttentionPlan` (:meth:`TorchView.plan`: the backend checked,
+decode or not, each layer's route, FlashInfer's wrappers), and every layer's call runs it.
+:func:`layer_paths` gives a runner each layer's path before any step, to refuse a model
+whose shapes have none.
+
 For ``torch.compile`` the same call is the custom op ``torch.ops.cellcache.attention(q, k,
 v, layer, scale)`` (:func:`attention_op`): opaque to dynamo, so a compiled forward is one
 graph; it finds its view and step in :data:`FORWARD`, set around the forward by its runner.
@@ -40,7 +46,7 @@ import importlib.util
 import math
 import warnings
 import weakref
-from typing import Any
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -48,9 +54,11 @@ import torch
 from ._checks import check_int
 from .buffers import PAGED_ROLES, step_buffers
 from .cache import CellCache, Step
+from .config import CacheConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
-__all__ = ["FORWARD", "TorchView", "as_tensor", "attention", "attention_op", "check_qkv", "torch_dtype"]
+__all__ = ["FORWARD", "AttentionPlan", "TorchView", "as_tensor", "attention", "attention_op", "check_qkv",
+           "layer_paths", "torch_dtype"]
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -114,10 +122,11 @@ class TorchView:
         self._kernels: Any = None
         self._tensor_cores: Any = None
         self._pools_generation = -1
-        # FlashInfer (backend="flashinfer"): the planned wrapper with the key it was planned
-        # for, and its workspace; built on first use
-        self._flashinfer: tuple[tuple, Any] | None = None
-        self._flashinfer_workspace: torch.Tensor | None = None
+        # the prepared step's attention plan (made at its first attention call), and each
+        # layer's route by (backend, layer, n_heads): the shape's part, the same every step
+        self._plan: AttentionPlan | None = None
+        self._routes: dict[tuple[str, int, int], _Route] = {}
+        self._flashinfer_workspace: torch.Tensor | None = None   # FlashInfer's, on first use
         self.generation = 0
         self.refresh()
 
@@ -158,6 +167,29 @@ class TorchView:
         i = check_int(index, "layer", 0, len(self.pools) - 1)
         k, v = self.pools[i]
         return k, v, self.config.layers[i].window
+
+    def live_rows(self, rows: int) -> torch.Tensor:
+        """``[rows]`` bool: which of pool rows ``[0, rows)`` are below ``read_len``, compared on
+        the device (no host sync: a captured graph sees each step's ``read_len``)."""
+        return self._arange[:rows] < self.read_len
+
+    def plan(self, step: Step, backend: str = "auto") -> AttentionPlan:
+        """The attention plan of ``step`` (the cache's prepared step) under ``backend``
+        (:func:`attention` takes the same names): made at the step's first call, the same
+        object for every later layer of that step, replaced at the next step (or another
+        backend, or when :data:`MIXED_CAPTURE` changes). InvalidArgument for a backend the
+        cache cannot run, before anything is written."""
+        plan = self._plan
+        if plan is None or not plan.matches(step, backend):
+            plan = self._plan = AttentionPlan(self, step, backend, self._routes)
+        return plan
+
+    def flashinfer_workspace(self) -> torch.Tensor:
+        """FlashInfer's workspace on the cache's device (256 MiB), made on first use and
+        shared by every plan of this view."""
+        if self._flashinfer_workspace is None:
+            self._flashinfer_workspace = torch.empty(256 << 20, dtype=torch.uint8, device=self.device)
+        return self._flashinfer_workspace
 
     def paged_pointers(self) -> dict[str, int]:
         """Device addresses of the paged view and ``width``, as cellcache's kernels take them."""
@@ -239,7 +271,7 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
             f"q, k, v have {T} rows; the prepared step runs at pad_to={step.pad_to} rows "
             f"({step.width} real): give exactly pad_to rows")
     scale = _check_scale(scale)
-    _check_backend(view, backend, step)
+    plan = view.plan(step, backend)              # refuses a backend the cache cannot run
     if out is not None:
         shape, dtype = (T, q.shape[1], q.shape[2]), _TORCH_DTYPES[cfg.dtype]
         if not (isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == dtype
@@ -253,22 +285,7 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
             raise InvalidState("the pools moved (a copy growth) since the view was built; call "
                                "view.refresh() before capturing a graph")
         view.refresh()
-    k_pool, v_pool, window = view.layer(layer)
-    path, qk = _plan(view, layer, q, k_pool, v_pool, backend, step, out)    # may refuse: nothing written yet
-    cells = view.cells[:T]
-    k_pool.index_copy_(0, cells, k.to(k_pool.dtype))
-    v_pool.index_copy_(0, cells, v.to(v_pool.dtype))
-    if path in ("decode", "prefill", "tc"):
-        return _kernel(view, layer, path, qk, k_pool, v_pool, window, scale, out,
-                       decode=path == "tc" and _decode_step(step))
-    if path == "flashinfer":
-        result = _flashinfer(view, layer, q, k_pool, v_pool, window, step, scale)
-    else:
-        result = _sdpa(view, layer, q, k_pool, v_pool, window, step, scale)
-    if out is not None:
-        out.copy_(result)
-        return out
-    return result
+    return plan.run(layer, q, k, v, scale, out)
 
 
 #: The forward running now, for :func:`attention_op`: an object with ``view`` (a
@@ -360,49 +377,241 @@ def _decode_step(step: Step) -> bool:
     return step.n_runs >= step.width and not MIXED_CAPTURE.get()
 
 
-def _plan(view: TorchView, layer: int, q: torch.Tensor, k_pool: torch.Tensor,
-          v_pool: torch.Tensor, backend: str, step: Step,
-          out: torch.Tensor | None) -> tuple[str, torch.Tensor]:
-    """The path of one attention call and q as the kernels take it (pool dtype, unit stride
-    in head_dim), decided before anything is written: ``"decode"``/``"prefill"``
-    (cellcache's CUDA-core kernels), ``"tc"``, ``"flashinfer"`` or ``"sdpa"``. "auto" and
-    "paged"/"prefill" on a shape cellcache's kernels do not take go through
-    :func:`cellcache.cuda.kernels.choose_path`; a fallback away from cellcache's kernels
-    (FlashInfer, SDPA) warns once per cache and shape. Refusals raise before any write."""
-    cfg = view.config
-    if backend in ("sdpa", "flashinfer") or not (view.cuda and cfg.paged):
-        return ("sdpa" if backend == "auto" else backend), q
+def layer_paths(config: CacheConfig, n_heads: int) -> list[str]:
+    """Each layer's attention path on a CUDA cache with the paged view, for a model of
+    ``n_heads`` query heads: :func:`cellcache.cuda.kernels.choose_path` of the layer's shape
+    (``"tc"``, ``"paged"``, ``"flashinfer"`` or ``"sdpa"``), the choice every step's
+    :class:`AttentionPlan` makes under ``backend="auto"`` where the addresses suit the
+    tensor-core kernels. InvalidArgument when a layer's shape has no path, so a runner can
+    refuse a model before anything runs."""
+    from .cuda.kernels import choose_path
+
+    n_heads = check_int(n_heads, "n_heads", 1)
+    return [choose_path(config.dtype, lc.head_dim, n_heads // lc.n_kv_heads,
+                        have_flashinfer=have_flashinfer(), has_masks=config.mask_format != "none")
+            for lc in config.layers]
+
+
+class _Route(NamedTuple):
+    """A layer shape's path under one backend, the same every step: ``aligned`` where the
+    call's addresses suit the tensor-core kernels, ``unaligned`` otherwise (equal unless
+    ``tc``: the tensor-core kernels take the shape); None: refused. ``"paged"`` becomes the
+    decode or prefill kernel by the step; ``chosen``: picked by ``choose_path`` (a fallback
+    away from cellcache's kernels is announced)."""
+
+    tc: bool
+    aligned: str | None
+    unaligned: str | None
+    chosen: bool
+
+
+def _route(cfg: CacheConfig, layer: int, n_heads: int, backend: str) -> _Route:
+    """The route of ``layer`` for ``n_heads`` query heads under a kernel ``backend`` ("auto",
+    "paged", "prefill", "tc") on a CUDA cache with the paged view."""
     from .cuda import kernels as ck
 
     lc = cfg.layers[layer]
-    T, H, D = q.shape
-    group = H // lc.n_kv_heads
-    qk = q.to(k_pool.dtype)
-    if qk.stride(2) != 1:
-        qk = qk.contiguous()
+    D, group = lc.head_dim, n_heads // lc.n_kv_heads
     tc = ck.tensor_cores()
-    tc_aligned = tc is not None and tc.aligned(
-        qk.data_ptr(), (qk.stride(0), qk.stride(1)), k_pool.data_ptr(), v_pool.data_ptr(),
-        out.data_ptr() if out is not None else 0,
-        (out.stride(0), out.stride(1)) if out is not None else (H * D, D))
+    takes_tc = tc is not None and tc.supports(cfg.dtype, D, group)
     if backend == "tc":
-        if not (tc_aligned and tc.supports(cfg.dtype, D, group)):
-            raise InvalidArgument(f"backend 'tc': the tensor-core kernels do not take head_dim={D}, "
-                                  f"group={group} ({cfg.dtype}) with these addresses and strides"
-                                  + ("" if tc is not None else " (cellcache.cuda.tc is not available)"))
-        return "tc", qk
+        return _Route(takes_tc, "tc" if takes_tc else None, None, False)
     if backend in ("paged", "prefill") and ck.paged_supports(cfg.dtype, D, group):
-        return ("decode" if backend == "paged" else "prefill"), qk
-    path = ck.choose_path(cfg.dtype, D, group, tc_aligned=tc_aligned,
-                          have_flashinfer=have_flashinfer(), has_masks=cfg.mask_format != "none")
-    if path == "paged":
-        return ("decode" if _decode_step(step) else "prefill"), qk
-    if backend != "auto" or path != "tc":
-        _announce(view, layer, cfg.dtype, D, group, path)
-    if path == "flashinfer" and torch.cuda.is_current_stream_capturing():
-        raise InvalidState(f"layer {layer}: head_dim={D}, group={group} falls back to FlashInfer, "
-                           "which plans each step on the host and cannot be captured in a graph")
-    return path, (qk if path == "tc" else q)
+        fixed = "decode" if backend == "paged" else "prefill"
+        return _Route(False, fixed, fixed, False)
+
+    def choose(aligned: bool) -> str | None:
+        try:
+            return ck.choose_path(cfg.dtype, D, group, tc_aligned=aligned,
+                                  have_flashinfer=have_flashinfer(), has_masks=cfg.mask_format != "none")
+        except InvalidArgument:
+            return None                      # refused at the call, with choose_path's message
+
+    aligned = choose(True)
+    return _Route(takes_tc, aligned, choose(False) if takes_tc else aligned, True)
+
+
+class AttentionPlan:
+    """One prepared step's attention, planned once for every layer (FlashInfer's
+    ``plan()``/``run()`` split): :meth:`TorchView.plan` makes it at the step's first
+    :func:`attention` call and keeps it until the next step; each layer's call only
+    :meth:`run`\\ s it.
+
+    The plan holds what the step decides: the backend, checked against the cache once;
+    ``decode`` (every real run of the step is one row, and no mixed-step graph is being
+    captured: the decode kernels' case); each layer's path for its shape (routes kept by the
+    view, the same every step); and FlashInfer's wrappers, planned from the step's host
+    indptrs once per distinct layer shape. A call checks only what is its own: whether q's,
+    the pools' and out's addresses suit the tensor-core kernels.
+
+    Example
+    -------
+    >>> plan = view.plan(step)                                  # doctest: +SKIP
+    >>> out = plan.run(layer, q, k, v, scale=None, out=None)    # doctest: +SKIP
+    """
+
+    __slots__ = ("view", "step", "backend", "mixed", "decode", "kernels", "_routes", "_flashinfer")
+
+    def __init__(self, view: TorchView, step: Step, backend: str,
+                 routes: dict[tuple[str, int, int], _Route] | None = None):
+        _check_backend(view, backend, step)
+        self.view, self.step, self.backend = view, step, backend
+        self.mixed = MIXED_CAPTURE.get()
+        self.decode = _decode_step(step)
+        #: whether layers route among cellcache's kernels (a CUDA cache with the paged view
+        #: and a kernel backend); else every layer runs ``backend`` ("sdpa" for "auto")
+        self.kernels = backend not in ("sdpa", "flashinfer") and view.cuda and view.config.paged
+        self._routes = {} if routes is None else routes
+        self._flashinfer: dict[tuple, Any] = {}
+
+    def matches(self, step: Step, backend: str) -> bool:
+        """Whether this plan is the one for ``step`` under ``backend`` now."""
+        return step is self.step and backend == self.backend and MIXED_CAPTURE.get() == self.mixed
+
+    def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            scale: float | None, out: torch.Tensor | None) -> torch.Tensor:
+        """Layer ``layer``'s attention of the step (arguments checked by :func:`attention`):
+        its path decided (a refusal raises here, before anything is written), K/V written
+        at ``cells[:T]``, then the path run."""
+        view = self.view
+        k_pool, v_pool, window = view.layer(layer)
+        path, qk = self._path(layer, q, k_pool, v_pool, out)
+        cells = view.cells[:q.shape[0]]
+        k_pool.index_copy_(0, cells, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, cells, v.to(v_pool.dtype))
+        if path in ("decode", "prefill", "tc"):
+            return self._kernel(layer, path, qk, k_pool, v_pool, window, scale, out)
+        if path == "flashinfer":
+            result = self._flashinfer_run(layer, q, k_pool, v_pool, window, scale)
+        else:
+            result = self._sdpa(q, k_pool, v_pool, window, scale)
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+
+    def _path(self, layer: int, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+              out: torch.Tensor | None) -> tuple[str, torch.Tensor]:
+        """The call's path and q as the kernels take it (pool dtype, unit stride in head_dim):
+        ``"decode"``/``"prefill"`` (cellcache's CUDA-core kernels), ``"tc"``, ``"flashinfer"``
+        or ``"sdpa"``. A fallback away from cellcache's kernels (FlashInfer, SDPA) warns once
+        per cache and shape. Refusals raise before any write."""
+        if not self.kernels:
+            return ("sdpa" if self.backend == "auto" else self.backend), q
+        cfg = self.view.config
+        T, H, D = q.shape
+        key = (self.backend, layer, H)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = _route(cfg, layer, H, self.backend)
+        qk = q
+        if route.tc or route.aligned in ("decode", "prefill", "paged", "tc"):
+            qk = q.to(k_pool.dtype)
+            if qk.stride(2) != 1:
+                qk = qk.contiguous()
+        path = route.aligned
+        if route.tc:
+            from .cuda import kernels as ck
+
+            tc = ck.tensor_cores()
+            aligned = tc is not None and tc.aligned(
+                qk.data_ptr(), (qk.stride(0), qk.stride(1)), k_pool.data_ptr(), v_pool.data_ptr(),
+                out.data_ptr() if out is not None else 0,
+                (out.stride(0), out.stride(1)) if out is not None else (H * D, D))
+            if not aligned:
+                path = route.unaligned
+        group = H // cfg.layers[layer].n_kv_heads
+        if path is None:
+            self._refuse(D, group)
+        if path == "paged":
+            return ("decode" if self.decode else "prefill"), qk
+        if route.chosen and (self.backend != "auto" or path != "tc"):
+            _announce(self.view, layer, cfg.dtype, D, group, path)
+        if path == "flashinfer" and torch.cuda.is_current_stream_capturing():
+            raise InvalidState(f"layer {layer}: head_dim={D}, group={group} falls back to FlashInfer, "
+                               "which plans each step on the host and cannot be captured in a graph")
+        return path, (qk if path in ("decode", "prefill", "tc") else q)
+
+    def _refuse(self, head_dim: int, group: int) -> NoReturn:
+        """Raises the refusal of a shape (and addresses) no path of this backend takes."""
+        from .cuda import kernels as ck
+
+        dtype = self.view.config.dtype
+        if self.backend == "tc":
+            raise InvalidArgument(
+                f"backend 'tc': the tensor-core kernels do not take head_dim={head_dim}, "
+                f"group={group} ({dtype}) with these addresses and strides"
+                + ("" if ck.tensor_cores() is not None else " (cellcache.cuda.tc is not available)"))
+        ck.choose_path(dtype, head_dim, group, tc_aligned=False, have_flashinfer=have_flashinfer(),
+                       has_masks=self.view.config.mask_format != "none")   # raises its refusal
+        raise AssertionError("choose_path took a shape it refused")
+
+    def _kernel(self, layer, path, q, k_pool, v_pool, window, scale, out):
+        """cellcache's decode or prefill kernel, or the tensor-core kernels, on torch's
+        current stream (so a graph captures them); q is in the pool dtype with unit stride in
+        head_dim. A decode step takes the tensor-core kernels' decode variant."""
+        view = self.view
+        lc = view.config.layers[layer]
+        T, H, D = q.shape
+        if out is None:
+            out = torch.empty((T, H, D), dtype=k_pool.dtype, device=q.device)
+        if path == "tc":
+            run = functools.partial(view.tensor_cores().run, decode=self.decode)
+        else:
+            kern = view.kernels()
+            run = kern.paged if path == "decode" else kern.prefill
+        run(view.paged_pointers(), T, q.data_ptr(), (q.stride(0), q.stride(1)), k_pool.data_ptr(),
+            v_pool.data_ptr(), out.data_ptr(), (out.stride(0), out.stride(1)), H, lc.n_kv_heads, D,
+            window, torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
+        return out
+
+    def _sdpa(self, q, k_pool, v_pool, window, scale):
+        view = self.view
+        cfg = view.config
+        T = q.shape[0]
+        if view.cuda:
+            rows = view.cache.rows      # backed rows: a graph captured here serves until they change
+            live = view.live_rows(rows)
+        else:
+            rows = self.step.read_len
+            live = None
+        mask = view.masks[window][:T]
+        if cfg.mask_format == "bits":
+            mask = _unpack_bits(mask, rows)
+        else:
+            mask = mask[:, :rows]
+        if live is not None:
+            mask = mask & live
+        dtype = q.dtype if q.dtype != torch.float16 or view.cuda else torch.float32
+        k = k_pool[:rows].to(dtype).permute(1, 0, 2)[None]       # [1, Hkv, rows, D]
+        v = v_pool[:rows].to(dtype).permute(1, 0, 2)[None]
+        qq = q.to(dtype).permute(1, 0, 2)[None]                  # [1, H, T, D]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qq, k, v, attn_mask=mask[None, None], scale=scale,
+            enable_gqa=qq.shape[1] != k.shape[1])
+        return o[0].permute(1, 0, 2).to(k_pool.dtype)
+
+    def _flashinfer_run(self, layer, q, k_pool, v_pool, window, scale):
+        """FlashInfer's paged prefill, its wrapper planned once per step for each distinct
+        (window, heads, head_dim, scale) from the step's host indptrs."""
+        view, step = self.view, self.step
+        lc = view.config.layers[layer]
+        T, H, D = q.shape
+        key = (window, H, lc.n_kv_heads, D, scale)
+        wrapper = self._flashinfer.get(key)
+        if wrapper is None:
+            import flashinfer
+
+            n = step.n_requests
+            dev = q.device
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(view.flashinfer_workspace(), "NHD")
+            wrapper.plan(torch.as_tensor(step.qo_indptr, device=dev),
+                         torch.as_tensor(step.kv_indptr, device=dev),
+                         view.paged["kv_indices"], view.paged["kv_last_page_len"][:n],
+                         H, lc.n_kv_heads, D, 1, causal=True, window_left=window - 1 if window else -1,
+                         sm_scale=scale, q_data_type=k_pool.dtype, kv_data_type=k_pool.dtype)
+            self._flashinfer[key] = wrapper
+        return wrapper.run(q.to(k_pool.dtype).contiguous(), (k_pool[:, None], v_pool[:, None]))
 
 
 def _announce(view: TorchView, layer: int, dtype: str, head_dim: int, group: int, path: str) -> None:
@@ -417,7 +626,7 @@ def _announce(view: TorchView, layer: int, dtype: str, head_dim: int, group: int
     seen.add(key)
     warnings.warn(f"cellcache: attention of head_dim={head_dim}, group={group} ({dtype}; layer "
                   f"{layer}) is not taken by cellcache's CUDA-core kernels (head_dim a multiple of 8 "
-                  f"up to 256, group 1 to 16); it runs through {path}", stacklevel=3)
+                  f"up to 256, group 1 to 16); it runs through {path}", stacklevel=4)
 
 
 def check_qkv(view: TorchView, layer: Any, q: Any, k: Any, v: Any) -> int:
@@ -462,77 +671,7 @@ def _check_backend(view: TorchView, backend: str, step: Step) -> None:
         raise InvalidArgument("backend 'sdpa' needs masks (mask_format 'bool' or 'bits')")
 
 
-def _kernel(view, layer, path, q, k_pool, v_pool, window, scale, out, decode=False):
-    """cellcache's decode or prefill kernel, or the tensor-core kernels, on torch's current
-    stream (so a graph captures them); q is in the pool dtype with unit stride in head_dim.
-    ``decode`` (every run one query) picks the tensor-core kernels' decode variant."""
-    lc = view.config.layers[layer]
-    T, H, D = q.shape
-    if out is None:
-        out = torch.empty((T, H, D), dtype=k_pool.dtype, device=q.device)
-    if path == "tc":
-        run = functools.partial(view.tensor_cores().run, decode=decode)
-    else:
-        kern = view.kernels()
-        run = kern.paged if path == "decode" else kern.prefill
-    run(view.paged_pointers(), T, q.data_ptr(), (q.stride(0), q.stride(1)), k_pool.data_ptr(),
-        v_pool.data_ptr(), out.data_ptr(), (out.stride(0), out.stride(1)), H, lc.n_kv_heads, D,
-        window, torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
-    return out
-
-
-def _sdpa(view, layer, q, k_pool, v_pool, window, step, scale):
-    cfg = view.config
-    T = q.shape[0]
-    if view.cuda:
-        rows = view.cache.rows          # backed rows: a graph captured here serves until they change
-        live = view._arange[:rows] < view.read_len
-    else:
-        rows = step.read_len
-        live = None
-    mask = view.masks[window][:T]
-    if cfg.mask_format == "bits":
-        mask = _unpack_bits(mask, rows)
-    else:
-        mask = mask[:, :rows]
-    if live is not None:
-        mask = mask & live
-    dtype = q.dtype if q.dtype != torch.float16 or view.cuda else torch.float32
-    k = k_pool[:rows].to(dtype).permute(1, 0, 2)[None]       # [1, Hkv, rows, D]
-    v = v_pool[:rows].to(dtype).permute(1, 0, 2)[None]
-    qq = q.to(dtype).permute(1, 0, 2)[None]                  # [1, H, T, D]
-    o = torch.nn.functional.scaled_dot_product_attention(
-        qq, k, v, attn_mask=mask[None, None], scale=scale,
-        enable_gqa=qq.shape[1] != k.shape[1])
-    return o[0].permute(1, 0, 2).to(k_pool.dtype)
-
-
 def _unpack_bits(bits: torch.Tensor, cols: int) -> torch.Tensor:
     shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
     expanded = (bits[:, :, None] >> shifts) & 1                       # little-endian in a byte
     return expanded.reshape(bits.shape[0], -1)[:, :cols].bool()
-
-
-def _flashinfer(view, layer, q, k_pool, v_pool, window, step, scale):
-    import flashinfer
-
-    lc = view.config.layers[layer]
-    T, H, D = q.shape
-    n = step.n_requests
-    key = (step.qo_indptr.tobytes(), step.kv_indptr.tobytes(), (n, T, window, H))
-    planned = view._flashinfer
-    if planned is None or planned[0] != key:
-        ws = view._flashinfer_workspace
-        if ws is None:
-            ws = view._flashinfer_workspace = torch.empty(256 << 20, dtype=torch.uint8,
-                                                          device=q.device)
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        dev = q.device
-        wrapper.plan(torch.as_tensor(step.qo_indptr, device=dev),
-                     torch.as_tensor(step.kv_indptr, device=dev),
-                     view.paged["kv_indices"], view.paged["kv_last_page_len"][:n],
-                     H, lc.n_kv_heads, D, 1, causal=True, window_left=window - 1 if window else -1,
-                     sm_scale=scale, q_data_type=k_pool.dtype, kv_data_type=k_pool.dtype)
-        view._flashinfer = planned = (key, wrapper)
-    out = planned[1].run(q.to(k_pool.dtype).contiguous(), (k_pool[:, None], v_pool[:, None]))
-    return out

@@ -200,6 +200,52 @@ def test_attention_accepts_the_prepared_step_by_default_and_converts_kv_to_the_p
     assert (k_pool[step.cells] == -3.0).all() and (k_pool[cache.sink] == -3.0).all()
 
 
+def test_attention_is_planned_once_a_step_and_every_layer_runs_that_plan():
+    """The step's first call makes its AttentionPlan; the other layers' calls of the step run
+    the same one, the next step (or another backend) gets a new one, and a backend the cache
+    cannot run is refused with nothing planned and nothing written."""
+    cache, step, _ = _refusal_setup()
+    view = cct.TorchView(cache)
+    q, k, v = _qkv(4)
+    cct.attention(view, 0, q, k, v)
+    plan = view.plan(step)
+    assert plan.step is step and plan.backend == "auto" and not plan.kernels
+    cct.attention(view, 1, q, k, v)
+    assert view.plan(step) is plan
+    assert view.plan(step, "sdpa") is not plan
+    pools = _pool_bytes(cache)
+    with pytest.raises(cc.InvalidArgument, match="backend 'tc' needs a CUDA cache"):
+        cct.attention(view, 0, q, k, v, backend="tc")
+    assert _pool_bytes(cache) == pools and view.plan(step, "sdpa").backend == "sdpa"
+    cache.commit_step()
+    c = cache.seq_new()
+    assert cache.declare_step([c])
+    nxt = cache.prepare_step()
+    cct.attention(view, 0, *_qkv(1))
+    assert view.plan(nxt) is not plan and view.plan(nxt).step is nxt
+
+
+def test_layer_paths_name_each_layers_path_as_choose_path_does():
+    """What a runner asks before attaching: each layer's path for the model's head count
+    (the tensor-core kernels where their module imports and takes the shape)."""
+    pytest.importorskip("cuda.bindings")           # cellcache.cuda.kernels imports the driver module
+    from cellcache.cuda import kernels as ck
+
+    cfg = cc.CacheConfig(capacity=64, layers=[cc.LayerConfig(2, 128), cc.LayerConfig(2, 12)],
+                         max_write=8, dtype="bfloat16", paged=True, mask_format="bool")
+    paths = cct.layer_paths(cfg, 8)
+    assert paths == [ck.choose_path("bfloat16", 128, 4, have_flashinfer=cct.have_flashinfer(),
+                                    has_masks=True), "sdpa"]
+    assert paths[0] in ("tc", "paged")
+    with pytest.raises(cc.InvalidArgument, match="n_heads=0"):
+        cct.layer_paths(cfg, 0)
+    bare = cc.CacheConfig(capacity=64, layers=[cc.LayerConfig(2, 12)], max_write=8,
+                          dtype="bfloat16", paged=True, mask_format="none")
+    if not cct.have_flashinfer():
+        with pytest.raises(cc.InvalidArgument, match="no attention path computes head_dim=12"):
+            cct.layer_paths(bare, 8)
+
+
 def test_view_layer_refuses_negative_and_out_of_range_indices():
     cache = cc.HostCellCache(cc.CacheConfig(capacity=64, layers=LAYERS, max_write=8, dtype="float32"))
     view = cct.TorchView(cache)
