@@ -98,54 +98,13 @@ import numpy as np
 from ._checks import check_int, check_seq_id
 from .errors import InvalidArgument, InvalidState
 from .prefix_events import Operations, PrefixEvent, prefix_key
-from .prefix_policy import POLICIES, EvictionOrder, evictable
-from .radix import RadixNode, RadixTree, as_tokens
+from .prefix_policy import POLICIES, EvictionOrder, evictable, policy_key
+from .prefix_tree import PrefixNode, PrefixTree
+from .radix import as_tokens
 
 __all__ = ["POLICIES", "PrefixCache", "PrefixEvent", "PrefixNode", "prefix_key"]
 
 _I32 = np.dtype(np.int32)
-
-
-class PrefixNode(RadixNode):
-    """A node of the tree: the tokens of positions ``[start, end)`` under its parent.
-
-    Eviction policies read (never change) ``start``, ``end``, ``last_access`` (the prefix
-    cache's operation clock when a match or insert last went through the node), ``hits``
-    (matches and inserts through it), ``priority`` (the highest an insert through it gave)
-    and ``created``.
-    """
-
-    __slots__ = ("created", "hits", "last_access", "pins", "priority", "seq")
-
-    parent: PrefixNode | None
-    children: dict[bytes, PrefixNode]
-
-    def __init__(self, segb: bytes, start: int, parent: PrefixNode | None, clock: int,
-                 priority: float = 0.0):
-        super().__init__(segb, start, parent)
-        self.seq: int | None = None                      # the leaf's sequence: owned or lent
-        self.last_access = clock
-        self.created = clock
-        self.hits = 0
-        self.priority = priority
-        self.pins: dict[int, int] | None = None          # depth -> count, depth in (start, end]
-
-    def head(self, m: int) -> PrefixNode:
-        """The upper part of a split at m: the node's keys, and its pins at depths <= m
-        (moved)."""
-        upper = PrefixNode(self.segb[:4 * (m - self.start)], self.start, self.parent,
-                           self.created, self.priority)
-        upper.last_access = self.last_access
-        upper.hits = self.hits
-        if self.pins:
-            up = {d: c for d, c in self.pins.items() if d <= m}
-            if up:
-                upper.pins = up
-                self.pins = {d: c for d, c in self.pins.items() if d > m} or None
-        return upper
-
-    def __repr__(self) -> str:
-        return f"PrefixNode([{self.start}, {self.end}), seq={self.seq}, children={len(self.children)})"
 
 
 class PrefixCache:
@@ -196,15 +155,7 @@ class PrefixCache:
             if not hasattr(cache, verb):
                 raise InvalidArgument(
                     f"cache of type {type(cache).__name__} has no {verb}; give a CellCache")
-        if isinstance(policy, str):
-            if policy not in POLICIES:
-                raise InvalidArgument(
-                    f"policy={policy!r} is not one of {', '.join(POLICIES)} or a callable")
-            key = POLICIES[policy]
-        elif callable(policy):
-            key = policy
-        else:
-            raise InvalidArgument(f"policy of type {type(policy).__name__} is not a name or a callable")
+        key = policy_key(policy)
         if on_event is not None and not callable(on_event):
             raise InvalidArgument(f"on_event of type {type(on_event).__name__} is not callable")
         if max_seqs is None:
@@ -228,11 +179,10 @@ class PrefixCache:
         return self._op.on_event
 
     def _reset(self) -> None:
-        self._tree: RadixTree[PrefixNode] = RadixTree(PrefixNode(b"", 0, None, self._clock))
+        self._tree = PrefixTree(self._clock)
         self._owned: dict[int, PrefixNode] = {}   # owned sequence -> its leaf
         self._lent: dict[int, PrefixNode] = {}    # a caller's sequence lending a leaf -> it
         self._clears = self._cache_clears()       # the cache's clear() count the tree is of
-        self._pins = 0
         self._shape += 1                          # bumped whenever nodes are removed
 
     # -- lookup ------------------------------------------------------------------------------
@@ -272,9 +222,7 @@ class PrefixCache:
             node, n = self._tree.walk(qb)
             if n == 0:
                 return None, 0
-            leaf = node
-            while leaf.seq is None:
-                leaf = next(iter(leaf.children.values()))
+            leaf = self._tree.leaf_under(node)
             if not self._intact(leaf):
                 self._invalidate_locked()
                 return (None, 0)
@@ -288,27 +236,12 @@ class PrefixCache:
                 return (None, 0)
             st["hits"] += 1
             st["hit_tokens"] += n
-            self._touch(node)
+            self._tree.touch(node, self._clock)
             if pin:
-                self._pin_at(node, n)
+                self._tree.pin(node, n)
             return sid, n
 
-    def _touch(self, node: PrefixNode, priority: float | None = None) -> None:
-        clock = self._clock
-        while node.parent is not None:
-            node.last_access = clock
-            node.hits += 1
-            if priority is not None and priority > node.priority:
-                node.priority = priority
-            node = node.parent
-
     # -- pins --------------------------------------------------------------------------------
-    def _pin_at(self, node: PrefixNode, depth: int) -> None:
-        if node.pins is None:
-            node.pins = {}
-        node.pins[depth] = node.pins.get(depth, 0) + 1
-        self._pins += 1
-
     def pin(self, tokens: Any, *, max_len: int | None = None) -> int:
         """Pins the longest cached prefix of ``tokens[:max_len]`` and returns its length n
         (0: nothing pinned). A pinned prefix is never evicted until :meth:`unpin`; pins are
@@ -317,7 +250,7 @@ class PrefixCache:
         with self._op.lock:
             node, n = self._tree.walk(qb)
             if n:
-                self._pin_at(node, n)
+                self._tree.pin(node, n)
             return n
 
     def unpin(self, tokens: Any, n: int) -> None:
@@ -327,13 +260,9 @@ class PrefixCache:
         n = check_int(n, "n", 1, len(arr))
         with self._op.lock:
             node, d = self._tree.walk(qb[:4 * n])
-            if d != n or not node.pins or node.pins.get(n, 0) == 0:
+            if d != n or not self._tree.unpin(node, n):
                 raise InvalidState(
                     f"the first {n} tokens hold no pin; pin them with match(pin=True) or pin()")
-            node.pins[n] -= 1
-            if node.pins[n] == 0:
-                del node.pins[n]
-            self._pins -= 1
 
     # -- insert ------------------------------------------------------------------------------
     def insert(self, seq_id: int, tokens: Any, *, priority: float = 0.0) -> int:
@@ -421,7 +350,7 @@ class PrefixCache:
                 del lent[s]
                 self._tree.add(leaf)
                 owned[s] = leaf
-                self._touch(leaf, 0.0)
+                self._tree.touch(leaf, self._clock, 0.0)
                 st["stored_tokens"] += k
                 if self._op.on_event is not None:
                     self._op.events.append(PrefixEvent("stored", leaf.path(), k))
@@ -545,7 +474,7 @@ class PrefixCache:
             self._tree.cut(node)
             node.seq = None
             if node.pins:
-                self._pins -= sum(node.pins.values())
+                self._tree.pins -= sum(node.pins.values())
                 node.pins = None
             st = self._stats
             st["evictions"] += 1
@@ -591,11 +520,11 @@ class PrefixCache:
                 # (given: with s itself, which stores nothing more)
                 kept = self._reclaim_locked(s, adopt=give)
                 if give and kept:
-                    self._touch(mine, priority)
+                    self._tree.touch(mine, self._clock, priority)
                     return 0
                 node, m = self._tree.walk(qb)
             if m == n:
-                self._touch(node, priority)
+                self._tree.touch(node, self._clock, priority)
                 if give:
                     self.cache.seq_rm(s)
                 return 0
@@ -604,9 +533,8 @@ class PrefixCache:
                 # the tree must still be the cache's before it takes s: insert's clone
                 # would meet a released id, give checks a leaf (the one over the path, or
                 # any): after cache.clear() underneath, s would join a tree forgotten later
-                leaf = node if m else next(iter((self._owned or self._lent).values()))
-                while leaf.seq is None:
-                    leaf = next(iter(leaf.children.values()))
+                leaf = self._tree.leaf_under(
+                    node if m else next(iter((self._owned or self._lent).values())))
                 if self._intact(leaf, p if leaf.seq == s else None):
                     checked = leaf
                 else:
@@ -643,7 +571,7 @@ class PrefixCache:
             leaf.seq = new
             self._tree.add(leaf)
             (self._lent if mode == "lend" else self._owned)[new] = leaf
-            self._touch(leaf, priority)
+            self._tree.touch(leaf, self._clock, priority)
             if old is not None:
                 self.cache.seq_rm(old)
             self._stats["stored_tokens"] += n - m
@@ -710,24 +638,10 @@ class PrefixCache:
         when free cells run short. A lent leaf (see :meth:`lend`) counts as pinned."""
         lim = None if limit is None else check_int(limit, "limit", 0, None)
         with self._op.lock:
-            if not (self._pins or self._lent) or lim is not None and lim <= 0:
+            if not (self._tree.pins or self._lent) or lim is not None and lim <= 0:
                 cached = self._tree.tokens
                 return cached if lim is None else min(cached, lim)
-            order = list(self._tree)
-            blocked: set[int] = set()
-            total = 0
-            for node in reversed(order):            # every child before its parent
-                if id(node) in blocked or (node.seq is not None and node.seq in self._lent):
-                    blocked.add(id(node.parent))
-                    continue
-                if node.pins:                       # its tail below the deepest pin
-                    total += node.end - max(node.pins)
-                    blocked.add(id(node.parent))
-                else:
-                    total += node.n_tokens
-                if lim is not None and total >= lim:
-                    return lim
-            return total
+            return self._tree.evictable_tokens(self._lent, lim)
 
     def _evict_locked(self, n_cells: int, n_ids: int, protect: Any) -> int:
         if n_cells <= 0 and n_ids <= 0:
@@ -859,29 +773,16 @@ class PrefixCache:
         with self._op.lock:
             return {"cached_tokens": self._tree.tokens, "nodes": self._tree.nodes,
                     "leaves": len(self._owned) + len(self._lent), "lent": len(self._lent),
-                    "pins": self._pins, "max_seqs": self.max_seqs,
+                    "pins": self._tree.pins, "max_seqs": self.max_seqs,
                     **self._stats}
 
     def check_invariants(self) -> None:
         """Asserts the tree's structure, that every owned sequence holds its leaf's length
         and every lent one at least that (tests call it after every operation)."""
         with self._op.lock:
-            tree = self._tree
-            tree.check()
-            assert tree.root.seq is None and not tree.root.pins
-            seen: dict[int, PrefixNode] = {}
-            pins = 0
-            for node in tree:
-                assert (node.seq is None) == bool(node.children)
-                if node.seq is not None:
-                    assert node.seq not in seen
-                    seen[node.seq] = node
-                if node.pins:
-                    assert all(node.start < d <= node.end and c > 0 for d, c in node.pins.items())
-                    pins += sum(node.pins.values())
+            seen = self._tree.check_leaves()
             assert not self._owned.keys() & self._lent.keys()
             assert seen == {**self._owned, **self._lent}, (seen, self._owned, self._lent)
-            assert pins == self._pins
             assert len(self._owned) + len(self._lent) <= self.max_seqs
             live = set(self.cache.live_seqs())
             for s, leaf in self._owned.items():

@@ -14,7 +14,9 @@ import heapq
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["POLICIES", "EvictionOrder", "evictable"]
+from .errors import InvalidArgument
+
+__all__ = ["POLICIES", "EvictionOrder", "evictable", "policy_key"]
 
 
 def lru(node: Any) -> Any:
@@ -31,6 +33,19 @@ def priority(node: Any) -> Any:
 
 #: Eviction policies by name: each maps a leaf to a key, the smallest key goes first.
 POLICIES: dict[str, Callable[[Any], Any]] = {"lru": lru, "lfu": lfu, "priority": priority}
+
+
+def policy_key(policy: object) -> Callable[[Any], Any]:
+    """The key function of ``policy``: a name in :data:`POLICIES` or a callable; raises
+    InvalidArgument for anything else."""
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise InvalidArgument(
+                f"policy={policy!r} is not one of {', '.join(POLICIES)} or a callable")
+        return POLICIES[policy]
+    if callable(policy):
+        return policy
+    raise InvalidArgument(f"policy of type {type(policy).__name__} is not a name or a callable")
 
 
 def evictable(node: Any, protect: Any) -> bool:

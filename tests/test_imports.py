@@ -20,7 +20,7 @@ FLOORS = [
     {"cache", "host", "cuda", "cuda.probe", "cuda.driver", "cuda.pools", "cuda.backend",
      "cuda.kernels", "cuda.tc", "cuda._launch", "cuda._dlpack", "cuda._engine"},
     {"registry"},
-    {"radix", "prefix_events", "prefix_policy"},
+    {"radix", "prefix_events", "prefix_policy", "prefix_tree"},
     {"attention", "session", "prefix", "torch", "hf", "tp", "tp.shard", "tp.peers", "tp.agreement"},
     # the generator package: each module only above those it imports
     {"generate.requests", "generate.readback"},
