@@ -93,7 +93,7 @@ class DeviceBuffer:
         if stream is not None and not isinstance(stream, int):
             raise InvalidArgument(f"stream of type {type(stream).__name__} is not a DLPack stream")
         if stream != -1:       # DLPack: make the producer's work visible on the consumer's stream
-            self._cache._order_consumer(0 if stream is None else stream)
+            self._cache.order_after_step(0 if stream is None else stream)
         code, bits = _DLPACK[self.dtype.name]
         return _dlpack.dlpack_capsule(self, self.ptr, self.shape, code, bits,
                                       self._cache.config.device)
@@ -113,9 +113,7 @@ class DeviceBuffer:
             shape = (min(shape[0], self._backed_rows()),) + shape[1:]
         out = np.empty(shape, dtype=self.dtype)
         if out.nbytes:
-            self._cache._ctx.make_current()
-            check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
-            check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
+            self._cache.read_device(self.ptr, out)
         return out
 
 
@@ -247,8 +245,8 @@ class CudaCellCache(CellCache):
         bits = self.config.mask_format == "bits"
         self._fn_build = drv.function(module, "build_step_bits" if bits else "build_step")
         if bits:
-            # its 12 resident blocks an SM take ~218 KiB of shared memory (H100/H200: 228):
-            # ask for the largest shared-memory carveout, a hint the driver may refine
+            # its resident blocks are bounded by the SM's shared memory: ask for the largest
+            # shared-memory carveout, a hint the driver may refine
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
             check(cu.cuFuncSetAttribute(self._fn_build, attr, 100), "cuFuncSetAttribute")
 
@@ -401,11 +399,20 @@ class CudaCellCache(CellCache):
     def _commit(self, stream: int) -> None:
         self._engine.commit(stream)
 
-    def _order_consumer(self, stream: int) -> None:
-        """Makes ``stream`` wait for the last step's buffer writes (DLPack's contract)."""
+    def order_after_step(self, stream: int) -> None:
+        """Makes ``stream`` (a raw handle) wait for the last step's buffer writes: what a
+        buffer's consumer is owed (DLPack's contract, :meth:`DeviceBuffer.__dlpack__`)."""
         with self._lock:
             self._check_open()
             self._engine.order_after_step(stream)
+
+    def read_device(self, ptr: int, out: np.ndarray) -> None:
+        """Copies ``out.nbytes`` bytes from device address ``ptr`` into ``out`` once all work
+        queued on the device so far is done (the cache's context made current): what
+        :meth:`DeviceBuffer.copy_to_host` reads through."""
+        self._ctx.make_current()
+        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        check(cu.cuMemcpyDtoH(out.ctypes.data, ptr, out.nbytes), "cuMemcpyDtoH")
 
     # -- parts built on demand --------------------------------------------------------------------
     def attention_kernels(self) -> AttentionKernels:
