@@ -21,28 +21,30 @@ bidirectional attention, ...): a refused attach leaves the model's attention set
 was. One forward carries every sequence of a step as one
 row of ``[1, T]`` tokens with the step's positions (RoPE needs nothing else).
 :func:`cache_config` maps the model's ``layer_types``/``sliding_window`` to per-layer
-windows. :class:`cellcache.generate.Generator` builds continuous batching on top.
+windows. This module maps configs and attention (:class:`HFAdapter`); the runner that
+:func:`attach` returns, which owns the graphs and the input feeds, is
+:class:`cellcache.runner.ModelRunner` (also importable from here).
+:class:`cellcache.generate.Generator` builds continuous batching on top.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import torch as cct
 from ._checks import CAPACITY_LIMIT, check_int
-from .buckets import bucket_for, check_buckets, default_buckets, default_mixed_buckets
 from .cache import CellCache, Step
 from .config import CacheConfig, LayerConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
+from .runner import ATTENTION_BACKENDS, COMPILE_OPTIONS, ModelRunner, compile_options
 
-__all__ = ["ATTENTION_NAME", "COMPILE_OPTIONS", "ModelRunner", "attach", "cache_config", "compile_options",
-           "layer_windows", "vocab_size"]
+__all__ = ["ATTENTION_BACKENDS", "ATTENTION_NAME", "COMPILE_OPTIONS", "HFAdapter", "ModelRunner", "attach",
+           "cache_config", "compile_options", "layer_windows", "vocab_size"]
 
 ATTENTION_NAME = "cellcache"
 _CURRENT = cct.FORWARD          # the step a forward runs on (a _Current), for the hook and the op
@@ -326,192 +328,35 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
     for i, (layer, w) in enumerate(zip(cache.config.layers, windows)):
         if layer.window != w:
             raise InvalidArgument(f"layer {i}: the cache's window {layer.window} is not the model's {w}")
-    runner = ModelRunner(model, cache, graphs=graphs, buckets=buckets, compile=compile,
-                         mixed_buckets=mixed_buckets, attention=attention)
+    runner = ModelRunner(model, cache, HFAdapter(model), graphs=graphs, buckets=buckets,
+                         compile=compile, mixed_buckets=mixed_buckets, attention=attention)
     runner.reattach()
     return runner
 
 
-class ModelRunner:
-    """Runs a model's forward for a prepared step: tokens in, logits of chosen rows out.
+class HFAdapter:
+    """What a :class:`ModelRunner` asks of a transformers model (a
+    :class:`cellcache.runner.ModelAdapter`): its vocabulary, each layer's attention path,
+    switching its attention setting to cellcache's (checked by a probe forward), checking
+    that it still is, and one forward with cellcache's attention over a step.
 
-    On CUDA with the paged view, decode steps (every row its sequence's next token) whose
-    padded width is a bucket replay a CUDA graph captured once per bucket. Mixed steps
-    (prompt chunks beside decode rows) padded to a token-count bucket of ``mixed_buckets``
-    (default :func:`cellcache.buckets.default_mixed_buckets`; ``[]``: none) replay a graph
-    per bucket too, whose attention reads the device-built work list and whose logits come
-    for up to :attr:`logit_cap` rows given in a fixed device index buffer; a step with more
-    logit rows, or a width at no bucket, runs eagerly. A
-    model whose layers fall back to FlashInfer or SDPA (a head_dim or group cellcache's
-    kernels do not take) runs every step eagerly. When a copy growth
-    moves the pools, the next forward rebuilds the views and drops the graphs (recaptured
-    on their next use).
+    >>> runner = ModelRunner(model, cache, HFAdapter(model))        # doctest: +SKIP
+    >>> runner.reattach()                                           # doctest: +SKIP
 
-    Build it with :func:`attach`. If the model's attention is switched away afterwards
-    (``model.set_attn_implementation("sdpa")``), :meth:`forward` refuses (InvalidState)
-    until :meth:`reattach` switches it back.
-
-    ``attention``: ``"auto"`` (default: cellcache's kernels, chosen per layer shape) or
-    ``"flashinfer"`` (every layer through FlashInfer's paged kernels over the same paged
-    view, planned on the host each step, so every step runs eagerly; InvalidArgument
-    without FlashInfer, without a paged CUDA cache, or with ``graphs=True``).
-
-    ``compile`` (True or a mapping of ``torch.compile`` keywords; see :data:`COMPILE_OPTIONS`)
-    runs every forward through ``torch.compile(model, **options)`` (default: inductor,
-    ``dynamic=True``). ``dynamic=True`` makes the step width symbolic (the inputs are the
-    token ids, positions and logit rows; parameters stay static): one graph serves every
-    width, mixed steps and decode buckets alike (width 1 specializes: a second graph; a
-    replayed bucket, which keeps every logit row, another), so mixed steps of any width
-    never hit dynamo's recompile limit. ``dynamic=False`` compiles a graph per width (static
-    shapes per decode bucket, but mixed widths soon exceed the limit and run eagerly);
-    ``dynamic=None`` is torch's guess (static first, symbolic after a change). Attention is the custom op
-    ``cellcache::attention`` (:func:`cellcache.torch.attention_op`), so the compiled
-    forward is one graph. On CUDA with graphs the compiled forward is what each decode
-    bucket captures (warm-up, which compiles, then capture): this runner stays the one
-    owner of CUDA graphs, so modes that capture graphs themselves (``"reduce-overhead"``,
-    ``"max-autotune"``, ``triton.cudagraphs``) are refused on CUDA, with or without the
-    runner's graphs (the op decides its kernel per step). Attach's probe runs eagerly.
+    (what :func:`attach` does, after checking the cache against the model).
     """
 
-    def __init__(self, model: Any, cache: CellCache, *, graphs: bool | None = None,
-                 buckets: list[int] | None = None, compile: bool | Mapping[str, Any] = False,
-                 mixed_buckets: list[int] | None = None, attention: str = "auto"):
-        options = compile_options(compile)
-        if attention not in ATTENTION_BACKENDS:
-            raise InvalidArgument(f"attention={attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
-        view = cct.TorchView(cache)
-        config = getattr(model, "config", None)
-        if config is None or not callable(model):
-            raise InvalidArgument(f"model of type {type(model).__name__} is not a transformers model")
-        cfg = cache.config
-        mw = cfg.max_write
-        paged_cuda = view.cuda and cfg.paged
-        if cfg.mask_format == "none" and not paged_cuda:
-            where = "the host backend" if not view.cuda else "a CUDA cache without the paged view"
-            raise InvalidArgument(f"{where} attends over masks, and this cache has none "
-                                  "(mask_format='none'): build it with mask_format='bool' or 'bits' "
-                                  "(cache_config(model) does)")
-        if graphs is not None and not isinstance(graphs, bool):
-            raise InvalidArgument(f"graphs of type {type(graphs).__name__} is not a bool or None")
-        if attention == "flashinfer":
-            if not paged_cuda:
-                raise InvalidArgument("attention='flashinfer' needs a CUDA cache built with paged=True")
-            if not cct.have_flashinfer():
-                raise InvalidArgument("attention='flashinfer': FlashInfer is not installed "
-                                      "(pip install flashinfer-python)")
-            if graphs:
-                raise InvalidArgument("attention='flashinfer' plans each step on the host and cannot "
-                                      "be replayed from a graph: pass graphs=False (or None)")
-            graphs = False
-        paths = _attention_paths(config, cfg) if paged_cuda else []
-        # FlashInfer and SDPA fallbacks plan on the host or read the pools' row count, so
-        # decode graphs are only for layers cellcache's or the tensor-core kernels take
-        unsafe = [f"layer {i}: {p}" for i, p in enumerate(paths) if p not in ("tc", "paged")]
-        graphs_enabled = (paged_cuda and not unsafe) if graphs is None else graphs
-        if graphs_enabled and not paged_cuda:
-            raise InvalidArgument("graph replay needs a CUDA cache built with paged=True")
-        if graphs_enabled and unsafe:
-            raise InvalidArgument(f"graph replay needs every layer on cellcache's or the tensor-core "
-                                  f"kernels; {', '.join(unsafe[:4])} (its shape falls back): "
-                                  "pass graphs=False")
-        if options is not None and view.cuda and (
-                options.get("mode") in _GRAPH_MODES
-                or (options.get("options") or {}).get("triton.cudagraphs")):
-            # inductor's own graphs would replay cellcache::attention without running it:
-            # its per-step choices (kernel, decode or prefill variant) come from the step
-            raise InvalidArgument(f"compile mode {options.get('mode')!r} with options "
-                                  f"{options.get('options')!r} captures CUDA graphs itself, which "
-                                  "cellcache's attention op cannot be replayed by; this runner "
-                                  "captures the decode graphs (of the compiled forward): use mode "
-                                  "'default' or 'max-autotune-no-cudagraphs'")
-        chosen = default_buckets(mw, 512) if buckets is None else check_buckets(buckets, mw)
-        if mixed_buckets is None:
-            mixed = default_mixed_buckets(mw)
-        elif isinstance(mixed_buckets, (list, tuple)) and len(mixed_buckets) == 0:
-            mixed = []
-        else:
-            mixed = check_buckets(mixed_buckets, mw)
-        self.model, self.cache, self.view = model, cache, view
-        if options is not None:           # a symbolic width: one graph for every width
-            options = {"dynamic": True, **options}
-        #: The torch.compile options the forwards run under, or None (eager).
-        self.compile = options
-        # what _run calls: the model, or its compiled wrapper (attach's probe runs the model)
-        self._forward = model if options is None else torch.compile(model, **options)
-        self.device = view.device
-        self.cuda = view.cuda
-        self.graphs_enabled = graphs_enabled
-        #: The attention backend every layer runs: "auto" (cellcache's kernels, the choice
-        #: per shape) or "flashinfer" (FlashInfer's paged kernels over the same view, eager).
-        self.attention = attention
-        self.buckets = chosen
-        #: Token-count buckets of the mixed-step graphs (see the class).
-        self.mixed_buckets = mixed
-        #: The most logit rows a mixed-step graph gives (its fixed index buffer's length: the
-        #: largest decode bucket; a step with more logit rows runs eagerly).
-        self.logit_cap = min(mw, chosen[-1])
-        self._out: torch.Tensor | None = None          # the graphs' float32 logits, shared
-        self._greedy: torch.Tensor | None = None       # and the argmax of each of their rows
-        self._replayed_greedy: Any = None              # the last replayed graph's part of it
-        # forward's views of a decode graph's first rows: (its logits, the logits' first
-        # rows, its greedy ids' first rows) by (id of its logits, width) (_first_rows)
-        self._row_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        self._handed: tuple[torch.Tensor, int] | None = None   # that view and its width, as
-        #                                                          the last forward gave it
-        #: The greedy ids (argmax, on the device) of the last forward's logits, row for row,
-        #: when the forward was a graph replay that returned a plain slice of the graph's
-        #: output (the graph computes them: no launch after it); None otherwise. Valid
-        #: until the next replay, as the logits are.
-        self.greedy: torch.Tensor | None = None
-        # input_ids[0, :_fed_rows] holds the last decode graph's greedy ids (it writes them
-        # there for the next step); 0 once anything else writes input_ids
-        self._fed_rows = 0
-        self._mixed: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
-        self._mixed_pool: Any = None
-        self._rows_dev: torch.Tensor | None = None     # the mixed graphs' logit rows (device)
-        self._rows_host: torch.Tensor | None = None    # and their pinned staging, event
-        self._rows_staged: Any = None
-        self.vocab = vocab_size(model)
-        self.input_ids = torch.zeros((1, mw), dtype=torch.long, device=self.device)
-        self._staging: torch.Tensor | None = None     # pinned upload buffer (CUDA) and its event
-        self._staged: Any = None
-        self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
-        self._graph_generation = view.generation
-        self._attn_configs: list[Any] = [_text_config(config)]
-        self.replays = 0
-        self.eager = 0
+    def __init__(self, model: Any):
+        self.model = model
+        self._configs: list[Any] = []          # the configs the attention layers read (attach)
 
-    @property
-    def mixed_graphs(self) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
-        """The captured mixed-step graphs by token bucket (a copy, as :attr:`graphs`)."""
-        return dict(self._mixed)
+    def vocab(self) -> int:
+        return vocab_size(self.model)
 
-    def mixed_bucket(self, width: int, logit_rows: int = 1) -> int | None:
-        """The mixed-step bucket a step of ``width`` tokens with ``logit_rows`` rows to sample
-        is padded to, or None (it runs eagerly, unpadded): on CUDA with graphs, the smallest
-        of :attr:`mixed_buckets` holding it, when its graph gives that many logit rows."""
-        if not self.graphs_enabled:
-            return None
-        bucket = bucket_for(width, self.mixed_buckets)
-        if bucket is None or logit_rows > min(bucket, self.logit_cap):
-            return None
-        return bucket
+    def attention_paths(self, config: CacheConfig) -> list[str]:
+        return _attention_paths(self.model.config, config)
 
-    @property
-    def graphs(self) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
-        """The captured decode graphs by bucket: (``torch.cuda.CUDAGraph``, its logits
-        tensor, its greedy ids tensor). A copy: dropping or adding entries changes nothing in
-        the runner."""
-        return dict(self._graphs)
-
-    # -- the model's attention setting -------------------------------------------------------
-    def reattach(self) -> None:
-        """Switches the model (back) to cellcache's attention, checked by one probe forward.
-
-        A refusal (InvalidArgument: a layer that does not call cellcache's attention, or
-        calls it with something it does not compute) restores the model's attention
-        setting exactly as it was.
-        """
+    def attach(self, view: cct.TorchView) -> None:
         register()
         saved = [(c, c._attn_implementation_internal) for c in _attn_configs(self.model)]
         try:
@@ -520,23 +365,24 @@ class ModelRunner:
             except (ValueError, TypeError, AttributeError) as e:
                 raise InvalidArgument(f"the model refuses set_attn_implementation"
                                       f"({ATTENTION_NAME!r}): {e}") from e
-            configs = self._probe()
+            configs = self._probe(view)
         except BaseException:
             for c, value in saved:
                 c._attn_implementation_internal = value
             raise
-        self._attn_configs = configs
+        self._configs = configs
 
-    def _probe(self) -> list[Any]:
+    def _probe(self, view: cct.TorchView) -> list[Any]:
         """One forward of one token at position 0 through cellcache's attention in probe
         mode (checks, writes nothing); returns the configs the attention layers read."""
-        n = len(self.cache.config.layers)
+        n = len(view.config.layers)
+        device = view.device
         mdev = getattr(self.model, "device", None)
-        if isinstance(mdev, torch.device) and mdev != self.device:
-            raise InvalidArgument(f"the model is on {mdev}; the cache's buffers are on {self.device}")
+        if isinstance(mdev, torch.device) and mdev != device:
+            raise InvalidArgument(f"the model is on {mdev}; the cache's buffers are on {device}")
         calls: list[tuple[int, Any]] = []
-        cur = _Current(self.view, None, "probe", probe=calls)
-        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        cur = _Current(view, None, "probe", probe=calls)
+        ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         token = _CURRENT.set(cur)
         try:
             with torch.inference_mode():
@@ -563,10 +409,10 @@ class ModelRunner:
                 configs[id(c)] = c
         return list(configs.values()) or [_text_config(self.model.config)]
 
-    def _check_attached(self) -> None:
-        for c in self._attn_configs:
-            # what transformers' property returns, read without its __getattribute__ (~7 us
-            # a config on the GPU host); anything else goes the documented way
+    def check(self) -> None:
+        for c in self._configs or [_text_config(self.model.config)]:
+            # what transformers' property returns, read without its __getattribute__ (once
+            # a config on every step); anything else goes the documented way
             if vars(c).get("_attn_implementation_internal") == ATTENTION_NAME:
                 continue
             impl = getattr(c, "_attn_implementation", None)
@@ -576,320 +422,20 @@ class ModelRunner:
                     "attach): call runner.reattach() (a Generator: generator.runner.reattach()) "
                     "to serve it from the cache again")
 
-    # -- checks ----------------------------------------------------------------------------------
-    def _token_ids(self, tokens: Any, width: int) -> np.ndarray:
-        arr = _int_array(tokens, "tokens")
-        if arr.size != width:
-            raise InvalidArgument(f"{arr.size} tokens for a step of width {width}: give one token "
-                                  "per real row")
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= self.vocab:
-            raise InvalidArgument(f"token id {lo if lo < 0 else hi} is outside the vocabulary "
-                                  f"[0, {self.vocab})")
-        return arr
-
-    @staticmethod
-    def _logit_rows(logit_rows: Any, width: int) -> np.ndarray:
-        if logit_rows is None:
-            return np.arange(width)
-        arr = _int_array(logit_rows, "logit_rows")
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= width):
-            bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-            raise InvalidArgument(f"logit row {bad} is outside the step's real rows [0, {width})")
-        return arr
-
-    # -- forwards -----------------------------------------------------------------------------------
-    def bucket(self, width: int) -> int | None:
-        """The smallest bucket that holds ``width`` rows (None when none does)."""
-        return bucket_for(width, self.buckets)
-
-    def _positions(self, step: Step) -> torch.Tensor:
-        return self.view.positions[:step.pad_to][None]
-
-    def _run(self, step: Step, backend: str, rows: torch.Tensor | None) -> torch.Tensor:
-        T = step.pad_to
-        cur = _Current(self.view, step, backend)
-        ids, positions = self.input_ids[:, :T], self._positions(step)
+    def run(self, forward: Callable[..., Any], view: cct.TorchView, step: Step, backend: str,
+            input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        cur = _Current(view, step, backend)
         token = _CURRENT.set(cur)
         try:
-            out = self._forward(input_ids=ids, position_ids=positions, use_cache=False,
-                                logits_to_keep=rows if rows is not None else 0)
+            out = forward(input_ids=input_ids, position_ids=positions, use_cache=False,
+                          logits_to_keep=rows if rows is not None else 0)
         finally:
             _CURRENT.reset(token)
-        n = len(self.cache.config.layers)
+        n = len(view.config.layers)
         if cur.calls != n:
             raise InvalidState(f"the forward called cellcache's attention {cur.calls} times for "
                                f"{n} layers: the model no longer runs its attention through the cache")
         return out.logits[0]
-
-    def forward(self, step: Step, tokens: Any = None, logit_rows: Any = None, decode: bool = False, *,
-                device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Runs the forward of ``step`` on ``tokens`` (one per real row); returns float32
-        logits ``[len(logit_rows), vocab]`` (all real rows when None).
-
-        ``step`` must be the cache's prepared step (InvalidState otherwise); ``tokens``
-        exactly ``step.width`` ids in ``[0, vocab)``; ``logit_rows`` ids in
-        ``[0, step.width)``; both 1-D sequences (or arrays, tensors) of ints. Every check
-        runs before anything is written (InvalidArgument / InvalidState).
-
-        ``device_tokens`` instead of ``tokens``: a 1-D integer tensor of ``step.width`` ids
-        already on the runner's device (the previous step's sampled ids, gathered: the
-        asynchronous generator feeds a step before its ids reach the host). It is copied
-        into the input on the device's current stream without a host sync, so its values
-        are not checked: they must be ids the model's own sampling drew.
-
-        On CUDA the host ``tokens`` go up through a pinned buffer without blocking the host.
-
-        ``decode`` says every row is its sequence's next token (one token per sequence);
-        then, on CUDA with graphs on, the step is replayed from a graph of its padded width.
-        A replayed step's logits (decode or mixed) are a view of the float32 buffer every
-        graph of this runner writes: valid until the next replayed forward, of any width (the
-        step's sampling reads them before, in stream order); ``clone()`` them to keep them.
-        """
-        if not isinstance(step, Step):
-            raise InvalidArgument(f"step of type {type(step).__name__} is not a Step")
-        if step is not self.cache.prepared_step:
-            raise InvalidState("step is not this cache's prepared step (a committed step, an older "
-                               "one or another cache's): pass the Step that prepare_step() just returned")
-        self._check_attached()
-        T, width = step.pad_to, step.width
-        handed = self._handed
-        if device_tokens is not None:
-            if tokens is not None:
-                raise InvalidArgument("give tokens or device_tokens, not both")
-            # the greedy ids the last replay handed out (self.greedy), fed back whole: known
-            # to be right (its checks cost ~5 us a step on the GPU host)
-            mine = handed is not None and device_tokens is handed[0] and handed[1] == width
-            if not mine and (not isinstance(device_tokens, torch.Tensor) or device_tokens.ndim != 1 \
-                    or device_tokens.is_floating_point() or device_tokens.dtype == torch.bool \
-                    or device_tokens.device != self.device or device_tokens.numel() != width):
-                shown = (f"a {tuple(device_tokens.shape)} {device_tokens.dtype} tensor on "
-                         f"{device_tokens.device}" if isinstance(device_tokens, torch.Tensor)
-                         else f"of type {type(device_tokens).__name__}")
-                raise InvalidArgument(f"device_tokens is {shown}; give a 1-D integer tensor of "
-                                      f"{width} ids on {self.device}")
-            ids_np = None
-        elif tokens is None:
-            raise InvalidArgument("give the step's tokens (or device_tokens)")
-        else:
-            ids_np = self._token_ids(tokens, width)
-        rows = None if logit_rows is None else self._logit_rows(logit_rows, width)
-        if not isinstance(decode, (bool, np.bool_)):
-            raise InvalidArgument(f"decode of type {type(decode).__name__} is not a bool")
-        if self.view.stale():                 # a copy growth moved the pools
-            self.view.refresh()
-        if self._graph_generation != self.view.generation:
-            self._graphs.clear()              # they read the old pools: recaptured on next use
-            self._mixed.clear()
-            self._graph_generation = self.view.generation
-        self.greedy = None
-        self._handed = None
-        if device_tokens is not None:
-            # the previous decode graph's own greedy ids: already in input_ids (it put them there)
-            greedy = self._greedy
-            if not (greedy is not None and width <= self._fed_rows
-                    and (mine or (device_tokens.data_ptr() == greedy.data_ptr()
-                                  and device_tokens.dtype == greedy.dtype
-                                  and device_tokens.stride(0) == 1))):
-                self.input_ids[0, :width].copy_(device_tokens, non_blocking=True)
-                self._fed_rows = 0
-        elif ids_np is not None:
-            self._upload(ids_np)
-            self._fed_rows = 0
-        # rows [width, T) are padding: they keep ids of earlier steps (always ids in [0, vocab):
-        # the buffer starts zeroed and only checked or drawn ids are written), their outputs dropped
-        every = rows is None or (rows.size == width and (
-            width == 0 or (rows[0] == 0 and rows[-1] == width - 1 and bool((np.diff(rows) == 1).all()))))
-        if self.graphs_enabled and decode and T in self.buckets:
-            logits = self._replay(step)       # (the capture, on first use, in inference mode)
-            self.replays += 1
-            self._fed_rows = T
-            if every:                         # every real row: a slice, no index upload
-                logits, self.greedy = self._first_rows(logits, width)
-                self._handed = (self.greedy, width)
-                return logits
-            assert rows is not None
-            return logits[self._index(rows)]
-        with torch.inference_mode():
-            n_rows = width if rows is None else rows.size
-            if self.graphs_enabled and not decode and T in self.mixed_buckets \
-                    and n_rows <= min(T, self.logit_cap):
-                logits = self._replay_mixed(step, rows, n_rows)
-                self.replays += 1
-                self._fed_rows = 0            # its greedy ids overwrote the decode graph's
-                self.greedy = self._replayed_greedy[:n_rows]
-                return logits[:n_rows]
-            self.eager += 1
-            # "auto": on CUDA with the paged view, the path choose_path gives each layer's
-            # shape (cellcache's decode kernel for decode steps, its prefill kernel with the
-            # device-built work list for mixed ones, or the tensor-core kernels)
-            if rows is None:
-                if self.compile is None:      # every row's logits, the padding rows' dropped
-                    return self._run(step, self.attention, None)[:width].float()
-                rows = np.arange(width)       # compiled: rows as a tensor, as every eager step
-            return self._run(step, self.attention, self._index(rows)).float()
-
-    def _upload(self, ids: np.ndarray) -> None:
-        """Host ids into ``input_ids``: on CUDA through a pinned staging buffer, without
-        blocking the host (the buffer is reused once the previous upload has run)."""
-        n = ids.size
-        if not self.cuda:
-            self.input_ids[0, :n].copy_(torch.from_numpy(ids))
-            return
-        if self._staging is None or self._staging.numel() < n:
-            self._staging = torch.empty(max(n, self.input_ids.shape[1]), dtype=torch.long, pin_memory=True)
-            self._staged = torch.cuda.Event()
-        else:
-            self._staged.synchronize()        # the previous upload has left the buffer
-        self._staging[:n].numpy()[:] = ids
-        self.input_ids[0, :n].copy_(self._staging[:n], non_blocking=True)
-        self._staged.record(torch.cuda.current_stream(self.device))
-
-    def _index(self, rows: np.ndarray) -> torch.Tensor:
-        """Logit rows as a tensor on the device."""
-        t = torch.from_numpy(rows)
-        if not self.cuda:
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
-    def _replay_mixed(self, step: Step, rows: np.ndarray | None, n: int) -> torch.Tensor:
-        """Replays (capturing on first use) the mixed-step graph of ``step.pad_to`` tokens;
-        its logits (``min(pad_to, logit_cap)`` rows) are for ``rows`` (None: rows 0..n-1),
-        written into the graphs' index buffer (the rest point at row 0). The capture runs
-        the prefill kernels whatever the captured step looks like (:data:`cct.MIXED_CAPTURE`):
-        the graph replays any mix of rows."""
-        T = step.pad_to
-        cap = min(T, self.logit_cap)
-        if self._rows_dev is None:
-            self._rows_dev = torch.zeros(self.logit_cap, dtype=torch.long, device=self.device)
-            self._rows_host = torch.zeros(self.logit_cap, dtype=torch.long, pin_memory=True)
-            self._rows_staged = torch.cuda.Event()
-        else:
-            self._rows_staged.synchronize()   # the previous upload has left the buffer
-        assert self._rows_host is not None
-        host = self._rows_host.numpy()
-        host[:n] = np.arange(n) if rows is None else rows
-        host[n:cap] = 0
-        self._rows_dev[:cap].copy_(self._rows_host[:cap], non_blocking=True)
-        self._rows_staged.record(torch.cuda.current_stream(self.device))
-        if T not in self._mixed:
-            if self._mixed_pool is None:
-                self._mixed_pool = torch.cuda.graph_pool_handle()
-            token = cct.MIXED_CAPTURE.set(True)
-            try:
-                # one memory pool for every mixed graph: they replay one at a time, in stream order
-                self._mixed[T] = self._capture(step, self._rows_dev[:cap], cap, self._mixed_pool,
-                                               feed=False)
-            finally:
-                cct.MIXED_CAPTURE.reset(token)
-        graph, logits, greedy = self._mixed[T]
-        graph.replay()
-        self._replayed_greedy = greedy
-        return logits
-
-    def _shared_out(self, rows: int, width: int) -> torch.Tensor:
-        """The one float32 logits buffer every graph writes its output into (graphs replay
-        one at a time in stream order, and a step's logits are read before the next replay):
-        ``[max(logit_cap, largest bucket), width]``, made before the first capture (``width``:
-        the logits' width, from the warm-up forward), with the int64 buffer of their rows'
-        greedy ids beside it."""
-        n = max(self.logit_cap, self.buckets[-1], rows)
-        if self._out is None or self._out.shape[1] != width or self._out.shape[0] < rows:
-            self._out = torch.empty((n, width), dtype=torch.float32, device=self.device)
-            self._greedy = torch.zeros(n, dtype=torch.long, device=self.device)
-        return self._out
-
-    def _capture(self, step: Step, index: torch.Tensor | None, rows: int,
-                 pool: Any = None, feed: bool = True) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """A graph of ``step``'s forward (logits of ``index``, None: every row) writing its
-        ``rows`` float32 logits into the shared buffer and their greedy ids (argmax) into
-        the ids buffer, after one eager warm-up on a side stream (allocations, kernel
-        loads); returns (graph, its logits view, its greedy ids view). ``feed`` (decode graphs, every row's
-        logits): the graph also copies the greedy ids into ``input_ids``, where the next
-        decode step of the same rows, greedy, finds its tokens without a launch."""
-        with torch.inference_mode():
-            stream = torch.cuda.Stream(device=self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            try:
-                with torch.cuda.stream(stream):
-                    warm = self._run(step, "auto", index)
-            finally:
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-            out = self._shared_out(rows, warm.shape[-1])
-            greedy = self._greedy
-            assert greedy is not None
-            del warm
-            graph = torch.cuda.CUDAGraph()
-            # float32 logits and their greedy ids out of the graph: no launch after it
-            with torch.cuda.graph(graph, pool=pool):
-                logits = out[:rows]
-                logits.copy_(self._run(step, "auto", index))
-                torch.argmax(logits, dim=-1, out=greedy[:rows])
-                if feed:                      # ids in [0, vocab): pad rows' are harmless too
-                    self.input_ids[0, :rows].copy_(greedy[:rows])
-        return graph, logits, greedy[:rows]
-
-    def _first_rows(self, logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``width`` rows of a replayed decode graph's ``logits`` and of its greedy
-        ids: the same two views each time for one graph and width (a slice costs ~2 us on
-        the GPU host, and a steady decode step takes two)."""
-        key = (id(logits), width)
-        views = self._row_views.get(key)
-        if views is None:               # (an entry holds its logits: their id is not reused)
-            if len(self._row_views) >= 1024:
-                self._row_views.clear()
-            views = self._row_views[key] = (logits, logits[:width], self._replayed_greedy[:width])
-        return views[1], views[2]
-
-    def _replay(self, step: Step) -> torch.Tensor:
-        T = step.pad_to
-        if T not in self._graphs:
-            self._graphs[T] = self._capture(step, None, T)
-        graph, logits, greedy = self._graphs[T]
-        graph.replay()
-        self._replayed_greedy = greedy
-        return logits
-
-
-#: What ``attention=`` takes (see :class:`ModelRunner`).
-ATTENTION_BACKENDS = ("auto", "flashinfer")
-#: The ``torch.compile`` keywords ``compile=`` takes as a mapping.
-COMPILE_OPTIONS = ("backend", "mode", "dynamic", "fullgraph", "options")
-#: Compile modes that capture CUDA graphs themselves (a second owner of the decode graphs).
-_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
-def compile_options(compile: Any) -> dict[str, Any] | None:
-    """The ``torch.compile`` keywords of a ``compile=`` argument: None for False, ``{}`` for
-    True (inductor; :class:`ModelRunner` adds ``dynamic=True`` where ``dynamic`` is not
-    given), a copy of a mapping whose keys are among :data:`COMPILE_OPTIONS`;
-    InvalidArgument for anything else."""
-    if isinstance(compile, (bool, np.bool_)):
-        return {} if compile else None
-    if not isinstance(compile, Mapping):
-        raise InvalidArgument(f"compile of type {type(compile).__name__} is not a bool or a mapping "
-                              f"of torch.compile options ({', '.join(COMPILE_OPTIONS)})")
-    unknown = sorted(str(k) for k in compile if k not in COMPILE_OPTIONS)
-    if unknown:
-        raise InvalidArgument(f"compile options {', '.join(unknown)} are unknown; give "
-                              f"{', '.join(COMPILE_OPTIONS)}")
-    options = dict(compile)
-    backend = options.get("backend", "inductor")
-    if not (isinstance(backend, str) and backend) and not callable(backend):
-        raise InvalidArgument(f"compile backend {backend!r} is not a backend name or a callable")
-    mode = options.get("mode")
-    if mode is not None and not isinstance(mode, str):
-        raise InvalidArgument(f"compile mode of type {type(mode).__name__} is not a string or None")
-    if not isinstance(options.get("dynamic"), (bool, np.bool_, type(None))):
-        raise InvalidArgument(f"compile dynamic of type {type(options['dynamic']).__name__} is not "
-                              "a bool or None")
-    if not isinstance(options.get("fullgraph", False), (bool, np.bool_)):
-        raise InvalidArgument(f"compile fullgraph of type {type(options['fullgraph']).__name__} is "
-                              "not a bool")
-    if options.get("options") is not None and not isinstance(options["options"], Mapping):
-        raise InvalidArgument(f"compile options['options'] of type {type(options['options']).__name__} "
-                              "is not a mapping")
-    return options
 
 
 def _attention_paths(config: Any, cfg: CacheConfig) -> list[str]:
@@ -902,27 +448,6 @@ def _attention_paths(config: Any, cfg: CacheConfig) -> list[str]:
     return [choose_path(cfg.dtype, lc.head_dim, heads // lc.n_kv_heads,
                         have_flashinfer=cct.have_flashinfer(), has_masks=cfg.mask_format != "none")
             for lc in cfg.layers]
-
-
-def _int_array(values: Any, name: str) -> np.ndarray:
-    """``values`` (a sequence, array or tensor of ints) as a 1-D int64 array; an empty one
-    is fine."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    if isinstance(values, (str, bytes)):
-        arr = None
-    else:
-        try:
-            arr = np.asarray(values)
-        except (TypeError, ValueError, OverflowError):
-            arr = None
-    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        what = (f"a {arr.ndim}-D array of {arr.dtype}" if arr is not None
-                else f"of type {type(values).__name__}")
-        raise InvalidArgument(f"{name} is {what}; give a 1-D sequence of ints")
-    if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 1 << 63:
-        raise InvalidArgument(f"{name} holds {int(arr.max())}, outside int64")
-    return arr.astype(np.int64)
 
 
 def vocab_size(model: Any) -> int:

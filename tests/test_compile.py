@@ -160,7 +160,7 @@ def test_released_compile_workers_leave_compile_working(monkeypatch):
     what it needs again)."""
     from torch._inductor import async_compile
 
-    from cellcache.generate.engine import release_compile_workers
+    from cellcache.runner import release_compile_workers
 
     calls = []
     real = async_compile.shutdown_compile_workers

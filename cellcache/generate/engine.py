@@ -1,6 +1,6 @@
 """The Generator: requests in, tokens out, one step a call (the package docstring has the
 whole picture). It ties the :class:`~cellcache.generate.scheduler.Scheduler` (every cache
-verb), the :class:`cellcache.hf.ModelRunner` (the forward) and the
+verb), the :class:`cellcache.runner.ModelRunner` (the forward: graphs and input feeds) and the
 :class:`~cellcache.generate.sampler.Sampler` (every draw of a step, one host copy) into a
 transaction per step, and keeps the threading rules.
 
@@ -42,12 +42,12 @@ import numpy as np
 import torch
 
 from .._checks import check_int
-from ..buckets import bucket_for
 from ..cache import CellCache
-from ..errors import InvalidArgument, InvalidState, OutOfMemory
-from ..hf import ATTENTION_BACKENDS, attach, cache_config, compile_options
+from ..errors import InvalidArgument, InvalidState
+from ..hf import attach, cache_config
 from ..prefix import PrefixCache
 from ..registry import build
+from ..runner import check_options
 from ..tp import TPCache, shard_model
 from ..tp import build as tp_build
 from .distributed import RankSync, is_sharded, tp_world
@@ -69,8 +69,8 @@ __all__ = ["Generator"]
 
 _PREFIX_OPTIONS = ("policy", "max_seqs", "on_event")
 
-#: Default token budget a step (``max_batch_tokens``) and prompt chunk on a GPU: a step of
-#: 8K rows keeps an H200 busy through the prefill kernels; the CPU defaults stay small.
+#: Default token budget a step (``max_batch_tokens``) and prompt chunk on a GPU (wide enough
+#: to keep the device busy through the prefill kernels); the CPU defaults stay small.
 CUDA_BATCH_TOKENS, CUDA_PREFILL_CHUNK = 8192, 2048
 CPU_BATCH_TOKENS, CPU_PREFILL_CHUNK = 512, 256
 
@@ -93,21 +93,95 @@ class _Flight:
     prof: dict[str, float]
 
 
-def release_compile_workers() -> None:
-    """Shuts down inductor's compile-worker pool (``torch.compile``'s subprocesses and the
-    threads that tend them), which it keeps alive after compiling. The decode loop never
-    compiles once the graphs are captured, and on the H200 the idle pool made the serving
-    host's every phase about 1.7x slower (host per decode step 691 us with it, 404 us with
-    ``TORCHINDUCTOR_COMPILE_THREADS=1``, same tree: benchmarks/results/serve-compile*-2026-12-01).
-    A later compile (a new shape, another model) starts a pool again. Nothing happens on a
-    torch without the function."""
-    try:
-        from torch._inductor import async_compile
-    except ImportError:                       # pragma: no cover - a torch without inductor
-        return
-    shutdown = getattr(async_compile, "shutdown_compile_workers", None)
-    if callable(shutdown):
-        shutdown()
+def _settings(model: Any, capacity: Any, max_batch_tokens: int | None, prefill_chunk: Any,
+              reserve: Any, clock: Any, eos: Sequence[int] | None, async_steps: Any
+              ) -> tuple[int, int, float, list[int]]:
+    """The Generator's own settings checked (InvalidArgument), defaults filled in from the
+    model's device and generation config: (max_batch_tokens, prefill_chunk, reserve, eos)."""
+    if async_steps is not None and not isinstance(async_steps, (bool, np.bool_)):
+        raise InvalidArgument(f"async_steps of type {type(async_steps).__name__} is not a bool or None")
+    on_cuda = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
+    if max_batch_tokens is None:
+        try:                                  # (any int type: capacity is checked later)
+            cap = operator.index(capacity) if not isinstance(capacity, (bool, np.bool_)) else 0
+        except TypeError:
+            cap = 0
+        max_batch_tokens = min(CUDA_BATCH_TOKENS if on_cuda else CPU_BATCH_TOKENS, cap) \
+            if cap > 0 else CPU_BATCH_TOKENS
+    if prefill_chunk is None:
+        prefill_chunk = CUDA_PREFILL_CHUNK if on_cuda else CPU_PREFILL_CHUNK
+    prefill_chunk = check_int(prefill_chunk, "prefill_chunk", 1)
+    reserve = real_number(reserve, "reserve")
+    if not 0 <= reserve <= 1:
+        raise InvalidArgument(f"reserve={reserve} is outside [0, 1]")
+    if clock is not None and not callable(clock):
+        raise InvalidArgument(f"clock of type {type(clock).__name__} is not callable or None")
+    if eos is None:
+        eos_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = [eos_id] if isinstance(eos_id, int) else list(eos_id or [])
+    return max_batch_tokens, prefill_chunk, reserve, token_ids(eos, "eos", None, allow_empty=True)
+
+
+def _serving_cache(model: Any, cache: Any, *, tp: Any, capacity: int, max_batch_tokens: int,
+                   max_seqs: int, admission: Any, prefix_cache: Any
+                   ) -> tuple[Any, CellCache | TPCache, PrefixCache | None]:
+    """The model (sharded under tensor parallelism), the cache (``cache``, or built for the
+    model) and the prefix cache (or None) a Generator serves with; every argument is checked
+    (InvalidArgument) before the model is sharded or anything is built."""
+    # -- tensor parallelism (cellcache.generate.distributed): shard, build over the ranks --
+    world = tp_world(tp if tp is not None or not isinstance(cache, TPCache) else True)
+    if world is not None:
+        if cache is not None and not isinstance(cache, TPCache):
+            raise InvalidArgument(f"with tp={tp!r} the cache must be a cellcache.tp.TPCache "
+                                  f"(or None: built here), not {type(cache).__name__}")
+    elif isinstance(cache, TPCache):
+        raise InvalidArgument(f"a TPCache needs tp=True (its world has {cache.world} ranks)")
+    # -- end tensor parallelism --
+    if cache is not None and not isinstance(cache, (CellCache, TPCache)):
+        raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
+    if not isinstance(admission, str) or admission not in ADMISSION_POLICIES:
+        raise InvalidArgument(f"admission={admission!r} is not one of {', '.join(ADMISSION_POLICIES)}")
+    prefix_opts: dict[str, Any] | None = None
+    given: PrefixCache | None = None
+    if isinstance(prefix_cache, PrefixCache):
+        given = prefix_cache
+        if cache is None and isinstance(given.cache, (CellCache, TPCache)):
+            cache = given.cache
+        if given.cache is not cache:
+            raise InvalidArgument("prefix_cache is a PrefixCache over another cache; give one "
+                                  "over this Generator's cache (or True to have it built)")
+    elif isinstance(prefix_cache, (bool, np.bool_)):
+        prefix_opts = {} if prefix_cache else None
+    elif isinstance(prefix_cache, Mapping):
+        prefix_opts = dict(prefix_cache)
+        unknown = sorted(str(k) for k in prefix_opts if k not in _PREFIX_OPTIONS)
+        if unknown:
+            raise InvalidArgument(f"prefix_cache options {', '.join(unknown)} are unknown; "
+                                  f"give {', '.join(_PREFIX_OPTIONS)}")
+        if "max_seqs" in prefix_opts:
+            prefix_opts["max_seqs"] = check_int(prefix_opts["max_seqs"], "prefix_cache max_seqs", 1)
+    else:
+        raise InvalidArgument(f"prefix_cache of type {type(prefix_cache).__name__} is not a bool, "
+                              "a mapping of PrefixCache options or a PrefixCache")
+    if cache is None:
+        max_seqs = check_int(max_seqs, "max_seqs", 1)
+    if world is not None and not is_sharded(model):    # every argument checked: sharding is for good
+        model = shard_model(model)
+    if cache is None:
+        ids = max_seqs
+        if prefix_opts is not None:
+            prefix_opts.setdefault("max_seqs", max_seqs)
+            ids += prefix_opts["max_seqs"]
+        cfg = cache_config(model, capacity=capacity, max_write=max_batch_tokens, max_seqs=ids)
+        backend = "cuda" if model.device.type == "cuda" else "host"
+        cache = build(backend, "batched", cfg) if world is None else tp_build(backend, "batched", cfg)
+    if prefix_opts is not None:                    # refused here before the model is touched
+        if "max_seqs" not in prefix_opts:           # half the ids nobody holds yet
+            left = cache.max_seqs - len(cache.live_seqs())
+            prefix_opts["max_seqs"] = max(1, left // 2)
+        prefix_opts["max_seqs"] = min(prefix_opts["max_seqs"], cache.max_seqs)
+        given = PrefixCache(cache, **prefix_opts)
+    return model, cache, given
 
 
 class Generator:
@@ -185,14 +259,14 @@ class Generator:
     phase (:data:`PHASES`), summed in ms, for every step and by kind (decode/mixed).
 
     ``graphs``, ``buckets``, ``mixed_buckets``: the runner's CUDA graphs (decode buckets in
-    rows; mixed steps padded to token buckets, ``[]`` for none: :class:`cellcache.hf.ModelRunner`);
+    rows; mixed steps padded to token buckets, ``[]`` for none: :class:`cellcache.runner.ModelRunner`);
     :meth:`warmup` captures them before serving. ``attention``: ``"auto"`` (cellcache's
     kernels) or ``"flashinfer"`` (FlashInfer's over the same paged view; eager steps).
 
     ``compile`` (False; True or a mapping of ``torch.compile`` keywords): the model's
     forwards run compiled, attention as the custom op ``cellcache::attention`` (no graph
     break); on CUDA the decode graphs capture the compiled forward
-    (:class:`cellcache.hf.ModelRunner` has the details).
+    (:class:`cellcache.runner.ModelRunner` has the details).
 
     One thread steps a Generator: :meth:`step` (and :meth:`run`) from a second thread while
     a step runs, or from inside an ``on_token``/``draft`` callback, raises InvalidState
@@ -217,85 +291,14 @@ class Generator:
                  tp: bool | int | None = None, async_steps: bool | None = None,
                  compile: bool | Mapping[str, Any] = False, mixed_buckets: list[int] | None = None,
                  attention: str = "auto"):
-        compile_options(compile)                 # refused before anything is built or switched
-        if attention not in ATTENTION_BACKENDS:
-            raise InvalidArgument(f"attention={attention!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
-        if async_steps is not None and not isinstance(async_steps, (bool, np.bool_)):
-            raise InvalidArgument(f"async_steps of type {type(async_steps).__name__} is not a bool or None")
-        on_cuda = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
-        if max_batch_tokens is None:
-            try:                                  # (any int type: capacity is checked below)
-                cap = operator.index(capacity) if not isinstance(capacity, (bool, np.bool_)) else 0
-            except TypeError:
-                cap = 0
-            max_batch_tokens = min(CUDA_BATCH_TOKENS if on_cuda else CPU_BATCH_TOKENS, cap) \
-                if cap > 0 else CPU_BATCH_TOKENS
-        if prefill_chunk is None:
-            prefill_chunk = CUDA_PREFILL_CHUNK if on_cuda else CPU_PREFILL_CHUNK
-        prefill_chunk = check_int(prefill_chunk, "prefill_chunk", 1)
-        reserve = real_number(reserve, "reserve")
-        if not 0 <= reserve <= 1:
-            raise InvalidArgument(f"reserve={reserve} is outside [0, 1]")
-        if clock is not None and not callable(clock):
-            raise InvalidArgument(f"clock of type {type(clock).__name__} is not callable or None")
-        if eos is None:
-            eos_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-            eos = [eos_id] if isinstance(eos_id, int) else list(eos_id or [])
-        eos_ids = token_ids(eos, "eos", None, allow_empty=True)
-        # -- tensor parallelism (cellcache.generate.distributed): shard, build over the ranks --
-        world = tp_world(tp if tp is not None or not isinstance(cache, TPCache) else True)
-        if world is not None:
-            if cache is not None and not isinstance(cache, TPCache):
-                raise InvalidArgument(f"with tp={tp!r} the cache must be a cellcache.tp.TPCache "
-                                      f"(or None: built here), not {type(cache).__name__}")
-        elif isinstance(cache, TPCache):
-            raise InvalidArgument(f"a TPCache needs tp=True (its world has {cache.world} ranks)")
-        # -- end tensor parallelism --
-        if cache is not None and not isinstance(cache, (CellCache, TPCache)):
-            raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
-        if not isinstance(admission, str) or admission not in ADMISSION_POLICIES:
-            raise InvalidArgument(f"admission={admission!r} is not one of {', '.join(ADMISSION_POLICIES)}")
-        prefix_opts: dict[str, Any] | None = None
-        given: PrefixCache | None = None
-        if isinstance(prefix_cache, PrefixCache):
-            given = prefix_cache
-            if cache is None and isinstance(given.cache, (CellCache, TPCache)):
-                cache = given.cache
-            if given.cache is not cache:
-                raise InvalidArgument("prefix_cache is a PrefixCache over another cache; give one "
-                                      "over this Generator's cache (or True to have it built)")
-        elif isinstance(prefix_cache, (bool, np.bool_)):
-            prefix_opts = {} if prefix_cache else None
-        elif isinstance(prefix_cache, Mapping):
-            prefix_opts = dict(prefix_cache)
-            unknown = sorted(str(k) for k in prefix_opts if k not in _PREFIX_OPTIONS)
-            if unknown:
-                raise InvalidArgument(f"prefix_cache options {', '.join(unknown)} are unknown; "
-                                      f"give {', '.join(_PREFIX_OPTIONS)}")
-            if "max_seqs" in prefix_opts:
-                prefix_opts["max_seqs"] = check_int(prefix_opts["max_seqs"], "prefix_cache max_seqs", 1)
-        else:
-            raise InvalidArgument(f"prefix_cache of type {type(prefix_cache).__name__} is not a bool, "
-                                  "a mapping of PrefixCache options or a PrefixCache")
-        if cache is None:
-            max_seqs = check_int(max_seqs, "max_seqs", 1)
-        if world is not None and not is_sharded(model):    # every argument checked: sharding is for good
-            model = shard_model(model)
-        if cache is None:
-            ids = max_seqs
-            if prefix_opts is not None:
-                prefix_opts.setdefault("max_seqs", max_seqs)
-                ids += prefix_opts["max_seqs"]
-            cfg = cache_config(model, capacity=capacity, max_write=max_batch_tokens, max_seqs=ids)
-            backend = "cuda" if model.device.type == "cuda" else "host"
-            cache = build(backend, "batched", cfg) if world is None else tp_build(backend, "batched", cfg)
-        if prefix_opts is not None:                    # refused here before the model is touched
-            if "max_seqs" not in prefix_opts:           # half the ids nobody holds yet
-                left = cache.max_seqs - len(cache.live_seqs())
-                prefix_opts["max_seqs"] = max(1, left // 2)
-            prefix_opts["max_seqs"] = min(prefix_opts["max_seqs"], cache.max_seqs)
-            given = PrefixCache(cache, **prefix_opts)
+        check_options(compile, attention)    # refused before anything is built or switched
+        max_batch_tokens, prefill_chunk, reserve, eos_ids = _settings(
+            model, capacity, max_batch_tokens, prefill_chunk, reserve, clock, eos, async_steps)
+        model, cache, given = _serving_cache(model, cache, tp=tp, capacity=capacity,
+                                             max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
+                                             admission=admission, prefix_cache=prefix_cache)
         self.model, self.cache = model, cache
+        #: Runs the forwards: graphs, input feeds, warm-up (:class:`cellcache.runner.ModelRunner`).
         self.runner = attach(model, cache.local if isinstance(cache, TPCache) else cache,
                              graphs=graphs, buckets=buckets, compile=compile,
                              mixed_buckets=mixed_buckets, attention=attention)
@@ -328,24 +331,12 @@ class Generator:
         self._stepping: int | None = None      # the stepping thread's id
         self._phase: str | None = None         # "draft" / "deliver": callbacks are running
         self._drawn: SamplerOutput | None = None   # the step's draws, while it is decided
-        self.stream = torch.cuda.current_stream(self.runner.device) if self.runner.cuda else None
-        self.sampler.stream = self.stream             # (looking the stream up costs ~30 us a step)
-        # its handle, which prepare_step takes without looking at the object's attributes
-        self._stream_handle = None if self.stream is None else int(self.stream.cuda_stream)
-        # pinned row indexes of gathered feeds (a feed has at most max_seqs rows), four used
-        # in turn, and their uploads' events; made now, on CUDA: a pinned allocation is a
-        # driver call that can take milliseconds, and the first gathered feeds come in the
-        # middle of serving (where rows start ending)
-        self._fed_turn = 0
-        self._fed_host: list[torch.Tensor] = []
-        self._fed_done: list[Any] = []
-        if self.runner.cuda:
-            rows = max(1024, self.cache.max_seqs)
-            self._fed_host = [torch.empty(rows, dtype=torch.int64, pin_memory=True) for _ in range(4)]
-            self._fed_done = [torch.cuda.Event() for _ in range(4)]
+        #: The stream the steps run on (the runner's; None on the host).
+        self.stream = self.runner.stream
+        self.sampler.stream = self.stream             # (looked up once, not every step)
         #: The ranks' lockstep under tensor parallelism (``tp.rank``, ``tp.world``), or None.
         self.tp: RankSync | None = RankSync(self, cache) if isinstance(cache, TPCache) else None
-        # -- asynchronous scheduling and the host profile (async_steps checked at the top) --
+        # -- asynchronous scheduling and the host profile (async_steps checked by _settings) --
         #: Whether a lean decode step is left in flight and the next one launched on its ids
         #: (on the device) before they reach the host (default: on CUDA with graphs).
         self.async_steps = bool(self.runner.cuda and self.runner.graphs_enabled) \
@@ -557,9 +548,9 @@ class Generator:
 
     def warmup(self, widths: Sequence[int] | None = None,
                mixed: Sequence[int] | None = None) -> dict[str, list[int]]:
-        """Captures the CUDA graphs now, as a serving engine does at start-up, instead of at
-        each bucket's first use in the middle of a run (a capture costs a warm-up forward and
-        the capture itself: tens to hundreds of ms each). ``widths``: decode buckets of
+        """Captures the CUDA graphs now (:meth:`cellcache.runner.ModelRunner.warmup`), as a
+        serving engine does at start-up, instead of at each bucket's first use in the middle
+        of a run (a capture costs a warm-up forward and the capture itself). ``widths``: decode buckets of
         ``runner.buckets`` (default: every bucket a decode step of this generator can reach,
         up to the one holding ``min(max_seqs, max_batch_tokens)`` rows); ``mixed``: token
         buckets of ``runner.mixed_buckets`` (default: all of them; ``[]``: none). Returns the
@@ -571,22 +562,17 @@ class Generator:
         sequence, padded to the bucket. The cache ends as it was, except that its pools may
         have grown. Under tensor parallelism every rank calls it (the verbs are agreed like
         a step's). On CUDA it also launches once the kernels that feed a decode step whose
-        rows are fewer than its predecessor's (their first launch cost 12 ms in the middle
-        of serving on the H200). InvalidArgument for a width that is not a bucket;
+        rows are fewer than its predecessor's (a first launch loads a kernel's code, which
+        would otherwise happen in the middle of serving). InvalidArgument for a width that is not a bucket;
         InvalidState while requests are queued or running, a step is in flight, or from
         inside a step; OutOfMemory (that bucket not captured, its sequences freed) when the
         cache cannot hold the step (StepTooLarge when a prompt-chunk bucket exceeds the
         paged view's ``max_kv``). Refused as well (InvalidState, nothing changed) while the
         cache has a step declared or prepared by another user. With ``compile=True``, once
         it has captured a graph it shuts inductor's idle compile workers down
-        (:func:`release_compile_workers`).
+        (:func:`cellcache.runner.release_compile_workers`).
         """
-        runner, cache = self.runner, self.cache
-        limit = bucket_for(min(cache.max_seqs, self.max_batch), runner.buckets) or runner.buckets[-1]
-        chosen = [b for b in runner.buckets if b <= limit] if widths is None \
-            else self._warm_widths(widths, runner.buckets, "widths")
-        mixed_chosen = list(runner.mixed_buckets) if mixed is None \
-            else self._warm_widths(mixed, runner.mixed_buckets, "mixed")
+        todo = self.runner.warmup_buckets(widths, mixed, min(self.cache.max_seqs, self.max_batch))
         if not self._step_lock.acquire(blocking=False):
             raise InvalidState("warmup() while a step runs (from a callback or another thread): "
                                "call it before serving")
@@ -596,82 +582,9 @@ class Generator:
                 if self.busy or (self._incoming and self.tp is None):
                     raise InvalidState("warmup() while requests are queued or running: call it "
                                        "before adding requests, or once run() has returned")
-                table = getattr(cache, "local", cache).table
-                if cache.prepared_step is not None or table.declared_width:
-                    raise InvalidState("warmup() while the cache has a step declared or prepared "
-                                       "(another user's): call it when no step is pending")
-                done: dict[str, list[int]] = {"decode": [], "mixed": []}
-                if self._fed_host:                # (CUDA; async_steps may run without graphs)
-                    self._warm_feed()
-                if not (runner.cuda and runner.graphs_enabled):
-                    return done
-                # the steps that need the most cells first: a growth that moves the pools
-                # (copy growth) drops the graphs, so it happens before any is captured
-                todo = [("mixed", w) for w in reversed(mixed_chosen)] + \
-                       [("decode", w) for w in reversed(chosen)]
-                with cache.lock:
-                    for kind, width in todo:
-                        have = runner.graphs if kind == "decode" else runner.mixed_graphs
-                        if width in have and not runner.view.stale():
-                            continue
-                        self._capture(width, kind == "decode")
-                        done[kind].append(width)
-                if runner.compile is not None and (done["decode"] or done["mixed"]):
-                    release_compile_workers()
-                return {k: sorted(v) for k, v in done.items()}
+                return self.runner.warmup(self.cache, todo)
         finally:
             self._step_lock.release()
-
-    @staticmethod
-    def _warm_widths(widths: Any, buckets: list[int], name: str) -> list[int]:
-        if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence):
-            raise InvalidArgument(f"{name} of type {type(widths).__name__} is not a list of buckets")
-        out = []
-        for w in widths:
-            w = check_int(w, "width", 1)
-            if w not in buckets:
-                raise InvalidArgument(f"{name}: width {w} is not one of the runner's buckets {buckets}")
-            out.append(w)
-        return sorted(set(out))
-
-    def _capture(self, width: int, decode: bool) -> None:
-        """One step padded to bucket ``width``, whose forward captures (and replays) the
-        bucket's graph: a decode step of up to ``width`` fresh one-token sequences, or a
-        prompt chunk of up to ``width`` tokens of one fresh sequence; freed again."""
-        cache = self.cache
-        room = cache.free_cells
-        n = min(width, cache.max_seqs - len(cache.live_seqs()), room) if decode else min(width, room)
-        sids: list[int] = []
-        try:
-            for _ in range(n if decode else min(n, 1)):
-                sid = cache.seq_new()
-                if sid is None:
-                    break
-                sids.append(sid)
-            feed = sids if decode else sids * n
-            if not feed or not cache.declare_step(feed):
-                raise OutOfMemory(f"warmup: the cache has no room for a step at bucket {width} "
-                                  f"({room} free cells, {len(sids)} sequence ids)")
-            step = cache.prepare_step(stream=self.stream, pad_to=width)
-            try:
-                self.runner.forward(step, [0] * len(feed), None if decode else [len(feed) - 1],
-                                    decode=decode)
-            finally:                              # committed even when it raised (as a step's
-                cache.commit_step()               # rollback does): its writes may be queued
-        finally:
-            for sid in sids:
-                cache.seq_rm(sid)
-
-    def _warm_feed(self) -> None:
-        """Runs the gathered feed's ``index_select`` (see :meth:`_fed`) once with up to 16
-        indices and once with more (torch launches a different kernel for each): the first
-        launch of a torch kernel loads its code on first use, which cost 12.3 ms on the H200
-        in the middle of serving, in the step where the first rows ended (2026-12-01)."""
-        device = self.runner.device
-        ids = torch.zeros(len(self._fed_host[0]), dtype=torch.int64, device=device)
-        for n in (1, len(ids)):
-            ids.index_select(0, torch.zeros(n, dtype=torch.int64, device=device))
-        torch.cuda.current_stream(device).synchronize()
 
     def _drain(self, boundary: bool = False) -> None:
         """Queues requests added, and applies cancels made, while a step ran (state lock held).
@@ -918,19 +831,14 @@ class Generator:
         prof = self._prof
         t = time.perf_counter()
         runner = self.runner
-        pad_to = None
-        if plan.decode_only and runner.graphs_enabled:
-            pad_to = runner.bucket(len(plan.rows))
-        decode = plan.decode_only and pad_to is not None
-        if pad_to is None and runner.graphs_enabled:  # a mixed step: padded to a token bucket
-            if plan.lean:                             # (wider than every decode bucket)
-                pad_to = runner.mixed_bucket(len(plan.rows), len(plan.rows))
-            else:
-                pad_to = runner.mixed_bucket(len(plan.tokens), len(plan.logit_rows))
-        replays = runner.replays
+        if plan.lean:                                 # every row one token, every row sampled
+            width = logit_rows = len(plan.rows)
+        else:
+            width, logit_rows = len(plan.tokens), len(plan.logit_rows)
+        pad_to, decode = runner.padding(plan.decode_only, len(plan.rows), width, logit_rows)
         prepared = committed = False
         try:
-            step = self.cache.prepare_step(stream=self._stream_handle, pad_to=pad_to)
+            step = self.cache.prepare_step(stream=runner.stream_handle, pad_to=pad_to)
             prepared = True
             t = self._tick("prepare", t)
             rows = None if plan.lean else plan.logit_rows   # lean: every real row, in order
@@ -951,7 +859,7 @@ class Generator:
         except BaseException:
             self.scheduler.rollback(plan, prepared and not committed)
             raise
-        return _Flight(plan, draw, runner.replays > replays, prof)
+        return _Flight(plan, draw, runner.replayed, prof)
 
     def _fed(self, plan: StepPlan, after: _Flight) -> torch.Tensor:
         """The ids ``plan`` (scheduled ahead) feeds: ``after``'s draws of its sequences,
@@ -967,19 +875,7 @@ class Generator:
             return ids[:n]
         where = {id(s): slot for s, _, slot, _ in after.plan.owners}
         slots = np.fromiter((where[id(s)] for s in plan.seqs), np.int64, n)
-        if n and slots[0] == 0 and slots[-1] == n - 1 and (n == 1 or bool((np.diff(slots) == 1).all())):
-            return ids[:n]                            # the rows that ended were the last ones
-        if ids.device.type != "cuda":
-            return ids.index_select(0, torch.from_numpy(slots))
-        # through pinned buffers kept for it, used in turn: one is written again only once
-        # its upload has run, which with at most two steps queued it has (no wait)
-        self._fed_turn = turn = (self._fed_turn + 1) % len(self._fed_host)
-        host, done = self._fed_host[turn], self._fed_done[turn]
-        done.synchronize()
-        host.numpy()[:n] = slots
-        index = host[:n].to(ids.device, non_blocking=True)
-        done.record(self.stream)
-        return ids.index_select(0, index)
+        return self.runner.gather(ids, slots)
 
     def _hooked(self) -> bool:
         """Whether ``_sample`` was replaced (tests hook it): the general outcome path runs."""
@@ -1043,8 +939,7 @@ class Generator:
                         print(f"generate: {done} tokens out, step {self.stats['steps']}, "
                               f"{len(self.scheduler.running)} running, {len(self.waiting)} waiting",
                               file=sys.stderr, flush=True)
-            if self.runner.cuda:
-                torch.cuda.synchronize(self.runner.device)
+            self.runner.synchronize()
         finally:
             with self._queue_lock:
                 self._collectors = [c for c in self._collectors if c is not collected]
