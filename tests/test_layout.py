@@ -33,13 +33,13 @@ ALLOWED = {
         "(None included) after a refused probe, which no public setter does",
     ("cellcache/hf.py", "_attn_implementation"):
         "transformers' only reader of the attention a config resolved to",
-    ("cellcache/tp.py", "_device_types"):
+    ("cellcache/tp/peers.py", "_device_types"):
         "torch's only list of the devices a process group has backends for: where the group's "
         "timeout is read (agreement waits are bounded by it)",
-    ("cellcache/tp.py", "_get_backend"):
+    ("cellcache/tp/peers.py", "_get_backend"):
         "torch's only way to a process group's backend options, which hold the timeout it was "
         "made with; no public getter exists",
-    ("cellcache/tp.py", "_get_default_store"):
+    ("cellcache/tp/peers.py", "_get_default_store"):
         "the store of the default group, the rendezvous every rank already shares: the survivors "
         "of a lost rank report there to name it (torch has no public accessor)",
     ("tools/bench_gpu.py", "_sleep"):

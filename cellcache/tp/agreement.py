@@ -1,10 +1,9 @@
-"""Tensor parallelism: one cell-table decision on every rank of a ``torch.distributed`` group.
+"""The agreement: one cell-table decision on every rank of a ``torch.distributed`` group.
 
-Attention is sharded by KV heads (as vLLM, SGLang and Hugging Face's ``tp_plan`` do): each
-rank's pools hold only its heads (:func:`shard_config`), and every rank runs the same
-deterministic calls on a cell table of its own. :class:`TPCache` wraps a rank's cache and
-makes every outcome that could differ between ranks (a refusal, an allocation failure, a
-fault) the same on all of them before anything changes::
+Every rank runs the same deterministic calls on a cell table of its own (its pools hold only
+its heads: :mod:`cellcache.tp.shard`). :class:`TPCache` wraps a rank's cache and makes every
+outcome that could differ between ranks (a refusal, an allocation failure, a fault) the same
+on all of them before anything changes::
 
      every rank, the same calls in the same order        agreement (its own gloo group)
      ---------------------------------------------        -------------------------------
@@ -58,67 +57,33 @@ CUDA error is sticky: the rank's context is dead and no agreement could restore 
 others learn at the next round (or the group's timeout ends their wait inside the model's
 collectives), and nothing continues silently.
 
-Only ``torch.distributed`` collectives are used (``all_reduce``, ``all_gather_object``), on
-a gloo group of the wrapper's own: the values are host decisions (with NCCL a per-step
-collective on the device group would need a device round trip), and a group apart from the
-model's means an agreement never pairs with a model collective.
-
-Every wait is bounded by the timeout ``group`` was made with (``init_process_group(timeout=)``
-or ``new_group(timeout=)``; :attr:`TPCache.timeout`): the agreement's group is made with the
-same one, and gloo applies it to each wait of a collective. A rank that stops answering
-(stopped, hung, out of step) ends the others' wait after the timeout; a rank that dies closes
-its connections and ends it at once. Either way every other rank raises InvalidState on one
-line naming the rank, with its cache as the verb's own failure leaves it (declare_step, a
-growth, an exchange: nothing changed; prepare_step's last agreement: the step taken back;
-commit_step: committed), and the wrapper refuses every later call at once.
-:meth:`TPCache.peer_error` says the same of a failure inside the model's collectives.
-
-The model side: :func:`shard_model` applies the model's own tensor-parallel plan from
-transformers (``base_model_tp_plan``: q/k/v colwise, o rowwise, MLP colwise/rowwise, the
-embedding and the head over the vocabulary), so the attention function that
-:func:`cellcache.hf.attach` registers receives each rank's local heads
-(``q [1, H / world, T, D]``, ``k/v [1, H_kv / world, T, D]``); :func:`build` builds the
-cache from :func:`cellcache.hf.cache_config` (transformers keeps the full head counts in
-the model's config), sharded for the rank.
-
->>> import torch.distributed as dist, cellcache.tp as tp, cellcache.hf as cchf  # doctest: +SKIP
->>> dist.init_process_group("gloo")                # under torchrun      # doctest: +SKIP
->>> model = tp.shard_model(model)                  # same weights on every rank  # doctest: +SKIP
->>> cache = tp.build("auto", "batched", cchf.cache_config(model, capacity=4096))  # doctest: +SKIP
->>> runner = cchf.attach(model, cache.local)       # the forward uses the rank's shard  # doctest: +SKIP
->>> a = cache.seq_new(); cache.declare_step([a] * 5)                     # doctest: +SKIP
->>> step = cache.prepare_step()                                          # doctest: +SKIP
->>> logits = runner.forward(step, tokens=[1, 2, 3, 4, 5]); cache.commit_step()  # doctest: +SKIP
+A rank that stops answering or dies ends the others' wait within the group's timeout
+(:mod:`cellcache.tp.peers`): every other rank raises InvalidState on one line naming the
+rank, with its cache as the verb's own failure leaves it (declare_step, a growth, an
+exchange: nothing changed; prepare_step's last agreement: the step taken back; commit_step:
+committed), and the wrapper refuses every later call at once.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import hashlib
-import os
-import re
-import threading
-import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
-from ._checks import check_int
-from .buffers import step_buffers
-from .cache import CellCache, LayerBuffers, Step
-from .config import CacheConfig, LayerConfig
-from .errors import CellCacheError, CudaError, InvalidArgument, InvalidState, OutOfMemory, StepTooLarge
-from .registry import build as build_local
+from ..buffers import step_buffers
+from ..cache import CellCache, LayerBuffers, Step
+from ..config import CacheConfig
+from ..errors import CellCacheError, CudaError, InvalidArgument, InvalidState, OutOfMemory, StepTooLarge
+from .peers import Peers
+from .shard import group_rank
 
-__all__ = ["TPCache", "build", "local_kv_heads", "local_q_heads", "shard_config",
-           "shard_model"]
+__all__ = ["TPCache"]
 
 #: The library's errors by name: an error one rank raised is raised as the same class on
 #: every rank (a subclass outside this list as its nearest listed base).
@@ -132,210 +97,7 @@ _ERRORS: dict[str, type[CellCacheError]] = {
 _VALUES = 8
 _HEAD = 7
 _TAGS = {"declare_step": 1, "prepare_step": 2, "commit_step": 3, "exchange": 4}
-_MOD = (1 << 61) - 1              # the outcome digest and the draws' checksum: mod this prime
-
-
-# -- the shard of the heads --------------------------------------------------------------------
-def _check_rank(rank: int, world: int) -> tuple[int, int]:
-    world = check_int(world, "world", 1, 1 << 20)
-    return check_int(rank, "rank", 0, world - 1), world
-
-
-def local_kv_heads(n_kv_heads: int, rank: int, world: int) -> range:
-    """The KV heads ``rank`` of ``world`` holds.
-
-    With ``n_kv_heads >= world`` the heads are divided: ``n_kv_heads % world == 0`` is
-    required and rank r holds heads ``[r * n, (r + 1) * n)``, ``n = n_kv_heads // world``.
-    With fewer KV heads than ranks each head is replicated, as vLLM does:
-    ``world % n_kv_heads == 0`` is required and rank r holds the one head
-    ``r * n_kv_heads // world`` (ranks ``[h * world / n_kv_heads, (h + 1) * world /
-    n_kv_heads)`` share head h). Anything else raises InvalidArgument.
-
-    >>> local_kv_heads(8, 1, 4), local_kv_heads(2, 3, 4)
-    (range(2, 4), range(1, 2))
-    """
-    rank, world = _check_rank(rank, world)
-    n_kv_heads = check_int(n_kv_heads, "n_kv_heads", 1, 1 << 16)
-    if n_kv_heads >= world:
-        if n_kv_heads % world:
-            raise InvalidArgument(
-                f"n_kv_heads={n_kv_heads} cannot be divided over {world} ranks: give a world size "
-                f"that divides it, or one that is a multiple of it (each head then replicated)")
-        per = n_kv_heads // world
-        return range(rank * per, (rank + 1) * per)
-    if world % n_kv_heads:
-        raise InvalidArgument(
-            f"n_kv_heads={n_kv_heads} cannot be replicated over {world} ranks: the world size must "
-            f"be a multiple of it (or divide it)")
-    head = rank * n_kv_heads // world
-    return range(head, head + 1)
-
-
-def local_q_heads(n_heads: int, n_kv_heads: int, rank: int, world: int) -> range:
-    """The query heads ``rank`` computes: ``[r * n, (r + 1) * n)``, ``n = n_heads // world``
-    (``n_heads % world == 0`` required). Query head h reads KV head ``h // (n_heads //
-    n_kv_heads)``, which is always one of :func:`local_kv_heads` (the rank's q heads are its
-    KV heads' groups, or a part of its one replicated head's group).
-
-    >>> local_q_heads(32, 8, 1, 4), local_q_heads(32, 2, 3, 4)
-    (range(8, 16), range(24, 32))
-    """
-    rank, world = _check_rank(rank, world)
-    n_heads = check_int(n_heads, "n_heads", 1, 1 << 16)
-    kv = local_kv_heads(n_kv_heads, rank, world)
-    if n_heads % n_kv_heads:
-        raise InvalidArgument(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
-    if n_heads % world:
-        raise InvalidArgument(f"n_heads={n_heads} cannot be divided over {world} ranks")
-    per, group = n_heads // world, n_heads // n_kv_heads
-    heads = range(rank * per, (rank + 1) * per)
-    assert heads[0] // group >= kv.start and heads[-1] // group < kv.stop
-    return heads
-
-
-def shard_config(config: CacheConfig, rank: int, world: int) -> CacheConfig:
-    """``config`` for ``rank`` of ``world``: each layer's ``n_kv_heads`` becomes
-    ``len(local_kv_heads(n_kv_heads, rank, world))`` (divided, or 1 when replicated);
-    everything else (capacity, max_write, max_seqs, windows, max_kv, dtype, masks, paged)
-    is identical, so every rank's cell table takes the same decisions. InvalidArgument when
-    a layer's heads cannot be divided or replicated over ``world``.
-
-    >>> cfg = CacheConfig(capacity=64, layers=[LayerConfig(4, 8), LayerConfig(4, 8, 16)], max_write=8)
-    >>> [layer.n_kv_heads for layer in shard_config(cfg, 0, 2).layers]
-    [2, 2]
-    """
-    if not isinstance(config, CacheConfig):
-        raise InvalidArgument(f"config of type {type(config).__name__} is not a CacheConfig")
-    layers = [LayerConfig(len(local_kv_heads(layer.n_kv_heads, rank, world)), layer.head_dim,
-                          layer.window) for layer in config.layers]
-    return dataclasses.replace(config, layers=layers)
-
-
-def _group_rank(group: Any) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        raise InvalidState("torch.distributed is not initialized: call "
-                           "torch.distributed.init_process_group() first (torchrun sets the rendezvous)")
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-# -- the model --------------------------------------------------------------------------------
-def shard_model(model: Any) -> Any:
-    """Shards a transformers model in place over the whole ``torch.distributed`` world with
-    the model's own tensor-parallel plan (``base_model_tp_plan``), through transformers'
-    ``prepare_distribute_model`` / ``maybe_distribute_model``; returns it.
-
-    Every rank must hold the same weights (a checkpoint, or a ``from_config`` model built
-    with the same seed): each keeps its shard of its own copy, nothing is sent. The model
-    must be on the device transformers' mesh uses (the accelerator, ``cuda:LOCAL_RANK``
-    under torchrun; else the CPU with gloo). The attention heads and the KV heads must
-    divide by the world size (transformers' plan splits ``k_proj``/``v_proj`` by rows, so
-    it cannot replicate a KV head). For a checkpoint too large for one process,
-    ``from_pretrained(path, distributed_config=DistributedConfig(tp_size=world))``
-    (transformers with accelerate installed) loads each rank's shard directly.
-
-    Raises InvalidArgument (not a transformers model, heads that do not divide, a model on
-    another device than the mesh) or InvalidState (no process group; a transformers without
-    its distributed API).
-    """
-    _, world = _group_rank(None)
-    cls = type(model)
-    if not (callable(getattr(cls, "prepare_distribute_model", None))
-            and callable(getattr(cls, "maybe_distribute_model", None))):
-        import transformers
-
-        raise InvalidState(
-            f"{cls.__name__} has no prepare_distribute_model/maybe_distribute_model: transformers "
-            f"{transformers.__version__} lacks the distributed API (transformers.distributed) this "
-            "needs; install a newer transformers")
-    cfg = getattr(model, "config", None)
-    cfg = getattr(cfg, "text_config", None) or cfg
-    heads = getattr(cfg, "num_attention_heads", None)
-    if not isinstance(heads, int):
-        raise InvalidArgument(f"model of type {cls.__name__} has no num_attention_heads in its config")
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    if heads % world or kv % world:
-        raise InvalidArgument(
-            f"{heads} attention heads and {kv} KV heads cannot both be divided over {world} ranks: "
-            "transformers' plan shards k_proj/v_proj by rows and cannot replicate a KV head")
-    accelerator = getattr(torch, "accelerator", None)       # torch >= 2.6; before: CUDA or CPU
-    if accelerator is not None:
-        found = accelerator.current_accelerator() if accelerator.is_available() else None
-        mesh_type = found.type if found is not None else "cpu"
-    else:
-        mesh_type = "cuda" if torch.cuda.is_available() else "cpu"
-    device = getattr(model, "device", None)
-    if isinstance(device, torch.device) and device.type != mesh_type:
-        raise InvalidArgument(f"the model is on {device}; transformers builds its mesh on "
-                              f"{mesh_type}: move the model there first")
-    if world == 1:
-        return model
-    from transformers.distributed import DistributedConfig
-
-    # transformers reads the accelerator index from LOCAL_RANK, which torchrun sets, and binds
-    # the process to that device; a group joined otherwise (mp.spawn + init_process_group)
-    # has none: the model's own device then, for the whole sharding (a read defaulting to 0
-    # would move rank 1's current device to GPU 0: graphs captured on the wrong device's
-    # stream, two ranks' communicators on one GPU)
-    added = mesh_type != "cpu" and "LOCAL_RANK" not in os.environ
-    index = device.index if isinstance(device, torch.device) and device.index is not None else None
-    current = torch.cuda.current_device() if mesh_type == "cuda" else None
-    if added:
-        os.environ["LOCAL_RANK"] = str(index if index is not None else current)
-    try:
-        dconfig, _device_map, mesh = cls.prepare_distribute_model(DistributedConfig(tp_size=world))
-        model = cls.maybe_distribute_model(model, dconfig, mesh)
-    finally:
-        if added:
-            del os.environ["LOCAL_RANK"]
-    if mesh_type == "cuda" and index is not None and torch.cuda.current_device() != index:
-        torch.cuda.set_device(index)             # the rank's current device is its model's
-    return model
-
-
-# -- the cache ---------------------------------------------------------------------------------
-def _group_timeout(group: Any) -> datetime.timedelta:
-    """The timeout ``group`` (None: the default group) was made with, read from its backend;
-    torch's default for gloo when no backend tells (torch made the group without one)."""
-    pg: Any = dist.group.WORLD if group is None else group
-    for device in getattr(pg, "_device_types", None) or (torch.device("cpu"),):
-        try:
-            timeout = pg._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError, ValueError):
-            continue
-        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
-            return timeout
-    return default_pg_timeout                    # what torch gives a gloo group without one
-
-
-def _agreement_group(group: Any, timeout: datetime.timedelta) -> Any:
-    """A gloo group of its own over ``group``'s ranks, with ``group``'s timeout (created
-    collectively: every rank builds its TPCache at the same point). Never the model's group,
-    even when that one is gloo: a rank that fails on its own between two agreements then
-    waits in the agreement while the others wait in the model's collectives, and the
-    timeout ends both (on a shared group the two collectives could pair with each other).
-    torch gives a group made without a timeout its backend's default (30 minutes for gloo),
-    not the default group's."""
-    ranks = None if group is None else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-
-
-#: With more than two ranks, a rank whose collective failed waits for the others' reports of
-#: their own failure until this many seconds past the moment every rank still alive has
-#: failed too (the timeout after the collective began); the ranks that sent none are named.
-_ROLL_CALL_GRACE = 2.0
-
-#: What gloo (or another backend) says when a peer is gone or silent, as opposed to an error
-#: of the operation itself.
-_TRANSPORT = re.compile(r"gloo/transport|timed out|connection (?:closed|reset|refused)|"
-                        r"broken pipe|pair closure", re.IGNORECASE)
-
-
-def _transport_detail(error: BaseException) -> str:
-    """The backend's own words about a transport failure, on one line: the source location
-    and the advice after the first sentence left out."""
-    text = " ".join(str(error).split())
-    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
-    return text.split(". ")[0][:200] or type(error).__name__
+_MOD = (1 << 61) - 1              # the deferred outcome digest is kept mod this prime
 
 
 def _report(error: BaseException | None) -> tuple | None:
@@ -364,8 +126,8 @@ else:
 
 
 class TPCache(_CacheLike):
-    """A rank's cache (``local``: its shard, built from :func:`shard_config`) whose every
-    decision is agreed with the other ranks of a process group.
+    """A rank's cache (``local``: its shard, built from :func:`~cellcache.tp.shard_config`)
+    whose every decision is agreed with the other ranks of a process group.
 
     Every rank must make the same calls in the same order (same ids, widths, ``pad_to``).
     Then:
@@ -413,7 +175,7 @@ class TPCache(_CacheLike):
 
     Example
     -------
-    >>> cache = TPCache(cellcache.HostCellCache(shard_config(cfg, rank, world)))  # doctest: +SKIP
+    >>> cache = TPCache(cellcache.HostCellCache(tp.shard_config(cfg, rank, world)))  # doctest: +SKIP
     >>> a = cache.seq_new(); cache.declare_step([a, a])                          # doctest: +SKIP
     True
     >>> step = cache.prepare_step(); cache.commit_step()                         # doctest: +SKIP
@@ -426,14 +188,12 @@ class TPCache(_CacheLike):
         for name, flag in (("debug", debug), ("deferred", deferred)):
             if not isinstance(flag, bool):
                 raise InvalidArgument(f"{name} of type {type(flag).__name__} is not a bool")
-        self.rank, self.world = _group_rank(group)
+        self.rank, self.world = group_rank(group)
         self.local = local
         self.group = group
         self.debug = debug
-        self._timeout = _group_timeout(group)
-        self._agree_group = _agreement_group(group, self._timeout)
+        self._peers = Peers(group, self.rank, self.world)   # the agreement's group, its waits
         self._diverged: str | None = None
-        self._lost: str | None = None              # why a rank is known not to answer
         self._steps = 0
         self._deferred = deferred
         self._fault: BaseException | None = None   # deferred: a local failure not agreed yet
@@ -445,8 +205,8 @@ class TPCache(_CacheLike):
     @contextmanager
     def _usable(self) -> Iterator[None]:
         with self.local.lock:
-            if self._lost is not None:
-                raise InvalidState(self._lost)
+            if self._peers.lost is not None:
+                raise InvalidState(self._peers.lost)
             if self._diverged is not None:
                 raise InvalidState(f"the ranks' caches diverged ({self._diverged}); build new caches")
             yield
@@ -456,20 +216,13 @@ class TPCache(_CacheLike):
         self._diverged = reason
         return InvalidState(f"the ranks' caches diverged: {reason}; build new caches")
 
-    @contextmanager
-    def collective(self, what: str) -> Iterator[None]:
+    def collective(self, what: str) -> AbstractContextManager[None]:
         """Runs a collective on :attr:`agreement_group` (``what`` names it in the error): a
         rank that does not answer within :attr:`timeout`, or whose connection closes, raises
         :meth:`peer_error`'s InvalidState (one line, naming the rank) instead of the
         backend's error, and this wrapper refuses every later call. Every collective of the
         wrapper runs in one; so should a caller's own on the same group."""
-        try:
-            yield
-        except RuntimeError as e:
-            if isinstance(e, CellCacheError) or not (isinstance(e, dist.DistError)
-                                                     or _TRANSPORT.search(str(e))):
-                raise                        # the operation's own failure (a bug): as it is
-            raise self._peer_lost(e, what, own=True) from None
+        return self._peers.collective(what)
 
     def peer_error(self, error: BaseException, what: str = "the model's collectives"
                    ) -> InvalidState | None:
@@ -482,62 +235,7 @@ class TPCache(_CacheLike):
         With more than two ranks the rank is found by a roll call through the default
         group's store: every rank that failed reports, and those that did not within the
         group's timeout and a few seconds are named. A CLI prints the result's message."""
-        if isinstance(error, CellCacheError):
-            return None
-        transport = isinstance(error, dist.DistNetworkError) or (
-            isinstance(error, RuntimeError) and _TRANSPORT.search(str(error)) is not None)
-        return self._peer_lost(error, what, own=False) if transport else None
-
-    def _peer_lost(self, error: BaseException, what: str, own: bool) -> InvalidState:
-        """The error for a collective's transport failure (see :meth:`collective`); ``own``:
-        the collective ran on the agreement's group (whose timeout the message can state)."""
-        if self._lost is not None:
-            return InvalidState(self._lost)
-        detail = _transport_detail(error)
-        silent = re.search(r"timed out|timeout", str(error), re.IGNORECASE) is not None
-        others = [r for r in range(self.world) if r != self.rank]
-        missing = others if self.world == 2 else self._roll_call(silent)
-        if missing:
-            who = (f"rank {missing[0]}" if len(missing) == 1 else
-                   "ranks " + ", ".join(map(str, missing))) + f" of {self.world}"
-        else:
-            who = f"a rank of {self.world} other than rank {self.rank}"
-        within = f"the group's timeout ({self.timeout:g} s)" if own else "its group's timeout"
-        if silent:
-            what_happened = (f"{who} did not answer {what} within {within}: it stopped, hangs or "
-                             "is out of step")
-        else:
-            what_happened = f"{who} closed its connection during {what}: the process died or left"
-        self._lost = f"{what_happened}; rank {self.rank} ends its wait: build new caches [{detail}]"
-        return InvalidState(self._lost)
-
-    def _roll_call(self, silent: bool) -> list[int] | None:
-        """After this rank's collective failed: the group's other ranks that did not report
-        a failure of their own through the default store before every rank still alive has
-        failed too (``_ROLL_CALL_GRACE`` past the timeout after the collective began: it
-        began a timeout ago when it timed out, now when a connection closed); None when the
-        store does not answer by then."""
-        deadline = time.monotonic() + (0.0 if silent else self.timeout) + _ROLL_CALL_GRACE
-        prefix = f"cellcache.tp/{self._agree_group.group_name}/failed/"
-        found: list[list[int]] = []
-
-        def call() -> None:
-            try:
-                store = dist.distributed_c10d._get_default_store()
-                store.set(f"{prefix}{self.rank}", "1")
-                waiting = [r for r in range(self.world) if r != self.rank]
-                while waiting and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    waiting = [r for r in waiting if not store.check([f"{prefix}{r}"])]
-                found.append(waiting)
-            except Exception:  # noqa: BLE001 - no store: the rank stays unnamed
-                pass
-
-        # a thread of its own: a store whose host is the rank that stopped never answers
-        caller = threading.Thread(target=call, name="cellcache-tp-roll-call", daemon=True)
-        caller.start()
-        caller.join(max(0.0, deadline - time.monotonic()) + 1.0)
-        return found[0] if found else None
+        return self._peers.peer_error(error, what)
 
     def _fold(self, code: int) -> None:
         """Deferred mode: adds an outcome to the digest the next round compares."""
@@ -565,7 +263,7 @@ class TPCache(_CacheLike):
         flags = self._flags                         # one buffer (the cache's lock is held)
         flags.numpy()[:] = vec
         with self.collective(f"{verb}()'s agreement"):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._agree_group)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._peers.group)
         self.rounds += 1
         r = flags.tolist()
         if r[0] != -r[1]:
@@ -624,7 +322,7 @@ class TPCache(_CacheLike):
                       rows: int | None) -> BaseException:
         reports: list[Any] = [None] * self.world
         with self.collective(f"the report of {verb}()'s failure"):
-            dist.all_gather_object(reports, (_report(error), rows), group=self._agree_group)
+            dist.all_gather_object(reports, (_report(error), rows), group=self._peers.group)
         first = next(r for r, (rep, _) in enumerate(reports) if rep is not None)
         name, message, library, code, cuda_name = reports[first][0]
         all_rows = [r_rows for _, r_rows in reports]
@@ -654,7 +352,7 @@ class TPCache(_CacheLike):
         their class, others become InvalidState), and the wrapper refuses from now on."""
         reports: list[Any] = [None] * self.world
         with self.collective("the report of a rank's failure"):
-            dist.all_gather_object(reports, _report(fault), group=self._agree_group)
+            dist.all_gather_object(reports, _report(fault), group=self._peers.group)
         first = next(r for r, rep in enumerate(reports) if rep is not None)
         name, message, library, code, cuda_name = reports[first]
         self._diverged = (f"rank {first} failed after the ranks agreed on a step ({name}: {message}) "
@@ -676,7 +374,7 @@ class TPCache(_CacheLike):
         first rank that differs from rank 0 otherwise (and this wrapper refuses from then)."""
         values: list[Any] = [None] * self.world
         with self.collective(f"debug's comparison at {what}"):
-            dist.all_gather_object(values, value, group=self._agree_group)
+            dist.all_gather_object(values, value, group=self._peers.group)
         for r, v in enumerate(values):
             if v != values[0]:
                 self._diverged = f"at {what}, rank {r} has {v!r}, rank 0 {values[0]!r}"
@@ -880,18 +578,18 @@ class TPCache(_CacheLike):
     def agreement_group(self) -> Any:
         """The gloo group the agreement runs on (built over ``group``'s ranks): others that
         exchange host values in the same lockstep may use it."""
-        return self._agree_group
+        return self._peers.group
 
     @property
     def timeout(self) -> float:
         """Seconds any collective of the agreement waits for a rank: ``group``'s timeout."""
-        return self._timeout.total_seconds()
+        return self._peers.timeout
 
     @property
     def lost(self) -> str | None:
         """Why a rank is known not to answer (then every verb raises InvalidState saying so),
         or None."""
-        return self._lost
+        return self._peers.lost
 
     @property
     def diverged(self) -> str | None:
@@ -971,14 +669,3 @@ class TPCache(_CacheLike):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def build(backend: str, kind: str, config: CacheConfig, group: Any = None, *,
-          debug: bool = False, deferred: bool = False) -> TPCache:
-    """A :class:`TPCache` over ``cellcache.build(backend, kind, shard)``, ``shard`` being
-    ``config`` for this rank of ``group`` (:func:`shard_config`; ``config`` has the full
-    head counts). With the CUDA backend ``config.device`` is the rank's device
-    (:func:`cellcache.hf.cache_config` takes it from the model)."""
-    rank, world = _group_rank(group)
-    return TPCache(build_local(backend, kind, shard_config(config, rank, world)), group, debug=debug,
-                   deferred=deferred)
