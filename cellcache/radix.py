@@ -19,10 +19,11 @@ counts).
     split([x y], 5)    -> [c d] ─ [x] ─ [y]: the upper part [x] is returned
     cut([z])           -> [a b] keeps [c d] alone (nodes are not merged back)
 
-A node keeps its tokens as bytes (``segb``) and, without a copy, as a read-only int32 array
-(``seg``); a walk costs a dict probe and a ``bytes.startswith`` per node, and numpy only at
-the node where the match ends, not Python work per token. Keys are the int32 bytes of token
-ids (``np.asarray(tokens, np.int32).tobytes()``). The tree counts its nodes (the root aside)
+A node keeps its tokens as bytes (``segb``) and, made once when first needed, as a
+read-only int32 array over them (``seg``); a walk costs a dict probe and a
+``bytes.startswith`` per node, and numpy only at the node where the match ends, not Python
+work per token. Keys are the int32 bytes of token ids
+(``np.asarray(tokens, np.int32).tobytes()``). The tree counts its nodes (the root aside)
 and the tokens they hold.
 """
 
@@ -79,10 +80,11 @@ class RadixNode:
     ``parent`` (None for the root, which holds none), ``children`` keyed by the first
     token's 4 bytes. Kinds of node that carry more subclass it and override :meth:`head`."""
 
-    __slots__ = ("children", "end", "parent", "segb", "start")
+    __slots__ = ("_view", "children", "end", "parent", "segb", "start")
 
     def __init__(self, segb: bytes, start: int, parent: Any):
         self.segb = segb                                 # the tokens as int32 bytes
+        self._view: np.ndarray | None = None             # seg, made when first needed
         self.start = start
         self.end = start + (len(segb) >> 2)
         self.parent = parent
@@ -90,8 +92,11 @@ class RadixNode:
 
     @property
     def seg(self) -> np.ndarray:
-        """The tokens as a read-only int32 array (a view of ``segb``)."""
-        return np.frombuffer(self.segb, _I32)
+        """The tokens as a read-only int32 array (a view of ``segb``, no copy)."""
+        v = self._view
+        if v is None:
+            v = self._view = np.frombuffer(self.segb, _I32)
+        return v
 
     @property
     def n_tokens(self) -> int:
@@ -160,7 +165,10 @@ class RadixTree(Generic[N]):
                     return child, nq
                 m = nq - d
             # a difference lies in the first m tokens, so argmin finds the first False
-            eq = np.frombuffer(qb, _I32, m, b) == np.frombuffer(child.segb, _I32, m)
+            v = child._view
+            if v is None:
+                v = child._view = np.frombuffer(child.segb, _I32)
+            eq = np.frombuffer(qb, _I32, m, b) == v[:m]
             return child, d + int(eq.argmin())
         return node, d
 
@@ -171,6 +179,7 @@ class RadixTree(Generic[N]):
         upper: Any = node.head(m)
         node.parent.children[node.segb[:4]] = upper
         node.segb = node.segb[4 * (m - node.start):]
+        node._view = None
         node.start = m
         node.parent = upper
         upper.children[node.segb[:4]] = node
@@ -233,7 +242,8 @@ class PromptNode(RadixNode):
 
     def __init__(self, segb: bytes, start: int, parent: PromptNode | None, count: int = 0):
         self.segb = segb                    # (RadixNode's fields set here: one call less
-        self.start = start                  # for a node made on every admission)
+        self._view = None                   # for a node made on every admission)
+        self.start = start
         self.end = start + (len(segb) >> 2)
         self.parent = parent
         self.children: dict[bytes, PromptNode] = {}
