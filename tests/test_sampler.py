@@ -164,6 +164,29 @@ def test_one_host_copy_per_call(monkeypatch):
     assert seen == ["numpy"] and sampler.copies == 1
 
 
+def test_the_readback_copies_once_a_launch_and_hands_the_caller_its_own_array():
+    """The sampler hands its ids to its Readback: one copy a launched step (none for an
+    empty spec), and a Draw's host arrays are the caller's, unchanged by later steps."""
+    from cellcache.generate.readback import Readback
+
+    sampler = Sampler("cpu")
+    assert isinstance(sampler.readback, Readback) and sampler.stream is None
+    logits = torch.zeros((3, 8))
+    logits[:, 5] = 1.0
+    first = sampler.launch(logits, spec_for(3))
+    logits[:, 5], logits[:, 2] = 0.0, 1.0
+    second = sampler.launch(logits, spec_for(3))
+    assert sampler.copies == sampler.readback.copies == 2
+    assert first.result().ids.tolist() == [5, 5, 5] and second.result().ids.tolist() == [2, 2, 2]
+    assert first.result() is first.result()                # waited for once
+    assert sampler.launch(logits, SampleSpec()).result().ids.tolist() == []
+    assert sampler.copies == 2
+    ids = torch.tensor([4, 1])
+    pending = Readback("cpu").copy(ids)
+    ids[0] = 9
+    assert pending.wait().tolist() == [4, 1]
+
+
 def test_uniforms_are_a_fixed_function_of_the_key():
     u = uniforms(np.arange(20000) % 7, np.arange(20000) // 7, np.arange(20000))
     assert ((0 <= u) & (u < 1)).all() and abs(u.mean() - 0.5) < 0.01
