@@ -120,6 +120,12 @@ class RadixNode:
             node = node.parent
         return out
 
+    def trim(self, m: int) -> None:
+        """Drops positions ``[start, m)`` (``start < m < end``): the node keeps ``[m, end)``."""
+        self.segb = self.segb[4 * (m - self.start):]
+        self._view = None
+        self.start = m
+
     def head(self, m: int) -> RadixNode:
         """A new node of this kind for positions ``[start, m)`` of this one (``start < m <
         end``), carrying what it carries: what :meth:`RadixTree.split` links above it.
@@ -165,10 +171,7 @@ class RadixTree(Generic[N]):
                     return child, nq
                 m = nq - d
             # a difference lies in the first m tokens, so argmin finds the first False
-            v = child._view
-            if v is None:
-                v = child._view = np.frombuffer(child.segb, _I32)
-            eq = np.frombuffer(qb, _I32, m, b) == v[:m]
+            eq = np.frombuffer(qb, _I32, m, b) == child.seg[:m]
             return child, d + int(eq.argmin())
         return node, d
 
@@ -178,9 +181,7 @@ class RadixTree(Generic[N]):
         upper part."""
         upper: Any = node.head(m)
         node.parent.children[node.segb[:4]] = upper
-        node.segb = node.segb[4 * (m - node.start):]
-        node._view = None
-        node.start = m
+        node.trim(m)
         node.parent = upper
         upper.children[node.segb[:4]] = node
         self.nodes += 1
