@@ -83,9 +83,8 @@ Tokens are ints in ``[-2**31, 2**31)``, stored as int32 in a :class:`cellcache.r
 a 1-D int32 numpy array on hot paths: a list is converted first, which costs Python work
 per token, more than the lookup itself.
 
-Pieces: the tree and its per-node state in ``prefix_tree.py`` (over the radix tree of
-``radix.py`` that the pending prompts share), the eviction order in ``prefix_policy.py``,
-events and their delivery in ``prefix_events.py``.
+The tree and its per-node state live in ``prefix_tree.py`` (over ``radix.py``'s tree, which
+the pending prompts share), the eviction order in ``prefix_policy.py``, events in ``prefix_events.py``.
 
 Each call is atomic under the prefix cache's own lock; each cache verb it makes is atomic
 under the cache's. Drive the prefix cache from the thread that drives the steps, between
