@@ -25,6 +25,9 @@ FLOORS = [
     # the generator package: each module only above those it imports
     {"generate.requests", "generate.readback"},
     {"generate.sampler"},
+    {"generate.plan"},
+    {"generate.kv"},
+    {"generate.base"},
     {"generate.scheduler"},
     {"generate.distributed"},
     {"generate.engine", "generate.drivers"},

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from cellcache.generate import Sampling  # noqa: E402
+from cellcache.generate.base import BaseScheduler  # noqa: E402
 
 from .test_scheduler_fakes import Client, Driver, check, make, prompts, rollout  # noqa: E402
 
@@ -52,6 +53,24 @@ def test_asynchronous_and_synchronous_steps_agree_event_by_event():
     assert all(s["tokens_out"] == stats[0]["tokens_out"] for s in stats)
     assert all(s["computed_tokens"] == s["prompt_tokens"] == sum(map(len, (p for p, _ in specs)))
                for s in stats)
+
+
+def test_the_base_scheduler_schedules_ahead_the_same_steps():
+    """The steady path is a faster way to the same plans: the base scheduler's lean steps
+    after a plan in flight draw the same tokens, deliver them in the same order and end the
+    same rows."""
+    ps = prompts(25, 5)
+    specs = [(p, Sampling(max_new_tokens=35 - 5 * i, stop=[7] if i == 3 else []))
+             for i, p in enumerate(ps)]
+    eos = [rollout(ps[1], 35)[20]]
+    plain, dp = serve(specs, cls=BaseScheduler, eos=eos)
+    steady, ds = serve(specs, eos=eos)
+    assert not any(p.fast is not None for p in dp.plans)
+    assert any(p.fast is not None for p in ds.plans)
+    assert [r.outputs for r in plain] == [r.outputs for r in steady]
+    assert [r.finish_reasons for r in plain] == [r.finish_reasons for r in steady]
+    assert key(dp.events) == key(ds.events)
+    assert len(dp.plans) == len(ds.plans) and dp.sched.stats == ds.sched.stats
 
 
 def test_reads_between_steady_steps_see_every_applied_token():

@@ -195,6 +195,17 @@ class Request:
     def done(self) -> bool:
         return self.finished is not None
 
+    def end_reason(self, n_out: int, tok: int, eos: Set[int]) -> str | None:
+        """The stop rule: why a continuation with ``n_out`` tokens, the last ``tok``, ends:
+        ``"stop"`` (an end-of-sequence id of ``eos`` or one of its ``stop`` tokens, which
+        is kept), ``"length"`` (``max_new_tokens`` reached), or None (it goes on)."""
+        sp = self.sampling
+        if tok in eos or tok in sp.stop:
+            return "stop"
+        if n_out >= sp.max_new_tokens:
+            return "length"
+        return None
+
     @property
     def ttft(self) -> float | None:
         """Time to first token (None before it)."""
