@@ -76,11 +76,11 @@ class Seq:
 
     def claim(self, have: int) -> int:
         """Cells it still claims once ``have`` of its tokens are in the cache: up to
-        len(prompt) + max_new_tokens - 1 in all, and its other continuations' own tokens
-        while they are not forked yet."""
+        :meth:`Sampling.cells_needed` in all, and its other continuations' own tokens while
+        they are not forked yet."""
         req = self.job.req
         sp = req.sampling
-        more = max(0, len(req.prompt) + sp.max_new_tokens - 1 - have)
+        more = max(0, sp.cells_needed(len(req.prompt)) - have)
         if self.forks_next():
             more += (sp.n - 1) * (sp.max_new_tokens - 1)
         return more

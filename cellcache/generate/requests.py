@@ -141,6 +141,11 @@ class Sampling:
         self.stop = tuple(token_ids(list(stop) if isinstance(stop, Set) else stop, "stop", None,
                                     allow_empty=True))
 
+    def cells_needed(self, prompt_len: int) -> int:
+        """Cells one continuation of a prompt of ``prompt_len`` tokens holds at most: its
+        prompt and every output token but the last (which is drawn, never fed)."""
+        return prompt_len + self.max_new_tokens - 1
+
 
 @dataclass
 class Request:
