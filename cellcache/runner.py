@@ -709,7 +709,8 @@ class ModelRunner:
         captured now, ``{"decode": [...], "mixed": [...]}`` (both empty when the runner
         replays no graphs). InvalidState, nothing changed, while the cache has a step
         declared or prepared; OutOfMemory (that bucket not captured, its sequences freed)
-        when the cache cannot hold a step. With ``compile``, once it has captured a graph it
+        when the cache cannot hold a step (StepTooLarge when a prompt-chunk bucket exceeds
+        the paged view's ``max_kv``). With ``compile``, once it has captured a graph it
         shuts inductor's idle compile workers down (:func:`release_compile_workers`)."""
         if cache.prepared_step is not None or self.cache.table.declared_width:
             raise InvalidState("warmup() while the cache has a step declared or prepared "

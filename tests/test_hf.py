@@ -250,3 +250,75 @@ def test_a_detached_model_is_refused_by_its_runner_until_reattached(model_and_re
     cache.commit_step()
     torch.testing.assert_close(logits[0], expected.float(), atol=1e-4, rtol=1e-4)
     model.set_attn_implementation("sdpa")
+
+
+class _CountingAdapter(cchf.HFAdapter):
+    """The transformers adapter, counting what the runner asks of it."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.asked = {"attach": 0, "check": 0, "run": 0}
+
+    def attach(self, view):
+        self.asked["attach"] += 1
+        super().attach(view)
+
+    def check(self):
+        self.asked["check"] += 1
+        super().check()
+
+    def run(self, *args):
+        self.asked["run"] += 1
+        return super().run(*args)
+
+
+def test_the_runner_asks_its_adapter_for_everything_model_side():
+    """ModelRunner never touches the model's attention setting itself: reattach() is the
+    adapter's attach, every forward checks and runs through the adapter (cellcache.runner's
+    ModelAdapter contract), and the logits are those of attach's own runner."""
+    from cellcache.runner import ModelRunner
+
+    model = random_model("tiny", seed=3)
+    prompt = [5, 6, 7, 8]
+    outs = []
+    for make in ("attach", "adapter"):
+        cache = HostCellCache(cchf.cache_config(model, capacity=64, max_write=8))
+        if make == "attach":
+            runner = cchf.attach(model, cache)
+        else:
+            adapter = _CountingAdapter(model)
+            runner = ModelRunner(model, cache, adapter)
+            runner.reattach()
+            assert adapter.asked == {"attach": 1, "check": 0, "run": 0}
+        a = cache.seq_new()
+        cache.declare_step([a] * len(prompt))
+        outs.append(runner.forward(cache.prepare_step(), prompt, [len(prompt) - 1]))
+        cache.commit_step()
+    assert adapter.asked == {"attach": 1, "check": 1, "run": 1}
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    model.set_attn_implementation("sdpa")
+
+
+def test_the_runner_decides_padding_feeds_and_warmup_on_the_host():
+    """On the host (no graphs) every step runs eagerly and unpadded, gathered feeds pick rows
+    on the host tensor, and warm-up captures nothing; bad warm-up widths are refused."""
+    model = random_model("tiny", seed=3)
+    cache = HostCellCache(cchf.cache_config(model, capacity=64, max_write=8))
+    runner = cchf.attach(model, cache)
+    assert not runner.graphs_enabled and runner.stream is None and runner.stream_handle is None
+    assert runner.padding(True, 3, 3, 3) == (None, False)
+    assert runner.padding(False, 2, 7, 2) == (None, False)
+    ids = torch.arange(10, 20)
+    prefix = runner.gather(ids, np.arange(4, dtype=np.int64))
+    assert prefix.data_ptr() == ids.data_ptr() and prefix.tolist() == [10, 11, 12, 13]
+    assert runner.gather(ids, np.array([0, 2, 5], dtype=np.int64)).tolist() == [10, 12, 15]
+    todo = runner.warmup_buckets(None, None, 4)
+    assert todo == [("mixed", w) for w in reversed(runner.mixed_buckets)] + \
+        [("decode", w) for w in reversed(runner.buckets) if w <= 4]
+    assert runner.warmup_buckets([2, 2, 1], [], 4) == [("decode", 2), ("decode", 1)]
+    for bad in ([3], "12", [0]):
+        with pytest.raises(InvalidArgument, match="width"):
+            runner.warmup_buckets(bad, None, 4)
+    assert runner.warmup(cache, todo) == {"decode": [], "mixed": []}
+    assert cache.live_seqs() == [] and runner.replays == runner.eager == 0
+    model.set_attn_implementation("sdpa")
