@@ -29,7 +29,7 @@ FLOORS = [
     {"generate.kv"},
     {"generate.base"},
     {"generate.scheduler"},
-    {"generate.distributed"},
+    {"generate.distributed", "generate.options"},
     {"generate.engine", "generate.drivers"},
     {"generate.cli"},
     {"generate"},

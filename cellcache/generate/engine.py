@@ -30,7 +30,6 @@ is left in flight, and the next call overlaps the host with it::
 from __future__ import annotations
 
 import dataclasses
-import operator
 import sys
 import threading
 import time
@@ -50,11 +49,13 @@ from ..registry import build
 from ..runner import check_options
 from ..tp import TPCache, shard_model
 from ..tp import build as tp_build
-from .distributed import RankSync, is_sharded, tp_world
-from .requests import Request, Sampling, latency_summary, real_number, token_ids
+from .distributed import RankSync, is_sharded
+from .options import CPU_BATCH_TOKENS as CPU_BATCH_TOKENS  # (cellcache.generate.cli reads them here)
+from .options import CUDA_BATCH_TOKENS as CUDA_BATCH_TOKENS
+from .options import Serving, serving, settings
+from .requests import Request, Sampling, latency_summary, token_ids
 from .sampler import Draw, Sampler, SamplerOutput
 from .scheduler import (
-    ADMISSION_POLICIES,
     HoldInterrupts,
     Job,
     Outcome,
@@ -66,13 +67,6 @@ from .scheduler import (
 )
 
 __all__ = ["Generator"]
-
-_PREFIX_OPTIONS = ("policy", "max_seqs", "on_event")
-
-#: Default token budget a step (``max_batch_tokens``) and prompt chunk on a GPU (wide enough
-#: to keep the device busy through the prefill kernels); the CPU defaults stay small.
-CUDA_BATCH_TOKENS, CUDA_PREFILL_CHUNK = 8192, 2048
-CPU_BATCH_TOKENS, CPU_PREFILL_CHUNK = 512, 256
 
 
 #: The phases of :attr:`Generator.profile`: choosing the rows (hand-overs, drafts,
@@ -93,95 +87,29 @@ class _Flight:
     prof: dict[str, float]
 
 
-def _settings(model: Any, capacity: Any, max_batch_tokens: int | None, prefill_chunk: Any,
-              reserve: Any, clock: Any, eos: Sequence[int] | None, async_steps: Any
-              ) -> tuple[int, int, float, list[int]]:
-    """The Generator's own settings checked (InvalidArgument), defaults filled in from the
-    model's device and generation config: (max_batch_tokens, prefill_chunk, reserve, eos)."""
-    if async_steps is not None and not isinstance(async_steps, (bool, np.bool_)):
-        raise InvalidArgument(f"async_steps of type {type(async_steps).__name__} is not a bool or None")
-    on_cuda = getattr(getattr(model, "device", None), "type", "cpu") == "cuda"
-    if max_batch_tokens is None:
-        try:                                  # (any int type: capacity is checked later)
-            cap = operator.index(capacity) if not isinstance(capacity, (bool, np.bool_)) else 0
-        except TypeError:
-            cap = 0
-        max_batch_tokens = min(CUDA_BATCH_TOKENS if on_cuda else CPU_BATCH_TOKENS, cap) \
-            if cap > 0 else CPU_BATCH_TOKENS
-    if prefill_chunk is None:
-        prefill_chunk = CUDA_PREFILL_CHUNK if on_cuda else CPU_PREFILL_CHUNK
-    prefill_chunk = check_int(prefill_chunk, "prefill_chunk", 1)
-    reserve = real_number(reserve, "reserve")
-    if not 0 <= reserve <= 1:
-        raise InvalidArgument(f"reserve={reserve} is outside [0, 1]")
-    if clock is not None and not callable(clock):
-        raise InvalidArgument(f"clock of type {type(clock).__name__} is not callable or None")
-    if eos is None:
-        eos_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos = [eos_id] if isinstance(eos_id, int) else list(eos_id or [])
-    return max_batch_tokens, prefill_chunk, reserve, token_ids(eos, "eos", None, allow_empty=True)
-
-
-def _serving_cache(model: Any, cache: Any, *, tp: Any, capacity: int, max_batch_tokens: int,
-                   max_seqs: int, admission: Any, prefix_cache: Any
+def _serving_cache(model: Any, capacity: int, max_batch_tokens: int, s: Serving
                    ) -> tuple[Any, CellCache | TPCache, PrefixCache | None]:
-    """The model (sharded under tensor parallelism), the cache (``cache``, or built for the
-    model) and the prefix cache (or None) a Generator serves with; every argument is checked
-    (InvalidArgument) before the model is sharded or anything is built."""
-    # -- tensor parallelism (cellcache.generate.distributed): shard, build over the ranks --
-    world = tp_world(tp if tp is not None or not isinstance(cache, TPCache) else True)
-    if world is not None:
-        if cache is not None and not isinstance(cache, TPCache):
-            raise InvalidArgument(f"with tp={tp!r} the cache must be a cellcache.tp.TPCache "
-                                  f"(or None: built here), not {type(cache).__name__}")
-    elif isinstance(cache, TPCache):
-        raise InvalidArgument(f"a TPCache needs tp=True (its world has {cache.world} ranks)")
-    # -- end tensor parallelism --
-    if cache is not None and not isinstance(cache, (CellCache, TPCache)):
-        raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
-    if not isinstance(admission, str) or admission not in ADMISSION_POLICIES:
-        raise InvalidArgument(f"admission={admission!r} is not one of {', '.join(ADMISSION_POLICIES)}")
-    prefix_opts: dict[str, Any] | None = None
-    given: PrefixCache | None = None
-    if isinstance(prefix_cache, PrefixCache):
-        given = prefix_cache
-        if cache is None and isinstance(given.cache, (CellCache, TPCache)):
-            cache = given.cache
-        if given.cache is not cache:
-            raise InvalidArgument("prefix_cache is a PrefixCache over another cache; give one "
-                                  "over this Generator's cache (or True to have it built)")
-    elif isinstance(prefix_cache, (bool, np.bool_)):
-        prefix_opts = {} if prefix_cache else None
-    elif isinstance(prefix_cache, Mapping):
-        prefix_opts = dict(prefix_cache)
-        unknown = sorted(str(k) for k in prefix_opts if k not in _PREFIX_OPTIONS)
-        if unknown:
-            raise InvalidArgument(f"prefix_cache options {', '.join(unknown)} are unknown; "
-                                  f"give {', '.join(_PREFIX_OPTIONS)}")
-        if "max_seqs" in prefix_opts:
-            prefix_opts["max_seqs"] = check_int(prefix_opts["max_seqs"], "prefix_cache max_seqs", 1)
-    else:
-        raise InvalidArgument(f"prefix_cache of type {type(prefix_cache).__name__} is not a bool, "
-                              "a mapping of PrefixCache options or a PrefixCache")
-    if cache is None:
-        max_seqs = check_int(max_seqs, "max_seqs", 1)
-    if world is not None and not is_sharded(model):    # every argument checked: sharding is for good
+    """The model (sharded under tensor parallelism), the cache (given, or built for the
+    model) and the prefix cache (or None) a Generator serves with, from its checked
+    arguments."""
+    if s.world is not None and not is_sharded(model):   # every argument checked: sharding is for good
         model = shard_model(model)
+    cache, prefix_opts = s.cache, s.prefix_options
     if cache is None:
-        ids = max_seqs
+        ids = s.max_seqs
         if prefix_opts is not None:
-            prefix_opts.setdefault("max_seqs", max_seqs)
+            prefix_opts.setdefault("max_seqs", s.max_seqs)
             ids += prefix_opts["max_seqs"]
         cfg = cache_config(model, capacity=capacity, max_write=max_batch_tokens, max_seqs=ids)
         backend = "cuda" if model.device.type == "cuda" else "host"
-        cache = build(backend, "batched", cfg) if world is None else tp_build(backend, "batched", cfg)
-    if prefix_opts is not None:                    # refused here before the model is touched
-        if "max_seqs" not in prefix_opts:           # half the ids nobody holds yet
-            left = cache.max_seqs - len(cache.live_seqs())
-            prefix_opts["max_seqs"] = max(1, left // 2)
-        prefix_opts["max_seqs"] = min(prefix_opts["max_seqs"], cache.max_seqs)
-        given = PrefixCache(cache, **prefix_opts)
-    return model, cache, given
+        cache = build(backend, "batched", cfg) if s.world is None else tp_build(backend, "batched", cfg)
+    if prefix_opts is None:
+        return model, cache, s.prefix
+    if "max_seqs" not in prefix_opts:               # half the ids nobody holds yet
+        left = cache.max_seqs - len(cache.live_seqs())
+        prefix_opts["max_seqs"] = max(1, left // 2)
+    prefix_opts["max_seqs"] = min(prefix_opts["max_seqs"], cache.max_seqs)
+    return model, cache, PrefixCache(cache, **prefix_opts)   # (refused before the model is touched)
 
 
 class Generator:
@@ -258,15 +186,12 @@ class Generator:
     counts that step's row, which the synchronous generator never fed). ``profile``: host time per
     phase (:data:`PHASES`), summed in ms, for every step and by kind (decode/mixed).
 
-    ``graphs``, ``buckets``, ``mixed_buckets``: the runner's CUDA graphs (decode buckets in
-    rows; mixed steps padded to token buckets, ``[]`` for none: :class:`cellcache.runner.ModelRunner`);
-    :meth:`warmup` captures them before serving. ``attention``: ``"auto"`` (cellcache's
-    kernels) or ``"flashinfer"`` (FlashInfer's over the same paged view; eager steps).
-
-    ``compile`` (False; True or a mapping of ``torch.compile`` keywords): the model's
-    forwards run compiled, attention as the custom op ``cellcache::attention`` (no graph
-    break); on CUDA the decode graphs capture the compiled forward
-    (:class:`cellcache.runner.ModelRunner` has the details).
+    ``graphs``, ``buckets``, ``mixed_buckets`` (the CUDA graphs: decode buckets in rows,
+    mixed steps padded to token buckets, ``[]`` for none), ``attention`` (``"auto"`` or
+    ``"flashinfer"``) and ``compile`` (False, True or ``torch.compile`` keywords) are the
+    runner's (``gen.runner``, :class:`cellcache.runner.ModelRunner`), which decides how each
+    step runs and owns the graphs and the input feeds; :meth:`warmup` captures the graphs
+    before serving.
 
     One thread steps a Generator: :meth:`step` (and :meth:`run`) from a second thread while
     a step runs, or from inside an ``on_token``/``draft`` callback, raises InvalidState
@@ -292,11 +217,10 @@ class Generator:
                  compile: bool | Mapping[str, Any] = False, mixed_buckets: list[int] | None = None,
                  attention: str = "auto"):
         check_options(compile, attention)    # refused before anything is built or switched
-        max_batch_tokens, prefill_chunk, reserve, eos_ids = _settings(
+        max_batch_tokens, prefill_chunk, reserve, eos_ids = settings(
             model, capacity, max_batch_tokens, prefill_chunk, reserve, clock, eos, async_steps)
-        model, cache, given = _serving_cache(model, cache, tp=tp, capacity=capacity,
-                                             max_batch_tokens=max_batch_tokens, max_seqs=max_seqs,
-                                             admission=admission, prefix_cache=prefix_cache)
+        model, cache, given = _serving_cache(model, capacity, max_batch_tokens,
+                                             serving(tp, cache, admission, prefix_cache, max_seqs))
         self.model, self.cache = model, cache
         #: Runs the forwards: graphs, input feeds, warm-up (:class:`cellcache.runner.ModelRunner`).
         self.runner = attach(model, cache.local if isinstance(cache, TPCache) else cache,
@@ -336,7 +260,7 @@ class Generator:
         self.sampler.stream = self.stream             # (looked up once, not every step)
         #: The ranks' lockstep under tensor parallelism (``tp.rank``, ``tp.world``), or None.
         self.tp: RankSync | None = RankSync(self, cache) if isinstance(cache, TPCache) else None
-        # -- asynchronous scheduling and the host profile (async_steps checked by _settings) --
+        # -- asynchronous scheduling and the host profile (async_steps checked by settings) --
         #: Whether a lean decode step is left in flight and the next one launched on its ids
         #: (on the device) before they reach the host (default: on CUDA with graphs).
         self.async_steps = bool(self.runner.cuda and self.runner.graphs_enabled) \
@@ -548,29 +472,22 @@ class Generator:
 
     def warmup(self, widths: Sequence[int] | None = None,
                mixed: Sequence[int] | None = None) -> dict[str, list[int]]:
-        """Captures the CUDA graphs now (:meth:`cellcache.runner.ModelRunner.warmup`), as a
-        serving engine does at start-up, instead of at each bucket's first use in the middle
-        of a run (a capture costs a warm-up forward and the capture itself). ``widths``: decode buckets of
-        ``runner.buckets`` (default: every bucket a decode step of this generator can reach,
-        up to the one holding ``min(max_seqs, max_batch_tokens)`` rows); ``mixed``: token
-        buckets of ``runner.mixed_buckets`` (default: all of them; ``[]``: none). Returns the
-        buckets captured now, ``{"decode": [...], "mixed": [...]}`` (those captured already
-        are skipped; both empty when the runner replays no graphs: CPU, ``graphs=False``).
+        """Captures the CUDA graphs now, as a serving engine does at start-up, instead of at
+        each bucket's first use in the middle of a run: :meth:`ModelRunner.warmup
+        <cellcache.runner.ModelRunner.warmup>` (one real step of fresh sequences per bucket,
+        freed again; the cache ends as it was but for pools that grew). ``widths``: decode
+        buckets of ``runner.buckets`` (default: every bucket a decode step of this generator
+        can reach, up to the one holding ``min(max_seqs, max_batch_tokens)`` rows);
+        ``mixed``: token buckets of ``runner.mixed_buckets`` (default: all; ``[]``: none).
+        Returns the buckets captured now, ``{"decode": [...], "mixed": [...]}`` (both empty
+        when the runner replays no graphs: CPU, ``graphs=False``). Under tensor parallelism
+        every rank calls it (the verbs are agreed like a step's).
 
-        Each capture runs one real step of fresh sequences, freed again: a decode step of up
-        to ``width`` one-token sequences, or a prompt chunk of up to ``width`` tokens of one
-        sequence, padded to the bucket. The cache ends as it was, except that its pools may
-        have grown. Under tensor parallelism every rank calls it (the verbs are agreed like
-        a step's). On CUDA it also launches once the kernels that feed a decode step whose
-        rows are fewer than its predecessor's (a first launch loads a kernel's code, which
-        would otherwise happen in the middle of serving). InvalidArgument for a width that is not a bucket;
-        InvalidState while requests are queued or running, a step is in flight, or from
-        inside a step; OutOfMemory (that bucket not captured, its sequences freed) when the
-        cache cannot hold the step (StepTooLarge when a prompt-chunk bucket exceeds the
-        paged view's ``max_kv``). Refused as well (InvalidState, nothing changed) while the
-        cache has a step declared or prepared by another user. With ``compile=True``, once
-        it has captured a graph it shuts inductor's idle compile workers down
-        (:func:`cellcache.runner.release_compile_workers`).
+        InvalidArgument for a width that is not a bucket; InvalidState while requests are
+        queued or running, a step is in flight, from inside a step, or while the cache has
+        a step declared or prepared by another user (nothing changed); OutOfMemory (that
+        bucket not captured, its sequences freed) when the cache cannot hold the step
+        (StepTooLarge when a prompt-chunk bucket exceeds the paged view's ``max_kv``).
         """
         todo = self.runner.warmup_buckets(widths, mixed, min(self.cache.max_seqs, self.max_batch))
         if not self._step_lock.acquire(blocking=False):
