@@ -9,12 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cellcache import (
-    CellCacheError,
-    InvalidArgument,
-    InvalidState,
-    PrefixCache,
-)
+from cellcache import CellCacheError, InvalidArgument, InvalidState, PrefixCache
 from cellcache.prefix import PrefixNode, prefix_key
 from tests.helpers_prefix import World, assert_same, make_cache, setup, state
 

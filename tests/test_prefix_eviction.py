@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cellcache import (
-    InvalidState,
-    PrefixCache,
-)
+from cellcache import InvalidState, PrefixCache
 from tests.helpers_prefix import World, assert_same, make_cache, setup, state
 
 

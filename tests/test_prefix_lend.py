@@ -6,10 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cellcache import (
-    InvalidArgument,
-    PrefixCache,
-)
+from cellcache import InvalidArgument, PrefixCache
 from tests.helpers_prefix import World, assert_same, make_cache, setup, state
 
 

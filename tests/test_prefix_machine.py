@@ -11,9 +11,7 @@ import numpy as np
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cellcache import (
-    PrefixCache,
-)
+from cellcache import PrefixCache
 from cellcache.prefix import PrefixEvent, prefix_key
 from tests.helpers_prefix import World, make_cache
 
