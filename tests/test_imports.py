@@ -17,7 +17,7 @@ PKG = ROOT / "cellcache"
 FLOORS = [
     {"errors", "_checks", "config", "buffers", "buckets", "_cli", "_bitset"},
     {"reference", "_table", "_views"},
-    {"cache", "host", "cuda", "cuda.probe", "cuda.driver", "cuda.pools", "cuda.backend",
+    {"cache", "pools", "host", "cuda", "cuda.probe", "cuda.driver", "cuda.pools", "cuda.backend",
      "cuda.kernels", "cuda.tc", "cuda._launch", "cuda._dlpack", "cuda._engine"},
     {"registry"},
     {"radix", "prefix_events", "prefix_policy", "prefix_tree"},

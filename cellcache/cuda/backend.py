@@ -16,18 +16,10 @@ import numpy as np
 
 from .._checks import check_int
 from ..buffers import mask_row_bytes, step_buffers
-from ..cache import (
-    CellCache,
-    CopyPools,
-    PoolKey,
-    Pools,
-    check_allocator,
-    check_growth,
-    release_quietly,
-    stream_handle,
-)
+from ..cache import CellCache, stream_handle
 from ..config import CacheConfig
 from ..errors import InvalidArgument, InvalidState, OutOfMemory
+from ..pools import CopyPools, PoolKey, Pools, check_allocator, check_growth, release_quietly
 from . import _dlpack, _engine, _launch
 from . import driver as drv
 from .driver import check, cu

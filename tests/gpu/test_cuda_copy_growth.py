@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cellcache import CacheConfig, InvalidArgument, LayerConfig, OutOfMemory
-from cellcache.cache import PoolReleaseWarning
+from cellcache.pools import PoolReleaseWarning
 
 from ..helpers import cuda
 
