@@ -26,6 +26,7 @@ from cellcache import (  # noqa: E402
     tp,
 )
 from tests import helpers_tp as H  # noqa: E402
+from tests import helpers_tp_cache as HC  # noqa: E402
 from tests.helpers import FailingAllocator, assert_same, config, state  # noqa: E402
 
 # -- the head shard ----------------------------------------------------------------------------
@@ -63,7 +64,7 @@ def test_heads_that_cannot_be_sharded_are_refused(n_kv, rank, world, match):
 
 
 def test_shard_config_changes_only_the_kv_heads():
-    cfg = H.full_config(mask_format="bits")
+    cfg = HC.full_config(mask_format="bits")
     for rank in range(2):
         shard = tp.shard_config(cfg, rank, 2)
         assert [layer.n_kv_heads for layer in shard.layers] == [1, 2]
@@ -77,7 +78,7 @@ def test_shard_config_changes_only_the_kv_heads():
 
 def test_the_wrapper_needs_a_cache_and_a_process_group():
     assert not dist.is_initialized()
-    cache = HostCellCache(H.full_config())
+    cache = HostCellCache(HC.full_config())
     with pytest.raises(InvalidState, match="init_process_group"):
         tp.TPCache(cache)
     with pytest.raises(InvalidArgument, match="not a cellcache cache"):
@@ -152,8 +153,8 @@ def test_unprepare_takes_the_step_back_and_undeclare_drops_it():
 @pytest.mark.parametrize("debug, deferred", [(False, False), (True, False), (False, True)])
 def test_every_rank_takes_the_decisions_of_one_process(tmp_path, debug, deferred):
     seed, n_ops = 3, 120
-    ranks = H.run_ranks(H.walk_on_rank, tmp_path, seed, n_ops, debug, deferred)
-    single = H.walk(HostCellCache(H.full_config(), growth="copy"), seed, n_ops)
+    ranks = H.run_ranks(HC.walk_on_rank, tmp_path, seed, n_ops, debug, deferred)
+    single = HC.walk(HostCellCache(HC.full_config(), growth="copy"), seed, n_ops)
     kinds = {r[0] for r in single}
     assert {"step", "declare", "clone", "rm", "rewind"} <= kinds    # the walk reaches them all
     assert any(r[0] == "declare" and r[2] == "StepTooLarge" for r in single)
@@ -171,7 +172,7 @@ def test_every_rank_takes_the_decisions_of_one_process(tmp_path, debug, deferred
 
 @pytest.mark.parametrize("deferred", [False, True])
 def test_an_allocation_failure_on_one_rank_is_the_same_error_on_both(tmp_path, deferred):
-    r0, r1 = H.run_ranks(H.oom_on_one_rank, tmp_path, deferred)
+    r0, r1 = H.run_ranks(HC.oom_on_one_rank, tmp_path, deferred)
     assert r0["outcome"] == r1["outcome"]
     kind, message = r0["outcome"]
     assert kind == "OutOfMemory"
@@ -182,7 +183,7 @@ def test_an_allocation_failure_on_one_rank_is_the_same_error_on_both(tmp_path, d
 
 
 def test_refusals_on_one_rank_are_refusals_on_both(tmp_path):
-    r0, r1 = H.run_ranks(H.refusals_on_one_rank, tmp_path)
+    r0, r1 = H.run_ranks(HC.refusals_on_one_rank, tmp_path)
     assert r0["false"] == r1["false"] == ("returned", False)
     assert r0["too_large"] == r1["too_large"]
     assert r0["too_large"][0] == "StepTooLarge" and "on rank 1 of 2" in r0["too_large"][1]
@@ -197,7 +198,7 @@ def test_refusals_on_one_rank_are_refusals_on_both(tmp_path):
 
 
 def test_a_fault_after_the_agreement_takes_the_step_back_on_every_rank(tmp_path):
-    r0, r1 = H.run_ranks(H.fault_after_agreement, tmp_path)
+    r0, r1 = H.run_ranks(HC.fault_after_agreement, tmp_path)
     assert r0["outcome"] == r1["outcome"]
     kind, message = r0["outcome"]
     assert kind == "OutOfMemory" and "writing the step ran out of memory" in message
@@ -209,7 +210,7 @@ def test_deferred_agreement_settles_at_the_next_round(tmp_path):
     """Deferred: a step without growth runs no collective; a rank's own failure after the
     agreement is raised there at once and on every rank at the next round, and the wrapper
     refuses from then on; outcomes that differ (one rank refused) are caught by that round."""
-    r0, r1 = H.run_ranks(H.deferred_faults, tmp_path)
+    r0, r1 = H.run_ranks(HC.deferred_faults, tmp_path)
     assert r0["rounds"] == r1["rounds"] == 0
     assert r0["prepare"] == ("none", "")
     kind, message = r1["prepare"]
@@ -228,7 +229,7 @@ def test_deferred_agreement_settles_at_the_next_round(tmp_path):
 
 
 def test_debug_mode_names_the_rank_that_diverged(tmp_path):
-    r0, r1 = H.run_ranks(H.divergence, tmp_path)
+    r0, r1 = H.run_ranks(HC.divergence, tmp_path)
     for out in (r0, r1):
         kind, message = out["verb"]
         assert kind == "InvalidState" and "rank 1 differs from rank 0 at seq_new" in message
@@ -245,15 +246,15 @@ def test_a_model_sharded_by_transformers_gives_one_process_logits(tmp_path):
     from cellcache import hf as cchf
     from cellcache.generate import random_model
 
-    r0, r1 = H.run_ranks(H.sharded_model_logits, tmp_path, timeout=150)
+    r0, r1 = H.run_ranks(HC.sharded_model_logits, tmp_path, timeout=150)
     model = random_model("llama-tiny", seed=4)
-    single = H.greedy_logits(model, HostCellCache(cchf.cache_config(model, capacity=64, max_write=16,
-                                                                     max_seqs=4)))
+    single = HC.greedy_logits(model, HostCellCache(cchf.cache_config(model, capacity=64, max_write=16,
+                                                                      max_seqs=4)))
     for out in (r0, r1):
         # each rank holds one of the two KV heads and two of the four query heads
         assert out["kv_heads"] == [1, 1] and out["pool"][1:] == [1, 16]
         assert out["q_rows"] == 32 and out["k_rows"] == 16
-        assert len(out["logits"]) == len(single) == 1 + H.DECODE_STEPS
+        assert len(out["logits"]) == len(single) == 1 + HC.DECODE_STEPS
         for mine, ref in zip(out["logits"], single):
             assert mine.shape == ref.shape
             np.testing.assert_allclose(mine, ref, rtol=0, atol=1e-5)
@@ -265,7 +266,7 @@ def test_a_model_sharded_by_transformers_gives_one_process_logits(tmp_path):
 def test_the_agreement_waits_as_long_as_the_group_it_agrees_over(tmp_path):
     """The agreement's own gloo group is made with the timeout of the group it agrees over
     (torch would give it gloo's 30 minutes): the default group's here."""
-    for out in H.run_ranks(H.agreement_timeouts, tmp_path):
+    for out in H.run_ranks(HC.agreement_timeouts, tmp_path):
         assert out == {"world": H.COLLECTIVE_TIMEOUT, "world_agreement": H.COLLECTIVE_TIMEOUT,
                        "short": H.LOST_TIMEOUT, "short_agreement": H.LOST_TIMEOUT}
 
@@ -273,7 +274,7 @@ def test_the_agreement_waits_as_long_as_the_group_it_agrees_over(tmp_path):
 @pytest.mark.parametrize("how, where", [("stop", "declare"), ("stop", "exchange"), ("die", "grow"),
                                         ("die", "exchange")])
 def test_a_rank_that_stops_or_dies_is_named_on_one_line_within_the_timeout(tmp_path, how, where):
-    r0, r1 = H.run_ranks(H.lost_peer_on_rank, tmp_path, how, where, lost=1, timeout=60)
+    r0, r1 = H.run_ranks(HC.lost_peer_on_rank, tmp_path, how, where, lost=1, timeout=60)
     assert r1 is None
     kind, message, seconds, chained = r0["outcome"]
     assert kind == "InvalidState" and not chained
@@ -295,7 +296,7 @@ def test_a_rank_that_stops_or_dies_is_named_on_one_line_within_the_timeout(tmp_p
 
 
 def test_with_three_ranks_the_roll_call_names_the_one_that_stopped(tmp_path):
-    *survivors, lost = H.run_ranks(H.lost_peer_on_rank, tmp_path, "stop", "exchange", world=3,
+    *survivors, lost = H.run_ranks(HC.lost_peer_on_rank, tmp_path, "stop", "exchange", world=3,
                                    lost=2, timeout=60)
     assert lost is None
     for rank, out in enumerate(survivors):
@@ -310,7 +311,7 @@ def test_peer_error_names_only_a_transport_failure(tmp_path):
     """What a CLI turns into one line: the backend's words for a peer gone or silent (inside
     the model's collectives, say); any other error is left as it is (None), the wrapper
     still usable."""
-    for rank, out in enumerate(H.run_ranks(H.peer_errors_on_rank, tmp_path)):
+    for rank, out in enumerate(H.run_ranks(HC.peer_errors_on_rank, tmp_path)):
         other = 1 - rank
         assert out["timed_out"] == (
             f"rank {other} of 2 did not answer the model's collectives within its group's timeout: "

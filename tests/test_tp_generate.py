@@ -19,21 +19,23 @@ if not dist.is_available():
 
 from cellcache import InvalidArgument, InvalidState  # noqa: E402
 from tests import helpers_tp as H  # noqa: E402
+from tests import helpers_tp_generate as HG  # noqa: E402
+from tests import helpers_tp_gpu as HGPU  # noqa: E402
 
 
 @pytest.mark.parametrize("async_steps, debug", [(False, True), (True, False)])
 def test_two_ranks_serve_what_one_process_serves(tmp_path, async_steps, debug):
     """Every rank samples for itself (no ids broadcast): the outputs are one process's,
     synchronous with debug digests, and asynchronous (steps left in flight) without."""
-    single = H.generator_single(async_steps)
-    r0, r1 = H.run_ranks(H.generator_on_rank, tmp_path, async_steps, debug, timeout=150)
+    single = HG.generator_single(async_steps)
+    r0, r1 = H.run_ranks(HG.generator_on_rank, tmp_path, async_steps, debug, timeout=150)
     if async_steps:                                                # the asynchronous path ran
         assert single["flights"] >= 3 and r0["flights"] == r1["flights"] >= 3
     # the workload reaches what it is meant to
     st = single["stats"]
     assert st["preempted"] > 0 and st["forks"] == 1
     assert single["reasons"][2] == ["cancelled"] and single["reasons"][3] == ["error"]
-    assert len(single["outputs"]) == len(H.GEN_PROMPT_LENS)        # the follow-up was added
+    assert len(single["outputs"]) == len(HG.GEN_PROMPT_LENS)        # the follow-up was added
     assert single["raised"] == ["ValueError: injected: a client's callback failed"]
     for rank, out in enumerate((r0, r1)):
         assert out["tp"] == (rank, 2) and out["kv_heads"] == [1, 1, 1]
@@ -61,7 +63,7 @@ def test_a_steady_decode_step_runs_one_collective_two_with_streams(tmp_path):
     callback may add or cancel), plus one when the step grows the pools; synchronous and
     asynchronous, with the same outputs. The last step (nothing left: step() may return
     False) always runs both."""
-    r0, r1 = H.run_ranks(H.steady_decode_on_rank, tmp_path, timeout=150)
+    r0, r1 = H.run_ranks(HG.steady_decode_on_rank, tmp_path, timeout=150)
     assert r0["streamed"] == 2 * 4 * 24 and r1["streamed"] == 0  # rank 0 ran the callbacks
     for out in (r0, r1):
         for async_steps in (False, True):
@@ -91,7 +93,7 @@ def test_a_steady_decode_step_runs_one_collective_two_with_streams(tmp_path):
 def test_sampled_ids_that_differ_raise_on_every_rank(tmp_path):
     """Rank 1 draws another id once (its sampler patched): every rank raises InvalidState
     naming the step, and refuses every later step."""
-    r0, r1 = H.run_ranks(H.diverged_draws_on_rank, tmp_path, timeout=150)
+    r0, r1 = H.run_ranks(HG.diverged_draws_on_rank, tmp_path, timeout=150)
     for key in ("sync", "async", "async_debug"):
         a, b = r0[key], r1[key]
         assert a["first"] is not None and b["first"] is not None, key
@@ -107,8 +109,8 @@ def test_the_two_gpu_test_runs_over_gloo_on_the_cpu(tmp_path):
     """tests/gpu/test_tp_gpu.py's rank function, dry run over gloo (no graphs, synchronous
     steps): the outputs of one process, a trace of every step on each rank, and a clean
     teardown."""
-    r0, r1 = H.run_ranks(H.gpu_tp_on_rank, tmp_path, "tiny", 6, "cpu", timeout=150)
-    ref = H.gpu_reference("tiny", 6, "cpu")
+    r0, r1 = H.run_ranks(HGPU.gpu_tp_on_rank, tmp_path, "tiny", 6, "cpu", timeout=150)
+    ref = HGPU.gpu_reference("tiny", 6, "cpu")
     for rank, out in enumerate((r0, r1)):
         assert out["tp2"] == ref["tp1"], rank
         assert out["diverged"] is None and out["placement"]["model"] == "cpu"
@@ -121,12 +123,12 @@ def test_the_two_gpu_test_runs_over_gloo_on_the_cpu(tmp_path):
 def test_a_tp_generator_is_freed_with_its_last_reference(tmp_path):
     """No reference cycle keeps a TP generator's runner (its CUDA graphs) alive: with NCCL,
     destroy_process_group() after its last use would otherwise wait for them forever."""
-    for out in H.run_ranks(H.generator_freed_on_rank, tmp_path, timeout=120):
+    for out in H.run_ranks(HG.generator_freed_on_rank, tmp_path, timeout=120):
         assert out["alive"] == [False, False]
 
 
 def test_ranks_at_different_hand_overs_raise_instead_of_pairing_them(tmp_path):
-    for out in H.run_ranks(H.mismatched_handovers_on_rank, tmp_path, timeout=120):
+    for out in H.run_ranks(HG.mismatched_handovers_on_rank, tmp_path, timeout=120):
         kind, message = out["first"]
         assert kind == "InvalidState" and "different hand-overs" in message, out
         assert out["later"][0] == "InvalidState" and "different hand-overs" in out["diverged"]
@@ -180,7 +182,7 @@ def test_the_cli_refuses_tp_without_torchrun(tmp_path):
 def test_a_refused_tp_generator_leaves_the_model_unsharded(tmp_path):
     """Every argument is checked before the model is sharded (which cannot be undone) or
     switched to cellcache's attention."""
-    for r in H.run_ranks(H.refused_generator, tmp_path, timeout=120):
+    for r in H.run_ranks(HG.refused_generator, tmp_path, timeout=120):
         assert r["raised"] is not None and len(r["raised"]) == 3, r
         assert not r["sharded"] and r["attention"] != "cellcache", r
 
@@ -193,7 +195,7 @@ def test_a_peer_that_stops_or_dies_ends_the_generator_with_one_line(tmp_path, ho
     the group's timeout, and a line naming rank 1 (the hand-over's InvalidState, or
     ``gen.cache.peer_error`` of the model's error: what the CLI prints); its requests and
     cache are as before the step, and every later step is refused at once."""
-    r0, r1 = H.run_ranks(H.lost_generator_on_rank, tmp_path, how, where, lost=1, timeout=150)
+    r0, r1 = H.run_ranks(HG.lost_generator_on_rank, tmp_path, how, where, lost=1, timeout=150)
     assert r1 is None
     kind, message, seconds = r0["raised"]
     if how == "stop":

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("transformers")
 
-from tests import helpers_tp as H  # noqa: E402
+from tests import helpers_tp_gpu as H  # noqa: E402
 
 #: Seconds the two ranks of one test may run (spawn, NCCL, sharding, captures, ~40 steps):
 #: well under the 240 s a whole run of this file is given, so a hang fails with the stacks
