@@ -395,7 +395,7 @@ class Generator:
             if fn is not None and not callable(fn):
                 raise InvalidArgument(f"{name} of type {type(fn).__name__} is not callable or None")
         draft_k = check_int(draft_k, "draft_k", 0, 1 << 20)
-        need = len(ids) + sampling.max_new_tokens - 1
+        need = sampling.cells_needed(len(ids))          # (the rule admission claims by)
         cfg = self.cache.config
         if need > cfg.capacity:
             raise InvalidArgument(
