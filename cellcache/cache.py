@@ -36,17 +36,7 @@ from ._table import CellTable
 from .buffers import BufferSpec, buffer_names, pool_spec, step_buffer_bytes
 from .config import CacheConfig
 from .errors import InvalidArgument, InvalidState, OutOfMemory, StepTooLarge
-
-# PoolKey and Pools are the cache's own; CopyPools, PoolReleaseWarning, check_allocator and
-# check_growth are re-exported for importers of cellcache.cache (cellcache.pools is their home)
-from .pools import (  # noqa: F401
-    CopyPools,
-    PoolKey,
-    PoolReleaseWarning,
-    Pools,
-    check_allocator,
-    check_growth,
-)
+from .pools import PoolKey, Pools
 
 __all__ = ["CellCache", "LayerBuffers", "Step", "stream_handle"]
 

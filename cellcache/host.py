@@ -15,9 +15,10 @@ import numpy as np
 
 from ._views import fill_masks, fill_paged
 from .buffers import step_buffers
-from .cache import CellCache, CopyPools, PoolKey, Pools, check_allocator, check_growth
+from .cache import CellCache
 from .config import CacheConfig
 from .errors import InvalidArgument, OutOfMemory
+from .pools import CopyPools, PoolKey, Pools, check_allocator, check_growth
 
 __all__ = ["HostAllocator", "HostCellCache", "MappedHostPools"]
 
@@ -113,7 +114,7 @@ class HostCellCache(CellCache):
     with ``growth="auto"`` it selects copy growth. Growth is all or nothing: an allocation
     that fails or is refused gives back the attempt's others and changes nothing; a
     ``release`` of the old pools that raises after a growth is a
-    :class:`cellcache.cache.PoolReleaseWarning` and is retried at the next growth (and at
+    :class:`cellcache.pools.PoolReleaseWarning` and is retried at the next growth (and at
     ``close()``). Memory exhausted while building raises :class:`OutOfMemory`.
 
     Example

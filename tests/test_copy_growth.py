@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from cellcache import HostCellCache, InvalidArgument, OutOfMemory
-from cellcache.cache import CopyPools, PoolReleaseWarning
 from cellcache.host import HostAllocator
+from cellcache.pools import CopyPools, PoolReleaseWarning
 
 from .helpers import assert_same, config, run_step, state, write_rows
 

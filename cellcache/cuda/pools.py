@@ -9,7 +9,7 @@ captured once stays valid. A growth maps everything it needs in :meth:`plan`; if
 fails, whatever the attempt created is unmapped and released, and the error propagates
 (``OutOfMemory`` for a full device) with the pools as they were.
 
-:class:`DeviceAllocator` is the allocator of the copy fallback (``cellcache.cache.CopyPools``
+:class:`DeviceAllocator` is the allocator of the copy fallback (``cellcache.pools.CopyPools``
 with device copies), used where ``CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED``
 is 0, where reserving the address range fails with ``growth="auto"``, or when the cache is
 built with ``growth="copy"``. :func:`check_device_allocation` is what copy pools require of
@@ -22,8 +22,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cache import PoolKey
 from ..errors import InvalidArgument, OutOfMemory
+from ..pools import PoolKey
 from .driver import Context, check, cu
 
 __all__ = ["DeviceAllocation", "DeviceAllocator", "MappedPools", "VmmOps", "check_device_allocation",
