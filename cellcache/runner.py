@@ -212,6 +212,15 @@ class ModelRunner:
     owner of CUDA graphs, so modes that capture graphs themselves (``"reduce-overhead"``,
     ``"max-autotune"``, ``triton.cudagraphs``) are refused on CUDA, with or without the
     runner's graphs (the op decides its kernel per step). Attach's probe runs eagerly.
+
+    Example: one decode step of ``seqs`` (one token each), padded as the runner decides
+
+    >>> runner = cellcache.hf.attach(model, cache)                              # doctest: +SKIP
+    >>> cache.declare_step(seqs)                                                # doctest: +SKIP
+    >>> n = len(seqs); pad_to, decode = runner.padding(True, n, n, n)           # doctest: +SKIP
+    >>> step = cache.prepare_step(stream=runner.stream, pad_to=pad_to)          # doctest: +SKIP
+    >>> logits = runner.forward(step, next_ids, decode=decode)                  # doctest: +SKIP
+    >>> cache.commit_step()                                                     # doctest: +SKIP
     """
 
     def __init__(self, model: Any, cache: CellCache, adapter: ModelAdapter, *,
