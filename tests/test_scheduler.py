@@ -1,4 +1,4 @@
-"""The scheduler without a model (issue 20): a fake forward whose "logits" put all the mass on
+"""The scheduler without a model: a fake forward whose "logits" put all the mass on
 a token that is a fixed function of the sequence's tokens so far, the real batched sampler on
 the CPU, and the host cache. Outputs must equal a plain rollout of that function whatever
 the scheduler does (token budget, prompt chunks, preemption, the prefix cache, drafts, forks),

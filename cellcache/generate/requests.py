@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-import torch
 
 from .._checks import check_int
 from ..errors import InvalidArgument
@@ -46,24 +47,28 @@ def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool 
     one (what a tokenizer returns with ``return_tensors``), as a list of ints in
     ``[0, vocab)``; InvalidArgument for anything else."""
     shape_hint = "give a list of ints, or a 1-D or [1, T] integer array or tensor"
-    if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_nested
-                                            or value.is_quantized or value.device.type == "meta"):
-        kind = "nested" if value.is_nested else "quantized" if value.is_quantized else \
-            "meta" if value.device.type == "meta" else str(value.layout).removeprefix("torch.")
+    # a torch tensor can only be given once torch is imported: this module needs no torch
+    torch: Any = sys.modules.get("torch")
+    tensor = torch is not None and isinstance(value, torch.Tensor)
+    t: Any = value
+    if tensor and (t.layout != torch.strided or t.is_nested or t.is_quantized
+                   or t.device.type == "meta"):
+        kind = "nested" if t.is_nested else "quantized" if t.is_quantized else \
+            "meta" if t.device.type == "meta" else str(t.layout).removeprefix("torch.")
         raise InvalidArgument(f"{what} is a {kind} tensor; give a dense tensor (or a list of ints)")
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        shape = tuple(value.shape)
-        if isinstance(value, torch.Tensor):
-            integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    if tensor or isinstance(value, np.ndarray):
+        shape = tuple(t.shape)
+        if tensor:
+            integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
         else:
-            integer = value.dtype.kind in "iu"
+            integer = t.dtype.kind in "iu"
         if not integer:
-            raise InvalidArgument(f"{what} has dtype {value.dtype}; token ids are integers")
+            raise InvalidArgument(f"{what} has dtype {t.dtype}; token ids are integers")
         if len(shape) == 2 and shape[0] == 1:
-            value = value[0]
+            t = t[0]
         elif len(shape) != 1:
             raise InvalidArgument(f"{what} has shape {list(shape)}; {shape_hint}")
-        items: list = value.tolist()
+        items: list = t.tolist()
     elif isinstance(value, _NOT_IDS) or not isinstance(value, Iterable) or isinstance(value, Set):
         raise InvalidArgument(f"{what} of type {type(value).__name__} is not a sequence of token ids; "
                               f"{shape_hint}")

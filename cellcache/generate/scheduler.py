@@ -51,7 +51,6 @@ def _consume(it: Any) -> None:
     deque(it, maxlen=0)
 
 
-
 class _Hook:
     """What every request the scheduler ran reads through (``Request._sync``): calls ``fn``,
     the scheduler's flush while a backlog holds tokens, else nothing. Arming and releasing
@@ -69,16 +68,14 @@ class _Hook:
             fn()
 
 
-
 class _Backlog:
     """Tokens of steady steps applied but not appended yet: :meth:`Scheduler._apply_steady`
     writes each step's ids into one int32 matrix (step j at ``ids[j]``, row i at
     ``ids[j, i]``) and keeps the step's time, instead of appending them, one by one, to
     every row's three lists (output, token times, sequence tokens) and counting them in its
-    ``in_cache``: that touches 4 x rows objects a step, the largest host cost of a steady
-    step. :meth:`Scheduler.flush` appends and counts them; every path but the steady one
-    calls it first (through :meth:`Scheduler.sync`), and so does reading a request's
-    ``outputs`` or ``token_times``. The steady steps never do (unless ``ids`` is full,
+    ``in_cache``, which would touch 4 x rows objects a step. :meth:`Scheduler.flush`
+    appends and counts them; every path but the steady one calls it first (through
+    :meth:`Scheduler.sync`), and so does reading a request's ``outputs`` or ``token_times``. The steady steps never do (unless ``ids`` is full,
     :data:`BACKLOG_STEPS` steps): the lists are built when they are read.
 
     Rows that end by length are the last ones (see :meth:`Scheduler.schedule_decode`): they
@@ -104,11 +101,9 @@ class _Backlog:
         self.base = [len(t) for t in fast.tokens]          # each row's tokens before the backlog
 
 
-
 #: Most steady steps whose tokens wait in a backlog before they are appended (the steady
 #: steps flush only a full backlog; reading a request's lists or any other path flushes it).
 BACKLOG_STEPS = 4096
-
 
 
 @dataclass(eq=False)
@@ -135,7 +130,6 @@ class _Steady:
     # the output lists of the record this one descends from (made by the general loop): the
     # records made from it keep a prefix of its rows, which one backlog serves throughout
     origin: list[list[int]] | None = None
-
 
 
 class Scheduler(BaseScheduler):
