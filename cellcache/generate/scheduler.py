@@ -75,8 +75,9 @@ class _Backlog:
     every row's three lists (output, token times, sequence tokens) and counting them in its
     ``in_cache``, which would touch 4 x rows objects a step. :meth:`Scheduler.flush`
     appends and counts them; every path but the steady one calls it first (through
-    :meth:`Scheduler.sync`), and so does reading a request's ``outputs`` or ``token_times``. The steady steps never do (unless ``ids`` is full,
-    :data:`BACKLOG_STEPS` steps): the lists are built when they are read.
+    :meth:`Scheduler.sync`), and so does reading a request's ``outputs`` or ``token_times``.
+    The steady steps never do (unless ``ids`` is full, :data:`BACKLOG_STEPS` steps): the
+    lists are built when they are read.
 
     Rows that end by length are the last ones (see :meth:`Scheduler.schedule_decode`): they
     leave the drawing rows (``live``) and keep their tokens here (``counts``: the steps
