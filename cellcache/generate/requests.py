@@ -201,6 +201,11 @@ class Request:
             self._sync()
         return {**self.__dict__, "_sync": None}
 
+    def defer_to(self, sync: Callable[[], None] | None) -> None:
+        """Makes reading ``outputs`` or ``token_times`` call ``sync`` first (the scheduler
+        may hold tokens of this request not appended yet); None: no longer."""
+        self._sync = sync
+
     @property
     def done(self) -> bool:
         return self.finished is not None
@@ -249,7 +254,7 @@ def defer(requests: Iterable[Request], sync: Callable[[], None] | None) -> None:
     """Makes reading ``outputs`` or ``token_times`` of each of ``requests`` call ``sync``
     first (the scheduler may hold tokens of theirs not appended yet); None: no longer."""
     for r in requests:
-        r._sync = sync
+        r.defer_to(sync)
 
 
 def _percentiles(values: list[float], prefix: str) -> dict[str, float | None]:
