@@ -13,9 +13,11 @@ import pytest
 CYTHON = {
     "test_buckets", "test_buffers", "test_cache_machine", "test_config", "test_copy_growth",
     "test_cuda_host_side", "test_demo", "test_growth_modes", "test_host_buffers",
-    "test_host_growth", "test_lifetime", "test_memory_limits", "test_prefix", "test_refusals",
-    "test_registry", "test_rules", "test_scheduler", "test_step_protocol", "test_stubs",
-    "test_table_machine", "test_threads",
+    "test_host_growth", "test_lifetime", "test_memory_limits", "test_prefix",
+    "test_prefix_eviction", "test_prefix_lend", "test_prefix_machine", "test_refusals",
+    "test_registry", "test_rules", "test_scheduler", "test_scheduler_admission",
+    "test_scheduler_fakes", "test_scheduler_rules", "test_scheduler_steady", "test_step_protocol",
+    "test_stubs", "test_table_machine", "test_threads",
 }
 
 #: what in those modules is not about compiled code: the PTX rebuilds (NVRTC, minutes)

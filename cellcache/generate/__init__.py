@@ -49,10 +49,13 @@ sequence's next token and chunks of prompts still being read, in one forward. Ar
   gives time to first token and inter-token latency p50/p99.
 
 Modules, by concern (each testable alone): ``requests`` (Request, Sampling, finish
-reasons, argument checks, latency summary), ``scheduler`` (every cache verb: admission with
-the prefix cache, chunking under the token budget, preemption, forks, draft rewinds;
-``schedule()`` / ``update_from_output()``, no model needed), ``sampler`` (batched sampling
-and draft verification on the device, no cache needed), ``engine`` (the Generator: the step
+reasons, argument checks, latency summary), ``plan`` (StepPlan, Seq, Job, Outcome and the
+serving rules), ``kv`` (the scheduler's one door to the cache and the prefix cache),
+``base`` (the plain scheduler: admission, chunking under the token budget, preemption,
+forks, draft rewinds; ``schedule()`` / ``update_from_output()``, no model needed),
+``scheduler`` (the Generator's scheduler: the base plus the steady path of lean decode
+steps), ``sampler`` (batched sampling and draft verification on the device, no cache
+needed), ``readback`` (the step's device-to-host copy), ``engine`` (the Generator: the step
 transaction, rollback, threads), ``drivers`` (chat and Poisson-arrival clients shared by
 tests and ``tools/bench_serve.py``), ``cli`` (``cellcache generate``, random models).
 
