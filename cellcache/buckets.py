@@ -2,7 +2,7 @@
 
 A step of width ``w`` runs at the smallest bucket ``B >= w`` (``prepare_step(pad_to=B)``),
 so one graph per bucket serves every step. The rule and the default list live here, once:
-the simulated session, the demo, :class:`cellcache.hf.ModelRunner` and the graph tool all
+the simulated session, the demo, :class:`cellcache.runner.ModelRunner` and the graph tool all
 ask this module.
 
 >>> default_buckets(48)

@@ -439,15 +439,10 @@ class HFAdapter:
 
 
 def _attention_paths(config: Any, cfg: CacheConfig) -> list[str]:
-    """Each layer's attention path on a CUDA cache with the paged view
-    (:func:`cellcache.cuda.kernels.choose_path`); InvalidArgument when a layer's shape has
-    none, so such a model is refused before it is switched."""
-    from .cuda.kernels import choose_path
-
-    heads = _config_int(_decoder_config(config), "num_attention_heads", 1)
-    return [choose_path(cfg.dtype, lc.head_dim, heads // lc.n_kv_heads,
-                        have_flashinfer=cct.have_flashinfer(), has_masks=cfg.mask_format != "none")
-            for lc in cfg.layers]
+    """Each layer's attention path on a CUDA cache with the paged view, by the rule the step's
+    attention plan follows (:func:`cellcache.torch.layer_paths`); InvalidArgument when a
+    layer's shape has none, so such a model is refused before it is switched."""
+    return cct.layer_paths(cfg, _config_int(_decoder_config(config), "num_attention_heads", 1))
 
 
 def vocab_size(model: Any) -> int:

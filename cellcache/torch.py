@@ -291,7 +291,7 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
 #: The forward running now, for :func:`attention_op`: an object with ``view`` (a
 #: :class:`TorchView`), ``step``, ``backend`` (as :func:`attention` takes them) and an int
 #: ``calls`` the op counts up; None between forwards. Set by whoever runs the model
-#: (:class:`cellcache.hf.ModelRunner`), read only inside the op, where dynamo does not look.
+#: (:class:`cellcache.runner.ModelRunner`), read only inside the op, where dynamo does not look.
 FORWARD: contextvars.ContextVar = contextvars.ContextVar("cellcache_forward", default=None)
 
 

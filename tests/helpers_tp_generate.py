@@ -100,7 +100,7 @@ def serve_workload(gen: Any, rank: int, alloc: Any = None) -> dict:
             raised.append(f"{type(e).__name__}: {e}")
             busy = True
         step += 1
-        flights += gen._flight is not None
+        flights += gen.in_flight
         if not busy and step > last:
             break
     cache = gen.cache
@@ -213,7 +213,7 @@ def steady_decode_on_rank(rank: int, world: int) -> dict:
             decode = not gen.waiting and all(len(s.tokens) - s.in_cache == 1 for s in gen.running)
             busy = gen.step()
             records.append((counter.calls - calls, gen.cache.rows > rows, decode,
-                            gen._flight is not None, gen.busy))
+                            gen.in_flight, gen.busy))
         out[async_steps, streams] = {"records": records, "outputs": [r.outputs for r in added],
                                      "skipped": gen.tp.skipped, "exchanges": gen.tp.exchanges}
         counter.restore()
@@ -288,8 +288,8 @@ def diverged_draws_on_rank(rank: int, world: int) -> dict:
         model = gen_model()
         cache = tp.build("host", "batched", gen_cache_config(model), debug=debug)
         gen = Generator(model, cache, tp=True, async_steps=async_steps, **GEN_OPTIONS)  # type: ignore[arg-type]
-        inner = gen.sampler.inner
-        launch, launched = inner.launch, [0]
+        sampler = gen.sampler
+        launch, launched = sampler.launch, [0]
 
         def other_id(logits: Any, spec: Any, greedy: Any = None, launch: Any = launch,
                      launched: list = launched) -> Any:
@@ -302,7 +302,7 @@ def diverged_draws_on_rank(rank: int, world: int) -> dict:
             ids[0] = (ids[0] + 1) % 512
             return Draw(SamplerOutput(ids, got.accepted, torch.from_numpy(ids)))
 
-        inner.launch = other_id
+        sampler.launch = other_id
         if rank == 0:
             for p in prompts:
                 gen.add(p, Sampling(max_new_tokens=10))

@@ -40,7 +40,7 @@ def gpu_greedy(gen: Any, rank: int, n_new: int) -> list:
         n, replays = gen.stats["steps"], runner.replays
         graphs = (len(runner.graphs), len(runner.mixed_graphs))
         trace(f"step {n}: {len(gen.waiting)} waiting, {len(gen.running)} running, "
-              f"in flight {gen._flight is not None}")
+              f"in flight {gen.in_flight}")
         busy = gen.step()
         trace(f"step {n} done: replays +{runner.replays - replays}, graphs (decode, mixed) "
               f"{graphs} -> {(len(runner.graphs), len(runner.mixed_graphs))}, busy {busy}")

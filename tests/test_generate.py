@@ -244,7 +244,7 @@ def test_a_forward_refused_after_a_detach_rolls_back_and_resumes_after_reattach(
     assert [r.outputs[0] for r in reqs] == clean(model, prompts)
 
 
-@pytest.mark.parametrize("where", ["_schedule", "_apply"])
+@pytest.mark.parametrize("where", ["schedule", "update_from_output"])
 def test_ctrl_c_during_the_bookkeeping_is_held_until_the_step_is_whole(model, prompts, where):
     """SIGINT arriving while the rows are chosen (the step is then rolled back) or while
     the outcomes are applied (the step completes, its tokens are delivered): either way
@@ -259,23 +259,24 @@ def test_ctrl_c_during_the_bookkeeping_is_held_until_the_step_is_whole(model, pr
         streamed.setdefault(req.id, []).append(tok)
 
     reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW), on_token=record) for p in prompts]
-    real = getattr(gen, where)
+    real = getattr(gen.scheduler, where)
     calls = {"n": 0}
 
     def interrupted(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 1 and where == "_apply":
+        if calls["n"] == 1 and where == "update_from_output":
             signal.raise_signal(signal.SIGINT)        # Ctrl-C before any outcome is applied
         out = real(*a, **k)
-        if calls["n"] == 1 and where == "_schedule":
+        if calls["n"] == 1 and where == "schedule":
             signal.raise_signal(signal.SIGINT)        # Ctrl-C once sequences were admitted
         return out
 
-    setattr(gen, where, interrupted)
+    setattr(gen.scheduler, where, interrupted)
     before = snapshot(gen)
     with pytest.raises(KeyboardInterrupt):
         gen.step()
-    if where == "_schedule":
+    assert calls["n"] == 1
+    if where == "schedule":
         assert snapshot(gen)[:7] == before[:7]
     check_consistent(gen)
     gen.run()
@@ -283,48 +284,40 @@ def test_ctrl_c_during_the_bookkeeping_is_held_until_the_step_is_whole(model, pr
     assert all(streamed[r.id] == r.outputs[0] for r in reqs)
 
 
-def test_a_sampling_error_ends_only_its_request(model, prompts):
-    gen = make(model)
-    real = gen._sample
-    count = {"n": 0}
+class _Interrupted:
+    """A launched step's draws whose landing is interrupted (what the sampler's launch
+    returns, in its place)."""
 
-    def sample(s, row):
-        if s.req.id == 2:
-            count["n"] += 1
-            if count["n"] == 4:
-                raise RuntimeError("probability tensor contains nan")
-        return real(s, row)
+    def __init__(self, draw):
+        self.device_ids = draw.device_ids
 
-    gen._sample = sample
-    reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW)) for p in prompts]
-    run_through(gen, RuntimeError)
-    assert reqs[2].finish_reasons == ["error"] and len(reqs[2].outputs[0]) == 3
-    others = [r for r in reqs if r.id != 2]
-    assert [r.outputs[0] for r in others] == clean(model, [prompts[r.id] for r in others])
+    def result(self):
+        raise KeyboardInterrupt
 
 
-def test_an_interrupt_in_sampling_rolls_back_and_restores_the_random_generators(model, prompts):
-    """Seeded sampling: an interrupt after some sequences were sampled (their generators
-    advanced) is rolled back, generators included: the outputs are the clean run's."""
+def test_an_interrupt_in_sampling_rolls_back_and_the_draws_repeat(model, prompts):
+    """Seeded sampling, forks: an interrupt while a step's draws land (the generator's
+    sampler is public: wrapped here) rolls the step back, and stepping again draws the same
+    tokens: the outputs are the clean run's."""
     sp = Sampling(max_new_tokens=N_NEW, temperature=0.9, top_k=40, seed=5, n=2)
 
     def serve(fail_at):
         gen = make(model)
-        real = gen._sample
+        launch = gen.sampler.launch
         count = {"n": 0}
 
-        def sample(s, row):
+        def interrupted(*args):
+            draw = launch(*args)
             count["n"] += 1
-            if count["n"] == fail_at:
-                raise KeyboardInterrupt
-            return real(s, row)
+            return _Interrupted(draw) if count["n"] == fail_at else draw
 
-        gen._sample = sample
+        gen.sampler.launch = interrupted
         reqs = [gen.add(p, sp) for p in prompts[:3]]
         run_through(gen, KeyboardInterrupt, expect_raise=fail_at is not None)
+        assert count["n"] >= (fail_at or 0)
         return [r.outputs for r in reqs]
 
-    assert serve(9) == serve(None)
+    assert serve(3) == serve(None)
 
 
 # -- 2. re-entrance and threads ----------------------------------------------------------------

@@ -349,24 +349,14 @@ def test_cancel_with_a_step_in_flight(model):
 
 
 def test_a_requests_own_failures(model):
-    """on_token raising ends only its request; so does its sampling (the hooked _sample)."""
+    """on_token raising ends only its request, with or without a step in flight."""
     def run(async_steps):
         gen = make(model, async_steps)
-        real = gen._sample
-        count = {"n": 0}
-
-        def sample(s, slot):
-            if s.req.id == 2:
-                count["n"] += 1
-                if count["n"] == 5:
-                    raise RuntimeError("sampling failed")
-            return real(s, slot)
 
         def bad(req, k, tok):
             if len(req.outputs[0]) == 3:
                 raise ValueError("client gone")
 
-        gen._sample = sample
         reqs = [gen.add(p, Sampling(max_new_tokens=10), on_token=bad if i == 1 else None)
                 for i, p in enumerate(prompts(9, 5))]
         raised = []
@@ -381,8 +371,9 @@ def test_a_requests_own_failures(model):
 
     a, ea, _ = run(False)
     b, eb, gen = run(True)
-    assert a == b and ea == eb == ["ValueError", "RuntimeError"] or (a == b and sorted(ea) == sorted(eb))
-    assert b[1][1] == ["error"] and b[2][1] == ["error"]
+    assert a == b and ea == eb == ["ValueError"]
+    assert b[1][1] == ["error"] and len(b[1][0][0]) == 3
+    assert all(reasons == ["length"] for i, (_, reasons) in enumerate(b) if i != 1)
 
 
 @pytest.mark.parametrize("where", ["prepare", "forward", "sample", "land"])

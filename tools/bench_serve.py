@@ -523,8 +523,7 @@ def _annotate(gen, forward_events: list | None):
         wrap(gen.tp, "handover", "cellcache.handover")
     wrap(gen.cache, "prepare_step", "cellcache.prepare_step")
     wrap(gen.runner, "forward", "cellcache.forward", events=True)
-    sampler = gen.sampler.inner if hasattr(gen.sampler, "inner") else gen.sampler
-    wrap(sampler, "launch", "cellcache.sample_launch")
+    wrap(gen.sampler, "launch", "cellcache.sample_launch")
 
     def off() -> None:
         for obj, attr, real, had in reversed(undo):

@@ -41,7 +41,7 @@ sequence's next token and chunks of prompts still being read, in one forward. Ar
 - threads: one thread steps a Generator (another stepping thread, or ``step()`` from
   inside a callback, gets ``InvalidState``); :meth:`Generator.add` and
   :meth:`Generator.cancel` are safe from any thread;
-- on CUDA, decode steps replay a CUDA graph of their padded width (:class:`cellcache.hf.ModelRunner`),
+- on CUDA, decode steps replay a CUDA graph of their padded width (:class:`cellcache.runner.ModelRunner`),
   and run asynchronously (``async_steps``): the next decode step is planned, prepared and
   launched on the previous one's sampled ids, on the device, before they reach the host;
   outputs are the synchronous generator's, token for token;
@@ -55,7 +55,8 @@ serving rules), ``kv`` (the scheduler's one door to the cache and the prefix cac
 forks, draft rewinds; ``schedule()`` / ``update_from_output()``, no model needed),
 ``scheduler`` (the Generator's scheduler: the base plus the steady path of lean decode
 steps), ``sampler`` (batched sampling and draft verification on the device, no cache
-needed), ``readback`` (the step's device-to-host copy), ``engine`` (the Generator: the step
+needed), ``readback`` (the step's device-to-host copy), ``options`` (the Generator's arguments,
+checked), ``engine`` (the Generator: the step
 transaction, rollback, threads), ``drivers`` (chat and Poisson-arrival clients shared by
 tests and ``tools/bench_serve.py``), ``cli`` (``cellcache generate``, random models).
 

@@ -40,7 +40,8 @@ from .._cli import Parser, in_range
 from ..errors import CellCacheError, InvalidArgument, OutOfMemory
 from ..hf import vocab_size
 from ..tp import TPCache
-from .engine import CPU_BATCH_TOKENS, CUDA_BATCH_TOKENS, Generator
+from .engine import Generator
+from .options import CPU_BATCH_TOKENS, CUDA_BATCH_TOKENS
 from .requests import Request, Sampling
 from .scheduler import ADMISSION_POLICIES
 

@@ -96,13 +96,12 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from ..errors import InvalidArgument, InvalidState
 from ..tp import TPCache
 from .requests import Request
-from .sampler import Draw, SamplerOutput, SampleSpec
+from .sampler import SamplerOutput
 from .scheduler import Job, Seq
 
 __all__ = ["RankSync", "is_sharded", "tp_world"]
@@ -143,16 +142,16 @@ class RankSync:
     """Keeps a Generator's ranks in lockstep (the module docstring): installed by
     ``Generator(tp=...)`` as ``gen.tp``; ``rank`` and ``world`` are public. It holds the
     Generator weakly and reads it through public names (``requests``, ``scheduler``,
-    ``clock``, ``sampler``, ``stats``, ``busy``); the Generator hands it rank 0's queued
-    requests at each boundary. It switches the cache to deferred agreement
+    ``clock``, ``stats``, ``busy``); the Generator hands it rank 0's queued requests at each
+    boundary and every step's draws as they land (:meth:`landed`). It switches the cache to deferred agreement
     (:meth:`TPCache.defer`): its hand-overs are the per-step rounds that settle it."""
 
     def __init__(self, gen: Any, cache: TPCache):
-        # weakly: the Generator holds this (gen.tp, and its sampler through _RankSampler), and
-        # a cycle would keep a generator that went out of scope, its runner and CUDA graphs
-        # alive until a garbage collection. NCCL (2.26+) will not destroy a communicator
-        # while a CUDA graph that captured one of its kernels lives: destroy_process_group()
-        # after the generator's last use (the CLI, the bench) then blocked forever.
+        # weakly: the Generator holds this (gen.tp), and a cycle would keep a generator that
+        # went out of scope, its runner and CUDA graphs alive until a garbage collection. NCCL
+        # (2.26+) will not destroy a communicator while a CUDA graph that captured one of its
+        # kernels lives: destroy_process_group() after the generator's last use (the CLI, the
+        # bench) then blocked forever.
         self._gen = weakref.ref(gen)
         self.cache = cache
         self.rank, self.world = cache.rank, cache.world
@@ -175,7 +174,6 @@ class RankSync:
         self.exchanges = 0                            # hand-over rounds run
         self.skipped = 0                              # step ends that needed none (see handover)
         cache.defer()                                 # the hand-overs settle every step
-        gen.sampler = _RankSampler(gen.sampler, self)
 
     @property
     def gen(self) -> Any:
@@ -382,54 +380,3 @@ class RankSync:
             raise InvalidState(f"{reason}; the ranks' outputs differ from there: build new generators")
         self._agreed = self._landed
         return got[:3]
-
-
-class _CheckedDraw:
-    """A launched step's draws under TP (what :meth:`Sampler.launch` returns, wrapped):
-    ``device_ids`` at once; :meth:`result` lands them and folds them into the ranks'
-    checksum, once."""
-
-    __slots__ = ("_draw", "_sync", "_out", "device_ids")
-
-    def __init__(self, draw: Draw, sync: RankSync):
-        self._draw, self._sync = draw, sync
-        self._out: SamplerOutput | None = None
-        self.device_ids = draw.device_ids
-
-    def result(self) -> SamplerOutput:
-        if self._out is None:
-            out = self._draw.result()
-            self._sync.landed(out)
-            self._out = out
-        return self._out
-
-
-class _RankSampler:
-    """The Generator's sampler under TP: every rank samples its own (identical) logits with
-    the same sampler (``inner``), so the draws are the same everywhere without a broadcast;
-    :meth:`launch` is the inner sampler's asynchronous launch, its Draw wrapped to be
-    checked. Everything else (``device``, ``copies``, ...) is the inner sampler's."""
-
-    def __init__(self, inner: Any, sync: RankSync):
-        self.inner, self._sync = inner, sync
-
-    def __call__(self, logits: torch.Tensor, spec: SampleSpec) -> SamplerOutput:
-        return self.launch(logits, spec).result()
-
-    def launch(self, logits: torch.Tensor, spec: SampleSpec,
-               greedy: torch.Tensor | None = None) -> Any:
-        """:meth:`Sampler.launch` on this rank (``greedy``: the graph's argmax of each row, as
-        there), the Draw checked when it lands."""
-        # (greedy only when given: a sampler with the older two-argument launch still works)
-        draw = self.inner.launch(logits, spec) if greedy is None else self.inner.launch(logits, spec, greedy)
-        return _CheckedDraw(draw, self._sync)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # settings (``stream``, ...) are the inner sampler's, whenever they are made
-        if name in ("inner", "_sync"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.inner, name, value)

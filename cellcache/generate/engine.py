@@ -50,16 +50,12 @@ from ..runner import check_options
 from ..tp import TPCache, shard_model
 from ..tp import build as tp_build
 from .distributed import RankSync, is_sharded
-from .options import CPU_BATCH_TOKENS as CPU_BATCH_TOKENS  # (cellcache.generate.cli reads them here)
-from .options import CUDA_BATCH_TOKENS as CUDA_BATCH_TOKENS
 from .options import Serving, serving, settings
 from .requests import Request, Sampling, latency_summary, token_ids
-from .sampler import Draw, Sampler, SamplerOutput
+from .sampler import Draw, Sampler
 from .scheduler import (
     HoldInterrupts,
     Job,
-    Outcome,
-    PendingPrompts,
     Scheduler,
     Seq,
     StepPlan,
@@ -254,7 +250,6 @@ class Generator:
         self._cancels: list[Job] = []
         self._stepping: int | None = None      # the stepping thread's id
         self._phase: str | None = None         # "draft" / "deliver": callbacks are running
-        self._drawn: SamplerOutput | None = None   # the step's draws, while it is decided
         #: The stream the steps run on (the runner's; None on the host).
         self.stream = self.runner.stream
         self.sampler.stream = self.stream             # (looked up once, not every step)
@@ -269,7 +264,6 @@ class Generator:
         self._undelivered: list[tuple[Job, int, int]] = []   # applied tokens awaiting on_token
         self._landed: _Flight | None = None       # the step applied by this call, to book
         self._prof: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self._drawn_ids: np.ndarray | None = None
         #: Host time by phase (:data:`PHASES`), in ms summed over the steps applied, for all
         #: steps, decode-only ones and mixed ones, and the step counts.
         self.profile: dict[str, Any] = {
@@ -314,8 +308,10 @@ class Generator:
         return self.scheduler.eos
 
     @property
-    def _pending(self) -> PendingPrompts:
-        return self.scheduler.pending
+    def in_flight(self) -> bool:
+        """Whether a step was left in flight on the device (``async_steps``): it is applied,
+        and its callbacks run, at the next :meth:`step` call."""
+        return self._flight is not None
 
     @property
     def requests(self) -> list[Request]:
@@ -596,7 +592,7 @@ class Generator:
             self._propose(errors)
             self._phase = None
             with HoldInterrupts() as held:
-                plan = self._schedule()
+                plan = self.scheduler.schedule()
             if held.hit:
                 if plan is not None:
                     self.scheduler.rollback(plan, False)
@@ -641,21 +637,6 @@ class Generator:
         self.scheduler.sync()                         # done: the lists whole, the requests let go
         return False
 
-    def _schedule(self) -> StepPlan | None:
-        """The scheduler's plan for this step (declared), or None."""
-        return self.scheduler.schedule()
-
-    def _apply(self, outcomes: list[Outcome]) -> list[tuple[Job, int, int]]:
-        """Advances every sequence by its outcome (no user code runs); returns the tokens
-        to deliver, in order."""
-        return self.scheduler.update_from_output(outcomes)
-
-    def _sample(self, s: Seq, slot: int) -> int:
-        """The token drawn for ``s`` at sampler slot ``slot`` of this step: a read of the
-        step's host copy (the per-request point where its sampling may fail)."""
-        assert self._drawn is not None
-        return int(self._drawn.ids[slot])
-
     def _propose(self, errors: list[BaseException]) -> None:
         """Asks each decoding request's draft callable for proposals (user code)."""
         for s in list(self.running):
@@ -666,11 +647,11 @@ class Generator:
                     s.drafts = []
                 continue
             s.drafts = []
-            if job.closed or s.sid is None or len(s.tokens) - s.in_cache != 1:
+            if job.closed or s.sid is None or s.to_feed != 1:
                 continue
-            if r.sampling.n > 1 and not job.forked:   # its first token forks: no verify row
+            if s.forks_next():                        # its first token forks: no verify row
                 continue
-            k = min(r.draft_k, r.sampling.max_new_tokens - len(r.outputs[s.index]) - 1)
+            k = min(r.draft_k, s.draws_left() - 1)
             if k <= 0:
                 continue
             try:
@@ -794,10 +775,6 @@ class Generator:
         slots = np.fromiter((where[id(s)] for s in plan.seqs), np.int64, n)
         return self.runner.gather(ids, slots)
 
-    def _hooked(self) -> bool:
-        """Whether ``_sample`` was replaced (tests hook it): the general outcome path runs."""
-        return "_sample" in self.__dict__ or type(self)._sample is not Generator._sample
-
     def _land(self, flight: _Flight, errors: list[BaseException], nxt: _Flight | None = None
               ) -> tuple[list[tuple[Job, int, int]], bool]:
         """Waits for ``flight``'s ids, decides and applies its outcomes; a failure before
@@ -809,28 +786,25 @@ class Generator:
         try:                                          # from the first statement: rolled back
             self._prof = flight.prof
             t = time.perf_counter()
-            lean = plan.lean and not self._hooked()
-            self._drawn = flight.draw.result()        # the step's one host sync
+            drawn = flight.draw.result()              # the step's one host sync
+            if self.tp is not None:                   # every rank folds its draws in, in order
+                self.tp.landed(drawn)
             t = self._tick("wait", t)
-            if not lean:
-                outcomes, failed = sched.decide(plan, self._drawn, self._sample)
+            if not plan.lean:
+                outcomes, failed = sched.decide(plan, drawn)
         except BaseException:
             sched.rollback(plan, False)
             raise
-        finally:
-            self._drawn_ids = self._drawn.ids if self._drawn is not None else None
-            self._drawn = None
         with HoldInterrupts() as held:
             if plan.rows:                             # (an ahead step whose rows all ended: not one)
                 sched.count_step(plan, flight.graph)
-            if lean:
-                events = sched.apply_decode(plan, self._drawn_ids, deliver=False)
+            if plan.lean:
+                events = sched.apply_decode(plan, drawn.ids, deliver=False)
             else:
                 for job, exc in failed:
                     self._fail(job, exc, None, errors)
-                events = self._apply(outcomes)
+                events = sched.update_from_output(outcomes)
             self._undelivered += events               # delivered by this step, or the next
-        self._drawn_ids = None
         self._tick("update", t)
         self._landed = flight
         return events, held.hit

@@ -227,7 +227,7 @@ class Sampler:
         ``Draw.device_ids`` to the next step before that).
 
         ``greedy``: the argmax of each row of ``logits``, already on the device (a replayed
-        graph computes it: :attr:`cellcache.hf.ModelRunner.greedy`), used instead of an
+        graph computes it: :attr:`cellcache.runner.ModelRunner.greedy`), used instead of an
         argmax launch when slot i draws from row i."""
         fast = self._fast
         if fast is not None and greedy is fast[2] and spec is fast[0] and logits is fast[1] \
