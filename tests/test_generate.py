@@ -766,7 +766,7 @@ def test_cli_capacity_that_cannot_be_allocated(capsys, monkeypatch):
     def oom(*a, **k):
         raise OutOfMemory("could not allocate 68719476736 bytes for the step buffer mask_w0")
 
-    monkeypatch.setattr(cgen.engine, "build", oom)
+    monkeypatch.setattr(cgen.options, "build", oom)
     one_line_exit(capsys, BASE + ["--capacity", "134217728"], "cannot serve this model with --capacity")
 
 

@@ -43,14 +43,12 @@ import torch
 from .._checks import check_int
 from ..cache import CellCache
 from ..errors import InvalidArgument, InvalidState
-from ..hf import attach, cache_config
+from ..hf import attach
 from ..prefix import PrefixCache
-from ..registry import build
 from ..runner import check_options
-from ..tp import TPCache, shard_model
-from ..tp import build as tp_build
-from .distributed import RankSync, is_sharded
-from .options import Serving, serving, settings
+from ..tp import TPCache
+from .distributed import RankSync
+from .options import serving, serving_cache, settings
 from .requests import Request, Sampling, latency_summary, token_ids
 from .sampler import Draw, Sampler
 from .scheduler import (
@@ -81,31 +79,6 @@ class _Flight:
     draw: Draw
     graph: bool
     prof: dict[str, float]
-
-
-def _serving_cache(model: Any, capacity: int, max_batch_tokens: int, s: Serving
-                   ) -> tuple[Any, CellCache | TPCache, PrefixCache | None]:
-    """The model (sharded under tensor parallelism), the cache (given, or built for the
-    model) and the prefix cache (or None) a Generator serves with, from its checked
-    arguments."""
-    if s.world is not None and not is_sharded(model):   # every argument checked: sharding is for good
-        model = shard_model(model)
-    cache, prefix_opts = s.cache, s.prefix_options
-    if cache is None:
-        ids = s.max_seqs
-        if prefix_opts is not None:
-            prefix_opts.setdefault("max_seqs", s.max_seqs)
-            ids += prefix_opts["max_seqs"]
-        cfg = cache_config(model, capacity=capacity, max_write=max_batch_tokens, max_seqs=ids)
-        backend = "cuda" if model.device.type == "cuda" else "host"
-        cache = build(backend, "batched", cfg) if s.world is None else tp_build(backend, "batched", cfg)
-    if prefix_opts is None:
-        return model, cache, s.prefix
-    if "max_seqs" not in prefix_opts:               # half the ids nobody holds yet
-        left = cache.max_seqs - len(cache.live_seqs())
-        prefix_opts["max_seqs"] = max(1, left // 2)
-    prefix_opts["max_seqs"] = min(prefix_opts["max_seqs"], cache.max_seqs)
-    return model, cache, PrefixCache(cache, **prefix_opts)   # (refused before the model is touched)
 
 
 class Generator:
@@ -215,7 +188,7 @@ class Generator:
         check_options(compile, attention)    # refused before anything is built or switched
         max_batch_tokens, prefill_chunk, reserve, eos_ids = settings(
             model, capacity, max_batch_tokens, prefill_chunk, reserve, clock, eos, async_steps)
-        model, cache, given = _serving_cache(model, capacity, max_batch_tokens,
+        model, cache, given = serving_cache(model, capacity, max_batch_tokens,
                                              serving(tp, cache, admission, prefix_cache, max_seqs))
         self.model, self.cache = model, cache
         #: Runs the forwards: graphs, input feeds, warm-up (:class:`cellcache.runner.ModelRunner`).

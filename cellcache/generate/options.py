@@ -4,7 +4,9 @@ serves with, before anything is built or switched::
     settings(...)       budget, prompt chunk, reserve, clock, eos, async_steps (its own)
     serving(...)        tp, cache, admission, prefix_cache, max_seqs checked together:
                         the world, the cache and prefix cache given or what to build them
-                        with (the Generator shards the model and builds them)
+                        with
+    serving_cache(...)  the model sharded under tensor parallelism, the cache and the
+                        prefix cache built from them
 
 Every refusal is an InvalidArgument raised before the model is sharded or a cache is built;
 the runner's options (``graphs``, ``buckets``, ``compile``, ``attention``) are the runner's
@@ -23,14 +25,17 @@ import numpy as np
 from .._checks import check_int
 from ..cache import CellCache
 from ..errors import InvalidArgument
+from ..hf import cache_config
 from ..prefix import PrefixCache
-from ..tp import TPCache
-from .distributed import tp_world
+from ..registry import build
+from ..tp import TPCache, shard_model
+from ..tp import build as tp_build
+from .distributed import is_sharded, tp_world
 from .requests import real_number, token_ids
 from .scheduler import ADMISSION_POLICIES
 
 __all__ = ["CPU_BATCH_TOKENS", "CPU_PREFILL_CHUNK", "CUDA_BATCH_TOKENS", "CUDA_PREFILL_CHUNK",
-           "PREFIX_OPTIONS", "Serving", "serving", "settings"]
+           "PREFIX_OPTIONS", "Serving", "serving", "serving_cache", "settings"]
 
 #: Default token budget a step (``max_batch_tokens``) and prompt chunk on a GPU (wide enough
 #: to keep the device busy through the prefill kernels); the CPU defaults stay small.
@@ -124,3 +129,28 @@ def serving(tp: Any, cache: Any, admission: Any, prefix_cache: Any, max_seqs: An
     if cache is None:
         max_seqs = check_int(max_seqs, "max_seqs", 1)
     return Serving(world, cache, given, prefix_opts, max_seqs)
+
+
+def serving_cache(model: Any, capacity: int, max_batch_tokens: int, s: Serving
+                   ) -> tuple[Any, CellCache | TPCache, PrefixCache | None]:
+    """The model (sharded under tensor parallelism), the cache (given, or built for the
+    model) and the prefix cache (or None) a Generator serves with, from its checked
+    arguments."""
+    if s.world is not None and not is_sharded(model):   # every argument checked: sharding is for good
+        model = shard_model(model)
+    cache, prefix_opts = s.cache, s.prefix_options
+    if cache is None:
+        ids = s.max_seqs
+        if prefix_opts is not None:
+            prefix_opts.setdefault("max_seqs", s.max_seqs)
+            ids += prefix_opts["max_seqs"]
+        cfg = cache_config(model, capacity=capacity, max_write=max_batch_tokens, max_seqs=ids)
+        backend = "cuda" if model.device.type == "cuda" else "host"
+        cache = build(backend, "batched", cfg) if s.world is None else tp_build(backend, "batched", cfg)
+    if prefix_opts is None:
+        return model, cache, s.prefix
+    if "max_seqs" not in prefix_opts:               # half the ids nobody holds yet
+        left = cache.max_seqs - len(cache.live_seqs())
+        prefix_opts["max_seqs"] = max(1, left // 2)
+    prefix_opts["max_seqs"] = min(prefix_opts["max_seqs"], cache.max_seqs)
+    return model, cache, PrefixCache(cache, **prefix_opts)   # (refused before the model is touched)
