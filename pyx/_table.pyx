@@ -140,8 +140,8 @@ cdef class CellTable:
             self.cell_pos[c] = POS_FREE
         # the other per-cell arrays are touched now too, when they are not huge: placement
         # writes each new cell's owner word, count and mark, and a page written for the first
-        # time costs the kernel a fault (~14 us of a 256-row step's ~20 on the CI box, while
-        # the steps move into cells never used before)
+        # time costs the kernel a fault, which would otherwise land on the steps that first
+        # move into cells never used before (most of such a step's placement time)
         cdef size_t lazy = cap * (8 * <size_t>self.owner_words + 4 + (1 if track_changes else 0))
         if lazy <= PREFAULT_BYTES:
             memset(self.owners, 0, cap * 8 * <size_t>self.owner_words)
