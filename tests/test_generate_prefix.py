@@ -703,35 +703,6 @@ def test_cli_prefix_cache_flags(capsys):
     assert off["computed_tokens"] == 24 and off["cached_tokens"] == 0
 
 
-def test_pending_prompts_tree_against_a_plain_list():
-    """The tree of prompts being read: lcp(query) is the longest common prefix with any
-    prompt added and not removed (duplicates counted), after every operation."""
-    from cellcache.radix import PendingPrompts
-
-    rng = np.random.default_rng(19)
-    tree, live = PendingPrompts(), []
-
-    def draw():
-        base = [1, 2, 3, 4, 5, 6, 7, 8][:int(rng.integers(0, 9))]
-        return np.array(base + rng.integers(0, 3, size=int(rng.integers(0, 6))).tolist(), np.int32)
-
-    def lcp(a, b):
-        m = min(len(a), len(b))
-        eq = a[:m] == b[:m]
-        return m if eq.all() else int(eq.argmin())
-
-    for _ in range(3000):
-        if live and rng.random() < 0.45:
-            tree.remove(live.pop(int(rng.integers(0, len(live)))).tobytes())
-        else:
-            p = draw()
-            live.append(p)
-            tree.add(p.tobytes())
-        q = draw()
-        assert tree.lcp(q.tobytes()) == max((lcp(q, p) for p in live), default=0)
-        assert tree.size == len(live)
-
-
 def test_requests_record_the_time_to_first_token(llama):
     model, _ = llama
     _, ps = shared_prompts(20, 3)
