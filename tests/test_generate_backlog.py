@@ -1,9 +1,9 @@
-"""The steady steps' deferred appends (``Scheduler`` keeps each steady step's ids in a
-backlog and appends them to the rows' lists later): whatever reads a request's ``outputs``
-or ``token_times`` (between steps, in a callback, from another thread) sees every applied
-token, the lists hold no more than a full backlog behind (``BACKLOG_STEPS``, 32 here:
-these tests fill it), the steady steps never flush otherwise, and a finished request does
-not keep the generator alive. CPU, tiny random model."""
+"""The steady steps' token store (``Scheduler`` writes each steady step's ids into one
+int32 array for all its rows, and the rows' requests and sequences read through it):
+whatever reads a request's ``outputs`` or ``token_times`` (between steps, in a callback,
+from another thread, a copy or a pickle) sees every applied token without running the
+scheduler; a row settles into plain lists when it ends or another kind of step runs; a
+finished request does not keep the generator alive. CPU, tiny random model."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import signal
 import threading
 import weakref
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -21,16 +22,18 @@ pytest.importorskip("transformers")
 
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
 from cellcache.generate import scheduler as scheduler_module  # noqa: E402
+from cellcache.generate.plan import Job, Seq, StoredRow, TokenStore  # noqa: E402
+from cellcache.generate.requests import Request  # noqa: E402
 
 from .helpers import random_prompts as prompts  # noqa: E402
 
-BACKLOG_STEPS = 32              # the backlog's width in these tests (the library's is larger)
-NEW = BACKLOG_STEPS + 40        # long enough for a full backlog and more
+STORE_STEPS = 8                 # a new store's room in these tests (it doubles past it)
+NEW = 72                        # long enough for the store to grow three times
 
 
 @pytest.fixture(autouse=True)
-def small_backlog(monkeypatch):
-    monkeypatch.setattr(scheduler_module, "BACKLOG_STEPS", BACKLOG_STEPS)
+def small_store(monkeypatch):
+    monkeypatch.setattr(scheduler_module, "STORE_STEPS", STORE_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +41,20 @@ def model():
     return random_model("llama-tiny", seed=3)
 
 
-def make(model, async_steps, eos=()):
+def make(model, async_steps, eos=(), **kw):
     return Generator(model, capacity=4096, max_batch_tokens=256, prefill_chunk=64,
-                     async_steps=async_steps, eos=list(eos))
+                     async_steps=async_steps, eos=list(eos), **kw)
+
+
+def _serve_all(model, specs, async_steps, eos=()):
+    gen = make(model, async_steps, eos)
+    reqs = [gen.add(p, sp) for p, sp in specs]
+    gen.run()                                 # nothing read between steps
+    return reqs, gen.stats["tokens_out"]
 
 
 def reference(model, ps, sampling):
-    """The synchronous generator's outputs (it defers nothing)."""
+    """The synchronous generator's outputs (it stores nothing)."""
     return [r.outputs for r in _serve_all(model, [(p, sampling) for p in ps], False)[0]]
 
 
@@ -58,41 +68,96 @@ def started(model, seed, n):
     return want, gen, [gen.add(p, sampling) for p in ps]
 
 
-def staggered(model, seed, n, gap):
+def staggered(model, seed, n, gap, **kw):
     """``n`` greedy requests whose lengths step down by ``gap`` (their rows end by length at
     different steps): the synchronous generator's outputs, and an asynchronous generator
     with the same requests added: (outputs, generator, requests)."""
     specs = [(p, Sampling(max_new_tokens=NEW - gap * i)) for i, p in enumerate(prompts(seed, n))]
     want = [r.outputs for r in _serve_all(model, specs, False)[0]]
-    gen = make(model, True)
+    gen = make(model, True, **kw)
     return want, gen, [gen.add(p, sp) for p, sp in specs]
 
 
-def raw(req):
-    """The output lists as stored, without bringing deferred tokens in."""
-    return req.__dict__["outputs"]
-
-
-def test_deferred_tokens_are_appended_when_read_and_stay_within_the_backlog(model):
-    want, gen, reqs = started(model, 2, 5)
-    lag_seen = 0
+def into_steady_run(gen, steps=NEW // 2):
+    """Steps ``gen`` until its store holds ``steps`` steps (nothing read meanwhile)."""
     for _ in range(10 * NEW):
+        gen.step()
+        if gen.scheduler.stored_steps() >= steps:
+            return
+    pytest.fail("no steady run")
+
+
+# -- the store itself --------------------------------------------------------------------------
+
+
+def test_a_store_row_reads_its_lists_then_its_column_and_grows_without_losing_any():
+    store = TokenStore(3, 2)
+    out, times, tokens = [9], [0.5], [1, 2, 9]
+    rows = [StoredRow(store, i, out if i == 1 else [], times if i == 1 else [], tokens, 1, 3, 2)
+            for i in range(3)]
+    for j in range(5):                        # past its room twice: the arrays doubled
+        store.write(np.array([10 * j, 10 * j + 1, 10 * j + 2]), float(j + 1))
+    assert store.k == 5 and len(store.stamps) == 8
+    assert rows[1].ids() == [9, 1, 11, 21, 31, 41]
+    assert rows[1].token_times() == [0.5, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert rows[1].tokens_list() == [1, 2, 9, 1, 11, 21, 31, 41]
+    rows[2].end = 3                           # settled after 3 steps: the store went on
+    store.live = 2
+    store.write(np.array([50, 51]), 6.0)
+    assert rows[2].ids() == [2, 12, 22] and rows[0].ids()[-1] == 50
+
+
+def test_a_held_sequence_counts_its_stored_steps_and_settles_into_plain_lists():
+    req = Request(0, [1, 2, 3], Sampling(max_new_tokens=4), outputs=[[7]],
+                  finish_reasons=[None], token_times=[[0.25]])
+    s = Seq(Job(req), 0, [1, 2, 3, 7], in_cache=3)
+    head_out = req.outputs[0]
+    store = TokenStore(1, 4)
+    s.hold(StoredRow(store, 0, head_out, req.token_times[0], s.tokens, 1, 4, 3))
+    store.write(np.array([8]), 1.0)
+    store.write(np.array([9]), 2.0)
+    assert type(s) is not Seq and isinstance(s, Seq)
+    assert s.tokens == [1, 2, 3, 7, 8, 9] and s.in_cache == 5 and s.to_feed == 1
+    assert req.outputs == [[7, 8, 9]] and req.token_times == [[0.25, 1.0, 2.0]]
+    assert head_out == [7]                    # nothing appended to the lists meanwhile
+    s.settle([8, 9], [1.0, 2.0])
+    assert type(s) is Seq and s.row is None
+    assert s.tokens == [1, 2, 3, 7, 8, 9] and s.in_cache == 5
+    assert req.outputs[0] is head_out and head_out == [7, 8, 9]   # the lists kept grew
+    assert req.token_times == [[0.25, 1.0, 2.0]]
+
+
+# -- through the generator ---------------------------------------------------------------------
+
+
+def test_steady_steps_store_their_tokens_and_append_no_list(model):
+    """From the first steady step on, every applied token is in the store or the lists, the
+    lists kept from before the run do not grow until the rows settle, reads see them all,
+    and reading settles nothing."""
+    want, gen, reqs = started(model, 2, 5)
+    sched = gen.scheduler
+    heads = None
+    stored_seen = 0
+    while True:
         busy = gen.step()
-        stored = 0
-        for r in reqs:
-            assert len(r.__dict__["token_times"][0]) == len(raw(r)[0])  # stored together
-            stored += len(raw(r)[0])
-        behind = gen.stats["tokens_out"] - stored
-        # never more than a full backlog of its rows (drawing or ended) behind
-        b = gen.scheduler._backlog
-        assert 0 <= behind <= BACKLOG_STEPS * (0 if b is None else len(b.outs))
-        lag_seen = max(lag_seen, behind)
+        held = sched.stored_steps()
+        if held and heads is None:            # the lists the rows had before the store
+            heads = [(s.row.out, s.row.n_out) for s in sched.stored_rows()]
+        flushed = sched.flushed_tokens
+        got = [r.outputs[0] for r in reqs]
+        assert sched.flushed_tokens == flushed and sched.stored_steps() == held   # (a read)
+        assert sum(map(len, got)) == gen.stats["tokens_out"]
+        assert all(o == w[0][:len(o)] for o, w in zip(got, want))
+        assert all(len(r.token_times[0]) == len(r.outputs[0]) for r in reqs)
+        if held and len(sched.stored_rows()) == len(reqs):
+            assert all(len(h) == n for h, n in heads)          # no list was appended
+        stored_seen = max(stored_seen, held)
         if not busy:
             break
-    assert lag_seen >= BACKLOG_STEPS // 2 * len(reqs)  # the steady steps deferred their appends
-    # read now: every token, in order, as the synchronous generator drew them
+    assert stored_seen >= NEW - 4                # one store for the whole run, grown
+    assert sched.stored_steps() == 0 and sched.stored_rows() == []
     assert [r.outputs for r in reqs] == want
-    assert all(len(t) == len(o) for r in reqs for t, o in zip(r.token_times, r.outputs))
+    assert all(type(o) is list for r in reqs for o in r.__dict__["outputs"])
     assert all(r.finish_reasons == ["length"] for r in reqs)
 
 
@@ -117,55 +182,34 @@ def test_reading_between_steps_sees_every_applied_token(model):
     assert [r.outputs for r in reqs] == want
 
 
-def test_reading_any_one_request_brings_every_deferred_token_in(model):
-    """Rows end at different steps (the steady path drops them from its record and keeps a
-    backlog of the rest): reading any single request's outputs, one a step in turn, runs
-    the flush, so every row's stored list is current afterwards. A request whose reads
-    did not reach the scheduler's hook would leave the backlog's tokens unstored."""
-    ps = prompts(4, 6)
-    samplings = [Sampling(max_new_tokens=NEW - 7 * i) for i in range(len(ps))]
-    want = [r.outputs for r in _serve_all(model, list(zip(ps, samplings)), False)[0]]
-    gen = make(model, True)
-    reqs = [gen.add(p, sp) for p, sp in zip(ps, samplings)]
-    behind_seen = i = 0
-    while True:
-        busy = gen.step()
-        behind_seen = max(behind_seen, gen.stats["tokens_out"] - sum(len(raw(r)[0]) for r in reqs))
-        r = reqs[i % len(reqs)]
-        i += 1
-        got = r.outputs[0]
-        assert sum(len(raw(q)[0]) for q in reqs) == gen.stats["tokens_out"]
-        assert got == want[reqs.index(r)][0][:len(got)]
-        if not busy:
-            break
-    assert behind_seen > 0                      # tokens were deferred between the reads
-    assert [r.outputs for r in reqs] == want
-
-
 def test_a_callback_reading_outputs_sees_its_own_token(model):
     ps = prompts(4, 3)
     sampling = Sampling(max_new_tokens=NEW)
     want = reference(model, ps, sampling)
     gen = make(model, True)
     seen: dict[int, list[int]] = {}
+    stored = []
 
     def on_token(req, k, tok):
         out = req.outputs[k]
         assert out[-1] == tok                 # the token delivered is the last one stored
+        assert req.token_times[k][-1] >= req.token_times[k][0]
         seen[req.id] = list(out)
+        stored.append(gen.scheduler.stored_steps())
 
     reqs = [gen.add(p, sampling, on_token=on_token if i == 0 else None) for i, p in enumerate(ps)]
     gen.run()
+    assert max(stored) > NEW // 2             # the callbacks read through the store
     assert seen[reqs[0].id] == want[0][0]
     assert [r.outputs for r in reqs] == want
 
 
 def test_a_cancel_between_steady_steps_keeps_every_applied_token(model):
     want, gen, reqs = started(model, 5, 4)
-    for _ in range(BACKLOG_STEPS // 2 + 10):  # into the steady run, nothing read meanwhile
-        gen.step()
+    into_steady_run(gen)
     out_before = gen.stats["tokens_out"]
-    assert gen.cancel(reqs[1])
+    assert gen.cancel(reqs[1])                # another path: the rows settle
+    assert gen.scheduler.stored_rows() == []
     gen.run()
     assert reqs[1].finish_reasons == ["cancelled"]
     assert 0 < len(reqs[1].outputs[0]) < NEW
@@ -178,6 +222,7 @@ def test_a_cancel_between_steady_steps_keeps_every_applied_token(model):
 def test_outputs_read_from_another_thread_are_always_a_prefix_of_the_result(model):
     want, gen, reqs = started(model, 6, 4)
     snaps: list[list[list[int]]] = []
+    times: list[list[int]] = []
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -185,6 +230,7 @@ def test_outputs_read_from_another_thread_are_always_a_prefix_of_the_result(mode
         try:
             while not stop.wait(0.0002):        # (a short wait: the stepping thread runs)
                 snaps.append([list(r.outputs[0]) for r in reqs])
+                times.append([len(r.token_times[0]) for r in reqs])
         except BaseException as e:            # pragma: no cover - reported below
             errors.append(e)
 
@@ -203,6 +249,7 @@ def test_outputs_read_from_another_thread_are_always_a_prefix_of_the_result(mode
         assert all(o == w[0][:len(o)] for o, w in zip(snap, want))
     lengths = [[len(o) for o in snap] for snap in snaps]
     assert all(a <= b for x, y in zip(lengths, lengths[1:]) for a, b in zip(x, y))
+    assert all(a <= b for x, y in zip(times, times[1:]) for a, b in zip(x, y))
 
 
 def test_finished_requests_do_not_keep_the_generator_alive(model):
@@ -217,33 +264,35 @@ def test_finished_requests_do_not_keep_the_generator_alive(model):
     assert [r.outputs for r in reqs] == outs and all(len(o[0]) == NEW for o in outs)
 
 
-def test_an_interrupt_during_a_flush_is_held_until_the_lists_are_whole(model, monkeypatch):
+def test_an_interrupt_while_rows_settle_is_held_until_the_lists_are_whole(model, monkeypatch):
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals reach the main thread only")
     want, gen, reqs = started(model, 8, 4)
-    for _ in range(BACKLOG_STEPS // 2 + 10):  # steady steps deferred, nothing read
-        gen.step()
-    consume, calls = scheduler_module._consume, []
+    into_steady_run(gen)
+    sched = gen.scheduler
+    settle, calls = Seq.settle, []
 
-    def interrupted(it):                      # Ctrl-C arrives between the flush's appends
+    def interrupted(self, ids, times):        # Ctrl-C arrives between two rows' settling
         calls.append(True)
-        if len(calls) == 2:                   # (the outputs appended, the rest not yet)
+        if len(calls) == 2:
             signal.raise_signal(signal.SIGINT)
-        consume(it)
+        settle(self, ids, times)
 
-    monkeypatch.setattr(scheduler_module, "_consume", interrupted)
+    monkeypatch.setattr(Seq, "settle", interrupted)
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            reqs[0].outputs                   # noqa: B018 - the read flushes
+            sched.sync()
     finally:
         signal.signal(signal.SIGINT, old)
-    monkeypatch.setattr(scheduler_module, "_consume", consume)
-    assert len(calls) == 3                    # held: the flush ran to its end
+    monkeypatch.setattr(Seq, "settle", settle)
+    assert len(calls) == len(reqs)            # held: every row settled
     # raised once the lists were whole: every applied token once, counts consistent
+    assert sched.stored_rows() == [] and sched.stored_steps() == 0
     assert sum(len(r.outputs[0]) for r in reqs) == gen.stats["tokens_out"]
     assert all(len(r.token_times[0]) == len(r.outputs[0]) for r in reqs)
     for s in gen.running:
+        assert type(s) is Seq
         assert s.tokens == s.req.prompt + s.req.outputs[0] and len(s.tokens) - s.in_cache == 1
     gen.run()
     assert [r.outputs for r in reqs] == want
@@ -251,26 +300,20 @@ def test_an_interrupt_during_a_flush_is_held_until_the_lists_are_whole(model, mo
 
 def test_a_request_copied_or_pickled_mid_run_holds_its_tokens_and_no_generator(model):
     want, gen, reqs = started(model, 9, 3)
-    for _ in range(BACKLOG_STEPS // 2 + 10):
-        gen.step()
+    into_steady_run(gen)
+    assert gen.scheduler.stored_rows()
     n = gen.stats["tokens_out"] // len(reqs)
     for clone in (copy.deepcopy(reqs[0]), pickle.loads(pickle.dumps(reqs[0]))):
         assert clone.outputs[0] == want[0][0][:n] and len(clone.token_times[0]) == n
+        assert all(type(o) is list for o in clone.__dict__["outputs"] + clone.__dict__["token_times"])
     gen.run()
     assert [r.outputs for r in reqs] == want
 
 
-def _serve_all(model, specs, async_steps, eos=()):
-    gen = make(model, async_steps, eos)
-    reqs = [gen.add(p, sp) for p, sp in specs]
-    gen.run()                                 # nothing read between steps
-    return reqs, gen.stats["tokens_out"]
-
-
 @pytest.mark.parametrize("case", ["lengths", "eos", "forks", "stops"])
-def test_deferred_steps_agree_with_the_synchronous_generator(model, case):
+def test_stored_steps_agree_with_the_synchronous_generator(model, case):
     """Rows that end at different steps (by length, an eos among the draws, their own stop
-    tokens) and sampled forks, with steady steps deferred and nothing read between steps."""
+    tokens) and sampled forks, with steady steps stored and nothing read between steps."""
     ps = prompts(10, 4)
     eos: tuple[int, ...] = ()
     if case == "lengths":
@@ -281,7 +324,7 @@ def test_deferred_steps_agree_with_the_synchronous_generator(model, case):
     else:
         # a token request 1 draws late in its run (the synchronous reference says which)
         base, _ = _serve_all(model, [(p, Sampling(max_new_tokens=NEW)) for p in ps], False)
-        tok = base[1].outputs[0][BACKLOG_STEPS + 5]
+        tok = base[1].outputs[0][NEW // 2 + 5]
         if case == "eos":
             eos = (tok,)
             specs = [(p, Sampling(max_new_tokens=NEW)) for p in ps]
@@ -301,21 +344,17 @@ def test_rows_ending_by_length_without_a_prefix_cache(model):
     """The same rows ending at different steps with the prefix cache off: nothing is stored,
     each ending row's id goes back to the cache, and the outputs are the synchronous
     generator's."""
-    specs = [(p, Sampling(max_new_tokens=NEW - 6 * i)) for i, p in enumerate(prompts(14, 5))]
-    want = [r.outputs for r in _serve_all(model, specs, False)[0]]
-    gen = Generator(model, capacity=4096, max_batch_tokens=256, prefill_chunk=64,
-                    async_steps=True, eos=[], prefix_cache=False)
+    want, gen, reqs = staggered(model, 14, 5, 6, prefix_cache=False)
     assert gen.prefix is None
     sched = gen.scheduler
-    real_finish_held = sched._finish_held
+    real = sched._finish_settled
     batches = []                              # rows the steady steps ended together
 
-    def finish_held(ended, bases, held):
+    def finish_settled(ended):
         batches.append(len(ended))
-        real_finish_held(ended, bases, held)
+        real(ended)
 
-    sched._finish_held = finish_held
-    reqs = [gen.add(p, sp) for p, sp in specs]
+    sched._finish_settled = finish_settled
     seen = set()
     while gen.step():
         done = sum(r.finished is not None for r in reqs)
@@ -328,13 +367,12 @@ def test_rows_ending_by_length_without_a_prefix_cache(model):
     assert [r.outputs for r in reqs] == want
 
 
-def test_rows_ending_by_length_leave_the_others_deferred(model):
-    """Rows that end by length are the last ones of the steady steps' order: they leave
-    the backlog's drawing rows with their tokens still held (counted in the cache, not
-    appended), and the backlog goes on with the other rows (the same object). The rows
-    read afterwards, the sequences' counts of cached tokens and the finished requests'
-    lists are what the synchronous generator gives; once the last rows end the requests
-    are let go."""
+def test_rows_ending_by_length_settle_and_leave_the_others_stored(model):
+    """Rows that end by length are the last ones of the steady steps' order: they settle
+    into their lists (whole when their request finishes) and the store goes on with the
+    other rows. The sequences' counts of cached tokens and the finished requests' lists are
+    what the synchronous generator gives, and the prefix cache holds every ended sequence's
+    tokens (given together, past the prompts they lend)."""
     want, gen, reqs = staggered(model, 12, 5, 6)
     sched = gen.scheduler
     rows_given = 0
@@ -350,62 +388,26 @@ def test_rows_ending_by_length_leave_the_others_deferred(model):
     kept = 0
     finished = 0
     while True:
-        before = sched._backlog
+        before = sched.stored_steps()
         busy = gen.step()
         now = [r for r in reqs if r.finished is not None]
-        b = sched._backlog
-        if len(now) > finished and before is not None and b is before:
-            kept += 1
-            held = len(b.stamps)
-            for i, s in enumerate(b.seqs):
-                r = s.req
-                if i < b.live:                # the rows going on: cached = stored + held
-                    assert gen.cache.pos(s.sid) - s.in_cache - held in (0, 1)
-                else:                         # an ended row: stored + its own held = all
-                    assert s.sid is None and r.finished is not None
-                    assert len(raw(r)[0]) + b.counts[i] == r.sampling.max_new_tokens
-            assert any(len(raw(r)[0]) < r.sampling.max_new_tokens for r in now)
-            assert gen.stats["tokens_out"] - sum(len(raw(q)[0]) for q in reqs) \
-                == held * b.live + sum(b.counts[b.live:])
+        rows = sched.stored_rows()
+        if len(now) > finished and rows and sched.stored_steps() == before + 1:
+            kept += 1                          # rows ended, the store went on
+            for r in now:
+                assert type(r.__dict__["outputs"][0]) is list
+                assert len(r.outputs[0]) == r.sampling.max_new_tokens
+            for s in rows:
+                assert s.req.finished is None
+                assert gen.cache.pos(s.sid) - s.in_cache in (0, 1)
+                assert s.tokens == s.req.prompt + s.req.outputs[0]
         finished = len(now)
         if not busy:
             break
-    assert kept >= 3                            # rows ended while the backlog went on
+    assert kept >= 3                            # rows ended while the store went on
     assert [r.outputs for r in reqs] == want
-    assert sched._backlog is None and sched._hook.fn is None
-    # the ended rows went to the prefix cache together, their tokens past the prompts they
-    # lend read from the backlog's int32 matrix: the tree holds every token each sequence
-    # had in the cache (all but its last), in order
+    assert sched.stored_rows() == []
     assert rows_given >= len(reqs) - 1
     for r in reqs:
         toks = list(r.prompt) + r.outputs[0]
         assert gen.prefix.peek(toks) == len(toks) - 1
-
-
-def test_steady_steps_leave_the_lists_to_a_read_or_the_end_of_the_run(model, monkeypatch):
-    """With the library's backlog (wide enough for every step of these rows), nothing is
-    appended from the first steady step until the run ends, though rows end by length
-    meanwhile (their lists stay short of their tokens), and asking ``Generator.busy``
-    between steps does not flush; the step that finds nothing left to do appends them all
-    and lets the requests go."""
-    monkeypatch.undo()                        # the library's BACKLOG_STEPS
-    assert scheduler_module.BACKLOG_STEPS >= NEW + 2
-    want, gen, reqs = staggered(model, 13, 4, 9)
-    sched = gen.scheduler
-    log = []
-    while True:
-        busy = gen.step()
-        assert gen.busy == busy                   # (asking flushes nothing)
-        log.append((sum(r.finished is not None for r in reqs), sched.flushed_tokens,
-                    sum(len(raw(r)[0]) for r in reqs)))
-        if not busy:
-            break
-    first = next(i for i, e in enumerate(log) if e[0])
-    assert first >= NEW // 2                  # (the steady run came before)
-    # the steps from the one before the first row ended to the last one: no flush
-    assert len({e[1] for e in log[first - 1:-1]}) == 1
-    assert log[-2][0] == len(reqs) - 1 and log[-2][2] < gen.stats["tokens_out"]
-    # the last step appended every held token and let the requests go
-    assert log[-1][2] == gen.stats["tokens_out"] == sum(len(o[0]) for o in want)
-    assert sched._backlog is None and sched._hook.fn is None
-    assert [r.outputs for r in reqs] == want

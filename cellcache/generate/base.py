@@ -160,12 +160,13 @@ class BaseScheduler:
         return t
 
     def sync(self) -> None:
-        """Brings every token the scheduler applied into the requests' and sequences' lists
-        (a subclass may hold some back); every path calls it first."""
+        """Makes the requests' and sequences' lists plain lists holding every token the
+        scheduler applied (a subclass may keep some in arrays, read through): every path
+        calls it first, as it appends to them."""
 
     def flush(self) -> None:
-        """:meth:`sync` from any thread, at any time (what the Generator calls before it
-        hands its sequences out)."""
+        """What the Generator calls before it hands its sequences out: nothing to do here
+        or in a subclass (a sequence whose tokens an array store holds reads through it)."""
 
     # -- sequences ----------------------------------------------------------------------------------
     @staticmethod

@@ -215,22 +215,18 @@ class KVManager:
         self.done_reading(s)
 
     # -- free ----------------------------------------------------------------------------------
-    def release(self, s: Seq, store: bool, arr: np.ndarray | None = None) -> None:
+    def release(self, s: Seq, store: bool) -> None:
         """Gives back s's cache id and cells; s is then a sequence to be read from scratch.
-        ``store``: s ends, its tokens in the cache go to the prefix cache first (``arr``:
-        its tokens as int32, when its token list lacks some). An Exception from a user's
-        ``on_event`` is kept in ``later``; a BaseException propagates once s is freed."""
+        ``store``: s ends, its tokens in the cache go to the prefix cache first. An
+        Exception from a user's ``on_event`` is kept in ``later``; a BaseException
+        propagates once s is freed."""
         self.done_reading(s)
         pc = self.prefix
         sid = s.sid
         mine = sid is not None                # the id is still s's to remove
         try:
             if pc is not None and store and sid is not None and s.in_cache > 0:
-                if arr is not None:
-                    s.arr = arr                # (rebuilt from the list if it is shorter)
-                else:
-                    arr = s.tokens_array()
-                tokens = arr[:s.in_cache]
+                tokens = s.tokens_array()[:s.in_cache]
                 # the tree takes the id itself (or removes it): no clone, and the stored
                 # cells keep their owners (a clone and a removal would change each twice)
                 owned = pc.owns(sid)          # (only after cache.clear() underneath)

@@ -5,7 +5,9 @@ rule is one method here, called everywhere it applies: the tokens a sequence has
 feed (:attr:`Seq.to_feed`), the tokens it may still draw (:meth:`Seq.draws_left`), the
 cells it still claims (:meth:`Seq.claim`), whether its next draw forks it
 (:meth:`Seq.forks_next`) and why a drawn token ends it (:meth:`Seq.end_reason`, from
-:meth:`~cellcache.generate.requests.Request.end_reason`). Nothing here touches torch or
+:meth:`~cellcache.generate.requests.Request.end_reason`). :class:`TokenStore` keeps the
+tokens of consecutive steady decode steps as arrays, read through each row's
+:class:`StoredRow` until the row settles into its lists. Nothing here touches torch or
 the cache."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 from .requests import Request
 from .sampler import SampleSpec
 
-__all__ = ["ONE", "Job", "Outcome", "Seq", "StepPlan"]
+__all__ = ["ONE", "Job", "Outcome", "Seq", "StepPlan", "StoredRow", "TokenStore"]
 
 #: a lean plan's feed of every row: one token (read only for its length; the values are in
 #: ``plan.tokens``, or on the device for a plan scheduled ahead)
@@ -53,6 +55,8 @@ class Seq:
     stored: bool = False
     pending: bytes | None = None
     arr: np.ndarray | None = None
+    # its row of a TokenStore while one holds its drawn tokens (see hold)
+    row: StoredRow | None = None
 
     @property
     def req(self) -> Request:
@@ -88,6 +92,30 @@ class Seq:
     def end_reason(self, n_out: int, tok: int, eos: set[int]) -> str | None:
         """Why it ends once it has ``n_out`` tokens, the last ``tok`` (None: it goes on)."""
         return self.job.req.end_reason(n_out, tok, eos)
+
+    def hold(self, row: StoredRow) -> None:
+        """From now on its tokens, its ``in_cache`` and its request's lists of it read
+        through ``row`` (their values before, then the row's stored steps) until
+        :meth:`settle`. Nothing may append to its lists meanwhile."""
+        self.row = row
+        self.job.req.store_row(self.index, row)
+        self.__class__ = _HeldSeq
+
+    def settle(self, ids: list[int], times: list[float]) -> None:
+        """Ends :meth:`hold`: ``ids`` and ``times`` (its row's stored tokens and their
+        times, all of them) are appended to its lists and counted in its ``in_cache``.
+        Readers on other threads see every token throughout (the row answers until the
+        lists are whole)."""
+        row = self.row
+        assert row is not None and len(ids) == row.count()
+        row.end = len(ids)
+        row.out.extend(ids)
+        row.times.extend(times)
+        row.tokens.extend(ids)
+        self.job.req.unstore_row(self.index, row.out, row.times)
+        self.in_cache = row.in_cache + len(ids)
+        self.__class__ = Seq                  # (before the row goes: a reader may be reading)
+        self.row = None
 
     def tokens_array(self, n: int | None = None) -> np.ndarray:
         """Its first ``n`` tokens (default: all) as int32, kept in ``arr`` (tokens only
@@ -137,7 +165,7 @@ class StepPlan:
     prompt_last: int = 0                  # lean rows that feed their prompt's last token
     ahead: bool = False                   # scheduled before the previous step's ids arrived:
     #                                       ``tokens`` is empty, the ids are fed on the device
-    fast: Any = None                      # an ahead lean plan's steady record (steady.py)
+    fast: Any = None                      # an ahead lean plan's steady record (scheduler.py)
     # ahead: its rows feed from the first slots of the previous plan's draws, in order (rows
     # that ended there were its last ones); False: every slot in order, or look them up
     prefix_fed: bool = False
@@ -161,3 +189,122 @@ class StepPlan:
         self.owners = [(s, ONE, i, -1) for i, s in enumerate(rows)]
         self.spec.rows = self.logit_rows
         self.spec.dense = n
+
+
+class _HeldSeq(Seq):
+    """A :class:`Seq` whose drawn tokens a :class:`TokenStore` holds (:meth:`Seq.hold` makes
+    it one, :meth:`Seq.settle` a plain Seq again): ``tokens`` and ``in_cache`` count the
+    row's stored steps. A class of its own, so that a plain Seq's attributes (read on every
+    path, many times a step) stay plain ones."""
+
+    @property
+    def tokens(self) -> list[int]:
+        row = self.row
+        assert row is not None
+        return row.tokens_list()
+
+    @tokens.setter
+    def tokens(self, value: list[int]) -> None:
+        self.__dict__["tokens"] = value
+
+    @property
+    def in_cache(self) -> int:
+        row = self.row
+        assert row is not None
+        return row.in_cache + row.count()
+
+    @in_cache.setter
+    def in_cache(self, value: int) -> None:
+        self.__dict__["in_cache"] = value
+
+
+class TokenStore:
+    """What consecutive steady decode steps drew for a fixed set of rows (running
+    continuations), as arrays rather than appended to every row's lists: step j's ids at
+    ``ids[j, :live]`` (row i at ``ids[j, i]``), its time at ``stamps[j]``, ``k`` steps
+    written, one store a step (:meth:`write`). Row i's sequence and request read through
+    its :class:`StoredRow`, from any thread, without the scheduler. Rows ``[live, n)``
+    have settled (ended, or handed to another path): the store goes on without them.
+
+    Example
+    -------
+    >>> store = TokenStore(2, 4); store.write(np.array([5, 6]), 0.5); store.k
+    1
+    """
+
+    __slots__ = ("ids", "stamps", "k", "live")
+
+    def __init__(self, n: int, width: int):
+        self.ids = np.empty((max(1, width), n), dtype=np.int32)
+        self.stamps = np.empty(max(1, width), dtype=np.float64)
+        self.k = 0
+        self.live = n
+
+    def write(self, ids: np.ndarray, now: float) -> None:
+        """Stores one step's ids of the drawing rows (``ids[i]``: row i's, ``len(ids) ==
+        live``) and its time. The count is published last: a reader that reads ``k`` first
+        never reads past what was written."""
+        j = self.k
+        if j == len(self.stamps):
+            self._grow()
+        self.ids[j, :len(ids)] = ids
+        self.stamps[j] = now
+        self.k = j + 1
+
+    def _grow(self) -> None:
+        """Twice the steps; the arrays are replaced whole (a reader holding the old ones
+        reads what they held)."""
+        k, w = self.k, 2 * len(self.stamps)
+        ids = np.empty((w, self.ids.shape[1]), dtype=np.int32)
+        ids[:k] = self.ids[:k]
+        stamps = np.empty(w, dtype=np.float64)
+        stamps[:k] = self.stamps[:k]
+        self.ids, self.stamps = ids, stamps
+
+    def column(self, i: int, n: int) -> list[int]:
+        """Row i's first ``n`` stored ids."""
+        return self.ids[:n, i].tolist()
+
+    def times(self, n: int) -> list[float]:
+        """The first ``n`` steps' times."""
+        return self.stamps[:n].tolist()
+
+
+@dataclass(eq=False)
+class StoredRow:
+    """Column ``col`` of a :class:`TokenStore` as its sequence and request read it: their
+    lists' first entries (``out[:n_out]``, ``times[:n_out]``, ``tokens[:n_tok]``, which
+    only :meth:`Seq.settle` extends) and then the stored steps; ``in_cache`` its sequence's
+    count before them. ``end`` freezes the steps that are its own once it settled."""
+
+    store: TokenStore
+    col: int
+    out: list[int]
+    times: list[float]
+    tokens: list[int]
+    n_out: int
+    n_tok: int
+    in_cache: int
+    end: int | None = None
+
+    def count(self) -> int:
+        """Its stored steps. The store's count is read first: a row settles (``end`` set)
+        before the store writes a step without it."""
+        k = self.store.k
+        end = self.end
+        return k if end is None else end
+
+    def ids(self) -> list[int]:
+        """Its request's output list: the tokens before the store, then its stored ones."""
+        n = self.count()
+        return self.out[:self.n_out] + self.store.column(self.col, n)
+
+    def token_times(self) -> list[float]:
+        """Its request's token times, as :meth:`ids`."""
+        n = self.count()
+        return self.times[:self.n_out] + self.store.times(n)
+
+    def tokens_list(self) -> list[int]:
+        """Its sequence's tokens (prompt and outputs), as :meth:`ids`."""
+        n = self.count()
+        return self.tokens[:self.n_tok] + self.store.column(self.col, n)

@@ -168,12 +168,12 @@ class Request:
     such as accepted drafts, share a time), ``finished`` when its last continuation ended.
     :meth:`itl` lists the inter-token gaps.
 
-    Read ``outputs`` and ``token_times`` through the request each time (``req.outputs[k]``,
-    from any thread): the generator holds the tokens of steady decode steps back and
-    appends them when either attribute is read (of any request it runs), when it takes
-    any other kind of step, and when it runs out of work; a list kept from an earlier read
-    lags until then (up to ``BACKLOG_STEPS``, 4096 steps). A finished request's lists may
-    so be short of its tokens until they are read through it.
+    ``outputs`` and ``token_times`` are lists. While continuation k runs, the generator may
+    keep the tokens of its steady decode steps in arrays (no list appended a step): reading
+    ``req.outputs[k]`` or ``req.token_times[k]`` then builds a list of every token applied
+    so far, from any thread, without running the generator. Read through the request each
+    time: a list obtained while the continuation runs may be a copy that does not grow.
+    Once continuation k ends its lists are plain lists holding all of its tokens.
     """
 
     id: int
@@ -189,22 +189,36 @@ class Request:
     error: BaseException | None = None
     first_token: float | None = None
     token_times: list[list[float]] = field(default_factory=list)
-    # the scheduler's hook, set once the request's tokens may be deferred (steady steps
-    # hold them back from ``outputs`` and ``token_times``): reading either calls it, which
-    # brings them in while the scheduler holds any
-    _sync: Callable[[], None] | None = field(default=None, init=False, repr=False, compare=False)
+    # continuations read through a stored row (store_row)
+    _stored: int = field(default=0, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict:
-        """For pickle and copy: the deferred tokens brought in, the scheduler's hook left
-        out (a copy is the request as it stands, not bound to the generator)."""
-        if self._sync is not None:
-            self._sync()
-        return {**self.__dict__, "_sync": None}
+        """For pickle and copy: the lists as they stand (every token applied so far), none
+        of them read through the generator's arrays."""
+        return {**self.__dict__, "outputs": self.outputs, "token_times": self.token_times,
+                "_stored": 0}
 
-    def defer_to(self, sync: Callable[[], None] | None) -> None:
-        """Makes reading ``outputs`` or ``token_times`` call ``sync`` first (the scheduler
-        may hold tokens of this request not appended yet); None: no longer."""
-        self._sync = sync
+    def store_row(self, k: int, row: Any) -> None:
+        """Makes continuation k's ``outputs`` and ``token_times`` read through ``row`` (its
+        ``ids()`` and ``token_times()``: a :class:`~.plan.StoredRow`) until
+        :meth:`unstore_row`."""
+        for name in ("outputs", "token_times"):
+            rows = self.__dict__[name]
+            if type(rows) is list:            # a copy: a reader's plain list never holds a row
+                rows = _StoredRows(rows)
+            rows[k] = row
+            self.__dict__[name] = rows
+        self._stored += 1
+
+    def unstore_row(self, k: int, out: list[int], times: list[float]) -> None:
+        """Continuation k's lists are ``out`` and ``times`` again (whole: the row's tokens
+        appended)."""
+        self._stored -= 1
+        for name, whole in (("outputs", out), ("token_times", times)):
+            rows = self.__dict__[name]
+            rows[k] = whole
+            if not self._stored:              # plain lists again
+                self.__dict__[name] = list(rows)
 
     @property
     def done(self) -> bool:
@@ -232,12 +246,20 @@ class Request:
         return [b - a for times in self.token_times for a, b in zip(times, times[1:])]
 
 
-def _synced(name: str) -> property:
-    """``Request.<name>`` as a property: brings the scheduler's deferred tokens in first."""
-    def get(self: Request) -> list:
-        if self._sync is not None:
-            self._sync()
-        return self.__dict__[name]
+class _StoredRows(list):
+    """A request's ``outputs`` or ``token_times`` as kept while some continuation's entry is
+    a stored row (:meth:`Request.store_row`); never handed out."""
+
+
+def _stored(name: str, read: str) -> property:
+    """``Request.<name>`` as a property: the lists, a running continuation's built from the
+    generator's arrays (an entry :meth:`Request.store_row` set answers ``read``) at each
+    read. No list is built when none is stored (the scheduler's own reads)."""
+    def get(self: Request, _plain: type = list) -> list:
+        rows: list = self.__dict__[name]
+        if rows.__class__ is _plain:          # (a local: read many times a step)
+            return rows
+        return [x if type(x) is list else getattr(x, read)() for x in rows]
 
     def put(self: Request, value: list) -> None:
         self.__dict__[name] = value
@@ -245,16 +267,9 @@ def _synced(name: str) -> property:
     return property(get, put)
 
 
-# read through the scheduler's deferred tokens (set after the dataclass made its fields)
-Request.outputs = _synced("outputs")  # type: ignore[assignment]
-Request.token_times = _synced("token_times")  # type: ignore[assignment]
-
-
-def defer(requests: Iterable[Request], sync: Callable[[], None] | None) -> None:
-    """Makes reading ``outputs`` or ``token_times`` of each of ``requests`` call ``sync``
-    first (the scheduler may hold tokens of theirs not appended yet); None: no longer."""
-    for r in requests:
-        r.defer_to(sync)
+# read through the generator's token arrays (set after the dataclass made its fields)
+Request.outputs = _stored("outputs", "ids")  # type: ignore[assignment]
+Request.token_times = _stored("token_times", "token_times")  # type: ignore[assignment]
 
 
 def _percentiles(values: list[float], prefix: str) -> dict[str, float | None]:

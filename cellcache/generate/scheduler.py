@@ -2,8 +2,9 @@
 with the host-speed path of consecutive lean decode steps added as a subclass, as vLLM's
 ``AsyncScheduler`` is to its ``Scheduler``. :class:`Scheduler` keeps, with each lean plan
 scheduled ahead, a record of its rows (:class:`_Steady`), so that the next plan over the
-same rows, and applying it, skip the per-row work; the tokens such steps apply wait in a
-backlog (:class:`_Backlog`, an int32 matrix) until something reads them.
+same rows, and applying it, skip the per-row work; the tokens such steps apply go to a
+:class:`~.plan.TokenStore` (int32 arrays, one store a step) that the rows' requests and
+sequences read through until the rows settle into their lists.
 
 ::
 
@@ -11,22 +12,20 @@ backlog (:class:`_Backlog`, an int32 matrix) until something reads them.
                              one token further (less those ending by length, the last ones)
                              -> declare; no walk over the rows
     apply_decode(plan, ids)  no eos among the ids, no request stop tokens: the ids go to the
-                             backlog's row of this step; rows reaching max_new_tokens end
-                             (their held tokens counted, given to the prefix cache together)
-    sync() / flush()         the backlog appended to the requests' and sequences' lists
+                             store's step; rows reaching max_new_tokens settle (their lists
+                             whole) and end (given to the prefix cache together)
+    sync()                   every stored row settles into its lists (what the other paths,
+                             which append to the lists, call first)
 
-Every other path (:class:`~.base.BaseScheduler`'s) calls :meth:`Scheduler.sync` first, and
-so does reading a request's ``outputs`` or ``token_times``. The decisions, the tokens and
-the order of the callbacks are the base scheduler's.
+Every other path (:class:`~.base.BaseScheduler`'s) calls :meth:`Scheduler.sync` first.
+Reading a request's ``outputs`` or ``token_times`` never runs the scheduler: a stored row
+answers with the lists it had and its stored steps. The decisions, the tokens and the order
+of the callbacks are the base scheduler's.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from itertools import repeat
+from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
@@ -36,75 +35,14 @@ from ..cache import CellCache
 from ..prefix import PrefixCache
 from ..radix import PendingPrompts
 from .base import ADMISSION_POLICIES, STATS, BaseScheduler, HoldInterrupts, read_clock
-from .plan import Job, Outcome, Seq, StepPlan
-from .requests import defer
+from .plan import Job, Outcome, Seq, StepPlan, StoredRow, TokenStore
 from .sampler import SampleSpec
 
-__all__ = ["ADMISSION_POLICIES", "BACKLOG_STEPS", "STATS", "HoldInterrupts", "Job", "Outcome",
-           "PendingPrompts", "Scheduler", "Seq", "StepPlan", "read_clock"]
+__all__ = ["ADMISSION_POLICIES", "STATS", "HoldInterrupts", "Job", "Outcome", "PendingPrompts",
+           "Scheduler", "Seq", "StepPlan", "read_clock"]
 
-_I32 = np.dtype(np.int32)
-
-
-def _consume(it: Any) -> None:
-    """Runs an iterator to its end at C speed (the backlog's appends)."""
-    deque(it, maxlen=0)
-
-
-class _Hook:
-    """What every request the scheduler ran reads through (``Request._sync``): calls ``fn``,
-    the scheduler's flush while a backlog holds tokens, else nothing. Arming and releasing
-    it is one assignment, however many requests share it; released, it refers to nothing,
-    so a finished request does not keep the generator alive."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self) -> None:
-        self.fn: Callable[[], None] | None = None
-
-    def __call__(self) -> None:
-        fn = self.fn
-        if fn is not None:
-            fn()
-
-
-class _Backlog:
-    """Tokens of steady steps applied but not appended yet: :meth:`Scheduler._apply_steady`
-    writes each step's ids into one int32 matrix (step j at ``ids[j]``, row i at
-    ``ids[j, i]``) and keeps the step's time, instead of appending them, one by one, to
-    every row's three lists (output, token times, sequence tokens) and counting them in its
-    ``in_cache``, which would touch 4 x rows objects a step. :meth:`Scheduler.flush`
-    appends and counts them; every path but the steady one calls it first (through
-    :meth:`Scheduler.sync`), and so does reading a request's ``outputs`` or ``token_times``.
-    The steady steps never do (unless ``ids`` is full, :data:`BACKLOG_STEPS` steps): the
-    lists are built when they are read.
-
-    Rows that end by length are the last ones (see :meth:`Scheduler.schedule_decode`): they
-    leave the drawing rows (``live``) and keep their tokens here (``counts``: the steps
-    each holds) until a flush; their ``in_cache`` counts them at once, and they get their
-    tokens as an array (for the prefix cache) from their tokens before the backlog
-    (``base``) and their column of ``ids``. The backlog goes on with the rows before them,
-    as the steady records made after do (``origin``); a step's ids may so be longer than
-    the rows still drawing: row i's token is at [i] still."""
-
-    __slots__ = ("outs", "times", "tokens", "seqs", "origin", "base", "ids", "stamps", "live",
-                 "counts")
-
-    def __init__(self, fast: _Steady, seqs: list[Seq], width: int):
-        self.outs, self.times, self.tokens = fast.outs, fast.times, fast.tokens
-        self.seqs = seqs
-        self.origin = fast.origin
-        n = len(seqs)
-        self.ids = np.empty((width, n), dtype=_I32)        # step j's ids at [j] (row i at [j, i])
-        self.stamps: list[float] = []                      # step j's time (one a step held)
-        self.live = n                                      # rows [0, live) still draw
-        self.counts = [0] * n                              # an ended row's steps held
-        self.base = [len(t) for t in fast.tokens]          # each row's tokens before the backlog
-
-
-#: Most steady steps whose tokens wait in a backlog before they are appended (the steady
-#: steps flush only a full backlog; reading a request's lists or any other path flushes it).
-BACKLOG_STEPS = 4096
+#: Steps a new token store has room for at most (it doubles when a run goes on longer).
+STORE_STEPS = 1024
 
 
 @dataclass(eq=False)
@@ -116,27 +54,21 @@ class _Steady:
 
     epoch: int
     sids: list[int]
-    outs: list[list[int]]                 # the rows' output lists (req.outputs[s.index])
-    times: list[list[float]]              # their token_times lists
-    tokens: list[list[int]]               # the sequences' token lists (Seq.tokens)
     hooked: list[tuple[int, Job, int]]    # (row, job, continuation) of requests with on_token
     min_left: int                         # min over rows of max_new_tokens - len(outputs), at planning
     used: int                             # the rows' kv entries with this step's token
     stops: bool                           # some row's request has its own stop tokens
     left: np.ndarray                      # each row's max_new_tokens - len(outputs), at planning:
     #                                       2 ends the row by length with this plan's token
-    # [True] once every row's request reads through the scheduler's hook: one list shared
-    # by the records made from this one (their rows are these or fewer, applied after)
-    hooked_rows: list[bool] = field(default_factory=lambda: [False])
-    # the output lists of the record this one descends from (made by the general loop): the
-    # records made from it keep a prefix of its rows, which one backlog serves throughout
-    origin: list[list[int]] | None = None
+    # the sids of the record this one descends from (made by the general loop): the records
+    # made from it keep a prefix of its rows, which one token store serves throughout
+    origin: list[int] | None = None
 
 
 class Scheduler(BaseScheduler):
     """:class:`~.base.BaseScheduler` with the steady path of lean steps scheduled ahead
     (module docstring): the same decisions, the same tokens, the same callbacks in the same
-    order; the requests' lists may lag the applied tokens until read.
+    order; a steady step stores its tokens once for all its rows.
 
     Example
     -------
@@ -148,93 +80,64 @@ class Scheduler(BaseScheduler):
         super().__init__(cache, prefix, **kw)
         # (epoch before, after) the finishes a steady apply foresaw (see drop_ended)
         self._foreseen: tuple[int, int] | None = None
-        self._backlog: _Backlog | None = None
-        self._hook = _Hook()                  # armed (its fn: flush) while a backlog is held
-        # a request's outputs read from another thread syncs while the stepping thread runs
-        self._backlog_lock = threading.RLock()
-        #: Time (s) and tokens of the backlog's flushes: the lists built for the steady
-        #: steps, whenever that happened (a read, a non-steady path, the end of a run)
+        self._store: TokenStore | None = None
+        self._rows: list[Seq] = []            # the store's drawing rows, in its order
+        self._origin: list[int] | None = None  # the steady records the store serves (origin)
+        #: Time (s) and tokens of the rows settled from the store into their lists (when a
+        #: row ends, another path runs, or the run ends)
         self.flush_s = 0.0
         self.flushed_tokens = 0
 
     def sync(self) -> None:
-        """Appends the tokens (and times) that steady steps deferred to their lists (the
-        requests' ``outputs`` and ``token_times``, the sequences' ``tokens``) and lets the
-        requests go: every path but the steady one calls it first."""
-        if self._backlog is None:
+        """Settles every row the token store holds into its lists (the requests'
+        ``outputs`` and ``token_times``, the sequences' ``tokens`` and ``in_cache``): every
+        path but the steady one calls it first, as it appends to them. Nothing to do when
+        no row is stored."""
+        if self._store is None:
             return
-        with self._backlog_lock:
-            with HoldInterrupts() as held:        # all of it or (interrupted before) none
-                self._flush_held()
-                if self._backlog is not None:
-                    self._backlog = None
-                    self._hook.fn = None
+        with HoldInterrupts() as held:           # all of it or (interrupted before) none
+            self._settle(0)
+            self._store = None
+            self._origin = None
         if held.hit:
             raise KeyboardInterrupt
 
-    def flush(self) -> None:
-        """The appends of :meth:`sync`, the requests kept (what reading a request's
-        ``outputs`` or ``token_times`` calls, from any thread)."""
-        b = self._backlog
-        if b is None or (not b.stamps and b.live == len(b.outs)):
-            return
-        with self._backlog_lock:
-            with HoldInterrupts() as held:
-                self._flush_held()
-        if held.hit:
-            raise KeyboardInterrupt
+    def stored_rows(self) -> list[Seq]:
+        """The sequences whose drawn tokens the token store holds (read through it)."""
+        return list(self._rows)
 
-    def _flush_held(self) -> None:
-        """flush's work, under the backlog's lock with Ctrl-C held: an interrupt half-way
-        would append some rows' tokens and later append them again. Appends every row's
-        held tokens to its lists (and counts a drawing row's in its ``in_cache``; an ended
-        row's were counted when it ended), then keeps only the drawing rows, none held."""
-        b = self._backlog
-        if b is None:
-            return
-        k, live, n = len(b.stamps), b.live, len(b.outs)
-        if not k and live == n:
+    def stored_steps(self) -> int:
+        """Steps the token store holds (0 with none)."""
+        return 0 if self._store is None else self._store.k
+
+    def _settle(self, m: int) -> None:
+        """The store's rows ``[m, live)`` settle into their lists; it goes on with rows
+        ``[0, m)``. The caller holds Ctrl-C (a row half appended would be appended again)."""
+        store = self._store
+        assert store is not None
+        rows = self._rows[m:]
+        if not rows:
             return
         t = perf_counter()
-        rows = b.ids[:k, :n].T.tolist()            # row i's tokens, in order
-        stamps = b.stamps
-        times: Any = repeat(stamps, n)
-        if live < n:                               # ended rows: only the steps each held
-            counts = b.counts
-            for i in range(live, n):
-                del rows[i][counts[i]:]
-            times = [stamps] * live + [stamps[:counts[i]] for i in range(live, n)]
-        _consume(map(list.extend, b.outs, rows))
-        _consume(map(list.extend, b.tokens, rows))
-        _consume(map(list.extend, b.times, times))
-        for s in b.seqs[:live]:
-            s.in_cache += k
-        if live < n:
-            b.outs, b.times, b.tokens, b.seqs = b.outs[:live], b.times[:live], b.tokens[:live], b.seqs[:live]
-            b.counts = b.counts[:live]
-        b.base = [len(x) for x in b.tokens]
-        b.stamps = []
-        self.flushed_tokens += sum(map(len, rows))
+        k = store.k
+        cols = store.ids[:k, m:store.live].T.tolist()
+        times = store.times(k)
+        for s, ids in zip(rows, cols):
+            s.settle(ids, times)
+        del self._rows[m:]
+        store.live = m
+        self.flushed_tokens += k * len(rows)
         self.flush_s += perf_counter() - t
 
-    def _end_rows(self, m: int) -> tuple[list[int], np.ndarray]:
-        """Rows ``[m, live)`` of the backlog end by length: their held tokens are counted in
-        their ``in_cache`` and stay held (appended to their lists by a flush); the backlog
-        goes on with the rows before them. The caller holds the backlog's lock and Ctrl-C
-        (as :meth:`_flush_held`'s callers do). Returns each ending row's tokens before the
-        backlog (its list's length) and their held tokens, a row each."""
-        b = self._backlog
-        assert b is not None
-        k = len(b.stamps)
-        held = b.ids[:k, m:b.live].T.copy()
-        bases = b.base[m:b.live]
-        for i in range(m, b.live):
-            s = b.seqs[i]
-            assert len(s.tokens) == b.base[i]      # (its list is appended only by a flush)
-            s.in_cache += k
-            b.counts[i] = k
-        b.live = m
-        return bases, held
+    def _hold(self, seqs: list[Seq], fast: _Steady) -> TokenStore:
+        """A token store for ``seqs`` (a steady record's rows), every one read through it."""
+        store = TokenStore(len(seqs), min(STORE_STEPS, int(fast.left.max()) + 2))
+        for i, s in enumerate(seqs):
+            req = s.job.req
+            out, times, tokens = req.outputs[s.index], req.token_times[s.index], s.tokens
+            s.hold(StoredRow(store, i, out, times, tokens, len(out), len(tokens), s.in_cache))
+        self._store, self._rows, self._origin = store, list(seqs), fast.origin
+        return store
 
     def schedule_decode(self, after: StepPlan | None = None) -> StepPlan | None:
         """:meth:`BaseScheduler.schedule_decode`; after a plan with a steady record that still
@@ -259,12 +162,11 @@ class Scheduler(BaseScheduler):
         reqs = [s.job.req for s in rows]
         lefts = [s.draws_left() for s in rows]
         fast = _Steady(
-            self.epoch, [s.sid for s in rows], [r.outputs[s.index] for r, s in zip(reqs, rows)],  # type: ignore[misc]
-            [r.token_times[s.index] for r, s in zip(reqs, rows)], [s.tokens for s in rows],
+            self.epoch, [s.sid for s in rows],  # type: ignore[misc]
             [(i, s.job, s.index) for i, (r, s) in enumerate(zip(reqs, rows)) if r.on_token is not None],
             min(lefts), sum(s.in_cache + 2 for s in rows), any(r.sampling.stop for r in reqs),
             np.array(lefts, dtype=np.int64))
-        fast.origin = fast.outs
+        fast.origin = fast.sids
         return fast
 
     def _steady_decode(self, after: StepPlan) -> StepPlan | None:
@@ -298,9 +200,8 @@ class Scheduler(BaseScheduler):
                                    top_p=prev.top_p, seed=prev.seed, index=prev.index,
                                    position=[p + 1 for p in prev.position], draft=prev.draft,
                                    dense=n, random=True)
-        plan.fast = _Steady(fast.epoch, fast.sids, fast.outs, fast.times, fast.tokens, fast.hooked,
-                            fast.min_left - 1, used, fast.stops, fast.left - 1, fast.hooked_rows,
-                            fast.origin)
+        plan.fast = _Steady(fast.epoch, fast.sids, fast.hooked, fast.min_left - 1, used, fast.stops,
+                            fast.left - 1, fast.origin)
         return plan
 
     def _steady_less(self, after: StepPlan, fast: _Steady) -> StepPlan | None:
@@ -318,19 +219,11 @@ class Scheduler(BaseScheduler):
         if not m or idx[-1] != m - 1 or m > self.kv.free_cells:
             return None
         rows = after.seqs[:m]
-        # the rows' tokens in the cache: their in_cache, and the steps the backlog holds for
-        # them (each of these rows has a token in every one: a backlog of their record's
-        # origin keeps a prefix of its rows)
-        with self._backlog_lock:               # (a reader's flush moves tokens from one to the other)
-            b = self._backlog
-            if b is not None and b.origin is not fast.origin:
-                self.flush()
-            held = len(b.stamps) if b is not None and b.origin is fast.origin else 0
-            # their kv entries with this step's token: each row's in_cache + held + 2, had
-            # from the record's (every row's in_cache + held + 1, after's token counted) less
-            # the ending rows' (fewer than the kept ones, as a rule), without a walk of these
-            ending = after.seqs[m:]
-            used = fast.used - sum(s.in_cache for s in ending) - (held + 1) * len(ending) + m
+        # their kv entries with this step's token: each row's in_cache + 2 (in_cache counts a
+        # stored row's steps), had from the record's (every row's in_cache + 1, after's token
+        # counted) less the ending rows' (fewer than the kept ones, as a rule)
+        ending = after.seqs[m:]
+        used = fast.used - sum(s.in_cache for s in ending) - len(ending) + m
         if used > self.kv.max_kv:
             return None
         sids = fast.sids[:m]
@@ -354,9 +247,8 @@ class Scheduler(BaseScheduler):
             spec.random = any(t > 0 for t in spec.temperature)
         kept = left[:m]
         plan.fast = _Steady(
-            fast.epoch, sids, fast.outs[:m], fast.times[:m], fast.tokens[:m],
-            [h for h in fast.hooked if h[0] < m], int(kept.min()), used, fast.stops, kept,
-            fast.hooked_rows, fast.origin)
+            fast.epoch, sids, [h for h in fast.hooked if h[0] < m], int(kept.min()), used,
+            fast.stops, kept, fast.origin)
         return plan
 
     def drop_ended(self, plan: StepPlan) -> None:
@@ -386,7 +278,7 @@ class Scheduler(BaseScheduler):
                       deliver: bool) -> list[tuple[Job, int, int]] | None:
         """:meth:`apply_decode` of a steady plan (nothing ended since it was planned, no row
         reaches ``max_new_tokens``, no request stop tokens): every row takes its token, row i
-        slot i, kept in the backlog (:class:`_Backlog`) until a flush appends it. None,
+        slot i, written to the token store (:class:`~.plan.TokenStore`) at once. None,
         changing nothing, when a drawn token is an end-of-sequence id (the general loop
         ends those rows)."""
         n = len(fast.sids)
@@ -395,22 +287,11 @@ class Scheduler(BaseScheduler):
             return None
         now = self.now()
         seqs = plan.seqs
-        # the tokens go to the backlog (appended to the rows' lists by flush)
-        with self._backlog_lock:               # (a reader's sync may run meanwhile)
-            b = self._backlog
-            if b is None or b.origin is not fast.origin or b.live != n:
-                self.sync()                    # another set of rows
-                if not fast.hooked_rows[0]:    # (rows of a record made from a hooked one are)
-                    defer((s.job.req for s in seqs), self._hook)
-                    fast.hooked_rows[0] = True
-                # as many steps as any row may still draw (a record made later draws fewer)
-                b = _Backlog(fast, seqs, min(BACKLOG_STEPS, int(fast.left.max()) + 2))
-                self._backlog = b
-                self._hook.fn = self.flush
-            elif len(b.stamps) >= len(b.ids):
-                self.flush()
-            b.ids[len(b.stamps), :n] = arr     # (arr: a view of a buffer the next step reuses)
-            b.stamps.append(now)
+        store = self._store
+        if store is None or self._origin is not fast.origin or store.live != n:
+            self.sync()                        # another set of rows
+            store = self._hold(seqs, fast)
+        store.write(arr, now)                  # (arr: a view of a buffer the next step reuses)
         # no prompt to store: every row was applied in the step before this one (its rows are
         # among that step's, nothing ended since), which stored any prompt it completed
         self.stats["tokens_out"] += n
@@ -422,21 +303,19 @@ class Scheduler(BaseScheduler):
         if fast.min_left <= 2:                 # rows whose max_new_tokens this token reaches
             ending = np.flatnonzero(fast.left <= 2).tolist()   # (not empty: min_left <= 2)
             m = ending[0]
-            # the last rows (schedule_decode's order): they leave the backlog's drawing rows,
-            # their tokens still held, and it goes on with the others (the next steady
-            # record's rows); with no row left it holds the ended rows' tokens until a flush
+            # the last rows (schedule_decode's order): they settle into their lists and the
+            # store goes on with the others (the next steady record's rows)
             last = ending == list(range(m, n))
             if last:
-                with self._backlog_lock:
-                    with HoldInterrupts() as hold:   # (all of it or none, as sync)
-                        bases, held = self._end_rows(m)
+                with HoldInterrupts() as hold:     # (all of it or none, as sync)
+                    self._settle(m)
                 if hold.hit:
                     raise KeyboardInterrupt
             else:
                 self.sync()
             before = self.epoch
             if last:
-                self._finish_held(seqs[m:], bases, held)
+                self._finish_settled(seqs[m:])
             else:
                 for i in ending:
                     self.finish(seqs[i], "length")
@@ -445,28 +324,21 @@ class Scheduler(BaseScheduler):
             self._foreseen = (before, self.epoch)
         return events
 
-    def _finish_held(self, ended: list[Seq], bases: list[int], held: np.ndarray) -> None:
-        """:meth:`finish` (``"length"``) of the rows :meth:`_end_rows` ended (``bases``,
-        ``held``: what it returned), their held tokens counted already (no sync). The prefix
-        cache takes the rows whose prompt they lend in one call (:meth:`KVManager.give_lent`,
-        given each row's tokens past its prompt); the others are freed one by one. An
-        exception from it (a user's ``on_event``) is raised once every row is ended, as
-        :meth:`free` does (an Exception: when the step is complete)."""
+    def _finish_settled(self, ended: list[Seq]) -> None:
+        """:meth:`finish` (``"length"``) of rows that settled out of the token store while
+        it goes on with others (no sync). The prefix cache takes the rows whose prompt they
+        lend in one call (:meth:`KVManager.give_lent`, given each row's tokens past its
+        prompt); the others are freed one by one. An exception from it (a user's
+        ``on_event``) is raised once every row is ended, as :meth:`free` does (an
+        Exception: when the step is complete)."""
         kv = self.kv
         done = [False] * len(ended)
         error: BaseException | None = None
         picked = [j for j, s in enumerate(ended) if kv.lends(s)]   # (the others one by one)
         if picked:
-            tails = []
-            for j in picked:
-                s, base, row = ended[j], bases[j], held[j]
-                start, n = len(s.req.prompt), s.in_cache
-                # tokens [start, n): its list's up to base, then its held ones
-                if n <= base:
-                    tails.append(np.array(s.tokens[start:n], dtype=_I32))
-                else:
-                    tails.append(np.concatenate((np.array(s.tokens[start:base], dtype=_I32),
-                                                 row[:n - base])))
+            # tokens [prompt, in_cache) of each
+            tails = [ended[j].tokens_array()[len(ended[j].req.prompt):ended[j].in_cache]
+                     for j in picked]
             given, error = kv.give_lent([ended[j] for j in picked], tails)
             for j, g in zip(picked, given):
                 done[j] = g
@@ -474,9 +346,8 @@ class Scheduler(BaseScheduler):
             self.epoch += 1
             if done[j]:                        # the tree took its id
                 kv.let_go(s, False)
-            else:                              # (its whole token array only for a store)
-                arr = np.concatenate((s.tokens_array(bases[j]), held[j])) if kv.caching else None
-                kv.release(s, True, arr)
+            else:
+                kv.release(s, True)
             self._ended(s, "length")
         if isinstance(error, Exception):
             self.later.append(error)
