@@ -254,7 +254,7 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
     res["gc"] = {"collections": [sum(1 for g, _ in gc_runs if g == k) for k in range(3)],
                  "ms": round(1e3 * sum(t for _, t in gc_runs), 2)}
     # the steady steps' tokens appended to the requests' lists in the run, wherever that
-    # happened (a full backlog, a non-steady step, the step that ended the run): host work
+    # happened (a row ending, a non-steady step, the end of the run): host work
     # the decode steps' phases leave out when it falls outside them
     flush_ms = 1e3 * (sched.flush_s - flush0[0])
     res["backlog_flush"] = {"ms": round(flush_ms, 2), "tokens": sched.flushed_tokens - flush0[1],

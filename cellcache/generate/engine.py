@@ -261,7 +261,7 @@ class Generator:
 
     @property
     def running(self) -> list[Seq]:
-        self.scheduler.flush()                # their tokens up to date
+        self.scheduler.flush()                # (nothing to do: stored rows read through the store)
         return self.scheduler.running
 
     @property
@@ -435,7 +435,7 @@ class Generator:
     @property
     def busy(self) -> bool:
         """Whether a request is waiting or running, or a step is in flight."""
-        # (the scheduler's list: the property would flush the held tokens first, each call)
+        # (the scheduler's list, not the property)
         return bool(self.waiting or self.scheduler.running or (self._incoming and self.tp is None)
                     or self._flight is not None)
 
