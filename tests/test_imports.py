@@ -24,8 +24,8 @@ FLOORS = [
     {"attention", "session", "prefix", "torch", "hf", "runner", "tp", "tp.shard", "tp.peers", "tp.agreement"},
     # the generator package: each module only above those it imports
     {"generate.requests", "generate.readback"},
-    {"generate.sampler"},
     {"generate.plan"},
+    {"generate.sampler"},
     {"generate.kv"},
     {"generate.base"},
     {"generate.scheduler"},
@@ -142,3 +142,31 @@ def test_the_check_sees_arrows():
     assert {"cache", "registry", "prefix"} <= g["__init__"] and "cuda.probe" in g["cuda"]
     assert {"generate.scheduler", "generate.sampler"} <= g["generate.engine"]
     assert "generate.engine" in g["generate"] and "cache" in g["generate.scheduler"]
+
+
+def _third_party(path: Path) -> set[str]:
+    """Top-level names of the non-package modules ``path`` imports (lazy imports included)."""
+    names: set[str] = set()
+    if path.suffix != ".py":
+        return names
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_scheduler_and_its_plan_need_no_torch():
+    """The scheduler, its step plan and its door to memory are host code: nothing they
+    import, directly or through the package, imports torch (the runner and the sampler do)."""
+    known, arrows = sources(), graph()
+    for root in ("generate.plan", "generate.kv", "generate.base", "generate.scheduler"):
+        seen, todo = set(), [root]
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(arrows[m])
+        torch_users = sorted(m for m in seen if "torch" in _third_party(known[m]))
+        assert torch_users == [], (root, torch_users)

@@ -40,9 +40,8 @@ from ..cache import CellCache
 from ..prefix import PrefixCache
 from ..radix import PendingPrompts
 from .kv import KVManager
-from .plan import Job, Outcome, Seq, StepPlan
+from .plan import Job, Outcome, SamplerOutput, Seq, StepPlan
 from .requests import real_number
-from .sampler import SamplerOutput
 
 __all__ = ["ADMISSION_POLICIES", "STATS", "BaseScheduler", "HoldInterrupts", "read_clock"]
 

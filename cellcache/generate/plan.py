@@ -1,5 +1,7 @@
 """The contract between the scheduler, the runner and the sampler: :class:`StepPlan` (what a
-step feeds and draws), :class:`Outcome` (what it does to one sequence), and the serving
+step feeds and draws), :class:`SampleSpec` (what each of its slots draws with),
+:class:`SamplerOutput` (the draws back on the host), :class:`Outcome` (what a step does to
+one sequence), and the serving
 state they name, :class:`Job` (a request) and :class:`Seq` (one continuation). Each serving
 rule is one method here, called everywhere it applies: the tokens a sequence has left to
 feed (:attr:`Seq.to_feed`), the tokens it may still draw (:meth:`Seq.draws_left`), the
@@ -18,13 +20,78 @@ from typing import Any
 import numpy as np
 
 from .requests import Request
-from .sampler import SampleSpec
 
-__all__ = ["ONE", "Job", "Outcome", "Seq", "StepPlan", "StoredRow", "TokenStore"]
+__all__ = ["ONE", "Job", "Outcome", "SampleSpec", "SamplerOutput", "Seq", "StepPlan", "StoredRow",
+           "TokenStore"]
 
 #: a lean plan's feed of every row: one token (read only for its length; the values are in
 #: ``plan.tokens``, or on the device for a plan scheduled ahead)
 ONE: list[int] = [0]
+
+
+@dataclass
+class SampleSpec:
+    """What a step samples: one slot per token to draw, in the order the caller reads them.
+
+    ``rows[i]``: the logits row slot i draws from (several slots may share one: the
+    continuations of ``n > 1`` draw their first tokens from the prompt's last row).
+    ``temperature``/``top_k``/``top_p``: the slot's request's :class:`Sampling` values.
+    ``seed``/``index``/``position``: the slot's key (request seed, continuation, output
+    token number); read only for slots with temperature > 0. ``groups``: verify runs as
+    ``(first slot, drafts)``: slots ``first .. first + drafts`` check the drafts ``draft[first
+    + j]``; the output's ``accepted[g]`` is how many leading slots of group g drew their draft.
+    """
+
+    rows: list[int] = field(default_factory=list)
+    temperature: list[float] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    top_p: list[float] = field(default_factory=list)
+    seed: list[int] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+    position: list[int] = field(default_factory=list)
+    draft: list[int] = field(default_factory=list)
+    groups: list[tuple[int, int]] = field(default_factory=list)
+    #: set by a caller that knows: slot i draws from row i for ``dense`` rows (None: look)
+    dense: int | None = None
+    #: set by a caller that knows whether some slot has temperature > 0 (None: look)
+    random: bool | None = None
+
+    def add(self, row: int, temperature: float, top_k: int, top_p: float, seed: int, index: int,
+            position: int, draft: int = -1) -> int:
+        """Appends a slot; returns its number."""
+        self.rows.append(row)
+        self.temperature.append(temperature)
+        self.top_k.append(top_k)
+        self.top_p.append(top_p)
+        self.seed.append(seed)
+        self.index.append(index)
+        self.position.append(position)
+        self.draft.append(draft)
+        return len(self.rows) - 1
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def identity(self, n_rows: int) -> bool:
+        """Whether slot i draws from row i for every one of ``n_rows`` rows."""
+        if self.dense is not None:
+            return self.dense == n_rows
+        return len(self.rows) == n_rows and self.rows == list(range(n_rows))
+
+    def any_random(self) -> bool:
+        """Whether some slot samples (temperature > 0)."""
+        return self.random if self.random is not None else any(t > 0 for t in self.temperature)
+
+
+@dataclass
+class SamplerOutput:
+    """Host copies of a step's draws: ``ids[i]`` is slot i's token, ``accepted[g]`` the
+    accepted drafts of verify group g. ``device_ids`` stays on the device (a later step
+    could feed it without a host round trip)."""
+
+    ids: np.ndarray
+    accepted: np.ndarray
+    device_ids: Any = None                # a torch.Tensor, on the device
 
 
 @dataclass(eq=False)

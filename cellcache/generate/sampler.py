@@ -53,13 +53,13 @@ through untouched: their draws are bit for bit those of the unclamped formula.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import InvalidArgument
+from .plan import SamplerOutput, SampleSpec
 from .readback import Pending, Readback
 
 __all__ = ["TEMPERATURE_MAX", "TEMPERATURE_MIN", "TOP_P_MIN", "Draw", "SampleSpec", "Sampler",
@@ -100,72 +100,6 @@ def uniforms(seed: Any, index: Any, position: Any) -> np.ndarray:
         t = np.asarray(position, dtype=np.uint64)
         h = _mix(_mix(_mix(s) ^ k) ^ t)
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-
-@dataclass
-class SampleSpec:
-    """What a step samples: one slot per token to draw, in the order the caller reads them.
-
-    ``rows[i]``: the logits row slot i draws from (several slots may share one: the
-    continuations of ``n > 1`` draw their first tokens from the prompt's last row).
-    ``temperature``/``top_k``/``top_p``: the slot's request's :class:`Sampling` values.
-    ``seed``/``index``/``position``: the slot's key (request seed, continuation, output
-    token number); read only for slots with temperature > 0. ``groups``: verify runs as
-    ``(first slot, drafts)``: slots ``first .. first + drafts`` check the drafts ``draft[first
-    + j]``; the output's ``accepted[g]`` is how many leading slots of group g drew their draft.
-    """
-
-    rows: list[int] = field(default_factory=list)
-    temperature: list[float] = field(default_factory=list)
-    top_k: list[int] = field(default_factory=list)
-    top_p: list[float] = field(default_factory=list)
-    seed: list[int] = field(default_factory=list)
-    index: list[int] = field(default_factory=list)
-    position: list[int] = field(default_factory=list)
-    draft: list[int] = field(default_factory=list)
-    groups: list[tuple[int, int]] = field(default_factory=list)
-    #: set by a caller that knows: slot i draws from row i for ``dense`` rows (None: look)
-    dense: int | None = None
-    #: set by a caller that knows whether some slot has temperature > 0 (None: look)
-    random: bool | None = None
-
-    def add(self, row: int, temperature: float, top_k: int, top_p: float, seed: int, index: int,
-            position: int, draft: int = -1) -> int:
-        """Appends a slot; returns its number."""
-        self.rows.append(row)
-        self.temperature.append(temperature)
-        self.top_k.append(top_k)
-        self.top_p.append(top_p)
-        self.seed.append(seed)
-        self.index.append(index)
-        self.position.append(position)
-        self.draft.append(draft)
-        return len(self.rows) - 1
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def identity(self, n_rows: int) -> bool:
-        """Whether slot i draws from row i for every one of ``n_rows`` rows."""
-        if self.dense is not None:
-            return self.dense == n_rows
-        return len(self.rows) == n_rows and self.rows == list(range(n_rows))
-
-    def any_random(self) -> bool:
-        """Whether some slot samples (temperature > 0)."""
-        return self.random if self.random is not None else any(t > 0 for t in self.temperature)
-
-
-@dataclass
-class SamplerOutput:
-    """Host copies of a step's draws: ``ids[i]`` is slot i's token, ``accepted[g]`` the
-    accepted drafts of verify group g. ``device_ids`` stays on the device (a later step
-    could feed it without a host round trip)."""
-
-    ids: np.ndarray
-    accepted: np.ndarray
-    device_ids: torch.Tensor | None = None
-
 
 
 class Sampler:

@@ -35,8 +35,7 @@ from ..cache import CellCache
 from ..prefix import PrefixCache
 from ..radix import PendingPrompts
 from .base import ADMISSION_POLICIES, STATS, BaseScheduler, HoldInterrupts, read_clock
-from .plan import Job, Outcome, Seq, StepPlan, StoredRow, TokenStore
-from .sampler import SampleSpec
+from .plan import Job, Outcome, SampleSpec, Seq, StepPlan, StoredRow, TokenStore
 
 __all__ = ["ADMISSION_POLICIES", "STATS", "HoldInterrupts", "Job", "Outcome", "PendingPrompts",
            "Scheduler", "Seq", "StepPlan", "read_clock"]
