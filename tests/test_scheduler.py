@@ -16,6 +16,8 @@ from cellcache import CacheConfig, HostCellCache, LayerConfig, PrefixCache  # no
 from cellcache.generate import Request, Sampler, Sampling, Scheduler  # noqa: E402
 from cellcache.generate.scheduler import Job  # noqa: E402
 
+from .test_scheduler_fakes import check  # noqa: E402
+
 V = 64
 
 
@@ -70,22 +72,6 @@ def fake_forward(plan) -> torch.Tensor:
     logits = torch.full((len(rows), V), -5.0)
     logits[torch.arange(len(rows)), torch.tensor(rows, dtype=torch.long)] = 5.0
     return logits
-
-
-def check(sched: Scheduler, foreign=()):
-    cache = sched.cache
-    cache.check_invariants()
-    sids = []
-    for s in sched.running:
-        assert s.sid is not None and cache.pos(s.sid) == s.in_cache == cache.seq_len(s.sid)
-        assert len(s.tokens) > s.in_cache
-        sids.append(s.sid)
-    for s in sched.waiting:
-        assert s.sid is None and s.in_cache == 0 and not s.pins
-    tree = sched.prefix.owned_seqs() if sched.prefix is not None else []
-    if sched.prefix is not None:
-        sched.prefix.check_invariants()
-    assert sorted(sids + tree + list(foreign)) == cache.live_seqs()
 
 
 def run(sched: Scheduler, sampler=None, on_plan=None, draft=None, limit=2000, foreign=()):
