@@ -178,8 +178,15 @@ class PrefixCache:
 
     @property
     def on_event(self) -> Callable[[PrefixEvent], Any] | None:
-        """The callback events go to (None: none is queued)."""
+        """The callback events go to (None: none is queued); settable, as at construction."""
         return self._op.on_event
+
+    @on_event.setter
+    def on_event(self, fn: Callable[[PrefixEvent], Any] | None) -> None:
+        if fn is not None and not callable(fn):
+            raise InvalidArgument(f"on_event of type {type(fn).__name__} is not callable")
+        with self._op.lock:
+            self._op.on_event = fn
 
     def _reset(self) -> None:
         self._tree = PrefixTree(self._clock)

@@ -360,6 +360,28 @@ def test_events_carry_keys_a_router_can_compute():
     assert (events[-1].kind, events[-1].length, events[-1].n) == ("stored", 4, 1)
 
 
+def test_on_event_can_be_set_later_and_refuses_what_is_not_callable():
+    cache = make_cache()
+    prefix = PrefixCache(cache)
+    w = World(cache)
+    s = w.new([1, 2])
+    prefix.insert(s, [1, 2])                         # no callback: nothing queued
+    events: list = []
+    prefix.on_event = events.append
+    s = w.new([3, 4])
+    prefix.insert(s, [3, 4])
+    assert [(e.kind, e.length) for e in events] == [("stored", 2)]
+    before = prefix.prefixes()
+    with pytest.raises(InvalidArgument, match="not callable"):
+        prefix.on_event = 5                          # type: ignore[assignment]
+    assert prefix.on_event == events.append and prefix.prefixes() == before
+    prefix.on_event = None
+    s = w.new([5, 6])
+    prefix.insert(s, [5, 6])
+    assert len(events) == 1
+    prefix.check_invariants()
+
+
 def test_a_failing_callback_propagates_after_the_operation():
     cache = make_cache()
     calls = []
