@@ -184,17 +184,25 @@ class Generator:
                  admission: str = "fifo", clock: Callable[[], float] | None = None,
                  tp: bool | int | None = None, async_steps: bool | None = None,
                  compile: bool | Mapping[str, Any] = False, mixed_buckets: list[int] | None = None,
-                 attention: str = "auto"):
+                 attention: str = "auto", deterministic: bool = False):
         check_options(compile, attention)    # refused before anything is built or switched
+        if not isinstance(deterministic, (bool, np.bool_)):
+            raise InvalidArgument(f"deterministic of type {type(deterministic).__name__} is not a bool")
         max_batch_tokens, prefill_chunk, reserve, eos_ids = settings(
             model, capacity, max_batch_tokens, prefill_chunk, reserve, clock, eos, async_steps)
         model, cache, given = serving_cache(model, capacity, max_batch_tokens,
                                              serving(tp, cache, admission, prefix_cache, max_seqs))
         self.model, self.cache = model, cache
         #: Runs the forwards: graphs, input feeds, warm-up (:class:`cellcache.runner.ModelRunner`).
+        #: Whether every row's forward and sampling are computed as they would be alone
+        #: (batch-invariant kernels, :func:`cellcache.hf.attach`'s ``deterministic``); the
+        #: sampler's per-row work never depends on the other rows of a step either way.
+        self.deterministic = bool(deterministic)
+        # the keyword goes to attach only when asked for (an attach without it knows no such mode)
+        extra: dict[str, Any] = {"deterministic": True} if self.deterministic else {}
         self.runner = attach(model, cache.local if isinstance(cache, TPCache) else cache,
                              graphs=graphs, buckets=buckets, compile=compile,
-                             mixed_buckets=mixed_buckets, attention=attention)
+                             mixed_buckets=mixed_buckets, attention=attention, **extra)
         self.clock: Callable[[], float] = clock or time.perf_counter
         self.vocab: int = self.runner.vocab
         self.max_batch = cache.config.max_write
@@ -237,6 +245,7 @@ class Generator:
         self._undelivered: list[tuple[Job, int, int]] = []   # applied tokens awaiting on_token
         self._landed: _Flight | None = None       # the step applied by this call, to book
         self._prof: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._on_logits: Callable | None = None
         #: Host time by phase (:data:`PHASES`), in ms summed over the steps applied, for all
         #: steps, decode-only ones and mixed ones, and the step counts.
         self.profile: dict[str, Any] = {
@@ -247,6 +256,37 @@ class Generator:
         #: applied step is appended as ``(kind, rows, {phase: seconds})``, kind ``"decode"``
         #: or ``"mixed"``: where a mean of :attr:`profile` comes from, step by step.
         self.step_log: Any = None
+
+    @property
+    def on_logits(self) -> Callable | None:
+        """None (default), or a callable run on the stepping thread after each forward, before
+        the step's sampling, as ``on_logits(rows, logits)``.
+
+        ``logits`` is the float32 ``[len(rows), vocab]`` tensor the sampler draws from, on
+        the model's device (valid during the call only: the callee copies what it keeps).
+        ``rows[i] = (request, k, context)``: logits row i is continuation k of ``request``'s
+        next-token logits after ``context``, which is either the tuple of token ids the row
+        saw (the prompt, the outputs so far, and for a verify run the drafts fed up to that
+        row; for a prompt chunk, the prompt up to that row), or, for a row whose last token
+        is still on the device (a step launched ahead of the previous one's ids,
+        ``async_steps``), the int ``p``: the row's context is then
+        ``(request.prompt + request.outputs[k])[:p]`` once that token has landed (read it
+        after the next step; a continuation cancelled meanwhile may never get it). Rows
+        come in the order of the step's logits: a request's row may appear several times
+        (drafts, prompt rows whose log-probabilities are asked for), continuations forked
+        from one prompt share its row (listed once, as continuation 0).
+
+        An exception it raises is the step's failure (rolled back, propagated), as the
+        forward's would be. When None the step tests this attribute once and does nothing
+        else. Setting anything but a callable or None raises InvalidArgument (unchanged).
+        """
+        return self._on_logits
+
+    @on_logits.setter
+    def on_logits(self, fn: Callable | None) -> None:
+        if fn is not None and not callable(fn):
+            raise InvalidArgument(f"on_logits of type {type(fn).__name__} is not callable or None")
+        self._on_logits = fn
 
     # -- what the scheduler holds, by their old names ------------------------------------------------
     @property
@@ -721,6 +761,8 @@ class Generator:
             self.cache.commit_step()
             committed = True
             t = self._tick("forward", t)
+            if self._on_logits is not None:
+                self._on_logits(plan.logit_contexts(), logits)
             greedy = runner.greedy            # the graph's own argmax of each row, or None
             if greedy is None:
                 draw = self.sampler.launch(logits, plan.spec)

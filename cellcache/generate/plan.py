@@ -246,6 +246,25 @@ class StepPlan:
         """The cache id of every token of the step, in order (what ``declare_step`` takes)."""
         return [s.sid for s, feed in self.rows for _ in feed]  # type: ignore[misc]
 
+    def logit_contexts(self) -> list[tuple[Request, int, tuple[int, ...] | int]]:
+        """For each of the step's logits rows, in order, ``(request, continuation, context)``:
+        the token ids whose next-token logits the row holds (what the sequence had in the
+        cache, then its feed up to that row), or, for a row of a plan scheduled ahead (its
+        token still on the device), the int length of that context (``Generator.on_logits``
+        states the contract). Called before the step is applied."""
+        if self.lean:
+            if self.ahead:                    # in the cache, the token fed by the step before,
+                return [(s.job.req, s.index, s.in_cache + 2) for s in self.seqs]   # and its draw
+            return [(s.job.req, s.index, tuple(s.tokens)) for s in self.seqs]
+        owner: list[tuple[Seq, list[int], int]] = []      # each fed row's (seq, feed, offset)
+        for s, feed in self.rows:
+            owner += [(s, feed, j) for j in range(len(feed))]
+        out: list[tuple[Request, int, tuple[int, ...] | int]] = []
+        for r in self.logit_rows:
+            s, feed, j = owner[r]
+            out.append((s.job.req, s.index, tuple(s.tokens[:s.in_cache]) + tuple(feed[:j + 1])))
+        return out
+
     def lean_rows(self, rows: list[Seq], ahead: bool, prompt_last: int = 0) -> None:
         """Makes this (empty) plan a lean one over ``rows``: row i feeds one token and draws
         at slot i."""
