@@ -13,6 +13,8 @@ commands:
   demo       simulated serving session, every token checked (cellcache demo --help)
   generate   serve a Hugging Face model through the cache (cellcache generate --help;
              needs the 'hf' extra: pip install 'cellcache[hf]')
+  serve      OpenAI-compatible HTTP server for a local checkpoint (cellcache serve --help;
+             needs the 'serve' extra: pip install 'cellcache[serve]')
 """
 
 #: What ``generate`` imports beyond the core: the modules of the ``hf`` extra.
@@ -49,13 +51,27 @@ def _generate(argv: list[str]) -> int:
     return 2
 
 
+def _serve(argv: list[str]) -> int:
+    """``cellcache serve``, or one line naming the extra and exit code 2 when torch or
+    transformers (the ``hf`` extra, which ``serve`` includes) is missing; the server's own
+    packages are checked by the command after its usage (``--help`` works without them)."""
+    missing = _missing_hf_extra()
+    if missing is None:
+        from .serve import main as serve_main
+
+        return serve_main(argv)
+    print(f"cellcache serve: error: needs the 'serve' extra (no module named {missing!r}): "
+          "pip install 'cellcache[serve]'", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command not in ("demo", "generate"):
+    if command not in ("demo", "generate", "serve"):
         print(f"cellcache: error: unknown command {command!r} (see --help)", file=sys.stderr)
         return 2
     try:
@@ -63,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import main as demo_main
 
             return demo_main(rest)
+        if command == "serve":
+            return _serve(rest)
         return _generate(rest)
     except CellCacheError as e:
         # whatever a command did not catch itself (--device cuda without a driver, a refused

@@ -1,0 +1,313 @@
+"""The engine thread of ``cellcache serve``: the one thread that steps the Generator, and the
+bridge from its callbacks (on that thread) to the event loop's coroutines.
+
+::
+
+    event loop (HTTP)                          engine thread
+    -----------------                          -------------
+    submit(): bound checked (429 / 503),       sleeps on a Condition while gen.busy is False
+      gen.add(ids, sampling, on_token,    ──▶  and nothing was submitted (no busy spin)
+              on_text)  (thread safe)          gen.step()   (the GPU's work, never the loop's)
+      wake the engine                            on_token / on_text (this thread)
+                                                   └─ loop.call_soon_threadsafe(queue.put_nowait)
+    async for event in stream  ◀───────────────  sweep: requests that are done get a "done" event;
+    disconnect: gen.cancel(req) (thread safe)      metrics observed; the snapshot refreshed
+
+A request counts as **waiting** from :meth:`Engine.submit` until its first token (or its
+end): ``max_waiting`` bounds that number, and a submit past it is refused with 429. While
+the server drains (:meth:`Engine.drain`, on SIGTERM) every submit is refused with 503.
+
+Tokenization runs in the loop's default thread pool (:meth:`Engine.encode`), not on the loop
+and not on the engine thread: a long prompt's encoding never delays a step or another
+request's stream; ``gen.add`` then gets token ids (its own work is host bookkeeping).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..generate import Generator, Request, Sampling
+
+__all__ = ["Engine", "Event", "Stream"]
+
+log = logging.getLogger("cellcache.serve")
+
+#: Consecutive failed steps with no token produced after which every live request is failed
+#: (a forward that keeps raising would otherwise be retried forever).
+MAX_FAILED_STEPS = 3
+
+
+@dataclass
+class Event:
+    """What a request's stream receives: ``"token"`` (continuation ``k``'s ``token``),
+    ``"text"`` (its newly final ``text``; ``finish`` set on the last one), ``"done"`` (the
+    request is done: no event follows), ``"error"`` (the engine failed it: ``text`` says
+    why)."""
+
+    kind: str
+    tag: int
+    k: int = 0
+    token: int = 0
+    text: str = ""
+    finish: str | None = None
+
+
+@dataclass(eq=False)
+class Stream:
+    """One request's path from the engine thread to the loop: events land in ``queue``
+    (shared by the prompts of one batch, told apart by ``tag``)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    tag: int
+    request: Request | None = None
+    started: bool = False                       # a first token (or the end) was seen
+    counts: list[int] = field(default_factory=list)
+
+    def push(self, event: Event) -> None:
+        """Hands ``event`` to the loop (any thread). A loop already closed drops it."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:                    # the loop closed: nobody listens any more
+            pass
+
+
+class Engine:
+    """Owns ``gen`` (a :class:`~cellcache.generate.Generator`) and the thread that steps it.
+
+    ``max_waiting``: requests accepted and without a first token at most (more: 429).
+    Thread rules: :meth:`submit`, :meth:`cancel`, :meth:`drain` run on the event loop;
+    everything else of the generator runs on the engine thread. :attr:`snapshot` (running,
+    waiting, free cells, the generator's stats) is refreshed after every step for
+    ``/metrics`` and ``/health``, so neither reads the generator while it steps.
+    ``on_done(request)`` (optional) is called on the engine thread when a request ends.
+    ``idle_tick`` (seconds, tensor parallelism): the idle engine still steps that often, so
+    that the other ranks, stepping in lockstep, never wait long on a collective.
+    """
+
+    def __init__(self, gen: Generator, *, max_waiting: int = 1024,
+                 on_done: Callable[[Request], Any] | None = None, idle_tick: float | None = None):
+        self.gen = gen
+        self.idle_tick = idle_tick
+        self.max_waiting = max_waiting
+        self.on_done = on_done
+        self.draining = False
+        self.failed: BaseException | None = None
+        self._cond = threading.Condition()
+        self._lock = threading.Lock()           # _live, _waiting
+        self._live: dict[int, Stream] = {}
+        self._waiting = 0
+        self._submitted = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        #: The generator as of its last step (read by /metrics and /health from the loop).
+        self.snapshot: dict[str, Any] = {}
+        self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        self._refresh()
+
+    # -- the loop's side -------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        """Requests accepted that have no first token yet."""
+        return self._waiting
+
+    @property
+    def live(self) -> int:
+        """Requests accepted and not done."""
+        return len(self._live)
+
+    async def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        """``gen.encode(prompt)`` in the loop's thread pool (text or chat messages)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.gen.encode, prompt)
+
+    def check_admission(self, count: int = 1) -> None:
+        """Raises :class:`Refused` (503 while draining, 429 when ``count`` more requests
+        would pass ``max_waiting``) or returns."""
+        if self.draining:
+            raise Refused(503, "the server is shutting down")
+        if self._waiting + count > self.max_waiting:
+            raise Refused(429, f"{self._waiting} requests are waiting (the server's bound is "
+                          f"--max-waiting {self.max_waiting}); retry later")
+
+    def submit(self, ids: list[int], sampling: Sampling, queue: asyncio.Queue, tag: int = 0) -> Stream:
+        """Queues ``ids`` with ``sampling`` on the generator; its events go to ``queue``
+        tagged ``tag``. Raises :class:`Refused` (see :meth:`check_admission`), or the
+        generator's InvalidArgument with nothing queued. Loop thread only."""
+        self.check_admission()
+        stream = Stream(asyncio.get_running_loop(), queue, tag, counts=[0] * sampling.n)
+        with self._lock:
+            self._waiting += 1
+        try:
+            req = self.gen.add(ids, sampling, on_token=self._on_token(stream),
+                               on_text=self._on_text(stream))
+        except BaseException:
+            with self._lock:
+                self._waiting -= 1
+            raise
+        stream.request = req
+        with self._lock:
+            self._live[req.id] = stream
+        with self._cond:
+            self._submitted = True
+            self._cond.notify()
+        return stream
+
+    def cancel(self, stream: Stream) -> None:
+        """Cancels ``stream``'s request (a client gone, a drain past its grace): its cells
+        are freed at the next step boundary at the latest. Nothing when it is done."""
+        req = stream.request
+        if req is not None and not req.done:
+            self.gen.cancel(req)
+            with self._cond:
+                self._submitted = True          # the sweep reports it done
+                self._cond.notify()
+
+    async def drain(self, timeout: float) -> None:
+        """Stops admitting (503), lets the live requests run up to ``timeout`` seconds, then
+        cancels the rest and waits (briefly) for their ends to reach their streams."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self._live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with self._lock:
+            rest = list(self._live.values())
+        for stream in rest:
+            self.cancel(stream)
+        deadline = time.monotonic() + 10.0
+        while self._live and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Starts the engine thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cellcache-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ends the engine thread once the generator is idle (call :meth:`drain` first)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _on_token(self, stream: Stream) -> Callable[[Request, int, int], None]:
+        def on_token(req: Request, k: int, token: int) -> None:
+            if not stream.started:
+                stream.started = True
+                with self._lock:
+                    self._waiting -= 1
+            stream.counts[k] += 1
+            stream.push(Event("token", stream.tag, k, token=token))
+        return on_token
+
+    def _on_text(self, stream: Stream) -> Callable[[Request, int, str], None]:
+        def on_text(req: Request, k: int, delta: str) -> None:
+            stream.push(Event("text", stream.tag, k, text=delta, finish=req.finish_reasons[k]))
+        return on_text
+
+    def _run(self) -> None:
+        gen = self.gen
+        failures = 0
+        while True:
+            tick = False
+            with self._cond:
+                while not (gen.busy or self._submitted or self._stop or tick):
+                    tick = not self._cond.wait(self.idle_tick) and self.idle_tick is not None
+                self._submitted = False
+                if self._stop and not gen.busy:
+                    break
+            if gen.busy or tick:
+                out = gen.stats["tokens_out"]
+                try:
+                    gen.step()
+                    failures = 0
+                except Exception as e:          # a request's own code, or the step itself
+                    log.exception("a generator step failed")
+                    failures = failures + 1 if gen.stats["tokens_out"] == out else 0
+                    if failures >= MAX_FAILED_STEPS:
+                        self._fail_all(e)
+                        failures = 0
+            self._sweep()
+            self._refresh()
+
+    def _sweep(self) -> None:
+        """Ends the streams of the requests that are done (engine thread)."""
+        with self._lock:
+            ended = [(rid, s) for rid, s in self._live.items() if s.request is not None and s.request.done]
+            for rid, s in ended:
+                del self._live[rid]
+                if not s.started:
+                    s.started = True
+                    self._waiting -= 1
+        for _, s in ended:
+            req = s.request
+            assert req is not None
+            if req.error is not None and "error" in req.finish_reasons:
+                s.push(Event("error", s.tag, text=f"{type(req.error).__name__}: {req.error}"))
+            s.push(Event("done", s.tag))
+            if self.on_done is not None:
+                try:
+                    self.on_done(req)
+                except Exception:
+                    log.exception("on_done failed")
+
+    def _fail_all(self, e: BaseException) -> None:
+        """Ends every live request with an error event (their generator requests cancelled)."""
+        self.failed = e
+        with self._lock:
+            rest = list(self._live.items())
+            self._live.clear()
+        for _, s in rest:
+            if s.request is not None and not s.request.done:
+                self.gen.cancel(s.request)
+            if not s.started:
+                s.started = True
+                with self._lock:
+                    self._waiting -= 1
+            s.push(Event("error", s.tag, text=f"the engine failed: {type(e).__name__}: {e}"))
+            s.push(Event("done", s.tag))
+
+    def _refresh(self) -> None:
+        """The snapshot /metrics and /health read (engine thread, or before it starts)."""
+        gen = self.gen
+        now = time.monotonic()
+        stats = dict(gen.stats)
+        cache = gen.cache
+        self.snapshot = {"running": len(gen.running), "waiting": self._waiting,
+                         "scheduler_waiting": len(gen.waiting), "live": len(self._live),
+                         "free_cells": cache.free_cells, "capacity": cache.config.capacity,
+                         "stats": stats, "time": now}
+        rate = self._rate
+        if not rate or now - rate[-1][0] >= 0.25:
+            rate.append((now, stats.get("tokens_out", 0)))
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Output tokens a second over about the last ``window`` seconds of steps."""
+        rate = list(self._rate)
+        if len(rate) < 2:
+            return 0.0
+        t1, n1 = rate[-1]
+        older = [(t, n) for t, n in rate if t1 - t <= window]
+        t0, n0 = older[0]
+        if time.monotonic() - t1 > window or t1 <= t0:
+            return 0.0
+        return (n1 - n0) / (t1 - t0)
+
+
+class Refused(Exception):
+    """A request the server will not take now: ``status`` 429 (too many waiting) or 503
+    (shutting down); the client should retry after ``retry_after`` seconds."""
+
+    def __init__(self, status: int, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.status, self.message, self.retry_after = status, message, retry_after
