@@ -127,13 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"MODEL_DIR {args.model_dir}: not a directory (nothing is downloaded: give a local "
                 "checkpoint)")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from ..generate.cli import init_tp
-
     device = None if args.device == "auto" else args.device
-    try:
-        rank, world, place = init_tp(args.tp, device or ("cuda" if _cuda() else "cpu"))
-    except ValueError as e:
-        p.error(str(e))
+    rank, world, place = 0, 1, device
+    if args.tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1":     # under torchrun
+        from ..generate.cli import init_tp
+
+        try:
+            rank, world, place = init_tp(args.tp, device or ("cuda" if _cuda() else "cpu"))
+        except ValueError as e:
+            p.error(str(e))
     sock = _bind(p, args.host, args.port) if rank == 0 else None
     gen = _load(p, args, place if world > 1 else device, world)
     if rank != 0:

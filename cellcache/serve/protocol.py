@@ -69,12 +69,18 @@ def from_validation_error(e: ValidationError) -> APIError:
     """A 400 for a body pydantic refused: the first problem's message, its field as ``param``
     (dotted: ``messages.0.content``)."""
     first = e.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if not isinstance(p, str) or
-                   not p.startswith(("function-", "list[", "str", "int", "float", "bool")))
+    loc = ".".join(str(p) for p in first.get("loc", ()) if not _union_tag(p))
     if first.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('msg')}", code="invalid_json")
     msg = first.get("msg", "invalid value")
     return APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a part of pydantic's error location names a member of a union (``str``,
+    ``list[int]``, ``function-after[...]``) rather than a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part
+                                      or part.startswith("function-"))
 
 
 class StreamOptions(BaseModel):

@@ -1,0 +1,82 @@
+"""``cellcache serve`` at its edges, before any model loads: --help, bad usage, a directory
+that is not there, a port already taken, a missing ``serve`` extra. Each failure is one line
+on stderr and exit code 2, and nothing is served."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+
+import pytest
+
+from cellcache.__main__ import main
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``cellcache ARGV`` in this process: (exit code, stdout, stderr)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_the_options(capsys):
+    code, out, _ = run(["serve", "--help"], capsys)
+    assert code == 0
+    for flag in ("--host", "--port", "--served-model-name", "--max-waiting", "--dtype", "--device",
+                 "--capacity", "--max-seqs", "--max-batch-tokens", "--prefill-chunk", "--no-prefix-cache",
+                 "--graphs", "--compile", "--attention", "--async-steps", "--tp", "--log-level",
+                 "--shutdown-timeout", "--default-max-tokens"):
+        assert flag in out, flag
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0 and "serve" in out
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["serve"], "MODEL_DIR"),
+    (["serve", "DIR", "--port", "70000"], "--port"),
+    (["serve", "DIR", "--port", "x"], "--port"),
+    (["serve", "DIR", "--max-waiting", "-1"], "--max-waiting"),
+    (["serve", "DIR", "--dtype", "int8"], "--dtype"),
+    (["serve", "DIR", "--capacity", "128", "--max-batch-tokens", "256"], "--max-batch-tokens"),
+    (["serve", "DIR", "--shutdown-timeout", "nan"], "--shutdown-timeout"),
+    (["serve", "DIR", "--bogus"], "--bogus"),
+])
+def test_bad_usage_is_one_line_and_exit_2(argv, says, capsys):
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and says in err, err
+    assert err.startswith("cellcache serve: error:")
+
+
+def test_a_missing_directory_is_one_line(tmp_path, capsys):
+    code, out, err = run(["serve", str(tmp_path / "nope")], capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [
+        f"cellcache serve: error: MODEL_DIR {tmp_path / 'nope'}: not a directory (nothing is "
+        "downloaded: give a local checkpoint) (see --help)"]
+
+
+def test_a_port_in_use_is_one_line(tmp_path, capsys):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        code, out, err = run(["serve", str(tmp_path), "--port", str(port), "--device", "cpu"], capsys)
+    finally:
+        taken.close()
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], err
+
+
+def test_without_the_serve_extra_it_names_the_extra(tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "fastapi" else real(name, *a))
+    code, out, err = run(["serve", str(tmp_path)], capsys)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "pip install 'cellcache[serve]'" in err and "fastapi" in err
