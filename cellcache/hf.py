@@ -38,6 +38,7 @@ import torch
 
 from . import torch as cct
 from ._checks import CAPACITY_LIMIT, check_int
+from .batch_invariant import ROWS, BatchInvariant
 from .cache import CellCache, Step
 from .config import CacheConfig, LayerConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
@@ -294,7 +295,8 @@ def _attn_configs(model: Any) -> list[Any]:
 
 def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
            buckets: list[int] | None = None, compile: bool | Mapping[str, Any] = False,
-           mixed_buckets: list[int] | None = None, attention: str = "auto") -> ModelRunner:
+           mixed_buckets: list[int] | None = None, attention: str = "auto",
+           deterministic: bool = False, invariant_rows: int = ROWS) -> ModelRunner:
     """Switches ``model`` to cellcache's attention and returns the :class:`ModelRunner`
     that runs its forwards on ``cache``'s steps.
 
@@ -312,6 +314,17 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
     go through ``torch.compile(model, ...)`` with attention as the custom op
     ``cellcache::attention``, so the graph does not break there (see :class:`ModelRunner`).
 
+    ``deterministic``: every forward is batch-invariant (docs/design/deterministic.md): a
+    token's logits depend only on its own sequence's tokens, never on the rest of the step,
+    its chunking, its cells or whether a graph replays it. The forwards run inside
+    :class:`cellcache.batch_invariant.BatchInvariant` (GEMMs, norms and softmaxes at a fixed
+    ``invariant_rows`` rows; on the host with one intra-op thread) and attention through the
+    ``"invariant"`` backend of :func:`cellcache.torch.attention`. Refused (InvalidArgument)
+    with ``compile`` (inductor picks its kernels and reduction splits per shape),
+    ``attention="flashinfer"``, and on CUDA a layer the tensor-core kernels cannot run
+    invariantly (:func:`cellcache.torch.invariant_refusal`: a windowed layer, a shape they
+    do not take). The runner's graphs stay on.
+
     To use the model without cellcache again: ``model.set_attn_implementation("sdpa")``;
     its runners then refuse to run (InvalidState) until :meth:`ModelRunner.reattach`.
     """
@@ -328,7 +341,20 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
     for i, (layer, w) in enumerate(zip(cache.config.layers, windows)):
         if layer.window != w:
             raise InvalidArgument(f"layer {i}: the cache's window {layer.window} is not the model's {w}")
-    runner = ModelRunner(model, cache, HFAdapter(model), graphs=graphs, buckets=buckets,
+    if not isinstance(deterministic, bool):
+        raise InvalidArgument(f"deterministic of type {type(deterministic).__name__} is not a bool")
+    invariant_rows = check_int(invariant_rows, "invariant_rows", 1, 1 << 16)
+    if deterministic:
+        if compile_options(compile) is not None:
+            raise InvalidArgument("deterministic=True runs eagerly (its graphs capture eager "
+                                  "forwards): torch.compile picks kernels and reduction splits per "
+                                  "shape, which the batch-invariant ops exist to avoid; pass "
+                                  "compile=False")
+        if attention != "auto":
+            raise InvalidArgument(f"deterministic=True runs its own attention path; attention="
+                                  f"{attention!r} is not taken with it (give 'auto')")
+    adapter = HFAdapter(model, deterministic=deterministic, invariant_rows=invariant_rows)
+    runner = ModelRunner(model, cache, adapter, graphs=graphs, buckets=buckets,
                          compile=compile, mixed_buckets=mixed_buckets, attention=attention)
     runner.reattach()
     return runner
@@ -344,17 +370,32 @@ class HFAdapter:
     >>> runner.reattach()                                           # doctest: +SKIP
 
     (what :func:`attach` does, after checking the cache against the model).
+
+    ``deterministic``: each forward runs batch-invariant (see :func:`attach`): inside
+    :class:`~cellcache.batch_invariant.BatchInvariant` of ``invariant_rows`` rows, attention
+    through the ``"invariant"`` backend whatever backend the runner asks for.
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, deterministic: bool = False, invariant_rows: int = ROWS):
         self.model = model
+        #: Whether forwards run batch-invariant (fixed by attach; see the class).
+        self.deterministic = bool(deterministic)
+        self.invariant_rows = check_int(invariant_rows, "invariant_rows", 1, 1 << 16)
         self._configs: list[Any] = []          # the configs the attention layers read (attach)
 
     def vocab(self) -> int:
         return vocab_size(self.model)
 
     def attention_paths(self, config: CacheConfig) -> list[str]:
+        if self.deterministic:
+            return cct.invariant_paths(
+                config, _config_int(_decoder_config(self.model.config), "num_attention_heads", 1))
         return _attention_paths(self.model.config, config)
+
+    def invariant(self, device: torch.device) -> BatchInvariant:
+        """The batch-invariant mode a deterministic forward on ``device`` runs in (one
+        intra-op thread on the host: module docstring of :mod:`cellcache.batch_invariant`)."""
+        return BatchInvariant(self.invariant_rows, cpu_threads=1 if device.type == "cpu" else None)
 
     def attach(self, view: cct.TorchView) -> None:
         register()
@@ -424,11 +465,18 @@ class HFAdapter:
 
     def run(self, forward: Callable[..., Any], view: cct.TorchView, step: Step, backend: str,
             input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        if self.deterministic:
+            backend = "invariant"
         cur = _Current(view, step, backend)
         token = _CURRENT.set(cur)
         try:
-            out = forward(input_ids=input_ids, position_ids=positions, use_cache=False,
-                          logits_to_keep=rows if rows is not None else 0)
+            if self.deterministic:
+                with self.invariant(view.device):
+                    out = forward(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                  logits_to_keep=rows if rows is not None else 0)
+            else:
+                out = forward(input_ids=input_ids, position_ids=positions, use_cache=False,
+                              logits_to_keep=rows if rows is not None else 0)
         finally:
             _CURRENT.reset(token)
         n = len(view.config.layers)

@@ -57,10 +57,15 @@ from .cache import CellCache, Step
 from .config import CacheConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
-__all__ = ["FORWARD", "AttentionPlan", "TorchView", "as_tensor", "attention", "attention_op", "check_qkv",
-           "layer_paths", "torch_dtype"]
+__all__ = ["BACKENDS", "FORWARD", "INVARIANT_TILE", "AttentionPlan", "TorchView", "as_tensor", "attention",
+           "attention_op", "check_qkv", "invariant_paths", "invariant_refusal", "layer_paths", "torch_dtype"]
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+#: What ``backend=`` takes (see :func:`attention`).
+BACKENDS = ("auto", "paged", "prefill", "tc", "flashinfer", "sdpa", "invariant")
+#: Keys a tile of the host's ``"invariant"`` attention: a row's keys, in position order, are
+#: reduced tile after tile from its first key, whatever the step holds.
+INVARIANT_TILE = 32
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -244,7 +249,13 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     without the paged view SDPA over masks), ``"paged"`` (the decode kernel: one block per
     row), ``"prefill"`` (the prefill kernel: query tiles share K/V tiles; its work list is
     built on the device, so it can be captured), ``"tc"`` (the tensor-core kernels),
-    ``"sdpa"`` or ``"flashinfer"`` (FlashInfer plans from the step's host indptrs).
+    ``"sdpa"`` or ``"flashinfer"`` (FlashInfer plans from the step's host indptrs), or
+    ``"invariant"``: each row's result depends on its own sequence's keys alone, never on
+    the step around it (deterministic serving, docs/design/deterministic.md): on CUDA the
+    tensor-core prefill variant for every step, kv splits off (InvalidArgument for a shape,
+    address or windowed layer it does not take); on the host each row's keys in position
+    order, in fixed tiles of :data:`INVARIANT_TILE` keys with a fixed-order online softmax
+    in float32 (needs masks).
     ``"paged"``/``"prefill"`` on a shape cellcache's kernels do not take fall back like
     ``"auto"`` and warn once per cache and shape; a shape no path takes raises
     InvalidArgument.
@@ -392,6 +403,39 @@ def layer_paths(config: CacheConfig, n_heads: int) -> list[str]:
             for lc in config.layers]
 
 
+def invariant_refusal(config: CacheConfig, layer: int, n_heads: int) -> str | None:
+    """Why layer ``layer`` of a CUDA cache with the paged view cannot run the ``"invariant"``
+    backend for ``n_heads`` query heads, or None when it can: the tensor-core kernels must
+    take the shape, and the layer must attend to its full history (a windowed layer's first
+    kv tile starts at the window of a unit's first query, which the step decides)."""
+    from .cuda import kernels as ck
+
+    lc = config.layers[layer]
+    group = n_heads // lc.n_kv_heads
+    tc = ck.tensor_cores()
+    if tc is None or not tc.supports(config.dtype, lc.head_dim, group):
+        return (f"layer {layer}: deterministic attention runs the tensor-core kernels, which do not "
+                f"take head_dim={lc.head_dim}, group={group} ({config.dtype}); they take float16 or "
+                "bfloat16 at head_dim 64, 80, 96, 128 or 256")
+    if lc.window:
+        return (f"layer {layer}: deterministic attention on CUDA does not take a sliding window "
+                f"({lc.window}): the tensor-core kernels start a windowed unit's kv tiles where the "
+                "step's first query's window starts")
+    return None
+
+
+def invariant_paths(config: CacheConfig, n_heads: int) -> list[str]:
+    """Each layer's path under the ``"invariant"`` backend on a CUDA cache with the paged view
+    (``"tc"`` for every layer); InvalidArgument naming the first layer it cannot run
+    (:func:`invariant_refusal`), so a runner refuses the model before anything runs."""
+    n_heads = check_int(n_heads, "n_heads", 1)
+    for i in range(len(config.layers)):
+        reason = invariant_refusal(config, i, n_heads)
+        if reason is not None:
+            raise InvalidArgument(reason)
+    return ["tc"] * len(config.layers)
+
+
 class _Route(NamedTuple):
     """A layer shape's path under one backend, the same every step: ``aligned`` where the
     call's addresses suit the tensor-core kernels, ``unaligned`` otherwise (equal unless
@@ -450,7 +494,8 @@ class AttentionPlan:
     >>> out = plan.run(layer, q, k, v, scale=None, out=None)    # doctest: +SKIP
     """
 
-    __slots__ = ("view", "step", "backend", "mixed", "decode", "kernels", "_routes", "_flashinfer")
+    __slots__ = ("view", "step", "backend", "mixed", "decode", "kernels", "_routes", "_flashinfer",
+                 "_keys")
 
     def __init__(self, view: TorchView, step: Step, backend: str,
                  routes: dict[tuple[str, int, int], _Route] | None = None):
@@ -460,9 +505,10 @@ class AttentionPlan:
         self.decode = _decode_step(step)
         #: whether layers route among cellcache's kernels (a CUDA cache with the paged view
         #: and a kernel backend); else every layer runs ``backend`` ("sdpa" for "auto")
-        self.kernels = backend not in ("sdpa", "flashinfer") and view.cuda and view.config.paged
+        self.kernels = backend not in ("sdpa", "flashinfer", "invariant") and view.cuda and view.config.paged
         self._routes = {} if routes is None else routes
         self._flashinfer: dict[tuple, Any] = {}
+        self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host "invariant": by window
 
     def matches(self, step: Step, backend: str) -> bool:
         """Whether this plan is the one for ``step`` under ``backend`` now."""
@@ -483,6 +529,8 @@ class AttentionPlan:
             return self._kernel(layer, path, qk, k_pool, v_pool, window, scale, out)
         if path == "flashinfer":
             result = self._flashinfer_run(layer, q, k_pool, v_pool, window, scale)
+        elif path == "invariant":
+            result = self._invariant_host(q, k_pool, v_pool, window, scale)
         else:
             result = self._sdpa(q, k_pool, v_pool, window, scale)
         if out is not None:
@@ -496,6 +544,8 @@ class AttentionPlan:
         ``"decode"``/``"prefill"`` (cellcache's CUDA-core kernels), ``"tc"``, ``"flashinfer"``
         or ``"sdpa"``. A fallback away from cellcache's kernels (FlashInfer, SDPA) warns once
         per cache and shape. Refusals raise before any write."""
+        if self.backend == "invariant":
+            return self._invariant_path(layer, q, k_pool, v_pool, out)
         if not self.kernels:
             return ("sdpa" if self.backend == "auto" else self.backend), q
         cfg = self.view.config
@@ -555,7 +605,11 @@ class AttentionPlan:
         T, H, D = q.shape
         if out is None:
             out = torch.empty((T, H, D), dtype=k_pool.dtype, device=q.device)
-        if path == "tc":
+        if path == "tc" and self.backend == "invariant":
+            # one variant for every step and no kv split: the split's count and size follow
+            # the step's units, the variant its shape class
+            run = functools.partial(view.tensor_cores().run, decode=False, split=0)
+        elif path == "tc":
             run = functools.partial(view.tensor_cores().run, decode=self.decode)
         else:
             kern = view.kernels()
@@ -564,6 +618,92 @@ class AttentionPlan:
             v_pool.data_ptr(), out.data_ptr(), (out.stride(0), out.stride(1)), H, lc.n_kv_heads, D,
             window, torch.cuda.current_stream(q.device).cuda_stream, scale=scale)
         return out
+
+    def _invariant_path(self, layer: int, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                        out: torch.Tensor | None) -> tuple[str, torch.Tensor]:
+        """The ``"invariant"`` backend's path: ``"invariant"`` (the host's) or ``"tc"`` (CUDA,
+        q in the pool dtype with unit stride in head_dim); InvalidArgument, before any
+        write, for a CUDA layer the tensor-core kernels cannot run invariantly."""
+        view = self.view
+        if not view.cuda:
+            return "invariant", q
+        cfg = view.config
+        T, H, D = q.shape
+        reason = invariant_refusal(cfg, layer, H)
+        if reason is not None:
+            raise InvalidArgument(reason)
+        from .cuda import kernels as ck
+
+        tc = ck.tensor_cores()
+        qk = q.to(k_pool.dtype)
+        if qk.stride(2) != 1:
+            qk = qk.contiguous()
+        if not tc.aligned(qk.data_ptr(), (qk.stride(0), qk.stride(1)), k_pool.data_ptr(), v_pool.data_ptr(),
+                          out.data_ptr() if out is not None else 0,
+                          (out.stride(0), out.stride(1)) if out is not None else (H * D, D)):
+            raise InvalidArgument(f"layer {layer}: backend 'invariant' runs the tensor-core kernels, "
+                                  "which need 16-byte aligned q/pools/out and strides in multiples of 8")
+        return "tc", qk
+
+    def _invariant_keys(self, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cells, starts) of the step's real rows on the host: row i's visible cells in
+        position order are ``cells[starts[i]:starts[i + 1]]`` (from the layer's mask and the
+        table's positions; made once a step per window)."""
+        keys = self._keys.get(window)
+        if keys is None:
+            view, step = self.view, self.step
+            rows, width = step.read_len, step.width
+            mask = view.masks[window][:width]
+            mask = _unpack_bits(mask, rows) if view.config.mask_format == "bits" else mask[:, :rows]
+            r, c = np.nonzero(mask.numpy())
+            pos = view.cache.table.positions_array()[:rows]
+            order = np.lexsort((pos[c], r))          # by row, then by position
+            starts = np.zeros(width + 1, dtype=np.int64)
+            np.cumsum(np.bincount(r, minlength=width), out=starts[1:])
+            keys = self._keys[window] = (c[order], starts)
+        return keys
+
+    def _invariant_host(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                        window: int, scale: float | None) -> torch.Tensor:
+        """The host's ``"invariant"`` attention: every real row on its own, its keys in
+        position order from its first, in tiles of :data:`INVARIANT_TILE` (the last padded
+        and masked), an online softmax in float32 in tile order. Every op runs at a shape
+        set by the layer alone ([kv heads, group, tile, head_dim]), so a row's result is a
+        function of its query and its keys: not of the step's rows, read length, cells or
+        whether the row came in a prompt chunk or a decode step."""
+        T, H, D = q.shape
+        Hkv = k_pool.shape[1]
+        G = H // Hkv
+        KT = INVARIANT_TILE
+        cells, starts = self._invariant_keys(window)
+        scale = 1.0 / math.sqrt(D) if scale is None else scale
+        out = torch.zeros((T, H, D), dtype=torch.float32)
+        qf = q.float()
+        for i in range(self.step.width):
+            idx = cells[starts[i]:starts[i + 1]]
+            n = idx.size
+            tiles = -(-n // KT)
+            padded = np.full(tiles * KT, idx[0], dtype=np.int64)
+            padded[:n] = idx
+            sel = torch.from_numpy(padded)
+            ks = k_pool.index_select(0, sel).float().view(tiles, KT, Hkv, D).permute(0, 2, 1, 3)
+            vs = v_pool.index_select(0, sel).float().view(tiles, KT, Hkv, D).permute(0, 2, 1, 3)
+            qi = qf[i].view(Hkv, G, 1, D)
+            m = torch.full((Hkv, G), -math.inf)
+            l_sum = torch.zeros((Hkv, G))
+            acc = torch.zeros((Hkv, G, D))
+            for j in range(tiles):
+                s = (qi * ks[j][:, None]).sum(-1) * scale                    # [Hkv, G, KT]
+                if (j + 1) * KT > n:
+                    s[..., n - j * KT:] = -math.inf
+                m_new = torch.maximum(m, s.amax(-1))
+                corr = torch.exp(m - m_new)                                   # 0 at the first tile
+                p = torch.exp(s - m_new[..., None])
+                l_sum = l_sum * corr + p.sum(-1)
+                acc = acc * corr[..., None] + (p[..., None] * vs[j][:, None]).sum(-2)
+                m = m_new
+            out[i] = (acc / l_sum[..., None]).reshape(H, D)
+        return out.to(k_pool.dtype)
 
     def _sdpa(self, q, k_pool, v_pool, window, scale):
         view = self.view
@@ -661,12 +801,14 @@ def check_qkv(view: TorchView, layer: Any, q: Any, k: Any, v: Any) -> int:
 def _check_backend(view: TorchView, backend: str, step: Step) -> None:
     cfg = view.config
     paged_cuda = view.cuda and cfg.paged
-    if backend not in ("auto", "paged", "prefill", "tc", "flashinfer", "sdpa"):
-        raise InvalidArgument(f"backend={backend!r} is not one of auto, paged, prefill, tc, sdpa, "
-                              "flashinfer")
-    kernel = backend in ("paged", "prefill", "tc", "flashinfer")
+    if backend not in BACKENDS:
+        raise InvalidArgument(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    kernel = backend in ("paged", "prefill", "tc", "flashinfer") or (backend == "invariant" and view.cuda)
     if kernel and not (paged_cuda and step.qo_indptr is not None):
         raise InvalidArgument(f"backend {backend!r} needs a CUDA cache built with paged=True")
+    if backend == "invariant" and not view.cuda and cfg.mask_format == "none":
+        raise InvalidArgument("backend 'invariant' on the host reads each row's keys from the masks: "
+                              "build the cache with mask_format 'bool' or 'bits'")
     if (backend == "sdpa" or (backend == "auto" and not paged_cuda)) and cfg.mask_format == "none":
         raise InvalidArgument("backend 'sdpa' needs masks (mask_format 'bool' or 'bits')")
 

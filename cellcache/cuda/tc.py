@@ -57,7 +57,8 @@ _VARIANT_WORDS = 9
 class Choice(NamedTuple):
     """What a run launches: the variant ``m<MQ>w<WKV>k<KT>s<ST>[b<B>][x<KS>]`` (``b<B>``: compiled
     for B CTAs an SM; ``x<KS>``: KS keys scored at once); ``split``: the step is
-    split along kv when it has fewer than split x CTAs units (into at most 2 x split x CTAs);
+    split along kv when it has fewer than split x CTAs units (into at most 2 x split x CTAs;
+    0: never, so that a row's sums do not depend on the step's other units);
     ``order``: the work list run by run (0, neighbours share K/V in L2) or heaviest first over
     the step (1, no tail)."""
 
@@ -163,8 +164,9 @@ class TensorCoreAttention:
         if c.variant not in self.variants.get(head_dim, {}):
             raise InvalidArgument(f"variant {c.variant!r} is not built for head_dim={head_dim} "
                                   f"(one of {sorted(self.variants.get(head_dim, {}))})")
-        if c.split < 1 or c.order not in (0, 1):
-            raise InvalidArgument(f"split={c.split} must be >= 1 and order={c.order} 0 or 1")
+        if c.split < 0 or c.order not in (0, 1):
+            raise InvalidArgument(f"split={c.split} must be >= 0 (0: never split) and order={c.order} "
+                                  "0 or 1")
         return c
 
     def close(self) -> None:
@@ -222,7 +224,9 @@ class TensorCoreAttention:
         and ``width``; q and out are ``[rows, n_heads, head_dim]`` of the pool dtype at the
         given (token, head) element strides. ``decode=True`` says every run has one query
         (it only picks the table's decode variant: any variant is correct for any step);
-        ``variant``, ``split``, ``order`` override the table (:class:`Choice`). Refuses
+        ``variant``, ``split``, ``order`` override the table (:class:`Choice`; ``split=0``
+        never splits a run along kv: each row then runs its kv tiles from its first key in
+        one unit, whatever else the step holds, which deterministic serving needs). Refuses
         (InvalidArgument, nothing launched) a shape :func:`supports` rejects or
         addresses/strides :func:`aligned` rejects.
         """

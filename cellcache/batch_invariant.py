@@ -1,0 +1,236 @@
+"""Batch-invariant torch ops: a row's result that does not depend on the rows beside it.
+
+::
+
+    op(x [R, ...])  inside BatchInvariant(rows=M)
+        R rows ─► chunks of exactly M rows (the last one padded with zeros)
+              ─► op(chunk) for each chunk, at one shape [M, ...] whatever R is
+              ─► the real rows of each chunk, concatenated ─► [R, ...]
+
+Matrix products and row reductions pick their algorithm by shape: cuBLAS and oneDNN/MKL
+choose tiles, split-K and thread partitions from M (the row count), and torch's reduction
+kernels split a row differently when there are few rows. So a token's logits would depend
+on how many other tokens its step carried. Run at one fixed M, each kernel sees the same
+shape for every step, and a row's reduction order is then that shape's, the same in every
+chunk: the row's result depends only on the row (its slot in the chunk changes nothing:
+the kernels compute every row of a shape the same way, which the tests check).
+
+:class:`BatchInvariant` is a ``TorchDispatchMode``: inside its ``with`` block (one thread's
+ops only) it runs the ops of :data:`ROW_OPS` row-chunked and passes every other op through
+untouched. It works on the ops as dispatch hands them over, whichever level that is
+(``aten::linear`` or the ``aten::addmm`` it decomposes into: chunking at either level fixes
+the shapes below it). Its Python cost per op is paid by eager forwards only: a CUDA graph
+captured inside the mode replays the fixed-shape kernels without it.
+
+Elementwise ops need nothing on CUDA (every element runs the same device function). On the
+CPU torch's vectorized loops compute the remainder of a thread's range with scalar code
+(libm's ``exp`` rather than Sleef's), so where a thread's range ends could change an
+element's bits; ``cpu_threads=1`` (the host forward's setting) runs torch's intra-op work on
+one thread inside the block, so every range is the whole tensor.
+
+>>> with BatchInvariant(rows=256):                          # doctest: +SKIP
+...     logits = model(input_ids=ids).logits                   # every GEMM at M = 256
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._checks import check_int
+
+__all__ = ["ROWS", "ROW_OPS", "BatchInvariant", "chunk_rows"]
+
+#: The default fixed row count of every chunked op: a decode step of 256 rows runs
+#: unpadded; a smaller step pays a 256-row GEMM, which costs about what a small one does
+#: while the weights' bytes bound it.
+ROWS = 256
+#: Base-address alignment every chunk's operand has (bytes): a library may choose its
+#: kernel by the operands' alignment, so a chunk that is a slice and one that is a padded
+#: copy must share it. The allocators give at least this; views elsewhere are copied.
+_ALIGN = {"cuda": 256, "cpu": 64}
+#: The ops run row-chunked (dispatch names); the module docstring says why each.
+ROW_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::mean.dim",
+           "aten::softmax.int", "aten::log_softmax.int", "aten::_softmax", "aten::_log_softmax")
+
+# intra-op threads pinned by the CPU blocks now open: (count, the setting before the first)
+_THREADS_LOCK = threading.Lock()
+_threads_state: list[int] = [0, 0]
+
+
+def chunk_rows(x: torch.Tensor, rows: int, fn: Callable[..., torch.Tensor],
+               *more: torch.Tensor) -> torch.Tensor:
+    """``fn`` over ``x``'s rows (dim 0) in chunks of exactly ``rows`` rows, the last padded
+    with zeros; the real rows of the results concatenated. ``fn`` must map ``[rows, ...]`` to
+    ``[rows, ...]`` row by row. ``more``: tensors with as many rows, chunked beside ``x`` and
+    passed to ``fn`` after its chunk. Every operand is first made contiguous at an aligned
+    address, so every chunk (a slice or the padded copy) has the same alignment."""
+    n = x.shape[0]
+    xs = [_aligned(t) for t in (x, *more)]
+    if n == rows:
+        return fn(*xs)
+    outs = []
+    for s in range(0, max(n, 1), rows):
+        chunks = [t[s:s + rows] for t in xs]
+        k = chunks[0].shape[0]
+        if k < rows:
+            for i, c in enumerate(chunks):
+                pad = c.new_zeros((rows, *c.shape[1:]))
+                pad[:k] = c
+                chunks[i] = pad
+        y = fn(*chunks)
+        outs.append(y if k == rows else y[:k])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy where it is not contiguous at an aligned address."""
+    if not x.is_contiguous() or x.data_ptr() % _ALIGN.get(x.device.type, 64):
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
+def _last_dim(dim: Any, ndim: int) -> bool:
+    """Whether ``dim`` (an int or a one-element list) names the last of ``ndim`` dims."""
+    if isinstance(dim, Sequence):
+        if len(dim) != 1:
+            return False
+        dim = dim[0]
+    return isinstance(dim, int) and ndim >= 1 and dim % ndim == ndim - 1
+
+
+def _rows_of(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], rows: int,
+             out_tail: tuple[int, ...]) -> torch.Tensor:
+    """``fn`` over ``x`` viewed as ``[rows of the leading dims, last dim]``, reshaped to
+    ``x``'s leading dims followed by ``out_tail``."""
+    lead = tuple(x.shape[:-1])
+    flat = x.reshape(-1, x.shape[-1])
+    return chunk_rows(flat, rows, fn).reshape(*lead, *out_tail)
+
+
+def _linear(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if x.ndim < 1 or w.ndim != 2:
+        return func(*args, **kwargs)
+    return _rows_of(x, lambda c: func(c, w, bias), rows, (w.shape[0],))
+
+
+def _mm(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
+    a, b = args[0], args[1]
+    if a.ndim != 2 or b.ndim != 2 or kwargs:
+        return func(*args, **kwargs)
+    return chunk_rows(a, rows, lambda c: func(c, b))
+
+
+def _matmul(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
+    a, b = args[0], args[1]
+    if a.ndim < 2 or b.ndim != 2 or kwargs:          # batched by both sides: as it comes
+        return func(*args, **kwargs)
+    return _rows_of(a, lambda c: func(c, b), rows, (b.shape[1],))
+
+
+def _addmm(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
+    bias, a, b = args[0], args[1], args[2]
+    if a.ndim != 2 or b.ndim != 2 or len(args) > 3:
+        return func(*args, **kwargs)
+    if bias.ndim == 2 and bias.shape[0] == a.shape[0] and a.shape[0] != 1:
+        # a bias of one row per row: chunked beside its rows
+        return chunk_rows(a, rows, lambda c, bc: func(bc, c, b, **kwargs),
+                          bias.expand(a.shape[0], b.shape[1]))
+    return chunk_rows(a, rows, lambda c: func(bias, c, b, **kwargs))
+
+
+def _mean(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = bool(args[2]) if len(args) > 2 else bool(kwargs.get("keepdim", False))
+    extra = {k: v for k, v in kwargs.items() if k not in ("dim", "keepdim")}
+    if len(args) > 3 or x.ndim < 2 or not _last_dim(dim, x.ndim):
+        return func(*args, **kwargs)
+    return _rows_of(x, lambda c: func(c, [1], True, **extra), rows, (1,) if keepdim else ())
+
+
+def _softmax(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
+    x, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim")
+    rest = args[2:]
+    if x.ndim < 2 or not _last_dim(dim, x.ndim):
+        return func(*args, **kwargs)
+    extra = {k: v for k, v in kwargs.items() if k != "dim"}
+    return _rows_of(x, lambda c: func(c, 1, *rest, **extra), rows, (x.shape[-1],))
+
+
+_HANDLERS: dict[str, Callable[[int, Any, tuple, dict], Any]] = {
+    "aten::linear": _linear, "aten::mm": _mm, "aten::addmm": _addmm, "aten::matmul": _matmul,
+    "aten::mean.dim": _mean, "aten::softmax.int": _softmax, "aten::log_softmax.int": _softmax,
+    "aten::_softmax": _softmax, "aten::_log_softmax": _softmax,
+}
+assert set(_HANDLERS) == set(ROW_OPS)
+
+
+class BatchInvariant(TorchDispatchMode):
+    """Inside the block, the ops of :data:`ROW_OPS` run on fixed chunks of ``rows`` rows
+    (module docstring), so each row's result is independent of the other rows of the call;
+    every other op passes through. ``rows``: an int in ``[1, 65536]`` (InvalidArgument
+    otherwise, before anything changes); the same value must be used wherever results are
+    to agree. ``cpu_threads``: torch's intra-op threads inside the block (None: as they
+    are); the setting is process-wide, so nested and concurrent blocks share one saved value
+    and the last to leave restores it.
+
+    Results differ from the plain ops by rounding only (a different reduction order): close
+    to them, not equal.
+
+    Example
+    -------
+    >>> with BatchInvariant(rows=64, cpu_threads=1):                  # doctest: +SKIP
+    ...     a = torch.nn.functional.linear(x[:3], w)                      # rows 0-2 ...
+    ...     b = torch.nn.functional.linear(x, w)[:3]                      # ... equal bit for bit
+    """
+
+    def __init__(self, rows: int = ROWS, cpu_threads: int | None = None):
+        super().__init__()
+        self.rows = check_int(rows, "rows", 1, 1 << 16)
+        if cpu_threads is not None:
+            cpu_threads = check_int(cpu_threads, "cpu_threads", 1, 1 << 16)
+        self.cpu_threads = cpu_threads
+        self._pinned = False
+
+    def __enter__(self) -> BatchInvariant:
+        if self.cpu_threads is not None:
+            with _THREADS_LOCK:
+                if _threads_state[0] == 0:
+                    _threads_state[1] = torch.get_num_threads()
+                _threads_state[0] += 1
+                torch.set_num_threads(self.cpu_threads)
+            self._pinned = True
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._unpin()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._unpin()
+
+    def _unpin(self) -> None:
+        if not self._pinned:
+            return
+        self._pinned = False
+        with _THREADS_LOCK:
+            _threads_state[0] -= 1
+            if _threads_state[0] == 0:
+                torch.set_num_threads(_threads_state[1])
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func.name())
+        if handler is None or not all(isinstance(a, torch.Tensor) for a in args[:1]):
+            return func(*args, **kwargs)
+        return handler(self.rows, func, args, kwargs)
