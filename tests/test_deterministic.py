@@ -1,0 +1,207 @@
+"""Generator(deterministic=True) on the host backend (CPU, float32): a request's tokens
+(greedy and seeded sampling) and the logits they were drawn from are bit for bit the same
+whatever else is batched with it, when it arrives, how its prompt is chunked, whether it
+is preempted and recomputed, the prefix cache on or off, async steps on or off; and they
+equal a teacher-forced forward over the finished sequence in the same mode. Schedules are
+drawn at random (seeded)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from cellcache import HostCellCache, InvalidArgument  # noqa: E402
+from cellcache import hf as cchf  # noqa: E402
+from cellcache.batch_invariant import BatchInvariant  # noqa: E402
+from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
+
+N_NEW = 10
+VOCAB = 512
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.detach().float().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture(scope="module")
+def model():
+    # a Qwen2 with one full-attention layer and two windowed ones (window 16)
+    return random_model("tiny", seed=7)
+
+
+@pytest.fixture(scope="module")
+def targets():
+    """The requests whose results are compared: prompts sharing a prefix (prefix-cache hits
+    between them), greedy, seeded sampling, and two seeded continuations of one prompt."""
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, VOCAB, size=12).tolist()
+    prompts = [shared + rng.integers(0, VOCAB, size=n).tolist() for n in (3, 17, 9)]
+    prompts.append(rng.integers(0, VOCAB, size=30).tolist())
+    samplings = [Sampling(max_new_tokens=N_NEW),
+                 Sampling(max_new_tokens=N_NEW, temperature=0.9, seed=11),
+                 Sampling(max_new_tokens=N_NEW, temperature=1.3, top_k=40, top_p=0.9, seed=12, n=2),
+                 Sampling(max_new_tokens=N_NEW)]
+    return list(zip(prompts, samplings))
+
+
+def serve(model, jobs, *, others=(), arrivals=None, seed=0, **kw):
+    """Serves ``jobs`` ((prompt, Sampling)) beside ``others`` (prompts, greedy) in one
+    Generator; each job arrives after ``arrivals[i]`` steps (0: at once). Returns, per job,
+    (outputs, {(k, context): logits bits}) where every context's logits were the same
+    bits each time the step saw it (a recomputed row is checked against its first)."""
+    gen = Generator(model, eos=[], deterministic=True, **kw)
+    seen: list[tuple] = []
+
+    def on_logits(rows, logits):
+        for i, (req, k, ctx) in enumerate(rows):
+            seen.append((req, k, ctx, bits(logits[i])))
+
+    gen.on_logits = on_logits
+    arrivals = arrivals or [0] * len(jobs)
+    order = sorted(range(len(jobs) + len(others)), key=lambda i: (arrivals + [0] * len(others))[i])
+    rng = np.random.default_rng(seed)
+    reqs: dict[int, object] = {}
+    step = 0
+    pending = list(order)
+    while pending or not all(r.done for r in reqs.values()):
+        while pending and (pending[0] >= len(jobs) or arrivals[pending[0]] <= step):
+            i = pending.pop(0)
+            if i < len(jobs):
+                reqs[i] = gen.add(jobs[i][0], jobs[i][1])
+            else:
+                reqs[i] = gen.add(others[i - len(jobs)],
+                                  Sampling(max_new_tokens=int(rng.integers(1, N_NEW + 4))))
+        gen.step()
+        step += 1
+        assert step < 2000
+    gen.run()
+    results = []
+    for i in range(len(jobs)):
+        req = reqs[i]
+        logits: dict[tuple, bytes] = {}
+        for r, k, ctx, b in seen:
+            if r is not req:
+                continue
+            if isinstance(ctx, int):               # launched ahead: resolved now
+                ctx = tuple((list(req.prompt) + list(req.outputs[k]))[:ctx])
+            key = (k, tuple(ctx))
+            assert logits.setdefault(key, b) == b, "a context's logits changed within one run"
+        results.append(([list(o) for o in req.outputs], logits))
+    assert gen.cache.free_cells == gen.cache.capacity or gen.prefix is not None
+    return results, gen
+
+
+def alone(model, targets):
+    """Each target served by itself: whole prompt in one chunk, plenty of room."""
+    return [serve(model, [job], capacity=512, max_batch_tokens=64, prefill_chunk=64,
+                  max_seqs=8)[0][0] for job in targets]
+
+
+@pytest.fixture(scope="module")
+def reference(model, targets):
+    return alone(model, targets)
+
+
+def check_same(ref, got):
+    for (out_a, log_a), (out_b, log_b) in zip(ref, got):
+        assert out_a == out_b
+        common = set(log_a) & set(log_b)
+        # every sampled token's row is in both (a prompt's last row, every output but the last)
+        assert len(common) >= N_NEW
+        for key in common:
+            assert log_a[key] == log_b[key], f"logits differ after {len(key[1])} tokens"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tokens_and_logits_do_not_depend_on_the_schedule(model, targets, reference, seed):
+    rng = np.random.default_rng(100 + seed)
+    others = [rng.integers(0, VOCAB, size=int(rng.integers(2, 40))).tolist()
+              for _ in range(int(rng.integers(2, 6)))]
+    if seed % 2:                                   # others sharing a target's prompt prefix
+        others.append(targets[0][0][:14] + [1, 2, 3])
+    arrivals = rng.integers(0, 8, size=len(targets)).tolist()
+    kw = dict(capacity=int(rng.integers(90, 180)), max_batch_tokens=int(rng.integers(8, 40)),
+              prefill_chunk=int(rng.integers(2, 19)), max_seqs=int(rng.integers(4, 12)),
+              reserve=0.0, prefix_cache=bool(seed % 2), async_steps=bool(seed // 2))
+    got, gen = serve(model, targets, others=others, arrivals=arrivals, seed=seed, **kw)
+    check_same(reference, got)
+    if seed == 0:
+        assert gen.stats["preempted"] > 0          # the small pool made room by preemption
+
+
+def teacher_forced(model, sequence, rows=None):
+    """A fresh cache and runner in deterministic mode: one step over the whole sequence,
+    every row's float32 logits."""
+    cfg = cchf.cache_config(model, capacity=256, max_write=128)
+    cache = HostCellCache(cfg)
+    runner = cchf.attach(model, cache, deterministic=True)
+    s = cache.seq_new()
+    assert cache.declare_step([s] * len(sequence))
+    step = cache.prepare_step()
+    logits = runner.forward(step, sequence, rows)
+    cache.commit_step()
+    return logits
+
+
+def test_logits_equal_a_teacher_forced_forward_of_the_finished_sequence(model, targets, reference):
+    for (prompt, _), (outputs, logits) in zip(targets, reference):
+        for k, out in enumerate(outputs):
+            seq = list(prompt) + out
+            forced = teacher_forced(model, seq[:-1])
+            n = 0
+            for j in range(len(prompt) - 1, len(seq) - 1):
+                key = (k, tuple(seq[:j + 1]))
+                if key in logits:
+                    assert bits(forced[j]) == logits[key], (k, j)
+                    n += 1
+            assert n >= N_NEW - 1
+            # and so the log-probabilities a trainer recomputes, in the same mode
+            with BatchInvariant(cpu_threads=1):
+                lp = torch.log_softmax(forced, dim=-1)
+                row = torch.log_softmax(forced[len(prompt) - 1:len(prompt)], dim=-1)
+            assert bits(lp[len(prompt) - 1]) == bits(row[0])
+
+
+def test_deterministic_stays_close_to_the_normal_mode(model, targets):
+    prompt = targets[3][0]
+    cfg = cchf.cache_config(model, capacity=256, max_write=64)
+    outs = []
+    for det in (False, True):
+        cache = HostCellCache(cfg)
+        runner = cchf.attach(model, cache, deterministic=det)
+        s = cache.seq_new()
+        assert cache.declare_step([s] * len(prompt))
+        step = cache.prepare_step()
+        outs.append(runner.forward(step, prompt))
+        cache.commit_step()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_attach_refusals_change_nothing(model):
+    cfg = cchf.cache_config(model, capacity=64, max_write=16)
+    cache = HostCellCache(cfg)
+    before = model.config._attn_implementation
+    for kw, match in ((dict(deterministic=1), "deterministic"),
+                      (dict(deterministic="yes"), "deterministic"),
+                      (dict(deterministic=True, compile=True), "compile"),
+                      (dict(deterministic=True, compile={"backend": "eager"}), "compile"),
+                      (dict(deterministic=True, invariant_rows=0), "invariant_rows"),
+                      (dict(deterministic=True, invariant_rows=2.5), "invariant_rows")):
+        with pytest.raises(InvalidArgument, match=match):
+            cchf.attach(model, cache, **kw)
+        assert model.config._attn_implementation == before
+        assert cache.live_seqs() == [] and cache.free_cells == cache.capacity
+    with pytest.raises(InvalidArgument, match="deterministic"):
+        Generator(model, capacity=64, eos=[], deterministic=True, compile=True)
+    assert model.config._attn_implementation == before
+
+
+def test_runner_reports_its_mode(model):
+    cache = HostCellCache(cchf.cache_config(model, capacity=64, max_write=16))
+    runner = cchf.attach(model, cache, deterministic=True, invariant_rows=64)
+    assert runner.adapter.deterministic is True and runner.adapter.invariant_rows == 64
+    runner = cchf.attach(model, cache)
+    assert runner.adapter.deterministic is False
