@@ -353,6 +353,15 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
         if attention != "auto":
             raise InvalidArgument(f"deterministic=True runs its own attention path; attention="
                                   f"{attention!r} is not taken with it (give 'auto')")
+        heads = _config_int(cfg, "num_attention_heads", 1)
+        kv_heads = _config_int(cfg, "num_key_value_heads", 1, default=heads)
+        if any(layer.n_kv_heads != kv_heads for layer in cache.config.layers):
+            # a rank's share of the heads: its row-parallel layers end in an all-reduce whose
+            # order follows the message size, i.e. the step's rows
+            raise InvalidArgument("deterministic=True does not serve a tensor-parallel shard (the "
+                                  f"cache holds {cache.config.layers[0].n_kv_heads} of the model's "
+                                  f"{kv_heads} KV heads): the ranks' all-reduces sum in an order "
+                                  "that depends on the step's size")
     adapter = HFAdapter(model, deterministic=deterministic, invariant_rows=invariant_rows)
     runner = ModelRunner(model, cache, adapter, graphs=graphs, buckets=buckets,
                          compile=compile, mixed_buckets=mixed_buckets, attention=attention)

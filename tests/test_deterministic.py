@@ -7,6 +7,8 @@ drawn at random (seeded)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -194,6 +196,11 @@ def test_attach_refusals_change_nothing(model):
             cchf.attach(model, cache, **kw)
         assert model.config._attn_implementation == before
         assert cache.live_seqs() == [] and cache.free_cells == cache.capacity
+    # a rank's shard of the heads (tensor parallel): its all-reduces are not invariant
+    shard = dataclasses.replace(cfg, layers=[dataclasses.replace(la, n_kv_heads=1) for la in cfg.layers])
+    with pytest.raises(InvalidArgument, match="tensor-parallel"):
+        cchf.attach(model, HostCellCache(shard), deterministic=True)
+    assert model.config._attn_implementation == before
     with pytest.raises(InvalidArgument, match="deterministic"):
         Generator(model, capacity=64, eos=[], deterministic=True, compile=True)
     assert model.config._attn_implementation == before

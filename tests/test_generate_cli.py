@@ -385,3 +385,29 @@ def test_the_rest_of_the_cli_runs_without_torch():
     assert demo.returncode == 0 and "0 mismatches" in demo.stdout and demo.stderr == "", demo.stderr
     usage = without("torch", "--help")
     assert usage.returncode == 0 and "pip install 'cellcache[hf]'" in usage.stdout
+
+
+# -- --deterministic ---------------------------------------------------------------------------
+
+def test_deterministic_serves_each_prompt_as_it_would_be_alone(monkeypatch, capsys):
+    """``--deterministic`` reaches the Generator (``deterministic=True``; without the flag the
+    keyword is not passed) and a prompt's outputs do not depend on the prompts beside it."""
+    made = []
+
+    class Recording(cli.Generator):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("deterministic"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "Generator", Recording)
+    base = ["--random", "tiny", "--device", "cpu", "--max-new-tokens", "6", "--json", "--quiet",
+            "--temperature", "0.8", "--seed", "3"]
+    code, out, err = run_main([*base, "--deterministic", "5 6 7 8", "--random-prompts", "3"], capsys)
+    assert code == 0, err
+    batched = json.loads(out)["results"][0]["outputs"]
+    code, out, err = run_main([*base, "--deterministic", "5 6 7 8"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["results"][0]["outputs"] == batched
+    code, out, err = run_main([*base, "5 6 7 8"], capsys)
+    assert code == 0, err
+    assert made == [True, True, None]

@@ -162,6 +162,9 @@ def build_parser() -> Parser:
     p.add_argument("--no-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="read every prompt whole (no reuse of cached prefixes)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant serving: each request's tokens and logits are the same "
+                        "bits whatever else is batched with it (docs/design/deterministic.md)")
     p.add_argument("--admission", choices=list(ADMISSION_POLICIES), default="fifo",
                    help="waiting requests in arrival order, or longest cached prefix first (lpm)")
     p.add_argument("--tp", type=in_range(1, 1 << 12), default=1,
@@ -442,7 +445,8 @@ def _serve(p: Parser, args: Any, texts: list[str], device: str, place: Any, dtyp
                         max_seqs=min(4096, max(64, 2 * len(prompts) * args.n)),
                         graphs=False if args.no_graphs else None,
                         prefix_cache=not args.no_prefix_cache, admission=args.admission,
-                        tp=world if world > 1 else None)
+                        tp=world if world > 1 else None,
+                        **({"deterministic": True} if args.deterministic else {}))
     except (CellCacheError, MemoryError) as e:
         p.error(f"cannot serve this model with --capacity {args.capacity} on {device}: {_one_line(e)}")
     except RuntimeError as e:
