@@ -20,12 +20,9 @@ from cellcache import hf as cchf  # noqa: E402
 from cellcache.batch_invariant import BatchInvariant  # noqa: E402
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
 
+from .helpers_deterministic import VOCAB, bits, check_same, drafter, serve  # noqa: E402
+
 N_NEW = 10
-VOCAB = 512
-
-
-def bits(t: torch.Tensor) -> bytes:
-    return t.detach().float().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +34,8 @@ def model():
 @pytest.fixture(scope="module")
 def targets():
     """The requests whose results are compared: prompts sharing a prefix (prefix-cache hits
-    between them), greedy, seeded sampling, and two seeded continuations of one prompt."""
+    between them), greedy, seeded sampling, two seeded continuations of one prompt, and
+    greedy with drafts."""
     rng = np.random.default_rng(5)
     shared = rng.integers(0, VOCAB, size=12).tolist()
     prompts = [shared + rng.integers(0, VOCAB, size=n).tolist() for n in (3, 17, 9)]
@@ -46,54 +44,10 @@ def targets():
                  Sampling(max_new_tokens=N_NEW, temperature=0.9, seed=11),
                  Sampling(max_new_tokens=N_NEW, temperature=1.3, top_k=40, top_p=0.9, seed=12, n=2),
                  Sampling(max_new_tokens=N_NEW)]
-    return list(zip(prompts, samplings))
-
-
-def serve(model, jobs, *, others=(), arrivals=None, seed=0, **kw):
-    """Serves ``jobs`` ((prompt, Sampling)) beside ``others`` (prompts, greedy) in one
-    Generator; each job arrives after ``arrivals[i]`` steps (0: at once). Returns, per job,
-    (outputs, {(k, context): logits bits}) where every context's logits were the same
-    bits each time the step saw it (a recomputed row is checked against its first)."""
-    gen = Generator(model, eos=[], deterministic=True, **kw)
-    seen: list[tuple] = []
-
-    def on_logits(rows, logits):
-        for i, (req, k, ctx) in enumerate(rows):
-            seen.append((req, k, ctx, bits(logits[i])))
-
-    gen.on_logits = on_logits
-    arrivals = arrivals or [0] * len(jobs)
-    order = sorted(range(len(jobs) + len(others)), key=lambda i: (arrivals + [0] * len(others))[i])
-    rng = np.random.default_rng(seed)
-    reqs: dict[int, object] = {}
-    step = 0
-    pending = list(order)
-    while pending or not all(r.done for r in reqs.values()):
-        while pending and (pending[0] >= len(jobs) or arrivals[pending[0]] <= step):
-            i = pending.pop(0)
-            if i < len(jobs):
-                reqs[i] = gen.add(jobs[i][0], jobs[i][1])
-            else:
-                reqs[i] = gen.add(others[i - len(jobs)],
-                                  Sampling(max_new_tokens=int(rng.integers(1, N_NEW + 4))))
-        gen.step()
-        step += 1
-        assert step < 2000
-    gen.run()
-    results = []
-    for i in range(len(jobs)):
-        req = reqs[i]
-        logits: dict[tuple, bytes] = {}
-        for r, k, ctx, b in seen:
-            if r is not req:
-                continue
-            if isinstance(ctx, int):               # launched ahead: resolved now
-                ctx = tuple((list(req.prompt) + list(req.outputs[k]))[:ctx])
-            key = (k, tuple(ctx))
-            assert logits.setdefault(key, b) == b, "a context's logits changed within one run"
-        results.append(([list(o) for o in req.outputs], logits))
-    assert gen.cache.free_cells == gen.cache.capacity or gen.prefix is not None
-    return results, gen
+    jobs = list(zip(prompts, samplings))
+    jobs.append((rng.integers(0, VOCAB, size=8).tolist(), Sampling(max_new_tokens=N_NEW),
+                 dict(draft=drafter, draft_k=2)))      # verify runs: drafts read like a prompt
+    return jobs
 
 
 def alone(model, targets):
@@ -107,16 +61,6 @@ def reference(model, targets):
     return alone(model, targets)
 
 
-def check_same(ref, got):
-    for (out_a, log_a), (out_b, log_b) in zip(ref, got):
-        assert out_a == out_b
-        common = set(log_a) & set(log_b)
-        # every sampled token's row is in both (a prompt's last row, every output but the last)
-        assert len(common) >= N_NEW
-        for key in common:
-            assert log_a[key] == log_b[key], f"logits differ after {len(key[1])} tokens"
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_tokens_and_logits_do_not_depend_on_the_schedule(model, targets, reference, seed):
     rng = np.random.default_rng(100 + seed)
@@ -128,8 +72,10 @@ def test_tokens_and_logits_do_not_depend_on_the_schedule(model, targets, referen
     kw = dict(capacity=int(rng.integers(90, 180)), max_batch_tokens=int(rng.integers(8, 40)),
               prefill_chunk=int(rng.integers(2, 19)), max_seqs=int(rng.integers(4, 12)),
               reserve=0.0, prefix_cache=bool(seed % 2), async_steps=bool(seed // 2))
+    if seed == 0:
+        kw["capacity"] = 64                        # short of cells: preempts and recomputes
     got, gen = serve(model, targets, others=others, arrivals=arrivals, seed=seed, **kw)
-    check_same(reference, got)
+    check_same(reference, got, N_NEW)
     if seed == 0:
         assert gen.stats["preempted"] > 0          # the small pool made room by preemption
 
@@ -149,7 +95,7 @@ def teacher_forced(model, sequence, rows=None):
 
 
 def test_logits_equal_a_teacher_forced_forward_of_the_finished_sequence(model, targets, reference):
-    for (prompt, _), (outputs, logits) in zip(targets, reference):
+    for (prompt, *_), (outputs, logits) in zip(targets, reference):
         for k, out in enumerate(outputs):
             seq = list(prompt) + out
             forced = teacher_forced(model, seq[:-1])
