@@ -66,9 +66,9 @@ class ServerProcess:
         """GET ``path``: (status, body, headers); status 0 when nothing answers."""
         try:
             with urllib.request.urlopen(self.url + path, timeout=10) as r:
-                return r.status, r.read().decode(), dict(r.headers)
+                return r.status, r.read().decode(), _lower(r.headers)
         except urllib.error.HTTPError as e:
-            return e.code, e.read().decode(), dict(e.headers)
+            return e.code, e.read().decode(), _lower(e.headers)
         except OSError:
             return 0, "", {}
 
@@ -78,9 +78,9 @@ class ServerProcess:
         req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
-                status, text, headers = r.status, r.read().decode(), dict(r.headers)
+                status, text, headers = r.status, r.read().decode(), _lower(r.headers)
         except urllib.error.HTTPError as e:
-            status, text, headers = e.code, e.read().decode(), dict(e.headers)
+            status, text, headers = e.code, e.read().decode(), _lower(e.headers)
         try:
             return status, json.loads(text), headers
         except ValueError:
@@ -117,6 +117,11 @@ class ServerProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _lower(headers: Any) -> dict[str, str]:
+    """Response headers by lower-case name."""
+    return {k.lower(): v for k, v in headers.items()}
 
 
 def wait_until(predicate: Any, timeout: float = 60.0, what: str = "the condition") -> None:
