@@ -10,8 +10,11 @@ bridge from its callbacks (on that thread) to the event loop's coroutines.
               on_text)  (thread safe)          gen.step()   (the GPU's work, never the loop's)
       wake the engine                            on_token / on_text (this thread)
                                                    └─ loop.call_soon_threadsafe(queue.put_nowait)
-    async for event in stream  ◀───────────────  sweep: requests that are done get a "done" event;
-    disconnect: gen.cancel(req) (thread safe)      metrics observed; the snapshot refreshed
+                                                   └─ appended to the step's outbox
+    async for event in stream  ◀───────────────  after the step: the outbox handed over in one
+                                                   loop.call_soon_threadsafe (one wake-up a step,
+                                                   not one a token); requests that are done get a
+    disconnect: gen.cancel(req) (thread safe)      "done" event; metrics observed; snapshot refreshed
 
 A request counts as **waiting** from :meth:`Engine.submit` until its first token (or its
 end): ``max_waiting`` bounds that number, and a submit past it is refused with 429. While
@@ -30,7 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..generate import Generator, Request, Sampling
@@ -69,14 +72,12 @@ class Stream:
     tag: int
     request: Request | None = None
     started: bool = False                       # a first token (or the end) was seen
-    counts: list[int] = field(default_factory=list)
 
-    def push(self, event: Event) -> None:
-        """Hands ``event`` to the loop (any thread). A loop already closed drops it."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:                    # the loop closed: nobody listens any more
-            pass
+
+def _deliver(batch: list[tuple[Stream, Event]]) -> None:
+    """On the loop: each event into its stream's queue, in order."""
+    for stream, event in batch:
+        stream.queue.put_nowait(event)
 
 
 class Engine:
@@ -110,6 +111,7 @@ class Engine:
         #: The generator as of its last step (read by /metrics and /health from the loop).
         self.snapshot: dict[str, Any] = {}
         self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        self._outbox: list[tuple[Stream, Event]] = []      # the engine thread's, until handed over
         self._refresh()
 
     # -- the loop's side -------------------------------------------------------------------------
@@ -142,7 +144,7 @@ class Engine:
         tagged ``tag``. Raises :class:`Refused` (see :meth:`check_admission`), or the
         generator's InvalidArgument with nothing queued. Loop thread only."""
         self.check_admission()
-        stream = Stream(asyncio.get_running_loop(), queue, tag, counts=[0] * sampling.n)
+        stream = Stream(asyncio.get_running_loop(), queue, tag)
         with self._lock:
             self._waiting += 1
         try:
@@ -201,19 +203,41 @@ class Engine:
             self._thread.join(timeout)
 
     def _on_token(self, stream: Stream) -> Callable[[Request, int, int], None]:
+        outbox = self._outbox
+
         def on_token(req: Request, k: int, token: int) -> None:
             if not stream.started:
                 stream.started = True
                 with self._lock:
                     self._waiting -= 1
-            stream.counts[k] += 1
-            stream.push(Event("token", stream.tag, k, token=token))
+            outbox.append((stream, Event("token", stream.tag, k, token=token)))
         return on_token
 
     def _on_text(self, stream: Stream) -> Callable[[Request, int, str], None]:
+        outbox = self._outbox
+
         def on_text(req: Request, k: int, delta: str) -> None:
-            stream.push(Event("text", stream.tag, k, text=delta, finish=req.finish_reasons[k]))
+            outbox.append((stream, Event("text", stream.tag, k, text=delta, finish=req.finish_reasons[k])))
         return on_text
+
+    def _hand_over(self) -> None:
+        """The outbox to the loop(s), one call each (engine thread). A closed loop drops it."""
+        outbox = self._outbox
+        if not outbox:
+            return
+        # taken by a copy and a cut, each atomic: an event a cancel's last on_text appends
+        # from the loop's thread meanwhile stays for the next hand-over (the callbacks hold
+        # this very list, so it is never replaced)
+        taken = outbox[:]
+        del outbox[:len(taken)]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Event]]] = {}
+        for item in taken:
+            by_loop.setdefault(item[0].loop, []).append(item)
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:                # the loop closed: nobody listens any more
+                pass
 
     def _run(self) -> None:
         gen = self.gen
@@ -238,6 +262,7 @@ class Engine:
                         self._fail_all(e)
                         failures = 0
             self._sweep()
+            self._hand_over()
             self._refresh()
 
     def _sweep(self) -> None:
@@ -253,8 +278,9 @@ class Engine:
             req = s.request
             assert req is not None
             if req.error is not None and "error" in req.finish_reasons:
-                s.push(Event("error", s.tag, text=f"{type(req.error).__name__}: {req.error}"))
-            s.push(Event("done", s.tag))
+                why = f"{type(req.error).__name__}: {req.error}"
+                self._outbox.append((s, Event("error", s.tag, text=why)))
+            self._outbox.append((s, Event("done", s.tag)))
             if self.on_done is not None:
                 try:
                     self.on_done(req)
@@ -274,8 +300,9 @@ class Engine:
                 s.started = True
                 with self._lock:
                     self._waiting -= 1
-            s.push(Event("error", s.tag, text=f"the engine failed: {type(e).__name__}: {e}"))
-            s.push(Event("done", s.tag))
+            why = f"the engine failed: {type(e).__name__}: {e}"
+            self._outbox.append((s, Event("error", s.tag, text=why)))
+            self._outbox.append((s, Event("done", s.tag)))
 
     def _refresh(self) -> None:
         """The snapshot /metrics and /health read (engine thread, or before it starts)."""
