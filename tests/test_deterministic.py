@@ -8,6 +8,7 @@ drawn at random (seeded)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from cellcache import hf as cchf  # noqa: E402
 from cellcache.batch_invariant import BatchInvariant  # noqa: E402
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
 
+from .helpers import load_tool  # noqa: E402
 from .helpers_deterministic import VOCAB, bits, check_same, drafter, serve  # noqa: E402
 
 N_NEW = 10
@@ -158,3 +160,17 @@ def test_runner_reports_its_mode(model):
     assert runner.adapter.deterministic is True and runner.adapter.invariant_rows == 64
     runner = cchf.attach(model, cache)
     assert runner.adapter.deterministic is False
+
+
+def test_bench_det_times_both_modes_on_one_workload(tmp_path):
+    """tools/bench_det.py (smoke size, CPU): both modes served, the cost and SGLang's
+    published figure reported, the deterministic runs identical."""
+    bench = load_tool("bench_det")
+    out = tmp_path / "det.json"
+    assert bench.main(["--device", "cpu", "--quick", "--model", "llama-tiny", "--requests", "4",
+                       "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "bench_det" and res["deterministic_runs_identical"] is True
+    assert set(res["tokens_per_s"]) == {"normal", "deterministic"}
+    assert res["sglang_published_cost"] == 0.34 and res["target_cost"] == 0.15
+    assert res["runs"]["deterministic"][0]["tokens_out"] == res["runs"]["normal"][0]["tokens_out"] > 0
