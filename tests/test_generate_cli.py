@@ -390,8 +390,8 @@ def test_the_rest_of_the_cli_runs_without_torch():
 # -- --deterministic ---------------------------------------------------------------------------
 
 def test_deterministic_serves_each_prompt_as_it_would_be_alone(monkeypatch, capsys):
-    """``--deterministic`` reaches the Generator (``deterministic=True``; without the flag the
-    keyword is not passed) and a prompt's outputs do not depend on the prompts beside it."""
+    """``--deterministic`` reaches the Generator (``deterministic=True``; False without the
+    flag) and a prompt's outputs do not depend on the prompts beside it."""
     made = []
 
     class Recording(cli.Generator):
@@ -410,4 +410,4 @@ def test_deterministic_serves_each_prompt_as_it_would_be_alone(monkeypatch, caps
     assert json.loads(out)["results"][0]["outputs"] == batched
     code, out, err = run_main([*base, "5 6 7 8"], capsys)
     assert code == 0, err
-    assert made == [True, True, None]
+    assert made == [True, True, False]

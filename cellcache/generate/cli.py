@@ -445,8 +445,7 @@ def _serve(p: Parser, args: Any, texts: list[str], device: str, place: Any, dtyp
                         max_seqs=min(4096, max(64, 2 * len(prompts) * args.n)),
                         graphs=False if args.no_graphs else None,
                         prefix_cache=not args.no_prefix_cache, admission=args.admission,
-                        tp=world if world > 1 else None,
-                        **({"deterministic": True} if args.deterministic else {}))
+                        tp=world if world > 1 else None, deterministic=args.deterministic)
     except (CellCacheError, MemoryError) as e:
         p.error(f"cannot serve this model with --capacity {args.capacity} on {device}: {_one_line(e)}")
     except RuntimeError as e:
