@@ -100,6 +100,15 @@ class _Choices:
         self.done = [False] * len(streams)
         self.error: str | None = None
 
+    def record(self, ev: Event) -> None:
+        """What ``ev`` says about the requests: done, failed, a token."""
+        if ev.kind == "done":
+            self.done[ev.tag] = True
+        elif ev.kind == "error":
+            self.error = ev.text
+        elif ev.kind == "token":
+            self.tokens[ev.tag * self.n + ev.k].append(ev.token)
+
     def request(self, tag: int) -> Request:
         req = self.streams[tag].request
         assert req is not None
@@ -183,12 +192,7 @@ class _Server:
         """The events of ``choices``' requests until every one is done."""
         while not all(choices.done):
             ev: Event = await queue.get()
-            if ev.kind == "done":
-                choices.done[ev.tag] = True
-            elif ev.kind == "error":
-                choices.error = ev.text
-            elif ev.kind == "token":
-                choices.tokens[ev.tag * choices.n + ev.k].append(ev.token)
+            choices.record(ev)
             yield ev
 
     async def collect(self, http: HTTPRequest, choices: _Choices, queue: asyncio.Queue) -> bool:
@@ -432,30 +436,46 @@ def _pending(srv: _Server, choices: _Choices, tag: int, k: int) -> tuple[list[in
 
 async def _stream_events(srv: _Server, choices: _Choices, queue: asyncio.Queue,
                          ) -> AsyncIterator[tuple[int, int, str, str | None]]:
-    """``(tag, k, text delta, finish reason or None)`` for every piece of text a choice gets
-    and once for its end (the request's own text past what was sent fills any gap)."""
+    """``(tag, k, text delta, finish reason or None)`` for the text a choice gets and once
+    for its end (the request's own text past what was sent fills any gap). Every event
+    already queued is taken at once and a choice's deltas among them are joined: a client
+    (or a loop) that falls behind gets fewer, larger chunks instead of a growing backlog."""
     n = choices.n
     try:
-        async for ev in srv.events(choices, queue):
-            if ev.kind == "text":
-                i = ev.tag * n + ev.k
-                if choices.ended[i]:
-                    continue
-                choices.sent_text[i] += ev.text
-                if ev.finish is not None:
-                    choices.ended[i] = True
-                yield ev.tag, ev.k, ev.text, finish_reason(ev.finish)
-            elif ev.kind == "done":
-                req = choices.request(ev.tag)
+        while not all(choices.done):
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            texts: dict[int, list[Any]] = {}          # choice -> [tag, k, text, finish]
+            ended: list[int] = []
+            for ev in batch:
+                choices.record(ev)
+                if ev.kind == "text":
+                    i = ev.tag * n + ev.k
+                    if choices.ended[i]:
+                        continue
+                    entry = texts.setdefault(i, [ev.tag, ev.k, "", None])
+                    entry[2] += ev.text
+                    choices.sent_text[i] += ev.text
+                    if ev.finish is not None:
+                        entry[3] = finish_reason(ev.finish)
+                        choices.ended[i] = True
+                elif ev.kind == "done":
+                    ended.append(ev.tag)
+            for tag, k, text, finish in texts.values():
+                yield tag, k, text, finish
+            for tag in ended:
+                req = choices.request(tag)
                 for k in range(n):
-                    i = ev.tag * n + k
+                    i = tag * n + k
                     if choices.ended[i]:
                         continue
                     choices.ended[i] = True
                     whole = req.texts[k] if req.texts else ""
-                    rest = whole[len(choices.sent_text[i]):] if whole.startswith(choices.sent_text[i]) else ""
+                    sent = choices.sent_text[i]
+                    rest = whole[len(sent):] if whole.startswith(sent) else ""
                     choices.sent_text[i] += rest
-                    yield ev.tag, k, rest, finish_reason(req.finish_reasons[k] or "cancelled")
+                    yield tag, k, rest, finish_reason(req.finish_reasons[k] or "cancelled")
     finally:
         if not all(choices.done):
             srv.cancel_all(choices.streams)
