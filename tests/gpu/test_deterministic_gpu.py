@@ -197,14 +197,22 @@ def test_invariant_attention_reads_a_token_alike_in_a_chunk_and_in_decode():
         torch.testing.assert_close(a[key].float(), c[key].float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("arch,dtype,match", [("mistral-tiny", torch.bfloat16, "sliding window"),
-                                              ("llama-tiny", torch.float32, "tensor-core")])
-def test_shapes_the_invariant_kernels_do_not_take_are_refused(arch, dtype, match):
-    model = random_model(arch, dtype, "cuda", seed=0)
+#: a Mistral with head_dim 64 (a shape the tensor-core kernels take) and a sliding window
+WINDOWED = dict(arch="mistral", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=512, sliding_window=12)
+
+
+@pytest.mark.parametrize("which,match", [("windowed", "sliding window"), ("float32", "tensor-core")])
+def test_shapes_the_invariant_kernels_do_not_take_are_refused(which, match):
+    if which == "windowed":
+        model = shaped_model(WINDOWED, torch.bfloat16, "cuda", seed=0)
+    else:
+        model = random_model("llama-tiny", torch.float32, "cuda", seed=0)
     cache = cc.build("cuda", "batched", cchf.cache_config(model, capacity=256, max_write=64))
     before = model.config._attn_implementation
     with pytest.raises(InvalidArgument, match=match):
         cchf.attach(model, cache, deterministic=True)
     assert model.config._attn_implementation == before
     assert cache.live_seqs() == []
+    cchf.attach(model, cache)                                     # the normal mode takes it
     cache.close()
