@@ -579,7 +579,7 @@ def test_extreme_sampling_values_draw_their_limits_through_the_generator(model, 
 
 
 BAD_ADDS = [
-    (dict(prompt=[]), "empty"), (dict(prompt="abc"), "not a sequence"),
+    (dict(prompt=[]), "empty"), (dict(prompt="abc"), "no tokenizer"),
     (dict(prompt=b"ab"), "not a sequence"), (dict(prompt=[1.5]), "ints"), (dict(prompt=[True, 2]), "ints"),
     (dict(prompt=["3"]), "ints"), (dict(prompt=[-1]), "vocabulary"), (dict(prompt=[VOCAB]), "vocabulary"),
     (dict(prompt=[[1, 2]]), "ints"), (dict(prompt=7), "not a sequence"),

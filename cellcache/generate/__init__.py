@@ -70,10 +70,11 @@ from __future__ import annotations
 from .cli import RANDOM_MODELS, main, random_model
 from .drivers import chat, poisson_arrivals, serve_arrivals
 from .engine import Generator
-from .requests import FINISH_REASONS, Request, Sampling, latency_summary
+from .requests import FINISH_REASONS, Request, Sampling, TokenLogprob, latency_summary
 from .sampler import Sampler, SamplerOutput, SampleSpec
 from .scheduler import ADMISSION_POLICIES, Scheduler, StepPlan
 
 __all__ = ["ADMISSION_POLICIES", "FINISH_REASONS", "RANDOM_MODELS", "Generator", "Request",
-           "SampleSpec", "Sampler", "SamplerOutput", "Sampling", "Scheduler", "StepPlan", "chat",
+           "SampleSpec", "Sampler", "SamplerOutput", "Sampling", "Scheduler", "StepPlan",
+           "TokenLogprob", "chat",
            "latency_summary", "main", "poisson_arrivals", "random_model", "serve_arrivals"]

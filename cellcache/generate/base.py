@@ -31,7 +31,7 @@ import _signal  # type: ignore[import-not-found]
 import math
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ from ..cache import CellCache
 from ..prefix import PrefixCache
 from ..radix import PendingPrompts
 from .kv import KVManager
-from .plan import Job, Outcome, SamplerOutput, Seq, StepPlan
+from .plan import Job, Outcome, SamplerOutput, SampleSpec, Seq, SlotExtra, StepPlan
 from .requests import real_number
 
 __all__ = ["ADMISSION_POLICIES", "STATS", "BaseScheduler", "HoldInterrupts", "read_clock"]
@@ -224,6 +224,22 @@ class BaseScheduler:
             self.ended_jobs.append(job)
         self._free_all(ending)
 
+    def end_one(self, job: Job, index: int, reason: str) -> None:
+        """Ends continuation ``index`` of job's request alone with ``reason`` (a stop string
+        found in its text): freed (its tokens stored in the prefix cache) and out of the
+        queues; the request's other continuations go on. One that ended already (in the
+        step that applied the same token) takes ``reason`` instead of its own."""
+        self.sync()
+        for queue in (self.running, self.waiting):
+            for i, s in enumerate(queue):
+                if s.job is job and s.index == index:
+                    del queue[i]
+                    self.finish(s, reason)
+                    return
+        reasons = job.req.finish_reasons
+        if reasons[index] is not None:
+            reasons[index] = reason
+
     def _free_all(self, seqs: list[Seq]) -> None:
         """Frees (and stores) every sequence of ``seqs``, even when one free raises (a
         BaseException from a user's ``on_event``); the first such exception propagates
@@ -363,7 +379,10 @@ class BaseScheduler:
                 w = self.waiting[i]
                 arr = self.tokens_of(w)
                 L = len(arr)
-                hit = kv_.hit(arr)
+                # (a prompt whose log-probabilities are still missing is read whole: a hit's
+                # tokens are never computed)
+                hit = 0 if w.req.prompt_logprobs is not None and w.req.prompt_logprobs_missing() \
+                    else kv_.hit(arr)
                 # a prompt being read shares more with w than the cache: w waits for it to be
                 # stored (only while something else runs in this step)
                 if rows and kv_.waits_for(arr, hit):
@@ -411,38 +430,81 @@ class BaseScheduler:
     def _layout(self, plan: StepPlan) -> None:
         """The declared plan's input ids, logit rows and sample slots: each sequence's last
         fed token draws when it reaches the end of what the sequence knows (its continuations
-        too, at a request's first token with ``n > 1``); a verify run draws at every row."""
+        too, at a request's first token with ``n > 1``); a verify run draws at every row.
+        A request that asks for prompt log-probabilities gets a logit row for every prompt
+        token it feeds (but its last) while some are missing; a slot whose request uses the
+        server knobs (:attr:`Sampling.processed`) gets a :class:`~.plan.SlotExtra`."""
         spec = plan.spec
         row = 0
         for s, feed in plan.rows:
             plan.tokens += feed
             end = row + len(feed)
+            req, sp = s.req, s.req.sampling
+            if req.prompt_logprobs is not None and s.in_cache < len(req.prompt) - 1 \
+                    and req.prompt_logprobs_missing():
+                self._prompt_rows(plan, s, feed, row)
             if s.to_feed > len(feed):                 # a prompt chunk: nothing drawn
                 plan.owners.append((s, feed, None, -1))
                 row = end
                 continue
-            req, sp = s.req, s.req.sampling
             seed = sp.seed if sp.seed is not None else req.id
             n_out = len(req.outputs[s.index])
             first = len(spec)
+            extra = sp.processed
             if s.drafts:
                 for j in range(len(feed)):
-                    spec.add(len(plan.logit_rows) + j, sp.temperature, sp.top_k, sp.top_p, seed,
-                             s.index, n_out + j, s.drafts[j] if j < len(s.drafts) else -1)
+                    slot = spec.add(len(plan.logit_rows) + j, sp.temperature, sp.top_k, sp.top_p, seed,
+                                    s.index, n_out + j, s.drafts[j] if j < len(s.drafts) else -1)
+                    if extra:
+                        self._extra(spec, slot, s, n_out + j, s.drafts[:j])
                 plan.logit_rows += range(row, end)
                 spec.groups.append((first, len(s.drafts)))
                 plan.owners.append((s, feed, first, len(spec.groups) - 1))
             else:
                 lrow = len(plan.logit_rows)
-                spec.add(lrow, sp.temperature, sp.top_k, sp.top_p, seed, s.index, n_out)
+                slot = spec.add(lrow, sp.temperature, sp.top_k, sp.top_p, seed, s.index, n_out)
+                if extra:
+                    self._extra(spec, slot, s, n_out)
                 if s.forks_next():                    # the first token forks
                     kids = [self.new_seq(s.job, k, list(req.prompt)) for k in range(1, sp.n)]
                     for child in kids:
-                        spec.add(lrow, sp.temperature, sp.top_k, sp.top_p, seed, child.index, 0)
+                        slot = spec.add(lrow, sp.temperature, sp.top_k, sp.top_p, seed, child.index, 0)
+                        if extra:
+                            self._extra(spec, slot, s, 0)
                     plan.children[id(s)] = kids
                 plan.logit_rows.append(end - 1)
                 plan.owners.append((s, feed, first, -1))
             row = end
+
+    @staticmethod
+    def _prompt_rows(plan: StepPlan, s: Seq, feed: list[int], row: int) -> None:
+        """Logit rows for the prompt tokens s feeds whose next token is a prompt token too:
+        their log-probabilities (``Sampling.prompt_logprobs``) come with the step's draws."""
+        req = s.req
+        prompt, top = req.prompt, req.sampling.prompt_logprobs
+        assert top is not None
+        for j in range(len(feed)):
+            pos = s.in_cache + j
+            if pos + 1 >= len(prompt):
+                break
+            plan.spec.prompt_rows.append((len(plan.logit_rows), prompt[pos + 1], top))
+            plan.logit_rows.append(row + j)
+            plan.prompt_lp.append((req, pos + 1))
+
+    def _extra(self, spec: SampleSpec, slot: int, s: Seq, n_out: int, drafts: Sequence[int] = ()) -> None:
+        """The server knobs of ``slot`` (s's request, drawing its output token ``n_out``
+        after ``drafts``): the ids masked before ``min_new_tokens``, and the tokens its
+        penalties count (none for a fork's first token: ``n_out`` 0 with its prompt only)."""
+        sp = s.req.sampling
+        n_prompt = len(s.req.prompt)
+        banned: tuple[int, ...] = ()
+        if n_out < sp.min_new_tokens:
+            banned = tuple(sorted(set(sp.stop) | (set() if sp.ignore_eos else self.eos)))
+        tokens = None
+        if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
+            arr = s.tokens_array()[:n_prompt + n_out - len(drafts)]
+            tokens = np.concatenate([arr, np.asarray(drafts, dtype=arr.dtype)]) if drafts else arr
+        spec.extras.append(SlotExtra(slot, sp, banned, tokens, n_prompt))
 
     def _unadmit(self, admitted: list[Seq]) -> None:
         """Takes back this step's admissions: ids freed, back at the queue's head in order."""
@@ -522,8 +584,8 @@ class BaseScheduler:
             req = job.req
             sp = req.sampling
             if after is None:
-                if s.to_feed != 1 or s.drafts or s.forks_next():
-                    return None
+                if s.to_feed != 1 or s.drafts or s.forks_next() or sp.processed:
+                    return None                # (the server knobs: the general path's slots)
                 if len(s.tokens) == len(req.prompt):
                     last += 1
                 tokens.append(s.tokens[-1])
@@ -603,7 +665,7 @@ class BaseScheduler:
             emitted += 1
             if req.first_token is None:
                 req.first_token = now
-            if deliver or req.on_token is not None:
+            if deliver or req.hooked:
                 events.append((job, k, tok))
             if not s.stored:
                 kv.placed(s)
@@ -739,3 +801,4 @@ class BaseScheduler:
             if not s.job.counted:
                 s.job.counted = True
                 st["prompt_tokens"] += len(s.req.prompt)
+                s.req.cached_tokens = s.in_cache      # (its prefix-cache hit: not applied yet)

@@ -48,8 +48,10 @@ from ..prefix import PrefixCache
 from ..runner import check_options
 from ..tp import TPCache
 from .distributed import RankSync
+from .logprobs import record_logprobs
 from .options import serving, serving_cache, settings
-from .requests import Request, Sampling, latency_summary, token_ids
+from .prompts import check_text_options, check_tokenizer, encode_prompt, load_pretrained
+from .requests import Progress, Request, Sampling, latency_summary, token_ids
 from .sampler import Draw, Sampler
 from .scheduler import (
     HoldInterrupts,
@@ -184,8 +186,9 @@ class Generator:
                  admission: str = "fifo", clock: Callable[[], float] | None = None,
                  tp: bool | int | None = None, async_steps: bool | None = None,
                  compile: bool | Mapping[str, Any] = False, mixed_buckets: list[int] | None = None,
-                 attention: str = "auto", deterministic: bool = False):
+                 attention: str = "auto", deterministic: bool = False, tokenizer: Any = None):
         check_options(compile, attention)    # refused before anything is built or switched
+        check_tokenizer(tokenizer)
         if not isinstance(deterministic, (bool, np.bool_)):
             raise InvalidArgument(f"deterministic of type {type(deterministic).__name__} is not a bool")
         max_batch_tokens, prefill_chunk, reserve, eos_ids = settings(
@@ -205,6 +208,12 @@ class Generator:
                              mixed_buckets=mixed_buckets, attention=attention, **extra)
         self.clock: Callable[[], float] = clock or time.perf_counter
         self.vocab: int = self.runner.vocab
+        #: What text prompts are encoded with and outputs decoded with (None: ids only).
+        self.tokenizer: Any = tokenizer
+        #: What iterating requests wait on between steps (notified after each step).
+        self.progress = Progress()
+        # requests not done whose text streams on this thread (on_text, stop strings)
+        self._texting: dict[int, Job] = {}
         self.max_batch = cache.config.max_write
         self.prefill_chunk = prefill_chunk
         #: Every cache verb of serving: queues, admission, preemption, the prefix cache.
@@ -256,6 +265,25 @@ class Generator:
         #: applied step is appended as ``(kind, rows, {phase: seconds})``, kind ``"decode"``
         #: or ``"mixed"``: where a mean of :attr:`profile` comes from, step by step.
         self.step_log: Any = None
+
+    @classmethod
+    def from_pretrained(cls, path: Any, *, tokenizer: Any = None, dtype: Any = "auto",
+                        device: Any = None, **kwargs: Any) -> Generator:
+        """A Generator over the model (``AutoModelForCausalLM``) and tokenizer
+        (``AutoTokenizer``, unless ``tokenizer`` is given: a tokenizer, or a path to load one
+        from) of a local Hugging Face directory, or a hub name the local Hugging Face cache
+        already holds (nothing is downloaded). ``dtype``: a torch dtype, its name, or
+        ``"auto"`` (the checkpoint's); ``device``: default ``"cuda"`` when torch sees a GPU,
+        else ``"cpu"``. Other keywords go to :class:`Generator`. InvalidArgument when the
+        model or tokenizer cannot be loaded.
+
+        Example
+        -------
+        >>> gen = Generator.from_pretrained("/models/llama", capacity=1 << 16)   # doctest: +SKIP
+        >>> gen.add("Once upon a time", Sampling(max_new_tokens=16)).result().text  # doctest: +SKIP
+        """
+        model, tok = load_pretrained(path, tokenizer, dtype, device)
+        return cls(model, tokenizer=tok, **kwargs)
 
     @property
     def on_logits(self) -> Callable | None:
@@ -365,44 +393,80 @@ class Generator:
         return Scheduler.new_seq(job, 0, list(prompt))
 
     def _release(self) -> None:
-        """Lets the requests that finished go (state lock held)."""
+        """Lets the requests that finished go (state lock held): their texts closed (the
+        last ``on_text`` of each continuation not closed yet), then marked done (waking
+        :meth:`Request.result` and the iterators). An exception from that ``on_text`` is
+        kept in ``request.error`` (the request is finished already)."""
         ended = self.scheduler.ended_jobs
         if ended:
             with self._queue_lock:
                 for job in ended:
                     self._live.pop(job.req.id, None)
+            for job in ended:
+                req = job.req
+                if req.streams_text:
+                    self._texting.pop(req.id, None)
+                    try:
+                        self._close_texts(job, all_ended=True)
+                    except BaseException as e:     # its own code, once it is finished
+                        if req.error is None:
+                            req.error = e
+                req.mark_done()
             ended.clear()
+        self.progress.notify()
+
+    def _close_texts(self, job: Job, all_ended: bool = False) -> None:
+        """Closes the text of job's continuations that ended (``all_ended``: every one,
+        else those whose tokens were all delivered), each with its last ``on_text``."""
+        req = job.req
+        for k in req.texts_to_close(all_ended):
+            delta = req.close_text(k)
+            # (a request whose own code failed gets no more calls: its on_text may be what failed)
+            if delta is not None and req.on_text is not None and req.error is None:
+                req.on_text(req, k, delta)
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, prompt: Any, sampling: Sampling | None = None, *,
             on_token: Callable | None = None, draft: Callable | None = None,
-            draft_k: int = 4) -> Request:
+            draft_k: int = 4, on_text: Callable | None = None) -> Request:
         """Queues a prompt; returns its Request.
 
         ``prompt``: token ids in ``[0, vocab)`` as a sequence of ints, a 1-D integer array or
-        tensor, or a ``[1, T]`` one (a tokenizer's ``return_tensors`` output).
+        tensor, or a ``[1, T]`` one (a tokenizer's ``return_tensors`` output); or, with a
+        tokenizer, a ``str`` or a list of chat messages (:meth:`encode`).
         ``on_token(request, continuation, token)`` is called for every token once its step
         is complete. ``draft(tokens, k)`` proposes up to ``k`` (``draft_k``, an int >= 0)
         next tokens for speculative decoding; what it returns must be token ids in the
         vocabulary, or the request ends with ``"error"``.
+
+        ``on_text(request, continuation, delta)`` (needs a tokenizer) is called on the
+        stepping thread with the continuation's newly final text, after ``on_token`` for the
+        token that released it: never half a UTF-8 character, never text that may still
+        begin a stop string, never a stop string itself. When the continuation ends, one
+        last call (``delta`` maybe "") hands over what was held back, its
+        ``request.finish_reasons[k]`` already set; the deltas concatenate to
+        ``request.texts[k]``. A stop string (``Sampling.stop_strings``) found in the text
+        ends the continuation with ``"stop"`` there. An exception from ``on_text`` ends the
+        request with ``"error"``, as one from ``on_token`` does.
 
         Everything is checked first; a refusal raises InvalidArgument with nothing queued.
         A request that could never fit is refused: a continuation holds its prompt and every
         output token but the last, ``len(prompt) + max_new_tokens - 1`` cells (and as many
         paged-view entries, ``max_kv``).
         """
-        if self.tp is not None:                        # rank 0 only, no drafts; guarded callback
-            on_token = self.tp.adding(on_token, draft)
-        ids = token_ids(prompt, "prompt", self.vocab)
+        ids = self.encode(prompt)
         if sampling is None:
             sampling = Sampling()
         elif not isinstance(sampling, Sampling):
             raise InvalidArgument(f"sampling of type {type(sampling).__name__} is not a Sampling")
         else:
             sampling = dataclasses.replace(sampling)    # checked again (fields may have changed)
-        for name, fn in (("on_token", on_token), ("draft", draft)):
+        for name, fn in (("on_token", on_token), ("draft", draft), ("on_text", on_text)):
             if fn is not None and not callable(fn):
                 raise InvalidArgument(f"{name} of type {type(fn).__name__} is not callable or None")
+        check_text_options(self.tokenizer, sampling, on_text, self.vocab, self.tp is not None)
+        if self.tp is not None:                        # rank 0 only, no drafts; guarded callback
+            on_token = self.tp.adding(on_token, draft)
         draft_k = check_int(draft_k, "draft_k", 0, 1 << 20)
         need = sampling.cells_needed(len(ids))          # (the rule admission claims by)
         cfg = self.cache.config
@@ -421,11 +485,14 @@ class Generator:
         with self._queue_lock:
             req = Request(self._ids, ids, sampling, on_token, draft, draft_k if draft is not None else 0,
                           outputs=[[] for _ in range(n)], arrived=arrived,
-                          finish_reasons=[None] * n, token_times=[[] for _ in range(n)])
+                          finish_reasons=[None] * n, token_times=[[] for _ in range(n)],
+                          on_text=on_text, tokenizer=self.tokenizer, progress=self.progress)
             job = Job(req)
             seq = Scheduler.new_seq(job, 0, list(ids))
             self._ids += 1
             self._track(req, job)
+            if req.streams_text:
+                self._texting[req.id] = job
             self._incoming.append(seq)
         if self._state_lock.acquire(blocking=False):   # between steps: queue it now
             try:
@@ -433,6 +500,16 @@ class Generator:
             finally:
                 self._state_lock.release()
         return req
+
+    def encode(self, prompt: Any) -> list[int]:
+        """``prompt`` as the token ids :meth:`add` would queue: token ids as they are
+        (checked), a ``str`` through the tokenizer (``tokenizer.encode``: special tokens as
+        it adds them by default), a list of chat messages (``{"role": ..., "content": ...}``
+        mappings) through ``tokenizer.apply_chat_template(messages,
+        add_generation_prompt=True)``. InvalidArgument for text without a tokenizer,
+        messages with a tokenizer that has no chat template, a tokenizer that fails, and ids
+        outside the model's vocabulary."""
+        return encode_prompt(self.tokenizer, prompt, self.vocab)
 
     def cancel(self, request: Request) -> bool:
         """Ends ``request`` (a client disconnecting): its cells are freed, its continuations
@@ -625,12 +702,21 @@ class Generator:
         events, self._undelivered = self._undelivered, []
         for job, k, tok in events:
             req = job.req
-            if job.closed or req.on_token is None:
+            if job.closed or not req.hooked:
                 continue
             try:
-                req.on_token(req, k, tok)
+                if req.on_token is not None:
+                    req.on_token(req, k, tok)
+                if req.streams_text and not job.closed:
+                    self._text(job, k, tok)
             except BaseException as e:                # the request's own code
                 self._fail(job, e, k, errors)
+        if self._texting:                             # texts of continuations that ended
+            for job in list(self._texting.values()):
+                try:
+                    self._close_texts(job)
+                except BaseException as e:            # the request's own code
+                    self._fail(job, e, None, errors)
         self._phase = None
         self._drain(boundary=True)                    # and while the callbacks ran
         self._tick("callbacks", t)
@@ -649,6 +735,19 @@ class Generator:
             return True
         self.scheduler.sync()                         # done: the lists whole, the requests let go
         return False
+
+    def _text(self, job: Job, k: int, tok: int) -> None:
+        """Continuation k's token ``tok`` into its text: ``on_text`` with what it releases;
+        a stop string found ends the continuation (``"stop"``) at once."""
+        req = job.req
+        delta, stopped = req.push_text(k, tok)
+        if stopped:
+            self.scheduler.end_one(job, k, "stop")
+        last = req.close_text(k) if req.text_closes(k) else None   # its last token: one call
+        if last is not None:
+            delta += last
+        if (delta or last is not None) and req.on_text is not None:
+            req.on_text(req, k, delta)
 
     def _propose(self, errors: list[BaseException]) -> None:
         """Asks each decoding request's draft callable for proposals (user code)."""
@@ -818,6 +917,8 @@ class Generator:
             else:
                 for job, exc in failed:
                     self._fail(job, exc, None, errors)
+                if drawn.logprobs is not None:
+                    record_logprobs(plan, drawn, outcomes)
                 events = sched.update_from_output(outcomes)
             self._undelivered += events               # delivered by this step, or the next
         self._tick("update", t)

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from .requests import Request
+from .requests import Request, Sampling
 
-__all__ = ["ONE", "Job", "Outcome", "SampleSpec", "SamplerOutput", "Seq", "StepPlan", "StoredRow",
-           "TokenStore"]
+__all__ = ["ONE", "Job", "Outcome", "SampleSpec", "SamplerOutput", "Seq", "SlotExtra", "StepPlan",
+           "StoredRow", "TokenStore"]
 
 #: a lean plan's feed of every row: one token (read only for its length; the values are in
 #: ``plan.tokens``, or on the device for a plan scheduled ahead)
@@ -55,6 +55,12 @@ class SampleSpec:
     dense: int | None = None
     #: set by a caller that knows whether some slot has temperature > 0 (None: look)
     random: bool | None = None
+    #: the slots whose request uses the server knobs (:attr:`Sampling.processed`), in slot
+    #: order; empty on the common path, where the sampler does nothing more
+    extras: list[SlotExtra] = field(default_factory=list)
+    #: rows whose log-probabilities are asked for without a draw (prompt log-probabilities):
+    #: (logits row, the token whose log-probability is wanted, top alternatives)
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
     def add(self, row: int, temperature: float, top_k: int, top_p: float, seed: int, index: int,
             position: int, draft: int = -1) -> int:
@@ -83,15 +89,33 @@ class SampleSpec:
         return self.random if self.random is not None else any(t > 0 for t in self.temperature)
 
 
+@dataclass(eq=False)
+class SlotExtra:
+    """The server knobs of one slot (its request's :class:`Sampling` has some):
+    ``banned``: ids whose logits are -inf (end-of-sequence and stop ids before
+    ``min_new_tokens``); ``tokens``: what the penalties count (prompt and output so far,
+    drafts before the slot included; ``tokens[n_prompt:]`` is the output), None without
+    penalties."""
+
+    slot: int
+    sampling: Sampling
+    banned: tuple[int, ...] = ()
+    tokens: np.ndarray | None = None
+    n_prompt: int = 0
+
+
 @dataclass
 class SamplerOutput:
     """Host copies of a step's draws: ``ids[i]`` is slot i's token, ``accepted[g]`` the
     accepted drafts of verify group g. ``device_ids`` stays on the device (a later step
-    could feed it without a host round trip)."""
+    could feed it without a host round trip). ``logprobs``: None, or (logprob ``[L]``,
+    top ids ``[L, K]``, top logprobs ``[L, K]``) for the slots of the spec's extras that ask
+    for log-probabilities, in order, then its ``prompt_rows``."""
 
     ids: np.ndarray
     accepted: np.ndarray
     device_ids: Any = None                # a torch.Tensor, on the device
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclass(eq=False)
@@ -236,6 +260,9 @@ class StepPlan:
     # ahead: its rows feed from the first slots of the previous plan's draws, in order (rows
     # that ended there were its last ones); False: every slot in order, or look them up
     prefix_fed: bool = False
+    # the prompt token each of ``spec.prompt_rows`` gives the log-probability of: (request,
+    # its index in the prompt)
+    prompt_lp: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def width(self) -> int:

@@ -4,11 +4,13 @@ the token-id checks every entry point shares, and the latency summary (TTFT, ITL
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +18,10 @@ import numpy as np
 
 from .._checks import check_int
 from ..errors import InvalidArgument
+from .text import TextStream
 
-__all__ = ["FINISH_REASONS", "Request", "Sampling", "latency_summary", "real_number", "token_ids"]
+__all__ = ["FINISH_REASONS", "MAX_LOGPROBS", "Progress", "Request", "Sampling", "TokenLogprob",
+           "latency_summary", "real_number", "token_ids"]
 
 #: Why a continuation ended: a stop or end-of-sequence token, its ``max_new_tokens``, the
 #: cache could not hold it even alone, :meth:`Generator.cancel`, its request's own code
@@ -25,6 +29,12 @@ __all__ = ["FINISH_REASONS", "Request", "Sampling", "latency_summary", "real_num
 FINISH_REASONS = ("stop", "length", "capacity", "cancelled", "error")
 
 SEED_LIMIT = 1 << 63
+#: The most top alternatives ``logprobs`` and ``prompt_logprobs`` may ask for (OpenAI's).
+MAX_LOGPROBS = 20
+#: ``presence_penalty`` and ``frequency_penalty`` lie in [-PENALTY_MAX, PENALTY_MAX];
+#: ``logit_bias`` values in [-BIAS_MAX, BIAS_MAX] (OpenAI's ranges).
+PENALTY_MAX = 2.0
+BIAS_MAX = 100.0
 _NOT_IDS = (str, bytes, bytearray, memoryview, Mapping)
 
 
@@ -92,6 +102,14 @@ def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool 
     return ids
 
 
+def _in_range(value: object, name: str, lo: float, hi: float) -> float:
+    """``value`` as a finite float in [lo, hi]; InvalidArgument otherwise."""
+    v = real_number(value, name)
+    if not lo <= v <= hi:
+        raise InvalidArgument(f"{name}={v} is outside [{lo:g}, {hi:g}]")
+    return v
+
+
 @dataclass
 class Sampling:
     """How a request samples. ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep
@@ -113,6 +131,35 @@ class Sampling:
     tokens do not depend on what else runs, on preemption, on drafts or on a rolled-back
     step (:mod:`cellcache.generate.sampler`).
 
+    What servers ask for (checked the same way):
+
+    - ``stop_strings``: a sequence of non-empty strings (kept as a tuple; the generator
+      needs a tokenizer for them): matched on the continuation's detokenized text, across
+      token boundaries; a match ends it with ``"stop"``, its text cut before the string
+      (the tokens stay in ``outputs``).
+    - ``ignore_eos`` (a bool): end-of-sequence ids never end it (its ``stop`` tokens still do).
+    - ``min_new_tokens`` (an int in [0, max_new_tokens]): until it has that many tokens,
+      end-of-sequence and ``stop`` ids are never drawn (their logits are -inf) and stop
+      strings do not end it.
+    - ``min_p`` in [0, 1]: a sampled token's probability (after temperature) must be at
+      least ``min_p`` times the most probable one's.
+    - ``presence_penalty``, ``frequency_penalty`` in [-2, 2] (OpenAI's): each token's
+      logit less ``frequency_penalty * count + presence_penalty * (count > 0)``, counting
+      the continuation's own output tokens.
+    - ``repetition_penalty`` > 0 (Hugging Face's, CTRL's): a token already in the prompt
+      or the output has its logit divided by it when positive, multiplied when negative.
+    - ``logit_bias``: a mapping of token id (an int >= 0, below the vocabulary at
+      :meth:`Generator.add`) to a number in [-100, 100] added to its logit (kept as a dict).
+    - ``logprobs``: None (none), 0 (the log-probability of each output token) or 1..20
+      (and that many most probable alternatives); ``prompt_logprobs`` the same for every
+      prompt token after the first. Log-probabilities are of the model's own distribution,
+      ``log_softmax`` of its float32 logits, before ``logit_bias``, penalties, temperature
+      and truncation (what vLLM calls raw log-probabilities); a greedy row's too.
+
+    The sampler applies them in this order: ``logit_bias``, the ``min_new_tokens`` mask,
+    ``repetition_penalty``, ``frequency_penalty``/``presence_penalty``, then temperature,
+    ``min_p``, ``top_k``, ``top_p`` (greedy: the argmax of the processed logits).
+
     Example
     -------
     >>> Sampling(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=1, stop=[2]).stop
@@ -126,6 +173,16 @@ class Sampling:
     seed: int | None = None
     stop: Sequence[int] = ()
     n: int = 1
+    stop_strings: Sequence[str] = ()
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         self.max_new_tokens = check_int(self.max_new_tokens, "max_new_tokens", 1, 1 << 40)
@@ -145,11 +202,106 @@ class Sampling:
                                   "ids; give a list of ints, e.g. stop=[2]")
         self.stop = tuple(token_ids(list(stop) if isinstance(stop, Set) else stop, "stop", None,
                                     allow_empty=True))
+        strings = self.stop_strings
+        if isinstance(strings, (str, bytes, Mapping)) or not isinstance(strings, Iterable):
+            raise InvalidArgument(f"stop_strings of type {type(strings).__name__} is not a sequence "
+                                  "of strings; give a list, e.g. stop_strings=['\\n\\n']")
+        strings = tuple(strings)
+        for x in strings:
+            if not isinstance(x, str) or not x:
+                raise InvalidArgument(f"stop_strings holds {x!r}; each must be a non-empty str")
+        self.stop_strings = strings
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise InvalidArgument(f"ignore_eos of type {type(self.ignore_eos).__name__} is not a bool")
+        self.ignore_eos = bool(self.ignore_eos)
+        self.min_new_tokens = check_int(self.min_new_tokens, "min_new_tokens", 0, 1 << 40)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidArgument(f"min_new_tokens={self.min_new_tokens} is more than "
+                                  f"max_new_tokens={self.max_new_tokens}")
+        self.min_p = _in_range(self.min_p, "min_p", 0.0, 1.0)
+        self.presence_penalty = _in_range(self.presence_penalty, "presence_penalty", -PENALTY_MAX,
+                                          PENALTY_MAX)
+        self.frequency_penalty = _in_range(self.frequency_penalty, "frequency_penalty",
+                                           -PENALTY_MAX, PENALTY_MAX)
+        self.repetition_penalty = real_number(self.repetition_penalty, "repetition_penalty")
+        if self.repetition_penalty <= 0:
+            raise InvalidArgument(f"repetition_penalty={self.repetition_penalty} is not > 0 "
+                                  "(1 leaves the logits as they are)")
+        bias = self.logit_bias
+        if not isinstance(bias, Mapping):
+            raise InvalidArgument(f"logit_bias of type {type(bias).__name__} is not a mapping of "
+                                  "token id to a number")
+        checked: dict[int, float] = {}
+        for key, value in bias.items():
+            tid = token_ids([key], "logit_bias", None)[0] if not isinstance(key, (str, bytes)) \
+                else None
+            if tid is None:
+                raise InvalidArgument(f"logit_bias holds the key {key!r}; keys are token ids (ints)")
+            checked[tid] = _in_range(value, f"logit_bias[{tid}]", -BIAS_MAX, BIAS_MAX)
+        self.logit_bias = checked
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, check_int(value, name, 0, MAX_LOGPROBS))
+
+    @property
+    def processed(self) -> bool:
+        """Whether the sampler does more than temperature, top-k and top-p for it (logits
+        changed, or log-probabilities asked for): its rows take the synchronous path."""
+        return bool(self.min_new_tokens or self.min_p or self.presence_penalty
+                    or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+                    or self.logprobs is not None or self.prompt_logprobs is not None)
 
     def cells_needed(self, prompt_len: int) -> int:
         """Cells one continuation of a prompt of ``prompt_len`` tokens holds at most: its
         prompt and every output token but the last (which is drawn, never fed)."""
         return prompt_len + self.max_new_tokens - 1
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability: ``token``, its ``logprob`` under the model's own
+    distribution (``log_softmax`` of the float32 logits, before logit_bias, penalties,
+    temperature and truncation), and ``top``: the most probable ``(token, logprob)`` pairs
+    of that distribution, most probable first (as many as asked for; may include
+    ``token``).
+
+    Example
+    -------
+    >>> TokenLogprob(5, -0.25, [(5, -0.25), (9, -1.5)]).top[1]
+    (9, -1.5)
+    """
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Progress:
+    """What a generator's requests wait on between steps (:meth:`Request.iter_tokens`,
+    :meth:`Request.iter_text`): a condition the stepping thread notifies after each step
+    when someone waits (one attribute test otherwise)."""
+
+    __slots__ = ("cond", "waiters")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.waiters = 0
+
+    def notify(self) -> None:
+        """Wakes every waiter (the stepping thread, after a step changed what they read)."""
+        if self.waiters:
+            with self.cond:
+                self.cond.notify_all()
+
+    def wait(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Blocks until ``ready()``; False when ``timeout`` seconds passed first."""
+        with self.cond:
+            self.waiters += 1
+            try:
+                return self.cond.wait_for(ready, timeout)
+            finally:
+                self.waiters -= 1
 
 
 @dataclass
@@ -189,14 +341,233 @@ class Request:
     error: BaseException | None = None
     first_token: float | None = None
     token_times: list[list[float]] = field(default_factory=list)
+    on_text: Callable | None = None
+    tokenizer: Any = field(default=None, repr=False, compare=False)
+    logprobs: list[list[TokenLogprob]] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0
+    progress: Progress | None = field(default=None, repr=False, compare=False)
     # continuations read through a stored row (store_row)
     _stored: int = field(default=0, init=False, repr=False, compare=False)
+    # each continuation's text stream: streamed on the stepping thread (on_text or stop
+    # strings), or made lazily when the texts are read (None: none yet)
+    _streams: list[TextStream] | None = field(default=None, init=False, repr=False, compare=False)
+    _lazy: list[TextStream] | None = field(default=None, init=False, repr=False, compare=False)
+    _lock: Any = field(default=None, init=False, repr=False, compare=False)
+    _done: Any = field(default=None, init=False, repr=False, compare=False)
+    #: Whether the generator hands its applied tokens to the stepping thread's callbacks
+    #: (an ``on_token``, or a text stream: ``on_text`` or stop strings).
+    hooked: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        sp, n = self.sampling, self.sampling.n
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        if self.finished is not None:
+            self._done.set()
+        if self.tokenizer is not None and (self.on_text is not None or sp.stop_strings):
+            self._streams = [TextStream(self.tokenizer, self.prompt, sp.stop_strings) for _ in range(n)]
+        if self.logprobs is None and sp.logprobs is not None:
+            self.logprobs = [[] for _ in range(n)]
+        if self.prompt_logprobs is None and sp.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt)
+        self.hooked = self.on_token is not None or self._streams is not None
 
     def __getstate__(self) -> dict:
         """For pickle and copy: the lists as they stand (every token applied so far), none
-        of them read through the generator's arrays."""
-        return {**self.__dict__, "outputs": self.outputs, "token_times": self.token_times,
-                "_stored": 0}
+        of them read through the generator's arrays; the texts as read now. Locks, events
+        and the generator's wake-ups stay behind."""
+        texts = self.texts
+        state = {**self.__dict__, "outputs": self.outputs, "token_times": self.token_times,
+                 "_stored": 0, "_lock": None, "_done": None, "progress": None, "_lazy": None}
+        state["_texts"] = texts
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        texts = state.pop("_texts", None)
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        if self.finished is not None:
+            self._done.set()
+        if texts is not None and self._streams is None and self.tokenizer is not None:
+            self._lazy = []                   # the texts as they were (nothing to decode again)
+            for t in texts:
+                st = TextStream(self.tokenizer)
+                st.text, st.closed = t, True
+                self._lazy.append(st)
+
+    # -- text -----------------------------------------------------------------------------------
+    @property
+    def texts(self) -> list[str]:
+        """Continuation k's output as text so far: what :meth:`Generator.add`'s ``on_text``
+        was given (deltas concatenated), cut before a stop string; text that may still be
+        half a character or the start of a stop string is not in it until the continuation
+        ends. Empty strings without a tokenizer. Safe from any thread (a request with no
+        text stream is decoded here, incrementally, as it is read)."""
+        n = self.sampling.n
+        if self.tokenizer is None:
+            return [""] * n
+        streams = self._streams
+        if streams is not None:
+            return [st.text for st in streams]
+        with self._lock:
+            lazy = self._lazy
+            if lazy is None:
+                lazy = self._lazy = [TextStream(self.tokenizer, self.prompt) for _ in range(n)]
+            for k, st in enumerate(lazy):
+                if st.closed:
+                    continue
+                ended = self.finish_reasons[k] is not None
+                out = self.outputs[k]
+                for tok in out[st.fed:]:
+                    st.push(tok)
+                if ended:
+                    st.close()
+            return [st.text for st in lazy]
+
+    @property
+    def text(self) -> str:
+        """``texts[0]``."""
+        return self.texts[0]
+
+    @property
+    def streams_text(self) -> bool:
+        """Whether its text is made on the stepping thread as tokens are applied (it has a
+        tokenizer, and an ``on_text`` or stop strings)."""
+        return self._streams is not None
+
+    def text_final(self, k: int = 0) -> bool:
+        """Whether continuation k ended and its text is whole (its last ``on_text`` ran)."""
+        if self.finish_reasons[k] is None:
+            return False
+        streams = self._streams
+        return streams is None or streams[k].closed
+
+    def push_text(self, k: int, token: int) -> tuple[str, bool]:
+        """The stepping thread's: continuation k's next token into its text stream; returns
+        (the text released, whether a stop string matched with it). ("", False) when the
+        request streams no text or continuation k's text is closed."""
+        streams = self._streams
+        if streams is None:
+            return "", False
+        st = streams[k]
+        if st.stopped or st.closed:
+            st.fed += 1
+            return "", False
+        delta = st.push(token)
+        return delta, st.stopped
+
+    def close_text(self, k: int) -> str | None:
+        """The stepping thread's: closes continuation k's text stream; returns the text held
+        back until now (maybe ""), or None when it was closed already or nothing streams."""
+        streams = self._streams
+        if streams is None or streams[k].closed:
+            return None
+        return streams[k].close()
+
+    def texts_to_close(self, all_ended: bool = False) -> list[int]:
+        """The continuations that ended and whose text stream is open: with ``all_ended``
+        every one, else only those whose every output token was pushed (the others' last
+        tokens are still to be delivered)."""
+        if self._streams is None:
+            return []
+        return [k for k in range(len(self._streams)) if self.text_closes(k, all_ended)]
+
+    def text_closes(self, k: int, ended: bool = False) -> bool:
+        """Whether continuation k's open text stream is to be closed now: it ended, and
+        (``ended``) whatever was delivered, or its every output token was pushed (or a stop
+        string stopped it)."""
+        streams = self._streams
+        if streams is None:
+            return False
+        st = streams[k]
+        if st.closed or self.finish_reasons[k] is None:
+            return False
+        return ended or st.stopped or st.fed >= len(self.outputs[k])
+
+    def prompt_logprobs_missing(self) -> bool:
+        """Whether some prompt token after the first still has no log-probability (asked
+        for, not computed yet)."""
+        lp = self.prompt_logprobs
+        return lp is not None and None in lp[1:]
+
+    # -- waiting --------------------------------------------------------------------------------
+    def mark_done(self) -> None:
+        """The generator's, once the request finished and its texts were closed: wakes
+        :meth:`result` and the iterators."""
+        self._done.set()
+        if self.progress is not None:
+            self.progress.notify()
+
+    def result(self, timeout: float | None = None) -> Request:
+        """Blocks until the request is done (whatever the reason) and its texts are whole;
+        returns it. ``timeout`` (None: no limit) in seconds: TimeoutError when it runs out
+        first. Another thread must step the generator meanwhile."""
+        if timeout is not None:
+            timeout = real_number(timeout, "timeout")
+            if timeout < 0:
+                raise InvalidArgument(f"timeout={timeout} is negative; give None or seconds >= 0")
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} was not done within {timeout} s")
+        return self
+
+    def _wait(self, ready: Callable[[], bool], timeout: float | None) -> None:
+        """Waits until ``ready()`` (checked under the generator's wake-up lock) or the
+        request is done; TimeoutError after ``timeout`` seconds."""
+        progress = self.progress
+        if progress is None:                  # not a generator's: only the end wakes it
+            if not ready() and not self._done.wait(timeout) and not ready():
+                raise TimeoutError(f"request {self.id} made no progress within {timeout} s")
+            return
+        if not progress.wait(lambda: ready() or self._done.is_set(), timeout):
+            raise TimeoutError(f"request {self.id} made no progress within {timeout} s")
+
+    def _check_k(self, k: int) -> int:
+        return check_int(k, "continuation", 0, self.sampling.n - 1)
+
+    def _has_tokens(self, k: int, i: int) -> bool:
+        return len(self.outputs[k]) > i or self.finish_reasons[k] is not None
+
+    def _has_text(self, k: int, pos: int) -> bool:
+        return len(self.texts[k]) > pos or self.text_final(k)
+
+    def iter_tokens(self, k: int = 0, timeout: float | None = None) -> Iterator[int]:
+        """Continuation k's tokens as they are applied, blocking between steps (another
+        thread steps the generator); ends when the continuation ends. ``timeout``: the
+        longest wait for one token (TimeoutError)."""
+        k = self._check_k(k)
+        i = 0
+        while True:
+            out = self.outputs[k]
+            if len(out) > i:
+                yield from out[i:]
+                i = len(out)
+                continue
+            if self.finish_reasons[k] is not None:
+                if len(self.outputs[k]) > i:
+                    continue
+                return
+            self._wait(functools.partial(self._has_tokens, k, i), timeout)
+
+    def iter_text(self, k: int = 0, timeout: float | None = None) -> Iterator[str]:
+        """Continuation k's text as it becomes final (non-empty deltas, concatenating to
+        ``texts[k]``), blocking between steps; ends when its text is whole. ``timeout``:
+        the longest wait for one delta (TimeoutError)."""
+        k = self._check_k(k)
+        pos = 0
+        while True:
+            t = self.texts[k]
+            if len(t) > pos:
+                yield t[pos:]
+                pos = len(t)
+                continue
+            if self.text_final(k):
+                t = self.texts[k]
+                if len(t) > pos:
+                    continue
+                return
+            self._wait(functools.partial(self._has_text, k, pos), timeout)
 
     def store_row(self, k: int, row: Any) -> None:
         """Makes continuation k's ``outputs`` and ``token_times`` read through ``row`` (its
@@ -226,10 +597,12 @@ class Request:
 
     def end_reason(self, n_out: int, tok: int, eos: Set[int]) -> str | None:
         """The stop rule: why a continuation with ``n_out`` tokens, the last ``tok``, ends:
-        ``"stop"`` (an end-of-sequence id of ``eos`` or one of its ``stop`` tokens, which
-        is kept), ``"length"`` (``max_new_tokens`` reached), or None (it goes on)."""
+        ``"stop"`` (an end-of-sequence id of ``eos``, unless ``ignore_eos``, or one of its
+        ``stop`` tokens, which is kept; neither before ``min_new_tokens`` tokens came
+        first), ``"length"`` (``max_new_tokens`` reached), or None (it goes on). Stop
+        strings are matched on the text (:class:`~cellcache.generate.text.TextStream`)."""
         sp = self.sampling
-        if tok in eos or tok in sp.stop:
+        if (tok in sp.stop or (tok in eos and not sp.ignore_eos)) and n_out > sp.min_new_tokens:
             return "stop"
         if n_out >= sp.max_new_tokens:
             return "length"

@@ -172,12 +172,21 @@ class Sampler:
             return Draw(None, pending if pending is not None else self.readback.copy(greedy), n,
                         greedy)
         n = len(spec)
-        if n == 0:
+        extras = spec.extras
+        if n == 0 and not spec.prompt_rows:
             return Draw(SamplerOutput(np.zeros(0, np.int64), np.zeros(0, np.int64)))
         x = logits
         if not spec.identity(logits.shape[0]):
             x = logits.index_select(0, self._up(spec.rows, torch.int64))
             greedy = None
+        min_p = None
+        if extras:                                    # the server knobs: their slots' logits
+            x = self._process(x, spec)
+            greedy = None
+            if any(e.sampling.min_p > 0 for e in extras):
+                min_p = np.zeros(n)
+                for e in extras:
+                    min_p[e.slot] = e.sampling.min_p
         if greedy is not None and (greedy.shape != logits.shape[:1] or greedy.dtype != torch.int64
                                    or greedy.device != logits.device):
             raise InvalidArgument(f"greedy ids of shape {tuple(greedy.shape)} {greedy.dtype} on "
@@ -186,7 +195,7 @@ class Sampler:
         if spec.any_random():
             temps = np.asarray(spec.temperature, dtype=np.float64)
             rand = np.flatnonzero(temps > 0)
-            tok = self._draw(x, spec, rand, temps)
+            tok = self._draw(x, spec, rand, temps, None if min_p is None else min_p[rand])
             if rand.size == n:
                 ids = tok
             else:
@@ -197,11 +206,103 @@ class Sampler:
         elif ids is greedy and self.cuda and spec.dense == n and spec.random is False \
                 and ids.is_contiguous():
             self._fast = (spec, logits, greedy, n, ids.data_ptr())
-        return Draw(None, self.readback.copy(out), n, ids)
+        layout = None
+        if extras or spec.prompt_rows:
+            lp = self._logprobs(logits, spec, ids)
+            if lp is not None:
+                packed, layout = lp
+                out = torch.cat([out, packed])
+        return Draw(None, self.readback.copy(out), n, ids, layout)
 
-    def _draw(self, x: torch.Tensor, spec: SampleSpec, rand: np.ndarray, temps: np.ndarray) -> torch.Tensor:
+    def _process(self, x: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
+        """The logits of the step's slots (``x``, slot i in row i) with the server knobs
+        of :attr:`SampleSpec.extras` applied, as float32 (a copy): ``logit_bias`` added, the
+        ``min_new_tokens`` ids masked (-inf), ``repetition_penalty`` (HF's: a logit of a
+        token of the prompt or output divided by it when positive, else multiplied), then
+        ``frequency_penalty * count + presence_penalty`` taken off each output token's
+        logit. Each is a scatter over the slot's own ids only (built on the host with numpy,
+        uploaded in one copy per dtype): nothing depends on the other slots."""
+        x = x.float().clone() if x.dtype == torch.float32 else x.float()
+        add: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []      # (slots, ids, values)
+        ban: list[tuple[np.ndarray, np.ndarray]] = []
+        rep: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        pen: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for e in spec.extras:
+            sp = e.sampling
+            if sp.logit_bias:
+                ids = np.fromiter(sp.logit_bias.keys(), np.int64, len(sp.logit_bias))
+                vals: np.ndarray = np.fromiter(sp.logit_bias.values(), np.float64, len(sp.logit_bias))
+                add.append((np.full(ids.size, e.slot), ids, vals))
+            if e.banned:
+                ids = np.asarray(e.banned, dtype=np.int64)
+                ban.append((np.full(ids.size, e.slot), ids))
+            if e.tokens is not None:
+                if sp.repetition_penalty != 1.0:
+                    ids = np.unique(e.tokens).astype(np.int64)
+                    rep.append((np.full(ids.size, e.slot), ids, np.full(ids.size, sp.repetition_penalty)))
+                if sp.presence_penalty or sp.frequency_penalty:
+                    ids, counts = np.unique(e.tokens[e.n_prompt:], return_counts=True)
+                    vals = -(sp.frequency_penalty * counts.astype(np.float64) + sp.presence_penalty)
+                    pen.append((np.full(ids.size, e.slot), ids.astype(np.int64), vals))
+        # every group's (slots, ids) in one int64 upload, the values in one float64 upload
+        sizes = [sum(t[0].size for t in g) for g in (add, ban, rep, pen)]
+        if not any(sizes):
+            return x
+        none = np.zeros(0, np.int64)
+        idx = np.concatenate([t[0] for g in (add, ban, rep, pen) for t in g] + [none]
+                             + [t[1] for g in (add, ban, rep, pen) for t in g])
+        val = np.concatenate([t[2] for g in (add, rep, pen) for t in g] + [np.zeros(0)])
+        up_i = self._up(idx.astype(np.int64), torch.int64)
+        up_v = self._up(val, torch.float64).float()
+        total = sum(sizes)
+        a, b, r, p = sizes
+        at = np.cumsum([0, a, b, r, p]).tolist()        # each group's (slots, ids) range
+
+        def where(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return up_i[at[i]:at[i + 1]], up_i[total + at[i]:total + at[i + 1]]
+
+        if a:
+            x.index_put_(where(0), up_v[:a], accumulate=True)
+        if b:
+            x.index_put_(where(1), torch.full((b,), -torch.inf, device=x.device))
+        if r:
+            v = x[where(2)]
+            factor = up_v[a:a + r]
+            x.index_put_(where(2), torch.where(v > 0, v / factor, v * factor))
+        if p:
+            x.index_put_(where(3), up_v[a + r:], accumulate=True)
+        return x
+
+    def _logprobs(self, logits: torch.Tensor, spec: SampleSpec, ids: torch.Tensor
+                  ) -> tuple[torch.Tensor, tuple[int, int, int]] | None:
+        """Log-probabilities of the model's own distribution (``log_softmax`` of the float32
+        logits, before any knob) for the extras' slots that ask for them (of the token each
+        drew) and the spec's prompt rows (of the token given), with the top alternatives:
+        packed as int64 for the step's one copy (float64 bits), and the layout (groups,
+        entries, top). None when nothing asks."""
+        slots = [e.slot for e in spec.extras if e.sampling.logprobs is not None]
+        tops = [e.sampling.logprobs for e in spec.extras if e.sampling.logprobs is not None]
+        prompt = spec.prompt_rows
+        if not slots and not prompt:
+            return None
+        rows = [spec.rows[s] for s in slots] + [r for r, _, _ in prompt]
+        top = max([t for t in tops if t is not None] + [k for _, _, k in prompt], default=0)
+        up = self._up(np.array(rows + slots + [t for _, t, _ in prompt], dtype=np.int64), torch.int64)
+        L, m = len(rows), len(slots)
+        lsm = torch.log_softmax(logits.index_select(0, up[:L]).float(), dim=-1)
+        tok = torch.cat([ids.index_select(0, up[L:L + m]), up[L + m:]])
+        parts = [lsm.gather(1, tok[:, None])[:, 0].double().view(torch.int64)]
+        if top:
+            tv, ti = torch.topk(lsm, min(top, lsm.shape[-1]), dim=-1)
+            parts += [ti.reshape(-1), tv.double().reshape(-1).view(torch.int64)]
+        return torch.cat(parts), (len(spec.groups), L, min(top, lsm.shape[-1]))
+
+    def _draw(self, x: torch.Tensor, spec: SampleSpec, rand: np.ndarray, temps: np.ndarray,
+              min_p: np.ndarray | None = None) -> torch.Tensor:
         """Tokens of the random slots ``rand`` (host indexes into the spec), their
-        parameters clamped to what float32 computes as the limit (module docstring)."""
+        parameters clamped to what float32 computes as the limit (module docstring);
+        ``min_p`` (of the ``rand`` slots, None: none) masks, after temperature, every token
+        whose probability is below min_p times the largest."""
         V = x.shape[-1]
         top_k = np.asarray(spec.top_k, dtype=np.int64)[rand]
         u = uniforms(np.asarray(spec.seed, dtype=np.uint64)[rand], np.asarray(spec.index)[rand],
@@ -221,6 +322,10 @@ class Sampler:
         params = self._up(host, torch.float64)
         xr = x if rand.size == x.shape[0] else x.index_select(0, self._up(rand, torch.int64))
         xr = xr.float() / params[0].float()[:, None]
+        if min_p is not None and min_p.max(initial=0.0) > 0:
+            with np.errstate(divide="ignore"):
+                floor = self._up(np.log(min_p), torch.float64).float()   # (log 0: -inf, none masked)
+            xr = xr.masked_fill(xr < xr.max(dim=-1, keepdim=True).values + floor[:, None], -torch.inf)
         if has_k.any():                               # the k-th largest value: ties kept, as before
             kmax = int(top_k[has_k].max())
             kk = np.where(has_k, top_k, kmax)
@@ -258,17 +363,26 @@ class Draw:
     """A launched :meth:`Sampler.launch`: ``device_ids`` (the drawn ids, on the device, at
     once) and :meth:`result` (the host copy: waits for it the first time)."""
 
-    __slots__ = ("_out", "_pending", "_n", "device_ids")
+    __slots__ = ("_out", "_pending", "_n", "_layout", "device_ids")
 
     def __init__(self, out: SamplerOutput | None, pending: Pending | None = None, n: int = 0,
-                 device_ids: torch.Tensor | None = None):
-        self._out, self._pending, self._n = out, pending, n
+                 device_ids: torch.Tensor | None = None, layout: tuple[int, int, int] | None = None):
+        self._out, self._pending, self._n, self._layout = out, pending, n, layout
         self.device_ids = out.device_ids if out is not None else device_ids
 
     def result(self) -> SamplerOutput:
         if self._out is None:
             assert self._pending is not None
             host = self._pending.wait()
-            self._out = SamplerOutput(host[:self._n], host[self._n:], self.device_ids)
+            n, layout = self._n, self._layout
+            if layout is None:
+                self._out = SamplerOutput(host[:n], host[n:], self.device_ids)
+            else:                                 # ids, accepted, then the log-probabilities
+                g, L, k = layout
+                at = n + g
+                chosen = host[at:at + L].view(np.float64)
+                ti = host[at + L:at + L + L * k].reshape(L, k)
+                tv = host[at + L + L * k:at + L + 2 * L * k].view(np.float64).reshape(L, k)
+                self._out = SamplerOutput(host[:n], host[n:at], self.device_ids, (chosen, ti, tv))
             self._pending = None
         return self._out

@@ -162,7 +162,7 @@ class Scheduler(BaseScheduler):
         lefts = [s.draws_left() for s in rows]
         fast = _Steady(
             self.epoch, [s.sid for s in rows],  # type: ignore[misc]
-            [(i, s.job, s.index) for i, (r, s) in enumerate(zip(reqs, rows)) if r.on_token is not None],
+            [(i, s.job, s.index) for i, (r, s) in enumerate(zip(reqs, rows)) if r.hooked],
             min(lefts), sum(s.in_cache + 2 for s in rows), any(r.sampling.stop for r in reqs),
             np.array(lefts, dtype=np.int64))
         fast.origin = fast.sids

@@ -1,0 +1,133 @@
+"""Text in: the tokenizer a :class:`~cellcache.generate.Generator` is given, prompts given as
+text or chat messages turned into token ids, the text options of a request checked, and a
+model and its tokenizer loaded from a local Hugging Face directory.
+
+::
+
+    "text"                      --tokenizer.encode-------------------------------> ids
+    [{"role", "content"}, ...]  --tokenizer.apply_chat_template(add_generation_prompt)--> ids
+    ids                         --token_ids (checked against the model's vocabulary)--> ids
+
+Every refusal is an InvalidArgument; nothing here imports torch until a model is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import InvalidArgument
+from .requests import Sampling, token_ids
+
+__all__ = ["check_text_options", "check_tokenizer", "encode_prompt", "is_messages", "load_pretrained"]
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """None, or something with callable ``encode`` and ``decode`` (a Hugging Face
+    tokenizer); InvalidArgument otherwise."""
+    if tokenizer is None:
+        return
+    if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
+        raise InvalidArgument(f"tokenizer of type {type(tokenizer).__name__} has no encode/decode; "
+                              "give a transformers tokenizer (AutoTokenizer.from_pretrained) or None")
+
+
+def is_messages(prompt: Any) -> bool:
+    """Whether ``prompt`` is a list (or tuple) of chat messages: mappings, at least one."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, Mapping) for m in prompt)
+
+
+def _ids_of(out: Any) -> Any:
+    """The ids a tokenizer call returned: a list, or a mapping's ``input_ids``."""
+    if isinstance(out, Mapping) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return out
+
+
+def encode_prompt(tokenizer: Any, prompt: Any, vocab: int | None) -> list[int]:
+    """``prompt`` (token ids, a ``str``, or chat messages) as checked token ids in
+    ``[0, vocab)`` (``Generator.encode`` states the contract)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidArgument("prompt is text and the Generator has no tokenizer; give token ids, "
+                                  "or build it with tokenizer=... (or Generator.from_pretrained)")
+        if not prompt:
+            raise InvalidArgument("prompt is an empty str; give at least one character")
+        try:
+            ids = _ids_of(tokenizer.encode(prompt))
+        except Exception as e:                        # the tokenizer's own failure
+            raise InvalidArgument(f"the tokenizer could not encode the prompt: {e}") from e
+        return token_ids(ids, "the encoded prompt", vocab)
+    if is_messages(prompt):
+        if tokenizer is None:
+            raise InvalidArgument("prompt is chat messages and the Generator has no tokenizer")
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidArgument("prompt is chat messages and the tokenizer has no chat template; "
+                                  "give text or token ids, or set tokenizer.chat_template")
+        for m in prompt:
+            if not isinstance(m.get("role"), str) or "content" not in m:
+                raise InvalidArgument(f"chat message {dict(m)!r} needs a str 'role' and a 'content'")
+        try:
+            ids = _ids_of(tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                        tokenize=True))
+        except Exception as e:                        # a template that fails on these messages
+            raise InvalidArgument(f"the chat template failed on the messages: {e}") from e
+        return token_ids(ids, "the chat prompt", vocab)
+    return token_ids(prompt, "prompt", vocab)
+
+
+def check_text_options(tokenizer: Any, sampling: Sampling, on_text: Any, vocab: int,
+                       sharded: bool) -> None:
+    """What a request's text and sampling need of its generator: a tokenizer for
+    ``on_text`` and ``stop_strings``, ``logit_bias`` ids in the vocabulary, no stop strings
+    under tensor parallelism (a text match on rank 0 would end a continuation there
+    alone). InvalidArgument otherwise."""
+    if tokenizer is None and (on_text is not None or sampling.stop_strings):
+        what = "on_text" if on_text is not None else "stop_strings"
+        raise InvalidArgument(f"{what} needs text and the Generator has no tokenizer; build it with "
+                              "tokenizer=... (or Generator.from_pretrained)")
+    if sharded and sampling.stop_strings:
+        raise InvalidArgument("stop_strings under tensor parallelism are not supported; use stop "
+                              "token ids")
+    bad = [t for t in sampling.logit_bias if t >= vocab]
+    if bad:
+        raise InvalidArgument(f"logit_bias holds token id {bad[0]}, outside the model's vocabulary "
+                              f"[0, {vocab})")
+
+
+def load_pretrained(path: Any, tokenizer: Any, dtype: Any, device: Any) -> tuple[Any, Any]:
+    """(model, tokenizer) from a local Hugging Face directory or a hub name the local cache
+    already holds (never downloaded: ``local_files_only``): ``AutoModelForCausalLM`` in
+    ``dtype`` (``"auto"``: the checkpoint's) on ``device`` (None: ``"cuda"`` when torch sees
+    one, else ``"cpu"``), in eval mode, and ``AutoTokenizer`` from ``path`` unless
+    ``tokenizer`` is given (a tokenizer, or a path or name to load one from).
+    InvalidArgument when something cannot be loaded."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(path, (str, bytes)) and not hasattr(path, "__fspath__"):
+        raise InvalidArgument(f"path of type {type(path).__name__} is not a directory path or model name")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgument(f"device {device!r} is not a torch device: {e}") from e
+    if isinstance(dtype, str) and dtype != "auto":
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise InvalidArgument(f"dtype {dtype!r} is not a torch dtype name or 'auto'")
+        dtype = resolved
+    elif not (dtype == "auto" or isinstance(dtype, torch.dtype)):
+        raise InvalidArgument(f"dtype of type {type(dtype).__name__} is not a torch dtype or 'auto'")
+    try:
+        if tokenizer is None or isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
+            tokenizer = AutoTokenizer.from_pretrained(path if tokenizer is None else tokenizer,
+                                                      local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise InvalidArgument(f"could not load {path!r} from local files: {e}") from e
+    check_tokenizer(tokenizer)
+    return model.to(device).eval(), tokenizer
+
+

@@ -1,0 +1,171 @@
+"""Text out of token ids, one token at a time: incremental detokenization and stop strings.
+
+::
+
+    token --Detokenizer.push--> newly final text  (decode(window + token) minus decode(window);
+                                                   "" while it ends in U+FFFD: half a character)
+          --TextStream.push---> text released     (the stop-string matcher holds back a tail
+                                                   that may still begin a stop string; a match
+                                                   cuts the text before it and stops)
+    end   --TextStream.close--> what was held back (the detokenizer's pending bytes, decoded
+                                                   as they are, and the held tail)
+
+The detokenizer is the prefix-window method vLLM and TGI use: it keeps two offsets into the
+ids, ``prefix`` (where the window decoded as context starts) and ``read`` (the ids already
+turned into released text). A token's text is ``decode(ids[prefix:])`` minus
+``decode(ids[prefix:read])``: decoding with a few ids of context in front keeps what
+SentencePiece-style decoders do at the start of a text (strip the ``▁`` space) out of the
+middle of a stream, and a byte-level or byte-fallback token that ends part way through a
+UTF-8 character decodes to U+FFFD, so nothing is released until the character is whole.
+The window starts with the last :data:`CONTEXT` prompt ids, so the first token's leading
+space is kept (a continuation of the prompt, as vLLM streams it). Special tokens are
+skipped (``skip_special_tokens=True``) and spaces are not cleaned up.
+
+Nothing here imports torch; a tokenizer is anything with ``decode(ids,
+skip_special_tokens=..., clean_up_tokenization_spaces=...)`` (Hugging Face's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["CONTEXT", "Detokenizer", "TextStream", "decode"]
+
+#: Prompt ids kept in front of a continuation's first token as decoding context.
+CONTEXT = 5
+_BAD = "\ufffd"
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    """``ids`` as text: special tokens skipped, spaces left as the tokens have them."""
+    if not ids:
+        return ""
+    return tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+class Detokenizer:
+    """Incremental detokenization of one continuation (module docstring).
+
+    Example
+    -------
+    >>> d = Detokenizer(tok, prompt)                     # doctest: +SKIP
+    >>> "".join(d.push(t) for t in outputs) + d.flush()  # doctest: +SKIP
+    """
+
+    __slots__ = ("tokenizer", "ids", "prefix", "read")
+
+    def __init__(self, tokenizer: Any, prompt: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt[-CONTEXT:]) if CONTEXT else []
+        self.prefix = 0                       # ids[prefix:read] decode to context, not emitted
+        self.read = len(self.ids)             # ids[read:] are not turned into text yet
+
+    def push(self, token: int) -> str:
+        """Appends ``token``; returns the text that became final with it ("" while the
+        pending ids end part way through a character)."""
+        self.ids.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The text of the pending ids as it decodes now (at the end of a continuation: an
+        incomplete character at the very end decodes to U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        ids, prefix, read = self.ids, self.prefix, self.read
+        if read == len(ids):
+            return ""
+        before = decode(self.tokenizer, ids[prefix:read])
+        after = decode(self.tokenizer, ids[prefix:])
+        if len(after) <= len(before) or (after.endswith(_BAD) and not final):
+            return ""                         # nothing yet, or half a character at the end
+        if not after.startswith(before):      # a decoder that rewrote the context: the
+            before = before[:_common(before, after)]   # text from where they part
+        # the context moves up to the ids just released, and the ids before it are dropped
+        del ids[:read]
+        self.prefix, self.read = 0, len(ids)
+        return after[len(before):]
+
+
+def _common(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class TextStream:
+    """One continuation's text: a :class:`Detokenizer` and the stop-string matcher.
+
+    ``text`` is the text released so far (every :meth:`push` and :meth:`close` result,
+    concatenated); ``fed`` counts the tokens pushed; ``stopped`` says a stop string
+    matched (the text ends just before it, later pushes release nothing); ``closed``: no
+    more text comes (:meth:`close` ran).
+
+    A stop string is matched on the detokenized text, across token boundaries: text that
+    could still be the start of a stop string is held back until it cannot, so the text
+    released never holds a stop string or anything after the first one.
+
+    Example
+    -------
+    >>> s = TextStream(tok, prompt, stops=("\\n\\n",))     # doctest: +SKIP
+    >>> for t in tokens: delta = s.push(t)                 # doctest: +SKIP
+    """
+
+    __slots__ = ("detok", "stops", "longest", "held", "text", "fed", "stopped", "closed")
+
+    def __init__(self, tokenizer: Any, prompt: Sequence[int] = (), stops: Sequence[str] = ()):
+        self.detok = Detokenizer(tokenizer, prompt)
+        self.stops = tuple(stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.held = ""
+        self.text = ""
+        self.fed = 0
+        self.stopped = False
+        self.closed = False
+
+    def push(self, token: int) -> str:
+        """Feeds one token; returns the text it releases (maybe ""). After a stop string
+        matched, or once closed, nothing is released."""
+        self.fed += 1
+        if self.stopped or self.closed:
+            return ""
+        return self._release(self.detok.push(token), final=False)
+
+    def close(self) -> str:
+        """Ends the stream: returns what was held back (the detokenizer's pending ids and a
+        tail that might have begun a stop string), cut before a stop string that it holds.
+        Later calls return ""."""
+        if self.closed:
+            return ""
+        out = "" if self.stopped else self._release(self.detok.flush(), final=True)
+        self.closed = True
+        return out
+
+    def _release(self, piece: str, final: bool) -> str:
+        if not self.stops:
+            self.text += piece
+            return piece
+        buf = self.held + piece
+        if not buf:
+            return ""
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:                          # the first stop string: the text ends before it
+            out = buf[:cut]
+            self.held = ""
+            self.stopped = True
+        elif final:
+            out, self.held = buf, ""
+        else:                                 # hold the longest tail that begins a stop string
+            keep = 0
+            for n in range(min(len(buf), self.longest - 1), 0, -1):
+                tail = buf[-n:]
+                if any(s.startswith(tail) for s in self.stops):
+                    keep = n
+                    break
+            out, self.held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+        self.text += out
+        return out

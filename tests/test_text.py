@@ -1,0 +1,331 @@
+"""Text in the generator (issue 40 §1) on the CPU, with tokenizers built locally
+(tests/helpers_text.py: byte-level BPE, SentencePiece-style with byte fallback): prompts as
+text and chat messages, incremental detokenization (never half a character mid-stream, the
+deltas concatenating to the text), stop strings matched across token boundaries and cut
+exactly, waiting (``result``, blocking iterators driven by a stepping thread), loading from
+a directory, and every refusal with nothing queued."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from cellcache import InvalidArgument  # noqa: E402
+from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
+from cellcache.generate.text import CONTEXT, Detokenizer, TextStream, decode  # noqa: E402
+
+from .helpers_text import KINDS, MULTIBYTE, make_tokenizer, save_model_and_tokenizer  # noqa: E402
+
+WAIT = 60          # seconds: a fail-safe on joins and waits only, never a timing assertion
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("llama-tiny", seed=3)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tok(request):
+    return make_tokenizer(request.param)
+
+
+def make(model, tok, **kw):
+    opts = dict(capacity=512, max_batch_tokens=32, max_seqs=8, prefill_chunk=16, eos=[], tokenizer=tok)
+    opts.update(kw)
+    return Generator(model, **opts)
+
+
+def expected_text(tok, prompt, out):
+    ctx = list(prompt[-CONTEXT:])
+    return decode(tok, ctx + list(out))[len(decode(tok, ctx)):]
+
+
+def clean(tok):
+    """A logit_bias that keeps a random model's output valid text: no token that decodes
+    alone to part of a character, no id past the tokenizer's vocabulary (a random model
+    draws invalid UTF-8 otherwise, whose U+FFFD replacements differ between a text decoded
+    in pieces and whole)."""
+    return {i: -100.0 for i in range(512) if i >= len(tok) or "\ufffd" in tok.decode([i])}
+
+
+def SP(tok, **kw):
+    """Sampling with :func:`clean`'s bias."""
+    return Sampling(logit_bias=clean(tok), **kw)
+
+
+# -- the detokenizer and the stop-string matcher alone ------------------------------------------------
+def test_multibyte_characters_split_over_tokens_never_stream_half(tok):
+    prompt = tok.encode("hello there")
+    out = tok.encode(" " + MULTIBYTE + " and more", add_special_tokens=False)
+    pieces = [tok.decode([t]) for t in out]
+    assert any("\ufffd" in p for p in pieces)          # the text really splits characters
+    d = Detokenizer(tok, prompt)
+    deltas = [d.push(t) for t in out]
+    assert not any("\ufffd" in x for x in deltas)
+    assert "".join(deltas) + d.flush() == expected_text(tok, prompt, out)
+    assert MULTIBYTE in "".join(deltas)
+
+
+def test_a_truncated_character_is_flushed_at_the_end(tok):
+    out = tok.encode(" 中", add_special_tokens=False)
+    d = Detokenizer(tok, tok.encode("a"))
+    deltas = [d.push(t) for t in out[:-1]]
+    assert "".join(deltas).strip() == ""              # nothing of the half character
+    assert d.flush().endswith("\ufffd")               # the end: as it decodes
+
+
+@pytest.mark.parametrize("stop", ["END", "the END", "ND o", "\u4e2d", "t"])
+def test_stop_strings_across_tokens_cut_exactly(tok, stop):
+    prompt = tok.encode("x")
+    out = tok.encode(" " + MULTIBYTE + " and the END of it", add_special_tokens=False)
+    full = expected_text(tok, prompt, out)
+    s = TextStream(tok, prompt, (stop, "never there"))
+    deltas = [s.push(t) for t in out]
+    final = s.close()
+    assert s.stopped and "".join(deltas) + final == s.text == full[:full.index(stop)]
+    for i in range(len(deltas)):                      # never a stop string, at any point
+        assert stop not in "".join(deltas[:i + 1])
+
+
+def test_held_text_is_released_when_it_cannot_start_a_stop_string(tok):
+    prompt = tok.encode("x")
+    out = tok.encode(" the END", add_special_tokens=False)
+    s = TextStream(tok, prompt, ("the ENDING",))
+    text = "".join(s.push(t) for t in out)
+    full = expected_text(tok, prompt, out)            # (SentencePiece: its own extra space)
+    assert full.endswith(" the END")
+    assert text == full[:-7] and s.held == "the END"  # "the END" may begin "the ENDING"
+    assert s.close() == "the END" and s.text == full and not s.stopped
+
+
+# -- the generator --------------------------------------------------------------------------------------
+def test_text_prompts_messages_and_streamed_deltas(model, tok):
+    gen = make(model, tok)
+    ids = gen.encode("hello world")
+    assert ids == tok.encode("hello world")
+    msgs = [{"role": "user", "content": "what is the answer?"}]
+    chat = gen.encode(msgs)
+    assert chat == list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+    calls = []
+
+    def on_text(req, k, delta):
+        calls.append(((req.id, k), delta, req.finish_reasons[k]))
+
+    a = gen.add("hello world", SP(tok, max_new_tokens=12), on_text=on_text)
+    b = gen.add(msgs, SP(tok, max_new_tokens=10, n=2, temperature=1.0, seed=5), on_text=on_text)
+    c = gen.add(ids, SP(tok, max_new_tokens=12))                # no stream: decoded when read
+    gen.run()
+    assert a.prompt == ids and b.prompt == chat
+    assert a.outputs == c.outputs and a.text == c.text
+    for req in (a, b, c):
+        for k in range(req.sampling.n):
+            assert req.texts[k] == expected_text(tok, req.prompt, req.outputs[k])
+    for req in (a, b):
+        for k in range(req.sampling.n):
+            mine = [(d, r) for key, d, r in calls if key == (req.id, k)]
+            assert "".join(d for d, _ in mine) == req.texts[k]
+            assert mine[-1][1] == "length"            # the last call: the reason is set
+
+
+def test_each_continuation_streams_its_own_text_and_ends_with_one_flush(model, tok):
+    gen = make(model, tok)
+    got: dict[tuple[int, int], list] = {}
+
+    def on_text(req, k, delta):
+        got.setdefault((req.id, k), []).append((delta, req.finish_reasons[k]))
+
+    reqs = [gen.add("hello", SP(tok, max_new_tokens=9, n=3, temperature=1.0, seed=2), on_text=on_text),
+            gen.add("the quick", SP(tok, max_new_tokens=7), on_text=on_text)]
+    gen.run()
+    for req in reqs:
+        for k in range(req.sampling.n):
+            calls = got[(req.id, k)]
+            assert "".join(d for d, _ in calls) == req.texts[k]
+            assert [r for _, r in calls[:-1]] == [None] * (len(calls) - 1)
+            assert calls[-1][1] == "length"
+            assert all(d for d, _ in calls[:-1])      # only the flush may be empty
+            # streamed as one decode of the whole output (U+FFFD only where its bytes are
+            # invalid in the whole text too: random tokens may be)
+            assert req.texts[k] == expected_text(tok, req.prompt, req.outputs[k])
+
+
+def pick_stop(text):
+    """A stop string from the middle of ``text`` (two characters, not at its start)."""
+    i = len(text) // 2
+    while i < len(text) - 2 and not text[i:i + 2].strip():
+        i += 1
+    return text[i:i + 2]
+
+
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_stop_strings_end_the_continuation_and_cut_its_text(model, tok, async_steps):
+    # async: plain sampling, so that the decode steps run ahead (the server knobs, here the
+    # clean-text bias, take the synchronous path); the stop is then matched in delivery
+    sp = (lambda **kw: Sampling(**kw)) if async_steps else (lambda **kw: SP(tok, **kw))
+    ref = make(model, tok, async_steps=async_steps)
+    base = ref.add("hello world", sp(max_new_tokens=24))
+    ref.run()
+    full = base.text
+    stop = pick_stop(full)
+    assert len(stop) == 2
+    gen = make(model, tok, async_steps=async_steps)
+    ahead = []
+    real = gen.runner.forward
+
+    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
+        ahead.append(device_tokens is not None)
+        return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
+
+    gen.runner.forward = forward
+    calls = []
+    req = gen.add("hello world", sp(max_new_tokens=24, stop_strings=[stop, "\x00never"]),
+                  on_text=lambda r, k, d: calls.append((d, r.finish_reasons[k])))
+    other = gen.add("the quick", sp(max_new_tokens=24))
+    gen.run()
+    assert any(ahead) == async_steps
+    assert req.finish_reasons == ["stop"] and req.text == full[:full.index(stop)]
+    assert "".join(d for d, _ in calls) == req.text and calls[-1][1] == "stop"
+    assert req.outputs[0] == base.outputs[0][:len(req.outputs[0])]
+    assert len(req.outputs[0]) < 24 and other.finish_reasons == ["length"]
+    if not async_steps:                     # its tokens up to the one that completed the stop
+        n = len(req.outputs[0])
+        assert stop in expected_text(tok, req.prompt, base.outputs[0][:n])
+        assert stop not in expected_text(tok, req.prompt, base.outputs[0][:n - 1])
+
+
+def test_a_stop_string_in_one_continuation_leaves_the_others(model, tok):
+    ref = make(model, tok)
+    base = ref.add("hello", SP(tok, max_new_tokens=16, n=2, temperature=1.0, seed=9))
+    ref.run()
+    stop = pick_stop(base.texts[0])
+    if stop in base.texts[1]:
+        pytest.skip("both continuations hold the stop string")  # pragma: no cover - seed fixed
+    gen = make(model, tok)
+    req = gen.add("hello", SP(tok, max_new_tokens=16, n=2, temperature=1.0, seed=9, stop_strings=[stop]),
+                  on_text=lambda *a: None)
+    gen.run()
+    assert req.finish_reasons == ["stop", "length"]
+    assert req.texts == [base.texts[0][:base.texts[0].index(stop)], base.texts[1]]
+    assert req.outputs[1] == base.outputs[1]
+
+
+def test_result_and_iterators_with_a_stepping_thread(model, tok):
+    gen = make(model, tok)
+    req = gen.add("hello", Sampling(max_new_tokens=16))
+    other = gen.add("the quick", Sampling(max_new_tokens=12, stop_strings=["zz"]), on_text=lambda *a: None)
+    with pytest.raises(TimeoutError):
+        req.result(timeout=0)
+    deltas, tokens = [], []
+    readers = [threading.Thread(target=lambda: deltas.extend(req.iter_text(timeout=WAIT))),
+               threading.Thread(target=lambda: tokens.extend(other.iter_tokens(timeout=WAIT)))]
+    for t in readers:
+        t.start()
+    stepper = threading.Thread(target=gen.run)
+    stepper.start()
+    assert req.result(timeout=WAIT) is req and other.result(WAIT) is other
+    stepper.join(WAIT)
+    for t in readers:
+        t.join(WAIT)
+        assert not t.is_alive()
+    assert "".join(deltas) == req.text and all(deltas)
+    assert tokens == other.outputs[0] and len(tokens) == 12
+    with pytest.raises(InvalidArgument, match="timeout"):
+        req.result(timeout=-1)
+    with pytest.raises(InvalidArgument, match="continuation"):
+        next(req.iter_tokens(1))
+
+
+def test_cancel_flushes_the_text_and_wakes_the_waiters(model, tok):
+    gen = make(model, tok)
+    calls = []
+    req = gen.add("hello", Sampling(max_new_tokens=30), on_text=lambda r, k, d: calls.append(
+        (d, r.finish_reasons[k])))
+    for _ in range(4):
+        gen.step()
+    assert gen.cancel(req)
+    assert req.result(timeout=0) is req and req.finish_reasons == ["cancelled"]
+    assert calls[-1][1] == "cancelled" and "".join(d for d, _ in calls) == req.text
+
+
+def test_from_pretrained_loads_model_and_tokenizer(tmp_path, model):
+    path = save_model_and_tokenizer(tmp_path / "m", "sentencepiece")
+    gen = Generator.from_pretrained(path, dtype="float32", device="cpu", capacity=256, eos=[])
+    assert gen.tokenizer is not None and gen.runner.vocab == 512
+    req = gen.add("hello world", Sampling(max_new_tokens=5))
+    gen.run()
+    ref = make(model, make_tokenizer("sentencepiece"))
+    same = ref.add("hello world", Sampling(max_new_tokens=5))
+    ref.run()
+    assert req.outputs == same.outputs and req.text == same.text
+    with pytest.raises(InvalidArgument, match="could not load"):
+        Generator.from_pretrained(tmp_path / "missing", device="cpu")
+    with pytest.raises(InvalidArgument, match="dtype"):
+        Generator.from_pretrained(path, dtype="float77", device="cpu")
+
+
+def test_refusals_queue_nothing(model, tok):
+    bare = make(model, None)
+    assert bare.tokenizer is None
+    for prompt in ("hello", [{"role": "user", "content": "hi"}]):
+        with pytest.raises(InvalidArgument, match="no tokenizer"):
+            bare.add(prompt)
+        with pytest.raises(InvalidArgument, match="no tokenizer"):
+            bare.encode(prompt)
+    with pytest.raises(InvalidArgument, match="no tokenizer"):
+        bare.add([1, 2], Sampling(stop_strings=["a"]))
+    with pytest.raises(InvalidArgument, match="no tokenizer"):
+        bare.add([1, 2], on_text=lambda *a: None)
+    req = bare.add([1, 2], Sampling(max_new_tokens=2))
+    bare.run()
+    assert req.texts == [""] and req.text == ""
+    gen = make(model, tok)
+    plain = make_tokenizer("bytelevel")
+    plain.chat_template = None
+    no_chat = make(model, plain)
+    for g, prompt, match in ((gen, "", "empty"), (no_chat, [{"role": "user", "content": "x"}], "chat template"),
+                             (gen, [{"content": "x"}], "role"), (gen, [1, 2], "on_text")):
+        before = (len(g.requests), len(g.waiting))
+        with pytest.raises(InvalidArgument, match=match):
+            if match == "on_text":
+                g.add(prompt, on_text=3)
+            else:
+                g.add(prompt)
+        assert (len(g.requests), len(g.waiting)) == before
+    with pytest.raises(InvalidArgument, match="tokenizer"):
+        make(model, object())
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("stop_strings", "abc", "sequence of strings"), ("stop_strings", [""], "non-empty"),
+    ("stop_strings", [3], "non-empty str"), ("ignore_eos", 1, "bool"),
+    ("min_new_tokens", -1, "min_new_tokens"), ("min_new_tokens", 40, "more than"),
+    ("min_p", 1.5, "min_p"), ("min_p", float("nan"), "min_p"),
+    ("presence_penalty", 2.5, "presence_penalty"), ("frequency_penalty", -3, "frequency_penalty"),
+    ("repetition_penalty", 0.0, "repetition_penalty"), ("repetition_penalty", "x", "repetition_penalty"),
+    ("logit_bias", [1, 2], "mapping"), ("logit_bias", {"3": 1.0}, "key"),
+    ("logit_bias", {-1: 1.0}, "logit_bias"), ("logit_bias", {3: 101.0}, "logit_bias"),
+    ("logit_bias", {True: 1.0}, "logit_bias"), ("logprobs", 21, "logprobs"),
+    ("logprobs", True, "logprobs"), ("prompt_logprobs", -1, "prompt_logprobs"),
+])
+def test_new_sampling_fields_are_checked(field, value, match):
+    with pytest.raises(InvalidArgument, match=match):
+        Sampling(max_new_tokens=32, **{field: value})
+    sp = Sampling()
+    setattr(sp, field, value)                         # changed after construction: add() checks
+
+
+def test_add_checks_the_changed_fields_and_the_vocabulary(model, tok):
+    gen = make(model, tok)
+    sp = Sampling()
+    sp.min_p = 2.0
+    with pytest.raises(InvalidArgument, match="min_p"):
+        gen.add([1, 2], sp)
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        gen.add([1, 2], Sampling(logit_bias={512: 1.0}))
+    assert not gen.requests and not gen.waiting
