@@ -288,7 +288,8 @@ def test_refusals_queue_nothing(model, tok):
     plain = make_tokenizer("bytelevel")
     plain.chat_template = None
     no_chat = make(model, plain)
-    for g, prompt, match in ((gen, "", "empty"), (no_chat, [{"role": "user", "content": "x"}], "chat template"),
+    for g, prompt, match in ((gen, "", "empty"),
+                             (no_chat, [{"role": "user", "content": "x"}], "chat template"),
                              (gen, [{"content": "x"}], "role"), (gen, [1, 2], "on_text")):
         before = (len(g.requests), len(g.waiting))
         with pytest.raises(InvalidArgument, match=match):

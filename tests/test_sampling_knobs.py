@@ -1,0 +1,289 @@
+"""The sampler's server knobs (issue 40 §2) on the CPU: ``logit_bias``, the
+``min_new_tokens`` mask, repetition / presence / frequency penalties and ``min_p``, each
+against a plain torch reference computed from the same logits; log-probabilities (raw model
+distribution) of drawn tokens and prompt rows; every slot's draw independent of the other
+slots; and end to end through the Generator: log-probabilities against Hugging Face's own
+forward over the finished sequence, penalties against a greedy loop over HF's forward,
+``min_new_tokens`` and ``ignore_eos`` against the stop rule, drafts and forks unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from cellcache.generate import Generator, Sampler, SampleSpec, Sampling, random_model  # noqa: E402
+from cellcache.generate.plan import SlotExtra  # noqa: E402
+from cellcache.generate.sampler import uniforms  # noqa: E402
+
+V = 64
+
+
+def reference(x, sp, tokens=None, n_prompt=0, banned=()):
+    """The processed logits, the formula written out plainly (float32)."""
+    x = x.clone().float()
+    for t, b in sp.logit_bias.items():
+        x[t] += b
+    for t in banned:
+        x[t] = -torch.inf
+    if tokens is not None:
+        if sp.repetition_penalty != 1.0:
+            for t in set(int(v) for v in tokens):
+                x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty
+        out = [int(v) for v in tokens[n_prompt:]]
+        for t in set(out):
+            x[t] -= sp.frequency_penalty * out.count(t) + sp.presence_penalty
+    return x
+
+
+def ref_draw(x, sp, seed, index, position):
+    """A random draw from processed logits ``x`` as the sampler's formula: temperature,
+    min_p, top_k, top_p, then the CDF searched at the keyed uniform."""
+    xr = x / sp.temperature
+    if sp.min_p > 0:
+        xr = torch.where(xr < xr.max() + np.log(sp.min_p), -torch.inf, xr)
+    if sp.top_k:
+        kth = torch.topk(xr, sp.top_k).values[-1]
+        xr = torch.where(xr < kth, -torch.inf, xr)
+    p = torch.softmax(xr, -1)
+    if sp.top_p < 1:
+        sp_, order = torch.sort(p, descending=True)
+        keep = (torch.cumsum(sp_, -1) - sp_) < sp.top_p
+        p = torch.zeros_like(p).scatter_(0, order, sp_ * keep)
+    cdf = torch.cumsum(p.double(), -1)
+    u = float(uniforms(seed, index, position))
+    return min(int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64),
+                                      right=True)[0]), V - 1)
+
+
+CASES = [
+    Sampling(logit_bias={3: 7.5, 9: -100.0}),
+    Sampling(repetition_penalty=1.7),
+    Sampling(repetition_penalty=0.6),
+    Sampling(presence_penalty=1.5, frequency_penalty=0.75),
+    Sampling(presence_penalty=-2.0, frequency_penalty=-1.0, logit_bias={5: 2.0}),
+    Sampling(min_new_tokens=4),
+    Sampling(min_p=0.3, temperature=0.9, seed=3),
+    Sampling(min_p=0.05, temperature=1.3, top_k=20, top_p=0.8, seed=4, repetition_penalty=1.3),
+    Sampling(temperature=0.7, seed=5, logit_bias={11: 3.0}, presence_penalty=0.5, logprobs=3),
+    Sampling(logprobs=0),
+    Sampling(logprobs=20, repetition_penalty=1.2),
+]
+
+
+def build(cases, rng):
+    """A spec with one slot per case (row i), their penalties' tokens and banned ids."""
+    spec = SampleSpec()
+    info = []
+    for i, sp in enumerate(cases):
+        tokens = rng.integers(0, V, size=12)
+        n_prompt = 5
+        banned = (2, 7) if sp.min_new_tokens else ()
+        slot = spec.add(i, sp.temperature, sp.top_k, sp.top_p, sp.seed or 0, 0, 3)
+        pen = sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty
+        spec.extras.append(SlotExtra(slot, sp, banned, tokens if pen else None, n_prompt))
+        info.append((tokens if pen else None, n_prompt, banned))
+    return spec, info
+
+
+def test_each_knob_draws_from_the_reference_processed_logits():
+    rng = np.random.default_rng(0)
+    logits = torch.tensor(rng.normal(0, 3, size=(len(CASES), V)), dtype=torch.float32)
+    # make the knobs matter: each row's top logits are on the ids the knobs touch
+    logits[:, [2, 3, 7, 9]] += 4.0
+    spec, info = build(CASES, rng)
+    out = Sampler("cpu")(logits, spec)
+    for i, (sp, (tokens, n_prompt, banned)) in enumerate(zip(CASES, info)):
+        x = reference(logits[i], sp, tokens, n_prompt, banned)
+        want = int(torch.argmax(x)) if sp.temperature == 0 else ref_draw(x, sp, sp.seed, 0, 3)
+        assert int(out.ids[i]) == want, (i, sp)
+        if banned:
+            assert int(out.ids[i]) not in banned
+    # the knobs changed draws (the test checks something)
+    plain = Sampler("cpu")(logits, SampleSpec(rows=list(range(len(CASES))), temperature=[0.0] * len(CASES),
+                                             top_k=[0] * len(CASES), top_p=[1.0] * len(CASES),
+                                             seed=[0] * len(CASES), index=[0] * len(CASES),
+                                             position=[0] * len(CASES), draft=[-1] * len(CASES)))
+    assert (plain.ids != out.ids).sum() >= 2
+
+
+def test_a_slot_draws_the_same_alone_or_beside_others():
+    rng = np.random.default_rng(1)
+    logits = torch.tensor(rng.normal(0, 3, size=(len(CASES), V)), dtype=torch.float32)
+    spec, _ = build(CASES, np.random.default_rng(2))
+    both = Sampler("cpu")(logits, spec)
+    for i in range(len(CASES)):
+        alone, _ = build([CASES[i]], np.random.default_rng(2))
+        e = spec.extras[i]
+        alone.extras[0] = SlotExtra(0, e.sampling, e.banned, e.tokens, e.n_prompt)
+        one = Sampler("cpu")(logits[i:i + 1], alone)
+        assert int(one.ids[0]) == int(both.ids[i])
+        if both.logprobs is not None and one.logprobs is not None:
+            j = [k for k, x in enumerate(spec.extras) if x.sampling.logprobs is not None].index(i) \
+                if CASES[i].logprobs is not None else None
+            if j is not None:
+                assert one.logprobs[0][0] == both.logprobs[0][j]
+
+
+def test_logprobs_are_the_raw_distributions_and_come_in_the_one_copy():
+    rng = np.random.default_rng(3)
+    logits = torch.tensor(rng.normal(0, 2, size=(4, V)), dtype=torch.float32)
+    spec = SampleSpec()
+    sps = [Sampling(logprobs=5, temperature=0.8, seed=1, logit_bias={4: 50.0}), Sampling(),
+           Sampling(logprobs=0, repetition_penalty=2.0)]
+    for i, sp in enumerate(sps):
+        spec.add(i, sp.temperature, 0, 1.0, sp.seed or 0, 0, 0)
+        if sp.processed:
+            spec.extras.append(SlotExtra(i, sp, (), np.array([1, 2, 3]), 1))
+    spec.prompt_rows += [(3, 17, 2), (1, 5, 0)]           # a prompt row, and a drawn row's again
+    sampler = Sampler("cpu")
+    out = sampler(logits, spec)
+    assert sampler.copies == 1
+    lsm = torch.log_softmax(logits, -1)
+    chosen, ti, tv = out.logprobs
+    assert int(out.ids[0]) == 4                           # the bias drew it; its raw logprob:
+    rows, toks, tops = [0, 2, 3, 1], [int(out.ids[0]), int(out.ids[2]), 17, 5], [5, 0, 2, 0]
+    for e, (r, t, k) in enumerate(zip(rows, toks, tops)):
+        assert chosen[e] == pytest.approx(float(lsm[r, t]), abs=1e-6)
+        vals, ids = torch.topk(lsm[r], k)
+        assert ti[e, :k].tolist() == ids.tolist()
+        np.testing.assert_allclose(tv[e, :k], vals.numpy(), atol=1e-6)
+
+
+# -- through the Generator --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    return random_model("llama-tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return random_model("llama-tiny", seed=3)
+
+
+def make(model, **kw):
+    opts = dict(capacity=512, max_batch_tokens=32, max_seqs=8, prefill_chunk=8, eos=[])
+    opts.update(kw)
+    return Generator(model, **opts)
+
+
+def hf_logprobs(ref, tokens):
+    with torch.no_grad():
+        return torch.log_softmax(ref(torch.tensor([tokens])).logits[0].float(), -1)
+
+
+def test_logprobs_and_prompt_logprobs_equal_hf_forward(model, ref):
+    gen = make(model)
+    prompts = [[5, 9, 33, 2, 100, 7, 41, 8, 19, 300, 4], [1, 2, 3]]
+    reqs = [gen.add(prompts[0], Sampling(max_new_tokens=6, temperature=0.9, seed=2, logprobs=4,
+                                         prompt_logprobs=2, n=2)),
+            gen.add(prompts[1], Sampling(max_new_tokens=5, logprobs=0, presence_penalty=1.0)),
+            gen.add([7, 7, 7], Sampling(max_new_tokens=5))]
+    gen.run()
+    assert reqs[2].logprobs is None and reqs[2].prompt_logprobs is None
+    for req in reqs[:2]:
+        for k in range(req.sampling.n):
+            seq = req.prompt + req.outputs[k]
+            lsm = hf_logprobs(ref, seq)
+            assert len(req.logprobs[k]) == len(req.outputs[k])
+            for i, e in enumerate(req.logprobs[k]):
+                pos = len(req.prompt) - 1 + i
+                assert e.token == req.outputs[k][i]
+                assert e.logprob == pytest.approx(float(lsm[pos, e.token]), abs=1e-4)
+                top = req.sampling.logprobs
+                assert len(e.top) == top
+                if top:
+                    vals, ids = torch.topk(lsm[pos], top)
+                    assert [t for t, _ in e.top] == ids.tolist()
+                    np.testing.assert_allclose([v for _, v in e.top], vals.numpy(), atol=1e-4)
+    req = reqs[0]
+    lsm = hf_logprobs(ref, req.prompt)
+    assert req.prompt_logprobs[0] is None and len(req.prompt_logprobs) == len(req.prompt)
+    for i in range(1, len(req.prompt)):                    # (read over two chunks of 8)
+        e = req.prompt_logprobs[i]
+        assert e.token == req.prompt[i]
+        assert e.logprob == pytest.approx(float(lsm[i - 1, req.prompt[i]]), abs=1e-4)
+        assert [t for t, _ in e.top] == torch.topk(lsm[i - 1], 2).indices.tolist()
+
+
+def test_prompt_logprobs_are_computed_even_when_the_prefix_is_cached(model):
+    gen = make(model)
+    prompt = list(range(40, 60))
+    first = gen.add(prompt, Sampling(max_new_tokens=2))
+    gen.run()
+    again = gen.add(prompt, Sampling(max_new_tokens=2))
+    gen.run()
+    assert again.cached_tokens > 0 and first.cached_tokens == 0
+    wants = gen.add(prompt, Sampling(max_new_tokens=2, prompt_logprobs=0))
+    gen.run()
+    assert wants.cached_tokens == 0 and None not in wants.prompt_logprobs[1:]
+    assert wants.outputs == first.outputs
+
+
+def greedy_loop(ref, prompt, sp, n, eos=()):
+    """Greedy decoding over HF's own forward with the knobs applied by :func:`reference`."""
+    tokens = list(prompt)
+    out = []
+    for _ in range(n):
+        with torch.no_grad():
+            x = ref(torch.tensor([tokens])).logits[0, -1].float()
+        banned = tuple(eos) + tuple(sp.stop) if len(out) < sp.min_new_tokens else ()
+        pen = sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty
+        x = reference(x, sp, np.array(tokens) if pen else None, len(prompt), banned)
+        t = int(torch.argmax(x))
+        out.append(t)
+        tokens.append(t)
+        if (t in sp.stop or (t in eos and not sp.ignore_eos)) and len(out) > sp.min_new_tokens:
+            break
+    return out
+
+
+@pytest.mark.parametrize("sp", [
+    Sampling(max_new_tokens=8, repetition_penalty=1.9),
+    Sampling(max_new_tokens=8, presence_penalty=2.0, frequency_penalty=1.0),
+    Sampling(max_new_tokens=8, logit_bias={17: 4.0, 99: 3.0}, frequency_penalty=2.0),
+])
+def test_penalties_end_to_end_match_a_greedy_loop_over_hf(model, ref, sp):
+    gen = make(model)
+    prompt = [3, 17, 99, 17, 5, 8]
+    plain = gen.add(prompt, Sampling(max_new_tokens=8))
+    req = gen.add(prompt, sp)
+    drafted = gen.add(prompt, sp, draft=lambda toks, k: toks[-k:], draft_k=3)   # verify runs too
+    gen.run()
+    want = greedy_loop(ref, prompt, sp, 8)
+    assert req.outputs[0] == want and drafted.outputs[0] == want
+    assert plain.outputs[0] != want                        # the knobs changed something
+
+
+def test_min_new_tokens_and_ignore_eos(model, ref):
+    prompt = [3, 17, 99, 17, 5, 8]
+    first = greedy_loop(ref, prompt, Sampling(), 1)[0]
+    gen = make(model, eos=[first])
+    stopped = gen.add(prompt, Sampling(max_new_tokens=8))
+    ignored = gen.add(prompt, Sampling(max_new_tokens=8, ignore_eos=True))
+    held = gen.add(prompt, Sampling(max_new_tokens=8, min_new_tokens=3))
+    stop_tok = gen.add(prompt, Sampling(max_new_tokens=8, min_new_tokens=2, stop=[first], ignore_eos=True))
+    gen.run()
+    assert stopped.outputs == [[first]] and stopped.finish_reasons == ["stop"]
+    assert ignored.finish_reasons == ["length"] and ignored.outputs[0] == greedy_loop(
+        ref, prompt, Sampling(max_new_tokens=8), 8)
+    want = greedy_loop(ref, prompt, Sampling(min_new_tokens=3), 8, eos=[first])
+    assert held.outputs[0] == want and first not in want[:3]
+    assert stop_tok.outputs[0] == greedy_loop(ref, prompt, Sampling(min_new_tokens=2, stop=[first],
+                                                                    ignore_eos=True), 8)
+
+
+def test_greedy_outputs_without_knobs_are_unchanged_beside_requests_with_them(model):
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44]]
+    alone = make(model)
+    base = [alone.add(p, Sampling(max_new_tokens=7)) for p in prompts]
+    alone.run()
+    mixed = make(model)
+    plain = [mixed.add(p, Sampling(max_new_tokens=7)) for p in prompts]
+    knobs = [mixed.add(p, Sampling(max_new_tokens=7, logprobs=2, repetition_penalty=1.5, min_p=0.1,
+                                   temperature=0.5, seed=1)) for p in prompts]
+    mixed.run()
+    assert [r.outputs for r in plain] == [r.outputs for r in base]
+    assert all(len(r.logprobs[0]) == 7 for r in knobs)
