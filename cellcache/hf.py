@@ -321,9 +321,9 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
     ``invariant_rows`` rows; on the host with one intra-op thread) and attention through the
     ``"invariant"`` backend of :func:`cellcache.torch.attention`. Refused (InvalidArgument)
     with ``compile`` (inductor picks its kernels and reduction splits per shape),
-    ``attention="flashinfer"``, and on CUDA a layer the tensor-core kernels cannot run
-    invariantly (:func:`cellcache.torch.invariant_refusal`: a windowed layer, a shape they
-    do not take). The runner's graphs stay on.
+    ``attention="flashinfer"``, a tensor-parallel shard, and on CUDA a layer the
+    tensor-core kernels do not take (:func:`cellcache.torch.invariant_refusal`). The
+    runner's graphs stay on.
 
     To use the model without cellcache again: ``model.set_attn_implementation("sdpa")``;
     its runners then refuse to run (InvalidState) until :meth:`ModelRunner.reattach`.

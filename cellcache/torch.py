@@ -252,8 +252,8 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     ``"sdpa"`` or ``"flashinfer"`` (FlashInfer plans from the step's host indptrs), or
     ``"invariant"``: each row's result depends on its own sequence's keys alone, never on
     the step around it (deterministic serving, docs/design/deterministic.md): on CUDA the
-    tensor-core prefill variant for every step, kv splits off (InvalidArgument for a shape,
-    address or windowed layer it does not take); on the host each row's keys in position
+    tensor-core prefill variant for every step, kv splits off (InvalidArgument for a shape
+    or address it does not take); on the host each row's keys in position
     order, in fixed tiles of :data:`INVARIANT_TILE` keys with a fixed-order online softmax
     in float32 (needs masks).
     ``"paged"``/``"prefill"`` on a shape cellcache's kernels do not take fall back like
@@ -406,8 +406,8 @@ def layer_paths(config: CacheConfig, n_heads: int) -> list[str]:
 def invariant_refusal(config: CacheConfig, layer: int, n_heads: int) -> str | None:
     """Why layer ``layer`` of a CUDA cache with the paged view cannot run the ``"invariant"``
     backend for ``n_heads`` query heads, or None when it can: the tensor-core kernels must
-    take the shape, and the layer must attend to its full history (a windowed layer's first
-    kv tile starts at the window of a unit's first query, which the step decides)."""
+    take the shape (windowed layers included: a unit's kv tiles start at a multiple of the
+    tile, whichever query opens it)."""
     from .cuda import kernels as ck
 
     lc = config.layers[layer]
@@ -417,10 +417,6 @@ def invariant_refusal(config: CacheConfig, layer: int, n_heads: int) -> str | No
         return (f"layer {layer}: deterministic attention runs the tensor-core kernels, which do not "
                 f"take head_dim={lc.head_dim}, group={group} ({config.dtype}); they take float16 or "
                 "bfloat16 at head_dim 64, 80, 96, 128 or 256")
-    if lc.window:
-        return (f"layer {layer}: deterministic attention on CUDA does not take a sliding window "
-                f"({lc.window}): the tensor-core kernels start a windowed unit's kv tiles where the "
-                "step's first query's window starts")
     return None
 
 

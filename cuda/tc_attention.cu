@@ -259,6 +259,12 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     const int qa = p0 / G, qb = (p1 - 1) / G;           // the unit's first and last query
     int r0, r1;
     unit_keys(shift, p0, p1, G, W, split, ns, ns > 1 ? a.plan[TC_CHUNK] : 0, r0, r1);
+    // a windowed unit's tiles start at a multiple of KT of the run's list (the keys below its
+    // first query's window land in the first tile, an edge tile, which masks them), so a
+    // row's tiles are the same whichever unit holds it and whichever rows share it: a token
+    // read in a prompt chunk and in a decode step sums its keys alike (batch-invariant
+    // serving). A split's start is a multiple of KT already, so it stays within its split.
+    if (r1 >= r0) r0 -= r0 % KT;
     // keys in [full_lo, full_hi] are visible to every row of the unit
     const int full_hi = min(shift + qa, r1);
     const int full_lo = W > 0 ? shift + qb - W + 1 : 0;

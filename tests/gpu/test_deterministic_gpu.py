@@ -148,12 +148,15 @@ def test_batch_invariant_ops_at_the_models_shapes_bf16(k, n):
                                rtol=2e-2, atol=2e-2)
 
 
-def test_invariant_attention_reads_a_token_alike_in_a_chunk_and_in_decode():
+@pytest.mark.parametrize("window", [0, 20])
+def test_invariant_attention_reads_a_token_alike_in_a_chunk_and_in_decode(window):
     """Sequence 0's 60 tokens read as two prompt chunks beside another sequence's chunk, or
     one a step beside other decode rows (and the step padded): every token's attention
-    output is the same bits; and close to the default path's."""
+    output is the same bits, with full attention and with a window (whose units' first kv
+    tile starts at a multiple of the tile whichever query opens it); and close to the
+    default path's."""
     cfg = cc.CacheConfig(capacity=512, max_write=128, dtype="bfloat16", paged=True, mask_format="none",
-                         layers=[cc.LayerConfig(2, 64, 0)])
+                         layers=[cc.LayerConfig(2, 64, window)])
     g = torch.Generator(device="cuda").manual_seed(2)
     q = torch.randn(3, 80, 14, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = torch.randn(3, 80, 2, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -202,15 +205,24 @@ WINDOWED = dict(arch="mistral", hidden_size=256, intermediate_size=512, num_hidd
                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512, sliding_window=12)
 
 
-@pytest.mark.parametrize("which,match", [("windowed", "sliding window"), ("float32", "tensor-core")])
-def test_shapes_the_invariant_kernels_do_not_take_are_refused(which, match):
-    if which == "windowed":
-        model = shaped_model(WINDOWED, torch.bfloat16, "cuda", seed=0)
-    else:
-        model = random_model("llama-tiny", torch.float32, "cuda", seed=0)
+def test_a_windowed_model_is_served_invariantly():
+    model = shaped_model(WINDOWED, torch.bfloat16, "cuda", seed=0)
+    rng = np.random.default_rng(9)
+    jobs = [(rng.integers(0, 512, size=n).tolist(), Sampling(max_new_tokens=12)) for n in (5, 40)]
+    ref = [serve(model, [job], capacity=512, max_batch_tokens=64, prefill_chunk=64, max_seqs=8)[0][0]
+           for job in jobs]
+    others = [rng.integers(0, 512, size=int(rng.integers(2, 60))).tolist() for _ in range(9)]
+    got, gen = serve(model, jobs, others=others, arrivals=[0, 3], capacity=300, max_batch_tokens=24,
+                     prefill_chunk=7, max_seqs=16, reserve=0.0)
+    check_same(ref, got, 11)
+    gen.cache.close()
+
+
+def test_shapes_the_invariant_kernels_do_not_take_are_refused():
+    model = random_model("llama-tiny", torch.float32, "cuda", seed=0)     # float32, head_dim 16
     cache = cc.build("cuda", "batched", cchf.cache_config(model, capacity=256, max_write=64))
     before = model.config._attn_implementation
-    with pytest.raises(InvalidArgument, match=match):
+    with pytest.raises(InvalidArgument, match="tensor-core"):
         cchf.attach(model, cache, deterministic=True)
     assert model.config._attn_implementation == before
     assert cache.live_seqs() == []
