@@ -330,3 +330,13 @@ def test_add_checks_the_changed_fields_and_the_vocabulary(model, tok):
     with pytest.raises(InvalidArgument, match="vocabulary"):
         gen.add([1, 2], Sampling(logit_bias={512: 1.0}))
     assert not gen.requests and not gen.waiting
+
+
+def test_stop_strings_end_nothing_before_min_new_tokens(tok):
+    prompt = tok.encode("x")
+    out = tok.encode(" END and END again", add_special_tokens=False)
+    full = expected_text(tok, prompt, out)
+    first = tok.encode(" END", add_special_tokens=False)
+    s = TextStream(tok, prompt, ("END",), min_tokens=len(first) + 1)
+    text = "".join(s.push(t) for t in out) + s.close()
+    assert s.stopped and text == full[:full.index("END", full.index("END") + 1)]

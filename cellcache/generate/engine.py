@@ -164,6 +164,13 @@ class Generator:
     step runs and owns the graphs and the input feeds; :meth:`warmup` captures the graphs
     before serving.
 
+    ``tokenizer`` (a transformers tokenizer, or None): prompts may then be text or chat
+    messages (:meth:`encode`), requests stream text (``add(..., on_text=...)``, stop
+    strings) and read ``Request.texts``; :meth:`from_pretrained` loads a model with its
+    tokenizer. ``deterministic`` (default False): passed on to :func:`cellcache.hf.attach`
+    when True (batch-invariant forwards); the sampler's per-row work never depends on the
+    other rows. ``on_logits``: see the property.
+
     One thread steps a Generator: :meth:`step` (and :meth:`run`) from a second thread while
     a step runs, or from inside an ``on_token``/``draft`` callback, raises InvalidState
     and changes nothing. :meth:`add` and :meth:`cancel` are safe from any thread and from

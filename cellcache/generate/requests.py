@@ -326,6 +326,15 @@ class Request:
     so far, from any thread, without running the generator. Read through the request each
     time: a list obtained while the continuation runs may be a copy that does not grow.
     Once continuation k ends its lists are plain lists holding all of its tokens.
+
+    Text (a generator with a tokenizer): ``texts[k]`` is continuation k's text so far (what
+    ``on_text`` was handed, cut before a stop string; empty strings without a tokenizer),
+    ``text`` is ``texts[0]``. ``logprobs[k][i]`` is the :class:`TokenLogprob` of
+    continuation k's token i (None unless ``Sampling.logprobs`` is set);
+    ``prompt_logprobs[i]`` that of prompt token i (index 0 is None; None unless
+    ``Sampling.prompt_logprobs`` is set). ``cached_tokens``: prompt tokens its first
+    admission found in the prefix cache. :meth:`result` waits for the end;
+    :meth:`iter_tokens` and :meth:`iter_text` follow a continuation from another thread.
     """
 
     id: int
@@ -366,7 +375,8 @@ class Request:
         if self.finished is not None:
             self._done.set()
         if self.tokenizer is not None and (self.on_text is not None or sp.stop_strings):
-            self._streams = [TextStream(self.tokenizer, self.prompt, sp.stop_strings) for _ in range(n)]
+            self._streams = [TextStream(self.tokenizer, self.prompt, sp.stop_strings, sp.min_new_tokens)
+                             for _ in range(n)]
         if self.logprobs is None and sp.logprobs is not None:
             self.logprobs = [[] for _ in range(n)]
         if self.prompt_logprobs is None and sp.prompt_logprobs is not None:

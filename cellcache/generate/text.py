@@ -115,11 +115,14 @@ class TextStream:
     >>> for t in tokens: delta = s.push(t)                 # doctest: +SKIP
     """
 
-    __slots__ = ("detok", "stops", "longest", "held", "text", "fed", "stopped", "closed")
+    __slots__ = ("detok", "stops", "longest", "held", "text", "fed", "stopped", "closed", "min_tokens")
 
-    def __init__(self, tokenizer: Any, prompt: Sequence[int] = (), stops: Sequence[str] = ()):
+    def __init__(self, tokenizer: Any, prompt: Sequence[int] = (), stops: Sequence[str] = (),
+                 min_tokens: int = 0):
         self.detok = Detokenizer(tokenizer, prompt)
         self.stops = tuple(stops)
+        #: stop strings end nothing before this many tokens were pushed (``min_new_tokens``)
+        self.min_tokens = min_tokens
         self.longest = max((len(s) for s in self.stops), default=0)
         self.held = ""
         self.text = ""
@@ -152,7 +155,9 @@ class TextStream:
         buf = self.held + piece
         if not buf:
             return ""
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut = -1
+        if self.fed >= self.min_tokens:       # (before: a stop string ends nothing)
+            cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:                          # the first stop string: the text ends before it
             out = buf[:cut]
             self.held = ""
