@@ -230,3 +230,80 @@ def test_extreme_parameters_draw_on_cuda_as_on_the_cpu(dtype):
     n = len(extreme)
     alone = Sampler("cuda:0")(logits.to("cuda:0"), spec_of(ordinary, n)).ids
     assert got[n:].tolist() == alone.tolist()
+
+
+# -- the server knobs (issue 40 §2) -------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_server_knobs_draw_on_cuda_as_on_the_cpu(dtype):
+    """Every knob of tests/test_sampling_knobs.py's cases (bias, the min_new_tokens mask,
+    penalties, min_p with temperature/top-k/top-p, logprobs) draws on CUDA what the CPU
+    sampler draws from the same logits, and the raw log-probabilities and their top
+    alternatives agree, through the one copy (floats packed behind the ids)."""
+    from ..test_sampling_knobs import CASES, build
+
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn((len(CASES), 64), generator=g) * 3).to(dtype)
+    logits[:, [2, 3, 7, 9]] += 4.0
+    spec, _ = build(CASES, np.random.default_rng(0))
+    spec.prompt_rows += [(2, 17, 3), (5, 40, 0)]
+    want = Sampler("cpu")(logits, spec)
+    sampler = Sampler("cuda:0")
+    got = sampler(logits.to("cuda:0"), spec)
+    assert sampler.copies == 1
+    assert got.ids.tolist() == want.ids.tolist()
+    for a, b in zip(got.logprobs, want.logprobs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_generator_knobs_text_and_logprobs_on_cuda_with_graphs_and_async_steps():
+    """A tiny random Llama on CUDA (float32, graphs and asynchronous steps on): plain greedy
+    requests equal HF's generate beside requests using the knobs; a logit_bias/penalty
+    request equals a greedy loop over HF's forward; log-probabilities equal HF's log_softmax
+    over the finished sequence; a stop string cuts the streamed text and ends the request."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from cellcache.generate import Generator, Sampling, random_model
+
+    from ..helpers_text import make_tokenizer
+    from ..test_sampling_knobs import reference
+
+    tok = make_tokenizer("bytelevel")
+    model = random_model("llama-tiny", torch.float32, "cuda", seed=3)
+    gen = Generator(model, capacity=1024, max_seqs=16, eos=[], tokenizer=tok)
+    assert gen.async_steps
+    prompts = [[5, 9, 33, 2, 100], [1, 2, 3, 4], [300, 301, 7]]
+    plain = [gen.add(p, Sampling(max_new_tokens=10)) for p in prompts]
+    sp = Sampling(max_new_tokens=8, logit_bias={17: 3.0}, repetition_penalty=1.5, presence_penalty=1.0)
+    knob = gen.add(prompts[0], sp)
+    lp = gen.add(prompts[1], Sampling(max_new_tokens=6, temperature=0.8, seed=1, logprobs=3,
+                                      prompt_logprobs=1))
+    gen.run()
+    with torch.no_grad():
+        for p, r in zip(prompts, plain):
+            out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=10, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+            assert r.outputs[0] == out[0, len(p):].tolist()
+        tokens = list(prompts[0])
+        for _ in range(8):
+            x = model(torch.tensor([tokens], device="cuda")).logits[0, -1].float().cpu()
+            x = reference(x, sp, np.array(tokens), len(prompts[0]))
+            tokens.append(int(torch.argmax(x)))
+        assert knob.outputs[0] == tokens[len(prompts[0]):]
+        seq = lp.prompt + lp.outputs[0]
+        lsm = torch.log_softmax(model(torch.tensor([seq], device="cuda")).logits[0].float(), -1).cpu()
+    for i, e in enumerate(lp.logprobs[0]):
+        assert e.logprob == pytest.approx(float(lsm[len(lp.prompt) - 1 + i, e.token]), abs=1e-3)
+        assert len(e.top) == 3
+    for i in range(1, len(lp.prompt)):
+        assert lp.prompt_logprobs[i].logprob == pytest.approx(float(lsm[i - 1, lp.prompt[i]]), abs=1e-3)
+    # a stop string, matched while decode steps run ahead
+    text = plain[2].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    if not stop.strip():
+        stop = text[-2:]
+    deltas = []
+    req = gen.add(prompts[2], Sampling(max_new_tokens=10, stop_strings=[stop]),
+                  on_text=lambda r, k, d: deltas.append(d))
+    gen.run()
+    assert req.finish_reasons == ["stop"] and req.text == text[:text.index(stop)]
+    assert "".join(deltas) == req.text
