@@ -65,6 +65,7 @@ def _agree(name: str, dtype_name: str, *, expect_path: str | None = "tc", **opti
     report = compare(rows, ref, floor)
     gen.cache.check_invariants()
     gen.cache.close()
+    print(f"\n{name} {dtype_name} {options or 'defaults'}: {report.summary()}")   # (the record, with -s)
     assert report.passed, (report.summary(), report.by_kind, report.worst)
     return gen, report
 
