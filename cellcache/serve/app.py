@@ -439,8 +439,11 @@ async def _stream_events(srv: _Server, choices: _Choices, queue: asyncio.Queue,
     """``(tag, k, text delta, finish reason or None)`` for the text a choice gets and once
     for its end (the request's own text past what was sent fills any gap). Every event
     already queued is taken at once and a choice's deltas among them are joined: a client
-    (or a loop) that falls behind gets fewer, larger chunks instead of a growing backlog."""
+    (or a loop) that falls behind gets fewer, larger chunks instead of a growing backlog.
+    Without a tokenizer each step's tokens make a chunk (empty text; their ids with
+    ``return_token_ids``)."""
     n = choices.n
+    untexted = srv.gen.tokenizer is None
     try:
         while not all(choices.done):
             batch = [await queue.get()]
@@ -450,7 +453,9 @@ async def _stream_events(srv: _Server, choices: _Choices, queue: asyncio.Queue,
             ended: list[int] = []
             for ev in batch:
                 choices.record(ev)
-                if ev.kind == "text":
+                if ev.kind == "token" and untexted:       # a chunk for its token ids alone
+                    texts.setdefault(ev.tag * n + ev.k, [ev.tag, ev.k, "", None])
+                elif ev.kind == "text":
                     i = ev.tag * n + ev.k
                     if choices.ended[i]:
                         continue

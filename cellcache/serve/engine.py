@@ -148,8 +148,9 @@ class Engine:
         with self._lock:
             self._waiting += 1
         try:
-            req = self.gen.add(ids, sampling, on_token=self._on_token(stream),
-                               on_text=self._on_text(stream))
+            # (text streams only with a tokenizer: without one the tokens alone are streamed)
+            on_text = self._on_text(stream) if self.gen.tokenizer is not None else None
+            req = self.gen.add(ids, sampling, on_token=self._on_token(stream), on_text=on_text)
         except BaseException:
             with self._lock:
                 self._waiting -= 1

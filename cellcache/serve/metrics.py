@@ -4,17 +4,19 @@
 Gauges read the engine's snapshot at scrape time (refreshed after every step on the engine
 thread, so a scrape never waits for a step): requests running / waiting, KV cells used /
 free / capacity, the prefix cache's hit rate (cached prompt tokens over prompt tokens since
-start), output tokens a second over the last seconds. Counters: prompt, cached and
+start), output tokens a second over the last seconds, torch's device memory (CUDA), the
+process's resident memory and CPU time. Counters: prompt, cached and
 generated tokens, requests by finish reason, HTTP errors by status. Histograms, observed when
 a request ends: time to first token, inter-token latency, end-to-end latency (seconds).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -55,6 +57,12 @@ class _EngineCollector(Collector):
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        torch: Any = sys.modules.get("torch")        # (a CUDA model has loaded it already)
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            yield GaugeMetricFamily("cellcache_gpu_memory_allocated_bytes", "torch's allocated device memory",
+                                    value=torch.cuda.memory_allocated())
+            yield GaugeMetricFamily("cellcache_gpu_memory_reserved_bytes", "torch's reserved device memory",
+                                    value=torch.cuda.memory_reserved())
         counters = (("cellcache_prompt_tokens", "Prompt tokens admitted", "prompt_tokens"),
                     ("cellcache_cached_prompt_tokens", "Prompt tokens found in the prefix cache",
                      "cached_tokens"),
@@ -73,6 +81,7 @@ class Metrics:
     def __init__(self, engine: Any):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
+        ProcessCollector(registry=self.registry)      # process_resident_memory_bytes, CPU seconds
         r = self.registry
         self.ttft = Histogram("cellcache_time_to_first_token_seconds", "Time to first token",
                               buckets=TTFT_BUCKETS, registry=r)
