@@ -17,7 +17,7 @@ pytest.importorskip("tokenizers")
 
 from cellcache import InvalidArgument  # noqa: E402
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
-from cellcache.generate.text import CONTEXT, Detokenizer, TextStream, decode  # noqa: E402
+from cellcache.generate.text import CONTEXT, Detokenizer, TextStream, decode, decoder  # noqa: E402
 
 from .helpers_text import KINDS, MULTIBYTE, make_tokenizer, save_model_and_tokenizer  # noqa: E402
 
@@ -40,9 +40,14 @@ def make(model, tok, **kw):
     return Generator(model, **opts)
 
 
+def hf_decode(tok, ids):
+    return tok.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 def expected_text(tok, prompt, out):
+    """The continuation's text decoded whole by the tokenizer's own ``decode``."""
     ctx = list(prompt[-CONTEXT:])
-    return decode(tok, ctx + list(out))[len(decode(tok, ctx)):]
+    return hf_decode(tok, ctx + list(out))[len(hf_decode(tok, ctx)):]
 
 
 def clean(tok):
@@ -59,6 +64,18 @@ def SP(tok, **kw):
 
 
 # -- the detokenizer and the stop-string matcher alone ------------------------------------------------
+def test_the_fast_decoder_decodes_as_the_tokenizer(tok):
+    ids = tok.encode("hello " + MULTIBYTE + " END", add_special_tokens=True)
+    for i in range(len(ids)):
+        for j in range(i, len(ids) + 1):
+            assert decoder(tok)(ids[i:j]) == hf_decode(tok, ids[i:j]) == decode(tok, ids[i:j])
+
+    class Slow:                                       # no backend: its own decode
+        def decode(self, ids, **kw):
+            return hf_decode(tok, ids)
+    assert decoder(Slow())(ids) == hf_decode(tok, ids)
+
+
 def test_multibyte_characters_split_over_tokens_never_stream_half(tok):
     prompt = tok.encode("hello there")
     out = tok.encode(" " + MULTIBYTE + " and more", add_special_tokens=False)
@@ -340,3 +357,29 @@ def test_stop_strings_end_nothing_before_min_new_tokens(tok):
     s = TextStream(tok, prompt, ("END",), min_tokens=len(first) + 1)
     text = "".join(s.push(t) for t in out) + s.close()
     assert s.stopped and text == full[:full.index("END", full.index("END") + 1)]
+
+
+def test_streaming_requests_added_from_a_client_thread_while_stepping(model, tok):
+    gen = make(model, tok, max_seqs=16)
+    got: dict[int, list[str]] = {}
+    added: list = []
+    go = threading.Event()
+
+    def client():
+        go.wait(WAIT)
+        for i in range(12):
+            added.append(gen.add("hello" if i % 2 else "the quick",
+                                 SP(tok, max_new_tokens=4 + i % 5, stop_strings=["\x00"]),
+                                 on_text=lambda r, k, d: got.setdefault(r.id, []).append(d)))
+
+    first = gen.add("hello", SP(tok, max_new_tokens=40), on_text=lambda r, k, d: got.setdefault(
+        r.id, []).append(d))
+    t = threading.Thread(target=client)
+    t.start()
+    go.set()
+    while t.is_alive() or gen.busy:
+        gen.step()
+    t.join(WAIT)
+    for req in [first, *added]:
+        assert req.result(timeout=0).finish_reasons == ["length"]
+        assert "".join(got[req.id]) == req.text == expected_text(tok, req.prompt, req.outputs[0])

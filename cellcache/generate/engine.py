@@ -412,7 +412,8 @@ class Generator:
             for job in ended:
                 req = job.req
                 if req.streams_text:
-                    self._texting.pop(req.id, None)
+                    with self._queue_lock:
+                        self._texting.pop(req.id, None)
                     try:
                         self._close_texts(job, all_ended=True)
                     except BaseException as e:     # its own code, once it is finished
@@ -719,7 +720,9 @@ class Generator:
             except BaseException as e:                # the request's own code
                 self._fail(job, e, k, errors)
         if self._texting:                             # texts of continuations that ended
-            for job in list(self._texting.values()):
+            with self._queue_lock:                    # (add() inserts from any thread)
+                texting = list(self._texting.values())
+            for job in texting:
                 try:
                     self._close_texts(job)
                 except BaseException as e:            # the request's own code
