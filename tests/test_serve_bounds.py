@@ -65,6 +65,17 @@ def test_a_client_that_leaves_mid_stream_frees_its_cells(server):
     assert after["cellcache_requests_running"] == 0
 
 
+def test_a_client_that_leaves_before_a_whole_answer_cancels_it(server):
+    before = server.metrics()
+    with httpx.Client(timeout=httpx.Timeout(60, read=1.0)) as http:
+        with pytest.raises(httpx.ReadTimeout):             # the client gives up and closes
+            http.post(server.url + "/v1/completions", json={**LONG, "stream": False})
+    wait_until(lambda: server.metrics()["cellcache_requests_live"] == 0, what="the request ending")
+    after = server.metrics()
+    assert after.get(CANCELLED, 0) == before.get(CANCELLED, 0) + 1
+    assert after["cellcache_kv_cells_free"] == before["cellcache_kv_cells_free"]
+
+
 def test_past_the_waiting_bound_is_429_and_changes_nothing(server):
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server.url + "/v1/completions", json=LONG) as a:
