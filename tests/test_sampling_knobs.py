@@ -229,7 +229,10 @@ def greedy_loop(ref, prompt, sp, n, eos=()):
     for _ in range(n):
         with torch.no_grad():
             x = ref(torch.tensor([tokens])).logits[0, -1].float()
-        banned = tuple(eos) + tuple(sp.stop) if len(out) < sp.min_new_tokens else ()
+        # (as vLLM: with ignore_eos the end-of-sequence ids are not stop ids, so not masked)
+        banned = ()
+        if len(out) < sp.min_new_tokens:
+            banned = (() if sp.ignore_eos else tuple(eos)) + tuple(sp.stop)
         pen = sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty
         x = reference(x, sp, np.array(tokens) if pen else None, len(prompt), banned)
         t = int(torch.argmax(x))
@@ -287,3 +290,31 @@ def test_greedy_outputs_without_knobs_are_unchanged_beside_requests_with_them(mo
     mixed.run()
     assert [r.outputs for r in plain] == [r.outputs for r in base]
     assert all(len(r.logprobs[0]) == 7 for r in knobs)
+
+
+def test_knobs_that_end_run_ahead_again(model, ref):
+    """Prompt log-probabilities need no decode-step work and the min_new_tokens mask ends
+    once that many tokens are drawn: the request's later decode steps run ahead
+    (asynchronous steps) as plain ones do, with the synchronous generator's outputs."""
+    prompt = [3, 17, 99, 17, 5, 8]
+    first = greedy_loop(ref, prompt, Sampling(), 1)[0]
+    outs = []
+    for async_steps in (False, True):
+        gen = make(model, eos=[first], async_steps=async_steps)
+        ahead = []
+        real = gen.runner.forward
+
+        def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None,
+                    ahead=ahead, real=real):
+            ahead.append(device_tokens is not None)
+            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
+
+        gen.runner.forward = forward
+        req = gen.add(prompt, Sampling(max_new_tokens=12, min_new_tokens=3, prompt_logprobs=1,
+                                       ignore_eos=True))
+        gen.run()
+        assert any(ahead) == async_steps and None not in req.prompt_logprobs[1:]
+        outs.append(req.outputs)
+    assert outs[0] == outs[1]
+    want = greedy_loop(ref, prompt, Sampling(min_new_tokens=3, ignore_eos=True), 12, eos=[first])
+    assert outs[0][0] == want

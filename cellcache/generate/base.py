@@ -433,7 +433,7 @@ class BaseScheduler:
         too, at a request's first token with ``n > 1``); a verify run draws at every row.
         A request that asks for prompt log-probabilities gets a logit row for every prompt
         token it feeds (but its last) while some are missing; a slot whose request uses the
-        server knobs (:attr:`Sampling.processed`) gets a :class:`~.plan.SlotExtra`."""
+        server knobs (:meth:`Sampling.processed`) gets a :class:`~.plan.SlotExtra`."""
         spec = plan.spec
         row = 0
         for s, feed in plan.rows:
@@ -450,7 +450,7 @@ class BaseScheduler:
             seed = sp.seed if sp.seed is not None else req.id
             n_out = len(req.outputs[s.index])
             first = len(spec)
-            extra = sp.processed
+            extra = sp.processed(n_out)               # (min_new_tokens: then for every slot)
             if s.drafts:
                 for j in range(len(feed)):
                     slot = spec.add(len(plan.logit_rows) + j, sp.temperature, sp.top_k, sp.top_p, seed,
@@ -584,7 +584,8 @@ class BaseScheduler:
             req = job.req
             sp = req.sampling
             if after is None:
-                if s.to_feed != 1 or s.drafts or s.forks_next() or sp.processed:
+                if s.to_feed != 1 or s.drafts or s.forks_next() or (
+                        sp.server_knobs and sp.processed(len(req.outputs[s.index]))):
                     return None                # (the server knobs: the general path's slots)
                 if len(s.tokens) == len(req.prompt):
                     last += 1

@@ -55,7 +55,7 @@ class SampleSpec:
     dense: int | None = None
     #: set by a caller that knows whether some slot has temperature > 0 (None: look)
     random: bool | None = None
-    #: the slots whose request uses the server knobs (:attr:`Sampling.processed`), in slot
+    #: the slots whose request uses the server knobs (:meth:`Sampling.processed`), in slot
     #: order; empty on the common path, where the sampler does nothing more
     extras: list[SlotExtra] = field(default_factory=list)
     #: rows whose log-probabilities are asked for without a draw (prompt log-probabilities):

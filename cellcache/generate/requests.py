@@ -139,8 +139,8 @@ class Sampling:
       (the tokens stay in ``outputs``).
     - ``ignore_eos`` (a bool): end-of-sequence ids never end it (its ``stop`` tokens still do).
     - ``min_new_tokens`` (an int in [0, max_new_tokens]): until it has that many tokens,
-      end-of-sequence and ``stop`` ids are never drawn (their logits are -inf) and stop
-      strings do not end it.
+      its ``stop`` ids and (unless ``ignore_eos``, as vLLM) the end-of-sequence ids are
+      never drawn (their logits are -inf), and stop strings do not end it.
     - ``min_p`` in [0, 1]: a sampled token's probability (after temperature) must be at
       least ``min_p`` times the most probable one's.
     - ``presence_penalty``, ``frequency_penalty`` in [-2, 2] (OpenAI's): each token's
@@ -183,6 +183,9 @@ class Sampling:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    #: Whether some draw of it may need the sampler's server knobs (set on construction):
+    #: the one attribute the lean decode path tests per row.
+    server_knobs: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.max_new_tokens = check_int(self.max_new_tokens, "max_new_tokens", 1, 1 << 40)
@@ -243,14 +246,20 @@ class Sampling:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, check_int(value, name, 0, MAX_LOGPROBS))
+        self.server_knobs = self.shapes_draws or self.min_new_tokens > 0
 
     @property
-    def processed(self) -> bool:
-        """Whether the sampler does more than temperature, top-k and top-p for it (logits
-        changed, or log-probabilities asked for): its rows take the synchronous path."""
-        return bool(self.min_new_tokens or self.min_p or self.presence_penalty
-                    or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
-                    or self.logprobs is not None or self.prompt_logprobs is not None)
+    def shapes_draws(self) -> bool:
+        """Whether the sampler does more than temperature, top-k and top-p for every draw
+        of it (logits changed, or log-probabilities asked for)."""
+        return bool(self.min_p or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.logprobs is not None)
+
+    def processed(self, n_out: int) -> bool:
+        """Whether its draw of output token ``n_out`` needs the sampler's server knobs
+        (:attr:`shapes_draws`, or the ``min_new_tokens`` mask before that many tokens): such
+        a draw takes the synchronous path."""
+        return self.shapes_draws or n_out < self.min_new_tokens
 
     def cells_needed(self, prompt_len: int) -> int:
         """Cells one continuation of a prompt of ``prompt_len`` tokens holds at most: its
