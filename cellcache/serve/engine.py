@@ -42,6 +42,11 @@ __all__ = ["Engine", "Event", "Stream"]
 
 log = logging.getLogger("cellcache.serve")
 
+#: Steps between full sweeps of the live requests when no callback said one ended (a
+#: request can end without one: a capacity end, an error); the engine also sweeps whenever
+#: it goes idle.
+FULL_SWEEP_STEPS = 64
+
 #: Consecutive failed steps with no token produced after which every live request is failed
 #: (a forward that keeps raising would otherwise be retried forever).
 MAX_FAILED_STEPS = 3
@@ -107,6 +112,8 @@ class Engine:
         self._waiting = 0
         self._submitted = False
         self._stop = False
+        self._ended = False                     # a callback or cancel saw a request end
+        self._unswept = 0                       # steps since the last full sweep
         self._thread: threading.Thread | None = None
         #: The generator as of its last step (read by /metrics and /health from the loop).
         self.snapshot: dict[str, Any] = {}
@@ -169,6 +176,7 @@ class Engine:
         req = stream.request
         if req is not None and not req.done:
             self.gen.cancel(req)
+            self._ended = True
             with self._cond:
                 self._submitted = True          # the sweep reports it done
                 self._cond.notify()
@@ -212,13 +220,18 @@ class Engine:
                 with self._lock:
                     self._waiting -= 1
             outbox.append((stream, Event("token", stream.tag, k, token=token)))
+            if req.finish_reasons[k] is not None:
+                self._ended = True
         return on_token
 
     def _on_text(self, stream: Stream) -> Callable[[Request, int, str], None]:
         outbox = self._outbox
 
         def on_text(req: Request, k: int, delta: str) -> None:
-            outbox.append((stream, Event("text", stream.tag, k, text=delta, finish=req.finish_reasons[k])))
+            finish = req.finish_reasons[k]
+            outbox.append((stream, Event("text", stream.tag, k, text=delta, finish=finish)))
+            if finish is not None:
+                self._ended = True
         return on_text
 
     def _hand_over(self) -> None:
@@ -262,7 +275,12 @@ class Engine:
                     if failures >= MAX_FAILED_STEPS:
                         self._fail_all(e)
                         failures = 0
-            self._sweep()
+            # a sweep reads every live request: only when one may have ended
+            self._unswept += 1
+            if self._ended or self._unswept >= FULL_SWEEP_STEPS or not gen.busy:
+                self._ended = False
+                self._unswept = 0
+                self._sweep()
             self._hand_over()
             self._refresh()
 
