@@ -172,7 +172,11 @@ def _load(p: Parser, args: Any, device: str | None, world: int) -> Any:
 
 
 def _follow(gen: Any) -> int:
-    """A rank other than 0 under --tp: steps in lockstep with rank 0 until its group ends."""
+    """A rank other than 0 under --tp: steps in lockstep with rank 0 until its group ends.
+    SIGTERM and Ctrl-C (which torchrun passes to every rank) are rank 0's to act on: this
+    rank steps on while rank 0 drains, and ends when rank 0 has left."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         while True:
             gen.step()
