@@ -1,0 +1,88 @@
+"""The server's app in this process (httpx's ASGI transport, the engine thread started by
+hand): a model without a tokenizer serves token ids and refuses text; a generator whose
+steps keep failing fails its requests (500, an error event on a stream, /health 500) instead
+of retrying forever or taking the process down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from cellcache.generate import Generator, random_model
+from cellcache.serve.app import build_app
+from cellcache.serve.engine import MAX_FAILED_STEPS, Engine
+from cellcache.serve.protocol import ServeLimits
+
+
+@pytest.fixture
+def served():
+    """(app, engine) over a tiny random model without a tokenizer; the engine stopped after."""
+    gen = Generator(random_model("llama-tiny"), capacity=1024, eos=[])
+    engine = Engine(gen, max_waiting=8)
+    app = build_app(engine, model_name="tiny", limits=ServeLimits(capacity=1024, default_max_tokens=8))
+    engine.start()
+    yield app, engine
+    engine.stop(5)
+
+
+def post(app, path: str, body: dict) -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(path, json=body, timeout=60)
+    return asyncio.run(go())
+
+
+def get(app, path: str) -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get(path, timeout=60)
+    return asyncio.run(go())
+
+
+def events(response: httpx.Response) -> list[str]:
+    return [line.removeprefix("data: ") for line in response.text.split("\n\n") if line.strip()]
+
+
+def test_without_a_tokenizer_token_ids_are_served_and_text_refused(served):
+    app, engine = served
+    r = post(app, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
+                                      "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "" and len(choice["token_ids"]) == 4 and choice["finish_reason"] == "length"
+    s = post(app, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "stream": True,
+                                      "return_token_ids": True})
+    chunks = [json.loads(e) for e in events(s)[:-1]]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    assert events(s)[-1] == "[DONE]"
+    for body, param in [({"prompt": "text"}, "prompt"),
+                        ({"prompt": [5], "stop": ["x"]}, None)]:
+        r = post(app, "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert engine.live == 0 and engine.waiting == 0
+
+
+def test_a_generator_that_keeps_failing_fails_its_requests(served, monkeypatch):
+    app, engine = served
+    calls = []
+
+    def broken() -> bool:
+        calls.append(1)
+        raise RuntimeError("the forward broke")
+
+    monkeypatch.setattr(engine.gen, "step", broken)
+    r = post(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 4})
+    assert r.status_code == 500 and "the forward broke" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "server_error"
+    assert len(calls) >= MAX_FAILED_STEPS
+    s = post(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 4, "stream": True})
+    got = events(s)
+    assert got[-1] == "[DONE]" and "the forward broke" in json.loads(got[-2])["error"]["message"]
+    h = get(app, "/health")
+    assert h.status_code == 500 and h.json()["status"] == "failed"
+    assert engine.live == 0 and engine.waiting == 0
