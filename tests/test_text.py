@@ -383,3 +383,20 @@ def test_streaming_requests_added_from_a_client_thread_while_stepping(model, tok
     for req in [first, *added]:
         assert req.result(timeout=0).finish_reasons == ["length"]
         assert "".join(got[req.id]) == req.text == expected_text(tok, req.prompt, req.outputs[0])
+
+
+def test_a_streaming_request_copied_or_pickled_mid_run_keeps_its_text(model, tok):
+    import copy
+    import pickle
+
+    gen = make(model, tok)
+    req = gen.add("hello", SP(tok, max_new_tokens=12, stop_strings=["\x00"], logprobs=1),
+                  on_text=None)
+    for _ in range(5):
+        gen.step()
+    text = req.text
+    for clone in (copy.deepcopy(req), pickle.loads(pickle.dumps(req))):
+        assert clone.text == text and clone.outputs == req.outputs and clone.logprobs == req.logprobs
+        assert not clone.streams_text and clone.finished is None
+    gen.run()
+    assert req.text.startswith(text)

@@ -46,11 +46,23 @@ sequence's next token and chunks of prompts still being read, in one forward. Ar
   launched on the previous one's sampled ids, on the device, before they reach the host;
   outputs are the synchronous generator's, token for token;
 - latency: every token's time is kept (``Request.token_times``): :meth:`Generator.latency`
-  gives time to first token and inter-token latency p50/p99.
+  gives time to first token and inter-token latency p50/p99;
+- text (a tokenizer, :meth:`Generator.from_pretrained`): prompts as text or chat messages,
+  ``on_text`` deltas from incremental detokenization (never half a character), stop strings
+  matched on the text and cut exactly, ``Request.texts``; waiting with
+  :meth:`Request.result` and the blocking ``iter_tokens`` / ``iter_text``;
+- the server knobs of :class:`Sampling` (``min_new_tokens``, ``ignore_eos``, ``min_p``,
+  presence/frequency/repetition penalties, ``logit_bias``) and log-probabilities of the
+  model's own distribution (``logprobs``, ``prompt_logprobs``: :class:`TokenLogprob`), on
+  the device in the step's sampler call, back in its one copy;
+- ``Generator.on_logits``: every forward's logits rows with the context each row saw.
 
-Modules, by concern (each testable alone): ``requests`` (Request, Sampling, finish
-reasons, argument checks, latency summary), ``plan`` (StepPlan, Seq, Job, Outcome and the
-serving rules), ``kv`` (the scheduler's one door to the cache and the prefix cache),
+Modules, by concern (each testable alone): ``text`` (incremental detokenization, stop
+strings), ``requests`` (Request, Sampling, TokenLogprob, finish reasons, argument checks,
+latency summary), ``prompts`` (text and chat prompts in, loading a model with its
+tokenizer), ``logprobs`` (a step's log-probabilities onto its requests), ``plan``
+(StepPlan, Seq, Job, Outcome and the serving rules), ``kv`` (the scheduler's one door to
+the cache and the prefix cache),
 ``base`` (the plain scheduler: admission, chunking under the token budget, preemption,
 forks, draft rewinds; ``schedule()`` / ``update_from_output()``, no model needed),
 ``scheduler`` (the Generator's scheduler: the base plus the steady path of lean decode

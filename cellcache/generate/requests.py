@@ -398,7 +398,8 @@ class Request:
         and the generator's wake-ups stay behind."""
         texts = self.texts
         state = {**self.__dict__, "outputs": self.outputs, "token_times": self.token_times,
-                 "_stored": 0, "_lock": None, "_done": None, "progress": None, "_lazy": None}
+                 "_stored": 0, "_lock": None, "_done": None, "progress": None, "_lazy": None,
+                 "_streams": None}
         state["_texts"] = texts
         return state
 
@@ -409,7 +410,7 @@ class Request:
         self._done = threading.Event()
         if self.finished is not None:
             self._done.set()
-        if texts is not None and self._streams is None and self.tokenizer is not None:
+        if texts is not None and self.tokenizer is not None:
             self._lazy = []                   # the texts as they were (nothing to decode again)
             for t in texts:
                 st = TextStream(self.tokenizer)
