@@ -239,3 +239,37 @@ def test_metrics_after_requests(server):
     assert 0 < m["cellcache_prefix_hit_rate"] <= 1
     assert m["cellcache_kv_cells_capacity"] == 4096
     assert m["cellcache_requests_running"] == 0 and m["cellcache_requests_waiting"] == 0
+
+
+def test_streams_of_batches_n_chat_and_echo(client):
+    kw = dict(model="tiny", prompt=["the lazy dog", "hello there"], max_tokens=6, temperature=0, n=2,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    parts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            parts[c.index] = parts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert parts == {c.index: c.text for c in whole.choices}
+    assert finishes == dict.fromkeys(range(4), "length")
+
+    messages = [{"role": "user", "content": "the answer is"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0.8,
+                                          seed=3, n=2)
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                                temperature=0.8, seed=3, n=2, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in chat.choices}
+
+    echo = dict(model="tiny", prompt="hello world", max_tokens=4, temperature=0, echo=True, logprobs=1,
+                extra_body={"ignore_eos": True})
+    plain = client.completions.create(**echo)
+    chunks = list(client.completions.create(**echo, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert plain.choices[0].text.startswith("hello world")
+    n_tokens = sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs)
+    assert n_tokens == plain.usage.prompt_tokens + 4 == len(plain.choices[0].logprobs.tokens)
