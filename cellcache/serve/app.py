@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import InvalidArgument
 from ..generate import Request, Sampling
+from ..generate.text import decode
 from .engine import Engine, Event, Refused, Stream
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
@@ -135,8 +136,10 @@ class _Server:
         return s
 
     def decode(self, ids: list[int]) -> str:
+        """Token ids as the library's texts have them (special tokens skipped); "" without a
+        tokenizer."""
         tok = self.gen.tokenizer
-        return "" if tok is None else tok.decode(ids)
+        return "" if tok is None else decode(tok, ids)
 
     # -- requests in ---------------------------------------------------------------------------------
     async def parse(self, http: HTTPRequest, model: type[CompletionRequest] | type[ChatRequest]) -> Any:
@@ -159,8 +162,9 @@ class _Server:
         for p in prompts:
             try:
                 ids = list(p) if _is_ids(p) else await self.engine.encode(p)  # type: ignore[arg-type]
-            except InvalidArgument as e:
-                raise APIError(400, str(e), param="messages" if isinstance(body, ChatRequest)
+            except Exception as e:          # the tokenizer or its chat template refused this input
+                why = str(e) if isinstance(e, InvalidArgument) else f"{type(e).__name__}: {e}"
+                raise APIError(400, why, param="messages" if isinstance(body, ChatRequest)
                                else "prompt") from None
             ids_list.append(ids)
         samplings = []
