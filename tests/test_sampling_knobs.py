@@ -318,3 +318,43 @@ def test_knobs_that_end_run_ahead_again(model, ref):
     assert outs[0] == outs[1]
     want = greedy_loop(ref, prompt, Sampling(min_new_tokens=3, ignore_eos=True), 12, eos=[first])
     assert outs[0][0] == want
+
+
+@pytest.mark.parametrize("ending", ["length", "stop"])
+def test_knobs_without_history_run_ahead_with_the_synchronous_outputs(model, ending):
+    """logit_bias, min_p and logprobs need nothing of a row's past: their requests' decode
+    steps run ahead (asynchronous, the steady path included) and give the synchronous
+    generator's tokens and log-probabilities, rows ending (by length at different steps, or
+    on a stop token) and leaving the steps in flight."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44], [7, 7]]
+    sps = [Sampling(max_new_tokens=14, logprobs=2, logit_bias={17: 2.0}),
+           Sampling(max_new_tokens=9, temperature=0.9, seed=4, min_p=0.2, logprobs=0),
+           Sampling(max_new_tokens=12),
+           Sampling(max_new_tokens=11, temperature=1.2, seed=2, top_k=30, logit_bias={3: -5.0})]
+    if ending == "stop":                               # a stop token one request draws
+        probe = make(model)
+        r = probe.add(prompts[0], sps[0])
+        probe.run()
+        sps[0] = Sampling(max_new_tokens=14, logprobs=2, logit_bias={17: 2.0}, stop=[r.outputs[0][6]])
+    results = []
+    for async_steps in (False, True):
+        gen = make(model, async_steps=async_steps)
+        ahead = []
+        real = gen.runner.forward
+
+        def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None,
+                    ahead=ahead, real=real):
+            ahead.append(device_tokens is not None)
+            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
+
+        gen.runner.forward = forward
+        reqs = [gen.add(p, sp) for p, sp in zip(prompts, sps)]
+        gen.run()
+        assert sum(ahead) > 3 if async_steps else not any(ahead)
+        if async_steps:                                # the steady path's token store held rows
+            assert gen.scheduler.flushed_tokens > 0
+        results.append([(r.outputs, r.logprobs, r.finish_reasons) for r in reqs])
+    assert results[0] == results[1]
+    assert results[1][0][2] == [ending]
+    assert [len(lp[0]) for _, lp, _ in results[1] if lp is not None] == \
+        [len(o[0]) for o, lp, _ in results[1] if lp is not None]

@@ -577,6 +577,7 @@ class BaseScheduler:
         sids: list[int] = []
         tokens: list[int] = []
         random = False
+        knobs = False
         last = 0
         used = 0
         for s in seqs:
@@ -585,8 +586,8 @@ class BaseScheduler:
             sp = req.sampling
             if after is None:
                 if s.to_feed != 1 or s.drafts or s.forks_next() or (
-                        sp.server_knobs and sp.processed(len(req.outputs[s.index]))):
-                    return None                # (the server knobs: the general path's slots)
+                        sp.server_knobs and sp.needs_history(len(req.outputs[s.index]))):
+                    return None                # (penalties, min_new_tokens: the general path's)
                 if len(s.tokens) == len(req.prompt):
                     last += 1
                 tokens.append(s.tokens[-1])
@@ -601,6 +602,7 @@ class BaseScheduler:
             if used > kv:
                 return None
             random |= sp.temperature > 0
+            knobs |= sp.server_knobs
             rows.append(s)
             sids.append(s.sid)                 # type: ignore[arg-type]
         n = len(rows)
@@ -624,6 +626,9 @@ class BaseScheduler:
                 spec.index.append(s.index)
                 spec.position.append(len(req.outputs[s.index]) + ahead)
                 spec.draft.append(-1)
+        if knobs:                              # logit_bias, min_p, logprobs: slot i is row i
+            spec.extras = [SlotExtra(i, s.job.req.sampling) for i, s in enumerate(rows)
+                           if s.job.req.sampling.server_knobs]
         return plan
 
     def drop_ended(self, plan: StepPlan) -> None:

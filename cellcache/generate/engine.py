@@ -48,7 +48,7 @@ from ..prefix import PrefixCache
 from ..runner import check_options
 from ..tp import TPCache
 from .distributed import RankSync
-from .logprobs import record_logprobs
+from .logprobs import record_lean_logprobs, record_logprobs
 from .options import serving, serving_cache, settings
 from .prompts import check_text_options, check_tokenizer, encode_prompt, load_pretrained
 from .requests import Progress, Request, Sampling, latency_summary, token_ids
@@ -923,6 +923,8 @@ class Generator:
             if plan.rows:                             # (an ahead step whose rows all ended: not one)
                 sched.count_step(plan, flight.graph)
             if plan.lean:
+                if drawn.logprobs is not None:
+                    record_lean_logprobs(plan, drawn)
                 events = sched.apply_decode(plan, drawn.ids, deliver=False)
             else:
                 for job, exc in failed:

@@ -21,7 +21,7 @@ import numpy as np
 from .plan import Outcome, SamplerOutput, StepPlan
 from .requests import TokenLogprob
 
-__all__ = ["record_logprobs"]
+__all__ = ["record_lean_logprobs", "record_logprobs"]
 
 
 def _entry(out: tuple[np.ndarray, np.ndarray, np.ndarray], i: int, token: int, top: int) -> TokenLogprob:
@@ -65,3 +65,25 @@ def record_logprobs(plan: StepPlan, output: SamplerOutput, outcomes: list[Outcom
         for j, (child, tok) in enumerate(o.forks, 1):
             i, top = entry[slot + j]
             req.logprobs[child.index].append(_entry(lp, i, tok, top))
+
+
+def record_lean_logprobs(plan: StepPlan, output: SamplerOutput) -> None:
+    """:func:`record_logprobs` for a lean plan (slot i drew row i's one token): each row
+    still in the plan whose request asks gets its token's entry, skipping the rows
+    :meth:`~.base.BaseScheduler.apply_decode` skips. Called just before it."""
+    lp = output.logprobs
+    if lp is None:
+        return
+    seq_of = {slot: s for s, _, slot, _ in plan.owners}   # (rows dropped meanwhile: absent)
+    ids = output.ids
+    i = 0
+    for e in plan.spec.extras:
+        top = e.sampling.logprobs
+        if top is None:
+            continue
+        s = seq_of.get(e.slot)
+        if s is not None and not s.job.closed and s.sid is not None:
+            req = s.req
+            if req.logprobs is not None:
+                req.logprobs[s.index].append(_entry(lp, i, int(ids[e.slot]), top))
+        i += 1

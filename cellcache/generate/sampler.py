@@ -166,7 +166,7 @@ class Sampler:
         fast = self._fast
         if fast is not None and greedy is fast[2] and spec is fast[0] and logits is fast[1] \
                 and spec.dense == fast[3] == len(spec.rows) and spec.random is False \
-                and not spec.groups:
+                and not spec.groups and not spec.extras:
             n = fast[3]
             pending = self.readback.copy_again(n, fast[4])
             return Draw(None, pending if pending is not None else self.readback.copy(greedy), n,

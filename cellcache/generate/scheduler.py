@@ -198,7 +198,7 @@ class Scheduler(BaseScheduler):
             plan.spec = SampleSpec(rows=prev.rows, temperature=prev.temperature, top_k=prev.top_k,
                                    top_p=prev.top_p, seed=prev.seed, index=prev.index,
                                    position=[p + 1 for p in prev.position], draft=prev.draft,
-                                   dense=n, random=True)
+                                   dense=n, random=True, extras=prev.extras)
         plan.fast = _Steady(fast.epoch, fast.sids, fast.hooked, fast.min_left - 1, used, fast.stops,
                             fast.left - 1, fast.origin)
         return plan
@@ -237,6 +237,8 @@ class Scheduler(BaseScheduler):
         spec, prev = plan.spec, after.spec
         spec.rows = plan.logit_rows
         spec.dense, spec.random = m, prev.random
+        if prev.extras:                        # (slot i is row i: the first m keep theirs)
+            spec.extras = [e for e in prev.extras if e.slot < m]
         if prev.random:
             spec.temperature, spec.top_k = prev.temperature[:m], prev.top_k[:m]
             spec.top_p, spec.seed = prev.top_p[:m], prev.seed[:m]
