@@ -178,7 +178,7 @@ class _Server:
         streams: list[Stream] = []
         try:
             for tag, (ids, sampling) in enumerate(zip(ids_list, samplings)):
-                streams.append(self.engine.submit(ids, sampling, queue, tag))
+                streams.append(self.engine.submit(ids, sampling, queue, tag, tokens=_wants_tokens(body)))
         except BaseException as e:
             for s in streams:
                 self.engine.cancel(s)
@@ -249,6 +249,12 @@ class _Server:
             top.setdefault(s, _lp(e.logprob))
             out["top_logprobs"].append(top)
         return out
+
+
+def _wants_tokens(body: Any) -> bool:
+    """Whether a stream sends token ids or log-probabilities (so needs each token's event)."""
+    lp = body.logprobs if isinstance(body, ChatRequest) else body.logprobs is not None
+    return bool(body.stream and (body.return_token_ids or lp))
 
 
 def _is_ids(p: Any) -> TypeGuard[list[int]]:

@@ -52,7 +52,7 @@ FULL_SWEEP_STEPS = 64
 MAX_FAILED_STEPS = 3
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     """What a request's stream receives: ``"token"`` (continuation ``k``'s ``token``),
     ``"text"`` (its newly final ``text``; ``finish`` set on the last one), ``"done"`` (the
@@ -143,21 +143,38 @@ class Engine:
         if self.draining:
             raise Refused(503, "the server is shutting down")
         if self._waiting + count > self.max_waiting:
+            self._recount()
+        if self._waiting + count > self.max_waiting:
             raise Refused(429, f"{self._waiting} requests are waiting (the server's bound is "
                           f"--max-waiting {self.max_waiting}); retry later")
 
-    def submit(self, ids: list[int], sampling: Sampling, queue: asyncio.Queue, tag: int = 0) -> Stream:
+    def _recount(self) -> None:
+        """Marks started the requests that have a first token no callback reported (their
+        text held back, no ``"token"`` events asked for): O(live), only near the bound."""
+        with self._lock:
+            for s in self._live.values():
+                if not s.started and s.request is not None and s.request.first_token is not None:
+                    s.started = True
+                    self._waiting -= 1
+
+    def submit(self, ids: list[int], sampling: Sampling, queue: asyncio.Queue, tag: int = 0,
+               tokens: bool = False) -> Stream:
         """Queues ``ids`` with ``sampling`` on the generator; its events go to ``queue``
-        tagged ``tag``. Raises :class:`Refused` (see :meth:`check_admission`), or the
-        generator's InvalidArgument with nothing queued. Loop thread only."""
+        tagged ``tag``: ``"text"`` ones, and ``"token"`` ones when ``tokens`` is true or the
+        generator has no tokenizer (an ``on_token`` callback a token costs the engine thread
+        a call and an event: asked for only when ids or log-probabilities are sent). Raises
+        :class:`Refused` (see :meth:`check_admission`), or the generator's InvalidArgument
+        with nothing queued. Loop thread only."""
         self.check_admission()
         stream = Stream(asyncio.get_running_loop(), queue, tag)
         with self._lock:
             self._waiting += 1
         try:
             # (text streams only with a tokenizer: without one the tokens alone are streamed)
-            on_text = self._on_text(stream) if self.gen.tokenizer is not None else None
-            req = self.gen.add(ids, sampling, on_token=self._on_token(stream), on_text=on_text)
+            texted = self.gen.tokenizer is not None
+            on_text = self._on_text(stream) if texted else None
+            on_token = self._on_token(stream) if tokens or not texted else None
+            req = self.gen.add(ids, sampling, on_token=on_token, on_text=on_text)
         except BaseException:
             with self._lock:
                 self._waiting -= 1
@@ -216,9 +233,7 @@ class Engine:
 
         def on_token(req: Request, k: int, token: int) -> None:
             if not stream.started:
-                stream.started = True
-                with self._lock:
-                    self._waiting -= 1
+                self._start(stream)
             outbox.append((stream, Event("token", stream.tag, k, token=token)))
             if req.finish_reasons[k] is not None:
                 self._ended = True
@@ -228,11 +243,20 @@ class Engine:
         outbox = self._outbox
 
         def on_text(req: Request, k: int, delta: str) -> None:
+            if not stream.started:
+                self._start(stream)
             finish = req.finish_reasons[k]
             outbox.append((stream, Event("text", stream.tag, k, text=delta, finish=finish)))
             if finish is not None:
                 self._ended = True
         return on_text
+
+    def _start(self, stream: Stream) -> None:
+        """``stream`` waits no more (its first token, or its end); once, from any thread."""
+        with self._lock:
+            if not stream.started:
+                stream.started = True
+                self._waiting -= 1
 
     def _hand_over(self) -> None:
         """The outbox to the loop(s), one call each (engine thread). A closed loop drops it."""
@@ -316,9 +340,7 @@ class Engine:
             if s.request is not None and not s.request.done:
                 self.gen.cancel(s.request)
             if not s.started:
-                s.started = True
-                with self._lock:
-                    self._waiting -= 1
+                self._start(s)
             why = f"the engine failed: {type(e).__name__}: {e}"
             self._outbox.append((s, Event("error", s.tag, text=why)))
             self._outbox.append((s, Event("done", s.tag)))
