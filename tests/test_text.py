@@ -400,3 +400,26 @@ def test_a_streaming_request_copied_or_pickled_mid_run_keeps_its_text(model, tok
         assert not clone.streams_text and clone.finished is None
     gen.run()
     assert req.text.startswith(text)
+
+
+def test_an_on_text_that_raises_ends_its_request_alone(model, tok):
+    gen = make(model, tok)
+    calls = []
+
+    def bad(req, k, delta):
+        calls.append(delta)
+        if len(calls) == 3:
+            raise ValueError("client gone")
+
+    failing = gen.add("hello", SP(tok, max_new_tokens=20), on_text=bad)
+    other = gen.add("hello", SP(tok, max_new_tokens=20), on_text=lambda *a: None)
+    with pytest.raises(ValueError, match="client gone"):
+        gen.run()
+    gen.run()
+    assert failing.finish_reasons == ["error"] and isinstance(failing.error, ValueError)
+    assert len(calls) == 3 and failing.result(timeout=0) is failing
+    assert other.finish_reasons == ["length"] and len(other.outputs[0]) == 20
+    ref = make(model, tok)
+    alone = ref.add("hello", SP(tok, max_new_tokens=20))
+    ref.run()
+    assert other.outputs == alone.outputs and other.text == alone.text
