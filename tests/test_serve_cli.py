@@ -59,6 +59,25 @@ def test_a_missing_directory_is_one_line(tmp_path, capsys):
         "downloaded: give a local checkpoint) (see --help)"]
 
 
+def test_cuda_without_a_device_is_one_line(tmp_path, capsys):
+    import torch
+
+    code, out, err = run(["serve", str(tmp_path), "--device", "cuda"], capsys)
+    if torch.cuda.is_available():                 # (a GPU machine: the empty directory fails)
+        assert code == 2 and "cannot serve" in err
+        return
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == ["cellcache serve: error: --device cuda: torch sees no CUDA device "
+                                        "(torch.cuda.is_available() is False) (see --help)"]
+
+
+def test_an_unloadable_directory_is_one_line(tmp_path, capsys):
+    code, out, err = run(["serve", str(tmp_path), "--device", "cpu", "--port", "0"], capsys)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cellcache serve: error: cannot serve {tmp_path}"), err
+
+
 def test_a_port_in_use_is_one_line(tmp_path, capsys):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

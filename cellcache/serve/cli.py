@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(args.model_dir):
         p.error(f"MODEL_DIR {args.model_dir}: not a directory (nothing is downloaded: give a local "
                 "checkpoint)")
+    if args.device == "cuda" and not _cuda():
+        p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     device = None if args.device == "auto" else args.device
     rank, world, place = 0, 1, device
@@ -160,14 +162,21 @@ def _load(p: Parser, args: Any, device: str | None, world: int) -> Any:
         graphs=args.graphs, compile=args.compile, attention=args.attention, async_steps=args.async_steps)
     if world > 1:
         kwargs["tp"] = world
+    from ..generate.cli import is_out_of_memory
+
     try:
         gen = Generator.from_pretrained(args.model_dir, dtype=args.dtype, device=device, **kwargs)
+        if gen.tokenizer is None:
+            logging.getLogger("cellcache.serve").warning(
+                "%s has no tokenizer: only token-id prompts are served, texts are empty", args.model_dir)
+        gen.warmup()
     except (CellCacheError, OSError, ValueError) as e:
         p.error(f"cannot serve {args.model_dir}: {type(e).__name__}: {' '.join(str(e).split())}")
-    if gen.tokenizer is None:
-        logging.getLogger("cellcache.serve").warning(
-            "%s has no tokenizer: only token-id prompts are served, texts are empty", args.model_dir)
-    gen.warmup()
+    except (RuntimeError, MemoryError) as e:
+        if not is_out_of_memory(e):
+            raise
+        p.error(f"serving {args.model_dir} ran out of memory; give a smaller --capacity or "
+                "--max-batch-tokens, a --dtype of half the size, or a device with more free memory")
     return gen
 
 
