@@ -358,3 +358,22 @@ def test_knobs_without_history_run_ahead_with_the_synchronous_outputs(model, end
     assert results[1][0][2] == [ending]
     assert [len(lp[0]) for _, lp, _ in results[1] if lp is not None] == \
         [len(o[0]) for o, lp, _ in results[1] if lp is not None]
+
+
+def test_many_logprob_rows_go_in_blocks_with_the_same_values(monkeypatch):
+    from cellcache.generate import sampler as sampler_mod
+
+    rng = np.random.default_rng(5)
+    logits = torch.tensor(rng.normal(0, 2, size=(11, V)), dtype=torch.float32)
+    spec = SampleSpec()
+    spec.add(10, 0.0, 0, 1.0, 0, 0, 0)
+    spec.extras.append(SlotExtra(0, Sampling(logprobs=4)))
+    spec.prompt_rows += [(r, int(rng.integers(0, V)), 3) for r in range(10)]
+    whole = Sampler("cpu")(logits, spec).logprobs
+    monkeypatch.setattr(sampler_mod, "LOGPROB_BLOCK", 3)
+    blocks = Sampler("cpu")(logits, spec).logprobs
+    for a, b in zip(whole, blocks):
+        np.testing.assert_array_equal(a, b)
+    lsm = torch.log_softmax(logits, -1)
+    assert whole[0][3] == pytest.approx(float(lsm[2, spec.prompt_rows[2][1]]), abs=1e-6)
+    assert whole[1].shape == (11, 4)

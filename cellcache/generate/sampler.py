@@ -62,8 +62,8 @@ from ..errors import InvalidArgument
 from .plan import SamplerOutput, SampleSpec
 from .readback import Pending, Readback
 
-__all__ = ["TEMPERATURE_MAX", "TEMPERATURE_MIN", "TOP_P_MIN", "Draw", "SampleSpec", "Sampler",
-           "SamplerOutput", "uniforms"]
+__all__ = ["LOGPROB_BLOCK", "TEMPERATURE_MAX", "TEMPERATURE_MIN", "TOP_P_MIN", "Draw", "SampleSpec",
+           "Sampler", "SamplerOutput", "uniforms"]
 
 #: Temperatures below this draw as their limit T -> 0+: top-k 1 at temperature 1 (module
 #: docstring: below it float32's ``x / T`` overflows for ever smaller logits, while the
@@ -75,6 +75,9 @@ TEMPERATURE_MAX = 2.0 ** 64
 #: top-p values below this keep the most probable token alone, as this one does (a normal
 #: float32, below 1/vocab for every vocabulary).
 TOP_P_MIN = 2.0 ** -64
+#: Rows whose log-softmax is computed at once for log-probabilities: a long prompt's rows
+#: (``prompt_logprobs``) go a block at a time, bounding the float32 copies of the logits.
+LOGPROB_BLOCK = 256
 
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -289,13 +292,21 @@ class Sampler:
         top = max([t for t in tops if t is not None] + [k for _, _, k in prompt], default=0)
         up = self._up(np.array(rows + slots + [t for _, t, _ in prompt], dtype=np.int64), torch.int64)
         L, m = len(rows), len(slots)
-        lsm = torch.log_softmax(logits.index_select(0, up[:L]).float(), dim=-1)
+        k = min(top, logits.shape[-1])
         tok = torch.cat([ids.index_select(0, up[L:L + m]), up[L + m:]])
-        parts = [lsm.gather(1, tok[:, None])[:, 0].double().view(torch.int64)]
-        if top:
-            tv, ti = torch.topk(lsm, min(top, lsm.shape[-1]), dim=-1)
-            parts += [ti.reshape(-1), tv.double().reshape(-1).view(torch.int64)]
-        return torch.cat(parts), (len(spec.groups), L, min(top, lsm.shape[-1]))
+        chosen, tops_i, tops_v = [], [], []
+        for a in range(0, L, LOGPROB_BLOCK):          # (a prompt's rows: a block at a time)
+            b = min(L, a + LOGPROB_BLOCK)
+            lsm = torch.log_softmax(logits.index_select(0, up[a:b]).float(), dim=-1)
+            chosen.append(lsm.gather(1, tok[a:b, None])[:, 0])
+            if k:
+                tv, ti = torch.topk(lsm, k, dim=-1)
+                tops_i.append(ti.reshape(-1))
+                tops_v.append(tv.reshape(-1))
+        parts = [torch.cat(chosen).double().view(torch.int64)]
+        if k:
+            parts += [torch.cat(tops_i), torch.cat(tops_v).double().view(torch.int64)]
+        return torch.cat(parts), (len(spec.groups), L, k)
 
     def _draw(self, x: torch.Tensor, spec: SampleSpec, rand: np.ndarray, temps: np.ndarray,
               min_p: np.ndarray | None = None) -> torch.Tensor:
