@@ -190,14 +190,19 @@ def in_process(args: Any, model_dir: str, prompts: list[list[int]], loads: list[
 # -- over HTTP --------------------------------------------------------------------------------------
 
 def over_http(url: str, prompts: list[list[int]], offsets: list[float], max_tokens: int, clients: int,
-              leave: list[int | None] | None = None) -> list[dict[str, Any]]:
-    """Every request through ``clients`` processes, request i at ``offsets[i]`` seconds."""
-    leave = leave or [None] * len(prompts)
-    jobs = [(i, p, off, lv) for i, (p, off, lv) in enumerate(zip(prompts, offsets, leave))]
+              leave: list[int | None] | None = None, order: list[int] | None = None,
+              keep_chunks: bool = True) -> list[dict[str, Any]]:
+    """Request i (prompt ``order[i]``, default i) at ``offsets[i]`` seconds through ``clients``
+    processes; request i's client leaves after ``leave[i]`` chunks when that is not None."""
+    n = len(offsets)
+    leave = leave or [None] * n
+    order = order if order is not None else list(range(n))
+    jobs = [(i, order[i], offsets[i], leave[i]) for i in range(n)]
     t0 = time.time() + 1.0 + 0.2 * clients            # every client started by then
     ctx = mp.get_context("spawn")
     with ctx.Pool(clients) as pool:
-        parts = pool.starmap(run_client, [(url, jobs[w::clients], max_tokens, t0) for w in range(clients)])
+        parts = pool.starmap(run_client, [(url, prompts, jobs[w::clients], max_tokens, t0, keep_chunks)
+                                          for w in range(clients)])
     recs = sorted((r for part in parts for r in part), key=lambda r: r["i"])
     for r in recs:
         r["t0"] = t0
@@ -205,11 +210,18 @@ def over_http(url: str, prompts: list[list[int]], offsets: list[float], max_toke
 
 
 def http_summary(recs: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """Throughput, TTFT (send to the first chunk with a token) and ITL (gaps between chunks
+    with tokens; a record without its chunks counts its mean gap)."""
     t0 = recs[0]["t0"] if recs else 0.0
     ok = [r for r in recs if r["error"] is None]
-    ttft = [r["chunks"][0][0] - r["sent"] for r in ok if r["chunks"]]
-    itl = [b[0] - a[0] for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
-    chunks = sum(len(r["chunks"]) for r in ok)
+    ttft = [r["first"] - r["sent"] for r in ok if r["first"] is not None]
+    itl = []
+    for r in ok:
+        if r["chunks"]:
+            itl += [b[0] - a[0] for a, b in zip(r["chunks"], r["chunks"][1:])]
+        elif r["n_chunks"] > 1:
+            itl.append((r["last"] - r["first"]) / (r["n_chunks"] - 1))
+    chunks = sum(r["n_chunks"] for r in ok)
     tokens = sum(r["tokens"] for r in ok)
     end = max((r["end"] for r in recs), default=t0)
     first = min((r["sent"] for r in recs), default=t0)
@@ -260,32 +272,28 @@ def soak(args: Any, server: Any, prompts: list[list[int]], rate: float) -> dict[
 
     th = threading.Thread(target=sampler, daemon=True)
     th.start()
-    recs: list[dict[str, Any]] = []
-    start = time.time()
-    block = 0
-    while time.time() - start < seconds:                # blocks of arrivals, each a fresh set of clients
-        span = min(60.0, seconds - (time.time() - start))
-        n = max(1, round(rate * span))
-        offsets, t = [], 0.0
-        for _ in range(n):
-            t += rng.expovariate(rate)
-            offsets.append(t)
-        picked = [prompts[rng.randrange(len(prompts))] for _ in range(n)]
-        leave = [rng.randint(1, max(1, args.max_tokens // 2)) if rng.random() < args.disconnect else None
-                 for _ in range(n)]
-        recs += over_http(server.url, picked, offsets, args.max_tokens, args.clients, leave)
-        block += 1
-        log(f"soak: block {block}: {len(recs)} requests, "
-            f"{sum(1 for r in recs if r['error'] is not None)} errors")
+    # one pool of clients for the whole soak, each request's arrival drawn here (Poisson)
+    offsets, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            break
+        offsets.append(t)
+    offsets = offsets or [0.0]
+    order = [rng.randrange(len(prompts)) for _ in offsets]
+    leave = [rng.randint(1, max(1, args.max_tokens // 2)) if rng.random() < args.disconnect else None
+             for _ in offsets]
+    log(f"soak: {len(offsets)} requests over {seconds:.0f} s")
+    recs = over_http(server.url, prompts, offsets, args.max_tokens, args.clients, leave, order,
+                     keep_chunks=False)
     stop.set()
     th.join()
-    incomplete = [r for r in recs if r["error"] is None and not r["left"] and r["finish"] != "length"]
-    errors = sum(1 for r in recs if r["error"] is not None) + len(incomplete)
-    return {"minutes": args.soak, "rate": rate, "requests": len(recs),
-            "disconnected": sum(1 for r in recs if r["left"]), "errors": errors,
-            "first_errors": [r["error"] or f"finish {r['finish']}" for r in recs
-                             if r["error"] is not None or r in incomplete][:5],
-            "samples": samples, **http_summary(recs)}
+    # an error: an exception, or a request that was not left and did not run to its length
+    failed = [r for r in recs if r["error"] is not None or (not r["left"] and r["finish"] != "length")]
+    return {**http_summary(recs), "minutes": args.soak, "rate": rate, "requests": len(recs),
+            "disconnected": sum(1 for r in recs if r["left"]), "errors": len(failed),
+            "first_errors": [r["error"] or f"finish {r['finish']}" for r in failed[:5]],
+            "samples": samples}
 
 
 def plot(path: Path, result: dict[str, Any]) -> bool:
