@@ -57,12 +57,18 @@ from .cache import CellCache, Step
 from .config import CacheConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
-__all__ = ["BACKENDS", "FORWARD", "INVARIANT_TILE", "AttentionPlan", "TorchView", "as_tensor", "attention",
-           "attention_op", "check_qkv", "invariant_paths", "invariant_refusal", "layer_paths", "torch_dtype"]
+__all__ = ["BACKENDS", "FORWARD", "INVARIANT_CLASS", "INVARIANT_TILE", "AttentionPlan", "TorchView",
+           "as_tensor", "attention", "attention_op", "check_qkv", "invariant_paths", "invariant_refusal",
+           "layer_paths", "torch_dtype"]
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 #: What ``backend=`` takes (see :func:`attention`).
 BACKENDS = ("auto", "paged", "prefill", "tc", "flashinfer", "sdpa", "invariant")
+#: The tensor-core table's shape class (``"decode"`` or ``"prefill"``) whose variant the
+#: ``"invariant"`` backend runs for every step on CUDA. Either is invariant (one variant for
+#: every step, splits off); the decode variant keeps decode steps, which dominate serving,
+#: at their usual speed, and a prompt chunk pays for its 16-row units instead.
+INVARIANT_CLASS = "decode"
 #: Keys a tile of the host's ``"invariant"`` attention: a row's keys, in position order, are
 #: reduced tile after tile from its first key, whatever the step holds.
 INVARIANT_TILE = 32
@@ -251,9 +257,9 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     built on the device, so it can be captured), ``"tc"`` (the tensor-core kernels),
     ``"sdpa"`` or ``"flashinfer"`` (FlashInfer plans from the step's host indptrs), or
     ``"invariant"``: each row's result depends on its own sequence's keys alone, never on
-    the step around it (deterministic serving, docs/design/deterministic.md): on CUDA the
-    tensor-core prefill variant for every step, kv splits off (InvalidArgument for a shape
-    or address it does not take); on the host each row's keys in position
+    the step around it (deterministic serving, docs/design/deterministic.md): on CUDA one
+    tensor-core variant for every step (:data:`INVARIANT_CLASS`), kv splits off
+    (InvalidArgument for a shape or address it does not take); on the host each row's keys in position
     order, in fixed tiles of :data:`INVARIANT_TILE` keys with a fixed-order online softmax
     in float32 (needs masks).
     ``"paged"``/``"prefill"`` on a shape cellcache's kernels do not take fall back like
@@ -604,7 +610,8 @@ class AttentionPlan:
         if path == "tc" and self.backend == "invariant":
             # one variant for every step and no kv split: the split's count and size follow
             # the step's units, the variant its shape class
-            run = functools.partial(view.tensor_cores().run, decode=False, split=0)
+            run = functools.partial(view.tensor_cores().run, decode=INVARIANT_CLASS == "decode",
+                                    split=0)
         elif path == "tc":
             run = functools.partial(view.tensor_cores().run, decode=self.decode)
         else:
