@@ -273,3 +273,20 @@ def test_streams_of_batches_n_chat_and_echo(client):
     assert plain.choices[0].text.startswith("hello world")
     n_tokens = sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices[0].logprobs)
     assert n_tokens == plain.usage.prompt_tokens + 4 == len(plain.choices[0].logprobs.tokens)
+
+
+def test_sampling_knobs_reach_the_sampler(client):
+    biased = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0,
+                                       logit_bias={"300": 100},
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert biased.choices[0].token_ids == [300, 300, 300]
+    banned = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0,
+                                       logit_bias={"300": -100},
+                                       extra_body={"return_token_ids": True, "ignore_eos": True,
+                                                   "top_k": 5, "min_p": 0.01, "repetition_penalty": 1.3})
+    assert 300 not in banned.choices[0].token_ids and len(banned.choices[0].token_ids) == 3
+    # presence/frequency penalties and min_tokens: accepted, the answer the right size
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=4, presence_penalty=1.5, frequency_penalty=-0.5,
+                                       temperature=0.7, seed=1, extra_body={"min_tokens": 4})
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
