@@ -80,13 +80,30 @@ def _num(x, fmt: str = ",.0f") -> str:
 #: the runs a serving result compares itself with: (key, what "N.NNx ..." reads as)
 SERVE_RATIOS = (("cellcache_off", "the prefix cache off"), ("cellcache_staggered", "staggered arrivals"),
                 ("cellcache_poisson", "Poisson arrivals"), ("hf-static", "HF static `generate`"),
-                ("hf-batch", "HF `generate_batch`"))
+                ("hf-batch", "HF `generate_batch`"), ("hf-static-legacy", "HF static `generate` eager"),
+                ("hf-batch-legacy", "HF `generate_batch` at its defaults"))
+
+
+def _agreement(d: dict) -> str | None:
+    """The end-to-end agreement check's verdict (bench_serve records one since it has it)."""
+    a = d.get("agreement")
+    if not isinstance(a, dict):
+        return None
+    if a.get("passed") is None:
+        return "agreement not checked"
+    noise, err = a.get("noise_max"), a.get("error_max")
+    ratio = f" ({err / noise:.2f}x the noise floor)" if isinstance(err, (int, float)) and \
+        isinstance(noise, (int, float)) and noise > 0 else ""
+    return f"agreement with HF {'passed' if a['passed'] else 'FAILED'}{ratio}"
 
 
 def _serve(d: dict) -> list[str]:
     r = d.get("cellcache", {})
     tps = r.get("tokens_per_s")
     parts = [f"{_num(tps)} tok/s"]
+    agree = _agreement(d)
+    if agree:
+        parts.append(agree)
     for key, what in SERVE_RATIOS:
         other = d.get(key, {}).get("tokens_per_s") if isinstance(d.get(key), dict) else None
         if isinstance(tps, (int, float)) and isinstance(other, (int, float)) and other > 0:
