@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=in_range(1, 1 << 16), default=None)
     p.add_argument("--new-tokens", type=in_range(1, 1 << 16), default=None)
     p.add_argument("--repeat", type=in_range(1, 16), default=1, help="runs of each mode, alternating")
+    p.add_argument("--rows", type=in_range(1, 1 << 16), default=None,
+                   help="the deterministic mode's invariant_rows (default: attach's, 256)")
+    p.add_argument("--invariant-class", choices=["decode", "prefill"], default=None,
+                   help="the tensor-core variant the invariant attention runs for every step "
+                        "(default: cellcache.torch.INVARIANT_CLASS)")
     p.add_argument("--normal-compile", action="store_true",
                    help="also time the normal mode with torch.compile")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
@@ -97,9 +102,18 @@ def main(argv: list[str] | None = None) -> int:
         code = require_gpu("bench_det")
         if code is not None:
             return code
+    import functools
+
     import torch
 
-    from cellcache.generate import RANDOM_MODELS, random_model
+    import cellcache.torch as cct
+    from cellcache.generate import RANDOM_MODELS, engine, random_model
+
+    if args.invariant_class is not None:
+        cct.INVARIANT_CLASS = args.invariant_class
+    if args.rows is not None:
+        # the Generator passes only deterministic=True on to attach: the rows go in here
+        engine.attach = functools.partial(engine.attach, invariant_rows=args.rows)
 
     if args.model not in RANDOM_MODELS:
         p.error(f"--model {args.model!r} is not one of {', '.join(sorted(RANDOM_MODELS))}")
@@ -139,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {**run_record("bench_det", ["python3", "tools/bench_det.py", *(argv or sys.argv[1:])],
                            args.device),
               "workload": args.workload, "model": args.model, "sizes": w, "runs": runs,
+              "invariant_rows": args.rows or 256, "invariant_class": cct.INVARIANT_CLASS,
               "tokens_per_s": med, "deterministic_cost": round(cost, 4), "target_cost": TARGET_COST,
               "sglang_published_cost": SGLANG_COST, "deterministic_runs_identical": reproducible}
     print(f"normal {med['normal']:.0f} tok/s, deterministic {med['deterministic']:.0f} tok/s: "
