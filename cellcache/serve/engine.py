@@ -22,13 +22,17 @@ the server drains (:meth:`Engine.drain`, on SIGTERM) every submit is refused wit
 
 Tokenization runs in the loop's default thread pool (:meth:`Engine.encode`), not on the loop
 and not on the engine thread: a long prompt's encoding never delays a step or another
-request's stream; ``gen.add`` then gets token ids (its own work is host bookkeeping).
+request's stream; ``gen.add`` then gets token ids (its own work is host bookkeeping). It
+encodes with a copy of the generator's tokenizer, so that the pool's threads never use the
+tokenizer object the engine thread decodes with (a Hugging Face fast tokenizer refuses some
+concurrent uses: "Already borrowed").
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import logging
 import threading
 import time
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..generate import Generator, Request, Sampling
+from ..generate.prompts import encode_prompt
 
 __all__ = ["Engine", "Event", "Stream"]
 
@@ -119,6 +124,13 @@ class Engine:
         self.snapshot: dict[str, Any] = {}
         self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self._outbox: list[tuple[Stream, Event]] = []      # the engine thread's, until handed over
+        # the tokenizer the pool encodes with: never the object the engine thread decodes with
+        self._encoder: Any = None
+        if gen.tokenizer is not None:
+            try:
+                self._encoder = copy.deepcopy(gen.tokenizer)
+            except Exception:                   # a tokenizer that cannot be copied: shared
+                log.warning("the tokenizer cannot be copied: encoding shares it with the engine")
         self._refresh()
 
     # -- the loop's side -------------------------------------------------------------------------
@@ -133,9 +145,13 @@ class Engine:
         return len(self._live)
 
     async def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
-        """``gen.encode(prompt)`` in the loop's thread pool (text or chat messages)."""
+        """``prompt`` (text or chat messages) as ``gen.encode`` gives it, computed in the
+        loop's thread pool with the engine's own copy of the tokenizer; InvalidArgument as
+        ``gen.encode`` raises it."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, self.gen.encode, prompt)
+        if self._encoder is None:
+            return await loop.run_in_executor(None, self.gen.encode, prompt)
+        return await loop.run_in_executor(None, encode_prompt, self._encoder, prompt, self.gen.vocab)
 
     def check_admission(self, count: int = 1) -> None:
         """Raises :class:`Refused` (503 while draining, 429 when ``count`` more requests
