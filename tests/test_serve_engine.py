@@ -86,3 +86,29 @@ def test_a_generator_that_keeps_failing_fails_its_requests(served, monkeypatch):
     h = get(app, "/health")
     assert h.status_code == 500 and h.json()["status"] == "failed"
     assert engine.live == 0 and engine.waiting == 0
+
+
+BAD_BODIES = [b"", b"[]", b"null", b"\xff\xfe", b'{"prompt": null}', b'{"prompt": [[]]}',
+              b'{"prompt": [1], "n": 1000000000000000000000000000000}',
+              b'{"prompt": [1], "max_tokens": 1e309}',
+              b'{"prompt": [1], "seed": 9223372036854775808}', b'{"prompt": [1], "logit_bias": {"1": 1e308}}',
+              b'{"prompt": [1], "stop": [1]}', b'{"prompt": [1], "temperature": Infinity}',
+              b'{"prompt": [1], "stream_options": {"include_usage": true}}', b'{"prompt": [-1]}',
+              b'{"prompt": [1], "max_tokens": 5000}', b'{"prompt": [1], "best_of": 2}',
+              b'{"prompt": [1], "top_k": -2}', b'{"prompt": [1], "logprobs": true}']
+
+
+@pytest.mark.parametrize("body", BAD_BODIES, ids=[b.decode("latin-1")[:40] for b in BAD_BODIES])
+def test_a_bad_body_is_a_400_and_queues_nothing(served, body):
+    app, engine = served
+    steps = engine.gen.stats["steps"]
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    r = asyncio.run(go())
+    assert r.status_code == 400, (body, r.text)
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert engine.live == 0 and engine.waiting == 0 and engine.gen.stats["steps"] == steps
+    assert not engine.gen.busy
