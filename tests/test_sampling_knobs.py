@@ -321,16 +321,23 @@ def test_knobs_that_end_run_ahead_again(model, ref):
 
 
 @pytest.mark.parametrize("ending", ["length", "stop"])
-def test_knobs_without_history_run_ahead_with_the_synchronous_outputs(model, ending):
-    """logit_bias, min_p and logprobs need nothing of a row's past: their requests' decode
-    steps run ahead (asynchronous, the steady path included) and give the synchronous
-    generator's tokens and log-probabilities, rows ending (by length at different steps, or
-    on a stop token) and leaving the steps in flight."""
+@pytest.mark.parametrize("history", [False, True])
+def test_knobs_run_ahead_with_the_synchronous_outputs(model, ending, history):
+    """Requests using the knobs decode in steps launched ahead (asynchronous; the steady
+    path too when nothing depends on a row's past) and give the synchronous generator's
+    tokens and log-probabilities, rows ending (by length at different steps, or on a stop
+    token) and leaving the steps in flight. ``history``: penalties and min_new_tokens, whose
+    draws count the token each row was fed on the device (``SampleSpec.fed``)."""
     prompts = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44], [7, 7]]
     sps = [Sampling(max_new_tokens=14, logprobs=2, logit_bias={17: 2.0}),
            Sampling(max_new_tokens=9, temperature=0.9, seed=4, min_p=0.2, logprobs=0),
            Sampling(max_new_tokens=12),
            Sampling(max_new_tokens=11, temperature=1.2, seed=2, top_k=30, logit_bias={3: -5.0})]
+    if history:
+        sps[1] = Sampling(max_new_tokens=9, repetition_penalty=1.8, frequency_penalty=1.0,
+                          presence_penalty=0.5, logprobs=1)
+        sps[2] = Sampling(max_new_tokens=12, temperature=0.8, seed=7, presence_penalty=2.0,
+                          min_new_tokens=5, stop=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
     if ending == "stop":                               # a stop token one request draws
         probe = make(model)
         r = probe.add(prompts[0], sps[0])
@@ -351,7 +358,7 @@ def test_knobs_without_history_run_ahead_with_the_synchronous_outputs(model, end
         reqs = [gen.add(p, sp) for p, sp in zip(prompts, sps)]
         gen.run()
         assert sum(ahead) > 3 if async_steps else not any(ahead)
-        if async_steps:                                # the steady path's token store held rows
+        if async_steps and ending == "length":        # the steady path's token store held rows
             assert gen.scheduler.flushed_tokens > 0
         results.append([(r.outputs, r.logprobs, r.finish_reasons) for r in reqs])
     assert results[0] == results[1]
@@ -377,3 +384,27 @@ def test_many_logprob_rows_go_in_blocks_with_the_same_values(monkeypatch):
     lsm = torch.log_softmax(logits, -1)
     assert whole[0][3] == pytest.approx(float(lsm[2, spec.prompt_rows[2][1]]), abs=1e-6)
     assert whole[1].shape == (11, 4)
+
+
+def test_penalties_count_the_tokens_fed_on_the_device():
+    """A step launched ahead: each row's last token is on the device (SampleSpec.fed); the
+    penalties count it as an output token, as if the host had it."""
+    rng = np.random.default_rng(8)
+    cases = [Sampling(repetition_penalty=1.9), Sampling(presence_penalty=2.0, frequency_penalty=1.5),
+             Sampling(repetition_penalty=0.5, frequency_penalty=-1.0, temperature=0.7, seed=3)]
+    logits = torch.tensor(rng.normal(0, 3, size=(len(cases), V)), dtype=torch.float32)
+    fed = torch.tensor([int(torch.argmax(logits[i])) for i in range(len(cases))])  # (it matters)
+    spec = SampleSpec()
+    host = []
+    for i, sp in enumerate(cases):
+        tokens = rng.integers(0, V, size=9)
+        spec.add(i, sp.temperature, 0, 1.0, sp.seed or 0, 0, 4)
+        spec.extras.append(SlotExtra(i, sp, (), tokens, 4))
+        host.append(tokens)
+    spec.fed = fed
+    out = Sampler("cpu")(logits, spec)
+    for i, sp in enumerate(cases):
+        x = reference(logits[i], sp, np.append(host[i], int(fed[i])), 4)
+        want = int(torch.argmax(x)) if sp.temperature == 0 else ref_draw(x, sp, sp.seed, 0, 4)
+        assert int(out.ids[i]) == want
+    assert out.ids.tolist() != [int(f) for f in fed]

@@ -502,6 +502,8 @@ class BaseScheduler:
             banned = tuple(sorted(set(sp.stop) | (set() if sp.ignore_eos else self.eos)))
         tokens = None
         if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
+            # (the tokens the host has: in a plan scheduled ahead, all but the one fed on the
+            # device, which SampleSpec.fed holds)
             arr = s.tokens_array()[:n_prompt + n_out - len(drafts)]
             tokens = np.concatenate([arr, np.asarray(drafts, dtype=arr.dtype)]) if drafts else arr
         spec.extras.append(SlotExtra(slot, sp, banned, tokens, n_prompt))
@@ -585,9 +587,8 @@ class BaseScheduler:
             req = job.req
             sp = req.sampling
             if after is None:
-                if s.to_feed != 1 or s.drafts or s.forks_next() or (
-                        sp.server_knobs and sp.needs_history(len(req.outputs[s.index]))):
-                    return None                # (penalties, min_new_tokens: the general path's)
+                if s.to_feed != 1 or s.drafts or s.forks_next():
+                    return None
                 if len(s.tokens) == len(req.prompt):
                     last += 1
                 tokens.append(s.tokens[-1])
@@ -626,9 +627,11 @@ class BaseScheduler:
                 spec.index.append(s.index)
                 spec.position.append(len(req.outputs[s.index]) + ahead)
                 spec.draft.append(-1)
-        if knobs:                              # logit_bias, min_p, logprobs: slot i is row i
-            spec.extras = [SlotExtra(i, s.job.req.sampling) for i, s in enumerate(rows)
-                           if s.job.req.sampling.server_knobs]
+        if knobs:                              # the server knobs' slots: slot i is row i
+            for i, s in enumerate(rows):
+                if s.job.req.sampling.server_knobs:
+                    # (ahead: its fed token, which the penalties count too, is on the device)
+                    self._extra(spec, i, s, len(s.job.req.outputs[s.index]) + ahead)
         return plan
 
     def drop_ended(self, plan: StepPlan) -> None:

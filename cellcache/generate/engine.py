@@ -865,8 +865,10 @@ class Generator:
             if after is None:
                 logits = self.runner.forward(step, plan.tokens, rows, decode=decode)
             else:
-                logits = self.runner.forward(step, None, rows, decode=decode,
-                                             device_tokens=self._fed(plan, after))
+                fed = self._fed(plan, after)
+                if plan.spec.extras:              # penalties count the fed tokens on the device
+                    plan.spec.fed = fed
+                logits = self.runner.forward(step, None, rows, decode=decode, device_tokens=fed)
             self.cache.commit_step()
             committed = True
             t = self._tick("forward", t)

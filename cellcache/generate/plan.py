@@ -61,6 +61,10 @@ class SampleSpec:
     #: rows whose log-probabilities are asked for without a draw (prompt log-probabilities):
     #: (logits row, the token whose log-probability is wanted, top alternatives)
     prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    #: a lean plan launched ahead (slot i draws row i): the ids its rows were fed, on the
+    #: device (the previous step's draws, not on the host yet), which the extras' penalties
+    #: count beside their ``tokens``; None: every token a slot's penalties count is on the host
+    fed: Any = None
 
     def add(self, row: int, temperature: float, top_k: int, top_p: float, seed: int, index: int,
             position: int, draft: int = -1) -> int:

@@ -184,7 +184,7 @@ class Sampling:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     #: Whether some draw of it may need the sampler's server knobs (set on construction):
-    #: the one attribute the lean decode path tests per row.
+    #: the one attribute a lean decode step tests per row.
     server_knobs: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -255,17 +255,10 @@ class Sampling:
         return bool(self.min_p or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.logit_bias or self.logprobs is not None)
 
-    def needs_history(self, n_out: int) -> bool:
-        """Whether its draw of output token ``n_out`` needs what the host knows of the row
-        (the tokens its penalties count, or how many it has before ``min_new_tokens``): such a
-        draw is planned by the general path, never in a step launched ahead."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or n_out < self.min_new_tokens)
-
     def processed(self, n_out: int) -> bool:
         """Whether its draw of output token ``n_out`` needs the sampler's server knobs
-        (:attr:`shapes_draws`, or the ``min_new_tokens`` mask before that many tokens): such
-        a draw takes the synchronous path."""
+        (:attr:`shapes_draws`, or the ``min_new_tokens`` mask before that many tokens): its
+        slot then carries a :class:`~cellcache.generate.plan.SlotExtra`."""
         return self.shapes_draws or n_out < self.min_new_tokens
 
     def cells_needed(self, prompt_len: int) -> int:

@@ -220,60 +220,79 @@ class Sampler:
     def _process(self, x: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         """The logits of the step's slots (``x``, slot i in row i) with the server knobs
         of :attr:`SampleSpec.extras` applied, as float32 (a copy): ``logit_bias`` added, the
-        ``min_new_tokens`` ids masked (-inf), ``repetition_penalty`` (HF's: a logit of a
+        ``min_new_tokens`` ids masked (-inf), ``repetition_penalty`` (HF's: the logit of a
         token of the prompt or output divided by it when positive, else multiplied), then
         ``frequency_penalty * count + presence_penalty`` taken off each output token's
-        logit. Each is a scatter over the slot's own ids only (built on the host with numpy,
-        uploaded in one copy per dtype): nothing depends on the other slots."""
+        logit. Bias and mask are scatters over the slot's own ids; the penalties' counts
+        and seen-sets are built per penalized slot on the device from the host's tokens
+        (numpy) and, in a step launched ahead, the token each row was fed on the device
+        (:attr:`SampleSpec.fed`, counted there: no host sync). Everything goes up in one
+        copy per dtype, and nothing depends on the other slots."""
         x = x.float().clone() if x.dtype == torch.float32 else x.float()
-        add: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []      # (slots, ids, values)
-        ban: list[tuple[np.ndarray, np.ndarray]] = []
-        rep: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        pen: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        V = x.shape[-1]
+        bias_s, bias_i, bias_v, ban_s, ban_i = [], [], [], [], []
+        pen: list[Any] = []                           # the extras with penalties
+        seen_j, seen_i, cnt_j, cnt_i, cnt_v = [], [], [], [], []
         for e in spec.extras:
             sp = e.sampling
             if sp.logit_bias:
-                ids = np.fromiter(sp.logit_bias.keys(), np.int64, len(sp.logit_bias))
-                vals: np.ndarray = np.fromiter(sp.logit_bias.values(), np.float64, len(sp.logit_bias))
-                add.append((np.full(ids.size, e.slot), ids, vals))
+                n = len(sp.logit_bias)
+                bias_s.append(np.full(n, e.slot))
+                bias_i.append(np.fromiter(sp.logit_bias.keys(), np.int64, n))
+                bias_v.append(np.fromiter(sp.logit_bias.values(), np.float64, n))
             if e.banned:
-                ids = np.asarray(e.banned, dtype=np.int64)
-                ban.append((np.full(ids.size, e.slot), ids))
+                ban_s.append(np.full(len(e.banned), e.slot))
+                ban_i.append(np.asarray(e.banned, dtype=np.int64))
             if e.tokens is not None:
-                if sp.repetition_penalty != 1.0:
-                    ids = np.unique(e.tokens).astype(np.int64)
-                    rep.append((np.full(ids.size, e.slot), ids, np.full(ids.size, sp.repetition_penalty)))
-                if sp.presence_penalty or sp.frequency_penalty:
-                    ids, counts = np.unique(e.tokens[e.n_prompt:], return_counts=True)
-                    vals = -(sp.frequency_penalty * counts.astype(np.float64) + sp.presence_penalty)
-                    pen.append((np.full(ids.size, e.slot), ids.astype(np.int64), vals))
-        # every group's (slots, ids) in one int64 upload, the values in one float64 upload
-        sizes = [sum(t[0].size for t in g) for g in (add, ban, rep, pen)]
-        if not any(sizes):
-            return x
-        none = np.zeros(0, np.int64)
-        idx = np.concatenate([t[0] for g in (add, ban, rep, pen) for t in g] + [none]
-                             + [t[1] for g in (add, ban, rep, pen) for t in g])
-        val = np.concatenate([t[2] for g in (add, rep, pen) for t in g] + [np.zeros(0)])
-        up_i = self._up(idx.astype(np.int64), torch.int64)
-        up_v = self._up(val, torch.float64).float()
-        total = sum(sizes)
-        a, b, r, p = sizes
-        at = np.cumsum([0, a, b, r, p]).tolist()        # each group's (slots, ids) range
+                j = len(pen)
+                pen.append(e)
+                ids = np.unique(e.tokens)
+                seen_j.append(np.full(ids.size, j))
+                seen_i.append(ids)
+                out, n_out = np.unique(e.tokens[e.n_prompt:], return_counts=True)
+                cnt_j.append(np.full(out.size, j))
+                cnt_i.append(out)
+                cnt_v.append(n_out.astype(np.float64))
+        P = len(pen)
+        ints = [bias_s, bias_i, ban_s, ban_i, seen_j, seen_i, cnt_j, cnt_i,
+                [np.array([e.slot for e in pen], dtype=np.int64)]]
+        floats = [bias_v, cnt_v, [np.array([[e.sampling.repetition_penalty, e.sampling.frequency_penalty,
+                                             e.sampling.presence_penalty] for e in pen]).reshape(-1)]]
+        cat_i = [np.concatenate(g).astype(np.int64) if g else np.zeros(0, np.int64) for g in ints]
+        cat_f = [np.concatenate(g).astype(np.float64) if g else np.zeros(0) for g in floats]
+        up_i = self._up(np.concatenate(cat_i), torch.int64)
+        up_f = self._up(np.concatenate(cat_f), torch.float64).float()
+        at_i = np.cumsum([0] + [a.size for a in cat_i]).tolist()
+        at_f = np.cumsum([0] + [a.size for a in cat_f]).tolist()
 
-        def where(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return up_i[at[i]:at[i + 1]], up_i[total + at[i]:total + at[i + 1]]
+        def ints_of(k: int) -> torch.Tensor:
+            return up_i[at_i[k]:at_i[k + 1]]
 
-        if a:
-            x.index_put_(where(0), up_v[:a], accumulate=True)
-        if b:
-            x.index_put_(where(1), torch.full((b,), -torch.inf, device=x.device))
-        if r:
-            v = x[where(2)]
-            factor = up_v[a:a + r]
-            x.index_put_(where(2), torch.where(v > 0, v / factor, v * factor))
-        if p:
-            x.index_put_(where(3), up_v[a + r:], accumulate=True)
+        def floats_of(k: int) -> torch.Tensor:
+            return up_f[at_f[k]:at_f[k + 1]]
+
+        if at_i[2] > at_i[0]:
+            x.index_put_((ints_of(0), ints_of(1)), floats_of(0), accumulate=True)
+        if at_i[4] > at_i[2]:
+            x.index_put_((ints_of(2), ints_of(3)), torch.full((at_i[3] - at_i[2],), -torch.inf,
+                                                              device=x.device))
+        if P:
+            slots = ints_of(8)
+            seen = torch.zeros((P, V), dtype=torch.bool, device=x.device)
+            seen.index_put_((ints_of(4), ints_of(5)), torch.ones((), dtype=torch.bool, device=x.device))
+            counts = torch.zeros((P, V), dtype=torch.float32, device=x.device)
+            counts.index_put_((ints_of(6), ints_of(7)), floats_of(1), accumulate=True)
+            if spec.fed is not None:                  # each row's token in flight: an output
+                fed = spec.fed.index_select(0, slots).to(torch.int64)
+                row = torch.arange(P, device=x.device)
+                seen[row, fed] = True
+                counts.index_put_((row, fed), torch.ones(P, device=x.device), accumulate=True)
+            r, freq, pres = floats_of(2).view(P, 3).unbind(1)
+            xs = x.index_select(0, slots)
+            rep = torch.where(xs > 0, xs / r[:, None], xs * r[:, None])
+            xs = torch.where(seen, rep, xs)
+            xs = xs - freq[:, None] * counts - pres[:, None] * (counts > 0)
+            x.index_copy_(0, slots, xs)
         return x
 
     def _logprobs(self, logits: torch.Tensor, spec: SampleSpec, ids: torch.Tensor

@@ -62,6 +62,9 @@ class _Steady:
     # the sids of the record this one descends from (made by the general loop): the records
     # made from it keep a prefix of its rows, which one token store serves throughout
     origin: list[int] | None = None
+    # some row's draws change with its tokens (penalties, or min_new_tokens not reached): the
+    # general loop plans each step (the spec's extras are rebuilt), not the record
+    history: bool = False
 
 
 class Scheduler(BaseScheduler):
@@ -166,6 +169,7 @@ class Scheduler(BaseScheduler):
             min(lefts), sum(s.in_cache + 2 for s in rows), any(r.sampling.stop for r in reqs),
             np.array(lefts, dtype=np.int64))
         fast.origin = fast.sids
+        fast.history = any(e.tokens is not None or e.banned for e in plan.spec.extras)
         return fast
 
     def _steady_decode(self, after: StepPlan) -> StepPlan | None:
@@ -175,8 +179,8 @@ class Scheduler(BaseScheduler):
         that does not hold (the general loop decides)."""
         fast = after.fast
         assert fast is not None
-        if fast.epoch != self.epoch:
-            return None
+        if fast.epoch != self.epoch or fast.history:
+            return None                        # (penalties, min_new_tokens: rebuilt each step)
         if fast.min_left <= 2:
             return self._steady_less(after, fast)
         n = len(fast.sids)
