@@ -40,8 +40,9 @@ def serve(model, jobs, *, others=(), arrivals=None, seed=0, other_tokens=10, war
     (prompts, greedy, up to ``other_tokens`` + 3 new tokens each) in one deterministic
     Generator (``kw``: its arguments; ``warmup``: its graphs captured first); job i arrives
     after ``arrivals[i]`` steps (0: at once). Returns (per job, the Generator); per job
-    (outputs, {(k, context): logits bits}), where every context's logits were the same
-    bits each time a step saw it (a recomputed row is checked against its first)."""
+    (outputs, {(k, context): logits bits}, logprobs: ``Request.logprobs`` or None), where
+    every context's logits were the same bits each time a step saw it (a recomputed row is
+    checked against its first)."""
     gen = Generator(model, eos=[], deterministic=True, **kw)
     seen: list[tuple] = []
 
@@ -81,16 +82,19 @@ def serve(model, jobs, *, others=(), arrivals=None, seed=0, other_tokens=10, war
                 ctx = tuple((list(req.prompt) + list(req.outputs[k]))[:ctx])
             key = (k, tuple(ctx))
             assert logits.setdefault(key, b) == b, "a context's logits changed within one run"
-        results.append(([list(o) for o in req.outputs], logits))
+        lps = None if req.logprobs is None else [list(lp) for lp in req.logprobs]
+        results.append(([list(o) for o in req.outputs], logits, lps))
     assert gen.cache.free_cells == gen.cache.capacity or gen.prefix is not None
     return results, gen
 
 
 def check_same(ref, got, min_common):
-    """Two runs' results (:func:`serve`) agree: the same outputs, and the same logits bits
-    for every context both saw (at least ``min_common`` of them per job)."""
-    for (out_a, log_a), (out_b, log_b) in zip(ref, got):
+    """Two runs' results (:func:`serve`) agree: the same outputs and log-probabilities (every
+    float equal), and the same logits bits for every context both saw (at least
+    ``min_common`` of them per job)."""
+    for (out_a, log_a, lp_a), (out_b, log_b, lp_b) in zip(ref, got):
         assert out_a == out_b
+        assert lp_a == lp_b
         common = set(log_a) & set(log_b)
         # every sampled token's row is in both (a prompt's last row, every output but the last)
         assert len(common) >= min_common

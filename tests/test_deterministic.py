@@ -42,9 +42,10 @@ def targets():
     shared = rng.integers(0, VOCAB, size=12).tolist()
     prompts = [shared + rng.integers(0, VOCAB, size=n).tolist() for n in (3, 17, 9)]
     prompts.append(rng.integers(0, VOCAB, size=30).tolist())
-    samplings = [Sampling(max_new_tokens=N_NEW),
-                 Sampling(max_new_tokens=N_NEW, temperature=0.9, seed=11),
-                 Sampling(max_new_tokens=N_NEW, temperature=1.3, top_k=40, top_p=0.9, seed=12, n=2),
+    samplings = [Sampling(max_new_tokens=N_NEW, logprobs=0),
+                 Sampling(max_new_tokens=N_NEW, temperature=0.9, seed=11, logprobs=3),
+                 Sampling(max_new_tokens=N_NEW, temperature=1.3, top_k=40, top_p=0.9, seed=12, n=2,
+                          logprobs=1),
                  Sampling(max_new_tokens=N_NEW)]
     jobs = list(zip(prompts, samplings))
     jobs.append((rng.integers(0, VOCAB, size=8).tolist(), Sampling(max_new_tokens=N_NEW),
@@ -96,11 +97,15 @@ def teacher_forced(model, sequence, rows=None):
     return logits
 
 
-def test_logits_equal_a_teacher_forced_forward_of_the_finished_sequence(model, targets, reference):
-    for (prompt, *_), (outputs, logits) in zip(targets, reference):
+def test_logits_and_logprobs_equal_a_teacher_forced_forward(model, targets, reference):
+    """A trainer's recomputation: one forward of the finished sequence in the same mode gives
+    every generated token's logits bit for bit, and its log_softmax (in the mode) every
+    log-probability the Generator returned, float for float."""
+    checked = 0
+    for (prompt, *_), (outputs, logits, logprobs) in zip(targets, reference):
         for k, out in enumerate(outputs):
             seq = list(prompt) + out
-            forced = teacher_forced(model, seq[:-1])
+            forced = teacher_forced(model, seq)
             n = 0
             for j in range(len(prompt) - 1, len(seq) - 1):
                 key = (k, tuple(seq[:j + 1]))
@@ -108,11 +113,18 @@ def test_logits_equal_a_teacher_forced_forward_of_the_finished_sequence(model, t
                     assert bits(forced[j]) == logits[key], (k, j)
                     n += 1
             assert n >= N_NEW - 1
-            # and so the log-probabilities a trainer recomputes, in the same mode
+            if logprobs is None:
+                continue
             with BatchInvariant(cpu_threads=1):
-                lp = torch.log_softmax(forced, dim=-1)
-                row = torch.log_softmax(forced[len(prompt) - 1:len(prompt)], dim=-1)
-            assert bits(lp[len(prompt) - 1]) == bits(row[0])
+                lsm = torch.log_softmax(forced, dim=-1).double()
+            assert len(logprobs[k]) == len(out)
+            for i, entry in enumerate(logprobs[k]):
+                row = lsm[len(prompt) - 1 + i]
+                assert entry.token == out[i] and entry.logprob == float(row[out[i]]), (k, i)
+                for tok, value in entry.top:
+                    assert value == float(row[tok])
+                checked += 1
+    assert checked >= 3 * N_NEW
 
 
 def test_deterministic_stays_close_to_the_normal_mode(model, targets):

@@ -40,9 +40,10 @@ def targets():
     shared = rng.integers(0, VOCAB, size=40).tolist()
     prompts = [shared + rng.integers(0, VOCAB, size=n).tolist() for n in (5, 70, 23)]
     prompts.append(rng.integers(0, VOCAB, size=300).tolist())      # several chunks
-    samplings = [Sampling(max_new_tokens=N_NEW),
-                 Sampling(max_new_tokens=N_NEW, temperature=0.9, seed=11),
-                 Sampling(max_new_tokens=N_NEW, temperature=1.2, top_k=50, top_p=0.9, seed=12, n=2),
+    samplings = [Sampling(max_new_tokens=N_NEW, logprobs=0),
+                 Sampling(max_new_tokens=N_NEW, temperature=0.9, seed=11, logprobs=5),
+                 Sampling(max_new_tokens=N_NEW, temperature=1.2, top_k=50, top_p=0.9, seed=12, n=2,
+                          logprobs=1),
                  Sampling(max_new_tokens=N_NEW)]
     jobs = list(zip(prompts, samplings))
     jobs.append((rng.integers(0, VOCAB, size=20).tolist(), Sampling(max_new_tokens=N_NEW),
@@ -99,11 +100,13 @@ def teacher_forced(model, sequence):
 
 def test_logits_and_logprobs_equal_a_teacher_forced_forward(model, targets, reference):
     """A trainer's recomputation: one forward of the finished sequence in the same mode gives
-    every generated token's logits bit for bit, hence the same log-probabilities."""
-    for (prompt, *_), (outputs, logits) in zip(targets, reference):
+    every generated token's logits bit for bit, and its log_softmax (in the mode) every
+    log-probability the Generator returned, float for float."""
+    checked = 0
+    for (prompt, *_), (outputs, logits, logprobs) in zip(targets, reference):
         for k, out in enumerate(outputs):
             seq = list(prompt) + out
-            forced = teacher_forced(model, seq[:-1])
+            forced = teacher_forced(model, seq)
             n = 0
             for j in range(len(prompt) - 1, len(seq) - 1):
                 key = (k, tuple(seq[:j + 1]))
@@ -111,10 +114,18 @@ def test_logits_and_logprobs_equal_a_teacher_forced_forward(model, targets, refe
                     assert bits(forced[j]) == logits[key], (k, j)
                     n += 1
             assert n >= N_NEW - 1
-            with BatchInvariant():
-                lp = torch.log_softmax(forced, dim=-1)
-                one = torch.log_softmax(forced[-1:], dim=-1)
-            assert bits(lp[-1]) == bits(one[0])
+            if logprobs is None:
+                continue
+            with torch.inference_mode(), BatchInvariant():
+                lsm = torch.log_softmax(forced, dim=-1).double().cpu()
+            assert len(logprobs[k]) == len(out)
+            for i, entry in enumerate(logprobs[k]):
+                row = lsm[len(prompt) - 1 + i]
+                assert entry.token == out[i] and entry.logprob == float(row[out[i]]), (k, i)
+                for tok, value in entry.top:
+                    assert value == float(row[tok])
+                checked += 1
+    assert checked >= 3 * N_NEW
 
 
 @pytest.mark.parametrize("k,n", [(896, 4864), (4864, 896), (896, 128), (896, VOCAB)])
