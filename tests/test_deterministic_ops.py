@@ -211,3 +211,18 @@ def test_invariant_backend_refusals_write_nothing():
         cct.attention(view, 0, q, k, k, step=step, backend="deterministic")
     assert same_bits(view.layer(0)[0], k_pool)
     assert "invariant" in cct.BACKENDS
+
+
+def test_tensor_core_choice_takes_split_0_as_never_split():
+    """The invariant backend's launch: the table's variant with split 0 (never split along kv,
+    whatever the step's unit count); negative splits are refused. (The choice needs no GPU: an
+    instance whose variant table is filled by hand.)"""
+    tc = pytest.importorskip("cellcache.cuda.tc")
+    kern = tc.TensorCoreAttention.__new__(tc.TensorCoreAttention)
+    kern.variants = {d: {c.variant: {} for (dd, _), c in tc.TABLE.items() if dd == d} for d in tc.HEAD_DIMS}
+    for decode in (False, True):
+        base = tc.TABLE[64, "decode" if decode else "prefill"]
+        assert kern.choose(64, decode, split=0) == tc.Choice(base.variant, 0, base.order)
+    with pytest.raises(InvalidArgument, match="split"):
+        kern.choose(64, True, split=-1)
+    assert cct.INVARIANT_CLASS in ("decode", "prefill")
