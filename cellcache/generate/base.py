@@ -127,6 +127,9 @@ class BaseScheduler:
         #: Jobs whose request finished since the caller last emptied the list (the
         #: Generator lets them go: nothing of it keeps a finished request).
         self.ended_jobs: list[Job] = []
+        #: Jobs with text streams a continuation of which ended since the caller last
+        #: emptied the list (the Generator closes their texts).
+        self.ended_streams: list[Job] = []
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         #: Bumped whenever a sequence is freed or a request ended: what was planned before
         #: about the running sequences may no longer hold.
@@ -199,6 +202,8 @@ class BaseScheduler:
                 if reasons[k] is None:
                     reasons[k] = reason
         reasons[s.index] = reason
+        if req.streams_text:
+            self.ended_streams.append(s.job)
         if req.finished is None and None not in reasons:
             req.finished = self.now()
             self.ended_jobs.append(s.job)
@@ -219,6 +224,8 @@ class BaseScheduler:
         for k, r in enumerate(req.finish_reasons):    # ended first: whatever a free raises
             if r is None or k == index:
                 req.finish_reasons[k] = reason
+        if req.streams_text:
+            self.ended_streams.append(job)
         if req.finished is None:
             req.finished = self.now()
             self.ended_jobs.append(job)

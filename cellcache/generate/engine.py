@@ -219,8 +219,6 @@ class Generator:
         self.tokenizer: Any = tokenizer
         #: What iterating requests wait on between steps (notified after each step).
         self.progress = Progress()
-        # requests not done whose text streams on this thread (on_text, stop strings)
-        self._texting: dict[int, Job] = {}
         self.max_batch = cache.config.max_write
         self.prefill_chunk = prefill_chunk
         #: Every cache verb of serving: queues, admission, preemption, the prefix cache.
@@ -412,8 +410,6 @@ class Generator:
             for job in ended:
                 req = job.req
                 if req.streams_text:
-                    with self._queue_lock:
-                        self._texting.pop(req.id, None)
                     try:
                         self._close_texts(job, all_ended=True)
                     except BaseException as e:     # its own code, once it is finished
@@ -499,8 +495,6 @@ class Generator:
             seq = Scheduler.new_seq(job, 0, list(ids))
             self._ids += 1
             self._track(req, job)
-            if req.streams_text:
-                self._texting[req.id] = job
             self._incoming.append(seq)
         if self._state_lock.acquire(blocking=False):   # between steps: queue it now
             try:
@@ -719,10 +713,11 @@ class Generator:
                     self._text(job, k, tok)
             except BaseException as e:                # the request's own code
                 self._fail(job, e, k, errors)
-        if self._texting:                             # texts of continuations that ended
-            with self._queue_lock:                    # (add() inserts from any thread)
-                texting = list(self._texting.values())
-            for job in texting:
+        ended = self.scheduler.ended_streams
+        if ended:                                     # texts of continuations that ended
+            jobs = list(dict.fromkeys(ended))         # (without a last token delivered now:
+            ended.clear()                             # capacity, a cancel, a stop string)
+            for job in jobs:
                 try:
                     self._close_texts(job)
                 except BaseException as e:            # the request's own code
