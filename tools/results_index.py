@@ -183,6 +183,15 @@ def headline(d: dict) -> str:
         targets.append(_targets(d.get("targets")))
     elif "mutants" in d:
         parts = [f"caught {_num(d.get('caught'))} of {_num(d.get('total'))} mutants"]
+    elif "deterministic_cost" in d:                   # tools/bench_det.py
+        tps = d.get("tokens_per_s", {})
+        cost = d["deterministic_cost"]
+        parts = [f"normal {_num(tps.get('normal'))} tok/s, deterministic {_num(tps.get('deterministic'))} "
+                 f"tok/s: {_num(100 * cost if isinstance(cost, (int, float)) else None, '.1f')}% cost "
+                 f"(target {_num(100 * d.get('target_cost', 0), '.0f')}%, SGLang's published "
+                 f"{_num(100 * d.get('sglang_published_cost', 0), '.0f')}%)",
+                 "deterministic runs identical" if d.get("deterministic_runs_identical")
+                 else "deterministic runs DIFFER"]
     for name, fn in SECTIONS.items():
         if isinstance(d.get(name), dict):
             parts += fn(d[name])
