@@ -423,3 +423,15 @@ def test_an_on_text_that_raises_ends_its_request_alone(model, tok):
     alone = ref.add("hello", SP(tok, max_new_tokens=20))
     ref.run()
     assert other.outputs == alone.outputs and other.text == alone.text
+
+
+def test_text_options_are_checked_for_sharded_generators_and_paths(tok):
+    from cellcache.generate.prompts import check_text_options, load_pretrained
+
+    check_text_options(tok, Sampling(stop_strings=["a"]), None, 512, False)
+    with pytest.raises(InvalidArgument, match="tensor parallelism"):
+        check_text_options(tok, Sampling(stop_strings=["a"]), None, 512, True)
+    with pytest.raises(InvalidArgument, match="path"):
+        load_pretrained(3, None, "auto", "cpu")
+    with pytest.raises(InvalidArgument, match="device"):
+        load_pretrained("x", None, "auto", "nonsense-device")
