@@ -3,13 +3,19 @@
 ::
 
     logits [R, V] (device, any float dtype) --rows--> x [S, V]   one slot per token to draw
+        server knobs:  (only slots in spec.extras) float32 copy; + logit_bias; -inf for the
+                       min_new_tokens ids; repetition, frequency, presence penalties
+                       (a step launched ahead counts each row's fed id on the device)
         greedy slots:  argmax(x)                  (ties: the lowest id, as torch.argmax)
-        random slots:  float32(x) / T -> top-k mask -> softmax -> top-p mask -> CDF
+        random slots:  float32(x) / T -> min_p mask -> top-k mask -> softmax -> top-p mask -> CDF
                        (T, top_k, top_p clamped on the host first: see below)
                        token = first id whose CDF exceeds u * CDF[-1]
                        u = hash(seed, continuation, output index)  (host, per slot)
         verify runs:   accepted = leading slots whose token equals the draft they check
-    ids [S] (+ accepted [G]) --one device-to-host copy (readback.Readback)--> numpy
+        logprobs:      log_softmax(float32 logits) of the rows asked for (the model's own
+                       distribution, before any knob): the drawn / given id's, top-k ids
+    ids [S] (+ accepted [G]) (+ logprobs as float64 bits)
+        --one device-to-host copy (readback.Readback)--> numpy
 
 Seeds are counter-based: the uniform of continuation k's output token t is a SplitMix64
 hash of ``(seed, k, t)``, computed on the host for the step's slots (a few vectorized
