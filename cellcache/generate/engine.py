@@ -29,6 +29,7 @@ is left in flight, and the next call overlaps the host with it::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 import threading
@@ -81,6 +82,17 @@ class _Flight:
     draw: Draw
     graph: bool
     prof: dict[str, float]
+
+
+def _own_copy(tokenizer: Any) -> Any:
+    """A deep copy of ``tokenizer`` (None for None; the tokenizer itself when it cannot be
+    copied)."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is shared (under the lock)
+        return tokenizer
 
 
 class Generator:
@@ -217,6 +229,11 @@ class Generator:
         self.vocab: int = self.runner.vocab
         #: What text prompts are encoded with and outputs decoded with (None: ids only).
         self.tokenizer: Any = tokenizer
+        # prompts are encoded with a copy of it, one call at a time: add() runs on any
+        # thread, and a Hugging Face fast tokenizer's encode may change its state (padding,
+        # truncation), which a decode on the stepping thread must not meet
+        self._encoder: Any = _own_copy(tokenizer)
+        self._encode_lock = threading.Lock()
         #: What iterating requests wait on between steps (notified after each step).
         self.progress = Progress()
         self.max_batch = cache.config.max_write
@@ -511,7 +528,10 @@ class Generator:
         add_generation_prompt=True)``. InvalidArgument for text without a tokenizer,
         messages with a tokenizer that has no chat template, a tokenizer that fails, and ids
         outside the model's vocabulary."""
-        return encode_prompt(self.tokenizer, prompt, self.vocab)
+        if self._encoder is None or not isinstance(prompt, (str, list, tuple)):
+            return encode_prompt(self._encoder, prompt, self.vocab)
+        with self._encode_lock:
+            return encode_prompt(self._encoder, prompt, self.vocab)
 
     def cancel(self, request: Request) -> bool:
         """Ends ``request`` (a client disconnecting): its cells are freed, its continuations
