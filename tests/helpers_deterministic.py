@@ -4,12 +4,12 @@ schedule with every logits row recorded, and the bit-for-bit comparison of two r
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 from cellcache.generate import Generator, Sampling
+
+from .helpers_agreement import shaped_model  # noqa: F401 - (re-exported for the GPU tests)
 
 VOCAB = 512
 
@@ -17,17 +17,6 @@ VOCAB = 512
 def bits(t: torch.Tensor) -> bytes:
     """The float32 bytes of ``t`` (any device): bit-for-bit comparisons, -0.0 included."""
     return t.detach().float().contiguous().view(torch.uint8).cpu().numpy().tobytes()
-
-
-def shaped_model(spec: dict[str, Any], dtype: Any, device: str, seed: int = 0) -> Any:
-    """A random-weight HF model of ``spec`` (``arch`` and config keywords), in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    spec = dict(spec)
-    config = AutoConfig.for_model(spec.pop("arch"), **spec)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
 def drafter(tokens: list[int], k: int) -> list[int]:
