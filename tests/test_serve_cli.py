@@ -39,6 +39,7 @@ def test_help_lists_the_options(capsys):
     (["serve", "DIR", "--port", "70000"], "--port"),
     (["serve", "DIR", "--port", "x"], "--port"),
     (["serve", "DIR", "--max-waiting", "-1"], "--max-waiting"),
+    (["serve", "DIR", "--max-waiting", "0"], "--max-waiting"),         # every request refused
     (["serve", "DIR", "--dtype", "int8"], "--dtype"),
     (["serve", "DIR", "--capacity", "128", "--max-batch-tokens", "256"], "--max-batch-tokens"),
     (["serve", "DIR", "--shutdown-timeout", "nan"], "--shutdown-timeout"),

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 
-from cellcache.generate import Generator, random_model
+from cellcache.generate import Generator, Sampling, random_model
 from cellcache.serve.app import build_app
 from cellcache.serve.engine import MAX_FAILED_STEPS, Engine
 from cellcache.serve.protocol import ServeLimits
@@ -112,3 +113,93 @@ def test_a_bad_body_is_a_400_and_queues_nothing(served, body):
     assert err["type"] == "invalid_request_error" and err["message"]
     assert engine.live == 0 and engine.waiting == 0 and engine.gen.stats["steps"] == steps
     assert not engine.gen.busy
+
+
+def post_within(app, path: str, body: dict, seconds: float = 30.0) -> httpx.Response:
+    """``post``, failing (instead of hanging the suite) when no answer comes in ``seconds``."""
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await asyncio.wait_for(c.post(path, json=body, timeout=seconds), seconds)
+    return asyncio.run(go())
+
+
+def test_a_failure_in_the_engines_own_work_fails_the_requests_not_the_thread(served, monkeypatch):
+    app, engine = served
+
+    def broken_step() -> bool:
+        raise RuntimeError("the forward broke")
+
+    def broken_cancel(req) -> bool:
+        raise RuntimeError("the cache is broken too")
+
+    monkeypatch.setattr(engine.gen, "step", broken_step)
+    monkeypatch.setattr(engine.gen, "cancel", broken_cancel)
+    r = post_within(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 4})
+    assert r.status_code == 500 and "the forward broke" in r.json()["error"]["message"]
+    assert engine.live == 0 and engine.waiting == 0
+    # the engine thread still serves: a bookkeeping failure outside the step fails the
+    # requests it holds and goes on
+    monkeypatch.undo()
+    real_refresh = engine._refresh
+    calls = []
+
+    def refresh_once_broken() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("a snapshot failed")
+        real_refresh()
+
+    monkeypatch.setattr(engine, "_refresh", refresh_once_broken)
+    first = post_within(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 4})
+    assert first.status_code in (200, 500), first.text
+    again = post_within(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 4})
+    assert again.status_code == 200, again.text
+    assert engine.live == 0 and engine.waiting == 0
+
+
+def test_health_is_500_when_the_engine_thread_is_gone(served, monkeypatch):
+    app, engine = served
+    engine.stop(5)                                     # the thread ends; nothing steps any more
+    h = get(app, "/health")
+    assert h.status_code == 500 and h.json()["status"] == "failed"
+
+
+def test_a_batch_larger_than_the_waiting_bound_is_a_400_not_a_429(served):
+    app, engine = served
+    r = post(app, "/v1/completions", {"prompt": [[5]] * (engine.max_waiting + 1), "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt" and "retry-after" not in r.headers
+    ok = post(app, "/v1/completions", {"prompt": [[5]] * engine.max_waiting, "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == engine.max_waiting
+    assert engine.live == 0 and engine.waiting == 0
+
+
+def test_the_snapshot_is_never_older_than_an_event_delivered(served, monkeypatch):
+    """/metrics and /health read the snapshot: a client that saw a token must find that
+    token's step in it (the engine refreshes it before handing the events over)."""
+    app, engine = served
+    real_refresh = engine._refresh
+
+    def slow_refresh() -> None:                        # widens the window a late refresh leaves
+        time.sleep(0.05)
+        real_refresh()
+
+    monkeypatch.setattr(engine, "_refresh", slow_refresh)
+    seen: list[tuple[int, int]] = []
+
+    class Watched(asyncio.Queue):
+        def put_nowait(self, ev) -> None:
+            if ev.kind == "token":
+                seen.append((len(seen) + 1, engine.snapshot["stats"]["tokens_out"]))
+            super().put_nowait(ev)
+
+    async def go() -> None:
+        q = Watched()
+        engine.submit([5, 6, 7], Sampling(max_new_tokens=4), q, tokens=True)
+        while True:
+            if (await q.get()).kind == "done":
+                return
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+    assert len(seen) == 4
+    assert all(out >= tokens for tokens, out in seen), seen

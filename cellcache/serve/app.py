@@ -157,6 +157,9 @@ class _Server:
                      ) -> tuple[list[Stream], asyncio.Queue, list[list[int]]]:
         """Encodes ``prompts``, builds each one's Sampling and queues them all (or none)."""
         fields = sampling_fields(body)
+        if len(prompts) > self.engine.max_waiting:     # never admitted: not worth a retry
+            raise APIError(400, f"prompt holds {len(prompts)} prompts; this server takes at most "
+                           f"{self.engine.max_waiting} at once (--max-waiting)", param="prompt")
         self.engine.check_admission(len(prompts))
         ids_list: list[list[int]] = []
         for p in prompts:
@@ -337,6 +340,9 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
             return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "1"})
         if engine.failed is not None:
             return JSONResponse({"status": "failed", "error": str(engine.failed)}, status_code=500)
+        if not engine.alive:                            # nothing steps: every request would hang
+            return JSONResponse({"status": "failed", "error": "the engine thread is not running"},
+                                status_code=500)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -49,7 +49,7 @@ def build_parser() -> Parser:
     p.add_argument("--port", type=in_range(0, 65535), default=8000, help="port (default 8000; 0: any free)")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in requests and /v1/models (default: MODEL_DIR's last part)")
-    p.add_argument("--max-waiting", type=in_range(0, 1 << 20), default=1024,
+    p.add_argument("--max-waiting", type=in_range(1, 1 << 20), default=1024,
                    help="requests accepted without a first token at most; past it: 429 (default 1024)")
     p.add_argument("--default-max-tokens", type=in_range(1, 1 << 30), default=4096,
                    help="max_tokens of a request that gives none: what fits, at most this (default 4096)")

@@ -140,6 +140,11 @@ class Engine:
         return self._waiting
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (False before :meth:`start` and after :meth:`stop`)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def live(self) -> int:
         """Requests accepted and not done."""
         return len(self._live)
@@ -294,35 +299,55 @@ class Engine:
                 pass
 
     def _run(self) -> None:
-        gen = self.gen
-        failures = 0
+        # The thread never ends but by stop(): a client waits on it for every event, so an
+        # exception in the engine's own work (not the step's) fails the live requests (an
+        # "error" and a "done" each) and the loop goes on.
+        failures = [0]
         while True:
-            tick = False
-            with self._cond:
-                while not (gen.busy or self._submitted or self._stop or tick):
-                    tick = not self._cond.wait(self.idle_tick) and self.idle_tick is not None
-                self._submitted = False
-                if self._stop and not gen.busy:
-                    break
-            if gen.busy or tick:
-                out = gen.stats["tokens_out"]
+            try:
+                if not self._iterate(failures):
+                    return
+            except Exception as e:
+                log.exception("the engine's own work failed")
                 try:
-                    gen.step()
-                    failures = 0
-                except Exception as e:          # a request's own code, or the step itself
-                    log.exception("a generator step failed")
-                    failures = failures + 1 if gen.stats["tokens_out"] == out else 0
-                    if failures >= MAX_FAILED_STEPS:
-                        self._fail_all(e)
-                        failures = 0
-            # a sweep reads every live request: only when one may have ended
-            self._unswept += 1
-            if self._ended or self._unswept >= FULL_SWEEP_STEPS or not gen.busy:
-                self._ended = False
-                self._unswept = 0
-                self._sweep()
-            self._hand_over()
-            self._refresh()
+                    self._fail_all(e)
+                    self._hand_over()
+                except Exception:
+                    log.exception("failing the live requests failed")
+
+    def _iterate(self, failures: list[int]) -> bool:
+        """One turn of the engine thread: waits for work, steps, sweeps, refreshes the
+        snapshot, hands the events over. False once stopped."""
+        gen = self.gen
+        tick = False
+        with self._cond:
+            while not (gen.busy or self._submitted or self._stop or tick):
+                tick = not self._cond.wait(self.idle_tick) and self.idle_tick is not None
+            self._submitted = False
+            if self._stop and not gen.busy:
+                return False
+        if gen.busy or tick:
+            out = gen.stats["tokens_out"]
+            try:
+                gen.step()
+                failures[0] = 0
+            except Exception as e:          # a request's own code, or the step itself
+                log.exception("a generator step failed")
+                failures[0] = failures[0] + 1 if gen.stats["tokens_out"] == out else 0
+                if failures[0] >= MAX_FAILED_STEPS:
+                    failures[0] = 0
+                    self._fail_all(e)
+        # a sweep reads every live request: only when one may have ended
+        self._unswept += 1
+        if self._ended or self._unswept >= FULL_SWEEP_STEPS or not gen.busy:
+            self._ended = False
+            self._unswept = 0
+            self._sweep()
+        # the snapshot before the events: a client that saw a token finds its step in
+        # /metrics and /health
+        self._refresh()
+        self._hand_over()
+        return True
 
     def _sweep(self) -> None:
         """Ends the streams of the requests that are done (engine thread)."""
@@ -354,7 +379,10 @@ class Engine:
             self._live.clear()
         for _, s in rest:
             if s.request is not None and not s.request.done:
-                self.gen.cancel(s.request)
+                try:
+                    self.gen.cancel(s.request)
+                except Exception:               # its stream is ended all the same
+                    log.exception("cancelling request %d failed", s.request.id)
             if not s.started:
                 self._start(s)
             why = f"the engine failed: {type(e).__name__}: {e}"
