@@ -254,10 +254,10 @@ def sampling_fields(req: _Common) -> dict[str, Any]:
         raise APIError(400, "stop holds an empty string", param="stop")
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
-        try:
-            tok = int(key)
-        except ValueError:
-            raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+        # a token id's decimal digits only: int() would also take " 5", "1_0" and non-ASCII digits
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias")
+        tok = int(key)
         if not -100 <= value <= 100:
             raise APIError(400, f"logit_bias[{key}]={value} is outside [-100, 100]", param="logit_bias")
         bias[tok] = value
