@@ -18,9 +18,14 @@ the kernels compute every row of a shape the same way, which the tests check).
 :class:`BatchInvariant` is a ``TorchDispatchMode``: inside its ``with`` block (one thread's
 ops only) it runs the ops of :data:`ROW_OPS` row-chunked and passes every other op through
 untouched. It works on the ops as dispatch hands them over, whichever level that is
-(``aten::linear`` or the ``aten::addmm`` it decomposes into: chunking at either level fixes
-the shapes below it). Its Python cost per op is paid by eager forwards only: a CUDA graph
-captured inside the mode replays the fixed-shape kernels without it.
+(``aten::linear``, ``rms_norm``, ``layer_norm`` whole in inference mode; with autograd on,
+what they decompose into: ``addmm``, ``mm`` or ``bmm``, ``mean``, ``_fused_rms_norm``,
+``native_layer_norm``): chunking at either level fixes the shapes below it. A reduction
+over rows or along the last dim through any other op (``sum``, ``linalg_vector_norm``,
+``var``, ``baddbmm``, a custom kernel) passes through at the call's shape: a model that
+reduces through one is not batch-invariant in the mode. Its Python cost per op is paid by
+eager forwards only: a CUDA graph captured inside the mode replays the fixed-shape kernels
+without it.
 
 Elementwise ops need nothing on CUDA (every element runs the same device function). On the
 CPU torch's vectorized loops compute the remainder of a thread's range with scalar code
@@ -54,28 +59,33 @@ ROWS = 256
 #: copy must share it. The allocators give at least this; views elsewhere are copied.
 _ALIGN = {"cuda": 256, "cpu": 64}
 #: The ops run row-chunked (dispatch names); the module docstring says why each.
-ROW_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::mean.dim",
-           "aten::softmax.int", "aten::log_softmax.int", "aten::_softmax", "aten::_log_softmax")
+#: Norms are here because in inference mode (the runner's) ``rms_norm``/``layer_norm`` reach
+#: dispatch whole, their inner reductions below the mode; with autograd on, a bias-free
+#: ``linear`` of a 3-D input reaches it as ``bmm`` and a norm as its fused kernel.
+ROW_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm", "aten::mean.dim",
+           "aten::softmax.int", "aten::log_softmax.int", "aten::_softmax", "aten::_log_softmax",
+           "aten::rms_norm", "aten::_fused_rms_norm", "aten::layer_norm", "aten::native_layer_norm")
 
 # intra-op threads pinned by the CPU blocks now open: (count, the setting before the first)
 _THREADS_LOCK = threading.Lock()
 _threads_state: list[int] = [0, 0]
 
 
-def chunk_rows(x: torch.Tensor, rows: int, fn: Callable[..., torch.Tensor],
-               *more: torch.Tensor) -> torch.Tensor:
+def chunk_rows(x: torch.Tensor, rows: int, fn: Callable[..., Any], *more: torch.Tensor) -> Any:
     """``fn`` over ``x``'s rows (dim 0) in chunks of exactly ``rows`` rows, the last padded
     with zeros; the real rows of the results concatenated. ``fn`` must map ``[rows, ...]`` to
-    ``[rows, ...]`` row by row. ``more``: tensors with as many rows, chunked beside ``x`` and
-    passed to ``fn`` after its chunk. Every operand is first made contiguous at an aligned
-    address, so every chunk (a slice or the padded copy) has the same alignment."""
+    ``[rows, ...]`` row by row (or to a tuple of such tensors: a tuple of the concatenations
+    then). ``more``: tensors with as many rows, chunked beside ``x`` and passed to ``fn``
+    after its chunk. Every operand is first made contiguous at an aligned address, and a
+    chunk that is a slice at an unaligned offset is copied, so every chunk (a slice or the
+    padded copy) has the same alignment."""
     n = x.shape[0]
     xs = [_aligned(t) for t in (x, *more)]
     if n == rows:
         return fn(*xs)
-    outs = []
+    outs: list[Any] = []
     for s in range(0, max(n, 1), rows):
-        chunks = [t[s:s + rows] for t in xs]
+        chunks = [_aligned(t[s:s + rows]) for t in xs]
         k = chunks[0].shape[0]
         if k < rows:
             for i, c in enumerate(chunks):
@@ -83,8 +93,12 @@ def chunk_rows(x: torch.Tensor, rows: int, fn: Callable[..., torch.Tensor],
                 pad[:k] = c
                 chunks[i] = pad
         y = fn(*chunks)
-        outs.append(y if k == rows else y[:k])
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+        outs.append(y if k == rows else (tuple(t[:k] for t in y) if isinstance(y, tuple) else y[:k]))
+    if len(outs) == 1:
+        return outs[0]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+    return torch.cat(outs)
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -103,13 +117,17 @@ def _last_dim(dim: Any, ndim: int) -> bool:
     return isinstance(dim, int) and ndim >= 1 and dim % ndim == ndim - 1
 
 
-def _rows_of(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], rows: int,
-             out_tail: tuple[int, ...]) -> torch.Tensor:
+def _rows_of(x: torch.Tensor, fn: Callable[[torch.Tensor], Any], rows: int,
+             out_tail: tuple[int, ...], *more_tails: tuple[int, ...]) -> Any:
     """``fn`` over ``x`` viewed as ``[rows of the leading dims, last dim]``, reshaped to
-    ``x``'s leading dims followed by ``out_tail``."""
+    ``x``'s leading dims followed by ``out_tail`` (``fn`` returning a tuple: its tensors
+    reshaped with ``out_tail``, then ``more_tails``)."""
     lead = tuple(x.shape[:-1])
     flat = x.reshape(-1, x.shape[-1])
-    return chunk_rows(flat, rows, fn).reshape(*lead, *out_tail)
+    y = chunk_rows(flat, rows, fn)
+    if isinstance(y, tuple):
+        return tuple(t.reshape(*lead, *tail) for t, tail in zip(y, (out_tail, *more_tails)))
+    return y.reshape(*lead, *out_tail)
 
 
 def _linear(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -132,6 +150,31 @@ def _matmul(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
     if a.ndim < 2 or b.ndim != 2 or kwargs:          # batched by both sides: as it comes
         return func(*args, **kwargs)
     return _rows_of(a, lambda c: func(c, b), rows, (b.shape[1],))
+
+
+def _bmm(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
+    # [B, T, K] @ [B, K, N]: the rows are dim 1 (an HF forward's [1, T, hidden] layout, which
+    # a bias-free linear reaches as bmm when autograd is on), chunked with B and b unchanged
+    a, b = args[0], args[1]
+    if a.ndim != 3 or b.ndim != 3 or kwargs:
+        return func(*args, **kwargs)
+    y = chunk_rows(a.transpose(0, 1), rows, lambda c: func(c.transpose(0, 1), b).transpose(0, 1))
+    return y.transpose(0, 1).contiguous()
+
+
+def _norm(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
+    # rms_norm / _fused_rms_norm / layer_norm / native_layer_norm over the last dim only
+    x, shape = args[0], args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+    if x.ndim < 2 or not isinstance(shape, Sequence) or len(shape) != 1:
+        return func(*args, **kwargs)
+    rest = args[2:]
+    name = func.name()
+    tails: tuple[tuple[int, ...], ...] = ((x.shape[-1],),)
+    if name == "aten::_fused_rms_norm":
+        tails += ((1,),)
+    elif name == "aten::native_layer_norm":
+        tails += ((1,), (1,))
+    return _rows_of(x, lambda c: func(c, shape, *rest, **kwargs), rows, *tails)
 
 
 def _addmm(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -167,7 +210,9 @@ def _softmax(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
 _HANDLERS: dict[str, Callable[[int, Any, tuple, dict], Any]] = {
     "aten::linear": _linear, "aten::mm": _mm, "aten::addmm": _addmm, "aten::matmul": _matmul,
     "aten::mean.dim": _mean, "aten::softmax.int": _softmax, "aten::log_softmax.int": _softmax,
-    "aten::_softmax": _softmax, "aten::_log_softmax": _softmax,
+    "aten::_softmax": _softmax, "aten::_log_softmax": _softmax, "aten::bmm": _bmm,
+    "aten::rms_norm": _norm, "aten::_fused_rms_norm": _norm, "aten::layer_norm": _norm,
+    "aten::native_layer_norm": _norm,
 }
 assert set(_HANDLERS) == set(ROW_OPS)
 

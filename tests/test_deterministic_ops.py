@@ -11,6 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 import cellcache as cc  # noqa: E402
 import cellcache.torch as cct  # noqa: E402
 from cellcache import InvalidArgument  # noqa: E402
@@ -41,8 +43,8 @@ def data():
     return x, w, b
 
 
-@pytest.mark.parametrize("op", ["linear", "linear_bias", "linear_3d", "mm", "addmm", "matmul", "mean",
-                                "softmax", "log_softmax", "softmax_half"])
+@pytest.mark.parametrize("op", ["linear", "linear_bias", "linear_3d", "mm", "addmm", "matmul", "bmm", "mean",
+                                "softmax", "log_softmax", "softmax_half", "rms_norm", "layer_norm"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(data, op):
     x, w, b = data
     fns = {
@@ -52,10 +54,13 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(data, op):
         "mm": lambda t: torch.mm(t, w.t()),
         "addmm": lambda t: torch.addmm(b, t, w.t()),
         "matmul": lambda t: torch.matmul(t, w.t()),
+        "bmm": lambda t: torch.bmm(t[None], w.t()[None])[0],
         "mean": lambda t: t.pow(2).mean(-1, keepdim=True),
         "softmax": lambda t: torch.softmax(t, dim=-1),
         "log_softmax": lambda t: torch.log_softmax(t, dim=-1),
         "softmax_half": lambda t: torch.softmax(t.to(torch.bfloat16), dim=-1, dtype=torch.float32),
+        "rms_norm": lambda t: F.rms_norm(t, (t.shape[-1],), x[0], 1e-6),
+        "layer_norm": lambda t: F.layer_norm(t, (t.shape[-1],), x[0], x[1]),
     }
     fn = fns[op]
     with torch.inference_mode():
@@ -88,10 +93,10 @@ def test_other_ops_and_other_dims_pass_through(data):
     x, w, _ = data
     with torch.inference_mode():
         ref = {"sum": x.sum(-1), "mean0": x.mean(0), "softmax0": torch.softmax(x, 0), "silu": F.silu(x),
-               "bmm": torch.bmm(x[None], w.t()[None])}
+               "norm2d": F.layer_norm(x, x.shape)}
         with BatchInvariant(rows=8):
             got = {"sum": x.sum(-1), "mean0": x.mean(0), "softmax0": torch.softmax(x, 0), "silu": F.silu(x),
-                   "bmm": torch.bmm(x[None], w.t()[None])}
+                   "norm2d": F.layer_norm(x, x.shape)}
     for k in ref:
         assert same_bits(got[k], ref[k]), k
 
@@ -130,6 +135,20 @@ def test_chunk_rows_handles_empty_and_exact_inputs():
     empty = torch.zeros(0, 2)
     assert chunk_rows(empty, 4, lambda c: c + 1).shape == (0, 2)
     assert set(ROW_OPS) >= {"aten::mm", "aten::addmm", "aten::mean.dim", "aten::_log_softmax"}
+
+
+def test_every_chunk_reaches_fn_at_an_aligned_address():
+    """Rows whose bytes are not a multiple of the alignment (12 here): the slices at
+    unaligned offsets are copied, so each chunk (slice or padded copy) starts aligned."""
+    x = torch.arange(30.0).view(10, 3)
+    seen = []
+
+    def fn(c):
+        seen.append(c.data_ptr() % 64)
+        return c * 2
+
+    assert same_bits(chunk_rows(x, 3, fn), x * 2)
+    assert seen == [0, 0, 0, 0]
 
 
 # -- the host attention path ------------------------------------------------------------------
@@ -226,3 +245,53 @@ def test_tensor_core_choice_takes_split_0_as_never_split():
     with pytest.raises(InvalidArgument, match="split"):
         kern.choose(64, True, split=-1)
     assert cct.INVARIANT_CLASS in ("decode", "prefill")
+
+
+class _Below(TorchDispatchMode):
+    """Records the ops (name, first operand's shape) that reach the layer below the mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if args and isinstance(args[0], torch.Tensor):
+            self.seen.append((func.name(), tuple(args[0].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+# row reductions an HF decoder's forward may reach in inference mode (the runner's), each
+# entering dispatch as one op: the mode must hand the kernel below chunks of exactly `rows`
+ROW_REDUCTIONS = {
+    "rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
+    "rms_norm_module": lambda x, w: torch.nn.RMSNorm(x.shape[-1], eps=1e-6)(x),
+    "layer_norm": lambda x, w: F.layer_norm(x, (x.shape[-1],), w, w),
+    "mean": lambda x, w: x.pow(2).mean(-1, keepdim=True),
+    "linear": lambda x, w: F.linear(x, w[None].expand(8, -1)),
+}
+_REDUCING = ("aten::rms_norm", "aten::layer_norm", "aten::native_layer_norm", "aten::_fused_rms_norm",
+             "aten::mean.dim", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
+
+
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("op", sorted(ROW_REDUCTIONS))
+def test_row_reductions_reach_their_kernels_in_chunks_of_rows(data, op, grad_mode):
+    """Every reduction kernel below the mode sees ``rows`` rows whatever the call's row count
+    (the shape is what fixes the kernel's reduction order on CUDA), and a row's bits do not
+    depend on the rows beside it."""
+    x, _, _ = data
+    w = torch.linspace(0.5, 1.5, x.shape[1])
+    fn = ROW_REDUCTIONS[op]
+    ctx = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with ctx:
+        plain = fn(x[None, :37], w)
+        below = _Below()
+        with below, BatchInvariant(rows=16, cpu_threads=1):
+            whole = fn(x[None, :37], w)
+            part = fn(x[None, 5:9], w)
+    reductions = [(name, shape) for name, shape in below.seen if name in _REDUCING]
+    assert reductions, below.seen
+    for name, shape in reductions:
+        assert shape[:-1] in ((16,), (1, 16)), (name, shape)
+    assert same_bits(part, whole[:, 5:9])
+    torch.testing.assert_close(whole, plain, rtol=1e-5, atol=1e-5)
