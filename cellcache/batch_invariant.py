@@ -242,7 +242,7 @@ class BatchInvariant(TorchDispatchMode):
         if cpu_threads is not None:
             cpu_threads = check_int(cpu_threads, "cpu_threads", 1, 1 << 16)
         self.cpu_threads = cpu_threads
-        self._pinned = False
+        self._pins = 0          # this instance's open pinning blocks (an instance may nest in itself)
 
     def __enter__(self) -> BatchInvariant:
         if self.cpu_threads is not None:
@@ -251,7 +251,7 @@ class BatchInvariant(TorchDispatchMode):
                     _threads_state[1] = torch.get_num_threads()
                 _threads_state[0] += 1
                 torch.set_num_threads(self.cpu_threads)
-            self._pinned = True
+            self._pins += 1
         try:
             return super().__enter__()
         except BaseException:
@@ -265,9 +265,9 @@ class BatchInvariant(TorchDispatchMode):
             self._unpin()
 
     def _unpin(self) -> None:
-        if not self._pinned:
+        if self._pins == 0:
             return
-        self._pinned = False
+        self._pins -= 1
         with _THREADS_LOCK:
             _threads_state[0] -= 1
             if _threads_state[0] == 0:

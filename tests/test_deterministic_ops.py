@@ -126,6 +126,12 @@ def test_cpu_threads_are_pinned_inside_and_restored_after_nesting_and_errors():
     assert torch.get_num_threads() == before
     with BatchInvariant():                           # None: left alone
         assert torch.get_num_threads() == before
+    same = BatchInvariant(cpu_threads=1)             # one instance entered twice, nested
+    with same:
+        with same:
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
 
 
 def test_chunk_rows_handles_empty_and_exact_inputs():
