@@ -203,3 +203,18 @@ def test_the_snapshot_is_never_older_than_an_event_delivered(served, monkeypatch
     asyncio.run(asyncio.wait_for(go(), 60))
     assert len(seen) == 4
     assert all(out >= tokens for tokens, out in seen), seen
+
+
+def test_a_token_id_prompt_is_decoded_only_for_echo(served, monkeypatch):
+    """Decoding runs on the event loop: a request that does not echo its prompt never pays
+    for it (nor fails by it)."""
+    app, engine = served
+
+    def no_decode(ids):
+        raise AssertionError("the prompt was decoded")
+
+    monkeypatch.setattr(app.state.server, "decode", no_decode)
+    for stream in (False, True):
+        r = post(app, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "stream": stream})
+        assert r.status_code == 200 and "the prompt was decoded" not in r.text, r.text
+    assert engine.live == 0 and engine.waiting == 0
