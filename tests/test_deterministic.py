@@ -148,6 +148,8 @@ def test_attach_refusals_change_nothing(model):
     before = model.config._attn_implementation
     for kw, match in ((dict(deterministic=1), "deterministic"),
                       (dict(deterministic="yes"), "deterministic"),
+                      (dict(deterministic=True, attention="flashinfer"), "flashinfer"),
+                      (dict(deterministic=True, attention="sdpa"), "sdpa"),
                       (dict(deterministic=True, compile=True), "compile"),
                       (dict(deterministic=True, compile={"backend": "eager"}), "compile"),
                       (dict(deterministic=True, invariant_rows=0), "invariant_rows"),
@@ -164,6 +166,23 @@ def test_attach_refusals_change_nothing(model):
     with pytest.raises(InvalidArgument, match="deterministic"):
         Generator(model, capacity=64, eos=[], deterministic=True, compile=True)
     assert model.config._attn_implementation == before
+
+
+def test_cli_refuses_deterministic_with_tp_before_joining_ranks(monkeypatch, capsys):
+    """``--deterministic --tp 2`` is a usage error found before the process group is joined
+    or a model is built (under torchrun every rank would otherwise load, shard and build
+    its cache first, then fail in attach)."""
+    from cellcache.generate import cli
+
+    def joined(*a, **k):
+        raise AssertionError("the process group was joined")
+
+    monkeypatch.setattr(cli, "init_tp", joined)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--random", "tiny", "--device", "cpu", "--deterministic", "--tp", "2", "1 2 3"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--deterministic" in err and "--tp" in err
 
 
 def test_runner_reports_its_mode(model):

@@ -183,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--top-p must be in (0, 1], not {args.top_p}")
     if args.max_batch_tokens is not None and args.max_batch_tokens > args.capacity:
         p.error("--max-batch-tokens must be at most --capacity")
+    if args.deterministic and args.tp > 1:
+        # refused here, before every rank joins the group, loads and shards the model
+        p.error("--deterministic does not run with --tp > 1: the ranks' all-reduces sum in an order "
+                "that depends on the step's size")
     texts = list(args.prompts)
     if args.prompts_file:
         try:
