@@ -100,3 +100,19 @@ def test_without_the_serve_extra_it_names_the_extra(tmp_path, capsys, monkeypatc
     code, out, err = run(["serve", str(tmp_path)], capsys)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and "pip install 'cellcache[serve]'" in err and "fastapi" in err
+
+
+@pytest.mark.parametrize("family,host", [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")])
+def test_the_banner_url_is_one_a_client_can_use(family, host):
+    from cellcache.serve.cli import _url
+
+    if family == socket.AF_INET6 and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    try:
+        sock = socket.socket(family)
+        sock.bind((host, 0))
+    except OSError:
+        pytest.skip(f"cannot bind {host} here")
+    with sock:
+        port = sock.getsockname()[1]
+        assert _url(sock) == (f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}")

@@ -209,10 +209,15 @@ def _serve(args: Any, gen: Any, sock: socket.socket, world: int) -> int:
     app = build_app(engine, model_name=name, limits=limits, drain_timeout=args.shutdown_timeout)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5,
                             access_log=args.log_level in ("info", "debug"))
-    host, port = sock.getsockname()[:2]
-    server = _make_server(config, engine, args.shutdown_timeout, f"serving {name} on http://{host}:{port}")
+    server = _make_server(config, engine, args.shutdown_timeout, f"serving {name} on {_url(sock)}")
     server.run(sockets=[sock])
     return 0
+
+
+def _url(sock: socket.socket) -> str:
+    """Where ``sock`` listens, as a URL a client can use (an IPv6 address in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _make_server(config: Any, engine: Any, grace: float, banner: str) -> Any:
