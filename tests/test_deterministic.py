@@ -195,13 +195,24 @@ def test_runner_reports_its_mode(model):
 
 def test_bench_det_times_both_modes_on_one_workload(tmp_path):
     """tools/bench_det.py (smoke size, CPU): both modes served, the cost and SGLang's
-    published figure reported, the deterministic runs identical."""
+    published figure reported, the deterministic runs identical (two of them: one run is
+    not compared with itself); the module settings it overrides are restored."""
+    import cellcache.torch as cct
+    from cellcache.generate import engine
+
     bench = load_tool("bench_det")
     out = tmp_path / "det.json"
+    before = cct.INVARIANT_CLASS, engine.attach
     assert bench.main(["--device", "cpu", "--quick", "--model", "llama-tiny", "--requests", "4",
+                       "--repeat", "2", "--rows", "64", "--invariant-class", "decode",
                        "--json", str(out)]) == 0
+    assert (cct.INVARIANT_CLASS, engine.attach) == before
     res = json.loads(out.read_text())
     assert res["benchmark"] == "bench_det" and res["deterministic_runs_identical"] is True
+    assert res["invariant_class"] == "decode" and res["invariant_rows"] == 64
+    assert bench.main(["--device", "cpu", "--quick", "--model", "llama-tiny", "--requests", "2",
+                       "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["deterministic_runs_identical"] is None
     assert set(res["tokens_per_s"]) == {"normal", "deterministic"}
     assert res["sglang_published_cost"] == 0.34 and res["target_cost"] == 0.15
     assert res["runs"]["deterministic"][0]["tokens_out"] == res["runs"]["normal"][0]["tokens_out"] > 0
