@@ -371,7 +371,7 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
         choices = _Choices(streams, body.n)
         rid, created = new_id("cmpl"), now()
         # (decoded on the loop only for echo: a long token-id prompt's decode delays every stream)
-        prompt_texts = [p if isinstance(p, str) or not body.echo else srv.decode(ids)
+        prompt_texts = [p if isinstance(p, str) else srv.decode(ids) if body.echo else ""
                         for p, ids in zip(prompts, ids_list)]
         if body.stream:
             chunks = _completion_chunks(srv, body, choices, queue, ids_list, prompt_texts, rid, created)
