@@ -435,3 +435,34 @@ def test_text_options_are_checked_for_sharded_generators_and_paths(tok):
         load_pretrained(3, None, "auto", "cpu")
     with pytest.raises(InvalidArgument, match="device"):
         load_pretrained("x", None, "auto", "nonsense-device")
+
+
+def test_a_stop_string_in_a_verify_run_keeps_no_token_after_the_one_completing_it(model, tok):
+    """A verify run applies several tokens at once: a stop string completed by one of them
+    ends the continuation there, as without drafts (outputs, times and log-probabilities
+    end with that token; no on_token for the tokens after it)."""
+    ref = make(model, tok)
+    base = ref.add("hello world", SP(tok, max_new_tokens=24))
+    ref.run()
+    outs = base.outputs[0]
+    stop = pick_stop(base.text)
+    stream = TextStream(tok, base.prompt, [stop])
+    n = next(i + 1 for i, t in enumerate(outs) if (stream.push(t), stream.stopped)[1])
+    P = len(base.prompt)
+
+    def perfect(toks, k):                          # drafts the continuation itself: all accepted
+        return outs[len(toks) - P:len(toks) - P + k]
+
+    for draft in (None, perfect):
+        gen = make(model, tok)
+        seen, calls = [], []
+        req = gen.add("hello world", SP(tok, max_new_tokens=24, stop_strings=[stop], logprobs=0),
+                      on_token=lambda r, k, t, seen=seen: seen.append(t),
+                      on_text=lambda r, k, d, calls=calls: calls.append(d),
+                      draft=draft, draft_k=4)
+        gen.run()
+        assert (gen.stats["accepted"] > 0) == (draft is not None)
+        assert req.finish_reasons == ["stop"] and req.text == base.text[:base.text.index(stop)]
+        assert req.outputs[0] == outs[:n] and seen == outs[:n], draft
+        assert len(req.token_times[0]) == n and [e.token for e in req.logprobs[0]] == outs[:n]
+        assert "".join(calls) == req.text

@@ -724,8 +724,8 @@ class Generator:
         events, self._undelivered = self._undelivered, []
         for job, k, tok in events:
             req = job.req
-            if job.closed or not req.hooked:
-                continue
+            if job.closed or not req.hooked or req.text_stopped(k):
+                continue                              # (a stop string: dropped after it)
             try:
                 if req.on_token is not None:
                     req.on_token(req, k, tok)
@@ -768,6 +768,7 @@ class Generator:
         delta, stopped = req.push_text(k, tok)
         if stopped:
             self.scheduler.end_one(job, k, "stop")
+            req.drop_after_stop(k)                    # (tokens a verify run applied after it)
         last = req.close_text(k) if req.text_closes(k) else None   # its last token: one call
         if last is not None:
             delta += last

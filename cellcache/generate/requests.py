@@ -136,7 +136,8 @@ class Sampling:
     - ``stop_strings``: a sequence of non-empty strings (kept as a tuple; the generator
       needs a tokenizer for them): matched on the continuation's detokenized text, across
       token boundaries; a match ends it with ``"stop"``, its text cut before the string
-      (the tokens stay in ``outputs``).
+      (``outputs`` keeps the tokens up to the one that completed it, and only those: the
+      ones a verify run applied after it are dropped, and never delivered).
     - ``ignore_eos`` (a bool): end-of-sequence ids never end it (its ``stop`` tokens still do).
     - ``min_new_tokens`` (an int in [0, max_new_tokens]): until it has that many tokens,
       its ``stop`` ids and (unless ``ignore_eos``, as vLLM) the end-of-sequence ids are
@@ -477,6 +478,27 @@ class Request:
             return "", False
         delta = st.push(token)
         return delta, st.stopped
+
+    def text_stopped(self, k: int) -> bool:
+        """Whether a stop string ended continuation k's text (its later tokens are not
+        delivered)."""
+        streams = self._streams
+        return streams is not None and streams[k].stopped
+
+    def drop_after_stop(self, k: int) -> None:
+        """The stepping thread's, once a stop string ended continuation k and the scheduler
+        freed it (its lists plain): drops the tokens applied after the one that completed
+        the stop string (a verify run applies several in one step), with their times and
+        log-probabilities, so that ``outputs[k]`` ends as it does without drafts."""
+        n = self._streams[k].fed if self._streams is not None else None
+        if n is None:
+            return
+        for name in ("outputs", "token_times"):
+            entry = self.__dict__[name][k]
+            if type(entry) is list:
+                del entry[n:]
+        if self.logprobs is not None:
+            del self.logprobs[k][n:]
 
     def close_text(self, k: int) -> str | None:
         """The stepping thread's: closes continuation k's text stream; returns the text held
