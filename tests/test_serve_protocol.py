@@ -54,6 +54,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content"),
     ({"logit_bias": {"5": "x"}}, "logit_bias.5"),
+    ({"stop_token_ids": [7] * 1025}, "stop_token_ids"),
 ])
 def test_a_bad_chat_field_is_a_400_naming_it(patch, param):
     with pytest.raises(APIError) as e:

@@ -38,6 +38,9 @@ FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled":
 MAX_STOP = 4
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_LOGPROBS = 20
+#: stop_token_ids at most: the library tests each new token against the list, so a long one
+#: slows every step of every request on the engine thread.
+MAX_STOP_TOKEN_IDS = 1024
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -114,7 +117,7 @@ class _Common(BaseModel):
     repetition_penalty: Float = Field(1.0, gt=0)
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     return_token_ids: StrictBool = False
 
 
