@@ -127,6 +127,45 @@ def test_logits_and_logprobs_equal_a_teacher_forced_forward(model, targets, refe
     assert checked >= 3 * N_NEW
 
 
+def _read_in_steps(model, seqs, steps, rows):
+    """Sequences ``seqs`` fed through one runner (``invariant_rows=rows``) in ``steps``: each
+    step a list of sequence indices, one token each in order; every token's logits bits by
+    (sequence, position)."""
+    cache = HostCellCache(cchf.cache_config(model, capacity=256, max_write=64))
+    runner = cchf.attach(model, cache, deterministic=True, invariant_rows=rows)
+    ids = [cache.seq_new() for _ in seqs]
+    fed = [0] * len(seqs)
+    got = {}
+    for step_of in steps:
+        assert cache.declare_step([ids[i] for i in step_of])
+        step = cache.prepare_step()
+        keys = []
+        for i in step_of:
+            keys.append((i, fed[i]))
+            fed[i] += 1
+        logits = runner.forward(step, [seqs[i][p] for i, p in keys])
+        cache.commit_step()
+        got.update({k: bits(logits[j]) for j, k in enumerate(keys)})
+    assert fed == [len(s) for s in seqs]
+    return got
+
+
+def test_a_token_is_the_same_across_chunk_boundaries_of_the_model(model):
+    """Through the whole model at invariant_rows=8: a 40-token sequence read in one step
+    (five chunks of the mode), in steps of other sizes, and interleaved with another
+    sequence (its rows at other slots and chunks): every token's logits are the same bits."""
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(0, VOCAB, size=40).tolist(), rng.integers(0, VOCAB, size=30).tolist()
+    one = _read_in_steps(model, [a], [[0] * 40], 8)
+    sizes = [3, 11, 9, 17]
+    pieces = _read_in_steps(model, [a], [[0] * n for n in sizes], 8)
+    mixed_steps = [[1] * 5 + [0] * 3, [0, 1] * 9 + [0] * 4, [1] * 7 + [0] * 18 + [1] * 6,
+                   [0] * 6 + [1] * 3]
+    mixed = _read_in_steps(model, [a, b], mixed_steps, 8)
+    for p in range(40):
+        assert pieces[0, p] == one[0, p] and mixed[0, p] == one[0, p], p
+
+
 def test_deterministic_stays_close_to_the_normal_mode(model, targets):
     prompt = targets[3][0]
     cfg = cchf.cache_config(model, capacity=256, max_write=64)
