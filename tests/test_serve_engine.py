@@ -218,3 +218,34 @@ def test_a_token_id_prompt_is_decoded_only_for_echo(served, monkeypatch):
         r = post(app, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "stream": stream})
         assert r.status_code == 200 and "the prompt was decoded" not in r.text, r.text
     assert engine.live == 0 and engine.waiting == 0
+
+
+def test_a_client_gone_while_its_body_is_read_is_no_server_error(served):
+    """A client that leaves mid-upload is answered 499 (nobody reads it), not counted as a 500
+    (a server error an operator would be paged for), and queues nothing."""
+    app, engine = served
+    sent: list[dict] = []
+
+    async def go() -> None:
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions",
+                 "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+                 "server": ("t", 80)}
+        messages = [{"type": "http.request", "body": b'{"prompt": [5', "more_body": True},
+                    {"type": "http.disconnect"}]
+
+        async def receive() -> dict:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+
+    asyncio.run(go())
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 499
+    text = get(app, "/metrics").text
+    assert 'cellcache_http_errors_total{status="500"}' not in text
+    assert engine.live == 0 and engine.waiting == 0

@@ -30,6 +30,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import InvalidArgument
 from ..generate import Request, Sampling
@@ -143,7 +144,11 @@ class _Server:
 
     # -- requests in ---------------------------------------------------------------------------------
     async def parse(self, http: HTTPRequest, model: type[CompletionRequest] | type[ChatRequest]) -> Any:
-        raw = await http.body()
+        try:
+            raw = await http.body()
+        except ClientDisconnect:                 # gone mid-upload: nobody to answer, no server error
+            raise APIError(499, "the client closed the connection before its body arrived",
+                           code="client_closed_request") from None
         try:
             body = model.model_validate_json(raw)
         except ValidationError as e:
