@@ -109,6 +109,36 @@ def test_stop_strings_across_tokens_cut_exactly(tok, stop):
         assert stop not in "".join(deltas[:i + 1])
 
 
+class PieceTokenizer:
+    """A tokenizer whose id i decodes to ``pieces[i]`` (no special tokens, no context rules):
+    the same text fed in pieces of any size."""
+
+    def __init__(self, pieces):
+        self.pieces = list(pieces)
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(self.pieces[i] for i in ids)
+
+
+@pytest.mark.parametrize("stops", [("quick", "ui"), ("ui", "quick"), ("brown", "row", "ro"),
+                                   ("k brown", "quick b")])
+def test_overlapping_stop_strings_cut_alike_however_the_text_is_tokenized(stops):
+    """Stop strings overlapping in one token's text: the cut is where the text first holds
+    a stop string (the one that ends first; of those, the longest), as when the same text
+    comes a character at a time, not wherever the earliest-starting one begins."""
+    text = "the quick brown fox"
+    chunked = ["the", " quick", " brown", " fox"]
+    cuts = []
+    for pieces in (chunked, list(text), [text]):
+        s = TextStream(PieceTokenizer(pieces), (), stops)
+        released = "".join(s.push(i) for i in range(len(pieces))) + s.close()
+        assert s.stopped and released == s.text
+        cuts.append(s.text)
+    end = min(text.find(x) + len(x) for x in stops)
+    want = text[:min(text.find(x) for x in stops if text.find(x) + len(x) == end)]
+    assert cuts == [want] * 3
+
+
 def test_held_text_is_released_when_it_cannot_start_a_stop_string(tok):
     prompt = tok.encode("x")
     out = tok.encode(" the END", add_special_tokens=False)

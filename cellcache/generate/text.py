@@ -107,6 +107,18 @@ class Detokenizer:
         return after[len(before):]
 
 
+def _first_stop(text: str, stops: Sequence[str]) -> int:
+    """Where ``text`` is cut for the first stop string it holds, -1 for none: the start of
+    the match that ends first (of those, the longest), which is where the text would stop
+    were it fed a character at a time, so the cut never depends on how it was tokenized."""
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or (i + len(s), i) < best):
+            best = (i + len(s), i)
+    return -1 if best is None else best[1]
+
+
 def _common(a: str, b: str) -> int:
     """The length of the longest common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
@@ -126,7 +138,9 @@ class TextStream:
 
     A stop string is matched on the detokenized text, across token boundaries: text that
     could still be the start of a stop string is held back until it cannot, so the text
-    released never holds a stop string or anything after the first one.
+    released never holds a stop string or anything after the first one. Of stop strings
+    that overlap, the one that ends first (the longest of those) cuts, as if the text came
+    a character at a time: the cut does not depend on the tokens.
 
     Example
     -------
@@ -176,7 +190,7 @@ class TextStream:
             return ""
         cut = -1
         if self.fed >= self.min_tokens:       # (before: a stop string ends nothing)
-            cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+            cut = _first_stop(buf, self.stops)
         if cut >= 0:                          # the first stop string: the text ends before it
             out = buf[:cut]
             self.held = ""
