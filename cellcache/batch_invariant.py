@@ -147,9 +147,14 @@ def _mm(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _matmul(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
     a, b = args[0], args[1]
-    if a.ndim < 2 or b.ndim != 2 or kwargs:          # batched by both sides: as it comes
+    if a.ndim < 2 or b.ndim < 2 or kwargs:
         return func(*args, **kwargs)
-    return _rows_of(a, lambda c: func(c, b), rows, (b.shape[1],))
+    if b.ndim == 2:
+        return _rows_of(a, lambda c: func(c, b), rows, (b.shape[1],))
+    # batched by both sides (the bmm below it would run whole): a's rows (dim -2) chunked,
+    # its batch dims and b as they are
+    y = chunk_rows(a.movedim(-2, 0), rows, lambda c: func(c.movedim(0, -2), b).movedim(-2, 0))
+    return y.movedim(0, -2).contiguous()
 
 
 def _bmm(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:

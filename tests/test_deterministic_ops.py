@@ -43,7 +43,8 @@ def data():
     return x, w, b
 
 
-@pytest.mark.parametrize("op", ["linear", "linear_bias", "linear_3d", "mm", "addmm", "matmul", "bmm", "mean",
+@pytest.mark.parametrize("op", ["linear", "linear_bias", "linear_3d", "mm", "addmm", "matmul", "bmm",
+                                "matmul_batched", "mean",
                                 "softmax", "log_softmax", "softmax_half", "rms_norm", "layer_norm"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(data, op):
     x, w, b = data
@@ -55,6 +56,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(data, op):
         "addmm": lambda t: torch.addmm(b, t, w.t()),
         "matmul": lambda t: torch.matmul(t, w.t()),
         "bmm": lambda t: torch.bmm(t[None], w.t()[None])[0],
+        "matmul_batched": lambda t: torch.matmul(t[None], w.t()[None])[0],
         "mean": lambda t: t.pow(2).mean(-1, keepdim=True),
         "softmax": lambda t: torch.softmax(t, dim=-1),
         "log_softmax": lambda t: torch.log_softmax(t, dim=-1),
@@ -274,6 +276,7 @@ ROW_REDUCTIONS = {
     "layer_norm": lambda x, w: F.layer_norm(x, (x.shape[-1],), w, w),
     "mean": lambda x, w: x.pow(2).mean(-1, keepdim=True),
     "linear": lambda x, w: F.linear(x, w[None].expand(8, -1)),
+    "matmul_batched": lambda x, w: torch.matmul(x, w[None, :, None].expand(1, -1, 8)),
 }
 _REDUCING = ("aten::rms_norm", "aten::layer_norm", "aten::native_layer_norm", "aten::_fused_rms_norm",
              "aten::mean.dim", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
