@@ -321,7 +321,8 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
     ``invariant_rows`` rows; on the host with one intra-op thread) and attention through the
     ``"invariant"`` backend of :func:`cellcache.torch.attention`. Refused (InvalidArgument)
     with ``compile`` (inductor picks its kernels and reduction splits per shape),
-    ``attention="flashinfer"``, a tensor-parallel shard, and on CUDA a layer the
+    ``attention="flashinfer"``, a tensor-parallel shard, a CUDA cache without the paged
+    view, and on CUDA a layer the
     tensor-core kernels do not take (:func:`cellcache.torch.invariant_refusal`). The
     runner's graphs stay on.
 
@@ -353,6 +354,10 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
         if attention != "auto":
             raise InvalidArgument(f"deterministic=True runs its own attention path; attention="
                                   f"{attention!r} is not taken with it (give 'auto')")
+        if getattr(cache, "backend", None) == "cuda" and not cache.config.paged:
+            # the invariant attention on CUDA is the tensor-core kernels over the paged view
+            raise InvalidArgument("deterministic=True on CUDA needs a cache built with paged=True "
+                                  "(cache_config(model) builds one): its attention reads the paged view")
         heads = _config_int(cfg, "num_attention_heads", 1)
         kv_heads = _config_int(cfg, "num_key_value_heads", 1, default=heads)
         if any(layer.n_kv_heads != kv_heads for layer in cache.config.layers):

@@ -207,6 +207,19 @@ def test_attach_refusals_change_nothing(model):
     assert model.config._attn_implementation == before
 
 
+def test_attach_refuses_a_cuda_cache_without_the_paged_view(model, monkeypatch):
+    """On CUDA the invariant attention runs the tensor-core kernels, which read the paged
+    view: a cache without it is refused by attach, before the model is switched (not by the
+    first forward). (A host cache that says it is a CUDA one: the check reads the backend.)"""
+    cache = HostCellCache(cchf.cache_config(model, capacity=64, max_write=16))
+    assert not cache.config.paged
+    monkeypatch.setattr(cache, "backend", "cuda")
+    before = model.config._attn_implementation
+    with pytest.raises(InvalidArgument, match="paged"):
+        cchf.attach(model, cache, deterministic=True)
+    assert model.config._attn_implementation == before
+
+
 def test_cli_refuses_deterministic_with_tp_before_joining_ranks(monkeypatch, capsys):
     """``--deterministic --tp 2`` is a usage error found before the process group is joined
     or a model is built (under torchrun every rank would otherwise load, shard and build
