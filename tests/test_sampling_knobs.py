@@ -152,6 +152,25 @@ def test_logprobs_are_the_raw_distributions_and_come_in_the_one_copy():
         np.testing.assert_allclose(tv[e, :k], vals.numpy(), atol=1e-6)
 
 
+def test_top_logprobs_break_ties_by_the_lowest_id():
+    """Equal log-probabilities (common with bf16 logits) come most probable first, then by
+    id: which ids make the top k and their order never depend on the topk kernel."""
+    rows = [torch.zeros(V), torch.zeros(V), torch.full((V,), -3.0)]
+    rows[1][[40, 7, 33, 12]] = 2.0                    # four tied at the top, then all tied
+    rows[2][[50, 9]] = 1.0
+    rows[2][[60, 2, 30]] = -1.0
+    logits = torch.stack(rows)
+    spec = SampleSpec()
+    for i in range(3):
+        spec.add(i, 0.0, 0, 1.0, 0, 0, 0)
+        spec.extras.append(SlotExtra(i, Sampling(logprobs=6), (), None, 0))
+    chosen, ti, tv = Sampler("cpu")(logits, spec).logprobs
+    assert ti.tolist() == [[0, 1, 2, 3, 4, 5], [7, 12, 33, 40, 0, 1], [9, 50, 2, 30, 60, 0]]
+    lsm = torch.log_softmax(logits, -1)
+    np.testing.assert_array_equal(tv, lsm.gather(1, torch.as_tensor(ti)).numpy())
+    assert np.all(np.diff(tv, axis=1) <= 0)
+
+
 # -- through the Generator --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model():

@@ -273,8 +273,8 @@ class TokenLogprob:
     """One token's log-probability: ``token``, its ``logprob`` under the model's own
     distribution (``log_softmax`` of the float32 logits, before logit_bias, penalties,
     temperature and truncation), and ``top``: the most probable ``(token, logprob)`` pairs
-    of that distribution, most probable first (as many as asked for; may include
-    ``token``).
+    of that distribution, most probable first, equal ones by the lowest id (as many as
+    asked for; may include ``token``).
 
     Example
     -------

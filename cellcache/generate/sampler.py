@@ -14,6 +14,7 @@
         verify runs:   accepted = leading slots whose token equals the draft they check
         logprobs:      log_softmax(float32 logits) of the rows asked for (the model's own
                        distribution, before any knob): the drawn / given id's, top-k ids
+                       (largest first, ties by the lowest id)
     ids [S] (+ accepted [G]) (+ logprobs as float64 bits)
         --one device-to-host copy (readback.Readback)--> numpy
 
@@ -325,7 +326,7 @@ class Sampler:
             lsm = torch.log_softmax(logits.index_select(0, up[a:b]).float(), dim=-1)
             chosen.append(lsm.gather(1, tok[a:b, None])[:, 0])
             if k:
-                tv, ti = torch.topk(lsm, k, dim=-1)
+                tv, ti = _top(lsm, k)
                 tops_i.append(ti.reshape(-1))
                 tops_v.append(tv.reshape(-1))
         parts = [torch.cat(chosen).double().view(torch.int64)]
@@ -393,6 +394,19 @@ class Sampler:
         at = torch.where(miss, up[2], torch.full_like(up[2], 1 << 40))
         acc = self._up(drafts, torch.int64)
         return acc.scatter_reduce(0, up[1], at, reduce="amin", include_self=True)
+
+
+def _top(lsm: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest values of each row of ``lsm`` (float32) and their ids, largest
+    first, ties by the lowest id: topk over one int64 key per entry (the float's bits made
+    order-preserving, then the id reversed), so which tied ids make the top k, and their
+    order, never depend on the topk kernel (bf16 logits tie often)."""
+    bits = lsm.contiguous().view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64) << 32
+    V = lsm.shape[-1]
+    key |= torch.arange(V - 1, -1, -1, device=lsm.device, dtype=torch.int64)
+    ti = torch.topk(key, k, dim=-1).indices
+    return lsm.gather(1, ti), ti
 
 
 class Draw:
