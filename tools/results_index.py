@@ -190,8 +190,8 @@ def headline(d: dict) -> str:
                  f"tok/s: {_num(100 * cost if isinstance(cost, (int, float)) else None, '.1f')}% cost "
                  f"(target {_num(100 * d.get('target_cost', 0), '.0f')}%, SGLang's published "
                  f"{_num(100 * d.get('sglang_published_cost', 0), '.0f')}%)",
-                 "deterministic runs identical" if d.get("deterministic_runs_identical")
-                 else "deterministic runs DIFFER"]
+                 {True: "deterministic runs identical", False: "deterministic runs DIFFER"}.get(
+                     d.get("deterministic_runs_identical"), "one deterministic run (nothing to compare)")]
     for name, fn in SECTIONS.items():
         if isinstance(d.get(name), dict):
             parts += fn(d[name])
