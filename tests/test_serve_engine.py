@@ -163,6 +163,10 @@ def test_health_is_500_when_the_engine_thread_is_gone(served, monkeypatch):
     engine.stop(5)                                     # the thread ends; nothing steps any more
     h = get(app, "/health")
     assert h.status_code == 500 and h.json()["status"] == "failed"
+    # a request now would wait forever: refused instead, with nothing queued
+    r = post_within(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
+    assert r.status_code == 503 and "retry-after" in r.headers, r.text
+    assert engine.live == 0 and engine.waiting == 0 and not engine.gen.busy
 
 
 def test_a_batch_larger_than_the_waiting_bound_is_a_400_not_a_429(served):

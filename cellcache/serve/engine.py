@@ -159,10 +159,12 @@ class Engine:
         return await loop.run_in_executor(None, encode_prompt, self._encoder, prompt, self.gen.vocab)
 
     def check_admission(self, count: int = 1) -> None:
-        """Raises :class:`Refused` (503 while draining, 429 when ``count`` more requests
-        would pass ``max_waiting``) or returns."""
+        """Raises :class:`Refused` (503 while draining or when the engine thread is not
+        running, 429 when ``count`` more requests would pass ``max_waiting``) or returns."""
         if self.draining:
             raise Refused(503, "the server is shutting down")
+        if self._stop or not self.alive:       # nothing would step it: the client would wait forever
+            raise Refused(503, "the engine is not running")
         if self._waiting + count > self.max_waiting:
             self._recount()
         if self._waiting + count > self.max_waiting:
