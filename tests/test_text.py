@@ -96,6 +96,25 @@ def test_a_truncated_character_is_flushed_at_the_end(tok):
     assert d.flush().endswith("\ufffd")               # the end: as it decodes
 
 
+def test_special_tokens_cost_nothing_and_keep_the_context(tok):
+    """Special tokens decode to nothing (skipped): a run of them (end-of-sequence drawn over
+    and over under ``ignore_eos``) never grows the ids decoded at each token, and the text
+    after them keeps its leading space."""
+    prompt = tok.encode("hello")
+    d = Detokenizer(tok, prompt)
+    decoded = []
+    real = d.decode
+    d.decode = lambda ids: (decoded.append(len(ids)), real(ids))[1]
+    first = tok.encode(" world", add_special_tokens=False)
+    text = "".join(d.push(t) for t in first)
+    for _ in range(300):
+        text += d.push(tok.eos_token_id)
+    text += "".join(d.push(t) for t in first) + d.flush()
+    out = first + [tok.eos_token_id] * 300 + first
+    assert text == expected_text(tok, prompt, out) and text.count("world") == 2
+    assert max(decoded) <= CONTEXT + 2 * len(first)
+
+
 @pytest.mark.parametrize("stop", ["END", "the END", "ND o", "\u4e2d", "t"])
 def test_stop_strings_across_tokens_cut_exactly(tok, stop):
     prompt = tok.encode("x")

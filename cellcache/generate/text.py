@@ -19,7 +19,8 @@ middle of a stream, and a byte-level or byte-fallback token that ends part way t
 UTF-8 character decodes to U+FFFD, so nothing is released until the character is whole.
 The window starts with the last :data:`CONTEXT` prompt ids, so the first token's leading
 space is kept (a continuation of the prompt, as vLLM streams it). Special tokens are
-skipped (``skip_special_tokens=True``) and spaces are not cleaned up.
+skipped (``skip_special_tokens=True``; the detokenizer does not even keep their ids, so a
+run of them costs nothing) and spaces are not cleaned up.
 
 Nothing here imports torch; a tokenizer is anything with ``decode(ids,
 skip_special_tokens=..., clean_up_tokenization_spaces=...)`` (Hugging Face's).
@@ -30,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["CONTEXT", "Detokenizer", "TextStream", "decode", "decoder"]
+__all__ = ["CONTEXT", "Detokenizer", "TextStream", "decode", "decoder", "special_ids"]
 
 #: Prompt ids kept in front of a continuation's first token as decoding context.
 CONTEXT = 5
@@ -59,6 +60,19 @@ def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     return slow
 
 
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids a decode with ``skip_special_tokens=True`` drops: a Hugging Face tokenizer's
+    ``all_special_ids`` and its added tokens marked special (empty for other objects)."""
+    ids: set[int] = set()
+    try:
+        ids.update(int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ())
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        ids.update(int(i) for i, t in added.items() if getattr(t, "special", False))
+    except (TypeError, ValueError):           # not a Hugging Face tokenizer's shapes
+        return frozenset()
+    return frozenset(ids)
+
+
 class Detokenizer:
     """Incremental detokenization of one continuation (module docstring).
 
@@ -68,10 +82,13 @@ class Detokenizer:
     >>> "".join(d.push(t) for t in outputs) + d.flush()  # doctest: +SKIP
     """
 
-    __slots__ = ("decode", "ids", "prefix", "read", "before")
+    __slots__ = ("decode", "special", "ids", "prefix", "read", "before")
 
     def __init__(self, tokenizer: Any, prompt: Sequence[int] = ()):
         self.decode = decoder(tokenizer)
+        #: ids decoding skips (special tokens), never kept: they change no text, and a run of
+        #: them (end-of-sequence under ``ignore_eos``) would grow what each push decodes
+        self.special = special_ids(tokenizer)
         self.ids: list[int] = list(prompt[-CONTEXT:]) if CONTEXT else []
         self.prefix = 0                       # ids[prefix:read] decode to context, not emitted
         self.read = len(self.ids)             # ids[read:] are not turned into text yet
@@ -80,6 +97,8 @@ class Detokenizer:
     def push(self, token: int) -> str:
         """Appends ``token``; returns the text that became final with it ("" while the
         pending ids end part way through a character)."""
+        if token in self.special:
+            return ""
         self.ids.append(token)
         return self._advance(final=False)
 
