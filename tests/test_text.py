@@ -303,8 +303,19 @@ def test_result_and_iterators_with_a_stepping_thread(model, tok):
     assert tokens == other.outputs[0] and len(tokens) == 12
     with pytest.raises(InvalidArgument, match="timeout"):
         req.result(timeout=-1)
+    # refused at the call, before any iteration; the request is as it was
+    before = (list(req.outputs[0]), req.text, req.finish_reasons[:])
     with pytest.raises(InvalidArgument, match="continuation"):
-        next(req.iter_tokens(1))
+        req.iter_tokens(1)
+    with pytest.raises(InvalidArgument, match="continuation"):
+        req.iter_text(-1)
+    for bad in (-1, float("nan"), "1"):
+        with pytest.raises(InvalidArgument, match="timeout"):
+            req.iter_text(timeout=bad)
+        with pytest.raises(InvalidArgument, match="timeout"):
+            req.iter_tokens(timeout=bad)
+    assert (req.outputs[0], req.text, req.finish_reasons) == before
+    assert list(req.iter_tokens(timeout=0)) == req.outputs[0]
 
 
 def test_cancel_flushes_the_text_and_wakes_the_waiters(model, tok):

@@ -268,6 +268,16 @@ class Sampling:
         return prompt_len + self.max_new_tokens - 1
 
 
+def _timeout(timeout: object) -> float | None:
+    """A wait's ``timeout``: None (no limit) or seconds >= 0; InvalidArgument otherwise."""
+    if timeout is None:
+        return None
+    t = real_number(timeout, "timeout")
+    if t < 0:
+        raise InvalidArgument(f"timeout={t} is negative; give None or seconds >= 0")
+    return t
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """One token's log-probability: ``token``, its ``logprob`` under the model's own
@@ -546,10 +556,7 @@ class Request:
         """Blocks until the request is done (whatever the reason) and its texts are whole;
         returns it. ``timeout`` (None: no limit) in seconds: TimeoutError when it runs out
         first. Another thread must step the generator meanwhile."""
-        if timeout is not None:
-            timeout = real_number(timeout, "timeout")
-            if timeout < 0:
-                raise InvalidArgument(f"timeout={timeout} is negative; give None or seconds >= 0")
+        timeout = _timeout(timeout)
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.id} was not done within {timeout} s")
         return self
@@ -577,8 +584,11 @@ class Request:
     def iter_tokens(self, k: int = 0, timeout: float | None = None) -> Iterator[int]:
         """Continuation k's tokens as they are applied, blocking between steps (another
         thread steps the generator); ends when the continuation ends. ``timeout``: the
-        longest wait for one token (TimeoutError)."""
-        k = self._check_k(k)
+        longest wait for one token (TimeoutError). ``k`` and ``timeout`` are checked at the
+        call (InvalidArgument), not at the first ``next``."""
+        return self._tokens(self._check_k(k), _timeout(timeout))
+
+    def _tokens(self, k: int, timeout: float | None) -> Iterator[int]:
         i = 0
         while True:
             out = self.outputs[k]
@@ -595,8 +605,11 @@ class Request:
     def iter_text(self, k: int = 0, timeout: float | None = None) -> Iterator[str]:
         """Continuation k's text as it becomes final (non-empty deltas, concatenating to
         ``texts[k]``), blocking between steps; ends when its text is whole. ``timeout``:
-        the longest wait for one delta (TimeoutError)."""
-        k = self._check_k(k)
+        the longest wait for one delta (TimeoutError). ``k`` and ``timeout`` are checked
+        at the call (InvalidArgument), not at the first ``next``."""
+        return self._text_deltas(self._check_k(k), _timeout(timeout))
+
+    def _text_deltas(self, k: int, timeout: float | None) -> Iterator[str]:
         pos = 0
         while True:
             t = self.texts[k]
