@@ -457,7 +457,7 @@ class BaseScheduler:
             seed = sp.seed if sp.seed is not None else req.id
             n_out = len(req.outputs[s.index])
             first = len(spec)
-            extra = sp.processed(n_out)               # (min_new_tokens: then for every slot)
+            extra = sp.server_knobs and sp.processed(n_out)   # (one attribute without knobs)
             if s.drafts:
                 for j in range(len(feed)):
                     slot = spec.add(len(plan.logit_rows) + j, sp.temperature, sp.top_k, sp.top_p, seed,
