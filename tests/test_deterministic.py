@@ -207,6 +207,21 @@ def test_attach_refusals_change_nothing(model):
     assert model.config._attn_implementation == before
 
 
+def test_generator_refuses_deterministic_under_tp_before_sharding(model, monkeypatch):
+    """``Generator(tp=..., deterministic=True)`` is refused before the model is sharded in
+    place or a cache is built (a world of two ranks, as the process group would say)."""
+    from cellcache.generate import distributed, engine, options
+
+    monkeypatch.setattr(options, "tp_world", lambda tp: 2)
+    built = []
+    monkeypatch.setattr(engine, "serving_cache", lambda *a: built.append(a))
+    before = model.config._attn_implementation
+    with pytest.raises(InvalidArgument, match="tensor parallelism"):
+        Generator(model, capacity=64, eos=[], tp=True, deterministic=True)
+    assert built == [] and not distributed.is_sharded(model)
+    assert model.config._attn_implementation == before
+
+
 def test_attach_refuses_a_cuda_cache_without_the_paged_view(model, monkeypatch):
     """On CUDA the invariant attention runs the tensor-core kernels, which read the paged
     view: a cache without it is refused by attach, before the model is switched (not by the

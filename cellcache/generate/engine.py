@@ -212,8 +212,11 @@ class Generator:
             raise InvalidArgument(f"deterministic of type {type(deterministic).__name__} is not a bool")
         max_batch_tokens, prefill_chunk, reserve, eos_ids = settings(
             model, capacity, max_batch_tokens, prefill_chunk, reserve, clock, eos, async_steps)
-        model, cache, given = serving_cache(model, capacity, max_batch_tokens,
-                                             serving(tp, cache, admission, prefix_cache, max_seqs))
+        checked = serving(tp, cache, admission, prefix_cache, max_seqs)
+        if deterministic and checked.world is not None:    # (before the model is sharded in place)
+            raise InvalidArgument("deterministic=True does not serve under tensor parallelism: the "
+                                  "ranks' all-reduces sum in an order that depends on the step's size")
+        model, cache, given = serving_cache(model, capacity, max_batch_tokens, checked)
         self.model, self.cache = model, cache
         #: Runs the forwards: graphs, input feeds, warm-up (:class:`cellcache.runner.ModelRunner`).
         #: Whether every row's forward and sampling are computed as they would be alone
