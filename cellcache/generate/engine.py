@@ -464,8 +464,9 @@ class Generator:
         vocabulary, or the request ends with ``"error"``.
 
         ``on_text(request, continuation, delta)`` (needs a tokenizer) is called on the
-        stepping thread with the continuation's newly final text, after ``on_token`` for the
-        token that released it: never half a UTF-8 character, never text that may still
+        stepping thread (the last call of a request cancelled between steps: on the thread
+        that cancels it, during :meth:`cancel`) with the continuation's newly final text,
+        after ``on_token`` for the token that released it: never half a UTF-8 character, never text that may still
         begin a stop string, never a stop string itself. When the continuation ends, one
         last call (``delta`` maybe "") hands over what was held back, its
         ``request.finish_reasons[k]`` already set; the deltas concatenate to
