@@ -137,7 +137,9 @@ class Sampling:
       needs a tokenizer for them): matched on the continuation's detokenized text, across
       token boundaries; a match ends it with ``"stop"``, its text cut before the string
       (``outputs`` keeps the tokens up to the one that completed it, and only those: the
-      ones a verify run applied after it are dropped, and never delivered).
+      ones a verify run applied after it are dropped, and never delivered). The text is
+      decoded with special tokens skipped, so a special token (``"<|im_end|>"``) is never
+      matched as a string: stop on its id in ``stop``.
     - ``ignore_eos`` (a bool): end-of-sequence ids never end it (its ``stop`` tokens still do).
     - ``min_new_tokens`` (an int in [0, max_new_tokens]): until it has that many tokens,
       its ``stop`` ids and (unless ``ignore_eos``, as vLLM) the end-of-sequence ids are
