@@ -70,6 +70,16 @@ class _Current:
     probe: list | None = None      # attach's probe: (layer, module config) per call; writes nothing
 
 
+def _refuse_alibi(cfg: Any) -> None:
+    """InvalidArgument for a model with ALiBi position biases (Falcon's ``alibi=True``): they
+    reach attention inside its mask, which cellcache's attention does not read (it builds
+    causality and windows from the cache), so the scores would lack them."""
+    if getattr(cfg, "alibi", False) is True:
+        raise InvalidArgument("ALiBi position biases (config.alibi=True) reach attention through "
+                              "its mask, which cellcache's attention does not read; this model is "
+                              "not supported")
+
+
 def _text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
@@ -152,6 +162,7 @@ def cache_config(model_or_config: Any, capacity: int, max_write: int | None = No
                               f"{', '.join(sorted(_CONFIG_FIELDS))}")
     if getattr(cfg, "attn_logit_softcapping", None):
         raise InvalidArgument("attention logit soft-capping is not supported by cellcache's attention")
+    _refuse_alibi(cfg)
     heads = _config_int(cfg, "num_attention_heads", 1)
     kv_heads = _config_int(cfg, "num_key_value_heads", 1, default=heads)
     head_dim = getattr(cfg, "head_dim", None)
@@ -306,8 +317,10 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
     token (written nowhere) checks that every decoder layer calls cellcache's attention
     with nothing it does not compute (soft-capping, attention sinks, bidirectional or
     dropout attention, a different sliding window, unknown keywords); a model that fails
-    it (gpt-oss, Falcon, Gemma2 soft-capping, BERT) is refused with its attention setting
-    restored. Every refusal raises InvalidArgument and changes nothing.
+    it (gpt-oss, Gemma2 soft-capping, BERT, and Falcon where transformers' Falcon does not
+    call the attention interface) is refused with its attention setting restored; so is a
+    model with ALiBi biases (Falcon's ``alibi=True``), before anything is switched. Every
+    refusal raises InvalidArgument and changes nothing.
 
     ``compile``: False (default), True or a mapping of ``torch.compile`` keywords
     (``backend``, ``mode``, ``dynamic``, ``fullgraph``, ``options``): the runner's forwards
@@ -335,6 +348,7 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
         raise InvalidArgument(f"model of type {type(model).__name__} is not a transformers model "
                               "(it has no set_attn_implementation)")
     cfg = _decoder_config(model)
+    _refuse_alibi(cfg)
     windows = layer_windows(cfg)
     if len(cache.config.layers) != len(windows):
         raise InvalidArgument(f"the cache has {len(cache.config.layers)} layers; the model "

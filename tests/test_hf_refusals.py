@@ -25,11 +25,9 @@ UNSUPPORTED = {
     "gpt_oss": (dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, vocab_size=128, num_local_experts=4,
                      num_experts_per_tok=2, sliding_window=8), "attention sinks \\(s_aux="),
-    # Falcon's attention never calls the registered function
-    "falcon": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128),
-               "for 0 of the model's 2 layers"),
-    "falcon-new": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
-                        new_decoder_architecture=True, num_kv_heads=2), "for 0 of the model's 2 layers"),
+    # ALiBi biases: they come inside the attention mask, which cellcache does not read
+    "falcon-alibi": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                          alibi=True), "ALiBi position biases"),
     # soft-capped scores (cache_config refuses it; a hand-built cache does not)
     "gemma2": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, vocab_size=128, sliding_window=8,
@@ -80,9 +78,51 @@ def test_attach_refuses_attention_it_does_not_compute(name):
     cache.check_invariants()
 
 
-def test_cache_config_refuses_soft_capping():
+def test_cache_config_refuses_soft_capping_and_alibi():
     with pytest.raises(InvalidArgument, match="soft-capping"):
         cchf.cache_config(_tiny("gemma2"), capacity=64)
+    with pytest.raises(InvalidArgument, match="ALiBi"):
+        cchf.cache_config(_tiny("falcon-alibi"), capacity=64)
+
+
+#: Falcon (rotary) without and with its new decoder architecture (grouped K/V).
+FALCON = {"falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128),
+          "falcon-new": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+                             new_decoder_architecture=True, num_kv_heads=2)}
+
+
+def _falcon_calls_the_interface() -> bool:
+    """Whether the installed transformers' Falcon attention calls the attention interface
+    (it does from transformers 5.25 on; before, it computed attention itself)."""
+    import inspect
+
+    from transformers.models.falcon import modeling_falcon
+
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(modeling_falcon.FalconAttention)
+
+
+@pytest.mark.parametrize("name", sorted(FALCON))
+def test_falcon_is_served_where_it_calls_the_interface_and_refused_where_not(name):
+    """Where Falcon's attention goes through transformers' attention interface, cellcache
+    serves it and greedy output equals HF's own generate (float32); where it does not, attach
+    refuses it (no layer called cellcache's attention) and nothing changes."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("falcon", **FALCON[name])).eval()
+    if not _falcon_calls_the_interface():
+        cache = HostCellCache(_hand_built(model))
+        before, metrics = _settings(model), cache.metrics()
+        with pytest.raises(InvalidArgument, match="for 0 of the model's 2 layers"):
+            cchf.attach(model, cache)
+        assert _settings(model) == before and cache.metrics() == metrics
+        return
+    prompts = [[5, 9, 3, 17, 2], [44, 1, 8], [7] * 11]
+    refs = [model.generate(torch.tensor([p]), attention_mask=torch.ones((1, len(p)), dtype=torch.long),
+                           max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    gen = Generator(model, capacity=128, max_batch_tokens=16, max_seqs=4, prefill_chunk=4, eos=[])
+    reqs = [gen.add(p, Sampling(max_new_tokens=8)) for p in prompts]
+    gen.run()
+    assert [r.outputs[0] for r in reqs] == refs
 
 
 @pytest.fixture(scope="module")
