@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import log, require_gpu, run_record
-from bench_serve import DEFAULT_MODEL, QUICK, WORKLOADS, build_workload, cpu_probe
+from bench_serve import DEFAULT_MODEL, QUICK, WORKLOADS, build_workload, cpu_probe, staggered
 
 from cellcache._cli import Parser, in_range
 
@@ -60,14 +60,7 @@ def serve_once(model: Any, prompts: list, new_tokens: int, w: dict, capacity: in
         torch.cuda.synchronize()
     probe = cpu_probe()
     t0 = time.perf_counter()
-    pending, reqs, steps = list(prompts), [], 0
-    while pending or gen.busy:
-        if pending and steps % 16 == 0:
-            reqs += [gen.add(p, sampling) for p in pending[:32]]
-            pending = pending[32:]
-        if not gen.step() and not pending:
-            break
-        steps += 1
+    reqs = staggered(gen, prompts, sampling)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0

@@ -162,6 +162,20 @@ def summarize(gen, elapsed: float, reqs) -> dict:
     return res
 
 
+def staggered(gen, prompts: list, sampling) -> list:
+    """Serves ``prompts`` on ``gen`` to the end, 32 arriving every 16 steps (none left: the
+    requests already added run out); returns the requests added here."""
+    pending, reqs, steps = list(prompts), [], 0
+    while pending or gen.busy:
+        if pending and steps % 16 == 0:
+            reqs += [gen.add(p, sampling) for p in pending[:32]]
+            pending = pending[32:]
+        if not gen.step() and not pending:
+            break
+        steps += 1
+    return reqs
+
+
 def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, device: str,
          prefix: bool = True, with_breakdown: bool = False, rate: float = 0.0, seed: int = 0,
          profile_steps: int = 0, profile_to: tuple[Path, str] | None = None) -> dict:
@@ -232,14 +246,7 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
             if arrival == "together":
                 reqs = [gen.add(p, sampling) for p in pending]
                 pending = []
-            steps = 0
-            while pending or gen.busy:
-                if pending and steps % 16 == 0:
-                    reqs += [gen.add(p, sampling) for p in pending[:32]]
-                    pending = pending[32:]
-                if not gen.step() and not pending:
-                    break
-                steps += 1
+            reqs += staggered(gen, pending, sampling)
         _sync(device)
         elapsed = time.perf_counter() - t0
     finally:                                  # (a failed run leaves no callback behind)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, TypeGuard
@@ -543,6 +543,14 @@ async def _completion_chunks(srv: _Server, body: CompletionRequest, choices: _Ch
         if body.return_token_ids:
             item["token_ids"] = toks
         yield _sse({**head, "choices": [item], **extra})
+    for line in _stream_end(choices, head, ids_list, include_usage):
+        yield line
+
+
+def _stream_end(choices: _Choices, head: dict[str, Any], ids_list: list[list[int]],
+                include_usage: bool) -> Iterator[str]:
+    """A stream's last events: the error that ended it, or the usage chunk when asked for;
+    then ``[DONE]``."""
     if choices.error is not None:
         yield _sse(error_body(choices.error, "server_error"))
     elif include_usage:
@@ -572,9 +580,5 @@ async def _chat_chunks(srv: _Server, body: ChatRequest, choices: _Choices, queue
         if body.return_token_ids:
             item["token_ids"] = toks
         yield _sse({**head, "choices": [item], **extra})
-    if choices.error is not None:
-        yield _sse(error_body(choices.error, "server_error"))
-    elif include_usage:
-        _final_outputs(choices)
-        yield _sse({**head, "choices": [], "usage": _usage_of(choices, ids_list)})
-    yield "data: [DONE]\n\n"
+    for line in _stream_end(choices, head, ids_list, include_usage):
+        yield line
