@@ -466,9 +466,9 @@ class Generator:
         ``on_text(request, continuation, delta)`` (needs a tokenizer) is called on the
         stepping thread (the last call of a request cancelled between steps: on the thread
         that cancels it, during :meth:`cancel`) with the continuation's newly final text,
-        after ``on_token`` for the token that released it: never half a UTF-8 character, never text that may still
-        begin a stop string, never a stop string itself. When the continuation ends, one
-        last call (``delta`` maybe "") hands over what was held back, its
+        after ``on_token`` for the token that released it: never half a UTF-8 character,
+        never text that may still begin a stop string, never a stop string itself. When the
+        continuation ends, one last call (``delta`` maybe "") hands over what was held back, its
         ``request.finish_reasons[k]`` already set; the deltas concatenate to
         ``request.texts[k]``. A stop string (``Sampling.stop_strings``) found in the text
         ends the continuation with ``"stop"`` there. An exception from ``on_text`` ends the
