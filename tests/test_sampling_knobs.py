@@ -135,7 +135,7 @@ def test_logprobs_are_the_raw_distributions_and_come_in_the_one_copy():
            Sampling(logprobs=0, repetition_penalty=2.0)]
     for i, sp in enumerate(sps):
         spec.add(i, sp.temperature, 0, 1.0, sp.seed or 0, 0, 0)
-        if sp.processed:
+        if sp.processed(0):                               # (the knob requests alone)
             spec.extras.append(SlotExtra(i, sp, (), np.array([1, 2, 3]), 1))
     spec.prompt_rows += [(3, 17, 2), (1, 5, 0)]           # a prompt row, and a drawn row's again
     sampler = Sampler("cpu")
