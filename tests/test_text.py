@@ -346,6 +346,24 @@ def test_from_pretrained_loads_model_and_tokenizer(tmp_path, model):
         Generator.from_pretrained(path, dtype="float77", device="cpu")
 
 
+def test_from_pretrained_without_tokenizer_files_serves_token_ids(tmp_path):
+    """A checkpoint saved without its tokenizer: no tokenizer (transformers would hand back an
+    empty one that decodes every token to nothing), text refused, token ids served."""
+    path = tmp_path / "bare"
+    random_model("tiny").save_pretrained(path)
+    gen = Generator.from_pretrained(path, dtype="float32", device="cpu", capacity=256, eos=[])
+    assert gen.tokenizer is None
+    with pytest.raises(InvalidArgument, match="no tokenizer"):
+        gen.add("hello")
+    got: list[int] = []
+    req = gen.add([5, 6, 7], Sampling(max_new_tokens=4), on_token=lambda r, k, t: got.append(t))
+    gen.run()
+    assert got == req.outputs[0] and len(got) == 4 and req.text == ""
+    save_tokenizer = make_tokenizer("bytelevel")
+    save_tokenizer.save_pretrained(path)             # its files beside: loaded
+    assert Generator.from_pretrained(path, dtype="float32", device="cpu", capacity=256).tokenizer is not None
+
+
 def test_refusals_queue_nothing(model, tok):
     bare = make(model, None)
     assert bare.tokenizer is None

@@ -338,18 +338,24 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         model_dir = args.model
         if model_dir is None:
+            import torch
+
             from cellcache.generate import random_model
 
-            log(f"saving random {args.random} to {tmp}")
+            # saved in the dtype it is served in ("auto" reads it back): bf16 on a GPU
+            dtype = {"auto": torch.bfloat16 if _on_cuda(args) else torch.float32,
+                     "float32": torch.float32, "bfloat16": torch.bfloat16,
+                     "float16": torch.float16}[args.dtype]
+            log(f"saving random {args.random} ({dtype}) to {tmp}")
             model_dir = os.path.join(tmp, args.random)
-            random_model(args.random).save_pretrained(model_dir)
+            random_model(args.random, dtype).save_pretrained(model_dir)
         from transformers import AutoConfig
 
         vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
         rng = np.random.default_rng(args.seed)
         prompts = [rng.integers(3, vocab, size=args.prompt_len).tolist() for _ in range(args.requests)]
         words = ["python3", "tools/bench_http.py", *(argv if argv is not None else sys.argv[1:])]
-        device = args.device if args.device != "auto" else ("cuda" if _cuda() else "cpu")
+        device = "cuda" if _on_cuda(args) else "cpu"
         result: dict[str, Any] = {**run_record("http-soak" if args.soak else "http", words, device),
                                   "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
                                                "max_tokens": args.max_tokens}}
@@ -404,7 +410,10 @@ def _mib(samples: list[dict[str, Any]], key: str) -> str:
     return f"{samples[0][key] / 2**20:.0f} -> {samples[-1][key] / 2**20:.0f}"
 
 
-def _cuda() -> bool:
+def _on_cuda(args: Any) -> bool:
+    """Whether the run serves on a GPU (``--device cuda``, or ``auto`` with one)."""
+    if args.device != "auto":
+        return bool(args.device == "cuda")
     import torch
 
     return bool(torch.cuda.is_available())
@@ -415,13 +424,15 @@ def report(result: dict[str, Any], loads: list[float]) -> int:
     a request failed over HTTP, else 0 (a missed target is a finding, not a failure)."""
     http, local = result["http"], result.get("in_process")
     f = lambda v, spec=".1f": "-" if v is None else format(v, spec)
-    print(f"{'run':<16} {'where':<11} {'tok/s':>10} {'TTFT p50':>9} {'p99':>9} {'ITL p50':>8} {'p99':>8}")
+    print(f"{'run':<16} {'where':<11} {'tok/s':>10} {'TTFT p50':>9} {'p99':>9} {'ITL p50':>8} {'p99':>8} "
+          f"{'tok/chunk':>9}")
     for run in ["saturation", *(f"load_{x:g}" for x in loads)]:
         for where, res in (("in-process", local and local.get(run)), ("http", http.get(run))):
             if res:
                 print(f"{run:<16} {where:<11} {f(res['tokens_per_s'], '.0f'):>10} "
                       f"{f(res['ttft_ms_p50']):>9} {f(res['ttft_ms_p99']):>9} "
-                      f"{f(res['itl_ms_p50'], '.2f'):>8} {f(res['itl_ms_p99'], '.2f'):>8}")
+                      f"{f(res['itl_ms_p50'], '.2f'):>8} {f(res['itl_ms_p99'], '.2f'):>8} "
+                      f"{f(res.get('tokens_per_chunk'), '.2f'):>9}")
     targets: dict[str, Any] = {}
     if local:
         ratio = http["saturation"]["tokens_per_s"] / local["saturation"]["tokens_per_s"]

@@ -300,7 +300,8 @@ class Generator:
         already holds (nothing is downloaded). ``dtype``: a torch dtype, its name, or
         ``"auto"`` (the checkpoint's); ``device``: default ``"cuda"`` when torch sees a GPU,
         else ``"cpu"``. Other keywords go to :class:`Generator`. InvalidArgument when the
-        model or tokenizer cannot be loaded.
+        model or tokenizer cannot be loaded. A directory without tokenizer files (a
+        checkpoint saved alone) gives a Generator without a tokenizer: token ids only.
 
         Example
         -------

@@ -13,13 +13,15 @@ Every refusal is an InvalidArgument; nothing here imports torch until a model is
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidArgument
 from .requests import Sampling, token_ids
 
-__all__ = ["check_text_options", "check_tokenizer", "encode_prompt", "is_messages", "load_pretrained"]
+__all__ = ["TOKENIZER_FILES", "check_text_options", "check_tokenizer", "encode_prompt", "has_tokenizer_files",
+           "is_messages", "load_pretrained"]
 
 
 def check_tokenizer(tokenizer: Any) -> None:
@@ -95,12 +97,29 @@ def check_text_options(tokenizer: Any, sampling: Sampling, on_text: Any, vocab: 
                               f"[0, {vocab})")
 
 
+#: The files one of which every tokenizer transformers loads from a directory has.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+
+
+def has_tokenizer_files(path: Any) -> bool:
+    """Whether ``path`` may hold a tokenizer: True unless it is a local directory without
+    any of :data:`TOKENIZER_FILES` (or a ``*.tiktoken`` file). transformers 5 answers such a
+    directory with an empty tokenizer (one token, every id decoded to nothing) instead of an
+    error; a checkpoint saved without its tokenizer is served as token ids instead."""
+    if not os.path.isdir(path):
+        return True                        # a hub name: transformers resolves it
+    names = set(os.listdir(path))
+    return any(f in names for f in TOKENIZER_FILES) or any(n.endswith(".tiktoken") for n in names)
+
+
 def load_pretrained(path: Any, tokenizer: Any, dtype: Any, device: Any) -> tuple[Any, Any]:
     """(model, tokenizer) from a local Hugging Face directory or a hub name the local cache
     already holds (never downloaded: ``local_files_only``): ``AutoModelForCausalLM`` in
     ``dtype`` (``"auto"``: the checkpoint's) on ``device`` (None: ``"cuda"`` when torch sees
     one, else ``"cpu"``), in eval mode, and ``AutoTokenizer`` from ``path`` unless
-    ``tokenizer`` is given (a tokenizer, or a path or name to load one from).
+    ``tokenizer`` is given (a tokenizer, or a path or name to load one from); None for a
+    directory without tokenizer files (:func:`has_tokenizer_files`).
     InvalidArgument when something cannot be loaded."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -121,13 +140,16 @@ def load_pretrained(path: Any, tokenizer: Any, dtype: Any, device: Any) -> tuple
     elif not (dtype == "auto" or isinstance(dtype, torch.dtype)):
         raise InvalidArgument(f"dtype of type {type(dtype).__name__} is not a torch dtype or 'auto'")
     try:
-        if tokenizer is None or isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
+        if tokenizer is None and not has_tokenizer_files(path):
+            pass                  # a checkpoint alone: token ids only (see has_tokenizer_files)
+        elif tokenizer is None or isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
             tokenizer = AutoTokenizer.from_pretrained(path if tokenizer is None else tokenizer,
                                                       local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise InvalidArgument(f"could not load {path!r} from local files: {e}") from e
-    check_tokenizer(tokenizer)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer)
     return model.to(device).eval(), tokenizer
 
 

@@ -5,6 +5,8 @@ sampler draws, and two steps queued before either is read land in their own buff
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -269,6 +271,7 @@ def test_generator_knobs_text_and_logprobs_on_cuda_with_graphs_and_async_steps()
 
     tok = make_tokenizer("bytelevel")
     model = random_model("llama-tiny", torch.float32, "cuda", seed=3)
+    hf = copy.deepcopy(model)           # HF's own forward (the Generator's model is cellcache's)
     gen = Generator(model, capacity=1024, max_seqs=16, eos=[], tokenizer=tok)
     assert gen.async_steps
     prompts = [[5, 9, 33, 2, 100], [1, 2, 3, 4], [300, 301, 7]]
@@ -280,17 +283,17 @@ def test_generator_knobs_text_and_logprobs_on_cuda_with_graphs_and_async_steps()
     gen.run()
     with torch.no_grad():
         for p, r in zip(prompts, plain):
-            out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=10, do_sample=False,
+            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=10, do_sample=False,
                                  pad_token_id=0, eos_token_id=None)
             assert r.outputs[0] == out[0, len(p):].tolist()
         tokens = list(prompts[0])
         for _ in range(8):
-            x = model(torch.tensor([tokens], device="cuda")).logits[0, -1].float().cpu()
+            x = hf(torch.tensor([tokens], device="cuda")).logits[0, -1].float().cpu()
             x = reference(x, sp, np.array(tokens), len(prompts[0]))
             tokens.append(int(torch.argmax(x)))
         assert knob.outputs[0] == tokens[len(prompts[0]):]
         seq = lp.prompt + lp.outputs[0]
-        lsm = torch.log_softmax(model(torch.tensor([seq], device="cuda")).logits[0].float(), -1).cpu()
+        lsm = torch.log_softmax(hf(torch.tensor([seq], device="cuda")).logits[0].float(), -1).cpu()
     for i, e in enumerate(lp.logprobs[0]):
         assert e.logprob == pytest.approx(float(lsm[len(lp.prompt) - 1 + i, e.token]), abs=1e-3)
         assert len(e.top) == 3
