@@ -82,6 +82,17 @@ def test_each_kind_of_result_has_its_headline(ri):
                                    "targets 1/1 met")
     growth = {"growth": {"map": {"us": 1686.4}, "copy": {"us": 2017.4}}, "note": "one section"}
     assert ri.headline(growth) == "grow to 1 GiB: map 1,686 µs; grow to 1 GiB: copy 2,017 µs; one section"
+    http = {"http": {"saturation": {"tokens_per_s": 9000.0, "ttft_ms_p50": 50.0}},
+            "in_process": {"saturation": {"tokens_per_s": 10000.0, "ttft_ms_p50": 40.0}},
+            "targets": {"saturation_ratio": 0.9, "saturation_ok": True,
+                        "ttft_p50_gap_ms_at_half_load": 12.0, "ttft_ok": False}}
+    assert ri.headline(http) == ("saturation: HTTP 9,000 tok/s, TTFT p50 50.0 ms (in process 10,000 tok/s, "
+                                 "40.0 ms); saturation HTTP/in-process 0.90x (met: >= 0.9x); 50% load TTFT "
+                                 "p50 gap +12.0 ms (MISSED: <= 10 ms)")
+    soak = {"soak": {"requests": 100, "minutes": 30, "rate": 2.5, "disconnected": 7, "errors": 0,
+                     "samples": [{"rss_bytes": 2**30}, {"rss_bytes": 2**30 + 2**21}]}}
+    assert ri.headline(soak) == ("100 requests in 30 min at 2.50/s, 7 disconnects, 0 errors; "
+                                 "server RSS 1,024 -> 1,026 MiB")
     assert ri.headline({"date": "2026-01-01"}) == ri.UNKNOWN
 
 

@@ -192,7 +192,34 @@ def headline(d: dict) -> str:
                  f"{_num(100 * d.get('sglang_published_cost', 0), '.0f')}%)",
                  {True: "deterministic runs identical", False: "deterministic runs DIFFER"}.get(
                      d.get("deterministic_runs_identical"), "one deterministic run (nothing to compare)")]
+    elif isinstance(d.get("http"), dict):             # tools/bench_http.py
+        http, local = d["http"], d.get("in_process") or {}
+        for run in http:
+            h, ip = http[run], local.get(run) or {}
+            line = (f"{run}: HTTP {_num(h.get('tokens_per_s'))} tok/s, "
+                    f"TTFT p50 {_num(h.get('ttft_ms_p50'), '.1f')} ms")
+            if ip:
+                line += (f" (in process {_num(ip.get('tokens_per_s'))} tok/s, "
+                         f"{_num(ip.get('ttft_ms_p50'), '.1f')} ms)")
+            parts.append(line)
+        t = d.get("targets") or {}
+        if "saturation_ratio" in t:
+            parts.append(f"saturation HTTP/in-process {_num(t['saturation_ratio'], '.2f')}x "
+                         f"({'met' if t.get('saturation_ok') else 'MISSED'}: >= 0.9x)")
+        if "ttft_p50_gap_ms_at_half_load" in t:
+            parts.append(f"50% load TTFT p50 gap {_num(t['ttft_p50_gap_ms_at_half_load'], '+.1f')} ms "
+                         f"({'met' if t.get('ttft_ok') else 'MISSED'}: <= 10 ms)")
+    http_soak = isinstance(d.get("soak"), dict) and "disconnected" in d["soak"]
+    if http_soak:                                     # tools/bench_http.py --soak
+        sk, samples = d["soak"], d["soak"].get("samples") or [{}]
+        mib = lambda x: _num(None if x is None else x / 2**20)
+        parts.append(f"{_num(sk.get('requests'))} requests in {_num(sk.get('minutes'), 'g')} min at "
+                     f"{_num(sk.get('rate'), '.2f')}/s, {_num(sk.get('disconnected'))} disconnects, "
+                     f"{_num(sk.get('errors'))} errors; server RSS {mib(samples[0].get('rss_bytes'))} -> "
+                     f"{mib(samples[-1].get('rss_bytes'))} MiB")
     for name, fn in SECTIONS.items():
+        if name == "soak" and http_soak:
+            continue
         if isinstance(d.get(name), dict):
             parts += fn(d[name])
             targets.append(_targets(d[name].get("targets")))
