@@ -160,3 +160,30 @@ def test_cli_json_reports_latency(capsys):
     assert 0 <= lat["ttft_ms_p50"] <= lat["ttft_ms_p99"] and 0 <= lat["itl_ms_p50"] <= lat["itl_ms_p99"]
     assert out["summary"]["max_batch_tokens"] == 512
     assert all(r["ttft_ms"] >= 0 for r in out["results"])
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_max_seqs_bounds_the_sequences_running_at_once(model, prefix_cache):
+    """The Generator builds its cache with max_seqs ids for running sequences plus the
+    prefix cache's; the running ones stay within max_seqs even while the prefix cache
+    leaves its own ids free, and every request still finishes with what a wide generator
+    gives it. A request's n continuations may pass the bound by n - 1 (forked at its
+    prompt's end)."""
+    ps = prompts(4, 10)
+    wide = Generator(model, capacity=2048, max_seqs=16, eos=[], prefix_cache=prefix_cache)
+    ref = [wide.add(p, Sampling(max_new_tokens=8)) for p in ps]
+    wide.run()
+    gen = Generator(model, capacity=2048, max_seqs=3, eos=[], prefix_cache=prefix_cache)
+    assert gen.cache.max_seqs == (6 if prefix_cache else 3)
+    reqs = [gen.add(p, Sampling(max_new_tokens=8)) for p in ps]
+    most = 0
+    while gen.step():
+        most = max(most, len(gen.running))
+    assert most == 3
+    assert [r.outputs for r in reqs] == [r.outputs for r in ref]
+    fork = gen.add(ps[0], Sampling(max_new_tokens=4, n=3))
+    rest = [gen.add(p, Sampling(max_new_tokens=4)) for p in ps[1:4]]
+    most = 0
+    while gen.step():
+        most = max(most, len(gen.running))
+    assert most <= 3 + 2 and fork.done and all(r.done for r in rest)

@@ -107,10 +107,14 @@ class BaseScheduler:
 
     def __init__(self, cache: CellCache, prefix: PrefixCache | None, *, max_batch: int,
                  prefill_chunk: int, reserve: float = 1.0, eos: set[int] | None = None,
-                 admission: str = "fifo", clock: Callable[[], float] | None = None):
+                 admission: str = "fifo", clock: Callable[[], float] | None = None,
+                 max_running: int | None = None):
         import time
 
         self.max_batch = max_batch
+        #: Sequences admitted to run at once at most (None: as many as the cache has ids);
+        #: a request's continuations forked when its prompt ends may pass it by ``n - 1``.
+        self.max_running = max_running
         self.prefill_chunk = prefill_chunk
         self.reserve = reserve
         self.eos: set[int] = set(eos or ())
@@ -383,6 +387,8 @@ class BaseScheduler:
                 self._order_lpm()
             i = 0
             while i < len(self.waiting) and budget > 0:
+                if self.max_running is not None and len(self.running) >= self.max_running:
+                    break
                 w = self.waiting[i]
                 arr = self.tokens_of(w)
                 L = len(arr)

@@ -129,8 +129,10 @@ class Generator:
     is pinned; cached prefixes are evicted when cells run short, before a running request
     is preempted, and when no sequence id is free. When the Generator builds the cache it
     gives it ``max_seqs`` ids for running sequences plus the prefix cache's budget (its
-    ``max_seqs`` option, default ``max_seqs``); with a cache given, the budget defaults to
-    half the ids not live. ``admission``: ``"fifo"`` (default) or ``"lpm"`` (the waiting
+    ``max_seqs`` option, default ``max_seqs``), and admits at most ``max_seqs`` sequences to
+    run at once (a request's ``n`` continuations, forked when its prompt ends, may pass it
+    by ``n - 1``); with a cache given, the budget defaults to half the ids not live and
+    running sequences are bounded by the cache's ids alone. ``admission``: ``"fifo"`` (default) or ``"lpm"`` (the waiting
     sequence with the longest cached prefix first, ties in arrival order; preempted ones stay
     first; FIFO without a prefix cache). Call ``gen.prefix.clear()`` only while nothing
     runs (pins of running requests go with it).
@@ -244,7 +246,8 @@ class Generator:
         #: Every cache verb of serving: queues, admission, preemption, the prefix cache.
         self.scheduler = Scheduler(cache, given, max_batch=self.max_batch, prefill_chunk=prefill_chunk,
                                    reserve=reserve, eos=set(eos_ids), admission=admission,
-                                   clock=self.clock)
+                                   clock=self.clock,
+                                   max_running=checked.max_seqs if checked.cache is None else None)
         #: Draws every token of a step on the model's device (one host copy a step).
         self.sampler = Sampler(self.runner.device)
         # the requests not finished yet, by id, in the order added (a finished one is let
