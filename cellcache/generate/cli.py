@@ -48,6 +48,9 @@ from .scheduler import ADMISSION_POLICIES
 __all__ = ["RANDOM_MODELS", "build_parser", "main", "random_model"]
 
 
+_LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
 RANDOM_MODELS = {
     "tiny": dict(arch="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -64,11 +67,28 @@ RANDOM_MODELS = {
     "qwen2-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                      num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                      max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False),
+    # the public configs of the models speed comparisons are published on (issue 42)
+    "qwen2.5-0.5b": dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True),
+    "llama-3.2-1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, rope_scaling=_LLAMA3_ROPE | {"factor": 32.0}),
+    "llama-3.1-8b": dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, rope_scaling=_LLAMA3_ROPE | {"factor": 8.0}),
+    "qwen2.5-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
 }
 
 
 #: Built-in models initialized directly on their device (too large to fill on the CPU first).
-_INIT_ON_DEVICE = frozenset({"qwen2-7b"})
+_INIT_ON_DEVICE = frozenset({"qwen2-7b", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b"})
 
 
 def random_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):

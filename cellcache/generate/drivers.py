@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidArgument
 from .requests import Request, Sampling
 
 __all__ = ["chat", "poisson_arrivals", "serve_arrivals"]
@@ -59,11 +60,15 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def serve_arrivals(gen: Any, prompts: Sequence[Sequence[int]], offsets: Sequence[float],
-                   sampling: Sampling, clock: Callable[[], float] = time.perf_counter,
+                   sampling: Sampling | Sequence[Sampling], clock: Callable[[], float] = time.perf_counter,
                    sleep: Callable[[float], None] = time.sleep) -> list[Request]:
     """Adds prompt i at ``offsets[i]`` seconds after the start, from a client thread (add()
     is thread-safe, so a request arrives while a step runs, as in a server), while this
-    thread steps; returns the requests in prompt order once every one is done."""
+    thread steps; returns the requests in prompt order once every one is done.
+    ``sampling``: one Sampling for every prompt, or one per prompt."""
+    samplings = [sampling] * len(prompts) if isinstance(sampling, Sampling) else list(sampling)
+    if len(samplings) != len(prompts):
+        raise InvalidArgument(f"sampling holds {len(samplings)} Samplings for {len(prompts)} prompts")
     reqs: list[Request | None] = [None] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: offsets[i])
     added = threading.Event()
@@ -76,7 +81,7 @@ def serve_arrivals(gen: Any, prompts: Sequence[Sequence[int]], offsets: Sequence
                 wait = t0 + offsets[i] - clock()
                 if wait > 0:
                     sleep(wait)
-                reqs[i] = gen.add(prompts[i], sampling)
+                reqs[i] = gen.add(prompts[i], samplings[i])
         except BaseException as e:           # handed to the stepping thread
             failure.append(e)
         finally:

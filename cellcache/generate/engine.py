@@ -132,10 +132,10 @@ class Generator:
     ``max_seqs`` option, default ``max_seqs``), and admits at most ``max_seqs`` sequences to
     run at once (a request's ``n`` continuations, forked when its prompt ends, may pass it
     by ``n - 1``); with a cache given, the budget defaults to half the ids not live and
-    running sequences are bounded by the cache's ids alone. ``admission``: ``"fifo"`` (default) or ``"lpm"`` (the waiting
-    sequence with the longest cached prefix first, ties in arrival order; preempted ones stay
-    first; FIFO without a prefix cache). Call ``gen.prefix.clear()`` only while nothing
-    runs (pins of running requests go with it).
+    running sequences are bounded by the cache's ids alone. ``admission``: ``"fifo"``
+    (default) or ``"lpm"`` (the waiting sequence with the longest cached prefix first, ties
+    in arrival order; preempted ones stay first; FIFO without a prefix cache). Call
+    ``gen.prefix.clear()`` only while nothing runs (pins of running requests go with it).
 
     ``tp`` (tensor parallelism, :mod:`cellcache.generate.distributed` has the picture):
     under an initialized ``torch.distributed`` process group, ``tp=True`` (or the world

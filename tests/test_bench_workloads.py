@@ -1,0 +1,83 @@
+"""tools/bench_workloads.py on the CPU: the workloads' lengths as their sources draw them,
+models from a directory, a quick run with Poisson arrivals and the agreement check, and its
+usage errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from .helpers import load_tool  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bw():
+    return load_tool("bench_workloads")
+
+
+def test_the_workloads_draw_their_lengths_as_published(bw):
+    prompts, outs = bw.build_workload("nano-vllm", 256, 151936, 0)
+    assert len(prompts) == len(outs) == 256
+    assert all(100 <= len(p) <= 1024 and all(0 <= t <= 10000 for t in p) for p in prompts)
+    assert all(100 <= k <= 1024 for k in outs) and len(set(outs)) > 100
+    assert (prompts, outs) == bw.build_workload("nano-vllm", 256, 151936, 0)     # seeded
+    assert bw.build_workload("nano-vllm", 4, 151936, 1) != bw.build_workload("nano-vllm", 4, 151936, 0)
+    prompts, outs = bw.build_workload("trt-128", 5, 512, 0)
+    assert [len(p) for p in prompts] == [128] * 5 and outs == [128] * 5
+    prompts, outs = bw.build_workload("sharegpt", 1000, 512, 0)
+    lens = sorted(len(p) for p in prompts)
+    assert 4 <= lens[0] and lens[-1] <= 4096 and 120 <= lens[500] <= 230          # median about 170
+    assert 4 <= min(outs) and max(outs) <= 2048 and 100 <= sorted(outs)[500] <= 200
+    assert all(0 <= t < 512 for p in prompts for t in p)
+
+
+def test_a_model_directory_with_weights_or_a_config_alone(bw, tmp_path):
+    import torch
+
+    from cellcache.generate import random_model
+
+    ref = random_model("llama-tiny", seed=5)
+    ref.save_pretrained(tmp_path / "full")
+    loaded, name = bw.load_model(str(tmp_path / "full"), torch.float32, "cpu", 0)
+    assert name == "full"
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), ref.state_dict().values()))
+    ref.config.save_pretrained(tmp_path / "config-only")
+    bare, name = bw.load_model(str(tmp_path / "config-only"), torch.float32, "cpu", 0)
+    assert name == "config-only (random weights)" and bare.config.hidden_size == ref.config.hidden_size
+
+
+def test_a_quick_run_with_poisson_arrivals_and_the_agreement_check(bw, tmp_path, capsys):
+    out = tmp_path / "w.json"
+    args = ["--device", "cpu", "--model", "tiny", "--quick", "--workload", "sharegpt", "--arrival", "poisson",
+            "--load", "0.7", "--json", str(out)]
+    assert bw.main(args) == 0
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "workload-sharegpt-tiny-cpu-quick" and res["command"].startswith(
+        "python3 tools/bench_workloads.py --device cpu")
+    w = res["workload"]
+    assert w["requests"] == 16 and res["together"]["output_tokens"] == w["output_tokens"]
+    assert res["poisson"]["output_tokens"] == w["output_tokens"] and res["poisson"]["load"] == 0.7
+    assert res["poisson"]["rate"] == pytest.approx(0.7 * res["together"]["requests_per_s"])
+    assert res["agreement"]["passed"] is True and res["agreement"]["requests"] == 4
+    assert "ttft_p99_over_p50" in res["targets"] and res["target_tokens_per_s"] is None
+    printed = capsys.readouterr().out
+    assert "cellcache, all at once" in printed and "cellcache, Poisson" in printed
+    assert "agreement: PASS" in printed
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--model", "nope"], "--model 'nope'"),
+    (["--model", "tiny", "--rate", "0"], "--rate"),
+    (["--model", "tiny", "--load", "9"], "--load"),
+    (["--workload", "other"], "--workload"),
+])
+def test_usage_errors_are_one_line_and_exit_2(bw, args, fragment, capsys):
+    with pytest.raises(SystemExit) as e:
+        bw.main(["--device", "cpu", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0]
