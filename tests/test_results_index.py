@@ -93,6 +93,11 @@ def test_each_kind_of_result_has_its_headline(ri):
                      "samples": [{"rss_bytes": 2**30}, {"rss_bytes": 2**30 + 2**21}]}}
     assert ri.headline(soak) == ("100 requests in 30 min at 2.50/s, 7 disconnects, 0 errors; "
                                  "server RSS 1,024 -> 1,026 MiB")
+    anchor = {"engine": "vLLM", "conditions": "A800", "tokens_per_s": 17700.0}
+    work = {"together": {"tokens_per_s": 23456.0}, "anchors": [anchor], "target_tokens_per_s": 50000.0,
+            "agreement": {"passed": True, "noise_max": 0.3, "error_max": 0.06}}
+    assert ri.headline(work) == ("23,456 output tok/s all at once; vLLM (A800) 17,700 published; "
+                                 "target 50,000; agreement with HF passed (0.20x the noise floor)")
     assert ri.headline({"date": "2026-01-01"}) == ri.UNKNOWN
 
 

@@ -209,6 +209,17 @@ def headline(d: dict) -> str:
         if "ttft_p50_gap_ms_at_half_load" in t:
             parts.append(f"50% load TTFT p50 gap {_num(t['ttft_p50_gap_ms_at_half_load'], '+.1f')} ms "
                          f"({'met' if t.get('ttft_ok') else 'MISSED'}: <= 10 ms)")
+    if isinstance(d.get("together"), dict) and "anchors" in d:     # tools/bench_workloads.py
+        parts.append(f"{_num(d['together'].get('tokens_per_s'))} output tok/s all at once")
+        if isinstance(d.get("poisson"), dict):
+            parts.append(f"Poisson {_num(d['poisson'].get('rate'), '.2f')}/s: TTFT p50 / p99 "
+                         f"{_num(d['poisson'].get('ttft_ms_p50'), '.1f')} / "
+                         f"{_num(d['poisson'].get('ttft_ms_p99'), '.1f')} ms")
+        parts += [f"{a['engine']} ({a['conditions']}) {_num(a['tokens_per_s'])} published"
+                  for a in d["anchors"]]
+        if d.get("target_tokens_per_s"):
+            parts.append(f"target {_num(d['target_tokens_per_s'])}")
+        parts += [t for t in (_agreement(d),) if t]
     http_soak = isinstance(d.get("soak"), dict) and "disconnected" in d["soak"]
     if http_soak:                                     # tools/bench_http.py --soak
         sk, samples = d["soak"], d["soak"].get("samples") or [{}]
