@@ -187,3 +187,14 @@ def test_max_seqs_bounds_the_sequences_running_at_once(model, prefix_cache):
     while gen.step():
         most = max(most, len(gen.running))
     assert most <= 3 + 2 and fork.done and all(r.done for r in rest)
+
+
+def test_serve_arrivals_takes_a_sampling_per_prompt_and_refuses_a_count_that_differs(model):
+    gen = Generator(model, capacity=512, max_seqs=8, eos=[])
+    ps = prompts(6, 3)
+    sps = [Sampling(max_new_tokens=k) for k in (2, 5, 3)]
+    reqs = serve_arrivals(gen, ps, [0.0, 0.001, 0.002], sps)
+    assert [len(r.outputs[0]) for r in reqs] == [2, 5, 3]
+    with pytest.raises(InvalidArgument, match="2 Samplings for 3 prompts"):
+        serve_arrivals(gen, ps, [0.0, 0.0, 0.0], sps[:2])
+    assert not gen.busy and gen.stats["tokens_out"] == 10               # nothing queued
