@@ -22,7 +22,7 @@ FLOORS = [
     {"registry"},
     {"radix", "prefix_events", "prefix_policy", "prefix_tree"},
     {"attention", "session", "prefix", "torch", "batch_invariant", "hf", "runner", "tp", "tp.shard",
-     "tp.peers", "tp.agreement"},
+     "tp.peers", "tp.agreement", "seqstate"},
     # the generator package: each module only above those it imports
     {"generate.text"},
     {"generate.requests", "generate.readback"},

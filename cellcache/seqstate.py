@@ -1,0 +1,209 @@
+"""A sequence's cells to a file and back (llama.cpp's ``llama_state_seq_save_file`` /
+``load_file``): every layer's K and V at each of the sequence's positions, in a safetensors
+file (no pickle) with a versioned header that names the cache's shape, so that a file from
+another model is refused with the layer that differs.
+
+Example
+-------
+>>> n = save_sequence(cache, seq, "chat.kv", tokens=history)        # doctest: +SKIP
+>>> seq2, tokens = load_sequence(other_cache, "chat.kv")            # doctest: +SKIP
+
+Both run between steps, on the thread that steps the cache: ``save_sequence`` reads what the
+forwards before it wrote (it waits for the device), and ``load_sequence`` places the file's
+positions as a step of its own (declared, prepared, K/V written, committed), so graphs,
+masks and the paged view see them as any other cells.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._checks import check_int
+from .cache import CellCache
+from .errors import InvalidArgument, InvalidState, OutOfMemory
+from .torch import TorchView
+
+__all__ = ["FORMAT", "VERSION", "load_sequence", "save_sequence", "shape_of"]
+
+#: What the header's ``format`` says, and the version this module writes and reads.
+FORMAT = "cellcache.sequence"
+VERSION = 1
+
+
+def shape_of(cache: CellCache) -> list[dict[str, Any]]:
+    """Per layer: K/V heads, head size, dtype and window: what a file must match."""
+    cfg = cache.config
+    return [{"n_kv_heads": lc.n_kv_heads, "head_dim": lc.head_dim, "dtype": cfg.dtype, "window": lc.window}
+            for lc in cfg.layers]
+
+
+def _sync(view: TorchView) -> None:
+    if view.cuda:
+        torch.cuda.synchronize()
+
+
+def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> int:
+    """Writes sequence ``seq``'s positions and every layer's K/V at them to ``path``, with
+    ``tokens`` (the sequence's token ids, optional) beside them; returns the positions
+    written. InvalidArgument for a bad id, path or tokens; InvalidState for a closed cache,
+    a sequence that is not live, or one in a prepared step whose forward may not have run."""
+    from safetensors.torch import save_file
+
+    if not isinstance(cache, CellCache):
+        raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
+    seq = check_int(seq, "seq", 0, 1 << 31)
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgument(f"path of type {type(path).__name__} is not a file path")
+    ids = None
+    if tokens is not None:
+        try:
+            ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(-1))
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"tokens are not a sequence of token ids: {e}") from None
+    with cache.lock:
+        if seq not in cache.live_seqs():
+            raise InvalidState(f"sequence {seq} is not live in this cache")
+        step = cache.prepared_step
+        if step is not None and seq in step.seq_ids.tolist():
+            raise InvalidState(f"sequence {seq} is in the prepared step, whose forward may not have "
+                               "written its K/V yet: save after the step")
+        table = cache.table
+        cells = np.asarray(table.seq_cells(seq), dtype=np.int64)
+        positions = np.array([table.cell_pos_at(int(c)) for c in cells], dtype=np.int64)
+        order = np.argsort(positions, kind="stable")
+        cells, positions = cells[order], positions[order]
+        view = TorchView(cache)
+        _sync(view)
+        tensors: dict[str, torch.Tensor] = {"positions": torch.from_numpy(positions.copy())}
+        index = torch.from_numpy(cells).to(view.layer(0)[0].device) if len(cells) else None
+        for i in range(len(cache.config.layers)):
+            k, v, _ = view.layer(i)
+            for name, pool in (("k", k), ("v", v)):
+                rows = pool[index] if index is not None else pool[:0]
+                tensors[f"{name}.{i}"] = rows.detach().to("cpu").contiguous()
+    if ids is not None:
+        tensors["tokens"] = ids
+    header = {"format": FORMAT, "version": str(VERSION), "layers": json.dumps(shape_of(cache))}
+    save_file(tensors, os.fspath(path), metadata=header)
+    return len(positions)
+
+
+def _read(path: Any) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgument(f"path of type {type(path).__name__} is not a file path")
+    try:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (OSError, SafetensorError) as e:
+        raise InvalidArgument(f"{os.fspath(path)!r} is not a readable sequence file: {e}") from None
+    return meta, tensors
+
+
+def _check_file(cache: CellCache, path: Any, meta: dict[str, str],
+                tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The file's positions, once its header and tensors match ``cache``."""
+    where = os.fspath(path)
+    if meta.get("format") != FORMAT:
+        raise InvalidArgument(f"{where!r} is not a cellcache sequence file (format {meta.get('format')!r})")
+    if meta.get("version") != str(VERSION):
+        raise InvalidArgument(f"{where!r} is version {meta.get('version')} of the sequence format; this "
+                              f"cellcache reads version {VERSION}")
+    try:
+        theirs = json.loads(meta.get("layers", ""))
+    except ValueError:
+        raise InvalidArgument(f"{where!r} has no readable layer shapes in its header") from None
+    ours = shape_of(cache)
+    if not isinstance(theirs, list) or len(theirs) != len(ours):
+        n = len(theirs) if isinstance(theirs, list) else "?"
+        raise InvalidArgument(f"{where!r} was saved from a model of {n} attention layers; this cache "
+                              f"has {len(ours)}")
+    for i, (a, b) in enumerate(zip(theirs, ours)):
+        if a != b:
+            raise InvalidArgument(f"{where!r} was saved from another model shape: layer {i} there is {a}, "
+                                  f"here {b}")
+    pos = tensors.get("positions")
+    if pos is None or pos.dim() != 1 or pos.dtype != torch.int64:
+        raise InvalidArgument(f"{where!r} holds no positions")
+    n = pos.numel()
+    if n and (int(pos[0]) < 0 or bool((pos[1:] <= pos[:-1]).any())):
+        raise InvalidArgument(f"{where!r}: its positions are not increasing from 0 or more")
+    for i, shape in enumerate(ours):
+        for name in ("k", "v"):
+            t = tensors.get(f"{name}.{i}")
+            want = (n, shape["n_kv_heads"], shape["head_dim"])
+            if t is None or tuple(t.shape) != want:
+                raise InvalidArgument(f"{where!r}: {name}.{i} is missing or not of shape {want}")
+    return pos
+
+
+def load_sequence(cache: CellCache, path: Any) -> tuple[int, list[int] | None]:
+    """A new sequence of ``cache`` holding the file's K/V at its positions; returns (its id,
+    the tokens saved with it or None). Positions the file lacks below its last one (cells a
+    window had let go) are placed with zero K/V, which no attention of theirs reads.
+
+    InvalidArgument for a file that is not a sequence file, of another version or another
+    model shape; InvalidState for a closed cache or a step declared or prepared and not
+    committed; OutOfMemory when no sequence id or not enough cells are free. Every refusal
+    changes nothing."""
+    if not isinstance(cache, CellCache):
+        raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
+    meta, tensors = _read(path)
+    pos = _check_file(cache, path, meta, tensors)
+    n = pos.numel()
+    length = int(pos[-1]) + 1 if n else 0
+    tokens = tensors.get("tokens")
+    with cache.lock:
+        if cache.table.declared_width or cache.prepared_step is not None:
+            raise InvalidState("a step is declared or prepared: load a sequence between steps")
+        if length > cache.free_cells:
+            raise OutOfMemory(f"the sequence needs {length} cells; {cache.free_cells} are free")
+        seq = cache.seq_new()
+        if seq is None:
+            raise OutOfMemory("no sequence id is free")
+        try:
+            _place(cache, seq, pos, tensors, length)
+        except BaseException:
+            cache.seq_rm(seq)
+            raise
+    return seq, (None if tokens is None else tokens.tolist())
+
+
+def _place(cache: CellCache, seq: int, pos: torch.Tensor, tensors: dict[str, torch.Tensor],
+           length: int) -> None:
+    """Positions ``[0, length)`` of ``seq`` placed step by step (``max_write`` a step), each
+    step's cells given the file's K/V (zeros where the file has none)."""
+    view = TorchView(cache)
+    have = torch.full((length,), -1, dtype=torch.int64)
+    have[pos] = torch.arange(pos.numel())
+    width = cache.config.max_write
+    for start in range(0, length, width):
+        w = min(width, length - start)
+        if not cache.declare_step([seq] * w):
+            raise OutOfMemory(f"no {w} free cells for positions {start}..{start + w - 1}")
+        step = cache.prepare_step(w)
+        try:
+            view = view if not view.stale() else TorchView(cache)
+            cells = torch.from_numpy(np.asarray(step.cells[:w], dtype=np.int64))
+            rows = have[start:start + w]
+            for i in range(len(cache.config.layers)):
+                k, v, _ = view.layer(i)
+                for name, pool in (("k", k), ("v", v)):
+                    src = tensors[f"{name}.{i}"]
+                    block = torch.zeros((w, *src.shape[1:]), dtype=src.dtype)
+                    some = rows >= 0
+                    block[some] = src[rows[some]]
+                    pool[cells.to(pool.device)] = block.to(device=pool.device, dtype=pool.dtype)
+            _sync(view)
+        except BaseException:
+            cache.unprepare_step()
+            cache.undeclare()
+            raise
+        cache.commit_step()

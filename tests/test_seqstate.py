@@ -1,0 +1,174 @@
+"""A sequence's cells saved to a file and loaded into another cache (cellcache.seqstate), on
+the host backend: K/V and positions round-trip bit for bit (a fork's shared cells too, a
+file with gaps below its last position), tokens ride along, and every refusal (another
+model shape or format version, a file that is not one, a sequence that is not live or is
+in a prepared step, a step in progress, no room, no id) is the library's error with nothing
+changed."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+import numpy as np  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+import cellcache as cc  # noqa: E402
+from cellcache import InvalidArgument, InvalidState, OutOfMemory  # noqa: E402
+from cellcache.seqstate import FORMAT, load_sequence, save_sequence, shape_of  # noqa: E402
+from cellcache.torch import TorchView  # noqa: E402
+
+LAYERS = (cc.LayerConfig(n_kv_heads=2, head_dim=8), cc.LayerConfig(n_kv_heads=2, head_dim=8, window=12))
+
+
+def make(capacity: int = 256, dtype: str = "float32", layers=LAYERS, max_seqs: int = 8) -> cc.CellCache:
+    return cc.HostCellCache(cc.CacheConfig(capacity=capacity, layers=layers, max_write=16, dtype=dtype,
+                                           max_seqs=max_seqs))
+
+
+def feed(cache, seq: int, n: int, seed: int) -> None:
+    """``n`` tokens of ``seq`` placed in steps, each given random K/V as a forward would."""
+    g = torch.Generator().manual_seed(seed)
+    done = 0
+    while done < n:
+        w = min(16, n - done)
+        assert cache.declare_step([seq] * w)
+        step = cache.prepare_step(w)
+        view = TorchView(cache)
+        cells = torch.from_numpy(step.cells[:w].astype(np.int64))
+        for i in range(len(cache.config.layers)):
+            k, v, _ = view.layer(i)
+            k[cells] = torch.randn((w, *k.shape[1:]), generator=g).to(k.dtype)
+            v[cells] = torch.randn((w, *v.shape[1:]), generator=g).to(v.dtype)
+        cache.commit_step()
+        done += w
+
+
+def kv_at(cache, seq: int) -> dict[int, list[torch.Tensor]]:
+    """Position -> every layer's K and V of ``seq`` there."""
+    view = TorchView(cache)
+    out = {}
+    for c in cache.table.seq_cells(seq):
+        p = cache.table.cell_pos_at(c)
+        out[p] = [t[c].clone() for i in range(len(cache.config.layers)) for t in view.layer(i)[:2]]
+    return out
+
+
+def state(cache) -> tuple:
+    live = sorted(cache.live_seqs())
+    return cache.free_cells, live, [(s, cache.seq_len(s)) for s in live]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sequence_round_trips_with_its_tokens(tmp_path, dtype):
+    a = make(dtype=dtype)
+    s = a.seq_new()
+    feed(a, s, 40, seed=1)
+    path = tmp_path / "s.kv"
+    assert save_sequence(a, s, path, tokens=list(range(100, 140))) == 40
+    b = make(dtype=dtype)
+    other = b.seq_new()
+    feed(b, other, 7, seed=2)                       # the loaded cells land elsewhere
+    seq, tokens = load_sequence(b, path)
+    assert tokens == list(range(100, 140)) and b.seq_len(seq) == 40 and b.pos(seq) == 40
+    mine, theirs = kv_at(a, s), kv_at(b, seq)
+    assert sorted(mine) == sorted(theirs) == list(range(40))
+    assert all(torch.equal(x, y) for p in mine for x, y in zip(mine[p], theirs[p]))
+    b.check_invariants()
+    feed(b, seq, 3, seed=3)                          # it goes on as any other sequence
+    assert b.seq_len(seq) == 43
+
+
+def test_a_fork_saves_its_shared_cells_and_a_file_may_have_gaps(tmp_path):
+    a = make()
+    s = a.seq_new()
+    feed(a, s, 20, seed=4)
+    child = a.seq_clone(s, 12)
+    feed(a, child, 5, seed=5)
+    save_sequence(a, child, tmp_path / "c.kv")
+    seq, tokens = load_sequence(make(), tmp_path / "c.kv")
+    assert tokens is None
+    b = make()
+    seq, _ = load_sequence(b, tmp_path / "c.kv")
+    mine, theirs = kv_at(a, child), kv_at(b, seq)
+    assert sorted(theirs) == list(range(17))
+    assert all(torch.equal(x, y) for p in mine for x, y in zip(mine[p], theirs[p]))
+    # positions 3..5 only: 0..2 are placed with zeros (a window let them go)
+    shapes = shape_of(b)
+    tensors = {"positions": torch.tensor([3, 4, 5])}
+    for i, sh in enumerate(shapes):
+        for name in "kv":
+            tensors[f"{name}.{i}"] = torch.full((3, sh["n_kv_heads"], sh["head_dim"]), float(i + 1))
+    import json
+
+    save_file(tensors, str(tmp_path / "g.kv"), metadata={"format": FORMAT, "version": "1",
+                                                          "layers": json.dumps(shapes)})
+    seq, _ = load_sequence(b, tmp_path / "g.kv")
+    got = kv_at(b, seq)
+    assert sorted(got) == list(range(6))
+    assert all(not t.any() for p in range(3) for t in got[p])
+    assert all(bool((t == (j // 2) + 1).all()) for p in range(3, 6) for j, t in enumerate(got[p]))
+
+
+def test_refusals_are_the_library_errors_and_change_nothing(tmp_path):
+    a = make()
+    s = a.seq_new()
+    feed(a, s, 30, seed=6)
+    good = tmp_path / "s.kv"
+    save_sequence(a, s, good)
+    b = make()
+    before = state(b)
+    wide = make(layers=(cc.LayerConfig(n_kv_heads=4, head_dim=8), LAYERS[1]))
+    with pytest.raises(InvalidArgument, match="another model shape: layer 0"):
+        load_sequence(wide, good)
+    with pytest.raises(InvalidArgument, match="2 attention layers; this cache has 1"):
+        load_sequence(make(layers=LAYERS[:1]), good)
+    with pytest.raises(InvalidArgument, match="another model shape"):
+        load_sequence(make(dtype="bfloat16"), good)
+    import json
+
+    newer = {"format": FORMAT, "version": "2", "layers": json.dumps(shape_of(b))}
+    for meta, fragment in [(newer, "version 2"), ({"format": "other"}, "not a cellcache sequence file")]:
+        save_file({"positions": torch.tensor([0])}, str(tmp_path / "bad.kv"), metadata=meta)
+        with pytest.raises(InvalidArgument, match=fragment):
+            load_sequence(b, tmp_path / "bad.kv")
+    (tmp_path / "junk.kv").write_bytes(b"not safetensors at all")
+    for path, fragment in [(tmp_path / "junk.kv", "not a readable"),
+                           (tmp_path / "missing.kv", "not a readable"), (3, "not a file path")]:
+        with pytest.raises(InvalidArgument, match=fragment):
+            load_sequence(b, path)
+    assert state(b) == before
+    # room and ids
+    tiny = make(capacity=16)
+    before = state(tiny)
+    with pytest.raises(OutOfMemory, match="needs 30 cells"):
+        load_sequence(tiny, good)
+    assert state(tiny) == before
+    small = make(capacity=32)
+    full = make(max_seqs=1)
+    full.seq_new()
+    before = state(full)
+    with pytest.raises(OutOfMemory, match="no sequence id"):
+        load_sequence(full, good)
+    assert state(full) == before
+    # a step in progress, on either side
+    assert small.declare_step([small.seq_new()])
+    before = state(small)
+    with pytest.raises(InvalidState, match="between steps"):
+        load_sequence(small, good)
+    assert state(small) == before and small.table.declared_width == 1
+    step_seq = a.seq_new()
+    assert a.declare_step([step_seq, s])
+    a.prepare_step(2)
+    with pytest.raises(InvalidState, match="prepared step"):
+        save_sequence(a, s, tmp_path / "x.kv")
+    with pytest.raises(InvalidState, match="not live"):
+        save_sequence(a, 7, tmp_path / "x.kv")
+    for bad, exc in [("1", InvalidArgument), (-1, InvalidArgument)]:
+        with pytest.raises(exc):
+            save_sequence(a, bad, tmp_path / "x.kv")
+    with pytest.raises(InvalidArgument, match="token ids"):
+        save_sequence(b, b.seq_new(), tmp_path / "x.kv", tokens=["a"])
+    assert not (tmp_path / "x.kv").exists()
