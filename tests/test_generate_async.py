@@ -473,11 +473,17 @@ def test_profile_serve_tool_runs(tmp_path, capsys):
     before = list(sys.path)
     try:
         assert mod["main"](["--rows", "4", "--steps", "3", "--json", str(tmp_path / "p.json")]) == 0
+        res = json.loads((tmp_path / "p.json").read_text())
+        assert [r["mode"] for r in res] == ["sync", "async"] and all(r["decode_steps"] == 3 for r in res)
+        assert "host" in capsys.readouterr().out
+        # --stream: the callbacks phase carries each token's on_token call
+        assert mod["main"](["--rows", "4", "--steps", "3", "--mode", "async", "--stream",
+                            "--json", str(tmp_path / "s.json")]) == 0
+        streamed = json.loads((tmp_path / "s.json").read_text())[0]
+        assert streamed["stream"] is True and res[1]["stream"] is False
+        assert streamed["decode_steps"] == 3 and streamed["us_per_step"]["callbacks"] > 0
     finally:
         sys.path[:] = before
-    res = json.loads((tmp_path / "p.json").read_text())
-    assert [r["mode"] for r in res] == ["sync", "async"] and all(r["decode_steps"] == 3 for r in res)
-    assert "host" in capsys.readouterr().out
 
 
 def test_requests_added_from_a_client_thread(model):

@@ -13,6 +13,7 @@ applying the outcomes, the callbacks.
     python3 tools/profile_serve.py                      # 256 rows, sync and async
     python3 tools/profile_serve.py --rows 64 --steps 100 --mode async --json out.json
     python3 tools/profile_serve.py --cprofile 25        # the 25 costliest functions too
+    python3 tools/profile_serve.py --mode async --stream   # every token to an on_token callback
     python3 tools/profile_serve.py --device cuda --compile --mode async   # the GPU's real steps
 
 It prints, per mode, the mean host microseconds per decode step for each phase of
@@ -34,10 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: str,
-          device: str = "cpu", compile: bool = False):
+          device: str = "cpu", compile: bool = False, stream: bool = False):
     import torch
 
     from cellcache.generate import Generator, Sampling, random_model
+
+    outbox: list = []
+    # --stream: each token to a callback doing what the server's engine thread does with it
+    # (an event appended to the outbox the event loop takes after the step)
+    on_token = (lambda req, k, tok: outbox.append((req.id, k, tok))) if stream else None
 
     capacity = rows * (prompt_len + new_tokens) + 1024
     if device == "cuda":                      # the real model and forward (graphs, bf16)
@@ -48,7 +54,8 @@ def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: st
         vocab = model.config.vocab_size
         for i in range(rows):
             gen.add([(i * 7 + j) % vocab for j in range(prompt_len)],
-                    Sampling(max_new_tokens=new_tokens))
+                    Sampling(max_new_tokens=new_tokens), on_token=on_token)
+        gen.outbox = outbox
         return gen
     torch.set_num_threads(1)                  # the stub's argmax: no thread pool wake-ups
     model = random_model(model_name, torch.float32, "cpu", 0)
@@ -71,13 +78,14 @@ def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: st
     gen.runner.forward = forward  # type: ignore[method-assign]
     sampling = Sampling(max_new_tokens=new_tokens)
     for i in range(rows):
-        gen.add([(i * 7 + j) % vocab for j in range(prompt_len)], sampling)
+        gen.add([(i * 7 + j) % vocab for j in range(prompt_len)], sampling, on_token=on_token)
+    gen.outbox = outbox
     return gen
 
 
 def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int,
-            device: str = "cpu", prompt_len: int = 8, compile: bool = False) -> dict:
-    gen = build(rows, steps + 8, prompt_len, mode, model_name, device, compile)
+            device: str = "cpu", prompt_len: int = 8, compile: bool = False, stream: bool = False) -> dict:
+    gen = build(rows, steps + 8, prompt_len, mode, model_name, device, compile, stream)
     # read every prompt and reach the steady state (all rows decoding)
     while any(len(s.tokens) - s.in_cache > 1 for s in gen.running) or gen.waiting:
         gen.step()
@@ -90,6 +98,7 @@ def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int,
         prof.enable()
     for _ in range(steps):
         gen.step()
+        gen.outbox.clear()                    # (the loop's take, off this thread's clock)
     if prof is not None:
         prof.disable()
     wall = time.perf_counter() - t0
@@ -98,7 +107,8 @@ def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int,
     phases = {k: 1e3 * (after["decode_host_ms"][k] - before["decode_host_ms"].get(k, 0.0)) / max(n, 1)
               for k in after["decode_host_ms"]}
     host = sum(v for k, v in phases.items() if k != "wait")
-    res = {"mode": mode, "compile": compile, "rows": rows, "decode_steps": n, "us_per_step": phases,
+    res = {"mode": mode, "compile": compile, "stream": stream, "rows": rows, "decode_steps": n,
+           "us_per_step": phases,
            "host_us_per_step": host, "wall_us_per_step": 1e6 * wall / steps}
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(cprof)
@@ -122,6 +132,8 @@ def main(argv=None) -> int:
                    help="with --device cuda: the model through torch.compile (Generator(compile=True))")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also print cProfile's N costliest functions (by own time)")
+    p.add_argument("--stream", action="store_true",
+                   help="every request streams: an on_token callback per token, as the HTTP server's")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.rows < 1 or args.steps < 1 or args.prompt_len < 1:
@@ -137,7 +149,7 @@ def main(argv=None) -> int:
     out = []
     for mode in modes:
         r = profile(args.rows, args.steps, mode, model, args.cprofile, args.device, args.prompt_len,
-                    args.compile)
+                    args.compile, args.stream)
         out.append(r)
         parts = ", ".join(f"{k} {v:.1f}" for k, v in r["us_per_step"].items())
         print(f"{mode}: {r['rows']} rows, host {r['host_us_per_step']:.1f} us/decode step "
