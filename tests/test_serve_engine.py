@@ -305,3 +305,63 @@ def test_nothing_of_a_request_outlives_it(served):
         raise AssertionError(f"still held (object, its referrers' types): {held}") from None
     del theirs
     assert engine._outbox == []
+
+
+class _Loop:
+    """What the engine hands over to: each call_soon_threadsafe's batch, recorded."""
+
+    def __init__(self):
+        self.batches: list[list] = []
+
+    def call_soon_threadsafe(self, fn, batch):
+        self.batches.append([(s.tag, e.kind, e.token) for s, e in batch])
+
+
+def test_stream_interval_holds_a_streams_tokens_back_but_never_its_first_or_its_end():
+    from cellcache.serve.engine import Event, Stream
+
+    gen = Generator(random_model("llama-tiny"), capacity=256, eos=[])
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="stream_interval"):
+            Engine(gen, stream_interval=bad)
+    engine = Engine(gen, stream_interval=3)
+    loop = _Loop()
+    a, b = Stream(loop, None, 0), Stream(loop, None, 1)        # type: ignore[arg-type]
+
+    def hand(*events):
+        engine._outbox.extend(events)
+        engine._hand_over()
+        return loop.batches.pop() if loop.batches else []
+
+    tok = lambda s, t: (s, Event("token", s.tag, token=t))
+    assert hand(tok(a, 1)) == [(0, "token", 1)]                 # a's first: at once
+    assert hand(tok(a, 2), tok(b, 7)) == [(1, "token", 7)]      # a holds 2; b's first goes
+    assert hand(tok(a, 3)) == []
+    assert hand(tok(a, 4), tok(b, 8)) == [(0, "token", 2), (0, "token", 3), (0, "token", 4)]
+    assert hand(tok(a, 5), (b, Event("done", 1))) == [(1, "token", 8), (1, "done", 0)]
+    assert hand((a, Event("error", 0, text="x")), (a, Event("done", 0))) == [
+        (0, "token", 5), (0, "error", 0), (0, "done", 0)]
+    assert not a.held and not b.held and a.held_tokens == 0
+    every = Engine(gen)                                          # the default: every step's
+    every._outbox.extend([tok(a, 9), tok(a, 10)])
+    every._hand_over()
+    assert loop.batches.pop() == [(0, "token", 9), (0, "token", 10)]
+
+
+def test_a_server_with_a_stream_interval_sends_the_same_tokens_in_fewer_chunks():
+    gen = Generator(random_model("llama-tiny"), capacity=1024, eos=[])
+    engine = Engine(gen, max_waiting=8, stream_interval=4)
+    app = build_app(engine, model_name="tiny", limits=ServeLimits(capacity=1024, default_max_tokens=8))
+    engine.start()
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 13, "temperature": 0, "return_token_ids": True}
+        whole = post(app, "/v1/completions", body).json()["choices"][0]["token_ids"]
+        s = post(app, "/v1/completions", {**body, "stream": True})
+        chunks = [json.loads(e) for e in events(s)[:-1]]
+        assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole and len(whole) == 13
+        # the first token, then every 4, then the end: at most 5 chunks (the loop may join
+        # what it finds queued together, never split it)
+        assert len(chunks) <= 1 + 3 + 1
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    finally:
+        engine.stop(5)

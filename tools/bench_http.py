@@ -66,6 +66,8 @@ def build_parser() -> Parser:
     p.add_argument("--max-tokens", type=in_range(1, 1 << 20), default=256)
     p.add_argument("--capacity", type=in_range(64, 1 << 30), default=1 << 18)
     p.add_argument("--max-seqs", type=in_range(1, 1 << 16), default=256)
+    p.add_argument("--stream-interval", type=in_range(1, 1 << 16), default=1,
+                   help="the server's --stream-interval (tokens a chunk gathers; default 1)")
     p.add_argument("--max-batch-tokens", type=in_range(1, 1 << 16), default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--loads", default="0.5", help="fractions of the saturated request rate (default 0.5)")
@@ -143,6 +145,8 @@ def server_flags(args: Any) -> list[str]:
         flags += ["--max-batch-tokens", str(args.max_batch_tokens)]
     if args.no_prefix_cache:
         flags.append("--no-prefix-cache")
+    if args.stream_interval != 1:
+        flags += ["--stream-interval", str(args.stream_interval)]
     return flags
 
 

@@ -51,6 +51,9 @@ def build_parser() -> Parser:
                    help="the model's name in requests and /v1/models (default: MODEL_DIR's last part)")
     p.add_argument("--max-waiting", type=in_range(1, 1 << 20), default=1024,
                    help="requests accepted without a first token at most; past it: 429 (default 1024)")
+    p.add_argument("--stream-interval", type=in_range(1, 1 << 16), default=1,
+                   help="tokens a stream gathers before a chunk is sent; its first token and its end "
+                        "go at once (default 1: every step's)")
     p.add_argument("--default-max-tokens", type=in_range(1, 1 << 30), default=4096,
                    help="max_tokens of a request that gives none: what fits, at most this (default 4096)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -205,7 +208,8 @@ def _serve(args: Any, gen: Any, sock: socket.socket, world: int) -> int:
     limits = ServeLimits(capacity=gen.cache.config.capacity,
                          max_positions=max_pos if isinstance(max_pos, int) and max_pos > 0 else None,
                          default_max_tokens=args.default_max_tokens)
-    engine = Engine(gen, max_waiting=args.max_waiting, idle_tick=1.0 if world > 1 else None)
+    engine = Engine(gen, max_waiting=args.max_waiting, idle_tick=1.0 if world > 1 else None,
+                    stream_interval=args.stream_interval)
     app = build_app(engine, model_name=name, limits=limits, drain_timeout=args.shutdown_timeout)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5,
                             access_log=args.log_level in ("info", "debug"))

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..generate import Generator, Request, Sampling
@@ -82,6 +82,11 @@ class Stream:
     tag: int
     request: Request | None = None
     started: bool = False                       # a first token (or the end) was seen
+    # the engine thread's hold-back (stream_interval > 1): events not handed over yet, the
+    # tokens among them, and whether anything was handed over at all
+    held: list[tuple[Stream, Event]] = field(default_factory=list)
+    held_tokens: int = 0
+    sent: bool = False
 
 
 def _deliver(batch: list[tuple[Stream, Event]]) -> None:
@@ -104,9 +109,15 @@ class Engine:
     """
 
     def __init__(self, gen: Generator, *, max_waiting: int = 1024,
-                 on_done: Callable[[Request], Any] | None = None, idle_tick: float | None = None):
+                 on_done: Callable[[Request], Any] | None = None, idle_tick: float | None = None,
+                 stream_interval: int = 1):
         self.gen = gen
         self.idle_tick = idle_tick
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval {stream_interval!r} is not an int >= 1")
+        #: Tokens a stream's events gather on the engine thread before they are handed over
+        #: (1: every step's); a stream's first token and its end go at once.
+        self.stream_interval = stream_interval
         self.max_waiting = max_waiting
         self.on_done = on_done
         self.draining = False
@@ -291,6 +302,8 @@ class Engine:
         # this very list, so it is never replaced)
         taken = outbox[:]
         del outbox[:len(taken)]
+        if self.stream_interval > 1:
+            taken = self._hold_back(taken)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Event]]] = {}
         for item in taken:
             by_loop.setdefault(item[0].loop, []).append(item)
@@ -299,6 +312,31 @@ class Engine:
                 loop.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:                # the loop closed: nobody listens any more
                 pass
+
+    def _hold_back(self, taken: list[tuple[Stream, Event]]) -> list[tuple[Stream, Event]]:
+        """What of ``taken`` goes to the loops now, ``stream_interval > 1``: a stream's events
+        wait on the stream until they carry ``stream_interval`` tokens; a stream that was
+        never handed anything, an end (a finish reason, ``done``, ``error``) and everything
+        held before it go at once (engine thread)."""
+        every = self.stream_interval
+        unit = "text" if self.gen.tokenizer is not None else "token"    # one per token
+        out: list[tuple[Stream, Event]] = []
+        seen: list[Stream] = []
+        for item in taken:
+            stream, ev = item
+            if not stream.sent:
+                seen.append(stream)
+                out.append(item)                # its first hand-over: at once (TTFT)
+                continue
+            stream.held.append(item)
+            if ev.kind == unit:
+                stream.held_tokens += 1
+            if ev.kind in ("done", "error") or ev.finish is not None or stream.held_tokens >= every:
+                out += stream.held
+                stream.held, stream.held_tokens = [], 0
+        for stream in seen:
+            stream.sent = True
+        return out
 
     def _run(self) -> None:
         # The thread never ends but by stop(): a client waits on it for every event, so an
