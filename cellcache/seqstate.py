@@ -188,7 +188,11 @@ def _place(cache: CellCache, seq: int, pos: torch.Tensor, tensors: dict[str, tor
         w = min(width, length - start)
         if not cache.declare_step([seq] * w):
             raise OutOfMemory(f"no {w} free cells for positions {start}..{start + w - 1}")
-        step = cache.prepare_step(w)
+        try:
+            step = cache.prepare_step(w)       # (growth may fail: the declaration goes too)
+        except BaseException:
+            cache.undeclare()
+            raise
         try:
             view = view if not view.stale() else TorchView(cache)
             cells = torch.from_numpy(np.asarray(step.cells[:w], dtype=np.int64))

@@ -20,6 +20,8 @@ from cellcache import InvalidArgument, InvalidState, OutOfMemory  # noqa: E402
 from cellcache.seqstate import FORMAT, load_sequence, save_sequence, shape_of  # noqa: E402
 from cellcache.torch import TorchView  # noqa: E402
 
+from .helpers import FailingAllocator  # noqa: E402
+
 LAYERS = (cc.LayerConfig(n_kv_heads=2, head_dim=8), cc.LayerConfig(n_kv_heads=2, head_dim=8, window=12))
 
 
@@ -172,3 +174,26 @@ def test_refusals_are_the_library_errors_and_change_nothing(tmp_path):
     with pytest.raises(InvalidArgument, match="token ids"):
         save_sequence(b, b.seq_new(), tmp_path / "x.kv", tokens=["a"])
     assert not (tmp_path / "x.kv").exists()
+
+
+def test_a_growth_that_fails_part_way_leaves_nothing_behind(tmp_path):
+    """Loading 30 positions 16 a step into pools of 16 rows: the second step's growth fails
+    (an injected allocation failure) after the first step committed; the new sequence goes,
+    and the same load succeeds once allocations do."""
+    a = make()
+    s = a.seq_new()
+    feed(a, s, 30, seed=8)
+    save_sequence(a, s, tmp_path / "s.kv")
+    cfg = cc.CacheConfig(capacity=256, layers=LAYERS, max_write=16, initial_capacity=16, max_seqs=8,
+                         dtype="float32")
+    probe = FailingAllocator()
+    first = cc.HostCellCache(cfg, growth="copy", allocator=probe)
+    assert first.declare_step([first.seq_new()] * 16)
+    first.prepare_step(16)
+    first.commit_step()
+    b = cc.HostCellCache(cfg, growth="copy", allocator=FailingAllocator(fail_at=probe.calls))
+    before = state(b)
+    with pytest.raises(OutOfMemory, match="injected"):
+        load_sequence(b, tmp_path / "s.kv")
+    assert state(b) == before and b.table.declared_width == 0 and b.prepared_step is None
+    b.check_invariants()
