@@ -32,7 +32,7 @@ FLOORS = [
     {"generate.base"},
     {"generate.scheduler"},
     {"generate.distributed", "generate.options"},
-    {"generate.engine", "generate.drivers", "generate.agreement"},
+    {"generate.engine", "generate.drivers", "generate.agreement", "generate.state"},
     {"generate.cli"},
     {"generate"},
     # the HTTP server (issue 40): each module only above those it imports

@@ -70,7 +70,8 @@ steps), ``sampler`` (batched sampling and draft verification on the device, no c
 needed), ``readback`` (the step's device-to-host copy), ``options`` (the Generator's arguments,
 checked), ``engine`` (the Generator: the step
 transaction, rollback, threads), ``drivers`` (chat and Poisson-arrival clients shared by
-tests and ``tools/bench_serve.py``), ``cli`` (``cellcache generate``, random models).
+tests and ``tools/bench_serve.py``), ``state`` (cached prefixes saved to files and loaded
+back: ``save_prefix``, ``load_prefix``), ``cli`` (``cellcache generate``, random models).
 
 >>> gen = Generator(model, capacity=1 << 16)                                   # doctest: +SKIP
 >>> req = gen.add([1, 2, 3], Sampling(max_new_tokens=16))                      # doctest: +SKIP
@@ -85,8 +86,10 @@ from .engine import Generator
 from .requests import FINISH_REASONS, Request, Sampling, TokenLogprob, latency_summary
 from .sampler import Sampler, SamplerOutput, SampleSpec
 from .scheduler import ADMISSION_POLICIES, Scheduler, StepPlan
+from .state import load_prefix, save_prefix
 
 __all__ = ["ADMISSION_POLICIES", "FINISH_REASONS", "RANDOM_MODELS", "Generator", "Request",
            "SampleSpec", "Sampler", "SamplerOutput", "Sampling", "Scheduler", "StepPlan",
            "TokenLogprob", "chat",
-           "latency_summary", "main", "poisson_arrivals", "random_model", "serve_arrivals"]
+           "latency_summary", "load_prefix", "main", "poisson_arrivals", "random_model", "save_prefix",
+           "serve_arrivals"]
