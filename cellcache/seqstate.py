@@ -26,9 +26,10 @@ import torch
 from ._checks import check_int
 from .cache import CellCache
 from .errors import InvalidArgument, InvalidState, OutOfMemory
-from .torch import TorchView
+from .torch import TorchView, torch_dtype
 
-__all__ = ["FORMAT", "VERSION", "load_sequence", "save_sequence", "shape_of"]
+__all__ = ["FORMAT", "VERSION", "load_sequence", "read_sequence", "save_sequence", "shape_of",
+           "write_sequence"]
 
 #: What the header's ``format`` says, and the version this module writes and reads.
 FORMAT = "cellcache.sequence"
@@ -65,6 +66,23 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
             ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(-1))
         except (TypeError, ValueError) as e:
             raise InvalidArgument(f"tokens are not a sequence of token ids: {e}") from None
+    tensors = read_sequence(cache, seq)
+    if ids is not None:
+        tensors["tokens"] = ids
+    header = {"format": FORMAT, "version": str(VERSION), "layers": json.dumps(shape_of(cache))}
+    save_file(tensors, os.fspath(path), metadata=header)
+    return int(tensors["positions"].numel())
+
+
+def read_sequence(cache: CellCache, seq: Any) -> dict[str, torch.Tensor]:
+    """Sequence ``seq``'s positions and every layer's K and V at them, as CPU tensors
+    (``"positions"`` ``[n]`` int64 increasing, ``"k.{layer}"`` and ``"v.{layer}"``
+    ``[n, n_kv_heads, head_dim]`` in the cache's dtype): what a file holds, in memory (a
+    host copy to spill to, :func:`write_sequence` to bring it back). Refuses as
+    :func:`save_sequence` does."""
+    if not isinstance(cache, CellCache):
+        raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
+    seq = check_int(seq, "seq", 0, 1 << 31)
     with cache.lock:
         if seq not in cache.live_seqs():
             raise InvalidState(f"sequence {seq} is not live in this cache")
@@ -86,11 +104,7 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
             for name, pool in (("k", k), ("v", v)):
                 rows = pool[index] if index is not None else pool[:0]
                 tensors[f"{name}.{i}"] = rows.detach().to("cpu").contiguous()
-    if ids is not None:
-        tensors["tokens"] = ids
-    header = {"format": FORMAT, "version": str(VERSION), "layers": json.dumps(shape_of(cache))}
-    save_file(tensors, os.fspath(path), metadata=header)
-    return len(positions)
+    return tensors
 
 
 def _read(path: Any) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
@@ -129,18 +143,26 @@ def _check_file(cache: CellCache, path: Any, meta: dict[str, str],
         if a != b:
             raise InvalidArgument(f"{where!r} was saved from another model shape: layer {i} there is {a}, "
                                   f"here {b}")
+    return _check_tensors(cache, tensors, repr(where))
+
+
+def _check_tensors(cache: CellCache, tensors: dict[str, torch.Tensor], where: str) -> torch.Tensor:
+    """The positions of ``tensors``, once they have every layer's K/V in ``cache``'s shape."""
+    ours = shape_of(cache)
     pos = tensors.get("positions")
-    if pos is None or pos.dim() != 1 or pos.dtype != torch.int64:
-        raise InvalidArgument(f"{where!r} holds no positions")
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 1 or pos.dtype != torch.int64:
+        raise InvalidArgument(f"{where} holds no positions")
     n = pos.numel()
     if n and (int(pos[0]) < 0 or bool((pos[1:] <= pos[:-1]).any())):
-        raise InvalidArgument(f"{where!r}: its positions are not increasing from 0 or more")
+        raise InvalidArgument(f"{where}: its positions are not increasing from 0 or more")
+    dtype = torch_dtype(cache.config.dtype)
     for i, shape in enumerate(ours):
         for name in ("k", "v"):
             t = tensors.get(f"{name}.{i}")
             want = (n, shape["n_kv_heads"], shape["head_dim"])
-            if t is None or tuple(t.shape) != want:
-                raise InvalidArgument(f"{where!r}: {name}.{i} is missing or not of shape {want}")
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != dtype:
+                raise InvalidArgument(f"{where}: {name}.{i} is missing or not a {dtype} tensor of "
+                                      f"shape {want}")
     return pos
 
 
@@ -157,9 +179,23 @@ def load_sequence(cache: CellCache, path: Any) -> tuple[int, list[int] | None]:
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
     meta, tensors = _read(path)
     pos = _check_file(cache, path, meta, tensors)
+    tokens = tensors.get("tokens")
+    return _write(cache, tensors, pos), (None if tokens is None else tokens.tolist())
+
+
+def write_sequence(cache: CellCache, tensors: dict[str, torch.Tensor]) -> int:
+    """A new sequence of ``cache`` holding ``tensors`` (as :func:`read_sequence` returns them,
+    in this cache's shape); returns its id. Refuses as :func:`load_sequence` does."""
+    if not isinstance(cache, CellCache):
+        raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
+    if not isinstance(tensors, dict):
+        raise InvalidArgument(f"tensors of type {type(tensors).__name__} is not a dict of tensors")
+    return _write(cache, tensors, _check_tensors(cache, tensors, "the sequence"))
+
+
+def _write(cache: CellCache, tensors: dict[str, torch.Tensor], pos: torch.Tensor) -> int:
     n = pos.numel()
     length = int(pos[-1]) + 1 if n else 0
-    tokens = tensors.get("tokens")
     with cache.lock:
         if cache.table.declared_width or cache.prepared_step is not None:
             raise InvalidState("a step is declared or prepared: load a sequence between steps")
@@ -173,7 +209,7 @@ def load_sequence(cache: CellCache, path: Any) -> tuple[int, list[int] | None]:
         except BaseException:
             cache.seq_rm(seq)
             raise
-    return seq, (None if tokens is None else tokens.tolist())
+    return seq
 
 
 def _place(cache: CellCache, seq: int, pos: torch.Tensor, tensors: dict[str, torch.Tensor],

@@ -17,7 +17,14 @@ from safetensors.torch import save_file  # noqa: E402
 
 import cellcache as cc  # noqa: E402
 from cellcache import InvalidArgument, InvalidState, OutOfMemory  # noqa: E402
-from cellcache.seqstate import FORMAT, load_sequence, save_sequence, shape_of  # noqa: E402
+from cellcache.seqstate import (  # noqa: E402
+    FORMAT,
+    load_sequence,
+    read_sequence,
+    save_sequence,
+    shape_of,
+    write_sequence,
+)
 from cellcache.torch import TorchView  # noqa: E402
 
 from .helpers import FailingAllocator  # noqa: E402
@@ -197,3 +204,27 @@ def test_a_growth_that_fails_part_way_leaves_nothing_behind(tmp_path):
         load_sequence(b, tmp_path / "s.kv")
     assert state(b) == before and b.table.declared_width == 0 and b.prepared_step is None
     b.check_invariants()
+
+
+def test_in_memory_the_same_tensors_a_host_copy_to_spill_to():
+    a = make(dtype="bfloat16")
+    s = a.seq_new()
+    feed(a, s, 21, seed=9)
+    held = read_sequence(a, s)
+    assert held["positions"].tolist() == list(range(21)) and held["k.0"].dtype == torch.bfloat16
+    assert held["k.1"].device.type == "cpu" and tuple(held["v.1"].shape) == (21, 2, 8)
+    a.seq_rm(s)                                      # spilled: its cells are free
+    back = write_sequence(a, held)
+    mine = {p: [held[f"{n}.{i}"][p] for i in range(2) for n in "kv"] for p in range(21)}
+    theirs = kv_at(a, back)
+    assert all(torch.equal(x, y) for p in mine for x, y in zip(mine[p], theirs[p]))
+    before = state(a)
+    for bad, fragment in [({**held, "k.0": held["k.0"].float()}, "bfloat16"),
+                          ({**held, "v.1": held["v.1"][:3]}, "v.1"),
+                          ({k: v for k, v in held.items() if k != "positions"}, "no positions"),
+                          ({**held, "positions": held["positions"].flip(0)}, "increasing")]:
+        with pytest.raises(InvalidArgument, match=fragment):
+            write_sequence(a, bad)
+    with pytest.raises(InvalidArgument, match="dict"):
+        write_sequence(a, [held])
+    assert state(a) == before
