@@ -500,27 +500,32 @@ def agreement_pass(model, prompts, new_tokens, capacity: int, w: dict, device: s
                    sample: int, seed: int) -> dict:
     """The end-to-end agreement check of the configuration timed (cellcache.generate.agreement):
     every prompt served once more, all together, by a generator built as the timed ones
-    (prefix cache on), the logits of ``sample`` requests chosen at random recorded at every
-    row they were sampled at, then compared with HF's own forward of the same weights over
-    the same tokens (float32: the reference; the served dtype: the noise floor)."""
+    (prefix cache on), through :func:`tapped_run`."""
     from cellcache.generate import Sampling
-    from cellcache.generate.agreement import LogitsTap, compare
 
     gen = make_gen(model, w, True, capacity, len(prompts) + 8)
+    out = tapped_run(gen, prompts, [Sampling(max_new_tokens=new_tokens)] * len(prompts), models, sample, seed)
+    gen.cache.close()
+    return out
+
+
+def tapped_run(gen, prompts: list, samplings: list, models: tuple, sample: int, seed: int) -> dict:
+    """Every prompt served on ``gen`` all together (the batch shapes of the run timed), the
+    logits of ``sample`` requests chosen at random recorded at every row they were sampled
+    at, then compared with HF's own forward of the same weights over the same tokens
+    (float32: the reference; the served dtype: the noise floor)."""
+    from cellcache.generate.agreement import LogitsTap, compare
+
     rng = np.random.default_rng(seed)
     chosen = set(rng.choice(len(prompts), size=min(sample, len(prompts)), replace=False).tolist())
     ids: set[int] = set()
     with LogitsTap(gen, keep=lambda r: r.id in ids) as tap:
-        for i, p in enumerate(prompts):
-            req = gen.add(p, Sampling(max_new_tokens=new_tokens))
+        for i, (p, sp) in enumerate(zip(prompts, samplings)):
+            req = gen.add(p, sp)
             if i in chosen:
                 ids.add(req.id)
         gen.run()
-    rows = tap.rows()
-    gen.cache.close()
-    del gen, tap
-    report = compare(rows, *models)
-    out = report.as_dict()
+    out = compare(tap.rows(), *models).as_dict()
     out["requests"] = len(chosen)
     return out
 

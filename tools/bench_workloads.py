@@ -29,8 +29,9 @@ p50 at 70% load. Models (``--model``): a built-in random one (``RANDOM_MODELS``)
 directory, with weights (loaded) or with a ``config.json`` alone (random weights).
 
 The figures count only when the end-to-end agreement check passes (``--check-requests``
-requests served once more and compared with HF's own forward, as ``tools/bench_serve.py``
-does; ``--no-check`` skips it and the JSON says the figures do not count).
+requests chosen at random while the whole workload is served once more, all at once, compared
+with HF's own forward: ``tools/bench_serve.py``'s ``tapped_run``; ``--no-check`` skips it
+and the JSON says the figures do not count).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from typing import Any
 
 import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
+from bench_serve import tapped_run
 
 from cellcache._cli import Parser, in_range
 
@@ -144,24 +146,6 @@ def serve(gen, prompts: list[list[int]], lengths: list[int], temperature: float,
     return reqs, time.perf_counter() - t0
 
 
-def check_agreement(gen, prompts, lengths, temperature, models, sample: int, seed: int) -> dict:
-    """``sample`` requests' every sampled row against HF's forward (bench_serve's check)."""
-    from cellcache.generate import Sampling
-    from cellcache.generate.agreement import LogitsTap, compare
-
-    rng = np.random.default_rng(seed)
-    chosen = sorted(rng.choice(len(prompts), size=min(sample, len(prompts)), replace=False).tolist())
-    ids: set[int] = set()
-    with LogitsTap(gen, keep=lambda r: r.id in ids) as tap:
-        for i in chosen:
-            req = gen.add(prompts[i], Sampling(max_new_tokens=lengths[i], temperature=temperature, seed=i))
-            ids.add(req.id)
-        gen.run()
-    out = compare(tap.rows(), *models).as_dict()
-    out["requests"] = len(chosen)
-    return out
-
-
 def build_parser() -> Parser:
     p = Parser(prog="bench_workloads", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="nano-vllm")
@@ -201,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     import torch
 
-    from cellcache.generate import Generator, latency_summary, poisson_arrivals
+    from cellcache.generate import Generator, Sampling, latency_summary, poisson_arrivals
 
     spec = WORKLOADS[args.workload]
     n = args.requests or (16 if args.quick else spec["requests"])
@@ -256,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                           "load": None if args.rate else args.load}
     if models is not None:
         log(f"[workloads] agreement check: {args.check_requests} requests against HF's forward")
-        res["agreement"] = check_agreement(gen, prompts, lengths, temperature, models, args.check_requests,
-                                           args.seed)
+        sps = [Sampling(max_new_tokens=k, temperature=temperature, seed=i) for i, k in enumerate(lengths)]
+        res["agreement"] = tapped_run(gen, prompts, sps, models, args.check_requests, args.seed)
     else:
         res["agreement"] = {"passed": None, "summary": "not checked (--no-check): the figures do not count"}
     gen.cache.close()

@@ -41,7 +41,8 @@ def save_prefix(gen: Any, tokens: Any, path: Any) -> int:
     """Writes the cached K/V of ``tokens`` (and the tokens) to ``path``; returns how many.
     InvalidState when the prefix cache does not hold all of ``tokens`` (it says how many it
     holds), the generator is busy or has no prefix cache; InvalidArgument for bad tokens or
-    path. Nothing in the generator changes."""
+    path. A refusal changes nothing; a save counts as a use of the prefix (a hit in the
+    prefix cache's metrics, its eviction order refreshed)."""
     prefix = _idle_prefix(gen, "save_prefix")
     ids = token_ids(tokens, "tokens", gen.vocab)
     held = prefix.peek(ids)
