@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._checks import check_int
+from ._checks import check_int, check_seq_id
 from .cache import CellCache
 from .errors import InvalidArgument, InvalidState, OutOfMemory
 from .torch import TorchView, torch_dtype
@@ -57,15 +57,16 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
 
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
-    seq = check_int(seq, "seq", 0, 1 << 31)
+    seq = check_seq_id(seq, cache.max_seqs)
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgument(f"path of type {type(path).__name__} is not a file path")
     ids = None
     if tokens is not None:
         try:
-            ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(-1))
-        except (TypeError, ValueError) as e:
-            raise InvalidArgument(f"tokens are not a sequence of token ids: {e}") from None
+            ids = torch.tensor([check_int(t, "token id", 0) for t in tokens], dtype=torch.int64)
+        except TypeError:
+            raise InvalidArgument(f"tokens of type {type(tokens).__name__} are not a sequence of token "
+                                  "ids") from None
     tensors = read_sequence(cache, seq)
     if ids is not None:
         tensors["tokens"] = ids
@@ -82,7 +83,7 @@ def read_sequence(cache: CellCache, seq: Any) -> dict[str, torch.Tensor]:
     :func:`save_sequence` does."""
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
-    seq = check_int(seq, "seq", 0, 1 << 31)
+    seq = check_seq_id(seq, cache.max_seqs)
     with cache.lock:
         if seq not in cache.live_seqs():
             raise InvalidState(f"sequence {seq} is not live in this cache")

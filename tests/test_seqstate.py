@@ -178,8 +178,10 @@ def test_refusals_are_the_library_errors_and_change_nothing(tmp_path):
     for bad, exc in [("1", InvalidArgument), (-1, InvalidArgument)]:
         with pytest.raises(exc):
             save_sequence(a, bad, tmp_path / "x.kv")
-    with pytest.raises(InvalidArgument, match="token ids"):
-        save_sequence(b, b.seq_new(), tmp_path / "x.kv", tokens=["a"])
+    fresh = b.seq_new()
+    for bad in (["a"], [1, 2.5], [-1], 7):
+        with pytest.raises(InvalidArgument, match="token"):
+            save_sequence(b, fresh, tmp_path / "x.kv", tokens=bad)
     assert not (tmp_path / "x.kv").exists()
 
 
