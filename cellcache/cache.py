@@ -156,6 +156,8 @@ class CellCache:
         self._prepared: Step | None = None
         self._pools_generation = 0
         self._clears = 0
+        self._asleep = False
+        self._woke_moved = False                # copy pools woke at new addresses: next Step.grew
         self._prepared_stream = 0
         self._steps = 0
         try:
@@ -197,6 +199,9 @@ class CellCache:
 
     def _before_step(self, stream: int) -> None:
         """Orders the step after earlier committed work (called once the step will run)."""
+
+    def _before_sleep(self) -> None:
+        """Waits until no queued work can touch the pools (CUDA: the whole context)."""
 
     def _pools_changed(self) -> None:
         """Called after the pools' rows or addresses changed (the backend rebuilds views)."""
@@ -250,6 +255,74 @@ class CellCache:
         with self._lock:
             self._check_open()
             self._undo.callback(callback, *args, **kwargs)
+
+    # -- sleep -------------------------------------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        """Whether the pools' memory is given back (:meth:`sleep`) and not yet taken again."""
+        self._check_open()
+        return self._asleep
+
+    def sleep(self) -> None:
+        """Gives the K/V pools' memory back and keeps everything else: the table, the step
+        buffers, the sequence ids and, where the pools are mapped (CUDA with virtual memory
+        management, the host's ``growth="map"``), the pools' addresses, so views and captured
+        graphs stay valid for :meth:`wake`. Copy-growth pools are released and allocated
+        again by :meth:`wake` elsewhere (``pools_generation`` changes at both and the next
+        step's ``Step.grew`` is True, as after a copy growth: views are rebuilt, graphs
+        recaptured).
+
+        Nothing may be in the pools: InvalidState while any cell is owned (free the
+        sequences, or :meth:`clear`) or a step is declared or prepared; nothing changes
+        then. On CUDA it first waits for every queued work of the device context (a forward
+        still writing K/V). While asleep, :meth:`declare_step` and :meth:`prepare_step` raise
+        InvalidState; the rest of the table's verbs work (a sequence made then has no cells).
+        Idempotent.
+        """
+        with self._lock:
+            self._check_open()
+            if self._asleep:
+                return
+            t = self._table
+            if t.used_count or t.declared_width or self._prepared is not None:
+                what = (f"{t.used_count} cells are owned" if t.used_count
+                        else "a step is declared or prepared")
+                raise InvalidState(f"cannot sleep: {what}, and sleeping discards the K/V; free the "
+                                   "sequences (or clear()) and finish the step first")
+            self._before_sleep()
+            self._pools.sleep()
+            self._asleep = True
+            if self._pools.moves:
+                self._pools_generation += 1
+            self._pools_changed()
+
+    def wake(self) -> None:
+        """Takes memory for the pools again after :meth:`sleep`: mapped pools get fresh
+        memory at the addresses they had (graphs captured before :meth:`sleep` replay as
+        they are), copy pools new storage of the rows they had. The K/V content is not
+        kept (nothing was in the pools). OutOfMemory (CudaError for another driver
+        failure) leaves the cache asleep with nothing taken; the call can be retried.
+        Idempotent."""
+        with self._lock:
+            self._check_open()
+            if not self._asleep:
+                return
+            try:
+                self._pools.wake()
+            except MemoryError as e:
+                if isinstance(e, OutOfMemory):
+                    raise OutOfMemory(f"{e}; the cache is still asleep, wake() can be retried") from e
+                raise OutOfMemory(f"waking the pools ran out of memory ({e!r}); the cache is "
+                                  "still asleep, wake() can be retried") from e
+            self._asleep = False
+            if self._pools.moves:
+                self._pools_generation += 1
+                self._woke_moved = True
+            self._pools_changed()
+
+    def _check_awake(self) -> None:
+        if self._asleep:
+            raise InvalidState("the cache is asleep (its pools have no memory); call wake() first")
 
     def __enter__(self: _Cache) -> _Cache:
         self._check_open()
@@ -450,6 +523,7 @@ class CellCache:
         """
         with self._lock:
             self._check_open()
+            self._check_awake()
             ok = self._table.declare_step(seq_ids)
             if ok and self.config.paged:
                 need = self._table.step_kv_entries()
@@ -472,7 +546,7 @@ class CellCache:
         position, and their outputs are to be discarded. ``stream``: None (the backend's
         default), an int handle, or an object with ``cuda_stream``, ``handle`` or ``ptr``.
 
-        Checks, in order: a closed cache (InvalidState); ``width`` outside ``[1, max_write]``
+        Checks, in order: a closed or sleeping cache (InvalidState); ``width`` outside ``[1, max_write]``
         or ``pad_to`` outside ``[width, max_write]`` or a bad stream (InvalidArgument);
         nothing declared or ``width`` != the declared count (InvalidState); growth
         (OutOfMemory). Every refusal changes nothing; a failure after placement undoes it,
@@ -488,6 +562,7 @@ class CellCache:
         with self._lock:
             self._check_open()
             try:
+                self._check_awake()
                 width, pad_to, handle, planned = self._plan_step(width, pad_to, stream)
             except BaseException as e:
                 if agree is not None:
@@ -516,6 +591,9 @@ class CellCache:
                         f"writing the step ran out of memory ({e!r}); the placement was undone, "
                         "the declared step can be retried") from e
                 raise
+            if self._woke_moved:
+                step = dataclasses.replace(step, grew=True)
+                self._woke_moved = False
             self._prepared = step
             self._prepared_stream = handle
             self._steps += 1
@@ -658,7 +736,7 @@ class CellCache:
                 "logical_length": t.used_end,
                 "flat_capacity": rows,
                 "growth_count": self._growth_count,
-                "allocated_bytes": rows * sum(self._row_bytes.values()),
+                "allocated_bytes": 0 if self._asleep else rows * sum(self._row_bytes.values()),
                 "step_buffer_bytes": step_buffer_bytes(self.config),
                 "free_cells": t.free_cells,
                 "used_cells": t.used_count,
@@ -667,5 +745,6 @@ class CellCache:
                 "max_seqs": self.config.max_seqs,
                 "windows": list(self.config.windows),
                 "pools_move": self._pools.moves,
+                "asleep": self._asleep,
                 "steps": self._steps,
             }

@@ -76,6 +76,19 @@ class MappedHostPools:
     def cancel(self, plan: int) -> None:
         pass
 
+    def sleep(self) -> None:
+        """Gives the pages back to the system (``madvise(MADV_DONTNEED)``) and keeps the
+        mappings: their addresses stay, and a row touched again reads zeros. Where the
+        platform has no MADV_DONTNEED nothing is given back."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None:
+            return
+        for m in self.maps.values():
+            m.madvise(advice)
+
+    def wake(self) -> None:
+        pass            # pages are committed again as they are touched
+
     def close(self) -> None:
         """Unmaps the reservations. A mapping that arrays still view (a caller kept a pool)
         is unmapped when the last of them is dropped instead."""

@@ -78,6 +78,13 @@ class Pools(Protocol):
     def cancel(self, plan: Any) -> None: ...
     def close(self) -> None: ...
 
+    def sleep(self) -> None:
+        """Gives the pools' memory back (nothing is in them; queued work has finished)."""
+
+    def wake(self) -> None:
+        """Takes memory for the rows the pools had at :meth:`sleep`; a failure (MemoryError)
+        takes nothing and leaves them asleep."""
+
 
 @dataclass
 class _CopyPlan:
@@ -114,6 +121,7 @@ class CopyPools:
         self.rows = 0
         self.allocations: dict[PoolKey, Any] = {}
         self.unreleased: list[Any] = []     # retired allocations whose retire raised
+        self._slept_rows = 0                # the rows wake() allocates again
 
     @property
     def sink(self) -> int:
@@ -171,6 +179,23 @@ class CopyPools:
         else:
             for allocation in new:
                 release_quietly(self.allocator, allocation)
+
+    def sleep(self) -> None:
+        """Releases the storage (the caller has waited for queued work): no rows until
+        :meth:`wake` allocates the rows there were, at new addresses."""
+        rows = self.rows
+        self.close()
+        self.rows, self._slept_rows = 0, rows
+
+    def wake(self) -> None:
+        rows, self._slept_rows = self._slept_rows, 0
+        if rows:
+            try:
+                plan = self.plan(rows)
+            except BaseException:
+                self._slept_rows = rows
+                raise
+            self.apply(plan, 0, 0)          # nothing to copy, nothing to retire
 
     def close(self) -> None:
         """Releases every allocation (the caller has waited for queued work)."""

@@ -325,7 +325,7 @@ class CudaCellCache(CellCache):
         pools = self._pools
         mapped = isinstance(pools, MappedPools)
         sink = pools.sink if (mapped or pools.rows) else None     # None: no storage yet
-        backed = (lambda: pools.rows) if mapped else None
+        backed = (lambda: 0 if self._asleep else pools.rows) if mapped else None
         for key in self._row_bytes:
             spec = self._pool_view(key, sink)
             self._buffers[spec.name] = DeviceBuffer(self, spec.name, self._pool_ptr(key),
@@ -464,6 +464,12 @@ class CudaCellCache(CellCache):
             if isinstance(self._pools, MappedPools):
                 m["mapped_bytes"] = self._pools.mapped_bytes
             return m
+
+    def _before_sleep(self) -> None:
+        """Every queued work of the context has finished (a forward on a caller's stream
+        may still be writing K/V into the pools sleep unmaps)."""
+        self._ctx.make_current()
+        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
     # -- teardown --------------------------------------------------------------------------------
     def _before_close(self) -> None:

@@ -134,6 +134,7 @@ class _Pool:
     hi: int = 0              # bytes [0, hi) are mapped
     sink_mapped: bool = False
     chunks: list = field(default_factory=list)   # (offset, size, handle) of every mapping
+    slept: tuple[int, bool] | None = None        # (hi, sink_mapped) kept by sleep() for wake()
 
 
 @dataclass
@@ -224,6 +225,36 @@ class MappedPools:
             self.ops.unmap(self.pools[key].va + offset, size)
             self.ops.release(handle)
         plan.mapped = []
+
+    def sleep(self) -> None:
+        """Unmaps and releases every mapping (the caller has waited for queued work) and
+        keeps the reserved ranges: the pools' addresses stay, with no memory behind them,
+        until :meth:`wake`."""
+        slept = {key: (p.hi, p.sink_mapped) for key, p in self.pools.items()}
+        self.close()
+        for key, p in self.pools.items():
+            p.slept = slept[key]
+
+    def wake(self) -> None:
+        """Maps fresh memory where :meth:`sleep` unmapped it, one mapping per pool's rows
+        and one for its sink; a failure unmaps and releases what it made (the error
+        propagates, the pools stay asleep)."""
+        plan = _Plan(self.rows)
+        try:
+            for key, p in self.pools.items():
+                hi, sink = p.slept or (0, False)
+                if hi:
+                    self._map(plan, key, 0, hi)
+                if sink:
+                    self._map(plan, key, p.sink_lo, p.size - p.sink_lo)
+        except BaseException:
+            self.cancel(plan)
+            raise
+        for key, offset, size, handle in plan.mapped:
+            self.pools[key].chunks.append((offset, size, handle))
+        for p in self.pools.values():
+            p.hi, p.sink_mapped = p.slept or (0, False)
+            p.slept = None
 
     def close(self) -> None:
         """Unmaps and releases every mapping (the caller has waited for queued work)."""
