@@ -368,6 +368,15 @@ class ModelRunner:
         the runner."""
         return dict(self._graphs)
 
+    def drop_graphs(self) -> None:
+        """Lets go of every captured graph (and the memory pool it holds): they are captured
+        again at first use (the pools or the weights they read moved: a copy growth,
+        ``Generator.sleep(2)``). The mixed graphs' shared memory pool goes with the last of
+        them: the next capture opens a new one (PyTorch refuses a pool whose graphs are gone)."""
+        self._graphs.clear()
+        self._mixed.clear()
+        self._mixed_pool = None
+
     # -- the model's attention setting -------------------------------------------------------
     def reattach(self) -> None:
         """Switches the model (back) to cellcache's attention, checked by one probe forward.
@@ -485,8 +494,7 @@ class ModelRunner:
         if self.view.stale():                 # a copy growth moved the pools
             self.view.refresh()
         if self._graph_generation != self.view.generation:
-            self._graphs.clear()              # they read the old pools: recaptured on next use
-            self._mixed.clear()
+            self.drop_graphs()                # they read the old pools: recaptured on next use
             self._graph_generation = self.view.generation
         self.greedy = None
         self._handed = None

@@ -62,6 +62,7 @@ from .scheduler import (
     StepPlan,
     read_clock,
 )
+from .sleep import OffloadedWeights, offload_weights
 
 __all__ = ["Generator"]
 
@@ -293,6 +294,8 @@ class Generator:
         #: applied step is appended as ``(kind, rows, {phase: seconds})``, kind ``"decode"``
         #: or ``"mixed"``: where a mean of :attr:`profile` comes from, step by step.
         self.step_log: Any = None
+        self._sleep_level = 0                     # 0 awake; 1 or 2: sleep()'s level
+        self._offloaded: OffloadedWeights | None = None
 
     @classmethod
     def from_pretrained(cls, path: Any, *, tokenizer: Any = None, dtype: Any = "auto",
@@ -619,6 +622,109 @@ class Generator:
         finally:
             self._step_lock.release()
 
+    # -- sleep and wake (cellcache.generate.sleep has the picture) -------------------------------
+    @property
+    def asleep(self) -> int:
+        """0 when awake, else the level of the :meth:`sleep` in effect."""
+        return self._sleep_level
+
+    def _idle(self, what: str) -> None:
+        """Refuses (InvalidState) ``what`` while requests are queued, running or in flight."""
+        if self.busy or self._incoming:
+            raise InvalidState(f"{what} while requests are queued or running: call it once run() "
+                               "has returned (or cancel them)")
+
+    def sleep(self, level: int = 1) -> None:
+        """Gives back this generator's GPU memory between uses, keeping everything it built.
+
+        Level 1: the prefix cache is emptied (its K/V is not kept), the cache's pools lose
+        their memory and keep their addresses (:meth:`CellCache.sleep`), and PyTorch's cached
+        free blocks go back to the driver; the model stays on the device. Level 2 also moves
+        the model's parameters and buffers to pinned host memory (the Parameter objects
+        stay) and drops the runner's graphs. :meth:`wake` undoes it. Requests may be added
+        while asleep; :meth:`step` and :meth:`run` raise InvalidState until :meth:`wake`.
+
+        InvalidArgument for a level other than 1 or 2 (2 under tensor parallelism, whose
+        weights are sharded tensors); InvalidState while requests are queued or running, from
+        inside a step, or asleep at another level; OutOfMemory when the host cannot hold the
+        weights (level 2: the prefix cache is emptied, nothing else changed). Sleeping again
+        at the same level does nothing.
+        """
+        if (not isinstance(level, (int, np.integer)) or isinstance(level, (bool, np.bool_))
+                or level not in (1, 2)):
+            raise InvalidArgument(f"sleep level {level!r} is not 1 (the K/V) or 2 (the K/V and "
+                                  "the weights)")
+        if level == 2 and self.tp is not None:
+            raise InvalidArgument("sleep(2) does not move sharded weights (tensor parallelism); "
+                                  "use sleep(1)")
+        if not self._step_lock.acquire(blocking=False):
+            raise InvalidState("sleep() while a step runs (from a callback or another thread)")
+        try:
+            with self._state_lock:
+                if self._sleep_level:
+                    if self._sleep_level != level:
+                        raise InvalidState(f"asleep at level {self._sleep_level}; wake() before "
+                                           f"sleeping at level {level}")
+                    return
+                self._idle("sleep()")
+                local = self.cache.local if isinstance(self.cache, TPCache) else self.cache
+                if self.prefix is not None:
+                    self.prefix.clear()
+                if level == 2:
+                    self._offloaded = offload_weights(self.model)
+                    self.runner.drop_graphs()
+                try:
+                    local.sleep()
+                except BaseException:
+                    if self._offloaded is not None:
+                        offloaded, self._offloaded = self._offloaded, None
+                        offloaded.restore()
+                    raise
+                self._sleep_level = int(level)
+                if self.runner.cuda:
+                    torch.cuda.empty_cache()
+        finally:
+            self._step_lock.release()
+
+    def wake(self) -> None:
+        """Takes the memory :meth:`sleep` gave back: the weights return to the device (level
+        2; the graphs are captured again at first use) and the pools get fresh memory at
+        their addresses (level 1's graphs replay as captured). OutOfMemory leaves the
+        generator asleep as it was; the call can be retried. Awake: does nothing."""
+        if not self._step_lock.acquire(blocking=False):
+            raise InvalidState("wake() while a step runs (from a callback or another thread)")
+        try:
+            with self._state_lock:
+                if not self._sleep_level:
+                    return
+                if self._offloaded is not None:
+                    self._offloaded.restore()
+                local = self.cache.local if isinstance(self.cache, TPCache) else self.cache
+                try:
+                    local.wake()
+                except BaseException:
+                    if self._offloaded is not None:       # back to where sleep(2) left them
+                        self._offloaded = offload_weights(self.model)
+                    raise
+                self._offloaded = None
+                self._sleep_level = 0
+        finally:
+            self._step_lock.release()
+
+    def reset_prefix_cache(self) -> int:
+        """Empties the prefix cache (the model's weights changed: its K/V no longer matches
+        them); returns the cells freed (0 without a prefix cache). InvalidState while
+        requests are queued or running, or from inside a step; nothing changes then."""
+        if not self._step_lock.acquire(blocking=False):
+            raise InvalidState("reset_prefix_cache() while a step runs (from a callback or "
+                               "another thread)")
+        try:
+            with self._state_lock:
+                self._idle("reset_prefix_cache()")
+                return self.prefix.clear() if self.prefix is not None else 0
+        finally:
+            self._step_lock.release()
+
     def _drain(self, boundary: bool = False) -> None:
         """Queues requests added, and applies cancels made, while a step ran (state lock held).
         Under tensor parallelism only at a step's start and end (``boundary``), agreed."""
@@ -685,6 +791,9 @@ class Generator:
                                "one thread (add() and cancel() are safe from any thread)")
         try:
             with self._state_lock:
+                if self._sleep_level:
+                    raise InvalidState(f"the generator is asleep (level {self._sleep_level}); "
+                                       "call wake() before stepping")
                 self._stepping = me
                 try:
                     return self._step()
