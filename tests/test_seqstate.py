@@ -49,8 +49,9 @@ def feed(cache, seq: int, n: int, seed: int) -> None:
         cells = torch.from_numpy(step.cells[:w].astype(np.int64))
         for i in range(len(cache.config.layers)):
             k, v, _ = view.layer(i)
-            k[cells] = torch.randn((w, *k.shape[1:]), generator=g).to(k.dtype)
-            v[cells] = torch.randn((w, *v.shape[1:]), generator=g).to(v.dtype)
+            at = cells.to(k.device)
+            k[at] = torch.randn((w, *k.shape[1:]), generator=g).to(k.device, k.dtype)
+            v[at] = torch.randn((w, *v.shape[1:]), generator=g).to(v.device, v.dtype)
         cache.commit_step()
         done += w
 
