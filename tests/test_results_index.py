@@ -98,6 +98,14 @@ def test_each_kind_of_result_has_its_headline(ri):
             "agreement": {"passed": True, "noise_max": 0.3, "error_max": 0.06}}
     assert ri.headline(work) == ("23,456 output tok/s all at once; vLLM (A800) 17,700 published; "
                                  "target 50,000; agreement with HF passed (0.20x the noise floor)")
+    sleep = {"cache": {"mapped_bytes": 60 * 2**30, "asleep_share": 0.0042, "wake_s_median": 0.014,
+                       "wake_s_max": 0.066, "replays_equal": True},
+             "generator": {"model": "m", "levels": {"2": {"freed_bytes": 2**31, "wake_s": 0.3241,
+                                                           "outputs_equal": False}}},
+             "targets": {"asleep_share": 0.01, "wake_s": 0.5}}
+    assert ri.headline(sleep) == ("60.0 GiB cache asleep holds 0.42%, wake 14 ms median / 66 ms max, "
+                                  "graph replay equal; m level 2: freed 2.00 GiB, wake 0.324 s, "
+                                  "outputs DIFFER; targets: asleep <= 1%, wake <= 0.5 s")
     assert ri.headline({"date": "2026-01-01"}) == ri.UNKNOWN
 
 

@@ -209,6 +209,22 @@ def headline(d: dict) -> str:
         if "ttft_p50_gap_ms_at_half_load" in t:
             parts.append(f"50% load TTFT p50 gap {_num(t['ttft_p50_gap_ms_at_half_load'], '+.1f')} ms "
                          f"({'met' if t.get('ttft_ok') else 'MISSED'}: <= 10 ms)")
+    elif isinstance(d.get("cache"), dict) and "wake_s_median" in d["cache"]:   # tools/bench_sleep.py
+        c, gib = d["cache"], 2**30
+        parts.append(f"{_num(c.get('mapped_bytes', 0) / gib, '.1f')} GiB cache asleep holds "
+                     f"{_num(100 * c.get('asleep_share', 0), '.2f')}%, "
+                     f"wake {_num(1e3 * c['wake_s_median'], '.0f')} ms median / "
+                     f"{_num(1e3 * c.get('wake_s_max', 0), '.0f')} ms max, graph replay "
+                     f"{'equal' if c.get('replays_equal') else 'DIFFERS'}")
+        g = d.get("generator") or {}
+        for level, lv in (g.get("levels") or {}).items():
+            parts.append(f"{g.get('model')} level {level}: freed {_num(lv['freed_bytes'] / gib, '.2f')} GiB, "
+                         f"wake {_num(lv['wake_s'], '.3f')} s, outputs "
+                         f"{'equal' if lv.get('outputs_equal') else 'DIFFER'}")
+        t = d.get("targets") or {}
+        if t:
+            parts.append(f"targets: asleep <= {_num(100 * t.get('asleep_share', 0), 'g')}%, wake <= "
+                         f"{_num(t.get('wake_s'), 'g')} s")
     if isinstance(d.get("together"), dict) and "anchors" in d:     # tools/bench_workloads.py
         parts.append(f"{_num(d['together'].get('tokens_per_s'))} output tok/s all at once")
         if isinstance(d.get("poisson"), dict):
