@@ -28,7 +28,7 @@ def test_help_lists_the_options(capsys):
     for flag in ("--host", "--port", "--served-model-name", "--max-waiting", "--dtype", "--device",
                  "--capacity", "--max-seqs", "--max-batch-tokens", "--prefill-chunk", "--no-prefix-cache",
                  "--graphs", "--compile", "--attention", "--async-steps", "--tp", "--log-level",
-                 "--shutdown-timeout", "--default-max-tokens"):
+                 "--shutdown-timeout", "--default-max-tokens", "--enable-sleep"):
         assert flag in out, flag
     code, out, _ = run(["--help"], capsys)
     assert code == 0 and "serve" in out
@@ -44,6 +44,7 @@ def test_help_lists_the_options(capsys):
     (["serve", "DIR", "--capacity", "128", "--max-batch-tokens", "256"], "--max-batch-tokens"),
     (["serve", "DIR", "--shutdown-timeout", "nan"], "--shutdown-timeout"),
     (["serve", "DIR", "--bogus"], "--bogus"),
+    (["serve", "DIR", "--enable-sleep", "--tp", "2"], "--enable-sleep"),
 ])
 def test_bad_usage_is_one_line_and_exit_2(argv, says, capsys):
     code, out, err = run(argv, capsys)

@@ -365,3 +365,89 @@ def test_a_server_with_a_stream_interval_sends_the_same_tokens_in_fewer_chunks()
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     finally:
         engine.stop(5)
+
+
+def sleepy(gen=None, **kw):
+    """(app, engine) serving with the sleep endpoints on (engine started; stop it after)."""
+    gen = gen or Generator(random_model("llama-tiny"), capacity=1024, eos=[])
+    engine = Engine(gen, max_waiting=8)
+    app = build_app(engine, model_name="tiny", limits=ServeLimits(capacity=1024, default_max_tokens=8),
+                    **kw)
+    engine.start()
+    return app, engine
+
+
+def test_the_sleep_endpoints_are_404_unless_enabled(served):
+    app, engine = served
+    for path in ("/sleep", "/wake_up"):
+        assert post(app, path, {}).status_code == 404
+    assert get(app, "/is_sleeping").status_code == 404
+    assert engine.gen.asleep == 0
+
+
+def test_sleep_and_wake_over_http_serve_the_same_tokens_and_refuse_meanwhile():
+    app, engine = sleepy(enable_sleep=True)
+    try:
+        body = {"model": "tiny", "prompt": [5, 9, 33, 2], "max_tokens": 6, "temperature": 0}
+        first = post(app, "/v1/completions", body)
+        assert first.status_code == 200
+        r = post(app, "/sleep?level=1", {})
+        assert r.status_code == 200 and r.json() == {"is_sleeping": True, "level": 1}
+        assert engine.gen.asleep == 1 and engine.gen.cache.asleep
+        assert get(app, "/is_sleeping").json() == {"is_sleeping": True, "level": 1}
+        assert get(app, "/health").json() == {"status": "asleep", "level": 1}
+        r = post(app, "/v1/completions", body)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "asleep" in r.text
+        assert engine.gen.waiting == [] and engine.live == 0           # nothing queued
+        r = post(app, "/sleep?level=2", {})
+        assert r.status_code == 409 and "asleep at level 1" in r.json()["error"]["message"]
+        assert post(app, "/sleep?level=1", {}).status_code == 200       # again: nothing happens
+        r = post(app, "/wake_up", {})
+        assert r.status_code == 200 and r.json() == {"is_sleeping": False, "level": 0}
+        assert get(app, "/health").json() == {"status": "ok"}
+        again = post(app, "/v1/completions", body)
+        assert again.status_code == 200
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        for bad in ("/sleep?level=3", "/sleep?level=0", "/sleep?level=x"):
+            r = post(app, bad, {})
+            assert r.status_code == 400 and "level" in r.json()["error"]["message"], bad
+        assert engine.gen.asleep == 0
+    finally:
+        engine.stop(5)
+
+
+def test_a_sleep_while_a_request_runs_is_409_and_the_request_finishes(monkeypatch):
+    import threading
+
+    gen = Generator(random_model("llama-tiny"), capacity=1024, eos=[])
+    gate, entered = threading.Event(), threading.Event()
+    real_step = gen.step
+
+    def step():                     # the first step waits until the /sleep is queued
+        if not gate.is_set():
+            entered.set()
+            gate.wait(30)
+        return real_step()
+
+    monkeypatch.setattr(gen, "step", step)
+    app, engine = sleepy(gen, enable_sleep=True)
+    try:
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                job = asyncio.create_task(c.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 40, "temperature": 0}, timeout=60))
+                while not entered.is_set():
+                    await asyncio.sleep(0.01)
+                nap = asyncio.create_task(c.post("/sleep?level=1", timeout=60))
+                while not engine._controls:                # queued behind the step
+                    await asyncio.sleep(0.01)
+                gate.set()
+                return await job, await nap
+
+        done, refused = asyncio.run(go())
+        assert refused.status_code == 409 and "queued or running" in refused.json()["error"]["message"]
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 40
+        assert engine.gen.asleep == 0
+    finally:
+        gate.set()
+        engine.stop(5)

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, InvalidState
 from ..generate import Request, Sampling
 from ..generate.text import decode
 from .engine import Engine, Event, Refused, Stream
@@ -290,9 +290,14 @@ def _final_outputs(choices: _Choices) -> None:
 
 
 def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: Metrics | None = None,
-              drain_timeout: float = 30.0) -> FastAPI:
+              drain_timeout: float = 30.0, enable_sleep: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``model_name``. Its lifespan starts the
-    engine thread and, at shutdown, drains (``drain_timeout`` seconds) and stops it."""
+    engine thread and, at shutdown, drains (``drain_timeout`` seconds) and stops it.
+
+    ``enable_sleep`` adds ``POST /sleep?level=1|2``, ``POST /wake_up`` and ``GET
+    /is_sleeping`` (``Generator.sleep``: an RL trainer takes the GPU between rollouts);
+    off, they are 404, since any client could otherwise stop the server serving. A sleep
+    while requests are queued or running is 409; asleep, new requests are 503."""
     metrics = metrics or Metrics(engine)
     engine.on_done = metrics.observe
     srv = _Server(engine, model_name, limits, metrics)
@@ -348,7 +353,32 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
         if not engine.alive:                            # nothing steps: every request would hang
             return JSONResponse({"status": "failed", "error": "the engine thread is not running"},
                                 status_code=500)
+        if engine.asleep:                               # healthy; requests wait for POST /wake_up
+            return JSONResponse({"status": "asleep", "level": engine.asleep})
         return JSONResponse({"status": "ok"})
+
+    if enable_sleep:
+        @app.post("/sleep")
+        async def sleep(http: HTTPRequest) -> JSONResponse:
+            text = http.query_params.get("level", "1")
+            try:
+                level = int(text)
+            except ValueError:
+                return error_response(400, error_body(f"level {text!r} is not 1 or 2", param="level"))
+            try:
+                got = await engine.sleep(level)
+            except InvalidState as e:
+                return error_response(409, error_body(str(e), "invalid_request_error", None, "conflict"))
+            return JSONResponse({"is_sleeping": True, "level": got})
+
+        @app.post("/wake_up")
+        async def wake_up() -> JSONResponse:
+            await engine.wake()
+            return JSONResponse({"is_sleeping": False, "level": 0})
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> JSONResponse:
+            return JSONResponse({"is_sleeping": bool(engine.asleep), "level": engine.asleep})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -79,6 +79,10 @@ def build_parser() -> Parser:
                         "(default: on CUDA with graphs)")
     p.add_argument("--tp", type=at_least(1), default=1,
                    help="tensor-parallel ranks: run under torchrun --nproc-per-node N (default 1)")
+    p.add_argument("--enable-sleep", action="store_true",
+                   help="serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (the "
+                        "generator's sleep: KV memory, and at level 2 the weights, given back "
+                        "between uses); off by default: any client could stop the server")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
     return p
 
@@ -123,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--shutdown-timeout must be a number of seconds in [0, 1e6), not {args.shutdown_timeout}")
     if args.max_batch_tokens is not None and args.max_batch_tokens > args.capacity:
         p.error("--max-batch-tokens must be at most --capacity")
+    if args.enable_sleep and (args.tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1"):
+        p.error("--enable-sleep serves one process: its ranks would have to sleep in lockstep")
     missing = _missing_extra()
     if missing is not None:
         p.error(f"needs the 'serve' extra (no module named {missing!r}): pip install 'cellcache[serve]'")
@@ -210,7 +216,8 @@ def _serve(args: Any, gen: Any, sock: socket.socket, world: int) -> int:
                          default_max_tokens=args.default_max_tokens)
     engine = Engine(gen, max_waiting=args.max_waiting, idle_tick=1.0 if world > 1 else None,
                     stream_interval=args.stream_interval)
-    app = build_app(engine, model_name=name, limits=limits, drain_timeout=args.shutdown_timeout)
+    app = build_app(engine, model_name=name, limits=limits, drain_timeout=args.shutdown_timeout,
+                    enable_sleep=args.enable_sleep)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5,
                             access_log=args.log_level in ("info", "debug"))
     server = _make_server(config, engine, args.shutdown_timeout, f"serving {name} on {_url(sock)}")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import copy
 import logging
 import threading
@@ -131,6 +132,11 @@ class Engine:
         self._ended = False                     # a callback or cancel saw a request end
         self._unswept = 0                       # steps since the last full sweep
         self._thread: threading.Thread | None = None
+        # work the loop asks of the engine thread between steps (sleep, wake), with its future
+        self._controls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        #: 0, or the level of the generator's sleep (set on the engine thread; new requests
+        #: get 503 meanwhile).
+        self.asleep = 0
         #: The generator as of its last step (read by /metrics and /health from the loop).
         self.snapshot: dict[str, Any] = {}
         self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
@@ -174,6 +180,8 @@ class Engine:
         running, 429 when ``count`` more requests would pass ``max_waiting``) or returns."""
         if self.draining:
             raise Refused(503, "the server is shutting down")
+        if self.asleep:
+            raise Refused(503, "the server is asleep (POST /wake_up wakes it)")
         if self._stop or not self.alive:       # nothing would step it: the client would wait forever
             raise Refused(503, "the engine is not running")
         if self._waiting + count > self.max_waiting:
@@ -246,6 +254,42 @@ class Engine:
         deadline = time.monotonic() + 10.0
         while self._live and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+
+    async def sleep(self, level: int) -> int:
+        """``gen.sleep(level)`` on the engine thread, between steps; returns the level. The
+        generator's InvalidArgument (a bad level) and InvalidState (requests queued or
+        running, asleep at another level) propagate with nothing changed."""
+        def go() -> int:
+            self.gen.sleep(level)
+            self.asleep = self.gen.asleep
+            return self.asleep
+        return await asyncio.wrap_future(self._control(go))
+
+    async def wake(self) -> None:
+        """``gen.wake()`` on the engine thread, between steps (OutOfMemory propagates, the
+        server still asleep)."""
+        def go() -> None:
+            self.gen.wake()
+            self.asleep = 0
+        await asyncio.wrap_future(self._control(go))
+
+    def _control(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        if not self.alive:
+            raise Refused(503, "the engine is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._controls.append((fn, fut))
+            self._cond.notify()
+        return fut
+
+    def _run_controls(self) -> None:
+        with self._cond:
+            controls, self._controls = self._controls, []
+        for fn, fut in controls:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:      # the caller's to see (a 409, a 400)
+                fut.set_exception(e)
 
     # -- the engine thread -----------------------------------------------------------------------
     def start(self) -> None:
@@ -361,12 +405,19 @@ class Engine:
         gen = self.gen
         tick = False
         with self._cond:
-            while not (gen.busy or self._submitted or self._stop or tick):
+            # (asleep, a request that slipped in before the 503 waits for the wake)
+            while not ((gen.busy and not gen.asleep) or self._submitted or self._stop or tick
+                       or self._controls):
                 tick = not self._cond.wait(self.idle_tick) and self.idle_tick is not None
             self._submitted = False
-            if self._stop and not gen.busy:
+            if self._stop and (not gen.busy or gen.asleep):
+                controls, self._controls = self._controls, []
+                for _, fut in controls:
+                    fut.set_exception(Refused(503, "the server is shutting down"))
                 return False
-        if gen.busy or tick:
+        if self._controls:
+            self._run_controls()
+        if (gen.busy or tick) and not gen.asleep:
             out = gen.stats["tokens_out"]
             try:
                 gen.step()
