@@ -24,7 +24,7 @@ FLOORS = [
     {"attention", "session", "prefix", "torch", "batch_invariant", "hf", "runner", "tp", "tp.shard",
      "tp.peers", "tp.agreement", "seqstate"},
     # the generator package: each module only above those it imports
-    {"generate.text", "generate.sleep"},
+    {"generate.text", "generate.sleep", "generate.spill"},
     {"generate.requests", "generate.readback"},
     {"generate.plan", "generate.prompts"},
     {"generate.sampler", "generate.logprobs"},

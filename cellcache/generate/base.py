@@ -51,7 +51,8 @@ ADMISSION_POLICIES = ("fifo", "lpm")
 
 #: Stats counters (every key starts at 0).
 STATS = ("steps", "tokens_in", "tokens_out", "preempted", "forks", "drafted", "accepted",
-         "graph_steps", "prompt_tokens", "cached_tokens", "computed_tokens")
+         "graph_steps", "prompt_tokens", "cached_tokens", "computed_tokens", "spilled",
+         "restored_tokens")
 
 _SIGINT = int(signal.SIGINT)
 
@@ -270,9 +271,13 @@ class BaseScheduler:
         the queue; it is read again (prompt and output so far) when admitted."""
         v = max(self.running, key=lambda s: s.stamp)
         self.running.remove(v)
+        self.kv.spill(v)                  # (a host copy of its K/V, when the tier holds it)
+        spill, v.spill = v.spill, None
         self.free(v)
+        v.spill = spill
         self.waiting.insert(0, v)
         self.stats["preempted"] += 1
+        self.stats["spilled"] += spill is not None
 
     def schedule(self) -> StepPlan | None:
         """Chooses and declares the step's rows; None when nothing is left to run.
@@ -415,6 +420,19 @@ class BaseScheduler:
                 if min(n, cells) < 1:
                     break
                 sid, hit = kv_.obtain(w, arr, hit)
+                restored = 0
+                if sid is not None and w.spill is not None:   # preempted, its K/V on the host
+                    r = w.spill.length - hit
+                    if r <= 0 or (r + 1 > min(cells, kv - hit) and idle and not admitted):
+                        kv_.drop_spill(w)             # cached already, or never room: read it
+                    elif r + 1 > min(cells, kv - hit):
+                        w.sid = sid
+                        self.free(w)                  # waits for room, its copy kept
+                        break
+                    else:
+                        restored = kv_.restore(w, sid, hit)
+                        hit, cells = hit + restored, cells - restored
+                        self.stats["restored_tokens"] += restored
                 n = min(L - hit, self.prefill_chunk, budget, cells, kv - hit)
                 if sid is None or n < 1:
                     w.sid = sid
@@ -427,9 +445,9 @@ class BaseScheduler:
                 admitted.append(w)
                 rows.append((w, w.tokens[hit:hit + n]))
                 budget, cells, kv = budget - n, cells - n, kv - hit - n
-                avail -= L - hit + growth
+                avail -= L - (hit - restored) + growth
                 decode_only = False
-                cached += hit
+                cached += hit - restored
                 kv_.reading(w, hit)
         if not rows:
             return None

@@ -63,6 +63,7 @@ from .scheduler import (
     read_clock,
 )
 from .sleep import OffloadedWeights, offload_weights
+from .spill import Spiller
 
 __all__ = ["Generator"]
 
@@ -151,6 +152,11 @@ class Generator:
     the same outputs.
     ``gen.tp`` (``rank``, ``world``) is None in one process.
 
+    ``spill_bytes`` (default 0: off): host memory (pinned on CUDA) that keeps a preempted
+    sequence's K/V (:mod:`cellcache.generate.spill`): it is copied back when the sequence is
+    admitted again instead of recomputed (``stats["spilled"]``, ``stats["restored_tokens"]``);
+    a sequence past the budget is read again. Not under tensor parallelism.
+
     ``stats``: ``steps``, ``tokens_in`` (every row fed), ``tokens_out``, ``preempted``,
     ``forks``, ``drafted``, ``accepted``, ``graph_steps``, and for prompts ``prompt_tokens``
     (each request's prompt, counted at its first admission), ``cached_tokens`` (tokens an
@@ -208,14 +214,19 @@ class Generator:
                  admission: str = "fifo", clock: Callable[[], float] | None = None,
                  tp: bool | int | None = None, async_steps: bool | None = None,
                  compile: bool | Mapping[str, Any] = False, mixed_buckets: list[int] | None = None,
-                 attention: str = "auto", deterministic: bool = False, tokenizer: Any = None):
+                 attention: str = "auto", deterministic: bool = False, tokenizer: Any = None,
+                 spill_bytes: int = 0):
         check_options(compile, attention)    # refused before anything is built or switched
         check_tokenizer(tokenizer)
         if not isinstance(deterministic, (bool, np.bool_)):
             raise InvalidArgument(f"deterministic of type {type(deterministic).__name__} is not a bool")
+        spill_bytes = check_int(spill_bytes, "spill_bytes", 0)
         max_batch_tokens, prefill_chunk, reserve, eos_ids = settings(
             model, capacity, max_batch_tokens, prefill_chunk, reserve, clock, eos, async_steps)
         checked = serving(tp, cache, admission, prefix_cache, max_seqs)
+        if spill_bytes and checked.world is not None:
+            raise InvalidArgument("spill_bytes does not serve under tensor parallelism (each rank would "
+                                  "spill its own shard); leave it 0")
         if deterministic and checked.world is not None:    # (before the model is sharded in place)
             raise InvalidArgument("deterministic=True does not serve under tensor parallelism: the "
                                   "ranks' all-reduces sum in an order that depends on the step's size")
@@ -249,6 +260,8 @@ class Generator:
                                    reserve=reserve, eos=set(eos_ids), admission=admission,
                                    clock=self.clock,
                                    max_running=checked.max_seqs if checked.cache is None else None)
+        if spill_bytes:                       # preempted sequences' K/V kept on the host
+            self.scheduler.kv.spiller = Spiller(cache, self.runner.view, spill_bytes)
         #: Draws every token of a step on the model's device (one host copy a step).
         self.sampler = Sampler(self.runner.device)
         # the requests not finished yet, by id, in the order added (a finished one is let

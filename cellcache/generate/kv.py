@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..cache import CellCache
-from ..errors import CellCacheError, StepTooLarge
+from ..errors import CellCacheError, OutOfMemory, StepTooLarge
 from ..prefix import PrefixCache
 from ..radix import PendingPrompts
 from .plan import Seq
@@ -49,6 +49,9 @@ class KVManager:
         self.later = later
         #: prompts being read with a prefix cache on (a radix tree of their tokens)
         self.pending = PendingPrompts()
+        #: Keeps preempted sequences' K/V in host memory (a generate.spill.Spiller), or None:
+        #: they are read again.
+        self.spiller: Any = None
 
     # -- what the cache holds ------------------------------------------------------------------
     @property
@@ -149,6 +152,32 @@ class KVManager:
             self._pcall(0, pc.evict, n_ids=1)
         return None, 0
 
+    # -- the host tier -------------------------------------------------------------------------
+    def spill(self, s: Seq) -> None:
+        """s, running and about to be freed, keeps a host copy of its K/V when a spiller is
+        on and its budget holds it (s.spill; None otherwise)."""
+        sp = self.spiller
+        if sp is not None and s.sid is not None and s.in_cache > 0:
+            s.spill = sp.take(s.sid, s.in_cache)
+
+    def restore(self, s: Seq, sid: int, start: int) -> int:
+        """Places s's spilled positions past ``start`` (``sid`` holds ``[0, start)``); returns
+        the tokens restored, 0 when it failed (the spill is gone either way; ``sid`` back at
+        ``start``)."""
+        spill, s.spill = s.spill, None
+        try:
+            self.spiller.give(spill, sid, start)
+        except OutOfMemory:
+            return 0
+        return spill.length - start
+
+    def drop_spill(self, s: Seq) -> None:
+        """s's host copy, if any, goes (s ends, or is read again instead)."""
+        if s.spill is not None:
+            if self.spiller is not None:
+                self.spiller.drop(s.spill)
+            s.spill = None
+
     def declare(self, sids: Any) -> bool:
         """Declares a step of ``sids``' tokens; False (nothing declared) when the cache has
         no room for it now or the paged view cannot take it (StepTooLarge)."""
@@ -221,6 +250,8 @@ class KVManager:
         Exception from a user's ``on_event`` is kept in ``later``; a BaseException
         propagates once s is freed."""
         self.done_reading(s)
+        if store:                             # it ends: a host copy has no use
+            self.drop_spill(s)
         pc = self.prefix
         sid = s.sid
         mine = sid is not None                # the id is still s's to remove

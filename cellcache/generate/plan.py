@@ -152,6 +152,9 @@ class Seq:
     arr: np.ndarray | None = None
     # its row of a TokenStore while one holds its drawn tokens (see hold)
     row: StoredRow | None = None
+    # preempted with its K/V kept in host memory (a generate.spill.Spill): restored, not
+    # recomputed, when it is admitted again
+    spill: Any = None
 
     @property
     def req(self) -> Request:

@@ -1,0 +1,236 @@
+"""Preempted sequences' K/V kept in host memory instead of recomputed (the host tier).
+
+::
+
+    preempt v     device sync -> each pool's rows of v's cells gathered on the device
+                  (index_select, position order) -> one copy per pool into pinned host
+                  memory -> v's cells freed; v waits with its Spill
+    admit v       the prefix cache's hit cloned as usual -> the positions past it declared,
+                  prepared and committed (max_write a step) -> one copy per pool back to the
+                  device, scattered into the step's cells -> device sync; v then feeds only
+                  its last token (or the rest of its prompt)
+
+A spill is taken only within ``budget`` bytes (the Generator's ``spill_bytes``); past it,
+or when a restore finds no room, the sequence is read again as before. The copies go
+through the whole device (synchronize before and after), so the runner's stream and the
+cache's own order need nothing else: preemption is the rare path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cache import CellCache
+from ..errors import OutOfMemory
+from ..torch import TorchView
+
+__all__ = ["Spill", "Spiller"]
+
+
+class PinnedArena:
+    """Pinned host memory for spills, kept once allocated: slabs of ``slab`` bytes (a larger
+    request gets a slab of its own size), each a first-fit list of free ranges. Pinning is
+    the slow part of a host copy (page-locking runs at a few GB/s): it happens once per
+    slab, not once per spill. At most ``limit`` bytes of slabs."""
+
+    ALIGN = 512
+
+    def __init__(self, limit: int, slab: int = 1 << 30, pin: bool = True):
+        self.limit, self.slab, self.pin = limit, slab, pin
+        self.slabs: list[torch.Tensor] = []
+        self.free: list[list[tuple[int, int]]] = []      # per slab: (offset, size), sorted
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.slabs)
+
+    def alloc(self, n: int) -> tuple[int, int] | None:
+        """(slab, offset) of ``n`` free bytes, or None when the limit is reached."""
+        n = -(-n // self.ALIGN) * self.ALIGN
+        for i, ranges in enumerate(self.free):
+            for j, (off, size) in enumerate(ranges):
+                if size >= n:
+                    ranges[j:j + 1] = [(off + n, size - n)] if size > n else []
+                    return i, off
+        size = max(n, min(self.slab, self.limit))
+        if self.nbytes + size > self.limit and self.slabs:
+            return None
+        self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+        self.free.append([(n, size - n)] if size > n else [])
+        return len(self.slabs) - 1, 0
+
+    def release(self, slab: int, off: int, n: int) -> None:
+        n = -(-n // self.ALIGN) * self.ALIGN
+        ranges = self.free[slab]
+        ranges.append((off, n))
+        ranges.sort()
+        merged: list[tuple[int, int]] = []
+        for o, z in ranges:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + z)
+            else:
+                merged.append((o, z))
+        self.free[slab] = merged
+
+
+@dataclass
+class Spill:
+    """One sequence's K/V in host memory: ``positions`` (int64, increasing; a window may
+    have let some go) of ``length`` tokens, and every pool's rows at them in one host
+    buffer (``host``, uint8: the pools one after another, each ``[n, heads, dim]``)."""
+
+    positions: np.ndarray
+    length: int
+    host: torch.Tensor | None
+    nbytes: int
+    where: tuple[int, int] | None = None       # (slab, offset) in the arena (CUDA)
+
+
+class Spiller:
+    """Takes and gives back :class:`Spill` copies for one cache within ``budget`` bytes of
+    host memory (pinned on CUDA). ``stats``: ``spilled`` (sequences), ``spilled_tokens``,
+    ``restored_tokens``, ``spill_s`` and ``restore_s`` (copy time, seconds) and
+    ``spill_bytes_moved``; ``held`` bytes held now.
+
+    A copy goes through one device staging buffer as large as the spill: each pool's rows
+    gathered into their part of it, then one device-to-host copy (and back: one
+    host-to-device copy, then each pool's part scattered into the cells), so the bytes cross
+    the bus in one transfer whatever the number of layers.
+    """
+
+    def __init__(self, cache: CellCache, view: TorchView, budget: int):
+        self.cache, self.view, self.budget = cache, view, budget
+        self.held = 0
+        self.arena = PinnedArena(budget) if view.cuda else None
+        self.stats: dict[str, float] = dict.fromkeys(
+            ("spilled", "spilled_tokens", "restored_tokens", "spill_s", "restore_s",
+             "spill_bytes_moved"), 0)
+
+    def _pools(self) -> list[torch.Tensor]:
+        view = self.view
+        if view.stale():
+            view.refresh()
+        return [p for i in range(len(self.cache.config.layers)) for p in view.layer(i)[:2]]
+
+    def _sync(self) -> None:
+        if self.view.cuda:
+            torch.cuda.synchronize(self.view.device)
+
+    @staticmethod
+    def _parts(buf: torch.Tensor, pools: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+        """``buf`` (uint8) cut into one ``[n, heads, dim]`` view per pool, in pool order."""
+        out, off = [], 0
+        for p in pools:
+            size = n * p[0].numel() * p.element_size()
+            out.append(buf[off:off + size].view(p.dtype).view(n, *p.shape[1:]))
+            off += size
+        return out
+
+    def take(self, sid: int, length: int) -> Spill | None:
+        """A host copy of positions ``[0, length)`` of sequence ``sid`` (the forwards that
+        wrote them queued already), or None when it does not fit the budget left."""
+        import time
+
+        table = self.cache.table
+        cells = np.asarray(table.seq_cells(sid), dtype=np.int64)
+        positions = table.positions_array()[cells]
+        keep = positions < length
+        cells, positions = cells[keep], positions[keep]
+        order = np.argsort(positions, kind="stable")
+        cells, positions = cells[order], positions[order]
+        pools = self._pools()
+        n = len(cells)
+        nbytes = n * sum(p[0].numel() * p.element_size() for p in pools)
+        if not n or self.held + nbytes > self.budget:
+            return None
+        t = time.perf_counter()
+        self._sync()                                  # the forwards that wrote the rows
+        cuda = self.view.cuda
+        where = None
+        try:
+            index = torch.from_numpy(cells).to(pools[0].device)
+            if self.arena is not None:
+                where = self.arena.alloc(nbytes)
+                if where is None:
+                    return None
+                host = self.arena.slabs[where[0]][where[1]:where[1] + nbytes]
+            else:
+                host = torch.empty(nbytes, dtype=torch.uint8)
+            stage = torch.empty(nbytes, dtype=torch.uint8, device=pools[0].device) if cuda else host
+            for p, part in zip(pools, self._parts(stage, pools, n)):
+                torch.index_select(p, 0, index, out=part)
+            if cuda:
+                host.copy_(stage, non_blocking=True)
+                self._sync()
+        except (torch.OutOfMemoryError, RuntimeError):
+            if where is not None and self.arena is not None:
+                self.arena.release(*where, nbytes)
+            return None                               # no room to stage or pin: read it again
+        self.held += nbytes
+        st = self.stats
+        st["spilled"] += 1
+        st["spilled_tokens"] += n
+        st["spill_s"] += time.perf_counter() - t
+        st["spill_bytes_moved"] += nbytes
+        return Spill(positions, length, host, nbytes, where)
+
+    def drop(self, spill: Spill) -> None:
+        """Gives a spill's host memory back to the budget."""
+        if spill.host is not None:
+            self.held -= spill.nbytes
+            spill.host = None
+            if spill.where is not None and self.arena is not None:
+                self.arena.release(*spill.where, spill.nbytes)
+
+    def give(self, spill: Spill, sid: int, start: int) -> None:
+        """Places positions ``[start, spill.length)`` of ``sid`` (which holds ``[0, start)``)
+        with the spilled K/V: declared, prepared and committed ``max_write`` at a time.
+        OutOfMemory (no cells, a growth failing) with ``sid`` back at ``start`` positions;
+        the spill is dropped either way."""
+        import time
+
+        t = time.perf_counter()
+        cache = self.cache
+        try:
+            pools = self._pools()
+            device = pools[0].device
+            have = np.full(spill.length, -1, dtype=np.int64)
+            have[spill.positions] = np.arange(len(spill.positions))
+            assert spill.host is not None
+            dev = self._parts(spill.host.to(device, non_blocking=True), pools, len(spill.positions))
+            width = cache.config.max_write
+            for lo in range(start, spill.length, width):
+                w = min(width, spill.length - lo)
+                if not cache.declare_step([sid] * w):
+                    raise OutOfMemory(f"no {w} free cells to restore positions {lo}..{lo + w - 1}")
+                try:
+                    step = cache.prepare_step(w)
+                except BaseException:
+                    cache.undeclare()
+                    raise
+                try:
+                    rows = have[lo:lo + w]
+                    some = rows >= 0
+                    if some.any():
+                        pools = self._pools()           # (a copy growth moves them)
+                        dst = torch.from_numpy(np.asarray(step.cells[:w], dtype=np.int64)[some]).to(device)
+                        src = torch.from_numpy(rows[some]).to(device)
+                        for p, d in zip(pools, dev):
+                            p.index_copy_(0, dst, d.index_select(0, src))
+                    self._sync()
+                except BaseException:
+                    cache.unprepare_step()
+                    cache.undeclare()
+                    raise
+                cache.commit_step()
+        except BaseException:
+            if cache.pos(sid) > start:
+                cache.rewind(sid, start)
+            raise
+        finally:
+            self.drop(spill)
+        self.stats["restored_tokens"] += spill.length - start
+        self.stats["restore_s"] += time.perf_counter() - t

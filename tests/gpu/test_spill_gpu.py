@@ -1,0 +1,61 @@
+"""The host tier on the device: a sequence's K/V spilled to pinned memory and restored into
+other cells is bit for bit what it was (bf16), and a Generator with graphs and preemptions
+gives the same tokens with the tier as without it (float32)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cellcache as cc  # noqa: E402
+
+from ..test_seqstate import LAYERS, feed, kv_at  # noqa: E402
+
+
+def test_a_spill_round_trip_is_bit_exact_in_bf16():
+    from cellcache.cuda.backend import CudaCellCache  # (not at collection: see conftest)
+    from cellcache.generate.spill import Spiller
+    from cellcache.torch import TorchView
+
+    cfg = cc.CacheConfig(capacity=512, layers=LAYERS, max_write=16, dtype="bfloat16", max_seqs=8)
+    with CudaCellCache(cfg) as cache:
+        a = cache.seq_new()
+        feed(cache, a, 70, seed=4)
+        torch.cuda.synchronize()
+        before = {p: [t.cpu() for t in ts] for p, ts in kv_at(cache, a).items()}
+        sp = Spiller(cache, TorchView(cache), 1 << 30)
+        spill = sp.take(a, 70)
+        assert spill is not None and spill.host[0].is_pinned() and sp.held == spill.nbytes
+        clone = cache.seq_clone(a, 20)            # (a prefix kept elsewhere: restored past it)
+        cache.seq_rm(a)
+        filler = cache.seq_new()
+        feed(cache, filler, 33, seed=5)           # the old cells are taken by another sequence
+        sp.give(spill, clone, 20)
+        assert sp.held == 0 and cache.seq_len(clone) == 70
+        after = {p: [t.cpu() for t in ts] for p, ts in kv_at(cache, clone).items()}
+        assert sorted(after) == sorted(before)
+        assert all(torch.equal(x, y) for p in before for x, y in zip(before[p], after[p]))
+        cache.check_invariants()
+
+
+def test_a_generator_with_graphs_gives_the_same_tokens_with_the_tier():
+    from cellcache.generate import Generator, Sampling, random_model
+
+    model = random_model("llama-tiny", torch.float32, "cuda", seed=5)
+    prompts = [[(7 * i + j) % 500 for j in range(20 + 5 * i)] for i in range(24)]
+
+    def serve(**kw):
+        gen = Generator(model, capacity=700, max_seqs=32, eos=[], reserve=0.0, **kw)
+        assert gen.runner.graphs_enabled
+        reqs = [gen.add(p, Sampling(max_new_tokens=48, temperature=0.8 if i % 2 else 0.0, seed=i))
+                for i, p in enumerate(prompts)]
+        gen.run()
+        gen.cache.check_invariants()
+        return [r.outputs for r in reqs], gen
+
+    ref, rgen = serve()
+    out, gen = serve(spill_bytes=1 << 28)
+    assert rgen.stats["preempted"] > 0 and gen.stats["restored_tokens"] > 0
+    assert out == ref
+    assert gen.scheduler.kv.spiller.held == 0
