@@ -106,6 +106,14 @@ def test_each_kind_of_result_has_its_headline(ri):
     assert ri.headline(sleep) == ("60.0 GiB cache asleep holds 0.42%, wake 14 ms median / 66 ms max, "
                                   "graph replay equal; m level 2: freed 2.00 GiB, wake 0.324 s, "
                                   "outputs DIFFER; targets: asleep <= 1%, wake <= 0.5 s")
+    spill = {"speedup": 0.9, "tokens_per_s": {"spill": 900.0, "recompute": 1000.0},
+             "workload": {"name": "trt-1000", "requests": 256, "share": 0.5},
+             "bandwidth": {"spill_share": 0.02, "restore_share": 0.6}, "targets": {"speedup": 1.5},
+             "agreement": {"passed": True, "noise_max": 0.3, "error_max": 0.06}}
+    assert ri.headline(spill) == ("trt-1000 x256, cache 0.5 of the working set: spill 900 tok/s vs "
+                                  "recompute 1,000 = 0.90x (target 1.5x); copies at 2% (spill) and "
+                                  "60% (restore) of a pinned copy; agreement with HF passed (0.20x the "
+                                  "noise floor)")
     assert ri.headline({"date": "2026-01-01"}) == ri.UNKNOWN
 
 

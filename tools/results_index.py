@@ -209,6 +209,16 @@ def headline(d: dict) -> str:
         if "ttft_p50_gap_ms_at_half_load" in t:
             parts.append(f"50% load TTFT p50 gap {_num(t['ttft_p50_gap_ms_at_half_load'], '+.1f')} ms "
                          f"({'met' if t.get('ttft_ok') else 'MISSED'}: <= 10 ms)")
+    elif "speedup" in d and isinstance(d.get("bandwidth"), dict):    # tools/bench_spill.py
+        tps, bw, w = d.get("tokens_per_s") or {}, d["bandwidth"], d.get("workload") or {}
+        parts.append(f"{w.get('name')} x{_num(w.get('requests'))}, cache {_num(w.get('share'), 'g')} of "
+                     f"the working set: spill {_num(tps.get('spill'))} tok/s vs recompute "
+                     f"{_num(tps.get('recompute'))} = {_num(d['speedup'], '.2f')}x (target "
+                     f"{_num((d.get('targets') or {}).get('speedup'), 'g')}x)")
+        if "spill_share" in bw or "restore_share" in bw:
+            parts.append(f"copies at {_num(100 * bw.get('spill_share', 0), '.0f')}% (spill) and "
+                         f"{_num(100 * bw.get('restore_share', 0), '.0f')}% (restore) of a pinned copy")
+        parts += [t for t in (_agreement(d),) if t]
     elif isinstance(d.get("cache"), dict) and "wake_s_median" in d["cache"]:   # tools/bench_sleep.py
         c, gib = d["cache"], 2**30
         parts.append(f"{_num(c.get('mapped_bytes', 0) / gib, '.1f')} GiB cache asleep holds "
