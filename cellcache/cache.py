@@ -290,11 +290,15 @@ class CellCache:
                 raise InvalidState(f"cannot sleep: {what}, and sleeping discards the K/V; free the "
                                    "sequences (or clear()) and finish the step first")
             self._before_sleep()
-            self._pools.sleep()
-            self._asleep = True
-            if self._pools.moves:
-                self._pools_generation += 1
-            self._pools_changed()
+            try:
+                self._pools.sleep()
+            finally:
+                # (even when it failed part way: what was given back is mapped again by wake(),
+                # and no step may run on pools that are partly gone)
+                self._asleep = True
+                if self._pools.moves:
+                    self._pools_generation += 1
+                self._pools_changed()
 
     def wake(self) -> None:
         """Takes memory for the pools again after :meth:`sleep`: mapped pools get fresh

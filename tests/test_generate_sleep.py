@@ -136,3 +136,42 @@ def test_reset_prefix_cache_empties_it_and_the_next_request_computes_its_prompt(
     gen.run()
     assert req.cached_tokens == 0 and req.outputs == first[0]
     assert make(model, prefix_cache=False).reset_prefix_cache() == 0
+
+
+def test_a_sleep_the_cache_refuses_leaves_the_generator_awake_and_serving(model):
+    gen = make(model)
+    ref = serve(gen)
+    other = gen.cache.seq_new()                       # another user of the cache holds a cell
+    assert gen.cache.declare_step([other])
+    gen.cache.prepare_step()
+    gen.cache.commit_step()
+    for level in (1, 2):
+        with pytest.raises(InvalidState, match="1 cells are owned"):
+            gen.sleep(level)
+        assert gen.asleep == 0 and not gen.cache.asleep
+        assert all(p.device.type == "cpu" for p in model.parameters())
+    assert serve(gen) == ref
+    gen.cache.seq_rm(other)
+
+
+def test_a_wake_that_runs_out_of_memory_stays_asleep_and_can_be_retried(model, monkeypatch):
+    from cellcache import OutOfMemory
+
+    gen = make(model)
+    ref = serve(gen)
+    gen.sleep(2)
+    calls = {"n": 0}
+    real = type(gen.cache).wake
+
+    def failing(cache):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OutOfMemory("injected: no memory for the pools")
+        return real(cache)
+
+    monkeypatch.setattr(type(gen.cache), "wake", failing)
+    with pytest.raises(OutOfMemory, match="injected"):
+        gen.wake()
+    assert gen.asleep == 2 and gen.cache.asleep
+    gen.wake()
+    assert gen.asleep == 0 and serve(gen) == ref

@@ -112,3 +112,36 @@ def test_the_pinned_arena_reuses_what_spills_give_back():
     assert arena.alloc(2048) == (0, 0) and arena.nbytes == 4096
     big = PinnedArena(limit=1 << 20, slab=1024, pin=False)
     assert big.alloc(5000) == (0, 0) and big.slabs[0].numel() == 5120   # a slab of its own
+
+
+def test_a_restore_failing_in_torch_is_the_librarys_out_of_memory_and_undoes_its_cells(monkeypatch):
+    import cellcache as cc
+    from cellcache.generate.spill import Spiller
+    from cellcache.torch import TorchView
+
+    from .test_seqstate import LAYERS, feed
+
+    cache = cc.HostCellCache(cc.CacheConfig(capacity=256, layers=LAYERS, max_write=16, max_seqs=8))
+    a = cache.seq_new()
+    feed(cache, a, 40, seed=1)
+    sp = Spiller(cache, TorchView(cache), 1 << 20)
+    spill = sp.take(a, 40)
+    assert spill is not None and sp.held == spill.nbytes
+    b = cache.seq_clone(a, 10)
+    cache.seq_rm(a)
+    free = cache.free_cells
+    calls = {"n": 0}
+    real = torch.Tensor.index_copy_
+
+    def oom(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 5:                           # part way through the second chunk
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(self, *args)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", oom)
+    with pytest.raises(OutOfMemory, match="restoring a spilled sequence failed"):
+        sp.give(spill, b, 10)
+    assert cache.seq_len(b) == 10 and cache.free_cells == free and sp.held == 0
+    assert cache.table.declared_width == 0 and cache.prepared_step is None
+    cache.check_invariants()

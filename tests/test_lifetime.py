@@ -46,6 +46,9 @@ CALLS = {
     "metrics": lambda c: c.metrics(),
     "table": lambda c: c.table,
     "on_close": lambda c: c.on_close(print),
+    "asleep": lambda c: c.asleep,
+    "sleep": lambda c: c.sleep(),
+    "wake": lambda c: c.wake(),
 }
 
 

@@ -451,3 +451,20 @@ def test_a_sleep_while_a_request_runs_is_409_and_the_request_finishes(monkeypatc
     finally:
         gate.set()
         engine.stop(5)
+
+
+def test_a_control_whose_caller_went_away_is_not_run_and_fails_nothing():
+    import concurrent.futures
+
+    gen = Generator(random_model("llama-tiny"), capacity=1024, eos=[])
+    engine = Engine(gen, max_waiting=8)
+    ran = []
+    gone: concurrent.futures.Future = concurrent.futures.Future()
+    gone.cancel()
+    kept: concurrent.futures.Future = concurrent.futures.Future()
+    engine._controls = [(lambda: ran.append("gone"), gone), (lambda: ran.append("kept") or 7, kept)]
+    engine._run_controls()
+    assert ran == ["kept"] and kept.result() == 7 and engine.failed is None
+    with pytest.raises(Exception, match="not running"):
+        engine._control(lambda: None)                 # not started: refused, nothing queued
+    assert engine._controls == []

@@ -225,6 +225,7 @@ class FakeVmm:
         self._maybe_fail("cuMemSetAccess")
 
     def unmap(self, va, size):
+        self._maybe_fail("cuMemUnmap")
         assert self.mapped.pop(va)[0] == size
 
     def release(self, handle):
@@ -275,3 +276,42 @@ def test_mapped_pools_wake_failing_at_every_driver_call_gives_back_what_it_made(
     assert len(ops.mapped) == 8
     pools.close()
     undo.close()
+
+
+@pytest.mark.parametrize("fail_at", range(1, 13))
+def test_a_sleep_failing_part_way_is_asleep_and_wake_maps_everything_again(fail_at):
+    pools, ops, undo = mapped_pools(1000)
+    covered = {k: (p.hi, p.sink_mapped) for k, p in pools.pools.items()}
+    ops.calls, ops.fail_at = 0, fail_at
+    with pytest.raises(OutOfMemory, match="injected cuMemUnmap"):
+        pools.sleep()
+    assert ops.mapped                                 # some mappings left behind
+    ops.fail_at = None
+    pools.wake()                                      # they go first, then everything is mapped
+    assert {k: (p.hi, p.sink_mapped) for k, p in pools.pools.items()} == covered
+    assert len(ops.mapped) == 8 and len(ops.handles) == 8
+    pools.close()
+    undo.close()
+    assert not ops.mapped and not ops.handles
+
+
+def test_a_cache_whose_pools_fail_to_sleep_refuses_steps_until_it_wakes():
+    cache = HostCellCache(config())
+    cache.seq_rm(fill(cache, 64))
+    real = cache._pools.sleep
+
+    def broken():
+        raise OSError("injected madvise failure")
+
+    cache._pools.sleep = broken
+    with pytest.raises(OSError, match="injected"):
+        cache.sleep()
+    assert cache.asleep                               # no step on pools that may be half gone
+    with pytest.raises(InvalidState, match="asleep"):
+        cache.declare_step([cache.seq_new()])
+    cache._pools.sleep = real
+    cache.wake()
+    assert cache.declare_step([cache.live_seqs()[0]])
+    cache.prepare_step()
+    cache.commit_step()
+    cache.close()

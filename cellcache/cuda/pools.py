@@ -230,15 +230,17 @@ class MappedPools:
         """Unmaps and releases every mapping (the caller has waited for queued work) and
         keeps the reserved ranges: the pools' addresses stay, with no memory behind them,
         until :meth:`wake`."""
-        slept = {key: (p.hi, p.sink_mapped) for key, p in self.pools.items()}
+        for p in self.pools.values():
+            if p.slept is None:
+                p.slept = (p.hi, p.sink_mapped)
         self.close()
-        for key, p in self.pools.items():
-            p.slept = slept[key]
 
     def wake(self) -> None:
         """Maps fresh memory where :meth:`sleep` unmapped it, one mapping per pool's rows
         and one for its sink; a failure unmaps and releases what it made (the error
         propagates, the pools stay asleep)."""
+        if any(p.chunks for p in self.pools.values()):
+            self.close()                    # what a failed sleep left mapped goes first
         plan = _Plan(self.rows)
         try:
             for key, p in self.pools.items():
@@ -259,8 +261,9 @@ class MappedPools:
     def close(self) -> None:
         """Unmaps and releases every mapping (the caller has waited for queued work)."""
         for p in self.pools.values():
-            for offset, size, handle in reversed(p.chunks):
+            while p.chunks:                 # (one that raises stays listed: a retry finds it)
+                offset, size, handle = p.chunks[-1]
                 self.ops.unmap(p.va + offset, size)
                 self.ops.release(handle)
-            p.chunks = []
+                p.chunks.pop()
             p.hi, p.sink_mapped = 0, False

@@ -270,8 +270,8 @@ class BaseScheduler:
         """Frees the most recently admitted running sequence and requeues it at the head of
         the queue; it is read again (prompt and output so far) when admitted."""
         v = max(self.running, key=lambda s: s.stamp)
-        self.running.remove(v)
         self.kv.spill(v)                  # (a host copy of its K/V, when the tier holds it)
+        self.running.remove(v)
         spill, v.spill = v.spill, None
         self.free(v)
         v.spill = spill
@@ -430,7 +430,12 @@ class BaseScheduler:
                         self.free(w)                  # waits for room, its copy kept
                         break
                     else:
-                        restored = kv_.restore(w, sid, hit)
+                        try:
+                            restored = kv_.restore(w, sid, hit)
+                        except BaseException:
+                            w.sid = sid
+                            self.free(w)              # its id and pins: nothing is lost
+                            raise
                         hit, cells = hit + restored, cells - restored
                         self.stats["restored_tokens"] += restored
                 n = min(L - hit, self.prefill_chunk, budget, cells, kv - hit)

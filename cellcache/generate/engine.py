@@ -659,9 +659,10 @@ class Generator:
 
         InvalidArgument for a level other than 1 or 2 (2 under tensor parallelism, whose
         weights are sharded tensors); InvalidState while requests are queued or running, from
-        inside a step, or asleep at another level; OutOfMemory when the host cannot hold the
-        weights (level 2: the prefix cache is emptied, nothing else changed). Sleeping again
-        at the same level does nothing.
+        inside a step, or asleep at another level; the cache's InvalidState when another user
+        of it holds cells; OutOfMemory when the host cannot hold the weights (level 2). A
+        refusal after the checks leaves the prefix cache emptied and nothing else changed.
+        Sleeping again at the same level does nothing.
         """
         if (not isinstance(level, (int, np.integer)) or isinstance(level, (bool, np.bool_))
                 or level not in (1, 2)):
@@ -681,18 +682,16 @@ class Generator:
                     return
                 self._idle("sleep()")
                 local = self.cache.local if isinstance(self.cache, TPCache) else self.cache
-                if self.prefix is not None:
+                if self.prefix is not None:          # (its K/V is not kept: emptied first)
                     self.prefix.clear()
+                local.sleep()                        # refused: nothing else has changed
                 if level == 2:
-                    self._offloaded = offload_weights(self.model)
+                    try:
+                        self._offloaded = offload_weights(self.model)
+                    except BaseException:
+                        local.wake()
+                        raise
                     self.runner.drop_graphs()
-                try:
-                    local.sleep()
-                except BaseException:
-                    if self._offloaded is not None:
-                        offloaded, self._offloaded = self._offloaded, None
-                        offloaded.restore()
-                    raise
                 self._sleep_level = int(level)
                 if self.runner.cuda:
                     torch.cuda.empty_cache()
@@ -710,15 +709,14 @@ class Generator:
             with self._state_lock:
                 if not self._sleep_level:
                     return
-                if self._offloaded is not None:
-                    self._offloaded.restore()
                 local = self.cache.local if isinstance(self.cache, TPCache) else self.cache
-                try:
-                    local.wake()
-                except BaseException:
-                    if self._offloaded is not None:       # back to where sleep(2) left them
-                        self._offloaded = offload_weights(self.model)
-                    raise
+                local.wake()                         # refused: nothing has changed
+                if self._offloaded is not None:
+                    try:
+                        self._offloaded.restore()    # (a failure leaves them on the host)
+                    except BaseException:
+                        local.sleep()                # (no cell is owned: it cannot refuse)
+                        raise
                 self._offloaded = None
                 self._sleep_level = 0
         finally:

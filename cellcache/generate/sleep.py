@@ -59,7 +59,7 @@ class OffloadedWeights:
                 t.data = dev
                 back.append(t)
             torch.cuda.synchronize()
-        except torch.OutOfMemoryError as e:
+        except (torch.OutOfMemoryError, RuntimeError) as e:
             for t, host, _ in self._moved[:len(back)]:
                 t.data = host
             done.clear()

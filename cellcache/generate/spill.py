@@ -207,7 +207,9 @@ class Spiller:
                 if not cache.declare_step([sid] * w):
                     raise OutOfMemory(f"no {w} free cells to restore positions {lo}..{lo + w - 1}")
                 try:
-                    step = cache.prepare_step(w)
+                    # (on torch's stream: a growth's copy is ordered before the writes below)
+                    step = cache.prepare_step(w, torch.cuda.current_stream(device) if self.view.cuda
+                                              else None)
                 except BaseException:
                     cache.undeclare()
                     raise
@@ -226,9 +228,11 @@ class Spiller:
                     cache.undeclare()
                     raise
                 cache.commit_step()
-        except BaseException:
+        except BaseException as e:
             if cache.pos(sid) > start:
                 cache.rewind(sid, start)
+            if isinstance(e, (torch.OutOfMemoryError, RuntimeError)) and not isinstance(e, OutOfMemory):
+                raise OutOfMemory(f"restoring a spilled sequence failed ({e})") from e
             raise
         finally:
             self.drop(spill)

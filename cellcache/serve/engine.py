@@ -137,6 +137,7 @@ class Engine:
         #: 0, or the level of the generator's sleep (set on the engine thread; new requests
         #: get 503 meanwhile).
         self.asleep = 0
+        self._falling_asleep = 0                # sleeps asked for and not yet answered (loop thread)
         #: The generator as of its last step (read by /metrics and /health from the loop).
         self.snapshot: dict[str, Any] = {}
         self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
@@ -180,7 +181,7 @@ class Engine:
         running, 429 when ``count`` more requests would pass ``max_waiting``) or returns."""
         if self.draining:
             raise Refused(503, "the server is shutting down")
-        if self.asleep:
+        if self.asleep or self._falling_asleep:
             raise Refused(503, "the server is asleep (POST /wake_up wakes it)")
         if self._stop or not self.alive:       # nothing would step it: the client would wait forever
             raise Refused(503, "the engine is not running")
@@ -263,7 +264,11 @@ class Engine:
             self.gen.sleep(level)
             self.asleep = self.gen.asleep
             return self.asleep
-        return await asyncio.wrap_future(self._control(go))
+        self._falling_asleep += 1           # new requests: 503 from now (a level-2 sleep is long)
+        try:
+            return await asyncio.wrap_future(self._control(go))
+        finally:
+            self._falling_asleep -= 1
 
     async def wake(self) -> None:
         """``gen.wake()`` on the engine thread, between steps (OutOfMemory propagates, the
@@ -274,10 +279,10 @@ class Engine:
         await asyncio.wrap_future(self._control(go))
 
     def _control(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        if not self.alive:
-            raise Refused(503, "the engine is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
+            if self._stop or not self.alive:   # (under the lock: the thread sees it or refuses)
+                raise Refused(503, "the engine is not running")
             self._controls.append((fn, fut))
             self._cond.notify()
         return fut
@@ -286,10 +291,14 @@ class Engine:
         with self._cond:
             controls, self._controls = self._controls, []
         for fn, fut in controls:
+            if not fut.set_running_or_notify_cancel():
+                continue                    # its caller went away (a cancelled await): not run
             try:
-                fut.set_result(fn())
+                result = fn()
             except BaseException as e:      # the caller's to see (a 409, a 400)
                 fut.set_exception(e)
+            else:
+                fut.set_result(result)
 
     # -- the engine thread -----------------------------------------------------------------------
     def start(self) -> None:
@@ -413,7 +422,8 @@ class Engine:
             if self._stop and (not gen.busy or gen.asleep):
                 controls, self._controls = self._controls, []
                 for _, fut in controls:
-                    fut.set_exception(Refused(503, "the server is shutting down"))
+                    if fut.set_running_or_notify_cancel():
+                        fut.set_exception(Refused(503, "the server is shutting down"))
                 return False
         if self._controls:
             self._run_controls()
