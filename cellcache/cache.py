@@ -157,7 +157,6 @@ class CellCache:
         self._pools_generation = 0
         self._clears = 0
         self._asleep = False
-        self._woke_moved = False                # copy pools woke at new addresses: next Step.grew
         self._prepared_stream = 0
         self._steps = 0
         try:
@@ -267,10 +266,10 @@ class CellCache:
         """Gives the K/V pools' memory back and keeps everything else: the table, the step
         buffers, the sequence ids and, where the pools are mapped (CUDA with virtual memory
         management, the host's ``growth="map"``), the pools' addresses, so views and captured
-        graphs stay valid for :meth:`wake`. Copy-growth pools are released and allocated
-        again by :meth:`wake` elsewhere (``pools_generation`` changes at both and the next
-        step's ``Step.grew`` is True, as after a copy growth: views are rebuilt, graphs
-        recaptured).
+        graphs stay valid for :meth:`wake`. Copy-growth pools are released and have no rows
+        until the next step allocates them, elsewhere, as a first step does
+        (``pools_generation`` changes at both and that ``Step.grew`` is True: views are
+        rebuilt, graphs recaptured).
 
         Nothing may be in the pools: InvalidState while any cell is owned (free the
         sequences, or :meth:`clear`) or a step is declared or prepared; nothing changes
@@ -303,8 +302,8 @@ class CellCache:
     def wake(self) -> None:
         """Takes memory for the pools again after :meth:`sleep`: mapped pools get fresh
         memory at the addresses they had (graphs captured before :meth:`sleep` replay as
-        they are), copy pools new storage of the rows they had. The K/V content is not
-        kept (nothing was in the pools). OutOfMemory (CudaError for another driver
+        they are); copy pools get theirs at the next step. The K/V content is not kept
+        (nothing was in the pools). OutOfMemory (CudaError for another driver
         failure) leaves the cache asleep with nothing taken; the call can be retried.
         Idempotent."""
         with self._lock:
@@ -319,10 +318,6 @@ class CellCache:
                 raise OutOfMemory(f"waking the pools ran out of memory ({e!r}); the cache is "
                                   "still asleep, wake() can be retried") from e
             self._asleep = False
-            if self._pools.moves:
-                self._pools_generation += 1
-                self._woke_moved = True
-            self._pools_changed()
 
     def _check_awake(self) -> None:
         if self._asleep:
@@ -595,9 +590,6 @@ class CellCache:
                         f"writing the step ran out of memory ({e!r}); the placement was undone, "
                         "the declared step can be retried") from e
                 raise
-            if self._woke_moved:
-                step = dataclasses.replace(step, grew=True)
-                self._woke_moved = False
             self._prepared = step
             self._prepared_stream = handle
             self._steps += 1

@@ -82,8 +82,8 @@ class Pools(Protocol):
         """Gives the pools' memory back (nothing is in them; queued work has finished)."""
 
     def wake(self) -> None:
-        """Takes memory for the rows the pools had at :meth:`sleep`; a failure (MemoryError)
-        takes nothing and leaves them asleep."""
+        """Takes memory for the rows the pools had at :meth:`sleep` (or leaves it to the next
+        step's growth); a failure (MemoryError) takes nothing and leaves them asleep."""
 
 
 @dataclass
@@ -121,7 +121,6 @@ class CopyPools:
         self.rows = 0
         self.allocations: dict[PoolKey, Any] = {}
         self.unreleased: list[Any] = []     # retired allocations whose retire raised
-        self._slept_rows = 0                # the rows wake() allocates again
 
     @property
     def sink(self) -> int:
@@ -181,21 +180,13 @@ class CopyPools:
                 release_quietly(self.allocator, allocation)
 
     def sleep(self) -> None:
-        """Releases the storage (the caller has waited for queued work): no rows until
-        :meth:`wake` allocates the rows there were, at new addresses."""
-        rows = self.rows
+        """Releases the storage (the caller has waited for queued work): no rows, so the next
+        step allocates anew, at new addresses, as the first step of a cache does."""
         self.close()
-        self.rows, self._slept_rows = 0, rows
+        self.rows = 0
 
     def wake(self) -> None:
-        rows, self._slept_rows = self._slept_rows, 0
-        if rows:
-            try:
-                plan = self.plan(rows)
-            except BaseException:
-                self._slept_rows = rows
-                raise
-            self.apply(plan, 0, 0)          # nothing to copy, nothing to retire
+        pass                                # (the next step's growth allocates)
 
     def close(self) -> None:
         """Releases every allocation (the caller has waited for queued work)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,8 +29,8 @@ from .cache import CellCache
 from .errors import InvalidArgument, InvalidState, OutOfMemory
 from .torch import TorchView, torch_dtype
 
-__all__ = ["FORMAT", "VERSION", "load_sequence", "read_sequence", "save_sequence", "shape_of",
-           "write_sequence"]
+__all__ = ["FORMAT", "VERSION", "cells_by_position", "load_sequence", "place_positions",
+           "read_sequence", "save_sequence", "shape_of", "write_sequence"]
 
 #: What the header's ``format`` says, and the version this module writes and reads.
 FORMAT = "cellcache.sequence"
@@ -78,9 +79,8 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
 def read_sequence(cache: CellCache, seq: Any) -> dict[str, torch.Tensor]:
     """Sequence ``seq``'s positions and every layer's K and V at them, as CPU tensors
     (``"positions"`` ``[n]`` int64 increasing, ``"k.{layer}"`` and ``"v.{layer}"``
-    ``[n, n_kv_heads, head_dim]`` in the cache's dtype): what a file holds, in memory (a
-    host copy to spill to, :func:`write_sequence` to bring it back). Refuses as
-    :func:`save_sequence` does."""
+    ``[n, n_kv_heads, head_dim]`` in the cache's dtype): what a file holds, in memory
+    (:func:`write_sequence` brings it back). Refuses as :func:`save_sequence` does."""
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
     seq = check_seq_id(seq, cache.max_seqs)
@@ -91,11 +91,7 @@ def read_sequence(cache: CellCache, seq: Any) -> dict[str, torch.Tensor]:
         if step is not None and seq in step.seq_ids.tolist():
             raise InvalidState(f"sequence {seq} is in the prepared step, whose forward may not have "
                                "written its K/V yet: save after the step")
-        table = cache.table
-        cells = np.asarray(table.seq_cells(seq), dtype=np.int64)
-        positions = np.array([table.cell_pos_at(int(c)) for c in cells], dtype=np.int64)
-        order = np.argsort(positions, kind="stable")
-        cells, positions = cells[order], positions[order]
+        cells, positions = cells_by_position(cache, seq)
         view = TorchView(cache)
         _sync(view)
         tensors: dict[str, torch.Tensor] = {"positions": torch.from_numpy(positions.copy())}
@@ -213,38 +209,65 @@ def _write(cache: CellCache, tensors: dict[str, torch.Tensor], pos: torch.Tensor
     return seq
 
 
-def _place(cache: CellCache, seq: int, pos: torch.Tensor, tensors: dict[str, torch.Tensor],
-           length: int) -> None:
-    """Positions ``[0, length)`` of ``seq`` placed step by step (``max_write`` a step), each
-    step's cells given the file's K/V (zeros where the file has none)."""
-    view = TorchView(cache)
-    have = torch.full((length,), -1, dtype=torch.int64)
-    have[pos] = torch.arange(pos.numel())
+def cells_by_position(cache: CellCache, seq: int, below: int | None = None
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """(cells, positions) of live sequence ``seq``, int64, in increasing position (only
+    positions below ``below`` when given): a window may have let some positions go."""
+    cells = np.asarray(cache.table.seq_cells(seq), dtype=np.int64)
+    positions = cache.table.positions_array()[cells]
+    if below is not None:
+        keep = positions < below
+        cells, positions = cells[keep], positions[keep]
+    order = np.argsort(positions, kind="stable")
+    return cells[order], positions[order]
+
+
+def place_positions(cache: CellCache, seq: int, start: int, length: int,
+                    write: Callable[[int, int, np.ndarray], None], stream: Any = None) -> None:
+    """Places positions ``[start, length)`` of ``seq`` (which holds ``[0, start)``) as steps
+    of their own, ``max_write`` at a time: each declared, prepared (on ``stream``), given its
+    K/V by ``write(first position, width, the step's cells)`` and committed. A failure
+    takes back the step in flight (OutOfMemory when no cells are free) and propagates; the
+    steps committed before it stay (the caller removes or rewinds ``seq``)."""
     width = cache.config.max_write
-    for start in range(0, length, width):
-        w = min(width, length - start)
+    for lo in range(start, length, width):
+        w = min(width, length - lo)
         if not cache.declare_step([seq] * w):
-            raise OutOfMemory(f"no {w} free cells for positions {start}..{start + w - 1}")
+            raise OutOfMemory(f"no {w} free cells for positions {lo}..{lo + w - 1}")
         try:
-            step = cache.prepare_step(w)       # (growth may fail: the declaration goes too)
+            step = cache.prepare_step(w, stream)   # (growth may fail: the declaration goes too)
         except BaseException:
             cache.undeclare()
             raise
         try:
-            view = view if not view.stale() else TorchView(cache)
-            cells = torch.from_numpy(np.asarray(step.cells[:w], dtype=np.int64))
-            rows = have[start:start + w]
-            for i in range(len(cache.config.layers)):
-                k, v, _ = view.layer(i)
-                for name, pool in (("k", k), ("v", v)):
-                    src = tensors[f"{name}.{i}"]
-                    block = torch.zeros((w, *src.shape[1:]), dtype=src.dtype)
-                    some = rows >= 0
-                    block[some] = src[rows[some]]
-                    pool[cells.to(pool.device)] = block.to(device=pool.device, dtype=pool.dtype)
-            _sync(view)
+            write(lo, w, np.asarray(step.cells[:w], dtype=np.int64))
         except BaseException:
             cache.unprepare_step()
             cache.undeclare()
             raise
         cache.commit_step()
+
+
+def _place(cache: CellCache, seq: int, pos: torch.Tensor, tensors: dict[str, torch.Tensor],
+           length: int) -> None:
+    """Positions ``[0, length)`` of ``seq`` given the file's K/V (zeros where it has none)."""
+    view = TorchView(cache)
+    have = torch.full((length,), -1, dtype=torch.int64)
+    have[pos] = torch.arange(pos.numel())
+
+    def write(lo: int, w: int, step_cells: np.ndarray) -> None:
+        nonlocal view
+        view = view if not view.stale() else TorchView(cache)
+        cells = torch.from_numpy(step_cells)
+        rows = have[lo:lo + w]
+        for i in range(len(cache.config.layers)):
+            k, v, _ = view.layer(i)
+            for name, pool in (("k", k), ("v", v)):
+                src = tensors[f"{name}.{i}"]
+                block = torch.zeros((w, *src.shape[1:]), dtype=src.dtype)
+                some = rows >= 0
+                block[some] = src[rows[some]]
+                pool[cells.to(pool.device)] = block.to(device=pool.device, dtype=pool.dtype)
+        _sync(view)
+
+    place_positions(cache, seq, 0, length, write)

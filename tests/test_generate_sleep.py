@@ -66,8 +66,9 @@ def test_requests_added_while_asleep_wait_and_run_after_wake(model):
     with pytest.raises(InvalidState, match="asleep"):
         gen.run()
     assert state(gen) == before and not any(r.done for r in reqs)
+    gen.wake()
     with pytest.raises(InvalidState, match="queued or running"):
-        gen.wake() or gen.sleep()          # awake now; the queued requests refuse a sleep
+        gen.sleep()                         # awake now; the queued requests refuse a sleep
     gen.run()
     assert [r.outputs for r in reqs] == ref
 

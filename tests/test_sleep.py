@@ -61,20 +61,22 @@ def test_sleep_gives_the_memory_back_and_wake_serves_steps_again(growth):
     assert released > 0.9 * 1024, released          # the pools' 1 GiB left the process
     cache.sleep()                                   # idempotent
     cache.wake()
-    assert not cache.asleep and cache.rows == rows
     cache.wake()                                    # idempotent
+    assert not cache.asleep
     if growth == "map":
         # same addresses: the pool arrays taken before sleep are still the pools
-        assert cache.pools_generation == generation
+        assert cache.rows == rows and cache.pools_generation == generation
         assert np.shares_memory(cache.layer(0).k, k0)
+        assert float(np.abs(cache.layer(0).k).sum()) == 0.0  # nothing kept: zeros
     else:
-        assert cache.pools_generation == generation + 2   # released, then allocated elsewhere
-    assert float(np.abs(cache.layer(0).k).sum()) == 0.0  # nothing kept: zeros
+        # released: no rows until the next step allocates them elsewhere
+        assert cache.rows == 0 and cache.pools_generation == generation + 1
     b = cache.seq_new()
     assert cache.declare_step([b] * 8)
     step = cache.prepare_step()
     cache.commit_step()
     assert step.grew == (growth == "copy")          # a runner recaptures after moved pools
+    assert cache.pools_generation == generation + 2 * (growth == "copy")
     assert list(step.cells) == list(range(8))
     assert cache.declare_step([b])
     assert not cache.prepare_step().grew            # reported once
@@ -158,22 +160,25 @@ class FailingAllocator:
 
 
 @pytest.mark.parametrize("fail_at", range(8))
-def test_a_wake_that_runs_out_of_memory_stays_asleep_and_can_be_retried(fail_at):
+def test_copy_pools_take_memory_at_the_next_step_and_a_failure_there_changes_nothing(fail_at):
     alloc = FailingAllocator()
     cache = HostCellCache(config(), growth="copy", allocator=alloc)
     cache.seq_rm(fill(cache, 600))
     assert isinstance(cache._pools, CopyPools) and alloc.live == 8
-    rows = cache.rows
     cache.sleep()
     assert alloc.live == 0
+    cache.wake()
+    assert not cache.asleep and alloc.live == 0 and cache.rows == 0
+    a = cache.seq_new()
+    assert cache.declare_step([a] * 4)
     before = state(cache)
     alloc.fail = fail_at
-    with pytest.raises(OutOfMemory, match="still asleep"):
-        cache.wake()
+    with pytest.raises(OutOfMemory, match="injected"):
+        cache.prepare_step()
     assert state(cache) == before and alloc.live == 0   # what the attempt took is given back
     alloc.fail = None
-    cache.wake()
-    assert not cache.asleep and alloc.live == 8 and cache.rows == rows
+    assert cache.prepare_step().grew and alloc.live == 8
+    cache.commit_step()
     cache.close()
     assert alloc.live == 0
 

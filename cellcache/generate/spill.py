@@ -25,6 +25,7 @@ import torch
 
 from ..cache import CellCache
 from ..errors import OutOfMemory
+from ..seqstate import cells_by_position, place_positions
 from ..torch import TorchView
 
 __all__ = ["Spill", "Spiller"]
@@ -134,13 +135,7 @@ class Spiller:
         wrote them queued already), or None when it does not fit the budget left."""
         import time
 
-        table = self.cache.table
-        cells = np.asarray(table.seq_cells(sid), dtype=np.int64)
-        positions = table.positions_array()[cells]
-        keep = positions < length
-        cells, positions = cells[keep], positions[keep]
-        order = np.argsort(positions, kind="stable")
-        cells, positions = cells[order], positions[order]
+        cells, positions = cells_by_position(self.cache, sid, below=length)
         pools = self._pools()
         n = len(cells)
         nbytes = n * sum(p[0].numel() * p.element_size() for p in pools)
@@ -201,33 +196,20 @@ class Spiller:
             have[spill.positions] = np.arange(len(spill.positions))
             assert spill.host is not None
             dev = self._parts(spill.host.to(device, non_blocking=True), pools, len(spill.positions))
-            width = cache.config.max_write
-            for lo in range(start, spill.length, width):
-                w = min(width, spill.length - lo)
-                if not cache.declare_step([sid] * w):
-                    raise OutOfMemory(f"no {w} free cells to restore positions {lo}..{lo + w - 1}")
-                try:
-                    # (on torch's stream: a growth's copy is ordered before the writes below)
-                    step = cache.prepare_step(w, torch.cuda.current_stream(device) if self.view.cuda
-                                              else None)
-                except BaseException:
-                    cache.undeclare()
-                    raise
-                try:
-                    rows = have[lo:lo + w]
-                    some = rows >= 0
-                    if some.any():
-                        pools = self._pools()           # (a copy growth moves them)
-                        dst = torch.from_numpy(np.asarray(step.cells[:w], dtype=np.int64)[some]).to(device)
-                        src = torch.from_numpy(rows[some]).to(device)
-                        for p, d in zip(pools, dev):
-                            p.index_copy_(0, dst, d.index_select(0, src))
-                    self._sync()
-                except BaseException:
-                    cache.unprepare_step()
-                    cache.undeclare()
-                    raise
-                cache.commit_step()
+
+            def write(lo: int, w: int, step_cells: np.ndarray) -> None:
+                rows = have[lo:lo + w]
+                some = rows >= 0
+                if some.any():
+                    dst = torch.from_numpy(step_cells[some]).to(device)
+                    src = torch.from_numpy(rows[some]).to(device)
+                    for p, d in zip(self._pools(), dev):     # (a copy growth moves the pools)
+                        p.index_copy_(0, dst, d.index_select(0, src))
+                self._sync()
+
+            # on torch's stream: a growth's copy is ordered before the writes
+            place_positions(cache, sid, start, spill.length, write,
+                            torch.cuda.current_stream(device) if self.view.cuda else None)
         except BaseException as e:
             if cache.pos(sid) > start:
                 cache.rewind(sid, start)
