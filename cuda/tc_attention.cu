@@ -72,6 +72,7 @@ typedef struct {
     cc_i64 split_cap;              // most units (items x kv heads) a split plan may make
     cc_i64 target_units;           // split when the step has fewer units than this (host: split x CTAs)
     double sl2;                    // softmax scale * log2(e)
+    const float* kv_scale;         // 8-bit K/V: the layer's scales, K [n_kv_heads] then V [n_kv_heads]
 } TcArgs;
 
 // -- instructions ------------------------------------------------------------------------------
@@ -121,6 +122,32 @@ __device__ __forceinline__ float ex2(float x)
     return y;
 }
 
+// 8-bit K/V (float8 e4m3, "fn": no infinities): four bytes of w (element 0 the lowest) as
+// two f16x2 words, each value exactly x * 2^-8 (subnormals included): the byte's sign goes
+// to bit 15 and its 7 magnitude bits to bits 7-13, so e4m3's exponent (bias 7) reads as
+// f16's (bias 15). The 2^8 is folded into the scales.
+__device__ __forceinline__ void e4m3x4_to_f16(cc_u32 w, cc_u32& lo, cc_u32& hi)
+{
+    const cc_u32 x0 = __byte_perm(w, 0, 0x1404), x1 = __byte_perm(w, 0, 0x3424);   // bytes 1 and 3
+    lo = (x0 & 0x80008000u) | ((x0 >> 1) & 0x3F803F80u);
+    hi = (x1 & 0x80008000u) | ((x1 >> 1) & 0x3F803F80u);
+}
+
+// bytes 0 and 2 (even) or 1 and 3 (odd) of w as one f16x2 word, x 2^-8 as above
+__device__ __forceinline__ cc_u32 e4m3_even_to_f16(cc_u32 w)
+{
+    const cc_u32 x = __byte_perm(w, 0, 0x2404);
+    return (x & 0x80008000u) | ((x >> 1) & 0x3F803F80u);
+}
+__device__ __forceinline__ cc_u32 e4m3_odd_to_f16(cc_u32 w)
+{
+    const cc_u32 x = __byte_perm(w, 0, 0x3414);
+    return (x & 0x80008000u) | ((x >> 1) & 0x3F803F80u);
+}
+
+template <bool C, typename A, typename B> struct Sel { typedef A type; };
+template <typename A, typename B> struct Sel<false, A, B> { typedef B type; };
+
 // D (16x8, f32) += A (16x16, row) * B (16x8, col); A in a[0..3], B in b0, b1 (PTX ISA
 // "Matrix Fragments for mma.m16n8k16 with floating point type": with g = lane / 4,
 // t = lane % 4, a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..];
@@ -142,6 +169,11 @@ template <> struct Mma<f16> {
         return r;
     }
     static constexpr cc_u32 ONES = 0x3c003c00u;        // (1, 1)
+    static __device__ __forceinline__ void unpack(cc_u32 w, float& lo, float& hi)
+    {
+        asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(w & 0xFFFFu)));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(w >> 16)));
+    }
 };
 template <> struct Mma<bf16> {
     static __device__ __forceinline__ void run(float (&d)[4], const cc_u32 (&a)[4], cc_u32 b0, cc_u32 b1)
@@ -158,6 +190,11 @@ template <> struct Mma<bf16> {
         return r;
     }
     static constexpr cc_u32 ONES = 0x3f803f80u;        // (1, 1)
+    static __device__ __forceinline__ void unpack(cc_u32 w, float& lo, float& hi)
+    {
+        lo = __uint_as_float(w << 16);
+        hi = __uint_as_float(w & 0xFFFF0000u);
+    }
 };
 
 // -- variants ----------------------------------------------------------------------------------
@@ -185,6 +222,15 @@ template <int D, int MQ, int WKV, int KT, int ST, int KS = 0> struct Tile {
     static constexpr int OS = D + 8;                        // merge: floats a row (+8: banks)
     static constexpr int MERGE = WKV > 1 ? 4 * 4 * WROWS * (OS + 2) : 0;
     static constexpr int SMEM = RING > MERGE ? RING : MERGE;
+    // 8-bit K/V: a ring of ST stages of KT K then KT V rows of D bytes (unswizzled), and one
+    // f16 K and V tile (the layout above) that each tile is widened into before it is read
+    static constexpr int F8_RING = 2 * ST * KT * D;
+    // R8 (8-bit, warps along the kv tile, D a multiple of 32): no f16 tile; each warp's ring
+    // rows are D + 16 bytes apart (ldmatrix rows of 8 keys then fall in distinct banks)
+    static constexpr bool R8 = WKV > 1 && D % 32 == 0;
+    static constexpr int P8 = R8 ? D + 16 : D;
+    static constexpr int RING8 = R8 ? 16 * Q_CH + 2 * ST * KT * P8 : 16 * (Q_CH + 2 * KV_CH) + F8_RING;
+    static constexpr int SMEM8 = RING8 > MERGE ? RING8 : MERGE;
     static constexpr int NP = (KT * CH + TC_THREADS - 1) / TC_THREADS;  // load passes a tile
     static_assert(4 % WKV == 0 && KW % 16 == 0 && KW % KSUB == 0 && KSUB % 16 == 0 && (MQ == 1 || MQ == 2) &&
                   ST >= 1 && KT <= TC_THREADS, "tile");
@@ -236,10 +282,15 @@ __device__ __forceinline__ void unit_keys(int shift, int p0, int p1, int G, int 
     }
 }
 
-template <typename T, int D, int MQ, int WKV, int KT, int ST, int KS>
+// KV8: the pools hold float8 e4m3 (scaled per kv head, a.kv_scale); each tile lands in the
+// 8-bit ring and is widened to f16 in shared memory before it is read, and Q is scaled by
+// sl2 * k_scale * 2^8 into f16 once, so S and P V run on f16 tensor cores for either T and
+// the scores come out in log2 units; O is scaled by v_scale * 2^8 when written.
+template <typename T, bool KV8, int D, int MQ, int WKV, int KT, int ST, int KS>
 __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
 {
     using C = Tile<D, MQ, WKV, KT, ST, KS>;
+    using M = typename Sel<KV8, Mma<f16>, Mma<T>>::type;   // the operands' type on the tensor cores
     constexpr int CH = C::CH, NP = C::NP, QROWS = C::QROWS, KW = C::KW, WROWS = C::WROWS;
     constexpr int KSUB = C::KSUB, NSUB = KW / KSUB;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -276,7 +327,12 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     const cc_i32* __restrict__ kv_idx = a.kv_indices + k0;
     uint4* s_q = smem;
     uint4* s_k = smem + C::Q_CH;
-    uint4* s_v = s_k + ST * C::KV_CH;
+    uint4* s_v = s_k + (KV8 ? 1 : ST) * C::KV_CH;
+    // R8: the widened tiles stay in registers, the 8-bit ring follows Q
+    constexpr bool R8 = KV8 && C::R8;
+    constexpr int P8 = C::P8;
+    unsigned char* s_f8 = R8 ? reinterpret_cast<unsigned char*>(s_k)
+                             : reinterpret_cast<unsigned char*>(s_v + (KV8 ? 1 : ST) * C::KV_CH);
     const cc_u32 a_q = smem_addr(s_q), a_k = smem_addr(s_k), a_v = smem_addr(s_v);
 
     // Q: the unit's packed rows, zeros past the last real one
@@ -347,9 +403,128 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     // fa2 does with one tile); the cells of tile j + ST are read at the start of iteration j
     // and stored at its end. Other variants (decode shapes, bound by the bytes in flight):
     // ST tiles ahead, issued after a second barrier at the end of the iteration.
-    constexpr bool ONEBAR = MQ == 2;
+    constexpr bool ONEBAR = MQ == 2 && !KV8;
     static_assert(!ONEBAR || ST >= 2, "one barrier a tile needs two stages");
-    if constexpr (ONEBAR) {
+    static_assert(!KV8 || ST >= 2, "8-bit K/V: a tile lands while the last one is widened");
+    // KV8: tile j's K and V rows (D bytes each, 16-byte copies) into stage j % ST of the
+    // 8-bit ring, one commit group a tile, ST - 1 tiles ahead (issued after the barrier that
+    // ends the widening of tile j - 1, which held that stage)
+    constexpr int F8_CH = D / 16;
+    const cc_u32 a_f8 = smem_addr(s_f8);
+    const unsigned char* __restrict__ kp8 = static_cast<const unsigned char*>(a.k_pool) + kvh * D;
+    const unsigned char* __restrict__ vp8 = static_cast<const unsigned char*>(a.v_pool) + kvh * D;
+    const cc_u32 rbytes8 = (cc_u32)(n_kvh * D);
+    auto issue8 = [&](int j, bool from_smem) {
+        if (j >= n_tiles) return;
+        const cc_u32 buf = a_f8 + (j % ST) * 2 * KT * D;
+        const int* cells = s_cells[j & 1];
+        for (int c = tid; c < KT * F8_CH; c += TC_THREADS) {
+            const int row = c / F8_CH, col = c - row * F8_CH;
+            const int cell = from_smem ? cells[row] : cell_of(j, row);
+            const cc_u64 off = (cc_u64)(cc_u32)max(cell, 0) * rbytes8 + 16 * col;
+            cp_async16_cell(buf + row * D + 16 * col, kp8 + off, cell);
+            cp_async16_cell(buf + (KT + row) * D + 16 * col, vp8 + off, cell);
+        }
+    };
+    // Q: T -> f16 scaled by sl2 * k_scale * 2^8, in place (KV8; every thread its own chunks)
+    auto widen_q = [&]() {
+        const float qs = (float)a.sl2 * a.kv_scale[kvh] * 256.f;
+        if constexpr (R8) {
+            // and each 16-dim block permuted: f16 pairs (p0 .. p7) as (p0 p2 p4 p6)(p1 p3 p5 p7),
+            // so that an A fragment's dims (2t, 2t + 1 | 2t + 8, 2t + 9) are physical 4t .. 4t + 3,
+            // the four bytes one lane gets of a K row from ldmatrix over the 8-bit rows
+            for (int c = tid; c < QROWS * CH / 2; c += TC_THREADS) {
+                const int row = c / (CH / 2), col = 2 * (c - row * (CH / 2));
+                uint4* p0 = s_q + C::at(row, col);
+                uint4* p1 = s_q + C::at(row, col + 1);
+                const uint4 wa = *p0, wb = *p1;
+                cc_u32 f[8];
+                const cc_u32 in[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    float x0, x1;
+                    Mma<T>::unpack(in[i], x0, x1);
+                    f[i] = Mma<f16>::pack(x0 * qs, x1 * qs);
+                }
+                *p0 = make_uint4(f[0], f[2], f[4], f[6]);
+                *p1 = make_uint4(f[1], f[3], f[5], f[7]);
+            }
+            return;
+        }
+        for (int c = tid; c < QROWS * CH; c += TC_THREADS) {
+            const int row = c / CH, col = c - row * CH;
+            uint4* p = s_q + C::at(row, col);
+            uint4 w = *p;
+            float x0, x1;
+            Mma<T>::unpack(w.x, x0, x1); w.x = Mma<f16>::pack(x0 * qs, x1 * qs);
+            Mma<T>::unpack(w.y, x0, x1); w.y = Mma<f16>::pack(x0 * qs, x1 * qs);
+            Mma<T>::unpack(w.z, x0, x1); w.z = Mma<f16>::pack(x0 * qs, x1 * qs);
+            Mma<T>::unpack(w.w, x0, x1); w.w = Mma<f16>::pack(x0 * qs, x1 * qs);
+            *p = w;
+        }
+    };
+    // rows [r0, r1) of an 8-bit stage (K rows, then `rows` V rows from `src`) widened into rows
+    // d0 + ... of the f16 K and V tiles, 16 bytes -> two chunks, by threads c0, c0 + step, ...
+    auto widen = [&](const unsigned char* src, int rows, int d0, int c0, int step) {
+        for (int c = c0; c < 2 * rows * F8_CH; c += step) {
+            const int rr = c / F8_CH, col = c - rr * F8_CH;   // rr: K rows, then V rows
+            const uint4 w = *reinterpret_cast<const uint4*>(src + rr * D + 16 * col);
+            const int row = d0 + (rr < rows ? rr : rr - rows);
+            uint4* dst = rr < rows ? s_k : s_v;
+            uint4 lo, hi;
+            e4m3x4_to_f16(w.x, lo.x, lo.y);
+            e4m3x4_to_f16(w.y, lo.z, lo.w);
+            e4m3x4_to_f16(w.z, hi.x, hi.y);
+            e4m3x4_to_f16(w.w, hi.z, hi.w);
+            dst[C::at(row, 2 * col)] = lo;
+            dst[C::at(row, 2 * col + 1)] = hi;
+        }
+    };
+    // W8 (KV8 with the warps along the kv tile, the decode shape): every warp reads only its
+    // own KW keys of a tile, so each warp copies, widens and reads them through a ring of its
+    // own (ST stages of KW K then KW V rows) with no block barrier in the loop: the copies
+    // of tile j + ST - 1 go out right after tile j has landed, their cells (lanes < KW, one
+    // tile ahead in a register) handed out by shuffles
+    constexpr bool W8 = KV8 && WKV > 1;
+    const int wkey0 = wk * KW;
+    constexpr int PW = R8 ? P8 : D;                    // bytes between a warp's ring rows
+    const cc_u32 a_w8 = a_f8 + warp * ST * 2 * KW * PW;
+    auto issue_w8 = [&](int j, int cell_reg) {
+        if (j >= n_tiles) return;
+        const cc_u32 buf = a_w8 + (j % ST) * 2 * KW * PW;
+        for (int c0 = 0; c0 < KW * F8_CH; c0 += 32) {   // uniform trip count: the shuffles see every lane
+            const int c = c0 + lane, row = min(c / F8_CH, KW - 1), col = c - row * F8_CH;
+            const int cell = __shfl_sync(0xffffffffu, cell_reg, row);
+            if (c < KW * F8_CH) {
+                const cc_u64 off = (cc_u64)(cc_u32)max(cell, 0) * rbytes8 + 16 * col;
+                cp_async16_cell(buf + row * PW + 16 * col, kp8 + off, cell);
+                cp_async16_cell(buf + (KW + row) * PW + 16 * col, vp8 + off, cell);
+            }
+        }
+    };
+    int wcell = -1;                                     // W8: the cell of key wkey0 + lane of the next tile to issue
+    // R8: a lane's ldmatrix row in its warp's ring: matrix lane / 8 = (keys 0-7 | 8-15) x
+    // (bytes 0-15 | 16-31) of a 32-byte column
+    const cc_u32 r8_lane = ((lane & 7) + 8 * ((lane >> 3) & 1)) * PW + 16 * (lane >> 4);
+    if constexpr (W8) {
+        cp_async_wait<0>();                            // Q has landed (every thread's copies)
+        __syncthreads();
+        widen_q();
+        __syncthreads();
+#pragma unroll
+        for (int s = 0; s < ST - 1; ++s) {
+            issue_w8(s, lane < KW ? cell_of(s, wkey0 + lane) : -1);
+            cp_async_commit();
+        }
+        wcell = lane < KW ? cell_of(ST - 1, wkey0 + lane) : -1;
+    } else if constexpr (KV8) {
+#pragma unroll
+        for (int s = 0; s < ST - 1; ++s) {
+            issue8(s, false);
+            cp_async_commit();
+        }
+        if (tid < KT) s_cells[(ST - 1) & 1][tid] = cell_of(ST - 1, tid);   // read after the first barrier
+    } else if constexpr (ONEBAR) {
 #pragma unroll
         for (int s = 0; s < ST - 1; ++s) {
             issue(kp, a_k, s, false);
@@ -371,7 +546,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     // this thread's rows: g and g + 8 of each of the warp's MQ 16-row blocks
     const int wp0 = p0 + wq * WROWS;
     const bool active = wp0 < p1;                       // the warp has real rows
-    const float sl2 = (float)a.sl2;
+    const float sl2 = KV8 ? 1.f : (float)a.sl2;         // KV8: folded into Q
     const int kw0 = wk * KW;                            // the warp's first key of a tile
     // the lane's ldmatrix rows and chunk bits (every row base below is a multiple of 8, so a
     // row's low 3 bits are lx): rows lx + 8 ((lane / 8) % 2), chunk bit lane / 16, for Q, V
@@ -410,17 +585,37 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     for (int mq = 0; mq < MQ; ++mq) lq[mq][0] = lq[mq][1] = lq[mq][2] = lq[mq][3] = 0.f;
 
     for (int j = 0; j < n_tiles; ++j) {
-        const int ncell = tid < KT ? cell_of(j + ST + (ONEBAR ? 0 : 1), tid) : -1;   // in flight while we compute
-        if (ONEBAR) cp_async_wait<ONEBAR ? ST - 2 : 0>();   // Q and tile j have landed
+        if constexpr (W8) {
+            cp_async_wait<ST - 2>();                   // this lane's copies of tile j have landed
+            __syncwarp();                              // ... every lane's; the warp is done with tile j - 1
+            issue_w8(j + ST - 1, wcell);               // into tile j - 1's stage
+            cp_async_commit();
+            wcell = lane < KW ? cell_of(j + ST, wkey0 + lane) : -1;
+            if constexpr (!R8) {
+                widen(s_f8 + (warp * ST + j % ST) * 2 * KW * D, KW, wkey0, lane, 32);
+                __syncwarp();
+            }
+        }
+        const int ncell = !W8 && tid < KT ? cell_of(j + ST + (ONEBAR || KV8 ? 0 : 1), tid) : -1;   // in flight while we compute
+        if (W8) {}
+        else if (ONEBAR || KV8) cp_async_wait<ONEBAR || KV8 ? ST - 2 : 0>();   // Q and tile j have landed
         else if (NSUB > 1) cp_async_wait<2 * ST - 2>();     // Q, K(j) and V(j) have landed
         else cp_async_wait<2 * ST - 1>();              // Q and K(j) have landed
-        __syncthreads();
-        if constexpr (ONEBAR) {                        // into tile j - 1's buffer: every warp is done with it
+        if (!W8) __syncthreads();
+        if constexpr (W8) {
+        } else if constexpr (KV8) {
+            // every warp is done with the f16 tile (j - 1) and tile j - 1's 8-bit stage
+            issue8(j + ST - 1, true);
+            cp_async_commit();
+            if (j == 0) widen_q();
+            widen(s_f8 + (j % ST) * 2 * KT * D, KT, 0, tid, TC_THREADS);   // tile j into the f16 tile
+            __syncthreads();
+        } else if constexpr (ONEBAR) {                        // into tile j - 1's buffer: every warp is done with it
             issue(kp, a_k, j + ST - 1, true);
             issue(vp, a_v, j + ST - 1, true);
             cp_async_commit();
         }
-        const int st = j % ST, t0 = r0 + j * KT;
+        const int st = KV8 ? 0 : j % ST, t0 = r0 + j * KT;
         const cc_u32 kb = a_k + 16 * st * C::KV_CH, vb = a_v + 16 * st * C::KV_CH;
         const bool edge = !(t0 >= full_lo && t0 + KT - 1 <= full_hi);
 #pragma unroll 1
@@ -438,6 +633,25 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                 for (int mq = 0; mq < MQ; ++mq)
 #pragma unroll
                     for (int n = 0; n < KSUB / 8; ++n) s[mq][n][0] = s[mq][n][1] = s[mq][n][2] = s[mq][n][3] = 0.f;
+                if constexpr (R8) {
+                    // K straight from the warp's 8-bit rows: ldmatrix of 8 keys x 16 bytes gives
+                    // a lane four bytes (dims 4t .. 4t + 3) of key g, widened to the two B
+                    // registers of Q's permuted dims; one x4 covers 16 keys x 32 dims
+                    const cc_u32 kb8 = a_w8 + (j % ST) * 2 * KW * PW + r8_lane;
+#pragma unroll
+                    for (int kp = 0; kp < D / 32; ++kp) {
+                        cc_u32 aq0[4], aq1[4], r[4], b[8];
+                        ldsm_x4(q_la[C::koff_sel(2 * kp)] + C::koff(2 * kp), aq0);
+                        ldsm_x4(q_la[C::koff_sel(2 * kp + 1)] + C::koff(2 * kp + 1), aq1);
+                        ldsm_x4(kb8 + 32 * kp, r);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) e4m3x4_to_f16(r[i], b[2 * i], b[2 * i + 1]);
+                        M::run(s[0][0], aq0, b[0], b[1]);         // keys 0-7, dims 32 kp + 0-15
+                        M::run(s[0][1], aq0, b[2], b[3]);         // keys 8-15
+                        M::run(s[0][0], aq1, b[4], b[5]);         // keys 0-7, dims 32 kp + 16-31
+                        M::run(s[0][1], aq1, b[6], b[7]);
+                    }
+                } else {
 #pragma unroll
                 for (int ks = 0; ks < D / 16; ++ks) {
                     cc_u32 aq[MQ][4];
@@ -450,10 +664,11 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                         ldsm_x4(k_la[C::koff_sel(ks)] + ROWB * 16 * jj + C::koff(ks), b);
 #pragma unroll
                         for (int mq = 0; mq < MQ; ++mq) {
-                            Mma<T>::run(s[mq][2 * jj], aq[mq], b[0], b[1]);
-                            Mma<T>::run(s[mq][2 * jj + 1], aq[mq], b[2], b[3]);
+                            M::run(s[mq][2 * jj], aq[mq], b[0], b[1]);
+                            M::run(s[mq][2 * jj + 1], aq[mq], b[2], b[3]);
                         }
                     }
+                }
                 }
                 if (edge) {                            // raw scores of hidden keys -> -inf
                     int hi[2 * MQ];                    // the rows' last visible key
@@ -512,7 +727,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                     }
                 }
             }
-            if (NSUB == 1 && !ONEBAR) {
+            if (NSUB == 1 && !ONEBAR && !KV8) {
                 cp_async_wait<2 * ST - 2>();           // V(j) has landed
                 __syncthreads();                       // ... and every warp is done with K(j)
                 issue(kp, a_k, j + ST, true);
@@ -524,26 +739,44 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                     cc_u32 pa[MQ][4];
 #pragma unroll
                     for (int mq = 0; mq < MQ; ++mq) {
-                        pa[mq][0] = Mma<T>::pack(s[mq][2 * t][0], s[mq][2 * t][1]);
-                        pa[mq][1] = Mma<T>::pack(s[mq][2 * t][2], s[mq][2 * t][3]);
-                        pa[mq][2] = Mma<T>::pack(s[mq][2 * t + 1][0], s[mq][2 * t + 1][1]);
-                        pa[mq][3] = Mma<T>::pack(s[mq][2 * t + 1][2], s[mq][2 * t + 1][3]);
-                        if (LQ) Mma<T>::run(lq[mq], pa[mq], Mma<T>::ONES, Mma<T>::ONES);   // row sums
+                        pa[mq][0] = M::pack(s[mq][2 * t][0], s[mq][2 * t][1]);
+                        pa[mq][1] = M::pack(s[mq][2 * t][2], s[mq][2 * t][3]);
+                        pa[mq][2] = M::pack(s[mq][2 * t + 1][0], s[mq][2 * t + 1][1]);
+                        pa[mq][3] = M::pack(s[mq][2 * t + 1][2], s[mq][2 * t + 1][3]);
+                        if (LQ) M::run(lq[mq], pa[mq], M::ONES, M::ONES);   // row sums
                     }
+                    if constexpr (R8) {
+                        // V straight from the warp's 8-bit rows: ldmatrix.trans of 8 keys x 8
+                        // byte pairs gives a lane keys (2t, 2t + 1) x dims (2g, 2g + 1); the even
+                        // bytes feed an n8 block of even dims, the odd ones one of odd dims
+                        // (o[2 db] and o[2 db + 1] for dims 16 db ..: see the write below)
+                        const cc_u32 vb8 = a_w8 + (j % ST) * 2 * KW * PW + KW * PW + r8_lane;
+#pragma unroll
+                        for (int dp = 0; dp < D / 32; ++dp) {
+                            cc_u32 r[4];
+                            ldsm_x4_t(vb8 + 32 * dp, r);
+                            M::run(o[0][4 * dp], pa[0], e4m3_even_to_f16(r[0]), e4m3_even_to_f16(r[1]));
+                            M::run(o[0][4 * dp + 1], pa[0], e4m3_odd_to_f16(r[0]), e4m3_odd_to_f16(r[1]));
+                            M::run(o[0][4 * dp + 2], pa[0], e4m3_even_to_f16(r[2]), e4m3_even_to_f16(r[3]));
+                            M::run(o[0][4 * dp + 3], pa[0], e4m3_odd_to_f16(r[2]), e4m3_odd_to_f16(r[3]));
+                        }
+                    } else {
 #pragma unroll
                     for (int dp = 0; dp < D / 16; ++dp) {
                         cc_u32 b[4];
                         ldsm_x4_t(v_la[C::koff_sel(dp)] + ROWB * 16 * t + C::koff(dp), b);
 #pragma unroll
                         for (int mq = 0; mq < MQ; ++mq) {
-                            Mma<T>::run(o[mq][2 * dp], pa[mq], b[0], b[1]);
-                            Mma<T>::run(o[mq][2 * dp + 1], pa[mq], b[2], b[3]);
+                            M::run(o[mq][2 * dp], pa[mq], b[0], b[1]);
+                            M::run(o[mq][2 * dp + 1], pa[mq], b[2], b[3]);
                         }
+                    }
                     }
                 }
             }
         }
-        if constexpr (ONEBAR) {
+        if constexpr (W8) {
+        } else if constexpr (ONEBAR || KV8) {
             // the other slot: its cells (tile j + ST - 2) were read before this iteration's
             // barrier (iteration j - 1's issue); these are read after the next one
             if (tid < KT) s_cells[(j + ST) & 1][tid] = ncell;
@@ -624,6 +857,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
         }
     }
     const int slot = plan_run_base(a)[run] + ((P + QROWS - 1) / QROWS - 1 - qt) * ns + split;
+    const float vs = KV8 ? a.kv_scale[n_kvh + kvh] * 256.f : 1.f;   // 8-bit V's scale (2^8: the widening)
 #pragma unroll
     for (int i = 0; i < 2 * MQ; ++i) {
         const int p = wp0 + 16 * (i >> 1) + g + 8 * (i & 1), mq = i >> 1, r = i & 1;
@@ -631,23 +865,45 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
         if (ns == 1) {
             const int qi = p / G, hl = p - qi * G;
             T* dst = static_cast<T*>(a.out) + (cc_i64)(q0 + qi) * a.o_s_tok + (cc_i64)(kvh * G + hl) * a.o_s_head;
-            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+            const float inv = (l[i] > 0.f ? 1.f / l[i] : 0.f) * vs;
+            if constexpr (R8) {                        // o[2 db] / o[2 db + 1]: even / odd dims of 16 db ..
+#pragma unroll
+                for (int db = 0; db < D / 16; ++db) {
+                    const float* e = o[mq][2 * db];
+                    const float* od = o[mq][2 * db + 1];
+                    *reinterpret_cast<uint2*>(dst + 16 * db + 4 * tg) =
+                        make_uint2(Mma<T>::pack(e[2 * r] * inv, od[2 * r] * inv),
+                                   Mma<T>::pack(e[2 * r + 1] * inv, od[2 * r + 1] * inv));
+                }
+            } else {
 #pragma unroll
             for (int n = 0; n < D / 8; ++n)
                 *reinterpret_cast<cc_u32*>(dst + 8 * n + 2 * tg) =
                     Mma<T>::pack(o[mq][n][2 * r] * inv, o[mq][n][2 * r + 1] * inv);
+            }
         } else {
             float* dst = a.part + (((cc_i64)slot * n_kvh + kvh) * QROWS + (p - p0)) * (D + 2);
             if (tg == 0) { dst[0] = m[i]; dst[1] = l[i]; }
+            if constexpr (R8) {
+#pragma unroll
+                for (int db = 0; db < D / 16; ++db) {
+                    const float* e = o[mq][2 * db];
+                    const float* od = o[mq][2 * db + 1];
+                    *reinterpret_cast<float2*>(dst + 2 + 16 * db + 4 * tg) = make_float2(e[2 * r] * vs, od[2 * r] * vs);
+                    *reinterpret_cast<float2*>(dst + 4 + 16 * db + 4 * tg) =
+                        make_float2(e[2 * r + 1] * vs, od[2 * r + 1] * vs);
+                }
+            } else {
 #pragma unroll
             for (int n = 0; n < D / 8; ++n)
-                *reinterpret_cast<float2*>(dst + 2 + 8 * n + 2 * tg) = make_float2(o[mq][n][2 * r], o[mq][n][2 * r + 1]);
+                *reinterpret_cast<float2*>(dst + 2 + 8 * n + 2 * tg) = make_float2(o[mq][n][2 * r] * vs, o[mq][n][2 * r + 1] * vs);
+            }
         }
     }
 }
 
 // Persistent: each CTA takes units from the counter the plan reset until the list is done.
-template <typename T, int D, int MQ, int WKV, int KT, int ST, int KS = 0>
+template <typename T, bool KV8, int D, int MQ, int WKV, int KT, int ST, int KS = 0>
 __device__ void tc_attend(const TcArgs& a)
 {
     extern __shared__ uint4 smem[];
@@ -658,7 +914,7 @@ __device__ void tc_attend(const TcArgs& a)
         __syncthreads();
         const int u = s_unit;
         if (u >= n_units) break;
-        tc_unit<T, D, MQ, WKV, KT, ST, KS>(a, u, smem);
+        tc_unit<T, KV8, D, MQ, WKV, KT, ST, KS>(a, u, smem);
         __syncthreads();                               // s_unit and the buffers free again
     }
 }
@@ -938,7 +1194,7 @@ extern "C" __global__ void __launch_bounds__(TC_PLAN_THREADS) tc_plan(const TcAr
 #define TC_ATTEND(SUFFIX, T, D, MQ, WKV, KT, ST)                                                \
 extern "C" __global__ void __launch_bounds__(TC_THREADS)                                        \
 tc_attend_##SUFFIX##_d##D##_m##MQ##w##WKV##k##KT##s##ST(const TcArgs a)                         \
-{ tc_attend<T, D, MQ, WKV, KT, ST>(a); }
+{ tc_attend<T, false, D, MQ, WKV, KT, ST>(a); }
 #define TC_ATTEND_F16(D, MQ, WKV, KT, ST) TC_ATTEND(float16, f16, D, MQ, WKV, KT, ST)
 #define TC_ATTEND_BF16(D, MQ, WKV, KT, ST) TC_ATTEND(bfloat16, bf16, D, MQ, WKV, KT, ST)
 TC_VARIANTS(TC_ATTEND_F16)
@@ -947,7 +1203,7 @@ TC_VARIANTS(TC_ATTEND_BF16)
 #define TC_ATTEND_B(SUFFIX, T, D, MQ, WKV, KT, ST, B)                                           \
 extern "C" __global__ void __launch_bounds__(TC_THREADS, B)                                     \
 tc_attend_##SUFFIX##_d##D##_m##MQ##w##WKV##k##KT##s##ST##b##B(const TcArgs a)                  \
-{ tc_attend<T, D, MQ, WKV, KT, ST>(a); }
+{ tc_attend<T, false, D, MQ, WKV, KT, ST>(a); }
 #define TC_ATTEND_B_F16(D, MQ, WKV, KT, ST, B) TC_ATTEND_B(float16, f16, D, MQ, WKV, KT, ST, B)
 #define TC_ATTEND_B_BF16(D, MQ, WKV, KT, ST, B) TC_ATTEND_B(bfloat16, bf16, D, MQ, WKV, KT, ST, B)
 TC_VARIANTS_B(TC_ATTEND_B_F16)
@@ -956,11 +1212,33 @@ TC_VARIANTS_B(TC_ATTEND_B_BF16)
 #define TC_ATTEND_X(SUFFIX, T, D, MQ, WKV, KT, ST, KS)                                          \
 extern "C" __global__ void __launch_bounds__(TC_THREADS)                                        \
 tc_attend_##SUFFIX##_d##D##_m##MQ##w##WKV##k##KT##s##ST##x##KS(const TcArgs a)                 \
-{ tc_attend<T, D, MQ, WKV, KT, ST, KS>(a); }
+{ tc_attend<T, false, D, MQ, WKV, KT, ST, KS>(a); }
 #define TC_ATTEND_X_F16(D, MQ, WKV, KT, ST, KS) TC_ATTEND_X(float16, f16, D, MQ, WKV, KT, ST, KS)
 #define TC_ATTEND_X_BF16(D, MQ, WKV, KT, ST, KS) TC_ATTEND_X(bfloat16, bf16, D, MQ, WKV, KT, ST, KS)
 TC_VARIANTS_X(TC_ATTEND_X_F16)
 TC_VARIANTS_X(TC_ATTEND_X_BF16)
+
+// Variants over 8-bit (float8 e4m3) K/V pools, q and out of T: W(D, MQ, WKV, KT, ST), named
+// tc_attend_<dtype>_e4m3_d<D>_m<MQ>w<WKV>k<KT>s<ST>, listed (with their shared memory) in
+// tc_variants_e4m3 as tc_variants lists the others.
+#define TC_VARIANTS_8(W)                                                                        \
+    W(64, 1, 4, 64, 2) W(64, 1, 4, 64, 3) W(64, 1, 4, 64, 4) W(64, 1, 1, 64, 2) W(64, 2, 1, 32, 2) \
+    W(80, 1, 4, 64, 2) W(80, 1, 4, 64, 4) W(80, 1, 1, 64, 2) W(80, 2, 1, 32, 2)                 \
+    W(96, 1, 4, 64, 2) W(96, 1, 4, 64, 4) W(96, 1, 1, 64, 2) W(96, 2, 1, 32, 2)                 \
+    W(128, 1, 4, 64, 2) W(128, 1, 4, 64, 3) W(128, 1, 4, 64, 4) W(128, 1, 1, 64, 2)            \
+    W(128, 2, 1, 32, 2)                                                                        \
+    W(256, 1, 4, 64, 2) W(256, 1, 4, 64, 4) W(256, 1, 1, 32, 2) W(256, 2, 1, 32, 2)
+#define TC_ROW_8(D, MQ, WKV, KT, ST) D, MQ, WKV, KT, ST, Tile<D, MQ, WKV, KT, ST>::QROWS, Tile<D, MQ, WKV, KT, ST>::SMEM8, 0, 0,
+extern "C" __device__ const cc_i32 tc_n_variants_e4m3 = 0 TC_VARIANTS_8(TC_ONE);
+extern "C" __device__ const cc_i32 tc_variants_e4m3[] = {TC_VARIANTS_8(TC_ROW_8)};
+#define TC_ATTEND_8(SUFFIX, T, D, MQ, WKV, KT, ST)                                              \
+extern "C" __global__ void __launch_bounds__(TC_THREADS)                                        \
+tc_attend_##SUFFIX##_e4m3_d##D##_m##MQ##w##WKV##k##KT##s##ST(const TcArgs a)                    \
+{ tc_attend<T, true, D, MQ, WKV, KT, ST>(a); }
+#define TC_ATTEND_8_F16(D, MQ, WKV, KT, ST) TC_ATTEND_8(float16, f16, D, MQ, WKV, KT, ST)
+#define TC_ATTEND_8_BF16(D, MQ, WKV, KT, ST) TC_ATTEND_8(bfloat16, bf16, D, MQ, WKV, KT, ST)
+TC_VARIANTS_8(TC_ATTEND_8_F16)
+TC_VARIANTS_8(TC_ATTEND_8_BF16)
 
 #define TC_MERGE(SUFFIX, T)                                                                    \
 extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_merge_##SUFFIX(const TcArgs a,     \

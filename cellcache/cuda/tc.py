@@ -35,11 +35,14 @@ from . import _launch
 from . import driver as drv
 from .driver import check, cu
 
-__all__ = ["HEAD_DIMS", "TABLE", "Choice", "TensorCoreAttention", "aligned", "supports"]
+__all__ = ["HEAD_DIMS", "KV8_DTYPES", "TABLE", "TABLE_E4M3", "Choice", "TensorCoreAttention", "aligned",
+           "supports"]
 
 #: head dims with a tensor-core kernel; K/V dtypes it takes
 HEAD_DIMS = (64, 80, 96, 128, 256)
 DTYPES = ("float16", "bfloat16")
+#: 8-bit K/V storage the kernels read (q and out of a DTYPES dtype; ``..._e4m3_...`` variants)
+KV8_DTYPES = ("float8_e4m3fn",)
 MAX_GROUP = 64          # query heads per kv head (a query's rows may span several units)
 THREADS = 128           # tc_attend / tc_merge blocks (TC_THREADS)
 PLAN_THREADS = 1024     # tc_plan blocks (TC_PLAN_THREADS)
@@ -47,7 +50,7 @@ _PLAN_HDR = 16          # int32 words of the plan header (TC_HDR)
 _ZERO_BLOCKS = 32       # tc_plan blocks that zero the padding rows
 _LOG2E = 1.4426950408889634
 #: TcArgs in cuda/tc_attention.cu: every field 8 bytes
-_ARGS = struct.Struct("=8Q4q5q2Q3qd")
+_ARGS = struct.Struct("=8Q4q5q2Q3qdQ")
 #: tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, shared bytes, B (CTAs an SM asked of
 #: the compiler, 0: none; named ...b<B>), KS (keys scored at once, 0: the default rule; named
 #: ...x<KS>)}
@@ -85,6 +88,22 @@ TABLE: dict[tuple[int, str], Choice] = {
 }
 
 
+#: The same for 8-bit K/V pools (``tc_variants_e4m3``): each tile is widened to f16 in shared
+#: memory before the tensor cores read it. Set from ``tools/bench.py --section kv8``.
+TABLE_E4M3: dict[tuple[int, str], Choice] = {
+    (64, "prefill"): Choice("m2w1k32s2", 1, 0),
+    (64, "decode"): Choice("m1w4k64s2", 2, 1),
+    (80, "prefill"): Choice("m2w1k32s2", 1, 1),
+    (80, "decode"): Choice("m1w4k64s2", 4, 1),
+    (96, "prefill"): Choice("m2w1k32s2", 1, 1),
+    (96, "decode"): Choice("m1w4k64s2", 4, 1),
+    (128, "prefill"): Choice("m2w1k32s2", 1, 0),
+    (128, "decode"): Choice("m1w4k64s2", 4, 1),
+    (256, "prefill"): Choice("m1w1k32s2", 1, 1),
+    (256, "decode"): Choice("m1w4k64s2", 4, 1),
+}
+
+
 def supports(dtype: str, head_dim: int, group: int) -> bool:
     """Whether a tensor-core kernel takes this K/V dtype, head_dim and query heads per kv head."""
     return dtype in DTYPES and head_dim in HEAD_DIMS and 1 <= group <= MAX_GROUP
@@ -111,10 +130,15 @@ class TensorCoreAttention:
     ...        torch.cuda.current_stream().cuda_stream)             # doctest: +SKIP
     """
 
-    def __init__(self, dtype: str, sm_count: int):
+    def __init__(self, dtype: str, sm_count: int, kv_dtype: str | None = None):
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+        if kv_dtype not in (None, dtype, *KV8_DTYPES):
+            raise InvalidArgument(f"kv_dtype={kv_dtype!r} is not {dtype!r} or one of {', '.join(KV8_DTYPES)}")
         self.dtype = dtype
+        #: whether the pools hold 8-bit K/V (then every run takes the layer's scales)
+        self.kv8 = kv_dtype in KV8_DTYPES
+        self.table = TABLE_E4M3 if self.kv8 else TABLE
         self.sm_count = sm_count
         self.module = drv.load_module("tc_attention")
         self._live: list[int] = []          # every scratch allocation, freed at close
@@ -127,16 +151,16 @@ class TensorCoreAttention:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             for d, mq, wkv, kt, st, qrows, smem, minb, ks in self._read_variants():
                 name = f"m{mq}w{wkv}k{kt}s{st}" + (f"b{minb}" if minb else "") + (f"x{ks}" if ks else "")
-                f = drv.function(self.module, f"tc_attend_{dtype}_d{d}_{name}")
+                f = drv.function(self.module, f"tc_attend_{dtype}{'_e4m3' if self.kv8 else ''}_d{d}_{name}")
                 check(cu.cuFuncSetAttribute(f, attr, smem), "cuFuncSetAttribute")
                 per_sm = int(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, THREADS, smem),
                                    "cuOccupancyMaxActiveBlocksPerMultiprocessor"))
                 self.variants[d][name] = {"mq": mq, "warps_kv": wkv, "kv_tile": kt, "stages": st,
                                           "min_blocks": minb, "qrows": qrows, "smem": smem,
                                           "ctas": max(1, per_sm) * sm_count, "f": int(f)}
-            for (d, kind), choice in TABLE.items():
+            for (d, kind), choice in self.table.items():
                 if choice.variant not in self.variants[d]:
-                    raise InvalidState(f"TABLE[{d}, {kind!r}] names {choice.variant!r}, which "
+                    raise InvalidState(f"the table's [{d}, {kind!r}] names {choice.variant!r}, which "
                                        f"cuda/tc_attention.cu does not build ({sorted(self.variants[d])})")
         except BaseException:
             check(cu.cuModuleUnload(self.module), "cuModuleUnload")
@@ -147,10 +171,11 @@ class TensorCoreAttention:
 
     def _read_variants(self) -> list[tuple[int, ...]]:
         """The module's variant list (one source: the kernel file's TC_VARIANTS)."""
-        ptr, _ = check(cu.cuModuleGetGlobal(self.module, b"tc_n_variants"), "cuModuleGetGlobal")
+        suffix = b"_e4m3" if self.kv8 else b""
+        ptr, _ = check(cu.cuModuleGetGlobal(self.module, b"tc_n_variants" + suffix), "cuModuleGetGlobal")
         n = np.zeros(1, dtype=np.int32)
         check(cu.cuMemcpyDtoH(n.ctypes.data, ptr, 4), "cuMemcpyDtoH")
-        ptr, _ = check(cu.cuModuleGetGlobal(self.module, b"tc_variants"), "cuModuleGetGlobal")
+        ptr, _ = check(cu.cuModuleGetGlobal(self.module, b"tc_variants" + suffix), "cuModuleGetGlobal")
         buf = np.zeros(int(n[0]) * _VARIANT_WORDS, dtype=np.int32)
         check(cu.cuMemcpyDtoH(buf.ctypes.data, ptr, buf.nbytes), "cuMemcpyDtoH")
         return [tuple(int(x) for x in row) for row in buf.reshape(-1, _VARIANT_WORDS)]
@@ -158,7 +183,7 @@ class TensorCoreAttention:
     def choose(self, head_dim: int, decode: bool = False, variant: str | None = None,
                split: int | None = None, order: int | None = None) -> Choice:
         """The table's choice for head_dim and the shape class, with any field overridden."""
-        base = TABLE[head_dim, "decode" if decode else "prefill"]
+        base = self.table[head_dim, "decode" if decode else "prefill"]
         c = Choice(variant or base.variant, base.split if split is None else split,
                    base.order if order is None else order)
         if c.variant not in self.variants.get(head_dim, {}):
@@ -217,7 +242,7 @@ class TensorCoreAttention:
             v_pool: int, out: int, out_strides: tuple[int, int], n_heads: int, n_kv_heads: int,
             head_dim: int, window: int, stream: int, scale: float | None = None,
             decode: bool = False, variant: str | None = None, split: int | None = None,
-            order: int | None = None) -> None:
+            order: int | None = None, kv_scale: int = 0) -> None:
         """Paged attention of query rows ``[0, rows)`` (any mix of decode and prefill rows).
 
         ``view`` holds the device addresses of ``qo_indptr``, ``kv_indptr``, ``kv_indices``
@@ -228,7 +253,10 @@ class TensorCoreAttention:
         never splits a run along kv: each row then runs its kv tiles from its first key in
         one unit, whatever else the step holds, which deterministic serving needs). Refuses
         (InvalidArgument, nothing launched) a shape :func:`supports` rejects or
-        addresses/strides :func:`aligned` rejects.
+        addresses/strides :func:`aligned` rejects. With 8-bit K/V pools (``kv_dtype``)
+        ``kv_scale`` is the device address of the layer's float32 scales, K's
+        ``[n_kv_heads]`` then V's (a stored value times its head's scale is the K or V it
+        stands for); InvalidArgument without it.
         """
         if self.module is None:
             raise InvalidState("the tensor-core kernels are closed")
@@ -243,6 +271,8 @@ class TensorCoreAttention:
             raise InvalidArgument(
                 f"q/k/v/out addresses must be multiples of 16 bytes and strides multiples of 8 "
                 f"elements (q strides {q_strides}, out strides {out_strides})")
+        if self.kv8 and not kv_scale:
+            raise InvalidArgument("8-bit K/V pools need kv_scale, the device address of the layer's scales")
         if scale is not None and not scale > 0:
             # the kernel takes row maxima of the raw scores and folds the scale into the exp
             raise InvalidArgument(f"scale={scale} must be > 0")
@@ -264,7 +294,7 @@ class TensorCoreAttention:
                           q, k_pool, v_pool, out, q_strides[0], q_strides[1], out_strides[0],
                           out_strides[1], rows, n_heads, n_kv_heads, group, window, self._plan,
                           self._part, list_cap, split_cap, choice.split * v["ctas"],
-                          scale * _LOG2E)
+                          scale * _LOG2E, kv_scale if self.kv8 else 0)
         n = len(args)
         min_chunk = 2 * v["kv_tile"]
         _launch.launch(self.f_plan, (1 + _ZERO_BLOCKS, 1, 1), PLAN_THREADS, 0, stream,

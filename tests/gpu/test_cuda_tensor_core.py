@@ -53,10 +53,12 @@ def _reference(step_view: dict, q: np.ndarray, k: np.ndarray, v: np.ndarray, G: 
 
 
 class Rig:
-    """A CUDA cache with one layer, sequences with histories, and the kernels."""
+    """A CUDA cache with one layer, sequences with histories, and the kernels; with
+    ``kv_dtype`` 8-bit pools and random per-kv-head scales (``kv_scale``: K's then V's)."""
 
     def __init__(self, dtype: str, head_dim: int, group: int, n_seqs: int = 6,
-                 hist=(1, 300), capacity: int = 8192, max_write: int = 512, seed: int = 0):
+                 hist=(1, 300), capacity: int = 8192, max_write: int = 512, seed: int = 0,
+                 kv_dtype: str | None = None):
         import torch
 
         CudaCellCache, *_ = cuda()
@@ -68,8 +70,11 @@ class Rig:
         self.D, self.G, self.H = head_dim, group, group * N_KV
         cfg = CacheConfig(capacity=capacity, layers=[LayerConfig(N_KV, head_dim)],
                           max_write=max_write, initial_capacity=capacity, dtype=dtype,
-                          max_seqs=n_seqs + 2, paged=True, mask_format="none")
+                          max_seqs=n_seqs + 2, paged=True, mask_format="none", kv_dtype=kv_dtype)
         self.cache = CudaCellCache(cfg)
+        self.kv8 = cfg.kv8
+        self.kv_scale = torch.as_tensor(self.rng.uniform(0.05, 3.0, size=(2, N_KV)), dtype=torch.float32,
+                                        device="cuda")
         self.tdt = cct.torch_dtype(dtype)
         t = self.cache.table
         self.seqs = [t.seq_new() for _ in range(n_seqs)]
@@ -83,7 +88,7 @@ class Rig:
                     t.place()
                     done[j] += n
         sm = torch.cuda.get_device_properties(0).multi_processor_count
-        self.tc = TensorCoreAttention(dtype, sm)
+        self.tc = TensorCoreAttention(dtype, sm, kv_dtype=kv_dtype)
 
     def step(self, ids: list[int], pad_to: int):
         """Prepares and commits one step; random pools (sink row NaN: never read) and q."""
@@ -95,10 +100,17 @@ class Rig:
         view = self.cct.TorchView(c)
         k_pool, v_pool, _ = view.layer(0)
         gen = torch.Generator(device="cuda").manual_seed(int(self.rng.integers(1 << 30)))
-        k_pool.copy_(torch.randn(k_pool.shape, generator=gen, device="cuda"))
-        v_pool.copy_(torch.randn(v_pool.shape, generator=gen, device="cuda"))
-        k_pool[c.sink] = float("nan")
-        v_pool[c.sink] = float("nan")
+        # 8-bit pools: values that stand for N(0, 1) under the heads' scales (0.05 to 3: stored
+        # values from e4m3's subnormals to ~80)
+        div = (1.0 / self.kv_scale)[:, None, :, None] if self.kv8 else torch.ones((2, 1, 1, 1), device="cuda")
+        k_pool.copy_(torch.randn(k_pool.shape, generator=gen, device="cuda") * div[0])
+        v_pool.copy_(torch.randn(v_pool.shape, generator=gen, device="cuda") * div[1])
+        if self.kv8:
+            k_pool.view(torch.uint8)[c.sink] = 0x7F                 # e4m3fn's NaN
+            v_pool.view(torch.uint8)[c.sink] = 0x7F
+        else:
+            k_pool[c.sink] = float("nan")
+            v_pool[c.sink] = float("nan")
         q = torch.randn((pad_to, self.H, self.D), generator=gen, device="cuda").to(self.tdt)
         return st, view, k_pool, v_pool, q
 
@@ -113,6 +125,8 @@ class Rig:
     def run(self, view, rows, q, k_pool, v_pool, out, window, **choice):
         """One launch; ``choice``: decode / variant / split / order for TensorCoreAttention.run."""
         torch = self.torch
+        if self.kv8:
+            choice.setdefault("kv_scale", self.kv_scale.data_ptr())
         self.tc.run(view.paged_pointers(), rows, q.data_ptr(), (q.stride(0), q.stride(1)),
                     k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
                     (out.stride(0), out.stride(1)), self.H, N_KV, self.D, window,
@@ -134,8 +148,12 @@ class Rig:
         w = hv["width"]
         scale = 1.0 / np.sqrt(self.D)
         real = k_pool.shape[0] - 1                      # the sink is NaN: not in the reference
-        kf = k_pool[:real].double().cpu().numpy()
-        vf = v_pool[:real].double().cpu().numpy()
+        kf = k_pool[:real].double()
+        vf = v_pool[:real].double()
+        if self.kv8:                                    # what the stored values stand for
+            kf = kf * self.kv_scale[0].double()[:, None]
+            vf = vf * self.kv_scale[1].double()[:, None]
+        kf, vf = kf.cpu().numpy(), vf.cpu().numpy()
         want = _reference(hv, q.double().cpu().numpy(), kf, vf, self.G, window, scale)
         tol = 3e-2 if self.tdt == torch.bfloat16 else 5e-3
         want_d = torch.as_tensor(want, device="cuda")    # compared on the device: many variants
@@ -271,5 +289,46 @@ def test_tensor_core_graph_replays_a_mixed_step():
             graph.replay()
             rig.check(st2, view2, k2, v2, q, 0, out=out, what=f"decode={decode} replay 2")
             del graph
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_tensor_core_sweep_8bit_kv(dtype, head_dim):
+    """The e4m3 variants (8-bit pools, per-kv-head scales) against the float64 reference over
+    the values the stored bytes stand for: every group, window, step kind, padding, variant
+    and list order, as the 16-bit sweep."""
+    pytest.importorskip("torch")
+    for gi, group in enumerate(GROUPS):
+        hist = (1, 300) if gi % 2 == 0 else (1, 100)
+        rig = Rig(dtype, head_dim, group, hist=hist, seed=head_dim * 37 + gi, kv_dtype="float8_e4m3fn")
+        try:
+            choices = rig.choices()
+            assert len(choices) >= 4 and rig.tc.kv8
+            for kind, ids, pad in _steps(rig.rng, rig.seqs):
+                st, view, k_pool, v_pool, q = rig.step(ids, pad)
+                assert k_pool.element_size() == 1
+                for window in (0, WINDOW):
+                    rig.check(st, view, k_pool, v_pool, q, window, choices=choices,
+                              what=f"e4m3 {dtype} d{head_dim} G{group} {kind} pad {pad - len(ids)} w{window}")
+        finally:
+            rig.close()
+
+
+def test_tensor_core_8bit_kv_refuses_without_scales():
+    """An 8-bit launch without the scales' address is refused before anything runs."""
+    pytest.importorskip("torch")
+    from cellcache.errors import InvalidArgument
+
+    rig = Rig("bfloat16", 64, 2, seed=3, kv_dtype="float8_e4m3fn")
+    try:
+        ids = [int(s) for s in rig.seqs]
+        st, view, k_pool, v_pool, q = rig.step(ids, len(ids))
+        out = rig.torch.full_like(q, 7.0)
+        with pytest.raises(InvalidArgument, match="kv_scale"):
+            rig.run(view, len(ids), q, k_pool, v_pool, out, 0, kv_scale=0)
+        rig.torch.cuda.synchronize()
+        assert bool((out == 7.0).all())
     finally:
         rig.close()
