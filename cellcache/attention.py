@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import InvalidArgument
+
 __all__ = ["attend", "attend_masked", "attend_paged", "dense_attention", "reference_forward",
            "write_kv"]
 
@@ -41,6 +43,9 @@ def write_kv(cache, layer: int, k: np.ndarray, v: np.ndarray, width: int,
     On a CUDA cache the rows go up and the ``store_kv`` kernel writes them, reading
     ``cells`` on the device as a forward does.
     """
+    if cache.config.kv8:
+        raise InvalidArgument(f"the reference K/V write does not take 8-bit pools ({cache.config.kv_dtype}): "
+                              "write through cellcache.torch.attention, which scales them")
     pad_to = width if pad_to is None else pad_to
     if cache.backend == "cuda":
         from .cuda.kernels import write_rows

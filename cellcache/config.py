@@ -10,10 +10,15 @@ import numpy as np
 from ._checks import CAPACITY_LIMIT, MAX_SEQS_LIMIT, check_int
 from .errors import InvalidArgument
 
-__all__ = ["DTYPES", "MASK_FORMATS", "CacheConfig", "LayerConfig", "storage_dtype"]
+__all__ = ["DTYPES", "KV_DTYPES", "MASK_FORMATS", "CacheConfig", "LayerConfig", "storage_dtype"]
 
 #: K/V storage dtypes by name.
 DTYPES = ("float16", "bfloat16", "float32")
+#: 8-bit K/V storage (``CacheConfig.kv_dtype``): float8 e4m3 without infinities (max 448),
+#: one scale per (layer, kv head) each for K and V (docs/design/cache.md, "8-bit K/V").
+KV_DTYPES = ("float8_e4m3fn",)
+_KV_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+               "float8_e4m3fn": "float8_e4m3fn"}
 #: How the per-window visibility masks are stored: one bool per (row, cell), one bit per
 #: (row, cell) packed little-endian into bytes, or no masks at all (paged view only).
 MASK_FORMATS = ("bool", "bits", "none")
@@ -26,10 +31,10 @@ PAGED_CAPACITY_LIMIT = (1 << 31) - 1
 
 def storage_dtype(name: str) -> np.dtype:
     """The numpy dtype of a K/V dtype name (bfloat16 through ml_dtypes)."""
-    if name == "bfloat16":
+    if name in ("bfloat16", *KV_DTYPES):
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
 
 
@@ -44,6 +49,20 @@ def _dtype_name(value: object) -> str:
     if name not in DTYPES:
         raise InvalidArgument(f"dtype={value!r} is not one of {', '.join(DTYPES)}")
     return name
+
+
+def _kv_dtype_name(value: object, dtype: str) -> str:
+    """``kv_dtype`` as its name: None is ``dtype``; an 8-bit name or alias (``"fp8"``,
+    ``"fp8_e4m3"``, ``"e4m3"``, torch's ``float8_e4m3fn``) is ``"float8_e4m3fn"``."""
+    if value is None:
+        return dtype
+    name = value if isinstance(value, str) else str(value).removeprefix("torch.")
+    if name in _KV_ALIASES:
+        return _KV_ALIASES[name]
+    if name == dtype:
+        return name
+    raise InvalidArgument(f"kv_dtype={value!r} is not None (the dtype, {dtype}) or one of "
+                          f"{', '.join(KV_DTYPES)} (or fp8, fp8_e4m3, e4m3)")
 
 
 @dataclass(frozen=True)
@@ -80,7 +99,11 @@ class CacheConfig:
     - ``max_write``: widest step (and widest padded step), ``1 <= max_write <= capacity``.
     - ``initial_capacity``: pool rows at the first step, clamped to ``[1, capacity]``.
     - ``dtype``: K/V storage, ``"float16"``, ``"bfloat16"`` or ``"float32"`` (a numpy or
-      torch dtype of those names is accepted and stored as its name).
+      torch dtype of those names is accepted and stored as its name); with ``kv_dtype``
+      the dtype attention takes q in and returns its output in.
+    - ``kv_dtype``: None (K/V stored in ``dtype``) or ``"float8_e4m3fn"`` (aliases ``"fp8"``,
+      ``"fp8_e4m3"``, ``"e4m3"``): K/V stored in 8 bits with a scale per (layer, kv head),
+      half the bytes a cell of a 16-bit dtype takes; stored as its name (``dtype`` when None).
     - ``max_seqs``: sequence ids are ``[0, max_seqs)``.
     - ``device``: CUDA device ordinal (the CUDA backend).
     - ``paged``: also build the paged view (FlashInfer's page-size-1 CSR buffers); its
@@ -113,6 +136,7 @@ class CacheConfig:
     paged: bool = False
     max_kv: int = None  # type: ignore[assignment]  # None: the default, resolved below
     mask_format: str = "bool"
+    kv_dtype: str | None = None
     _windows: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self):
@@ -133,6 +157,7 @@ class CacheConfig:
         initial = check_int(self.initial_capacity, "initial_capacity", -(1 << 62), 1 << 62)
         object.__setattr__(self, "initial_capacity", min(max(initial, 1), cap))
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+        object.__setattr__(self, "kv_dtype", _kv_dtype_name(self.kv_dtype, self.dtype))
         object.__setattr__(self, "max_seqs", check_int(self.max_seqs, "max_seqs", 1, MAX_SEQS_LIMIT))
         object.__setattr__(self, "device", check_int(self.device, "device", 0, 1 << 16))
         if not isinstance(self.paged, (bool, np.bool_)):
@@ -166,4 +191,10 @@ class CacheConfig:
 
     @property
     def np_dtype(self) -> np.dtype:
-        return storage_dtype(self.dtype)
+        """The pools' numpy dtype (``kv_dtype``'s)."""
+        return storage_dtype(self.kv_dtype)
+
+    @property
+    def kv8(self) -> bool:
+        """Whether K/V are stored in 8 bits (with per-(layer, kv head) scales)."""
+        return self.kv_dtype in KV_DTYPES

@@ -40,7 +40,7 @@ from . import torch as cct
 from ._checks import CAPACITY_LIMIT, check_int
 from .batch_invariant import ROWS, BatchInvariant
 from .cache import CellCache, Step
-from .config import CacheConfig, LayerConfig
+from .config import KV_DTYPES, CacheConfig, LayerConfig, _kv_dtype_name
 from .errors import CellCacheError, InvalidArgument, InvalidState
 from .runner import ATTENTION_BACKENDS, COMPILE_OPTIONS, ModelRunner, compile_options
 
@@ -186,11 +186,29 @@ def cache_config(model_or_config: Any, capacity: int, max_write: int | None = No
         paged = on_cuda
     if mask_format is None:
         mask_format = "none" if on_cuda and paged is True else "bool"
+        if mask_format == "none" and _kv8_without_tc(extra.get("kv_dtype"), dtype, head_dim):
+            mask_format = "bool"          # 8-bit K/V the tensor-core kernels do not take: SDPA
     if device is None:
         device = (getattr(dev, "index", None) or 0) if on_cuda else 0
     return CacheConfig(capacity=capacity, layers=layers, max_write=max_write,
                        initial_capacity=initial_capacity, dtype=dtype, max_seqs=max_seqs,
                        device=device, paged=paged, mask_format=mask_format, **extra)
+
+
+def _kv8_without_tc(kv_dtype: Any, dtype: Any, head_dim: int) -> bool:
+    """Whether ``kv_dtype`` is 8-bit and no tensor-core kernel reads ``head_dim`` from it (the
+    only CUDA path besides SDPA over masks)."""
+    if kv_dtype is None:
+        return False
+    try:
+        from .cuda.tc import HEAD_DIMS
+    except ImportError:                         # no cuda-bindings: no kernels either
+        HEAD_DIMS = ()
+    try:
+        kv8 = _kv_dtype_name(kv_dtype, str(dtype)) in KV_DTYPES
+    except InvalidArgument:
+        return False                            # refused by CacheConfig with its own message
+    return kv8 and head_dim not in HEAD_DIMS
 
 
 def _short(value: Any) -> str:

@@ -44,6 +44,15 @@ def shape_of(cache: CellCache) -> list[dict[str, Any]]:
             for lc in cfg.layers]
 
 
+def _refuse_kv8(cache: Any) -> None:
+    """Sequence files hold K/V in the cache's dtype; 8-bit pools' rows mean nothing without
+    their cache's scales, which a file does not carry (yet): refused before anything."""
+    config = getattr(cache, "config", None)
+    if getattr(config, "kv8", False):
+        raise InvalidArgument(f"sequence files do not take 8-bit K/V pools ({config.kv_dtype}): "
+                              "their rows are scaled per cache")
+
+
 def _sync(view: TorchView) -> None:
     if view.cuda:
         torch.cuda.synchronize()
@@ -54,6 +63,7 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
     ``tokens`` (the sequence's token ids, optional) beside them; returns the positions
     written. InvalidArgument for a bad id, path or tokens; InvalidState for a closed cache,
     a sequence that is not live, or one in a prepared step whose forward may not have run."""
+    _refuse_kv8(cache)
     from safetensors.torch import save_file
 
     if not isinstance(cache, CellCache):
@@ -81,6 +91,7 @@ def read_sequence(cache: CellCache, seq: Any) -> dict[str, torch.Tensor]:
     (``"positions"`` ``[n]`` int64 increasing, ``"k.{layer}"`` and ``"v.{layer}"``
     ``[n, n_kv_heads, head_dim]`` in the cache's dtype): what a file holds, in memory
     (:func:`write_sequence` brings it back). Refuses as :func:`save_sequence` does."""
+    _refuse_kv8(cache)
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
     seq = check_seq_id(seq, cache.max_seqs)
@@ -172,6 +183,7 @@ def load_sequence(cache: CellCache, path: Any) -> tuple[int, list[int] | None]:
     model shape; InvalidState for a closed cache or a step declared or prepared and not
     committed; OutOfMemory when no sequence id or not enough cells are free. Every refusal
     changes nothing."""
+    _refuse_kv8(cache)
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
     meta, tensors = _read(path)
@@ -183,6 +195,7 @@ def load_sequence(cache: CellCache, path: Any) -> tuple[int, list[int] | None]:
 def write_sequence(cache: CellCache, tensors: dict[str, torch.Tensor]) -> int:
     """A new sequence of ``cache`` holding ``tensors`` (as :func:`read_sequence` returns them,
     in this cache's shape); returns its id. Refuses as :func:`load_sequence` does."""
+    _refuse_kv8(cache)
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
     if not isinstance(tensors, dict):

@@ -15,7 +15,9 @@ the layer (rows ``T`` = the step's ``pad_to``, head counts, head_dim, dtype, dev
 refuses before anything is written; then, for rows ``[0, T)``:
 
 1. K/V of every row into the layer's pools at ``cells[:T]`` (``index_copy_``; padding rows
-   land in the sink row);
+   land in the sink row; 8-bit pools (``CacheConfig.kv_dtype``) store K/V divided by the
+   layer's per-kv-head scales, saturated at ±448, set from the layer's first write:
+   :meth:`TorchView.kv_scales`);
 2. attention of every row: on CUDA over the paged view through the path
    :func:`cellcache.cuda.kernels.choose_path` picks for the layer's shape (tensor-core
    kernels, cellcache's CUDA-core decode/prefill kernels, FlashInfer, SDPA over masks; a
@@ -61,7 +63,13 @@ __all__ = ["BACKENDS", "FORWARD", "INVARIANT_CLASS", "INVARIANT_TILE", "Attentio
            "as_tensor", "attention", "attention_op", "check_qkv", "invariant_paths", "invariant_refusal",
            "layer_paths", "torch_dtype"]
 
-_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float8_e4m3fn": torch.float8_e4m3fn}
+#: 8-bit K/V: the largest finite e4m3 value, and the headroom left above the first write's
+#: largest |K| (|V|) of a kv head when its scale is set: scale = max(amax, 1) * HEADROOM / FP8_MAX
+#: (a floor of 1 keeps an all-zero first write from making a scale that later rows saturate)
+FP8_MAX = 448.0
+KV8_HEADROOM = 4.0
 #: What ``backend=`` takes (see :func:`attention`).
 BACKENDS = ("auto", "paged", "prefill", "tc", "flashinfer", "sdpa", "invariant")
 #: The tensor-core table's shape class (``"decode"`` or ``"prefill"``) whose variant the
@@ -77,7 +85,8 @@ INVARIANT_TILE = 32
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a K/V dtype name (``"float16"``, ``"bfloat16"``, ``"float32"``)."""
+    """The torch dtype of a K/V dtype name (``"float16"``, ``"bfloat16"``, ``"float32"``,
+    ``"float8_e4m3fn"``)."""
     try:
         return _TORCH_DTYPES[name]
     except (KeyError, TypeError):
@@ -96,9 +105,14 @@ def as_tensor(buffer: Any) -> torch.Tensor:
         if isinstance(buffer, np.ndarray):
             if buffer.dtype.name == "bfloat16":
                 return torch.from_numpy(buffer.view(np.int16)).view(torch.bfloat16)
+            if buffer.dtype.name == "float8_e4m3fn":
+                return torch.from_numpy(buffer.view(np.uint8)).view(torch.float8_e4m3fn)
             return torch.from_numpy(buffer)
         if hasattr(buffer, "__dlpack__"):
-            return torch.from_dlpack(buffer)
+            t = torch.from_dlpack(buffer)
+            if getattr(getattr(buffer, "dtype", None), "name", None) == "float8_e4m3fn":
+                t = t.view(torch.float8_e4m3fn)          # exported as bytes
+            return t
     except CellCacheError:
         raise
     except (TypeError, ValueError, RuntimeError, BufferError, AttributeError) as e:
@@ -106,6 +120,30 @@ def as_tensor(buffer: Any) -> torch.Tensor:
             f"buffer of type {type(buffer).__name__} cannot be viewed as a tensor ({e}); give a "
             "cache buffer (cache.buffer(name))") from e
     raise InvalidArgument(f"buffer of type {type(buffer).__name__} is not a cache buffer")
+
+
+class _Kv8State:
+    """A cache's 8-bit K/V scales: per layer a float32 ``[2, n_kv_heads]`` tensor on its device
+    (fixed for the cache's life, so captured graphs read whatever it holds), and whether
+    each layer's are set."""
+
+    __slots__ = ("table", "set")
+
+    def __init__(self, config: CacheConfig, device: torch.device):
+        self.table = [torch.ones((2, lc.n_kv_heads), dtype=torch.float32, device=device)
+                      for lc in config.layers]
+        self.set = [False] * len(config.layers)
+
+
+_KV8: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _kv8_state(cache: CellCache, device: torch.device) -> _Kv8State:
+    """The cache's scale table, shared by every view of it (made with the first)."""
+    state = _KV8.get(cache)
+    if state is None:
+        state = _KV8[cache] = _Kv8State(cache.config, device)
+    return state
 
 
 class TorchView:
@@ -142,6 +180,7 @@ class TorchView:
         self._flashinfer_workspace: torch.Tensor | None = None   # FlashInfer's, on first use
         self.generation = 0
         self.refresh()
+        self._kv8 = _kv8_state(cache, self.device) if self.config.kv8 else None
 
     def stale(self) -> bool:
         """Whether the pools moved since the views were built (then call :meth:`refresh`).
@@ -180,6 +219,99 @@ class TorchView:
         i = check_int(index, "layer", 0, len(self.pools) - 1)
         k, v = self.pools[i]
         return k, v, self.config.layers[i].window
+
+    def kv_scales(self, layer: int) -> torch.Tensor | None:
+        """8-bit K/V pools: layer ``layer``'s scales, float32 ``[2, n_kv_heads]`` on the cache's
+        device (K's row, then V's; a stored value times its head's scale is the K or V it
+        stands for), a view of the cache's scale table: every TorchView of the cache shares
+        it. None for 16/32-bit pools. A layer's scales are set at its first write, from
+        the largest |K| and |V| per kv head among the step's real rows (with
+        :data:`KV8_HEADROOM`), on the device (no host sync), and kept for the cache's life:
+        every stored cell was written with them. :meth:`set_kv_scales` sets them ahead."""
+        if self._kv8 is None:
+            return None
+        return self._kv8.table[check_int(layer, "layer", 0, len(self.pools) - 1)]
+
+    def kv_scales_set(self, layer: int) -> bool:
+        """Whether layer ``layer``'s 8-bit scales are set (False for 16/32-bit pools)."""
+        i = check_int(layer, "layer", 0, len(self.pools) - 1)
+        return self._kv8 is not None and self._kv8.set[i]
+
+    def set_kv_scales(self, layer: int, k_scale: Any, v_scale: Any) -> None:
+        """Sets layer ``layer``'s 8-bit scales (``[n_kv_heads]`` each, or one number for every
+        head; finite and > 0) before its first write, e.g. from a calibration run or a
+        checkpoint. Refused (InvalidArgument: not 8-bit pools, a bad value; InvalidState:
+        the layer's scales are set already, so cells may hold K/V written with them) with
+        nothing changed."""
+        if self._kv8 is None:
+            raise InvalidArgument(f"the cache stores K/V in {self.config.kv_dtype}: only 8-bit pools "
+                                  "(CacheConfig.kv_dtype) have scales")
+        i = check_int(layer, "layer", 0, len(self.pools) - 1)
+        h = self.config.layers[i].n_kv_heads
+        vals = []
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            try:
+                t = torch.as_tensor(x, dtype=torch.float64).flatten().cpu()
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise InvalidArgument(f"{name} of type {type(x).__name__} is not a number or "
+                                      f"[{h}] numbers ({e})") from None
+            if t.numel() == 1:
+                t = t.expand(h)
+            if t.numel() != h or not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+                raise InvalidArgument(f"{name} must be one finite number > 0 or {h} of them "
+                                      f"(layer {i}'s kv heads); got {x!r}")
+            vals.append(t.float())
+        if self._kv8.set[i]:
+            raise InvalidState(f"layer {i}'s 8-bit scales are set already (at its first write or by "
+                               "set_kv_scales): cells may hold K/V written with them")
+        self._kv8.table[i].copy_(torch.stack(vals).to(self.device))
+        self._kv8.set[i] = True
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, width: int) -> None:
+        """Rows ``[0, T)`` of ``k``/``v`` (``[T, n_kv_heads, head_dim]``, checked by the
+        caller) into layer ``layer``'s pools at ``cells[:T]``, converted to the pools' dtype;
+        8-bit pools store them scaled (the layer's first write sets its scales from rows
+        ``[0, width)``: refused with InvalidState, nothing written, inside a graph capture)."""
+        k_pool, v_pool, _ = self.layer(layer)
+        cells = self.cells[:k.shape[0]]
+        if self._kv8 is None:
+            k_pool.index_copy_(0, cells, k.to(k_pool.dtype))
+            v_pool.index_copy_(0, cells, v.to(v_pool.dtype))
+            return
+        if not self._kv8.set[layer] and self.cuda and torch.cuda.is_current_stream_capturing():
+            raise InvalidState(f"layer {layer}'s 8-bit K/V scales are set at its first write, "
+                               "which cannot be captured in a graph: run one step eagerly first "
+                               "(or set_kv_scales)")
+        kq, vq = self._quantize(layer, k, v, width)
+        k_pool.view(torch.uint8).index_copy_(0, cells, kq.view(torch.uint8))
+        v_pool.view(torch.uint8).index_copy_(0, cells, vq.view(torch.uint8))
+
+    def _quantize(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as the layer's 8-bit pools store them (setting its scales from rows
+        ``[0, width)`` at its first write)."""
+        kv8 = self._kv8
+        scales = kv8.table[layer]
+        if not kv8.set[layer]:
+            real = max(int(width), 1)
+            amax = torch.stack([k[:real].float().abs().amax(dim=(0, 2)),
+                                v[:real].float().abs().amax(dim=(0, 2))])
+            scales.copy_(amax.clamp(min=1.0) * (KV8_HEADROOM / FP8_MAX))
+            kv8.set[layer] = True
+        kq = (k.float() / scales[0, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        vq = (v.float() / scales[1, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return kq, vq
+
+    def dequantized(self, layer: int, rows: torch.Tensor | slice, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``rows`` of layer ``layer``'s K and V pools as ``dtype`` (8-bit pools: times
+        the layer's scales): what attention reads. ``[n, n_kv_heads, head_dim]`` each."""
+        k_pool, v_pool, _ = self.layer(layer)
+        k, v = k_pool[rows], v_pool[rows]
+        if self._kv8 is None:
+            return k.to(dtype), v.to(dtype)
+        s = self.kv_scales(layer)
+        return ((k.float() * s[0, :, None]).to(dtype), (v.float() * s[1, :, None]).to(dtype))
 
     def live_rows(self, rows: int) -> torch.Tensor:
         """``[rows]`` bool: which of pool rows ``[0, rows)`` are below ``read_len``, compared on
@@ -232,7 +364,8 @@ class TorchView:
             tc = tensor_cores()
             if tc is None:
                 raise InvalidArgument("the tensor-core kernels (cellcache.cuda.tc) are not available")
-            kern = tc.TensorCoreAttention(self.config.dtype, self.kernels().sm_count)
+            kern = tc.TensorCoreAttention(self.config.dtype, self.kernels().sm_count,
+                                          kv_dtype=self.config.kv_dtype)
             self.cache.on_close(kern.close)
             self._tensor_cores = kern
         return self._tensor_cores
@@ -407,7 +540,8 @@ def layer_paths(config: CacheConfig, n_heads: int) -> list[str]:
 
     n_heads = check_int(n_heads, "n_heads", 1)
     return [choose_path(config.dtype, lc.head_dim, n_heads // lc.n_kv_heads,
-                        have_flashinfer=have_flashinfer(), has_masks=config.mask_format != "none")
+                        have_flashinfer=have_flashinfer(), has_masks=config.mask_format != "none",
+                        kv8=config.kv8)
             for lc in config.layers]
 
 
@@ -471,7 +605,8 @@ def _route(cfg: CacheConfig, layer: int, n_heads: int, backend: str) -> _Route:
     def choose(aligned: bool) -> str | None:
         try:
             return ck.choose_path(cfg.dtype, D, group, tc_aligned=aligned,
-                                  have_flashinfer=have_flashinfer(), has_masks=cfg.mask_format != "none")
+                                  have_flashinfer=have_flashinfer(), has_masks=cfg.mask_format != "none",
+                                  kv8=cfg.kv8)
         except InvalidArgument:
             return None                      # refused at the call, with choose_path's message
 
@@ -526,9 +661,7 @@ class AttentionPlan:
         view = self.view
         k_pool, v_pool, window = view.layer(layer)
         path, qk = self._path(layer, q, k_pool, v_pool, out)
-        cells = view.cells[:q.shape[0]]
-        k_pool.index_copy_(0, cells, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, cells, v.to(v_pool.dtype))
+        view.write_kv(layer, k, v, self.step.width)
         if path in ("decode", "prefill", "tc"):
             return self._kernel(layer, path, qk, k_pool, v_pool, window, scale, out)
         if path == "flashinfer":
@@ -536,7 +669,7 @@ class AttentionPlan:
         elif path == "invariant":
             result = self._invariant_host(q, k_pool, v_pool, window, scale)
         else:
-            result = self._sdpa(q, k_pool, v_pool, window, scale)
+            result = self._sdpa(layer, q, window, scale)
         if out is not None:
             out.copy_(result)
             return out
@@ -560,7 +693,7 @@ class AttentionPlan:
             route = self._routes[key] = _route(cfg, layer, H, self.backend)
         qk = q
         if route.tc or route.aligned in ("decode", "prefill", "paged", "tc"):
-            qk = q.to(k_pool.dtype)
+            qk = q.to(_TORCH_DTYPES[cfg.dtype])
             if qk.stride(2) != 1:
                 qk = qk.contiguous()
         path = route.aligned
@@ -597,7 +730,8 @@ class AttentionPlan:
                 f"group={group} ({dtype}) with these addresses and strides"
                 + ("" if ck.tensor_cores() is not None else " (cellcache.cuda.tc is not available)"))
         ck.choose_path(dtype, head_dim, group, tc_aligned=False, have_flashinfer=have_flashinfer(),
-                       has_masks=self.view.config.mask_format != "none")   # raises its refusal
+                       has_masks=self.view.config.mask_format != "none",
+                       kv8=self.view.config.kv8)   # raises its refusal
         raise AssertionError("choose_path took a shape it refused")
 
     def _kernel(self, layer, path, q, k_pool, v_pool, window, scale, out):
@@ -608,7 +742,7 @@ class AttentionPlan:
         lc = view.config.layers[layer]
         T, H, D = q.shape
         if out is None:
-            out = torch.empty((T, H, D), dtype=k_pool.dtype, device=q.device)
+            out = torch.empty((T, H, D), dtype=_TORCH_DTYPES[view.config.dtype], device=q.device)
         if path == "tc" and self.backend == "invariant":
             # one variant for every step and no kv split: the split's count and size follow
             # the step's units, the variant its shape class
@@ -616,6 +750,8 @@ class AttentionPlan:
                                     split=0)
         elif path == "tc":
             run = functools.partial(view.tensor_cores().run, decode=self.decode)
+            if view.config.kv8:
+                run = functools.partial(run, kv_scale=view.kv_scales(layer).data_ptr())
         else:
             kern = view.kernels()
             run = kern.paged if path == "decode" else kern.prefill
@@ -710,7 +846,7 @@ class AttentionPlan:
             out[i] = (acc / l_sum[..., None]).reshape(H, D)
         return out.to(k_pool.dtype)
 
-    def _sdpa(self, q, k_pool, v_pool, window, scale):
+    def _sdpa(self, layer, q, window, scale):
         view = self.view
         cfg = view.config
         T = q.shape[0]
@@ -728,13 +864,14 @@ class AttentionPlan:
         if live is not None:
             mask = mask & live
         dtype = q.dtype if q.dtype != torch.float16 or view.cuda else torch.float32
-        k = k_pool[:rows].to(dtype).permute(1, 0, 2)[None]       # [1, Hkv, rows, D]
-        v = v_pool[:rows].to(dtype).permute(1, 0, 2)[None]
+        k, v = view.dequantized(layer, slice(0, rows), dtype)
+        k = k.permute(1, 0, 2)[None]                             # [1, Hkv, rows, D]
+        v = v.permute(1, 0, 2)[None]
         qq = q.to(dtype).permute(1, 0, 2)[None]                  # [1, H, T, D]
         o = torch.nn.functional.scaled_dot_product_attention(
             qq, k, v, attn_mask=mask[None, None], scale=scale,
             enable_gqa=qq.shape[1] != k.shape[1])
-        return o[0].permute(1, 0, 2).to(k_pool.dtype)
+        return o[0].permute(1, 0, 2).to(_TORCH_DTYPES[cfg.dtype])
 
     def _flashinfer_run(self, layer, q, k_pool, v_pool, window, scale):
         """FlashInfer's paged prefill, its wrapper planned once per step for each distinct
@@ -808,6 +945,9 @@ def _check_backend(view: TorchView, backend: str, step: Step) -> None:
     paged_cuda = view.cuda and cfg.paged
     if backend not in BACKENDS:
         raise InvalidArgument(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    if cfg.kv8 and backend in ("paged", "prefill", "flashinfer", "invariant"):
+        raise InvalidArgument(f"backend {backend!r} does not read 8-bit K/V pools ({cfg.kv_dtype}): "
+                              "use 'auto', 'tc' or 'sdpa'")
     kernel = backend in ("paged", "prefill", "tc", "flashinfer") or (backend == "invariant" and view.cuda)
     if kernel and not (paged_cuda and step.qo_indptr is not None):
         raise InvalidArgument(f"backend {backend!r} needs a CUDA cache built with paged=True")

@@ -36,9 +36,10 @@ from .probe import require_cuda
 
 __all__ = ["CudaCellCache", "DeviceBuffer"]
 
-# DLPack (code, bits) by numpy dtype name
+# DLPack (code, bits) by numpy dtype name; 8-bit K/V pools go out as bytes (uint8), which
+# every consumer takes (cellcache.torch views them as torch.float8_e4m3fn)
 _DLPACK = {"int64": (0, 64), "int32": (0, 32), "uint8": (1, 8), "bool": (6, 8),
-           "float16": (2, 16), "float32": (2, 32), "bfloat16": (4, 16)}
+           "float16": (2, 16), "float32": (2, 32), "bfloat16": (4, 16), "float8_e4m3fn": (1, 8)}
 CU_MEMHOSTALLOC_PORTABLE = 0x01
 CU_MEMHOSTALLOC_DEVICEMAP = 0x02
 
@@ -71,8 +72,8 @@ class DeviceBuffer:
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        if self.dtype.name == "bfloat16":
-            raise AttributeError("bfloat16 has no __cuda_array_interface__ typestr; use DLPack")
+        if self.dtype.name in ("bfloat16", "float8_e4m3fn"):
+            raise AttributeError(f"{self.dtype.name} has no __cuda_array_interface__ typestr; use DLPack")
         self._check_live()
         return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
                 "version": 3, "strides": None}

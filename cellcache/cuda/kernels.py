@@ -124,7 +124,7 @@ def flashinfer_supports(dtype: str, head_dim: int, group: int) -> bool:
 
 
 def choose_path(dtype: str, head_dim: int, group: int, *, tc_aligned: bool = True,
-                have_flashinfer: bool = False, has_masks: bool = False) -> str:
+                have_flashinfer: bool = False, has_masks: bool = False, kv8: bool = False) -> str:
     """The attention path for one layer's shape on a CUDA cache with the paged view: the one
     place the choice is made, at plan time, before anything is written.
 
@@ -134,7 +134,8 @@ def choose_path(dtype: str, head_dim: int, group: int, *, tc_aligned: bool = Tru
     multiple of 8 up to 256, group 1 to 16, any alignment); ``"flashinfer"`` where it is
     installed (``have_flashinfer``) and takes the shape; ``"sdpa"`` over the layer's mask
     where the cache has masks (``has_masks``). A shape none of them takes raises
-    InvalidArgument naming it.
+    InvalidArgument naming it. With 8-bit K/V pools (``kv8``) only ``"tc"`` (its e4m3
+    variants) and ``"sdpa"`` (over the dequantized pools) read them.
 
     >>> choose_path("bfloat16", 12, 4, has_masks=True)
     'sdpa'
@@ -142,6 +143,13 @@ def choose_path(dtype: str, head_dim: int, group: int, *, tc_aligned: bool = Tru
     tc = tensor_cores()
     if tc is not None and tc_aligned and tc.supports(dtype, head_dim, group):   # the tensor-core hook
         return "tc"
+    if kv8:
+        if has_masks:
+            return "sdpa"
+        raise InvalidArgument(
+            f"no attention path reads 8-bit K/V at head_dim={head_dim}, group={group} ({dtype} q): the "
+            "tensor-core kernels take float16/bfloat16 q with head_dim in (64, 80, 96, 128, 256), "
+            "16-byte aligned, and group 1 to 64; SDPA needs masks (mask_format 'bool' or 'bits')")
     if paged_supports(dtype, head_dim, group):
         return "paged"
     if have_flashinfer and flashinfer_supports(dtype, head_dim, group):

@@ -20,6 +20,11 @@ twice the noise floor's error on that row (a margin the precision cannot flip). 
 reference is fed the served path's own tokens, near-ties that send the two greedy
 continuations apart do not count against it, and a wrong kernel cannot hide behind them.
 
+A configuration with 8-bit K/V (``kv_dtype``) rounds every K and V to e4m3 on top of the
+served dtype: its noise floor is HF's forward in the served dtype with the same rounding at
+the same per-(layer, kv head) scales (:func:`kv8_floor`), so the check still asks whether
+the kernels compute what such a model computes.
+
 A float32 served configuration has no noise floor (HF's float32 forward is the reference):
 ``atol`` times the reference logits' scale (their root mean square) bounds its error instead
 (a random-weight model's logits are small: an absolute bound would hide a wrong model).
@@ -46,7 +51,7 @@ import torch
 from ..errors import InvalidArgument
 from .requests import Request
 
-__all__ = ["Agreement", "LogitsTap", "Row", "compare", "reference_models"]
+__all__ = ["Agreement", "LogitsTap", "Row", "compare", "kv8_floor", "reference_models"]
 
 #: The served path's error may be this many times the noise floor's.
 FACTOR = 1.5
@@ -155,6 +160,36 @@ def reference_models(model: Any, dtype: torch.dtype | None = None) -> tuple[Any,
         floor = copy.deepcopy(model).to(dtype).eval()
         floor.set_attn_implementation("sdpa")
     return ref, floor
+
+
+#: The attention implementation :func:`kv8_floor` registers with transformers.
+KV8_ATTENTION = "cellcache_kv8_reference"
+
+
+def kv8_floor(floor: Any, view: Any) -> None:
+    """Makes ``floor`` (:func:`reference_models`' noise-floor model) read K/V as a served
+    configuration with 8-bit K/V stores them: each layer's keys and values divided by
+    ``view``'s scales for that layer (``view.kv_scales``, read at each forward: the served
+    run's first writes set them), saturated at ±448, rounded to e4m3, multiplied back, then
+    HF's own SDPA attention. Call it once the served run has written every layer."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ..torch import FP8_MAX
+
+    def rounded(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        s = scale.to(x.device)[None, :, None, None]                     # x: [B, kv heads, T, D]
+        q8 = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return (q8.float() * s).to(x.dtype)
+
+    def attend(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, **kwargs: Any) -> Any:
+        scales = view.kv_scales(module.layer_idx)
+        return sdpa_attention_forward(module, query, rounded(key, scales[0]), rounded(value, scales[1]),
+                                      attention_mask, **kwargs)
+
+    AttentionInterface.register(KV8_ATTENTION, attend)
+    floor.set_attn_implementation(KV8_ATTENTION)
 
 
 @dataclasses.dataclass

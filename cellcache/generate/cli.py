@@ -185,6 +185,9 @@ def build_parser() -> Parser:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant serving: each request's tokens and logits are the same "
                         "bits whatever else is batched with it (docs/design/deterministic.md)")
+    p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
+                   help="K/V storage: the model's dtype, or 8-bit e4m3 with per-head scales "
+                        "(half the memory a cell takes)")
     p.add_argument("--admission", choices=list(ADMISSION_POLICIES), default="fifo",
                    help="waiting requests in arrival order, or longest cached prefix first (lpm)")
     p.add_argument("--tp", type=in_range(1, 1 << 12), default=1,
@@ -469,7 +472,8 @@ def _serve(p: Parser, args: Any, texts: list[str], device: str, place: Any, dtyp
                         max_seqs=min(4096, max(64, 2 * len(prompts) * args.n)),
                         graphs=False if args.no_graphs else None,
                         prefix_cache=not args.no_prefix_cache, admission=args.admission,
-                        tp=world if world > 1 else None, deterministic=args.deterministic)
+                        tp=world if world > 1 else None, deterministic=args.deterministic,
+                        kv_dtype=None if args.kv_dtype == "auto" else "float8_e4m3fn")
     except (CellCacheError, MemoryError) as e:
         p.error(f"cannot serve this model with --capacity {args.capacity} on {device}: {_one_line(e)}")
     except RuntimeError as e:

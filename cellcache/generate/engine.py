@@ -152,6 +152,11 @@ class Generator:
     the same outputs.
     ``gen.tp`` (``rank``, ``world``) is None in one process.
 
+    ``kv_dtype`` (default None: the model's dtype): the K/V storage of the cache the
+    Generator builds, ``"float8_e4m3fn"`` (or ``"fp8"``) for 8-bit K/V with per-(layer, kv
+    head) scales set at each layer's first write (:attr:`cellcache.CacheConfig.kv_dtype`;
+    half the memory a cell takes, so twice the cells in a capacity's bytes); with a
+    ``cache`` given it must be None or the cache's own.
     ``spill_bytes`` (default 0: off): host memory (pinned on CUDA) that keeps a preempted
     sequence's K/V (:mod:`cellcache.generate.spill`): it is copied back when the sequence is
     admitted again instead of recomputed (``stats["spilled"]``, ``stats["restored_tokens"]``);
@@ -215,7 +220,7 @@ class Generator:
                  tp: bool | int | None = None, async_steps: bool | None = None,
                  compile: bool | Mapping[str, Any] = False, mixed_buckets: list[int] | None = None,
                  attention: str = "auto", deterministic: bool = False, tokenizer: Any = None,
-                 spill_bytes: int = 0):
+                 spill_bytes: int = 0, kv_dtype: str | None = None):
         check_options(compile, attention)    # refused before anything is built or switched
         check_tokenizer(tokenizer)
         if not isinstance(deterministic, (bool, np.bool_)):
@@ -230,7 +235,7 @@ class Generator:
         if deterministic and checked.world is not None:    # (before the model is sharded in place)
             raise InvalidArgument("deterministic=True does not serve under tensor parallelism: the "
                                   "ranks' all-reduces sum in an order that depends on the step's size")
-        model, cache, given = serving_cache(model, capacity, max_batch_tokens, checked)
+        model, cache, given = serving_cache(model, capacity, max_batch_tokens, checked, kv_dtype)
         self.model, self.cache = model, cache
         #: Runs the forwards: graphs, input feeds, warm-up (:class:`cellcache.runner.ModelRunner`).
         #: Whether every row's forward and sampling are computed as they would be alone

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._checks import check_int
 from ..cache import CellCache
+from ..config import _kv_dtype_name
 from ..errors import InvalidArgument
 from ..hf import cache_config
 from ..prefix import PrefixCache
@@ -131,11 +132,18 @@ def serving(tp: Any, cache: Any, admission: Any, prefix_cache: Any, max_seqs: An
     return Serving(world, cache, given, prefix_opts, max_seqs)
 
 
-def serving_cache(model: Any, capacity: int, max_batch_tokens: int, s: Serving
-                   ) -> tuple[Any, CellCache | TPCache, PrefixCache | None]:
+def serving_cache(model: Any, capacity: int, max_batch_tokens: int, s: Serving,
+                  kv_dtype: Any = None) -> tuple[Any, CellCache | TPCache, PrefixCache | None]:
     """The model (sharded under tensor parallelism), the cache (given, or built for the
-    model) and the prefix cache (or None) a Generator serves with, from its checked
-    arguments."""
+    model, with K/V stored in ``kv_dtype``) and the prefix cache (or None) a Generator
+    serves with, from its checked arguments."""
+    if s.cache is not None and kv_dtype is not None:
+        own = s.cache.config.kv_dtype
+        if _kv_dtype_name(kv_dtype, s.cache.config.dtype) != own:
+            raise InvalidArgument(f"kv_dtype={kv_dtype!r} differs from the given cache's ({own}); "
+                                  "leave it None with a cache given")
+    elif kv_dtype is not None and s.world is not None:
+        raise InvalidArgument("kv_dtype does not serve under tensor parallelism yet; leave it None")
     if s.world is not None and not is_sharded(model):   # every argument checked: sharding is for good
         model = shard_model(model)
     cache, prefix_opts = s.cache, s.prefix_options
@@ -144,7 +152,8 @@ def serving_cache(model: Any, capacity: int, max_batch_tokens: int, s: Serving
         if prefix_opts is not None:
             prefix_opts.setdefault("max_seqs", s.max_seqs)
             ids += prefix_opts["max_seqs"]
-        cfg = cache_config(model, capacity=capacity, max_write=max_batch_tokens, max_seqs=ids)
+        extra = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
+        cfg = cache_config(model, capacity=capacity, max_write=max_batch_tokens, max_seqs=ids, **extra)
         backend = "cuda" if model.device.type == "cuda" else "host"
         cache = build(backend, "batched", cfg) if s.world is None else tp_build(backend, "batched", cfg)
     if prefix_opts is None:

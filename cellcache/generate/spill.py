@@ -114,7 +114,10 @@ class Spiller:
         view = self.view
         if view.stale():
             view.refresh()
-        return [p for i in range(len(self.cache.config.layers)) for p in view.layer(i)[:2]]
+        # as bytes: a copy needs no dtype (8-bit pools' rows come back to the cache whose
+        # scales they were written with)
+        return [p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p
+                for i in range(len(self.cache.config.layers)) for p in view.layer(i)[:2]]
 
     def _sync(self) -> None:
         if self.view.cuda:

@@ -74,6 +74,9 @@ def build_parser() -> Parser:
                    help="replay CUDA graphs for decode steps (default: on CUDA)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
     p.add_argument("--attention", choices=["auto", "flashinfer"], default="auto")
+    p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
+                   help="K/V storage: the model's dtype, or 8-bit e4m3 with per-head scales "
+                        "(half the memory a cell takes)")
     p.add_argument("--async-steps", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode step before the last one's ids reach the host "
                         "(default: on CUDA with graphs)")
@@ -168,7 +171,8 @@ def _load(p: Parser, args: Any, device: str | None, world: int) -> Any:
     kwargs: dict[str, Any] = dict(
         capacity=args.capacity, max_seqs=args.max_seqs, max_batch_tokens=args.max_batch_tokens,
         prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache, admission=args.admission,
-        graphs=args.graphs, compile=args.compile, attention=args.attention, async_steps=args.async_steps)
+        graphs=args.graphs, compile=args.compile, attention=args.attention, async_steps=args.async_steps,
+        kv_dtype=None if args.kv_dtype == "auto" else "float8_e4m3fn")
     if world > 1:
         kwargs["tp"] = world
     from ..generate.cli import is_out_of_memory
