@@ -235,6 +235,17 @@ def headline(d: dict) -> str:
         if t:
             parts.append(f"targets: asleep <= {_num(100 * t.get('asleep_share', 0), 'g')}%, wake <= "
                          f"{_num(t.get('wake_s'), 'g')} s")
+    elif isinstance(d.get("cells_per_gib"), dict):                  # tools/bench_kv8.py
+        parts.append(f"8-bit K/V: {_num(d['cells_per_gib'].get('ratio'), '.1f')}x the cells a GiB")
+        for c in (d.get("attention") or [])[:1]:
+            parts.append(f"{c['case'].split(',')[0]} d{c['heads'][2]}: "
+                         f"{_num(c.get('speedup'), '.2f')}x the 16-bit kernel")
+        sv = d.get("serve") or {}
+        if sv:
+            gib = _num(sv.get("kv_bytes", 0) / 2**30, ".2f")
+            parts.append(f"{sv.get('workload')} {sv.get('model')} in {gib} GiB of pools: "
+                         f"{_num(sv.get('speedup'), '.2f')}x the 16-bit side")
+            parts += [t for t in (_agreement({"agreement": sv.get("agreement")}),) if t]
     if isinstance(d.get("together"), dict) and "anchors" in d:     # tools/bench_workloads.py
         parts.append(f"{_num(d['together'].get('tokens_per_s'))} output tok/s all at once")
         if isinstance(d.get("poisson"), dict):
