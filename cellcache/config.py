@@ -51,16 +51,17 @@ def _dtype_name(value: object) -> str:
     return name
 
 
-def _kv_dtype_name(value: object, dtype: str) -> str:
-    """``kv_dtype`` as its name: None is ``dtype``; an 8-bit name or alias (``"fp8"``,
-    ``"fp8_e4m3"``, ``"e4m3"``, torch's ``float8_e4m3fn``) is ``"float8_e4m3fn"``."""
+def _kv_dtype_name(value: object, dtype: str) -> str | None:
+    """``kv_dtype`` as stored: an 8-bit name or alias (``"fp8"``, ``"fp8_e4m3"``, ``"e4m3"``,
+    torch's ``float8_e4m3fn``) is ``"float8_e4m3fn"``; None and ``dtype``'s own name are None
+    (K/V stored in ``dtype``, so a copy with another ``dtype`` stays consistent)."""
     if value is None:
-        return dtype
+        return None
     name = value if isinstance(value, str) else str(value).removeprefix("torch.")
     if name in _KV_ALIASES:
         return _KV_ALIASES[name]
     if name == dtype:
-        return name
+        return None
     raise InvalidArgument(f"kv_dtype={value!r} is not None (the dtype, {dtype}) or one of "
                           f"{', '.join(KV_DTYPES)} (or fp8, fp8_e4m3, e4m3)")
 
@@ -103,7 +104,8 @@ class CacheConfig:
       the dtype attention takes q in and returns its output in.
     - ``kv_dtype``: None (K/V stored in ``dtype``) or ``"float8_e4m3fn"`` (aliases ``"fp8"``,
       ``"fp8_e4m3"``, ``"e4m3"``): K/V stored in 8 bits with a scale per (layer, kv head),
-      half the bytes a cell of a 16-bit dtype takes; stored as its name (``dtype`` when None).
+      half the bytes a cell of a 16-bit dtype takes; stored as its name (None when K/V are
+      stored in ``dtype``: None or ``dtype``'s own name given).
     - ``max_seqs``: sequence ids are ``[0, max_seqs)``.
     - ``device``: CUDA device ordinal (the CUDA backend).
     - ``paged``: also build the paged view (FlashInfer's page-size-1 CSR buffers); its
@@ -192,7 +194,7 @@ class CacheConfig:
     @property
     def np_dtype(self) -> np.dtype:
         """The pools' numpy dtype (``kv_dtype``'s)."""
-        return storage_dtype(self.kv_dtype)
+        return storage_dtype(self.kv_dtype or self.dtype)
 
     @property
     def kv8(self) -> bool:

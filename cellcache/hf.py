@@ -186,7 +186,8 @@ def cache_config(model_or_config: Any, capacity: int, max_write: int | None = No
         paged = on_cuda
     if mask_format is None:
         mask_format = "none" if on_cuda and paged is True else "bool"
-        if mask_format == "none" and _kv8_without_tc(extra.get("kv_dtype"), dtype, head_dim):
+        if mask_format == "none" and _kv8_without_tc(extra.get("kv_dtype"), dtype, head_dim,
+                                                     heads // kv_heads):
             mask_format = "bool"          # 8-bit K/V the tensor-core kernels do not take: SDPA
     if device is None:
         device = (getattr(dev, "index", None) or 0) if on_cuda else 0
@@ -195,20 +196,22 @@ def cache_config(model_or_config: Any, capacity: int, max_write: int | None = No
                        device=device, paged=paged, mask_format=mask_format, **extra)
 
 
-def _kv8_without_tc(kv_dtype: Any, dtype: Any, head_dim: int) -> bool:
-    """Whether ``kv_dtype`` is 8-bit and no tensor-core kernel reads ``head_dim`` from it (the
+def _kv8_without_tc(kv_dtype: Any, dtype: Any, head_dim: int, group: int) -> bool:
+    """Whether ``kv_dtype`` is 8-bit and no tensor-core kernel reads this shape from it (the
     only CUDA path besides SDPA over masks)."""
     if kv_dtype is None:
         return False
     try:
-        from .cuda.tc import HEAD_DIMS
-    except ImportError:                         # no cuda-bindings: no kernels either
-        HEAD_DIMS = ()
-    try:
         kv8 = _kv_dtype_name(kv_dtype, str(dtype)) in KV_DTYPES
     except InvalidArgument:
         return False                            # refused by CacheConfig with its own message
-    return kv8 and head_dim not in HEAD_DIMS
+    if not kv8:
+        return False
+    try:
+        from .cuda.tc import supports
+    except ImportError:                         # no cuda-bindings: no kernels either
+        return True
+    return not supports(str(dtype).removeprefix("torch."), head_dim, group)
 
 
 def _short(value: Any) -> str:

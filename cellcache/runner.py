@@ -515,7 +515,9 @@ class ModelRunner:
         # the buffer starts zeroed and only checked or drawn ids are written), their outputs dropped
         every = rows is None or (rows.size == width and (
             width == 0 or (rows[0] == 0 and rows[-1] == width - 1 and bool((np.diff(rows) == 1).all()))))
-        if self.graphs_enabled and decode and T in self.buckets:
+        # (8-bit K/V: eager until every layer's scales are set, by a first write outside a graph)
+        graphs = self.graphs_enabled and self.view.kv_scales_ready()
+        if graphs and decode and T in self.buckets:
             logits = self._replay(step)       # (the capture, on first use, in inference mode)
             self.replays += 1
             self.replayed = True
@@ -528,7 +530,7 @@ class ModelRunner:
             return logits[self._index(rows)]
         with torch.inference_mode():
             n_rows = width if rows is None else rows.size
-            if self.graphs_enabled and not decode and T in self.mixed_buckets \
+            if graphs and not decode and T in self.mixed_buckets \
                     and n_rows <= min(T, self.logit_cap):
                 logits = self._replay_mixed(step, rows, n_rows)
                 self.replays += 1
@@ -737,13 +739,21 @@ class ModelRunner:
             self._warm_feed()
         if not (self.cuda and self.graphs_enabled):
             return done
+        # 8-bit K/V: the warm-up's dummy tokens set the scales its captures need; a cache
+        # whose scales were unset gets them unset again, for its first real K/V to set
+        fresh = self.view.config.kv8 and not any(self.view.kv_scales_set(i)
+                                                 for i in range(len(self.view.config.layers)))
         with cache.lock:
-            for kind, width in todo:
-                have = self._graphs if kind == "decode" else self._mixed
-                if width in have and not self.view.stale():
-                    continue
-                self._capture_bucket(cache, width, kind == "decode")
-                done[kind].append(width)
+            try:
+                for kind, width in todo:
+                    have = self._graphs if kind == "decode" else self._mixed
+                    if width in have and not self.view.stale():
+                        continue
+                    self._capture_bucket(cache, width, kind == "decode")
+                    done[kind].append(width)
+            finally:
+                if fresh and self.cache.free_cells == self.cache.config.capacity:
+                    self.view.reset_kv_scales()
         if self.compile is not None and (done["decode"] or done["mixed"]):
             release_compile_workers()
         return {k: sorted(v) for k, v in done.items()}

@@ -44,15 +44,6 @@ def shape_of(cache: CellCache) -> list[dict[str, Any]]:
             for lc in cfg.layers]
 
 
-def _refuse_kv8(cache: Any) -> None:
-    """Sequence files hold K/V in the cache's dtype; 8-bit pools' rows mean nothing without
-    their cache's scales, which a file does not carry (yet): refused before anything."""
-    config = getattr(cache, "config", None)
-    if getattr(config, "kv8", False):
-        raise InvalidArgument(f"sequence files do not take 8-bit K/V pools ({config.kv_dtype}): "
-                              "their rows are scaled per cache")
-
-
 def _sync(view: TorchView) -> None:
     if view.cuda:
         torch.cuda.synchronize()
@@ -63,7 +54,6 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
     ``tokens`` (the sequence's token ids, optional) beside them; returns the positions
     written. InvalidArgument for a bad id, path or tokens; InvalidState for a closed cache,
     a sequence that is not live, or one in a prepared step whose forward may not have run."""
-    _refuse_kv8(cache)
     from safetensors.torch import save_file
 
     if not isinstance(cache, CellCache):
@@ -89,9 +79,10 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
 def read_sequence(cache: CellCache, seq: Any) -> dict[str, torch.Tensor]:
     """Sequence ``seq``'s positions and every layer's K and V at them, as CPU tensors
     (``"positions"`` ``[n]`` int64 increasing, ``"k.{layer}"`` and ``"v.{layer}"``
-    ``[n, n_kv_heads, head_dim]`` in the cache's dtype): what a file holds, in memory
+    ``[n, n_kv_heads, head_dim]`` in the cache's dtype; 8-bit pools give the values they stand
+    for, and a load stores them scaled again, so a file moves between 8- and 16-bit caches of
+    one shape): what a file holds, in memory
     (:func:`write_sequence` brings it back). Refuses as :func:`save_sequence` does."""
-    _refuse_kv8(cache)
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
     seq = check_seq_id(seq, cache.max_seqs)
@@ -107,11 +98,12 @@ def read_sequence(cache: CellCache, seq: Any) -> dict[str, torch.Tensor]:
         _sync(view)
         tensors: dict[str, torch.Tensor] = {"positions": torch.from_numpy(positions.copy())}
         index = torch.from_numpy(cells).to(view.layer(0)[0].device) if len(cells) else None
+        dtype = torch_dtype(cache.config.dtype)
         for i in range(len(cache.config.layers)):
-            k, v, _ = view.layer(i)
-            for name, pool in (("k", k), ("v", v)):
-                rows = pool[index] if index is not None else pool[:0]
-                tensors[f"{name}.{i}"] = rows.detach().to("cpu").contiguous()
+            # the values the pools stand for (8-bit pools: times their scales), in the dtype
+            k, v = view.dequantized(i, index if index is not None else slice(0, 0), dtype)
+            tensors[f"k.{i}"] = k.detach().to("cpu").contiguous()
+            tensors[f"v.{i}"] = v.detach().to("cpu").contiguous()
     return tensors
 
 
@@ -183,7 +175,6 @@ def load_sequence(cache: CellCache, path: Any) -> tuple[int, list[int] | None]:
     model shape; InvalidState for a closed cache or a step declared or prepared and not
     committed; OutOfMemory when no sequence id or not enough cells are free. Every refusal
     changes nothing."""
-    _refuse_kv8(cache)
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
     meta, tensors = _read(path)
@@ -195,7 +186,6 @@ def load_sequence(cache: CellCache, path: Any) -> tuple[int, list[int] | None]:
 def write_sequence(cache: CellCache, tensors: dict[str, torch.Tensor]) -> int:
     """A new sequence of ``cache`` holding ``tensors`` (as :func:`read_sequence` returns them,
     in this cache's shape); returns its id. Refuses as :func:`load_sequence` does."""
-    _refuse_kv8(cache)
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
     if not isinstance(tensors, dict):
@@ -271,16 +261,17 @@ def _place(cache: CellCache, seq: int, pos: torch.Tensor, tensors: dict[str, tor
     def write(lo: int, w: int, step_cells: np.ndarray) -> None:
         nonlocal view
         view = view if not view.stale() else TorchView(cache)
-        cells = torch.from_numpy(step_cells)
+        cells = torch.from_numpy(step_cells).to(view.device)
         rows = have[lo:lo + w]
+        some = rows >= 0
         for i in range(len(cache.config.layers)):
-            k, v, _ = view.layer(i)
-            for name, pool in (("k", k), ("v", v)):
+            blocks = []
+            for name in ("k", "v"):
                 src = tensors[f"{name}.{i}"]
                 block = torch.zeros((w, *src.shape[1:]), dtype=src.dtype)
-                some = rows >= 0
                 block[some] = src[rows[some]]
-                pool[cells.to(pool.device)] = block.to(device=pool.device, dtype=pool.dtype)
+                blocks.append(block.to(view.device))
+            view.write_rows(i, cells, blocks[0], blocks[1])   # (8-bit pools: scaled as a forward's write)
         _sync(view)
 
     place_positions(cache, seq, 0, length, write)

@@ -46,6 +46,7 @@ import contextvars
 import functools
 import importlib.util
 import math
+import threading
 import warnings
 import weakref
 from typing import Any, NamedTuple, NoReturn
@@ -136,14 +137,16 @@ class _Kv8State:
 
 
 _KV8: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_KV8_LOCK = threading.Lock()
 
 
 def _kv8_state(cache: CellCache, device: torch.device) -> _Kv8State:
     """The cache's scale table, shared by every view of it (made with the first)."""
-    state = _KV8.get(cache)
-    if state is None:
-        state = _KV8[cache] = _Kv8State(cache.config, device)
-    return state
+    with _KV8_LOCK:
+        state = _KV8.get(cache)
+        if state is None:
+            state = _KV8[cache] = _Kv8State(cache.config, device)
+        return state
 
 
 class TorchView:
@@ -237,6 +240,25 @@ class TorchView:
         i = check_int(layer, "layer", 0, len(self.pools) - 1)
         return self._kv8 is not None and self._kv8.set[i]
 
+    def kv_scales_ready(self) -> bool:
+        """Whether every layer's 8-bit scales are set (True for 16/32-bit pools): until then a
+        runner runs its forwards eagerly, since a first write inside a graph is refused."""
+        return self._kv8 is None or all(self._kv8.set)
+
+    def reset_kv_scales(self) -> None:
+        """Forgets every layer's 8-bit scales, so the next writes set them again (a runner's
+        warm-up writes dummy tokens: their K/V must not set the scales real K/V is stored
+        with). InvalidState, nothing changed, while any cell is owned (it holds K/V written
+        with them); a no-op for 16/32-bit pools."""
+        if self._kv8 is None:
+            return
+        if self.cache.free_cells != self.config.capacity:
+            raise InvalidState("reset_kv_scales() while cells hold K/V written with the scales: "
+                               "free every sequence first")
+        for t in self._kv8.table:
+            t.fill_(1.0)
+        self._kv8.set = [False] * len(self._kv8.set)
+
     def set_kv_scales(self, layer: int, k_scale: Any, v_scale: Any) -> None:
         """Sets layer ``layer``'s 8-bit scales (``[n_kv_heads]`` each, or one number for every
         head; finite and > 0) before its first write, e.g. from a calibration run or a
@@ -244,7 +266,7 @@ class TorchView:
         the layer's scales are set already, so cells may hold K/V written with them) with
         nothing changed."""
         if self._kv8 is None:
-            raise InvalidArgument(f"the cache stores K/V in {self.config.kv_dtype}: only 8-bit pools "
+            raise InvalidArgument(f"the cache stores K/V in {self.config.dtype}: only 8-bit pools "
                                   "(CacheConfig.kv_dtype) have scales")
         i = check_int(layer, "layer", 0, len(self.pools) - 1)
         h = self.config.layers[i].n_kv_heads
@@ -272,8 +294,14 @@ class TorchView:
         caller) into layer ``layer``'s pools at ``cells[:T]``, converted to the pools' dtype;
         8-bit pools store them scaled (the layer's first write sets its scales from rows
         ``[0, width)``: refused with InvalidState, nothing written, inside a graph capture)."""
+        self.write_rows(layer, self.cells[:k.shape[0]], k, v, width)
+
+    def write_rows(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   width: int | None = None) -> None:
+        """``k``/``v`` (``[n, n_kv_heads, head_dim]``) into layer ``layer``'s pools at pool rows
+        ``cells`` (int64 ``[n]`` on the cache's device), as :meth:`write_kv` writes a step's
+        (``width``: the rows a first 8-bit write sets the scales from; None: all)."""
         k_pool, v_pool, _ = self.layer(layer)
-        cells = self.cells[:k.shape[0]]
         if self._kv8 is None:
             k_pool.index_copy_(0, cells, k.to(k_pool.dtype))
             v_pool.index_copy_(0, cells, v.to(v_pool.dtype))
@@ -282,7 +310,7 @@ class TorchView:
             raise InvalidState(f"layer {layer}'s 8-bit K/V scales are set at its first write, "
                                "which cannot be captured in a graph: run one step eagerly first "
                                "(or set_kv_scales)")
-        kq, vq = self._quantize(layer, k, v, width)
+        kq, vq = self._quantize(layer, k, v, k.shape[0] if width is None else width)
         k_pool.view(torch.uint8).index_copy_(0, cells, kq.view(torch.uint8))
         v_pool.view(torch.uint8).index_copy_(0, cells, vq.view(torch.uint8))
 
@@ -291,11 +319,14 @@ class TorchView:
         """K and V as the layer's 8-bit pools store them (setting its scales from rows
         ``[0, width)`` at its first write)."""
         kv8 = self._kv8
+        assert kv8 is not None
         scales = kv8.table[layer]
         if not kv8.set[layer]:
             real = max(int(width), 1)
-            amax = torch.stack([k[:real].float().abs().amax(dim=(0, 2)),
-                                v[:real].float().abs().amax(dim=(0, 2))])
+            # (a non-finite value, which a real model's K/V never holds, must not make a
+            # scale that zeroes its head for good)
+            amax = torch.stack([k[:real].float().abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=(0, 2)),
+                                v[:real].float().abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=(0, 2))])
             scales.copy_(amax.clamp(min=1.0) * (KV8_HEADROOM / FP8_MAX))
             kv8.set[layer] = True
         kq = (k.float() / scales[0, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -307,10 +338,12 @@ class TorchView:
         """Rows ``rows`` of layer ``layer``'s K and V pools as ``dtype`` (8-bit pools: times
         the layer's scales): what attention reads. ``[n, n_kv_heads, head_dim]`` each."""
         k_pool, v_pool, _ = self.layer(layer)
-        k, v = k_pool[rows], v_pool[rows]
         if self._kv8 is None:
-            return k.to(dtype), v.to(dtype)
-        s = self.kv_scales(layer)
+            return k_pool[rows].to(dtype), v_pool[rows].to(dtype)
+        # (gathered as bytes: not every torch op takes float8)
+        k = k_pool.view(torch.uint8)[rows].view(torch.float8_e4m3fn)
+        v = v_pool.view(torch.uint8)[rows].view(torch.float8_e4m3fn)
+        s = self._kv8.table[layer]
         return ((k.float() * s[0, :, None]).to(dtype), (v.float() * s[1, :, None]).to(dtype))
 
     def live_rows(self, rows: int) -> torch.Tensor:

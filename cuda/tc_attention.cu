@@ -282,10 +282,11 @@ __device__ __forceinline__ void unit_keys(int shift, int p0, int p1, int G, int 
     }
 }
 
-// KV8: the pools hold float8 e4m3 (scaled per kv head, a.kv_scale); each tile lands in the
-// 8-bit ring and is widened to f16 in shared memory before it is read, and Q is scaled by
-// sl2 * k_scale * 2^8 into f16 once, so S and P V run on f16 tensor cores for either T and
-// the scores come out in log2 units; O is scaled by v_scale * 2^8 when written.
+// KV8: the pools hold float8 e4m3 (scaled per kv head, a.kv_scale), widened to f16 x 2^-8:
+// in registers straight from the 8-bit ring (R8: warps along the kv tile, D % 32 == 0) or
+// through an f16 tile in shared memory (the others). Q is converted to f16 once a unit, so S
+// and P V run on f16 tensor cores for either T; K's scale x 2^8 joins the scores' scale
+// (sl2) and V's x 2^8 scales O when written.
 template <typename T, bool KV8, int D, int MQ, int WKV, int KT, int ST, int KS>
 __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
 {
@@ -330,6 +331,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     uint4* s_v = s_k + (KV8 ? 1 : ST) * C::KV_CH;
     // R8: the widened tiles stay in registers, the 8-bit ring follows Q
     constexpr bool R8 = KV8 && C::R8;
+    static_assert(!R8 || (MQ == 1 && KSUB == 16 && NSUB == 1), "the register path fills s[0], pa[0], o[0] only");
     constexpr int P8 = C::P8;
     unsigned char* s_f8 = R8 ? reinterpret_cast<unsigned char*>(s_k)
                              : reinterpret_cast<unsigned char*>(s_v + (KV8 ? 1 : ST) * C::KV_CH);
@@ -426,9 +428,10 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
             cp_async16_cell(buf + (KT + row) * D + 16 * col, vp8 + off, cell);
         }
     };
-    // Q: T -> f16 scaled by sl2 * k_scale * 2^8, in place (KV8; every thread its own chunks)
+    // Q: T -> f16 in place (KV8; every thread its own chunks); its scale goes into sl2 (f32):
+    // scaled here, a large |q| times K's scale could pass f16's range
     auto widen_q = [&]() {
-        const float qs = (float)a.sl2 * a.kv_scale[kvh] * 256.f;
+        const float qs = 1.f;
         if constexpr (R8) {
             // and each 16-dim block permuted: f16 pairs (p0 .. p7) as (p0 p2 p4 p6)(p1 p3 p5 p7),
             // so that an A fragment's dims (2t, 2t + 1 | 2t + 8, 2t + 9) are physical 4t .. 4t + 3,
@@ -546,7 +549,8 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     // this thread's rows: g and g + 8 of each of the warp's MQ 16-row blocks
     const int wp0 = p0 + wq * WROWS;
     const bool active = wp0 < p1;                       // the warp has real rows
-    const float sl2 = KV8 ? 1.f : (float)a.sl2;         // KV8: folded into Q
+    // KV8: the stored K stands for K / (k_scale * 2^8): the scores' scale takes both
+    const float sl2 = KV8 ? (float)a.sl2 * a.kv_scale[kvh] * 256.f : (float)a.sl2;
     const int kw0 = wk * KW;                            // the warp's first key of a tile
     // the lane's ldmatrix rows and chunk bits (every row base below is a multiple of 8, so a
     // row's low 3 bits are lx): rows lx + 8 ((lane / 8) % 2), chunk bit lane / 16, for Q, V

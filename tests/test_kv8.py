@@ -31,11 +31,13 @@ def test_config_takes_8bit_names_and_halves_the_pools(name):
     assert c8.kv_dtype == "float8_e4m3fn" and c8.kv8 and c8.dtype == "bfloat16"
     assert c8.np_dtype.itemsize == 1
     c16 = cc.CacheConfig(capacity=64, layers=LAYERS, max_write=8)
-    assert c16.kv_dtype == "bfloat16" and not c16.kv8
+    assert c16.kv_dtype is None and not c16.kv8
+    import dataclasses
+    assert dataclasses.replace(c8, dtype="float16").kv8 and not dataclasses.replace(c16, dtype="float16").kv8
     a, b = cc.HostCellCache(c8), cc.HostCellCache(c16)
     assert a.layer(0).k.nbytes * 2 == b.layer(0).k.nbytes     # twice the cells in the same bytes
     assert cc.CacheConfig(capacity=64, layers=LAYERS, max_write=8, dtype="float16",
-                          kv_dtype="float16").kv_dtype == "float16"
+                          kv_dtype="float16").kv_dtype is None
 
 
 @pytest.mark.parametrize("bad", ["int8", "float16", "fp4", 3, torch.int8])
@@ -141,6 +143,44 @@ def test_set_kv_scales_refusals_change_nothing():
         plain.set_kv_scales(0, 1.0, 1.0)
 
 
+def test_reset_kv_scales_only_without_cells():
+    cache = _cache()
+    view = cct.TorchView(cache)
+    assert not view.kv_scales_ready()
+    view.set_kv_scales(0, 0.5, 0.25)
+    view.set_kv_scales(1, 2.0, 4.0)
+    assert view.kv_scales_ready()
+    s = cache.seq_new()
+    assert cache.declare_step([s] * 2)
+    step = cache.prepare_step()
+    cct.attention(view, 0, torch.ones((2, 4, 16)), torch.ones((2, 2, 16)), torch.ones((2, 2, 16)), step=step)
+    cct.attention(view, 1, torch.ones((2, 4, 16)), torch.ones((2, 2, 16)), torch.ones((2, 2, 16)), step=step)
+    cache.commit_step()
+    with pytest.raises(cc.InvalidState, match="cells hold K/V"):
+        view.reset_kv_scales()
+    assert view.kv_scales(0).tolist() == [[0.5, 0.5], [0.25, 0.25]] and view.kv_scales_ready()
+    cache.seq_rm(s)
+    view.reset_kv_scales()
+    assert not view.kv_scales_ready() and view.kv_scales(0).tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    plain = cct.TorchView(_cache(kv_dtype=None))
+    plain.reset_kv_scales()
+    assert plain.kv_scales_ready()
+
+
+def test_a_first_write_with_non_finite_values_keeps_finite_scales():
+    cache = _cache()
+    view = cct.TorchView(cache)
+    s = cache.seq_new()
+    assert cache.declare_step([s] * 3)
+    step = cache.prepare_step()
+    k = torch.ones((3, 2, 16)) * 2
+    k[1, 0, 3] = float("inf")
+    k[2, 1, 5] = float("nan")
+    cct.attention(view, 0, torch.ones((3, 4, 16)), k, torch.ones((3, 2, 16)), step=step)
+    assert bool(torch.isfinite(view.kv_scales(0)).all())
+    assert torch.allclose(view.kv_scales(0)[0], torch.full((2,), 2.0 * 4 / 448))
+
+
 def _pool_bytes(view):
     return [p.view(torch.uint8).clone() for i in range(len(LAYERS)) for p in view.layer(i)[:2]]
 
@@ -160,24 +200,53 @@ def test_backends_that_do_not_read_8bit_pools_are_refused_before_any_write(backe
     assert not view.kv_scales_set(0)
 
 
-def test_reference_write_and_sequence_files_refuse_8bit_pools(tmp_path):
+def test_reference_write_refuses_8bit_pools():
     from cellcache.attention import write_kv
-    from cellcache.seqstate import load_sequence, read_sequence, save_sequence
 
     cache = _cache()
     s = cache.seq_new()
     assert cache.declare_step([s] * 2)
     cache.prepare_step()
-    before = [cache.layer(0).k.copy()]
+    before = cache.layer(0).k.copy()
     with pytest.raises(cc.InvalidArgument, match="8-bit pools"):
         write_kv(cache, 0, np.ones((2, 2, 16), np.float32), np.ones((2, 2, 16), np.float32), 2)
-    assert np.array_equal(before[0].view(np.uint8), cache.layer(0).k.view(np.uint8))
-    cache.commit_step()
-    for call in (lambda: save_sequence(cache, s, tmp_path / "a.seq"), lambda: read_sequence(cache, s),
-                 lambda: load_sequence(cache, tmp_path / "a.seq")):
-        with pytest.raises(cc.InvalidArgument, match="8-bit K/V"):
-            call()
-    assert not (tmp_path / "a.seq").exists() and cache.table.live_seqs() == [s]
+    assert np.array_equal(before.view(np.uint8), cache.layer(0).k.view(np.uint8))
+
+
+def test_sequence_files_round_trip_8bit_pools_and_move_to_16bit_caches(tmp_path):
+    """A file of an 8-bit cache holds the values its bytes stand for; loaded back into the same
+    cache it gives the same bytes, and into a 16-bit cache of the same shape the same values."""
+    from cellcache.seqstate import cells_by_position, load_sequence, save_sequence
+
+    def cells_of(c, sid):
+        return torch.from_numpy(cells_by_position(c, sid)[0].astype(np.int64))
+
+    cache = _cache()
+    view = cct.TorchView(cache)
+    s = cache.seq_new()
+    g = torch.Generator().manual_seed(3)
+    for n in (9, 1, 4):
+        assert cache.declare_step([s] * n)
+        step = cache.prepare_step()
+        for layer in range(len(LAYERS)):
+            q = torch.randn((n, 4, 16), generator=g)
+            k = torch.randn((n, 2, 16), generator=g) * 5
+            cct.attention(view, layer, q, k, torch.randn((n, 2, 16), generator=g), step=step)
+        cache.commit_step()
+    assert save_sequence(cache, s, tmp_path / "a.seq") == 14
+    cells = cells_of(cache, s)
+    want = [view.layer(i)[kv].view(torch.uint8)[cells].clone() for i in range(2) for kv in (0, 1)]
+    t, _ = load_sequence(cache, tmp_path / "a.seq")
+    cells2 = cells_of(cache, t)
+    got = [view.layer(i)[kv].view(torch.uint8)[cells2] for i in range(2) for kv in (0, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    plain = _cache(kv_dtype=None)
+    u, _ = load_sequence(plain, tmp_path / "a.seq")
+    pv = cct.TorchView(plain)
+    cells3 = cells_of(plain, u)
+    for i in range(2):
+        k8, v8 = view.dequantized(i, cells, torch.float32)
+        assert torch.equal(pv.layer(i)[0][cells3], k8) and torch.equal(pv.layer(i)[1][cells3], v8)
 
 
 def test_generator_serves_8bit_kv_on_the_host():
@@ -203,6 +272,9 @@ def test_generator_serves_8bit_kv_on_the_host():
     assert sum(a == b for a, b in zip(firsts[None], firsts["fp8"])) >= 4
     with pytest.raises(cc.InvalidArgument, match="kv_dtype"):
         Generator(model, capacity=512, kv_dtype="int4")
+    for kw, says in (({"deterministic": True}, "deterministic"), ({"attention": "flashinfer"}, "attention")):
+        with pytest.raises(cc.InvalidArgument, match=f"8-bit K/V does not serve with {says}"):
+            Generator(model, capacity=512, kv_dtype="fp8", **kw)
     given = cc.build("host", "batched", cc.CacheConfig(capacity=512, layers=LAYERS, max_write=32,
                                                        dtype="float32"))
     with pytest.raises(cc.InvalidArgument, match="differs from the given cache's"):

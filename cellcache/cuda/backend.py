@@ -51,9 +51,10 @@ def _release(fn: Any, handle: Any) -> None:
 
 class DeviceBuffer:
     """A named device buffer of the cache: ``ptr``, ``shape``, ``dtype``, ``nbytes``,
-    ``__cuda_array_interface__`` (not for bfloat16, which has no typestr), DLPack
-    (``torch.from_dlpack(buf)`` works for every dtype, ordered after the last step's writes
-    on the consumer's stream) and ``copy_to_host()``.
+    ``__cuda_array_interface__`` (not for bfloat16 or float8, which have no typestr), DLPack
+    (``torch.from_dlpack(buf)`` works for every dtype, 8-bit pools coming out as uint8
+    bytes, ordered after the last step's writes on the consumer's stream) and
+    ``copy_to_host()``.
     """
 
     def __init__(self, cache: CudaCellCache, name: str, ptr: int, shape: tuple, dtype: Any,

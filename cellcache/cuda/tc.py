@@ -88,8 +88,9 @@ TABLE: dict[tuple[int, str], Choice] = {
 }
 
 
-#: The same for 8-bit K/V pools (``tc_variants_e4m3``): each tile is widened to f16 in shared
-#: memory before the tensor cores read it. Set from ``tools/bench.py --section kv8``.
+#: The same for 8-bit K/V pools (``tc_variants_e4m3``; the bytes are widened to f16 in
+#: registers by the decode-shaped variants, through shared memory by the others). Set from
+#: ``tools/bench_kv8.py``, which times every e4m3 variant on the same cells.
 TABLE_E4M3: dict[tuple[int, str], Choice] = {
     (64, "prefill"): Choice("m2w1k32s2", 1, 0),
     (64, "decode"): Choice("m1w4k64s2", 2, 1),

@@ -50,7 +50,7 @@ from ..runner import check_options
 from ..tp import TPCache
 from .distributed import RankSync
 from .logprobs import record_lean_logprobs, record_logprobs
-from .options import serving, serving_cache, settings
+from .options import check_kv8, serving, serving_cache, settings
 from .prompts import check_text_options, check_tokenizer, encode_prompt, load_pretrained
 from .requests import Progress, Request, Sampling, latency_summary, token_ids
 from .sampler import Draw, Sampler
@@ -229,6 +229,7 @@ class Generator:
         max_batch_tokens, prefill_chunk, reserve, eos_ids = settings(
             model, capacity, max_batch_tokens, prefill_chunk, reserve, clock, eos, async_steps)
         checked = serving(tp, cache, admission, prefix_cache, max_seqs)
+        check_kv8(kv_dtype, checked, bool(deterministic), attention)
         if spill_bytes and checked.world is not None:
             raise InvalidArgument("spill_bytes does not serve under tensor parallelism (each rank would "
                                   "spill its own shard); leave it 0")

@@ -24,7 +24,7 @@ import numpy as np
 
 from .._checks import check_int
 from ..cache import CellCache
-from ..config import _kv_dtype_name
+from ..config import _KV_ALIASES, _kv_dtype_name
 from ..errors import InvalidArgument
 from ..hf import cache_config
 from ..prefix import PrefixCache
@@ -132,18 +132,32 @@ def serving(tp: Any, cache: Any, admission: Any, prefix_cache: Any, max_seqs: An
     return Serving(world, cache, given, prefix_opts, max_seqs)
 
 
+def check_kv8(kv_dtype: Any, s: Serving, deterministic: bool, attention: str) -> None:
+    """Refuses, before anything is built, what does not serve 8-bit K/V (``kv_dtype`` an
+    8-bit name, or a given cache with 8-bit pools): the deterministic mode (its kernels read
+    16-bit pools), FlashInfer attention, tensor parallelism (not built yet)."""
+    name = kv_dtype if isinstance(kv_dtype, str) else str(kv_dtype).removeprefix("torch.")
+    kv8 = (kv_dtype is not None and name in _KV_ALIASES) or bool(
+        getattr(getattr(s.cache, "config", None), "kv8", False))
+    if not kv8:
+        return
+    for bad, why in ((deterministic, "deterministic=True (its kernels read 16-bit pools)"),
+                     (attention == "flashinfer", "attention='flashinfer' (it reads 16-bit pools here)"),
+                     (s.world is not None, "tensor parallelism (not built yet)")):
+        if bad:
+            raise InvalidArgument(f"8-bit K/V does not serve with {why}: leave kv_dtype None")
+
+
 def serving_cache(model: Any, capacity: int, max_batch_tokens: int, s: Serving,
                   kv_dtype: Any = None) -> tuple[Any, CellCache | TPCache, PrefixCache | None]:
     """The model (sharded under tensor parallelism), the cache (given, or built for the
     model, with K/V stored in ``kv_dtype``) and the prefix cache (or None) a Generator
     serves with, from its checked arguments."""
     if s.cache is not None and kv_dtype is not None:
-        own = s.cache.config.kv_dtype
-        if _kv_dtype_name(kv_dtype, s.cache.config.dtype) != own:
-            raise InvalidArgument(f"kv_dtype={kv_dtype!r} differs from the given cache's ({own}); "
-                                  "leave it None with a cache given")
-    elif kv_dtype is not None and s.world is not None:
-        raise InvalidArgument("kv_dtype does not serve under tensor parallelism yet; leave it None")
+        cfg = s.cache.config
+        if _kv_dtype_name(kv_dtype, cfg.dtype) != cfg.kv_dtype:
+            raise InvalidArgument(f"kv_dtype={kv_dtype!r} differs from the given cache's "
+                                  f"({cfg.kv_dtype or cfg.dtype}); leave it None with a cache given")
     if s.world is not None and not is_sharded(model):   # every argument checked: sharding is for good
         model = shard_model(model)
     cache, prefix_opts = s.cache, s.prefix_options

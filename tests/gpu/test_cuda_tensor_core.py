@@ -105,9 +105,9 @@ class Rig:
         div = (1.0 / self.kv_scale)[:, None, :, None] if self.kv8 else torch.ones((2, 1, 1, 1), device="cuda")
         k_pool.copy_(torch.randn(k_pool.shape, generator=gen, device="cuda") * div[0])
         v_pool.copy_(torch.randn(v_pool.shape, generator=gen, device="cuda") * div[1])
-        if self.kv8:
-            k_pool.view(torch.uint8)[c.sink] = 0x7F                 # e4m3fn's NaN
-            v_pool.view(torch.uint8)[c.sink] = 0x7F
+        if self.kv8:          # the largest e4m3 value (the kernels read NaN bytes as finite):
+            k_pool.view(torch.uint8)[c.sink] = 0x7E    # a key that would win every softmax and a
+            v_pool.view(torch.uint8)[c.sink] = 0x7E    # value far off every output, if read
         else:
             k_pool[c.sink] = float("nan")
             v_pool[c.sink] = float("nan")

@@ -41,6 +41,7 @@ def test_kv8_attention_matches_sdpa_and_16bit_within_e4m3():
     try:
         v8, v16 = cct.TorchView(c8), cct.TorchView(c16)
         assert v8.layer(0)[0].dtype == torch.float8_e4m3fn and v8.layer(0)[0].element_size() == 1
+        assert cct.layer_paths(c8.config, H) == ["tc", "tc"]
         assert c8.layer(0).k.nbytes * 2 == c16.layer(0).k.nbytes          # twice the cells a byte
         seqs = [(c8.seq_new(), c16.seq_new()) for _ in range(4)]
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -56,7 +57,7 @@ def test_kv8_attention_matches_sdpa_and_16bit_within_e4m3():
                 q, k, v = _qkv(torch, gen, pad, lc.head_dim)
                 if n == 0:
                     assert not v8.kv_scales_set(layer)
-                tc = cct.attention(v8, layer, q, k, v, step=s8)
+                tc = cct.attention(v8, layer, q, k, v, step=s8, backend="tc")      # refused without it
                 ref = cct.attention(v8, layer, q, k, v, step=s8, backend="sdpa")   # same bytes again
                 full = cct.attention(v16, layer, q, k, v, step=s16)
                 w = s8.width
@@ -140,6 +141,9 @@ def test_generator_serves_8bit_kv_in_agreement(name):
     prompts = [rng.integers(1, 500, size=int(n)).tolist() for n in rng.integers(5, 120, size=12)]
     prompts[1] = prompts[0][:50] + prompts[1]             # a prefix-cache hit
     gen = Generator(model, capacity=8192, eos=[], kv_dtype="fp8")
+    gen.warmup()                                          # dummy tokens: must not set the scales
+    view = gen.runner.view
+    assert not any(view.kv_scales_set(i) for i in range(len(gen.cache.config.layers)))
     per_cell = [gen.cache.layer(i).k.nbytes // gen.cache.layer(i).k.shape[0]
                 for i in range(len(gen.cache.config.layers))]
     lc = gen.cache.config.layers[0]
@@ -148,7 +152,9 @@ def test_generator_serves_8bit_kv_in_agreement(name):
         reqs = [gen.add(p, Sampling(max_new_tokens=16)) for p in prompts]
         gen.run()
     assert all(len(r.outputs[0]) == 16 for r in reqs)
-    assert all(gen.runner.view.kv_scales_set(i) for i in range(len(gen.cache.config.layers)))
+    assert view.kv_scales_ready()
+    # d64: the tensor cores, graphs (the first real step eager); d16: SDPA, eager (no graphs)
+    assert (gen.stats["graph_steps"] > 0) == (name != "llama-tiny") == gen.runner.graphs_enabled
     kv8_floor(floor, gen.runner.view)
     report = compare(tap.rows(), ref, floor)
     assert report.passed, report.summary()
