@@ -167,6 +167,12 @@ class PrefixCache:
         self.cache = cache
         self.policy = policy
         self._key = key
+        #: Called as ``before_evict(seq, length, tokens)`` just before an eviction frees the
+        #: cells of a stored prefix: ``seq`` (the prefix cache's sequence) holds positions
+        #: ``[0, length)`` of the prefix ``tokens`` (int32), which a host tier may copy
+        #: (:class:`cellcache.generate.spill.PrefixTier`); inside the operation, on the thread
+        #: that evicts. An exception it raises is dropped: the eviction goes on. None: off.
+        self.before_evict: Callable[[int, int, np.ndarray], Any] | None = None
         self._op = Operations(on_event)           # the lock, and the events to deliver
         self._clock = 0
         self._shape = 0
@@ -671,6 +677,11 @@ class PrefixCache:
                 break
             if leaf.pins:                   # pinned above its end: the tail below goes alone
                 tree.split(leaf, max(leaf.pins))
+            if self.before_evict is not None:
+                try:
+                    self.before_evict(seq, leaf.end, leaf.path())
+                except Exception:  # noqa: BLE001 - a host copy failing loses only that copy
+                    pass
             if self._op.on_event is not None:
                 self._op.events.append(PrefixEvent("evicted", leaf.path(), leaf.n_tokens))
             before = cache.free_cells

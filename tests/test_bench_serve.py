@@ -101,3 +101,33 @@ def test_no_check_says_the_figures_do_not_count(tmp_path):
         [*QUICK, "--no-check", "--skip", "off,staggered,hf-batch,hf-static", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["agreement"]["passed"] is None and "do not count" in res["agreement"]["summary"]
+
+
+def test_a_chat_that_does_not_fit_reads_its_histories_once_with_the_prefix_level(tmp_path):
+    """--capacity-share below 1: the histories do not fit; with --spill-prefixes the prompt
+    tokens computed come down to the ideal (every history read once)."""
+    bs = load_tool("bench_serve")
+    runs = {}
+    for name, extra in (("plain", []), ("l2", ["--spill-gib", "1", "--spill-prefixes"])):
+        out = tmp_path / f"{name}.json"
+        assert bs.main(["--device", "cpu", "--model", "llama-tiny", "--workload", "chat", "--requests", "8",
+                        "--turns", "3", "--new-tokens", "16", "--capacity-share", "0.2", "--skip", "off",
+                        *extra, "--json", str(out)]) == 0
+        runs[name] = json.loads(out.read_text())
+    ideal = runs["l2"]["workload"]["ideal_computed"]
+    assert runs["l2"]["benchmark"] == "serve-chat-llama-tiny-small-l2-cpu"
+    assert runs["plain"]["cellcache"]["computed_tokens"] > 1.5 * ideal
+    assert runs["l2"]["cellcache"]["computed_tokens"] <= 1.2 * ideal
+    assert runs["l2"]["agreement"]["passed"] is True
+
+
+def test_bad_capacity_and_spill_usage_exits_2_with_one_line(capsys):
+    import pytest
+
+    bs = load_tool("bench_serve")
+    for argv, says in ((["--capacity-share", "0"], "--capacity-share"), (["--spill-gib", "-1"], "--spill-gib"),
+                       (["--spill-prefixes"], "give --spill-gib")):
+        with pytest.raises(SystemExit) as e:
+            bs.main([*QUICK, *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and says in err

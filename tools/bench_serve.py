@@ -133,7 +133,9 @@ def make_gen(model, w: dict, prefix: bool, capacity: int, max_seqs: int):
     gen = Generator(model, capacity=capacity, max_batch_tokens=w["max_batch_tokens"],
                     max_seqs=max_seqs, prefill_chunk=w["prefill_chunk"], eos=[],
                     prefix_cache=prefix, async_steps=w.get("async_steps"),
-                    compile=w.get("compile", False), attention=w.get("attention", "auto"))
+                    compile=w.get("compile", False), attention=w.get("attention", "auto"),
+                    spill_bytes=w.get("spill_bytes", 0),
+                    spill_prefixes=bool(w.get("spill_prefixes")) and prefix)
     gen.warmup()                    # the decode graphs, captured before the clock starts
     return gen
 
@@ -1063,6 +1065,10 @@ def result_name(args, world: int | None = None) -> str:
             parts.append("poisson")
         if args.model != DEFAULT_MODEL:
             parts.append(args.model)
+        if args.capacity_share < 1:
+            parts.append("small")
+        if args.spill_prefixes:
+            parts.append("l2")
     if args.device != "cuda":
         parts.append(args.device)
     if args.quick:
@@ -1149,6 +1155,13 @@ def main(argv=None) -> int:
     p.add_argument("--attention", choices=["auto", "flashinfer"], default="auto",
                    help="attention kernels (Generator(attention=)): auto, cellcache's own "
                         "(default); flashinfer, FlashInfer's over the same paged view (eager steps)")
+    p.add_argument("--capacity-share", type=float, default=1.0,
+                   help="the cache's cells as a share of what holds the whole workload (default 1; "
+                        "below 1 the histories do not fit: evictions, preemptions)")
+    p.add_argument("--spill-gib", type=float, default=0.0,
+                   help="host memory for the host tier, GiB (Generator(spill_bytes=); default 0: off)")
+    p.add_argument("--spill-prefixes", action="store_true",
+                   help="the prefix cache's evictions go to the host tier too (needs --spill-gib)")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
     p.add_argument("--json", type=Path, default=None,
                    help="where to write the JSON (default: its canonical file, benchmarks/results/"
@@ -1176,6 +1189,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.profile_steps and args.tp is None and args.workload == "chat":
         p.error("--profile-steps profiles the default and shared workloads (not chat)")
+    if not 0 < args.capacity_share <= 1:
+        p.error(f"--capacity-share {args.capacity_share} is outside (0, 1]")
+    if not 0 <= args.spill_gib <= 4096:
+        p.error(f"--spill-gib {args.spill_gib} is outside [0, 4096]")
+    if args.spill_prefixes and not args.spill_gib:
+        p.error("--spill-prefixes keeps evicted prefixes in the host tier: give --spill-gib")
     if args.tp is not None:
         if args.compile:
             p.error("--compile is measured in one process (without --tp)")
@@ -1203,6 +1222,8 @@ def main(argv=None) -> int:
         if getattr(args, key) is not None:
             w[key] = getattr(args, key)
     w["async_steps"] = {"auto": None, "on": True, "off": False}[args.async_steps]
+    w["spill_bytes"] = int(args.spill_gib * (1 << 30))
+    w["spill_prefixes"] = bool(args.spill_prefixes)
     w["compile"] = bool(args.compile)
     w["attention"] = args.attention
     skip = set(filter(None, args.skip.split(",")))
@@ -1224,7 +1245,7 @@ def main(argv=None) -> int:
         capacity = n * (longest + new) + 4096
     else:
         capacity = n * (w["shared_len"] + w["prompt_len"] + new) + 4096
-    capacity = max(capacity, w["max_batch_tokens"])
+    capacity = max(int(capacity * args.capacity_share), w["max_batch_tokens"])
     words = ["python3", "tools/bench_serve.py", *(argv if argv is not None else sys.argv[1:])]
     res: dict = {**run_record(result_name(args), words, device),
                  "workload": {"name": name, "model": args.model, "device": device, **w,

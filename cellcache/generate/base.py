@@ -52,7 +52,7 @@ ADMISSION_POLICIES = ("fifo", "lpm")
 #: Stats counters (every key starts at 0).
 STATS = ("steps", "tokens_in", "tokens_out", "preempted", "forks", "drafted", "accepted",
          "graph_steps", "prompt_tokens", "cached_tokens", "computed_tokens", "spilled",
-         "restored_tokens")
+         "restored_tokens", "l2_found")
 
 _SIGINT = int(signal.SIGINT)
 
@@ -421,6 +421,9 @@ class BaseScheduler:
                     break
                 sid, hit = kv_.obtain(w, arr, hit)
                 restored = 0
+                if sid is not None and w.spill is None and kv_.l2 is not None:
+                    w.spill = kv_.l2.find(arr, hit)   # a longer prefix the prefix cache evicted
+                    self.stats["l2_found"] += w.spill is not None
                 if sid is not None and w.spill is not None:   # preempted, its K/V on the host
                     r = w.spill.length - hit
                     if r <= 0 or (r + 1 > min(cells, kv - hit) and idle and not admitted):

@@ -63,7 +63,7 @@ from .scheduler import (
     read_clock,
 )
 from .sleep import OffloadedWeights, offload_weights
-from .spill import Spiller
+from .spill import PrefixTier, Spiller
 
 __all__ = ["Generator"]
 
@@ -157,6 +157,11 @@ class Generator:
     head) scales set at each layer's first write (:attr:`cellcache.CacheConfig.kv_dtype`;
     half the memory a cell takes, so twice the cells in a capacity's bytes); with a
     ``cache`` given it must be None or the cache's own.
+    ``spill_prefixes`` (default False; needs ``spill_bytes`` and the prefix cache): prefixes
+    the prefix cache evicts are copied into the same host budget first, and an admission
+    whose prompt starts with a longer one than the prefix cache holds gets it back instead
+    of reading it (:class:`cellcache.generate.spill.PrefixTier`: an L2; stats
+    ``"l2_found"``).
     ``spill_bytes`` (default 0: off): host memory (pinned on CUDA) that keeps a preempted
     sequence's K/V (:mod:`cellcache.generate.spill`): it is copied back when the sequence is
     admitted again instead of recomputed (``stats["spilled"]``, ``stats["restored_tokens"]``);
@@ -220,12 +225,19 @@ class Generator:
                  tp: bool | int | None = None, async_steps: bool | None = None,
                  compile: bool | Mapping[str, Any] = False, mixed_buckets: list[int] | None = None,
                  attention: str = "auto", deterministic: bool = False, tokenizer: Any = None,
-                 spill_bytes: int = 0, kv_dtype: str | None = None):
+                 spill_bytes: int = 0, spill_prefixes: bool = False, kv_dtype: str | None = None):
         check_options(compile, attention)    # refused before anything is built or switched
         check_tokenizer(tokenizer)
         if not isinstance(deterministic, (bool, np.bool_)):
             raise InvalidArgument(f"deterministic of type {type(deterministic).__name__} is not a bool")
         spill_bytes = check_int(spill_bytes, "spill_bytes", 0)
+        if not isinstance(spill_prefixes, (bool, np.bool_)):
+            raise InvalidArgument(f"spill_prefixes of type {type(spill_prefixes).__name__} is not a bool")
+        if spill_prefixes and not spill_bytes:
+            raise InvalidArgument("spill_prefixes=True keeps evicted prefixes in the host tier: give "
+                                  "it spill_bytes")
+        if spill_prefixes and prefix_cache is False:
+            raise InvalidArgument("spill_prefixes=True needs the prefix cache (prefix_cache=False given)")
         max_batch_tokens, prefill_chunk, reserve, eos_ids = settings(
             model, capacity, max_batch_tokens, prefill_chunk, reserve, clock, eos, async_steps)
         checked = serving(tp, cache, admission, prefix_cache, max_seqs)
@@ -268,6 +280,9 @@ class Generator:
                                    max_running=checked.max_seqs if checked.cache is None else None)
         if spill_bytes:                       # preempted sequences' K/V kept on the host
             self.scheduler.kv.spiller = Spiller(cache, self.runner.view, spill_bytes)
+            if spill_prefixes and self.prefix is not None:   # and the prefixes evicted
+                self.scheduler.kv.l2 = PrefixTier(self.scheduler.kv.spiller)
+                self.prefix.before_evict = self.scheduler.kv.l2.store
         #: Draws every token of a step on the model's device (one host copy a step).
         self.sampler = Sampler(self.runner.device)
         # the requests not finished yet, by id, in the order added (a finished one is let
@@ -690,6 +705,8 @@ class Generator:
                 local = self.cache.local if isinstance(self.cache, TPCache) else self.cache
                 if self.prefix is not None:          # (its K/V is not kept: emptied first)
                     self.prefix.clear()
+                if self.scheduler.kv.l2 is not None:   # nor its host level's
+                    self.scheduler.kv.l2.clear()
                 local.sleep()                        # refused: nothing else has changed
                 if level == 2:
                     try:
@@ -738,6 +755,8 @@ class Generator:
         try:
             with self._state_lock:
                 self._idle("reset_prefix_cache()")
+                if self.scheduler.kv.l2 is not None:
+                    self.scheduler.kv.l2.clear()
                 return self.prefix.clear() if self.prefix is not None else 0
         finally:
             self._step_lock.release()

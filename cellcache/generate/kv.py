@@ -52,6 +52,8 @@ class KVManager:
         #: Keeps preempted sequences' K/V in host memory (a generate.spill.Spiller), or None:
         #: they are read again.
         self.spiller: Any = None
+        #: The prefix cache's host level (a generate.spill.PrefixTier over the spiller), or None.
+        self.l2: Any = None
 
     # -- what the cache holds ------------------------------------------------------------------
     @property
@@ -159,6 +161,9 @@ class KVManager:
         sp = self.spiller
         if sp is not None and s.sid is not None and s.in_cache > 0:
             s.spill = sp.take(s.sid, s.in_cache)
+            # evicted prefixes make room for a preempted sequence, never the other way
+            while s.spill is None and self.l2 is not None and self.l2.drop_oldest():
+                s.spill = sp.take(s.sid, s.in_cache)
 
     def restore(self, s: Seq, sid: int, start: int) -> int:
         """Places s's spilled positions past ``start`` (``sid`` holds ``[0, start)``); returns

@@ -28,7 +28,7 @@ from ..errors import OutOfMemory
 from ..seqstate import cells_by_position, place_positions
 from ..torch import TorchView
 
-__all__ = ["Spill", "Spiller"]
+__all__ = ["PrefixTier", "Spill", "Spiller"]
 
 
 class PinnedArena:
@@ -223,3 +223,78 @@ class Spiller:
             self.drop(spill)
         self.stats["restored_tokens"] += spill.length - start
         self.stats["restore_s"] += time.perf_counter() - t
+
+
+class PrefixTier:
+    """The prefix cache's second level in host memory: a prefix it evicts is copied to the
+    host through ``spiller`` (its budget, shared with preempted sequences) just before its
+    cells are freed (``PrefixCache.before_evict``), and an admission whose prompt starts with
+    a kept prefix longer than the prefix cache's hit gets it back (``find``: the spill then
+    restores like a preempted sequence's, past the hit). A prefix found leaves the tier (the
+    prefix cache stores it again when its request ends). When the budget is full, the
+    least recently stored prefixes go first; preempted sequences' copies are never dropped
+    for them. ``stats``: ``stored`` (prefixes kept), ``stored_tokens``, ``found``
+    (admissions served), ``dropped`` (let go for room or by ``clear``)."""
+
+    def __init__(self, spiller: Spiller):
+        self.spiller = spiller
+        self.entries: dict[bytes, Spill] = {}           # insertion order: least recent first
+        self.lengths: dict[int, int] = {}               # prefix length -> entries of it
+        self.stats: dict[str, int] = dict.fromkeys(("stored", "stored_tokens", "found", "dropped"), 0)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _forget(self, key: bytes) -> Spill:
+        spill = self.entries.pop(key)
+        n = self.lengths[spill.length] - 1
+        if n:
+            self.lengths[spill.length] = n
+        else:
+            del self.lengths[spill.length]
+        return spill
+
+    def store(self, seq: int, length: int, tokens: np.ndarray) -> None:
+        """A copy of positions ``[0, length)`` of ``seq`` (prefix ``tokens``), if the budget
+        holds it once older prefixes made room (the eviction hook)."""
+        key = np.ascontiguousarray(tokens[:length], dtype=np.int32).tobytes()
+        if length < 1 or key in self.entries:
+            return
+        spill = self.spiller.take(seq, length)
+        while spill is None and self.entries:
+            self.spiller.drop(self._forget(next(iter(self.entries))))
+            self.stats["dropped"] += 1
+            spill = self.spiller.take(seq, length)
+        if spill is None:
+            return
+        self.entries[key] = spill
+        self.lengths[length] = self.lengths.get(length, 0) + 1
+        self.stats["stored"] += 1
+        self.stats["stored_tokens"] += length
+
+    def find(self, tokens: np.ndarray, hit: int) -> Spill | None:
+        """The longest kept prefix of ``tokens`` longer than ``hit`` and shorter than the
+        prompt (its last token is fed), taken out of the tier; None when none is."""
+        arr = np.ascontiguousarray(tokens, dtype=np.int32)
+        for n in sorted(self.lengths, reverse=True):
+            if hit < n < len(arr):
+                key = arr[:n].tobytes()
+                if key in self.entries:
+                    self.stats["found"] += 1
+                    return self._forget(key)
+        return None
+
+    def drop_oldest(self) -> bool:
+        """Lets the least recently stored prefix go (room for a preempted sequence); False
+        when none is kept."""
+        if not self.entries:
+            return False
+        self.spiller.drop(self._forget(next(iter(self.entries))))
+        self.stats["dropped"] += 1
+        return True
+
+    def clear(self) -> None:
+        """Lets every kept prefix go (the weights changed, or the model sleeps)."""
+        for key in list(self.entries):
+            self.spiller.drop(self._forget(key))
+            self.stats["dropped"] += 1

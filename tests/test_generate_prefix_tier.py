@@ -1,0 +1,108 @@
+"""The prefix cache's host level (Generator(spill_prefixes=True)): conversations whose
+histories do not fit the cache come back from host memory at their next turn, with the same
+tokens as reading them again and fewer tokens computed; the budget is kept; a reset lets the
+kept prefixes go; bad combinations are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from cellcache import InvalidArgument  # noqa: E402
+from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
+
+N_CONV = 8
+
+
+@pytest.fixture(scope="module", params=["llama-tiny", "tiny"])   # tiny: sliding windows
+def model(request):
+    return random_model(request.param, seed=5)
+
+
+def chat(model, **kw):
+    """Two turns of N_CONV conversations in a cache that holds about three histories: every
+    first turn, then every second turn (history + the answer + a new message)."""
+    gen = Generator(model, capacity=320, max_seqs=4, eos=[], **kw)
+    rng = np.random.default_rng(0)
+    firsts = [rng.integers(1, 500, size=60).tolist() for _ in range(N_CONV)]
+    outs = []
+    for turn in range(2):
+        prompts = firsts if turn == 0 else [p + o + rng.integers(1, 500, size=8).tolist()
+                                            for p, o in zip(firsts, outs[0])]
+        reqs = []
+        for p in prompts:                 # one conversation at a time: the others get evicted
+            reqs.append(gen.add(p, Sampling(max_new_tokens=12)))
+            gen.run()
+        outs.append([r.outputs[0] for r in reqs])
+    gen.cache.check_invariants()
+    return outs, gen
+
+
+def test_evicted_histories_come_back_from_the_host_with_the_same_tokens(model):
+    ref, rgen = chat(model)
+    out, gen = chat(model, spill_bytes=1 << 30, spill_prefixes=True)
+    assert out == ref
+    st, rst = gen.stats, rgen.stats
+    tier = gen.scheduler.kv.l2
+    assert tier.stats["stored"] > 0 and st["l2_found"] >= N_CONV // 2
+    assert st["restored_tokens"] > 0 and rgen.stats["restored_tokens"] == 0
+    assert st["computed_tokens"] == rst["computed_tokens"] - st["restored_tokens"]
+    assert st["computed_tokens"] < 0.8 * rst["computed_tokens"]
+    sp = gen.scheduler.kv.spiller
+    assert sp.held == sum(s.nbytes for s in tier.entries.values())
+
+
+def test_a_small_budget_keeps_the_most_recent_prefixes_within_it(model):
+    ref, _ = chat(model)
+    out, gen = chat(model, spill_bytes=60_000, spill_prefixes=True)
+    assert out == ref
+    tier, sp = gen.scheduler.kv.l2, gen.scheduler.kv.spiller
+    assert sp.held <= sp.budget and tier.stats["dropped"] > 0
+    assert sp.held == sum(s.nbytes for s in tier.entries.values())
+
+
+def test_reset_and_sleep_let_the_kept_prefixes_go(model):
+    _, gen = chat(model, spill_bytes=1 << 30, spill_prefixes=True)
+    tier, sp = gen.scheduler.kv.l2, gen.scheduler.kv.spiller
+    assert len(tier) > 0 and sp.held > 0
+    gen.reset_prefix_cache()
+    assert len(tier) == 0 and sp.held == 0 and not tier.lengths
+
+
+@pytest.mark.parametrize("kw,says", [
+    ({"spill_prefixes": True}, "give it spill_bytes"),
+    ({"spill_prefixes": True, "spill_bytes": 1 << 20, "prefix_cache": False}, "needs the prefix cache"),
+    ({"spill_prefixes": 1, "spill_bytes": 1 << 20}, "spill_prefixes of type int is not a bool"),
+])
+def test_bad_combinations_are_refused(model, kw, says):
+    with pytest.raises(InvalidArgument, match=says):
+        Generator(model, capacity=320, **kw)
+
+
+def test_before_evict_sees_the_prefix_with_its_cells_and_cannot_stop_the_eviction():
+    import cellcache as cc
+
+    cache = cc.build("host", "batched", cc.CacheConfig(capacity=64, layers=[cc.LayerConfig(1, 8)],
+                                                       max_write=16, mask_format="none"))
+    prefix = cc.PrefixCache(cache)
+    seen = []
+
+    def hook(seq, length, tokens):
+        seen.append((cache.pos(seq), length, tokens.tolist(), cache.free_cells))
+        raise RuntimeError("a copy failing")
+
+    prefix.before_evict = hook
+    s = cache.seq_new()
+    prompt = [5, 6, 7, 8, 9]
+    cache.declare_step([s] * len(prompt))
+    cache.prepare_step()
+    cache.commit_step()
+    prefix.insert(s, prompt)
+    cache.seq_rm(s)                                   # the prefix cache's own copy holds the cells
+    free = cache.free_cells
+    assert prefix.evict(n_cells=1) == 5
+    assert seen == [(5, 5, prompt, free)]          # called while the cells were still held
+    assert cache.free_cells == free + 5 and prefix.peek(prompt) == 0
