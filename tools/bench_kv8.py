@@ -55,26 +55,10 @@ CASES = (
 )
 
 
-def _timed(fn, reps: int) -> float:
-    """Median device milliseconds of fn() by CUDA events."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def attention_case(name: str, n_seq: int, hist: int, new: int, H: int, Hkv: int, D: int,
                    reps: int, rng) -> dict:
     import torch
+    from bench_gpu import _timed  # (imports the CUDA backend: here, not at the top)
 
     import cellcache.torch as cct
     from cellcache import CacheConfig, LayerConfig
