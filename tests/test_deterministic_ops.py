@@ -247,6 +247,7 @@ def test_tensor_core_choice_takes_split_0_as_never_split():
     tc = pytest.importorskip("cellcache.cuda.tc")
     kern = tc.TensorCoreAttention.__new__(tc.TensorCoreAttention)
     kern.variants = {d: {c.variant: {} for (dd, _), c in tc.TABLE.items() if dd == d} for d in tc.HEAD_DIMS}
+    kern.table = tc.TABLE                          # (16-bit pools' table, as __init__ sets it)
     for decode in (False, True):
         base = tc.TABLE[64, "decode" if decode else "prefill"]
         assert kern.choose(64, decode, split=0) == tc.Choice(base.variant, 0, base.order)
