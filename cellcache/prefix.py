@@ -668,6 +668,7 @@ class PrefixCache:
         freed = ids = 0
         tree = self._tree
         root = tree.root
+        adopted_here: set[int] = set()      # parents that took a leaf's sequence in this call
         while order and (freed < n_cells or ids < n_ids):
             leaf = order.pop()
             seq = leaf.seq
@@ -677,7 +678,8 @@ class PrefixCache:
                 break
             if leaf.pins:                   # pinned above its end: the tail below goes alone
                 tree.split(leaf, max(leaf.pins))
-            if self.before_evict is not None:
+            # (a parent adopted in this call holds a prefix of what its leaf handed the hook)
+            if self.before_evict is not None and id(leaf) not in adopted_here:
                 try:
                     self.before_evict(seq, leaf.end, leaf.path())
                 except Exception:  # noqa: BLE001 - a host copy failing loses only that copy
@@ -697,6 +699,7 @@ class PrefixCache:
                 assert ok
                 parent.seq = seq
                 self._owned[seq] = parent
+                adopted_here.add(id(parent))
             else:
                 cache.seq_rm(seq)
                 ids += 1

@@ -125,8 +125,10 @@ def test_bad_capacity_and_spill_usage_exits_2_with_one_line(capsys):
     import pytest
 
     bs = load_tool("bench_serve")
-    for argv, says in ((["--capacity-share", "0"], "--capacity-share"), (["--spill-gib", "-1"], "--spill-gib"),
-                       (["--spill-prefixes"], "give --spill-gib")):
+    for argv, says in ((["--capacity-share", "0"], "--capacity-share"),
+                       (["--spill-gib", "-1"], "--spill-gib"),
+                       (["--spill-prefixes"], "give --spill-gib"),
+                       (["--tp", "2", "--spill-gib", "1"], "--tp runs take neither")):
         with pytest.raises(SystemExit) as e:
             bs.main([*QUICK, *argv])
         err = capsys.readouterr().err

@@ -22,9 +22,10 @@ def model(request):
     return random_model(request.param, seed=5)
 
 
-def chat(model, **kw):
+def chat(model, reverse=False, **kw):
     """Two turns of N_CONV conversations in a cache that holds about three histories: every
-    first turn, then every second turn (history + the answer + a new message)."""
+    first turn, then every second turn (history + the answer + a new message; ``reverse``:
+    the most recent conversation first)."""
     gen = Generator(model, capacity=320, max_seqs=4, eos=[], **kw)
     rng = np.random.default_rng(0)
     firsts = [rng.integers(1, 500, size=60).tolist() for _ in range(N_CONV)]
@@ -32,11 +33,12 @@ def chat(model, **kw):
     for turn in range(2):
         prompts = firsts if turn == 0 else [p + o + rng.integers(1, 500, size=8).tolist()
                                             for p, o in zip(firsts, outs[0])]
-        reqs = []
-        for p in prompts:                 # one conversation at a time: the others get evicted
-            reqs.append(gen.add(p, Sampling(max_new_tokens=12)))
+        order = list(range(N_CONV))[::-1] if reverse and turn else list(range(N_CONV))
+        reqs = {}
+        for i in order:                   # one conversation at a time: the others get evicted
+            reqs[i] = gen.add(prompts[i], Sampling(max_new_tokens=12))
             gen.run()
-        outs.append([r.outputs[0] for r in reqs])
+        outs.append([reqs[i].outputs[0] for i in range(N_CONV)])
     gen.cache.check_invariants()
     return outs, gen
 
@@ -48,6 +50,8 @@ def test_evicted_histories_come_back_from_the_host_with_the_same_tokens(model):
     st, rst = gen.stats, rgen.stats
     tier = gen.scheduler.kv.l2
     assert tier.stats["stored"] > 0 and st["l2_found"] >= N_CONV // 2
+    # one copy an evicted history: not one more for each node an eviction walks up through
+    assert tier.stats["stored"] <= 2 * N_CONV
     assert st["restored_tokens"] > 0 and rgen.stats["restored_tokens"] == 0
     assert st["computed_tokens"] == rst["computed_tokens"] - st["restored_tokens"]
     assert st["computed_tokens"] < 0.8 * rst["computed_tokens"]
@@ -56,20 +60,50 @@ def test_evicted_histories_come_back_from_the_host_with_the_same_tokens(model):
 
 
 def test_a_small_budget_keeps_the_most_recent_prefixes_within_it(model):
-    ref, _ = chat(model)
-    out, gen = chat(model, spill_bytes=60_000, spill_prefixes=True)
+    ref, _ = chat(model, reverse=True)
+    _, big = chat(model, reverse=True, spill_bytes=1 << 30, spill_prefixes=True)
+    one = max(s.nbytes for s in big.scheduler.kv.l2.entries.values())
+    out, gen = chat(model, reverse=True, spill_bytes=3 * one, spill_prefixes=True)   # ~3 histories
     assert out == ref
     tier, sp = gen.scheduler.kv.l2, gen.scheduler.kv.spiller
     assert sp.held <= sp.budget and tier.stats["dropped"] > 0
-    assert sp.held == sum(s.nbytes for s in tier.entries.values())
+    assert sp.held == sum(s.nbytes for s in tier.entries.values()) == tier.nbytes
+    # the last conversations' histories were the most recent: some turns still found theirs
+    assert 0 < gen.stats["l2_found"] < big.stats["l2_found"]
 
 
-def test_reset_and_sleep_let_the_kept_prefixes_go(model):
+@pytest.mark.parametrize("how", ["reset", "sleep"])
+def test_reset_and_sleep_let_the_kept_prefixes_go(model, how):
     _, gen = chat(model, spill_bytes=1 << 30, spill_prefixes=True)
     tier, sp = gen.scheduler.kv.l2, gen.scheduler.kv.spiller
     assert len(tier) > 0 and sp.held > 0
-    gen.reset_prefix_cache()
-    assert len(tier) == 0 and sp.held == 0 and not tier.lengths
+    if how == "reset":
+        gen.reset_prefix_cache()
+    else:
+        gen.sleep(1)
+        gen.wake()
+    assert len(tier) == 0 and sp.held == 0 and not tier.lengths and tier.nbytes == 0
+
+
+def test_a_prompt_asking_for_its_log_probabilities_is_read_whole(model):
+    """A restored prefix has no prompt log-probabilities: such a prompt is read, never restored."""
+    def run(**kw):
+        gen = Generator(model, capacity=320, max_seqs=4, eos=[], **kw)
+        rng = np.random.default_rng(1)
+        firsts = [rng.integers(1, 500, size=60).tolist() for _ in range(N_CONV)]
+        for p in firsts:
+            gen.add(p, Sampling(max_new_tokens=4))
+            gen.run()
+        req = gen.add(firsts[0] + [7, 8, 9], Sampling(max_new_tokens=4, prompt_logprobs=0))
+        gen.run()
+        return req, gen
+
+    ref, _ = run()
+    req, gen = run(spill_bytes=1 << 30, spill_prefixes=True)
+    assert gen.scheduler.kv.l2.stats["stored"] > 0 and gen.stats["l2_found"] == 0
+    assert req.outputs == ref.outputs
+    got, want = req.prompt_logprobs, ref.prompt_logprobs
+    assert len(got) == len(want) == 63 and all(x is not None for x in got[1:])
 
 
 @pytest.mark.parametrize("kw,says", [

@@ -1067,8 +1067,8 @@ def result_name(args, world: int | None = None) -> str:
             parts.append(args.model)
         if args.capacity_share < 1:
             parts.append("small")
-        if args.spill_prefixes:
-            parts.append("l2")
+        if args.spill_gib:
+            parts.append("l2" if args.spill_prefixes else "spill")
     if args.device != "cuda":
         parts.append(args.device)
     if args.quick:
@@ -1195,6 +1195,8 @@ def main(argv=None) -> int:
         p.error(f"--spill-gib {args.spill_gib} is outside [0, 4096]")
     if args.spill_prefixes and not args.spill_gib:
         p.error("--spill-prefixes keeps evicted prefixes in the host tier: give --spill-gib")
+    if args.tp is not None and (args.spill_gib or args.capacity_share != 1):
+        p.error("--tp runs take neither --spill-gib nor --capacity-share")
     if args.tp is not None:
         if args.compile:
             p.error("--compile is measured in one process (without --tp)")

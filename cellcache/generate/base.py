@@ -399,8 +399,8 @@ class BaseScheduler:
                 L = len(arr)
                 # (a prompt whose log-probabilities are still missing is read whole: a hit's
                 # tokens are never computed)
-                hit = 0 if w.req.prompt_logprobs is not None and w.req.prompt_logprobs_missing() \
-                    else kv_.hit(arr)
+                whole = w.req.prompt_logprobs is not None and w.req.prompt_logprobs_missing()
+                hit = 0 if whole else kv_.hit(arr)
                 # a prompt being read shares more with w than the cache: w waits for it to be
                 # stored (only while something else runs in this step)
                 if rows and kv_.waits_for(arr, hit):
@@ -421,8 +421,10 @@ class BaseScheduler:
                     break
                 sid, hit = kv_.obtain(w, arr, hit)
                 restored = 0
-                if sid is not None and w.spill is None and kv_.l2 is not None:
-                    w.spill = kv_.l2.find(arr, hit)   # a longer prefix the prefix cache evicted
+                if sid is not None and w.spill is None and kv_.l2 is not None and not whole:
+                    # a longer prefix the prefix cache evicted, if it can be placed now (a
+                    # fresh request never waits for room for one)
+                    w.spill = kv_.l2.find(arr, hit, hit + min(cells, kv - hit))
                     self.stats["l2_found"] += w.spill is not None
                 if sid is not None and w.spill is not None:   # preempted, its K/V on the host
                     r = w.spill.length - hit

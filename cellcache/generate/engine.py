@@ -171,9 +171,11 @@ class Generator:
     ``forks``, ``drafted``, ``accepted``, ``graph_steps``, and for prompts ``prompt_tokens``
     (each request's prompt, counted at its first admission), ``cached_tokens`` (tokens an
     admission found in the prefix cache) and ``computed_tokens`` (tokens fed as prompt
-    chunks, recomputes after preemption included): when every prompt is read once (no
-    preemption, no fork waiting for an id) ``prompt_tokens == cached_tokens +
-    computed_tokens``. :meth:`latency` summarizes time to first token and inter-token
+    chunks, recomputes after preemption included), ``restored_tokens`` (positions the host
+    tier placed instead: preempted sequences', prefixes the prefix cache evicted) and
+    ``l2_found`` (admissions served by the prefix cache's host level): when every prompt is
+    read once (no preemption, no fork waiting for an id) ``prompt_tokens == cached_tokens +
+    restored_tokens + computed_tokens``. :meth:`latency` summarizes time to first token and inter-token
     latency.
 
     ``async_steps`` (default: on when the model runs on CUDA with graphs; False keeps every

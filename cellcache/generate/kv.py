@@ -160,10 +160,11 @@ class KVManager:
         on and its budget holds it (s.spill; None otherwise)."""
         sp = self.spiller
         if sp is not None and s.sid is not None and s.in_cache > 0:
+            # evicted prefixes make room for a preempted sequence, never the other way (and
+            # only when that makes room: a copy failing for another reason keeps them)
+            if self.l2 is not None:
+                self.l2.make_room(sp.bytes_for(s.in_cache))
             s.spill = sp.take(s.sid, s.in_cache)
-            # evicted prefixes make room for a preempted sequence, never the other way
-            while s.spill is None and self.l2 is not None and self.l2.drop_oldest():
-                s.spill = sp.take(s.sid, s.in_cache)
 
     def restore(self, s: Seq, sid: int, start: int) -> int:
         """Places s's spilled positions past ``start`` (``sid`` holds ``[0, start)``); returns

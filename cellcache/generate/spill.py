@@ -18,6 +18,7 @@ cache's own order need nothing else: preemption is the rare path.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,6 +106,7 @@ class Spiller:
     def __init__(self, cache: CellCache, view: TorchView, budget: int):
         self.cache, self.view, self.budget = cache, view, budget
         self.held = 0
+        self._lock = threading.Lock()     # held and the arena: the prefix level's hook may copy
         self.arena = PinnedArena(budget) if view.cuda else None
         self.stats: dict[str, float] = dict.fromkeys(
             ("spilled", "spilled_tokens", "restored_tokens", "spill_s", "restore_s",
@@ -133,6 +135,10 @@ class Spiller:
             off += size
         return out
 
+    def bytes_for(self, length: int) -> int:
+        """The host bytes a copy of ``length`` positions takes at most."""
+        return length * sum(p[0].numel() * p.element_size() for p in self._pools())
+
     def take(self, sid: int, length: int) -> Spill | None:
         """A host copy of positions ``[0, length)`` of sequence ``sid`` (the forwards that
         wrote them queued already), or None when it does not fit the budget left."""
@@ -142,18 +148,21 @@ class Spiller:
         pools = self._pools()
         n = len(cells)
         nbytes = n * sum(p[0].numel() * p.element_size() for p in pools)
-        if not n or self.held + nbytes > self.budget:
-            return None
-        t = time.perf_counter()
-        self._sync()                                  # the forwards that wrote the rows
-        cuda = self.view.cuda
         where = None
-        try:
-            index = torch.from_numpy(cells).to(pools[0].device)
+        with self._lock:                              # the budget (and the arena) held first
+            if not n or self.held + nbytes > self.budget:
+                return None
             if self.arena is not None:
                 where = self.arena.alloc(nbytes)
                 if where is None:
                     return None
+            self.held += nbytes
+        t = time.perf_counter()
+        self._sync()                                  # the forwards that wrote the rows
+        cuda = self.view.cuda
+        try:
+            index = torch.from_numpy(cells).to(pools[0].device)
+            if where is not None and self.arena is not None:
                 host = self.arena.slabs[where[0]][where[1]:where[1] + nbytes]
             else:
                 host = torch.empty(nbytes, dtype=torch.uint8)
@@ -164,10 +173,11 @@ class Spiller:
                 host.copy_(stage, non_blocking=True)
                 self._sync()
         except (torch.OutOfMemoryError, RuntimeError):
-            if where is not None and self.arena is not None:
-                self.arena.release(*where, nbytes)
+            with self._lock:
+                self.held -= nbytes
+                if where is not None and self.arena is not None:
+                    self.arena.release(*where, nbytes)
             return None                               # no room to stage or pin: read it again
-        self.held += nbytes
         st = self.stats
         st["spilled"] += 1
         st["spilled_tokens"] += n
@@ -177,11 +187,12 @@ class Spiller:
 
     def drop(self, spill: Spill) -> None:
         """Gives a spill's host memory back to the budget."""
-        if spill.host is not None:
-            self.held -= spill.nbytes
-            spill.host = None
-            if spill.where is not None and self.arena is not None:
-                self.arena.release(*spill.where, spill.nbytes)
+        with self._lock:
+            if spill.host is not None:
+                self.held -= spill.nbytes
+                spill.host = None
+                if spill.where is not None and self.arena is not None:
+                    self.arena.release(*spill.where, spill.nbytes)
 
     def give(self, spill: Spill, sid: int, start: int) -> None:
         """Places positions ``[start, spill.length)`` of ``sid`` (which holds ``[0, start)``)
@@ -232,14 +243,18 @@ class PrefixTier:
     a kept prefix longer than the prefix cache's hit gets it back (``find``: the spill then
     restores like a preempted sequence's, past the hit). A prefix found leaves the tier (the
     prefix cache stores it again when its request ends). When the budget is full, the
-    least recently stored prefixes go first; preempted sequences' copies are never dropped
-    for them. ``stats``: ``stored`` (prefixes kept), ``stored_tokens``, ``found``
-    (admissions served), ``dropped`` (let go for room or by ``clear``)."""
+    least recently stored prefixes go first, and only when that makes room; preempted
+    sequences' copies are never dropped for them. ``stats``: ``stored`` (prefixes kept),
+    ``stored_tokens``, ``found`` (admissions served), ``dropped`` (let go for room or by
+    ``clear``). A lock orders the hook (which runs on whatever thread evicts) against the
+    engine's finds."""
 
     def __init__(self, spiller: Spiller):
         self.spiller = spiller
         self.entries: dict[bytes, Spill] = {}           # insertion order: least recent first
         self.lengths: dict[int, int] = {}               # prefix length -> entries of it
+        self.nbytes = 0                                 # host bytes the entries hold
+        self.lock = threading.RLock()
         self.stats: dict[str, int] = dict.fromkeys(("stored", "stored_tokens", "found", "dropped"), 0)
 
     def __len__(self) -> int:
@@ -252,49 +267,70 @@ class PrefixTier:
             self.lengths[spill.length] = n
         else:
             del self.lengths[spill.length]
+        self.nbytes -= spill.nbytes
         return spill
+
+    def _drop_first(self) -> None:
+        self.spiller.drop(self._forget(next(iter(self.entries))))
+        self.stats["dropped"] += 1
+
+    def make_room(self, nbytes: int) -> bool:
+        """Drops the least recent prefixes until ``nbytes`` more fit the budget; False (nothing
+        dropped) when they would not fit even with every prefix gone."""
+        with self.lock:
+            sp = self.spiller
+            if sp.held - self.nbytes + nbytes > sp.budget:
+                return False
+            while self.entries and sp.held + nbytes > sp.budget:
+                self._drop_first()
+            return sp.held + nbytes <= sp.budget
 
     def store(self, seq: int, length: int, tokens: np.ndarray) -> None:
         """A copy of positions ``[0, length)`` of ``seq`` (prefix ``tokens``), if the budget
         holds it once older prefixes made room (the eviction hook)."""
         key = np.ascontiguousarray(tokens[:length], dtype=np.int32).tobytes()
-        if length < 1 or key in self.entries:
-            return
-        spill = self.spiller.take(seq, length)
-        while spill is None and self.entries:
-            self.spiller.drop(self._forget(next(iter(self.entries))))
-            self.stats["dropped"] += 1
+        with self.lock:
+            if length < 1:
+                return
+            if key in self.entries:                     # kept already: now the most recent
+                self.entries[key] = self.entries.pop(key)
+                return
+            if not self.make_room(self.spiller.bytes_for(length)):
+                return
             spill = self.spiller.take(seq, length)
-        if spill is None:
-            return
-        self.entries[key] = spill
-        self.lengths[length] = self.lengths.get(length, 0) + 1
-        self.stats["stored"] += 1
-        self.stats["stored_tokens"] += length
+            if spill is None:
+                return
+            self.entries[key] = spill
+            self.lengths[length] = self.lengths.get(length, 0) + 1
+            self.nbytes += spill.nbytes
+            self.stats["stored"] += 1
+            self.stats["stored_tokens"] += length
 
-    def find(self, tokens: np.ndarray, hit: int) -> Spill | None:
-        """The longest kept prefix of ``tokens`` longer than ``hit`` and shorter than the
-        prompt (its last token is fed), taken out of the tier; None when none is."""
+    def find(self, tokens: np.ndarray, hit: int, below: int | None = None) -> Spill | None:
+        """The longest kept prefix of ``tokens`` longer than ``hit``, shorter than the prompt
+        (its last token is fed) and than ``below``, taken out of the tier; None when none is."""
         arr = np.ascontiguousarray(tokens, dtype=np.int32)
-        for n in sorted(self.lengths, reverse=True):
-            if hit < n < len(arr):
-                key = arr[:n].tobytes()
-                if key in self.entries:
-                    self.stats["found"] += 1
-                    return self._forget(key)
+        top = len(arr) if below is None else min(len(arr), below)
+        with self.lock:
+            for n in sorted(self.lengths, reverse=True):
+                if hit < n < top:
+                    key = arr[:n].tobytes()
+                    if key in self.entries:
+                        self.stats["found"] += 1
+                        return self._forget(key)
         return None
 
     def drop_oldest(self) -> bool:
         """Lets the least recently stored prefix go (room for a preempted sequence); False
         when none is kept."""
-        if not self.entries:
-            return False
-        self.spiller.drop(self._forget(next(iter(self.entries))))
-        self.stats["dropped"] += 1
-        return True
+        with self.lock:
+            if not self.entries:
+                return False
+            self._drop_first()
+            return True
 
     def clear(self) -> None:
         """Lets every kept prefix go (the weights changed, or the model sleeps)."""
-        for key in list(self.entries):
-            self.spiller.drop(self._forget(key))
-            self.stats["dropped"] += 1
+        with self.lock:
+            while self.entries:
+                self._drop_first()
