@@ -202,7 +202,8 @@ def test_the_tools_name_their_results_after_the_benchmark():
         "table", "gpu-masks", "gpu-all", "attention"]
     name = load_tool("bench_serve").result_name
     plain = dict(workload="default", compile=False, attention="auto", arrival="staggered",
-                 model="qwen2-0.5b", device="cuda", quick=False)
+                 model="qwen2-0.5b", device="cuda", quick=False, capacity_share=1.0, spill_gib=0.0,
+                 spill_prefixes=False)
     assert name(SimpleNamespace(**plain)) == "serve-default"
     assert name(SimpleNamespace(**{**plain, "arrival": "none"})) == "serve-default"
     assert name(SimpleNamespace(**{**plain, "compile": True})) == "serve-default-compile"
@@ -212,6 +213,9 @@ def test_the_tools_name_their_results_after_the_benchmark():
     assert name(SimpleNamespace(**{**plain, "model": "tiny", "device": "cpu", "quick": True})) == \
         "serve-default-tiny-cpu-quick"                   # a smoke run never lands on a GPU result
     assert name(SimpleNamespace(**{**plain, "model": "qwen2-7b"}), world=2) == "serve-tp2-qwen2-7b"
+    chat = {**plain, "workload": "chat", "capacity_share": 0.25, "spill_gib": 8.0}
+    assert name(SimpleNamespace(**chat)) == "serve-chat-small-spill"
+    assert name(SimpleNamespace(**{**chat, "spill_prefixes": True})) == "serve-chat-small-l2"
     # every file kept here is one the tools would write under the same name
     kept = {p.stem for p in RESULTS.glob("*.json")}
     assert {"serve-default", "serve-default-compile", "gpu-masks", "attention"} <= kept
