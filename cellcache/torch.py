@@ -908,10 +908,14 @@ class AttentionPlan:
 
     def _flashinfer_run(self, layer, q, k_pool, v_pool, window, scale):
         """FlashInfer's paged prefill, its wrapper planned once per step for each distinct
-        (window, heads, head_dim, scale) from the step's host indptrs."""
+        (window, heads, head_dim, scale) from the step's host indptrs. 8-bit pools go through
+        its bf16/fp16-query, e4m3-K/V kernels with the layer's per-kv-head scales folded in
+        as its own scalar k_scale/v_scale are (q times K's scale before, the output times
+        V's after: FlashInfer takes one scale a call, cellcache keeps one a kv head)."""
         view, step = self.view, self.step
         lc = view.config.layers[layer]
         T, H, D = q.shape
+        q_dtype = _TORCH_DTYPES[view.config.dtype]
         key = (window, H, lc.n_kv_heads, D, scale)
         wrapper = self._flashinfer.get(key)
         if wrapper is None:
@@ -924,9 +928,15 @@ class AttentionPlan:
                          torch.as_tensor(step.kv_indptr, device=dev),
                          view.paged["kv_indices"], view.paged["kv_last_page_len"][:n],
                          H, lc.n_kv_heads, D, 1, causal=True, window_left=window - 1 if window else -1,
-                         sm_scale=scale, q_data_type=k_pool.dtype, kv_data_type=k_pool.dtype)
+                         sm_scale=scale, q_data_type=q_dtype, kv_data_type=k_pool.dtype)
             self._flashinfer[key] = wrapper
-        return wrapper.run(q.to(k_pool.dtype).contiguous(), (k_pool[:, None], v_pool[:, None]))
+        scales = view.kv_scales(layer)
+        if scales is None:
+            return wrapper.run(q.to(q_dtype).contiguous(), (k_pool[:, None], v_pool[:, None]))
+        per_q = scales.repeat_interleave(H // lc.n_kv_heads, dim=1)[:, None, :, None]   # [2, 1, H, 1]
+        qs = (q.float() * per_q[0]).to(q_dtype).contiguous()
+        out = wrapper.run(qs, (k_pool[:, None], v_pool[:, None]))
+        return (out.float() * per_q[1]).to(q_dtype)
 
 
 def _announce(view: TorchView, layer: int, dtype: str, head_dim: int, group: int, path: str) -> None:
@@ -978,9 +988,9 @@ def _check_backend(view: TorchView, backend: str, step: Step) -> None:
     paged_cuda = view.cuda and cfg.paged
     if backend not in BACKENDS:
         raise InvalidArgument(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
-    if cfg.kv8 and backend in ("paged", "prefill", "flashinfer", "invariant"):
+    if cfg.kv8 and backend in ("paged", "prefill", "invariant"):
         raise InvalidArgument(f"backend {backend!r} does not read 8-bit K/V pools ({cfg.kv_dtype}): "
-                              "use 'auto', 'tc' or 'sdpa'")
+                              "use 'auto', 'tc', 'flashinfer' or 'sdpa'")
     kernel = backend in ("paged", "prefill", "tc", "flashinfer") or (backend == "invariant" and view.cuda)
     if kernel and not (paged_cuda and step.qo_indptr is not None):
         raise InvalidArgument(f"backend {backend!r} needs a CUDA cache built with paged=True")

@@ -66,6 +66,16 @@ def test_choose_path_order_and_its_refusal(no_tc):
             ck.choose_path(*args, have_flashinfer=fi)
 
 
+def test_choose_path_for_8bit_pools_skips_the_cuda_core_kernels(no_tc):
+    # they read 16-bit pools only: FlashInfer's e4m3 K/V kernels where they take the shape,
+    # else SDPA over the dequantized pools, else a refusal naming every path
+    assert ck.choose_path("bfloat16", 128, 4, have_flashinfer=True, kv8=True) == "flashinfer"
+    assert ck.choose_path("bfloat16", 128, 4, have_flashinfer=False, has_masks=True, kv8=True) == "sdpa"
+    assert ck.choose_path("bfloat16", 96, 4, have_flashinfer=True, has_masks=True, kv8=True) == "sdpa"
+    with pytest.raises(InvalidArgument, match="8-bit K/V at head_dim=96.*FlashInfer.*SDPA needs masks"):
+        ck.choose_path("bfloat16", 96, 4, have_flashinfer=True, kv8=True)
+
+
 def test_choose_path_takes_the_tensor_core_hook_first(monkeypatch):
     fake = types.SimpleNamespace(supports=lambda dtype, d, g: dtype != "float32" and d in (64, 128))
     monkeypatch.setattr(ck, "tensor_cores", lambda: fake)

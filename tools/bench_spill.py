@@ -116,14 +116,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"[spill] run {r + 1}/{args.repeat}: {name}")
             before = dict(gen.stats)
             sp = gen.scheduler.kv.spiller
-            moved = dict(sp.stats) if sp is not None else {}
+            moved = dict(sp.settle()) if sp is not None else {}
             reqs, seconds = serve(gen, prompts, lengths, temperature)
             st = {k: gen.stats[k] - before[k] for k in ("preempted", "spilled", "restored_tokens",
                                                        "computed_tokens")}
             out = sum(len(q.outputs[0]) for q in reqs)
             run = {"seconds": seconds, "output_tokens": out, "tokens_per_s": out / seconds, **st}
             if sp is not None:
-                run.update({k: sp.stats[k] - moved[k] for k in sp.stats})
+                run.update({k: v - moved[k] for k, v in sp.settle().items()})
             runs[name].append(run)
             log(f"[spill]   {out / seconds:,.0f} tok/s, {st['preempted']} preempted, "
                 f"{st['restored_tokens']} tokens restored, {st['computed_tokens']} computed")

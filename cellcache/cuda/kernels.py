@@ -134,8 +134,9 @@ def choose_path(dtype: str, head_dim: int, group: int, *, tc_aligned: bool = Tru
     multiple of 8 up to 256, group 1 to 16, any alignment); ``"flashinfer"`` where it is
     installed (``have_flashinfer``) and takes the shape; ``"sdpa"`` over the layer's mask
     where the cache has masks (``has_masks``). A shape none of them takes raises
-    InvalidArgument naming it. With 8-bit K/V pools (``kv8``) only ``"tc"`` (its e4m3
-    variants) and ``"sdpa"`` (over the dequantized pools) read them.
+    InvalidArgument naming it. With 8-bit K/V pools (``kv8``) ``"tc"`` (its e4m3 variants),
+    ``"flashinfer"`` (its e4m3 K/V kernels) and ``"sdpa"`` (over the dequantized pools) read
+    them.
 
     >>> choose_path("bfloat16", 12, 4, has_masks=True)
     'sdpa'
@@ -144,12 +145,15 @@ def choose_path(dtype: str, head_dim: int, group: int, *, tc_aligned: bool = Tru
     if tc is not None and tc_aligned and tc.supports(dtype, head_dim, group):   # the tensor-core hook
         return "tc"
     if kv8:
+        if have_flashinfer and flashinfer_supports(dtype, head_dim, group):
+            return "flashinfer"
         if has_masks:
             return "sdpa"
         raise InvalidArgument(
             f"no attention path reads 8-bit K/V at head_dim={head_dim}, group={group} ({dtype} q): the "
             "tensor-core kernels take float16/bfloat16 q with head_dim in (64, 80, 96, 128, 256), "
-            "16-byte aligned, and group 1 to 64; SDPA needs masks (mask_format 'bool' or 'bits')")
+            "16-byte aligned, and group 1 to 64; FlashInfer (where installed) head_dim in "
+            f"{FLASHINFER_HEAD_DIMS}; SDPA needs masks (mask_format 'bool' or 'bits')")
     if paged_supports(dtype, head_dim, group):
         return "paged"
     if have_flashinfer and flashinfer_supports(dtype, head_dim, group):

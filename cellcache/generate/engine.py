@@ -243,7 +243,7 @@ class Generator:
         max_batch_tokens, prefill_chunk, reserve, eos_ids = settings(
             model, capacity, max_batch_tokens, prefill_chunk, reserve, clock, eos, async_steps)
         checked = serving(tp, cache, admission, prefix_cache, max_seqs)
-        check_kv8(kv_dtype, checked, bool(deterministic), attention)
+        check_kv8(kv_dtype, checked, bool(deterministic))
         if spill_bytes and checked.world is not None:
             raise InvalidArgument("spill_bytes does not serve under tensor parallelism (each rank would "
                                   "spill its own shard); leave it 0")
@@ -281,7 +281,7 @@ class Generator:
                                    clock=self.clock,
                                    max_running=checked.max_seqs if checked.cache is None else None)
         if spill_bytes:                       # preempted sequences' K/V kept on the host
-            self.scheduler.kv.spiller = Spiller(cache, self.runner.view, spill_bytes)
+            self.scheduler.kv.spiller = Spiller(cache, self.runner.view, spill_bytes, self.runner.stream)
             if spill_prefixes and self.prefix is not None:   # and the prefixes evicted
                 self.scheduler.kv.l2 = PrefixTier(self.scheduler.kv.spiller)
                 self.prefix.before_evict = self.scheduler.kv.l2.store

@@ -132,17 +132,16 @@ def serving(tp: Any, cache: Any, admission: Any, prefix_cache: Any, max_seqs: An
     return Serving(world, cache, given, prefix_opts, max_seqs)
 
 
-def check_kv8(kv_dtype: Any, s: Serving, deterministic: bool, attention: str) -> None:
+def check_kv8(kv_dtype: Any, s: Serving, deterministic: bool) -> None:
     """Refuses, before anything is built, what does not serve 8-bit K/V (``kv_dtype`` an
     8-bit name, or a given cache with 8-bit pools): the deterministic mode (its kernels read
-    16-bit pools), FlashInfer attention, tensor parallelism (not built yet)."""
+    16-bit pools) and tensor parallelism (not built yet)."""
     name = kv_dtype if isinstance(kv_dtype, str) else str(kv_dtype).removeprefix("torch.")
     kv8 = (kv_dtype is not None and name in _KV_ALIASES) or bool(
         getattr(getattr(s.cache, "config", None), "kv8", False))
     if not kv8:
         return
     for bad, why in ((deterministic, "deterministic=True (its kernels read 16-bit pools)"),
-                     (attention == "flashinfer", "attention='flashinfer' (it reads 16-bit pools here)"),
                      (s.world is not None, "tensor parallelism (not built yet)")):
         if bad:
             raise InvalidArgument(f"8-bit K/V does not serve with {why}: leave kv_dtype None")

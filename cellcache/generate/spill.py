@@ -2,22 +2,26 @@
 
 ::
 
-    preempt v     device sync -> each pool's rows of v's cells gathered on the device
-                  (index_select, position order) -> one copy per pool into pinned host
+    preempt v     each pool's rows of v's cells gathered on the device (index_select,
+                  position order) into one staging buffer -> one copy into pinned host
                   memory -> v's cells freed; v waits with its Spill
     admit v       the prefix cache's hit cloned as usual -> the positions past it declared,
-                  prepared and committed (max_write a step) -> one copy per pool back to the
-                  device, scattered into the step's cells -> device sync; v then feeds only
-                  its last token (or the rest of its prompt)
+                  prepared and committed (max_write a step) -> one copy back to the device,
+                  each pool's part scattered into the step's cells; v then feeds only its
+                  last token (or the rest of its prompt)
 
 A spill is taken only within ``budget`` bytes (the Generator's ``spill_bytes``); past it,
-or when a restore finds no room, the sequence is read again as before. The copies go
-through the whole device (synchronize before and after), so the runner's stream and the
-cache's own order need nothing else: preemption is the rare path.
+or when a restore finds no room, the sequence is read again as before. Every copy is
+queued on the runner's stream, in order with the forwards: the gather runs after the
+forwards that wrote the rows, a forward that writes the freed cells again runs after the
+gather, a restore's copy up runs after the copy down; nothing waits on the host (the index
+arrays go up from pinned memory, the arena's ranges are reused only by copies on the same
+stream).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -93,9 +97,11 @@ class Spill:
 
 class Spiller:
     """Takes and gives back :class:`Spill` copies for one cache within ``budget`` bytes of
-    host memory (pinned on CUDA). ``stats``: ``spilled`` (sequences), ``spilled_tokens``,
-    ``restored_tokens``, ``spill_s`` and ``restore_s`` (copy time, seconds) and
-    ``spill_bytes_moved``; ``held`` bytes held now.
+    host memory (pinned on CUDA), queued on ``stream`` (CUDA; default: the current one).
+    ``stats``: ``spilled`` (sequences), ``spilled_tokens``, ``restored_tokens``, ``spill_s``
+    and ``restore_s`` (copy time, seconds: on CUDA the device's, counted as the copies
+    finish; :meth:`settle` waits for them) and ``spill_bytes_moved``; ``held`` bytes held
+    now.
 
     A copy goes through one device staging buffer as large as the spill: each pool's rows
     gathered into their part of it, then one device-to-host copy (and back: one
@@ -103,11 +109,15 @@ class Spiller:
     the bus in one transfer whatever the number of layers.
     """
 
-    def __init__(self, cache: CellCache, view: TorchView, budget: int):
+    def __init__(self, cache: CellCache, view: TorchView, budget: int,
+                 stream: torch.cuda.Stream | None = None):
         self.cache, self.view, self.budget = cache, view, budget
         self.held = 0
         self._lock = threading.Lock()     # held and the arena: the prefix level's hook may copy
         self.arena = PinnedArena(budget) if view.cuda else None
+        #: the stream every copy is queued on (the runner's: in order with the forwards)
+        self.stream = (stream or torch.cuda.current_stream(view.device)) if view.cuda else None
+        self._timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.stats: dict[str, float] = dict.fromkeys(
             ("spilled", "spilled_tokens", "restored_tokens", "spill_s", "restore_s",
              "spill_bytes_moved"), 0)
@@ -121,9 +131,45 @@ class Spiller:
         return [p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p
                 for i in range(len(self.cache.config.layers)) for p in view.layer(i)[:2]]
 
-    def _sync(self) -> None:
-        if self.view.cuda:
-            torch.cuda.synchronize(self.view.device)
+    def _up(self, a: np.ndarray, device: torch.device) -> torch.Tensor:
+        """``a`` on ``device`` without a host wait (through pinned memory, which torch's
+        host allocator keeps until the copy ran)."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if not self.view.cuda:
+            return t
+        return t.pin_memory().to(device, non_blocking=True)
+
+    def _timed(self, kind: str) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        if not self.view.cuda:
+            return None
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with self._lock:
+            self._collect(wait=False)
+            self._timing.append((kind, a, b))
+        return a, b
+
+    def _collect(self, wait: bool) -> None:
+        """Adds the device time of finished copies to ``spill_s``/``restore_s`` (lock held)."""
+        left = []
+        for kind, a, b in self._timing:
+            if wait:
+                b.synchronize()
+            if b.query():
+                try:
+                    self.stats[kind] += a.elapsed_time(b) / 1e3
+                except RuntimeError:          # a copy that failed before its end was recorded
+                    pass
+            else:
+                left.append((kind, a, b))
+        self._timing = left
+
+    def settle(self) -> dict[str, float]:
+        """Waits for the copies queued so far and returns :attr:`stats` (``spill_s`` and
+        ``restore_s``: device seconds of the copies, gathers and scatters included, on CUDA;
+        host seconds on the host)."""
+        with self._lock:
+            self._collect(wait=True)
+        return self.stats
 
     @staticmethod
     def _parts(buf: torch.Tensor, pools: list[torch.Tensor], n: int) -> list[torch.Tensor]:
@@ -140,8 +186,8 @@ class Spiller:
         return length * sum(p[0].numel() * p.element_size() for p in self._pools())
 
     def take(self, sid: int, length: int) -> Spill | None:
-        """A host copy of positions ``[0, length)`` of sequence ``sid`` (the forwards that
-        wrote them queued already), or None when it does not fit the budget left."""
+        """A host copy of positions ``[0, length)`` of sequence ``sid`` (queued after the
+        forwards that wrote them), or None when it does not fit the budget left."""
         import time
 
         cells, positions = cells_by_position(self.cache, sid, below=length)
@@ -158,20 +204,24 @@ class Spiller:
                     return None
             self.held += nbytes
         t = time.perf_counter()
-        self._sync()                                  # the forwards that wrote the rows
         cuda = self.view.cuda
+        events = self._timed("spill_s")
         try:
-            index = torch.from_numpy(cells).to(pools[0].device)
-            if where is not None and self.arena is not None:
-                host = self.arena.slabs[where[0]][where[1]:where[1] + nbytes]
-            else:
-                host = torch.empty(nbytes, dtype=torch.uint8)
-            stage = torch.empty(nbytes, dtype=torch.uint8, device=pools[0].device) if cuda else host
-            for p, part in zip(pools, self._parts(stage, pools, n)):
-                torch.index_select(p, 0, index, out=part)
-            if cuda:
-                host.copy_(stage, non_blocking=True)
-                self._sync()
+            with torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext():
+                if events is not None:
+                    events[0].record()
+                index = self._up(cells, pools[0].device)
+                if where is not None and self.arena is not None:
+                    host = self.arena.slabs[where[0]][where[1]:where[1] + nbytes]
+                else:
+                    host = torch.empty(nbytes, dtype=torch.uint8)
+                stage = torch.empty(nbytes, dtype=torch.uint8, device=pools[0].device) if cuda else host
+                for p, part in zip(pools, self._parts(stage, pools, n)):
+                    torch.index_select(p, 0, index, out=part)
+                if cuda:
+                    host.copy_(stage, non_blocking=True)
+                if events is not None:
+                    events[1].record()
         except (torch.OutOfMemoryError, RuntimeError):
             with self._lock:
                 self.held -= nbytes
@@ -181,7 +231,8 @@ class Spiller:
         st = self.stats
         st["spilled"] += 1
         st["spilled_tokens"] += n
-        st["spill_s"] += time.perf_counter() - t
+        if not cuda:
+            st["spill_s"] += time.perf_counter() - t
         st["spill_bytes_moved"] += nbytes
         return Spill(positions, length, host, nbytes, where)
 
@@ -196,34 +247,39 @@ class Spiller:
 
     def give(self, spill: Spill, sid: int, start: int) -> None:
         """Places positions ``[start, spill.length)`` of ``sid`` (which holds ``[0, start)``)
-        with the spilled K/V: declared, prepared and committed ``max_write`` at a time.
-        OutOfMemory (no cells, a growth failing) with ``sid`` back at ``start`` positions;
-        the spill is dropped either way."""
+        with the spilled K/V: declared, prepared and committed ``max_write`` at a time, the
+        copies queued on the stream. OutOfMemory (no cells, a growth failing) with ``sid``
+        back at ``start`` positions; the spill is dropped either way."""
         import time
 
         t = time.perf_counter()
         cache = self.cache
+        cuda = self.view.cuda
+        events = self._timed("restore_s")
         try:
-            pools = self._pools()
-            device = pools[0].device
-            have = np.full(spill.length, -1, dtype=np.int64)
-            have[spill.positions] = np.arange(len(spill.positions))
-            assert spill.host is not None
-            dev = self._parts(spill.host.to(device, non_blocking=True), pools, len(spill.positions))
+            with torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext():
+                if events is not None:
+                    events[0].record()
+                pools = self._pools()
+                device = pools[0].device
+                have = np.full(spill.length, -1, dtype=np.int64)
+                have[spill.positions] = np.arange(len(spill.positions))
+                assert spill.host is not None
+                dev = self._parts(spill.host.to(device, non_blocking=True), pools, len(spill.positions))
 
-            def write(lo: int, w: int, step_cells: np.ndarray) -> None:
-                rows = have[lo:lo + w]
-                some = rows >= 0
-                if some.any():
-                    dst = torch.from_numpy(step_cells[some]).to(device)
-                    src = torch.from_numpy(rows[some]).to(device)
-                    for p, d in zip(self._pools(), dev):     # (a copy growth moves the pools)
-                        p.index_copy_(0, dst, d.index_select(0, src))
-                self._sync()
+                def write(lo: int, w: int, step_cells: np.ndarray) -> None:
+                    rows = have[lo:lo + w]
+                    some = rows >= 0
+                    if some.any():
+                        dst = self._up(step_cells[some], device)
+                        src = self._up(rows[some], device)
+                        for p, d in zip(self._pools(), dev):     # (a copy growth moves the pools)
+                            p.index_copy_(0, dst, d.index_select(0, src))
 
-            # on torch's stream: a growth's copy is ordered before the writes
-            place_positions(cache, sid, start, spill.length, write,
-                            torch.cuda.current_stream(device) if self.view.cuda else None)
+                # a growth's copy is ordered before the writes (the same stream)
+                place_positions(cache, sid, start, spill.length, write, self.stream)
+                if events is not None:
+                    events[1].record()
         except BaseException as e:
             if cache.pos(sid) > start:
                 cache.rewind(sid, start)
@@ -233,7 +289,8 @@ class Spiller:
         finally:
             self.drop(spill)
         self.stats["restored_tokens"] += spill.length - start
-        self.stats["restore_s"] += time.perf_counter() - t
+        if not cuda:
+            self.stats["restore_s"] += time.perf_counter() - t
 
 
 class PrefixTier:

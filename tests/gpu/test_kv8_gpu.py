@@ -2,8 +2,8 @@
 cache: the tensor-core e4m3 path equals SDPA over the dequantized pools, stays within e4m3's
 rounding of 16-bit K/V, a layer's first write (which sets its scales) is refused inside a
 graph capture with nothing written, and a captured decode step replays as it ran eagerly;
-a Generator serving with 8-bit K/V uses half the pool bytes a cell and gives the tokens of
-a 16-bit run wherever the logits' top-2 margin is clear."""
+FlashInfer's e4m3 kernels read the same pools to the same result; a Generator serving with
+8-bit K/V uses half the pool bytes a cell and passes the teacher-forced agreement check."""
 
 from __future__ import annotations
 
@@ -123,14 +123,47 @@ def test_kv8_first_write_refused_in_capture_then_graph_replays():
         c.close()
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen2.5-0.5b"])
-def test_generator_serves_8bit_kv_in_agreement(name):
+def test_flashinfer_reads_8bit_pools_as_the_tensor_core_kernels_do():
+    """FlashInfer's e4m3 K/V kernels over the same 8-bit pools (the per-kv-head scales folded
+    into q and the output) give the tensor-core kernels' result, windows and GQA included."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("flashinfer")
+    import cellcache.torch as cct
+
+    c = _cache("fp8")
+    try:
+        view = cct.TorchView(c)
+        seqs = [c.seq_new() for _ in range(4)]
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        steps = [[0] * 90 + [1] * 41 + [2] * 7 + [3] * 60] + [[0, 1, 2, 3]] * 2 + [[2] * 30 + [0, 3]]
+        for n, rows in enumerate(steps):
+            assert c.declare_step([seqs[i] for i in rows])
+            step = c.prepare_step(stream=torch.cuda.current_stream(), pad_to=len(rows) + 5)
+            w = step.width
+            for layer, lc in enumerate(LAYERS):
+                q, k, v = _qkv(torch, gen, len(rows) + 5, lc.head_dim)
+                tc = cct.attention(view, layer, q, k, v, step=step, backend="tc")
+                fi = cct.attention(view, layer, q, k, v, step=step, backend="flashinfer")
+                # (bf16 outputs: a rounding apart where P or q*scale round differently)
+                d = float(((tc[:w].float() - fi[:w].float()).abs() - 1e-2 * tc[:w].float().abs()).max())
+                assert d <= 2e-2, f"step {n} layer {layer}: FlashInfer vs tc over the same 8-bit pools {d}"
+                assert float(fi[:w].float().abs().mean()) > 1e-2        # not an empty result
+            c.commit_step()
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("name,attention", [("llama-tiny", "auto"), ("qwen2.5-0.5b", "auto"),
+                                            ("qwen2.5-0.5b", "flashinfer")])
+def test_generator_serves_8bit_kv_in_agreement(name, attention):
     """Random bf16 models served with 8-bit K/V (head_dim 16: SDPA over the dequantized pools;
-    64: the tensor-core e4m3 kernels): the pools take a byte an element, and the
-    teacher-forced check passes against HF float32 with the noise floor of HF's bf16 forward
-    over K/V rounded to e4m3 at the served scales."""
+    64: the tensor-core e4m3 kernels, or FlashInfer's): the pools take a byte an element, and
+    the teacher-forced check passes against HF float32 with the noise floor of HF's bf16
+    forward over K/V rounded to e4m3 at the served scales."""
     torch = pytest.importorskip("torch")
     cuda()
+    if attention == "flashinfer":
+        pytest.importorskip("flashinfer")
     from cellcache.generate import Generator, Sampling
     from cellcache.generate.agreement import LogitsTap, compare, kv8_floor, reference_models
     from cellcache.generate.cli import random_model
@@ -140,7 +173,7 @@ def test_generator_serves_8bit_kv_in_agreement(name):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 500, size=int(n)).tolist() for n in rng.integers(5, 120, size=12)]
     prompts[1] = prompts[0][:50] + prompts[1]             # a prefix-cache hit
-    gen = Generator(model, capacity=8192, eos=[], kv_dtype="fp8")
+    gen = Generator(model, capacity=8192, eos=[], kv_dtype="fp8", attention=attention)
     gen.warmup()                                          # dummy tokens: must not set the scales
     view = gen.runner.view
     assert not any(view.kv_scales_set(i) for i in range(len(gen.cache.config.layers)))
@@ -153,8 +186,10 @@ def test_generator_serves_8bit_kv_in_agreement(name):
         gen.run()
     assert all(len(r.outputs[0]) == 16 for r in reqs)
     assert view.kv_scales_ready()
-    # d64: the tensor cores, graphs (the first real step eager); d16: SDPA, eager (no graphs)
-    assert (gen.stats["graph_steps"] > 0) == (name != "llama-tiny") == gen.runner.graphs_enabled
+    # d64: the tensor cores, graphs (the first real step eager); d16 (SDPA) and FlashInfer:
+    # eager, no graphs
+    graphs = name != "llama-tiny" and attention == "auto"
+    assert (gen.stats["graph_steps"] > 0) == graphs == gen.runner.graphs_enabled
     kv8_floor(floor, gen.runner.view)
     report = compare(tap.rows(), ref, floor)
     assert report.passed, report.summary()

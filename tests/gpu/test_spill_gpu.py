@@ -1,6 +1,7 @@
 """The host tier on the device: a sequence's K/V spilled to pinned memory and restored into
 other cells is bit for bit what it was (bf16), and a Generator with graphs and preemptions
-gives the same tokens with the tier as without it (float32)."""
+gives the same tokens with the tier as without it (float32), the prefix cache's host level
+too."""
 
 from __future__ import annotations
 
@@ -59,3 +60,22 @@ def test_a_generator_with_graphs_gives_the_same_tokens_with_the_tier():
     assert rgen.stats["preempted"] > 0 and gen.stats["restored_tokens"] > 0
     assert out == ref
     assert gen.scheduler.kv.spiller.held == 0
+
+
+def test_the_prefix_level_gives_the_same_tokens_with_its_copies_on_the_stream():
+    """Conversations whose histories do not fit come back from host memory with the tokens
+    of reading them again (float32); the copies, queued on the runner's stream with no host
+    wait, are timed on the device."""
+    from cellcache.generate import random_model
+
+    from ..test_generate_prefix_tier import chat
+
+    model = random_model("llama-tiny", torch.float32, "cuda", seed=5)
+    ref, rgen = chat(model)
+    out, gen = chat(model, spill_bytes=1 << 28, spill_prefixes=True)
+    assert gen.runner.graphs_enabled
+    assert out == ref
+    assert gen.stats["l2_found"] > 0 and gen.stats["restored_tokens"] > 0
+    assert gen.stats["computed_tokens"] == rgen.stats["computed_tokens"] - gen.stats["restored_tokens"]
+    st = gen.scheduler.kv.spiller.settle()
+    assert st["spill_s"] > 0 and st["restore_s"] > 0 and not gen.scheduler.kv.spiller._timing
