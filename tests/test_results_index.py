@@ -114,6 +114,14 @@ def test_each_kind_of_result_has_its_headline(ri):
                                   "recompute 1,000 = 0.90x (target 1.5x); copies at 2% (spill) and "
                                   "60% (restore) of a pinned copy; agreement with HF passed (0.20x the "
                                   "noise floor)")
+    kv8 = {"cells_per_gib": {"ratio": 2.0},
+           "attention": [{"case": "decode 256 x 4096, 32q/8kv d128", "heads": [32, 8, 128], "speedup": 1.95,
+                          "float8_e4m3fn": {"ms": 0.5, "kernel_mean_error": 2e-4},
+                          "flashinfer e4m3 (per-head scales)": {"ms": 1.2, "kernel_mean_error": 5e-4},
+                          "flashinfer e4m3 (per-tensor scale)": {"ms": 1.0, "kernel_mean_error": 3e-4}}]}
+    assert ri.headline(kv8) == ("8-bit K/V: 2.0x the cells a GiB; decode 256 x 4096 d128: 1.95x the "
+                                "16-bit kernel; 2.00x faster than FlashInfer's e4m3 path, arithmetic "
+                                "error (mean) 2.0e-04 vs its 5.0e-04 on the same bytes")
     assert ri.headline({"date": "2026-01-01"}) == ri.UNKNOWN
 
 
