@@ -103,9 +103,10 @@ def test_no_check_says_the_figures_do_not_count(tmp_path):
     assert res["agreement"]["passed"] is None and "do not count" in res["agreement"]["summary"]
 
 
-def test_a_chat_that_does_not_fit_reads_its_histories_once_with_the_prefix_level(tmp_path):
+def test_a_chat_that_does_not_fit_reads_its_histories_once_with_the_prefix_level(tmp_path, capsys):
     """--capacity-share below 1: the histories do not fit; with --spill-prefixes the prompt
-    tokens computed come down to the ideal (every history read once)."""
+    tokens computed come down to the ideal (every history read once), and the run reports
+    the host tier's copies."""
     bs = load_tool("bench_serve")
     runs = {}
     for name, extra in (("plain", []), ("l2", ["--spill-gib", "1", "--spill-prefixes"])):
@@ -119,6 +120,12 @@ def test_a_chat_that_does_not_fit_reads_its_histories_once_with_the_prefix_level
     assert runs["plain"]["cellcache"]["computed_tokens"] > 1.5 * ideal
     assert runs["l2"]["cellcache"]["computed_tokens"] <= 1.2 * ideal
     assert runs["l2"]["agreement"]["passed"] is True
+    tier = runs["l2"]["cellcache"]["host_tier"]
+    assert "host_tier" not in runs["plain"]["cellcache"]
+    assert tier["prefixes"]["stored"] > 0 and tier["spill_bytes_moved"] > 0
+    assert tier["restored_tokens"] > 0
+    assert 0 < tier["restored_bytes"] <= tier["spill_bytes_moved"] and tier["restore_host_s"] > 0
+    assert "cellcache: host tier: " in capsys.readouterr().out
 
 
 def test_bad_capacity_and_spill_usage_exits_2_with_one_line(capsys):

@@ -332,9 +332,29 @@ def chat(model, first, messages, new_tokens, capacity: int, w: dict, device: str
     reqs = [r for *_, r in done]
     res = summarize(gen, elapsed, reqs)
     res["turns_done"] = len(reqs)
+    kv = gen.scheduler.kv
+    if kv.spiller is not None:          # the host tier: its copies' device and host time
+        res["host_tier"] = {**kv.spiller.settle(), **({"prefixes": dict(kv.l2.stats)} if kv.l2 else {})}
     res["outputs"] = [r.outputs[0] for r in reqs]
     gen.cache.close()
     return res
+
+
+def _host_tier_line(t: dict) -> str:
+    """The host tier's copies: how many, how many bytes, their device and host seconds."""
+    gib = 1 << 30
+
+    def rate(nbytes: float, seconds: float) -> str:
+        return f"{nbytes / seconds / gib:.1f} GiB/s" if seconds else "-"
+
+    line = (f"{t['spilled']:.0f} copies down ({t['spill_bytes_moved'] / gib:.2f} GiB, device "
+            f"{t['spill_s']:.2f} s = {rate(t['spill_bytes_moved'], t['spill_s'])}, host "
+            f"{t['spill_host_s']:.2f} s), {t['restored_tokens']:.0f} tokens up "
+            f"({t['restored_bytes'] / gib:.2f} GiB, device {t['restore_s']:.2f} s = "
+            f"{rate(t['restored_bytes'], t['restore_s'])}, host {t['restore_host_s']:.2f} s)")
+    if "prefixes" in t:
+        line += "; prefixes " + ", ".join(f"{k} {v}" for k, v in t["prefixes"].items())
+    return line
 
 
 def _time_replays(gen) -> list:
@@ -1438,6 +1458,8 @@ def main(argv=None) -> int:
                   f"{r['mixed_step_ms_median']:.2f}), {r['decode_steps']} decode steps "
                   f"{r['decode_step_ms_total']:.0f} ms (median {r['decode_step_ms_median']:.2f}), "
                   f"prepare_step {r['prepare_step_host_us_median']:.0f} us (median)")
+        if "host_tier" in r:
+            print(f"{key}: host tier: " + _host_tier_line(r["host_tier"]))
         if "decode_host_us_per_step" in r:
             parts = ", ".join(f"{k} {v:.0f}" for k, v in r["decode_host_us_per_step"].items())
             print(f"{key}: host per decode step {r['decode_host_us_per_step_total']:.0f} us "

@@ -100,8 +100,9 @@ class Spiller:
     host memory (pinned on CUDA), queued on ``stream`` (CUDA; default: the current one).
     ``stats``: ``spilled`` (sequences), ``spilled_tokens``, ``restored_tokens``, ``spill_s``
     and ``restore_s`` (copy time, seconds: on CUDA the device's, counted as the copies
-    finish; :meth:`settle` waits for them) and ``spill_bytes_moved``; ``held`` bytes held
-    now.
+    finish; :meth:`settle` waits for them), ``spill_host_s`` and ``restore_host_s`` (the
+    host's time in :meth:`take` and :meth:`give`, placing the positions included),
+    ``spill_bytes_moved`` and ``restored_bytes``; ``held`` bytes held now.
 
     A copy goes through one device staging buffer as large as the spill: each pool's rows
     gathered into their part of it, then one device-to-host copy (and back: one
@@ -120,7 +121,7 @@ class Spiller:
         self._timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.stats: dict[str, float] = dict.fromkeys(
             ("spilled", "spilled_tokens", "restored_tokens", "spill_s", "restore_s",
-             "spill_bytes_moved"), 0)
+             "spill_bytes_moved", "restored_bytes", "spill_host_s", "restore_host_s"), 0)
 
     def _pools(self) -> list[torch.Tensor]:
         view = self.view
@@ -231,6 +232,7 @@ class Spiller:
         st = self.stats
         st["spilled"] += 1
         st["spilled_tokens"] += n
+        st["spill_host_s"] += time.perf_counter() - t
         if not cuda:
             st["spill_s"] += time.perf_counter() - t
         st["spill_bytes_moved"] += nbytes
@@ -288,9 +290,13 @@ class Spiller:
             raise
         finally:
             self.drop(spill)
-        self.stats["restored_tokens"] += spill.length - start
+            self.stats["restore_host_s"] += time.perf_counter() - t
+        st = self.stats
+        st["restored_tokens"] += spill.length - start
+        placed = int((spill.positions >= start).sum())
+        st["restored_bytes"] += spill.nbytes * placed // max(1, len(spill.positions))
         if not cuda:
-            self.stats["restore_s"] += time.perf_counter() - t
+            st["restore_s"] += time.perf_counter() - t
 
 
 class PrefixTier:
