@@ -197,8 +197,9 @@ def cache_config(model_or_config: Any, capacity: int, max_write: int | None = No
 
 
 def _kv8_without_tc(kv_dtype: Any, dtype: Any, head_dim: int, group: int) -> bool:
-    """Whether ``kv_dtype`` is 8-bit and no tensor-core kernel reads this shape from it (the
-    only CUDA path besides SDPA over masks)."""
+    """Whether ``kv_dtype`` is 8-bit and no tensor-core kernel reads this shape from it: the
+    cache then gets masks for SDPA, the path that always exists (FlashInfer, where
+    installed, may take the shape without them)."""
     if kv_dtype is None:
         return False
     try:

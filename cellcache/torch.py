@@ -717,7 +717,18 @@ class AttentionPlan:
         if self.backend == "invariant":
             return self._invariant_path(layer, q, k_pool, v_pool, out)
         if not self.kernels:
-            return ("sdpa" if self.backend == "auto" else self.backend), q
+            plain = "sdpa" if self.backend == "auto" else self.backend
+            if plain == "flashinfer":             # refused here, before any write (or scale set)
+                from .cuda import kernels as ck
+
+                cfg = self.view.config
+                T, H, D = q.shape
+                if not ck.flashinfer_supports(cfg.dtype, D, H // cfg.layers[layer].n_kv_heads):
+                    raise InvalidArgument(
+                        f"backend 'flashinfer': FlashInfer's paged kernels take float16/bfloat16 "
+                        f"with head_dim in {ck.FLASHINFER_HEAD_DIMS}; layer {layer} has "
+                        f"head_dim={D} ({cfg.dtype})")
+            return plain, q
         cfg = self.view.config
         T, H, D = q.shape
         key = (self.backend, layer, H)

@@ -121,7 +121,7 @@ def test_each_kind_of_result_has_its_headline(ri):
                           "flashinfer e4m3 (per-tensor scale)": {"ms": 1.0, "kernel_mean_error": 3e-4}}]}
     assert ri.headline(kv8) == ("8-bit K/V: 2.0x the cells a GiB; decode 256 x 4096 d128: 1.95x the "
                                 "16-bit kernel; 2.00x faster than FlashInfer's e4m3 path, arithmetic "
-                                "error (mean) 2.0e-04 vs its 5.0e-04 on the same bytes")
+                                "error (mean) 2.0e-04 vs its 3.0e-04")
     assert ri.headline({"date": "2026-01-01"}) == ri.UNKNOWN
 
 

@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     out_s = sum(x["spill_s"] for x in spill_runs)
     bw: dict[str, Any] = {"spill_bytes": moved,
                           "spill_bytes_per_s": moved / out_s if out_s else None}
-    restored_bytes = moved * (sum(x["restored_tokens"] for x in spill_runs)
-                              / max(1, sum(x["spilled_tokens"] for x in spill_runs)))
+    restored_bytes = sum(x["restored_bytes"] for x in spill_runs)
     in_s = sum(x["restore_s"] for x in spill_runs)
     bw["restore_bytes_per_s"] = restored_bytes / in_s if in_s else None
     if args.device == "cuda":

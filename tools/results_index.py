@@ -247,7 +247,7 @@ def headline(d: dict) -> str:
                 parts.append(f"{_num(min(fi['ms'], fit['ms']) / ours['ms'], '.2f')}x faster than "
                              f"FlashInfer's e4m3 path, arithmetic error (mean) "
                              f"{_num(ours.get('kernel_mean_error'), '.1e')} vs its "
-                             f"{_num(fi.get('kernel_mean_error'), '.1e')} on the same bytes")
+                             f"{_num(fit.get('kernel_mean_error'), '.1e')}")
         sv = d.get("serve") or {}
         if sv:
             gib = _num(sv.get("kv_bytes", 0) / 2**30, ".2f")

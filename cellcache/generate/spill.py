@@ -119,6 +119,10 @@ class Spiller:
         #: the stream every copy is queued on (the runner's: in order with the forwards)
         self.stream = (stream or torch.cuda.current_stream(view.device)) if view.cuda else None
         self._timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        if self.stream is not None:
+            # the cache's close waits for its own work only: the copies queued on the stream
+            # must not outlive the pools they read and write
+            cache.on_close(self.stream.synchronize)
         self.stats: dict[str, float] = dict.fromkeys(
             ("spilled", "spilled_tokens", "restored_tokens", "spill_s", "restore_s",
              "spill_bytes_moved", "restored_bytes", "spill_host_s", "restore_host_s"), 0)
@@ -166,8 +170,8 @@ class Spiller:
 
     def settle(self) -> dict[str, float]:
         """Waits for the copies queued so far and returns :attr:`stats` (``spill_s`` and
-        ``restore_s``: device seconds of the copies, gathers and scatters included, on CUDA;
-        host seconds on the host)."""
+        ``restore_s``: device seconds of the copies, gathers and scatters included, and for a
+        restore the placement's own step kernels, on CUDA; host seconds on the host)."""
         with self._lock:
             self._collect(wait=True)
         return self.stats
@@ -206,8 +210,8 @@ class Spiller:
             self.held += nbytes
         t = time.perf_counter()
         cuda = self.view.cuda
-        events = self._timed("spill_s")
         try:
+            events = self._timed("spill_s")
             with torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext():
                 if events is not None:
                     events[0].record()
@@ -257,8 +261,8 @@ class Spiller:
         t = time.perf_counter()
         cache = self.cache
         cuda = self.view.cuda
-        events = self._timed("restore_s")
         try:
+            events = self._timed("restore_s")
             with torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext():
                 if events is not None:
                     events[0].record()

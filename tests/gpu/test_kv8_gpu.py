@@ -125,7 +125,8 @@ def test_kv8_first_write_refused_in_capture_then_graph_replays():
 
 def test_flashinfer_reads_8bit_pools_as_the_tensor_core_kernels_do():
     """FlashInfer's e4m3 K/V kernels over the same 8-bit pools (the per-kv-head scales folded
-    into q and the output) give the tensor-core kernels' result, windows and GQA included."""
+    into q and the output) give the tensor-core kernels' result, windows and GQA included; a
+    head_dim FlashInfer does not take is refused before any write."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("flashinfer")
     import cellcache.torch as cct
@@ -151,6 +152,21 @@ def test_flashinfer_reads_8bit_pools_as_the_tensor_core_kernels_do():
             c.commit_step()
     finally:
         c.close()
+    # a head_dim FlashInfer does not take: refused before the write that would set the scales
+    CudaCellCache, *_ = cuda()
+    c96 = CudaCellCache(cc.CacheConfig(capacity=256, layers=[cc.LayerConfig(2, 96)], max_write=16,
+                                       dtype="bfloat16", max_seqs=2, paged=True, kv_dtype="fp8"))
+    try:
+        view = cct.TorchView(c96)
+        assert c96.declare_step([c96.seq_new()] * 3)
+        step = c96.prepare_step(stream=torch.cuda.current_stream())
+        before = view.layer(0)[0].view(torch.uint8).clone()
+        q, k, v = _qkv(torch, torch.Generator(device="cuda").manual_seed(3), 3, 96)
+        with pytest.raises(cc.InvalidArgument, match="head_dim=96"):
+            cct.attention(view, 0, q, k, v, step=step, backend="flashinfer")
+        assert not view.kv_scales_set(0) and torch.equal(view.layer(0)[0].view(torch.uint8), before)
+    finally:
+        c96.close()
 
 
 @pytest.mark.parametrize("name,attention", [("llama-tiny", "auto"), ("qwen2.5-0.5b", "auto"),
