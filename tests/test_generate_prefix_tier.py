@@ -85,6 +85,55 @@ def test_reset_and_sleep_let_the_kept_prefixes_go(model, how):
     assert len(tier) == 0 and sp.held == 0 and not tier.lengths and tier.nbytes == 0
 
 
+def test_sleep_can_keep_the_prefixes_in_the_host_level(model):
+    """sleep(1, keep_prefixes=True): the prefix cache's contents move to the host level
+    and the next turns take them back after the wake (the tokens of a run that never
+    slept, fewer computed than after a plain sleep); a reset drops them."""
+    rng = np.random.default_rng(3)
+    firsts = [rng.integers(1, 500, size=40).tolist() for _ in range(3)]   # all fit the cache
+
+    def run(keep, sleep=True):
+        gen = Generator(model, capacity=320, max_seqs=4, eos=[], spill_bytes=1 << 30, spill_prefixes=True)
+        first = [gen.add(p, Sampling(max_new_tokens=8)) for p in firsts]
+        gen.run()
+        if sleep:
+            gen.sleep(1, keep_prefixes=keep)
+            assert gen.prefix.metrics()["cached_tokens"] == 0
+            assert (len(gen.scheduler.kv.l2) > 0) == keep
+            gen.wake()
+        again = [gen.add(p + r.outputs[0] + [5, 6], Sampling(max_new_tokens=8))
+                 for p, r in zip(firsts, first)]
+        gen.run()
+        gen.cache.check_invariants()
+        return [r.outputs for r in again], gen
+
+    ref, _ = run(False, sleep=False)
+    plain, pgen = run(False)
+    kept, kgen = run(True)
+    assert plain == ref and kept == ref
+    assert pgen.stats["l2_found"] == 0 and kgen.stats["l2_found"] == len(firsts)
+    assert kgen.stats["computed_tokens"] < pgen.stats["computed_tokens"]
+    assert kgen.stats["computed_tokens"] == pgen.stats["computed_tokens"] - kgen.stats["restored_tokens"]
+    kgen.sleep(1, keep_prefixes=True)
+    kgen.wake()
+    assert len(kgen.scheduler.kv.l2) > 0
+    kgen.reset_prefix_cache()                         # the weights changed meanwhile
+    assert len(kgen.scheduler.kv.l2) == 0 and kgen.scheduler.kv.spiller.held == 0
+
+
+def test_sleep_keep_prefixes_refusals_change_nothing(model):
+    gen = Generator(model, capacity=320, max_seqs=4, eos=[])
+    gen.add(list(range(1, 40)), Sampling(max_new_tokens=4))
+    gen.run()
+    cached = gen.prefix.metrics()["cached_tokens"]
+    assert cached > 0
+    with pytest.raises(InvalidArgument, match="spill_prefixes=True"):
+        gen.sleep(1, keep_prefixes=True)
+    with pytest.raises(InvalidArgument, match="keep_prefixes of type int"):
+        gen.sleep(1, keep_prefixes=1)
+    assert not gen.asleep and gen.prefix.metrics()["cached_tokens"] == cached
+
+
 def test_a_prompt_asking_for_its_log_probabilities_is_read_whole(model):
     """A restored prefix has no prompt log-probabilities: such a prompt is read, never restored."""
     def run(**kw):

@@ -28,7 +28,8 @@ def test_help_lists_the_options(capsys):
     for flag in ("--host", "--port", "--served-model-name", "--max-waiting", "--dtype", "--device",
                  "--capacity", "--max-seqs", "--max-batch-tokens", "--prefill-chunk", "--no-prefix-cache",
                  "--graphs", "--compile", "--attention", "--async-steps", "--tp", "--log-level",
-                 "--shutdown-timeout", "--default-max-tokens", "--enable-sleep"):
+                 "--shutdown-timeout", "--default-max-tokens", "--enable-sleep", "--spill-gib",
+                 "--spill-prefixes", "--kv-dtype"):
         assert flag in out, flag
     code, out, _ = run(["--help"], capsys)
     assert code == 0 and "serve" in out
@@ -45,6 +46,11 @@ def test_help_lists_the_options(capsys):
     (["serve", "DIR", "--shutdown-timeout", "nan"], "--shutdown-timeout"),
     (["serve", "DIR", "--bogus"], "--bogus"),
     (["serve", "DIR", "--enable-sleep", "--tp", "2"], "--enable-sleep"),
+    (["serve", "DIR", "--spill-gib", "-1"], "--spill-gib"),
+    (["serve", "DIR", "--spill-prefixes"], "give --spill-gib"),
+    (["serve", "DIR", "--spill-gib", "1", "--spill-prefixes", "--no-prefix-cache"],
+     "leave the prefix cache on"),
+    (["serve", "DIR", "--spill-gib", "1", "--tp", "2"], "does not serve under --tp"),
 ])
 def test_bad_usage_is_one_line_and_exit_2(argv, says, capsys):
     code, out, err = run(argv, capsys)

@@ -416,6 +416,44 @@ def test_sleep_and_wake_over_http_serve_the_same_tokens_and_refuse_meanwhile():
         engine.stop(5)
 
 
+def test_a_sleep_over_http_can_keep_the_prefixes_in_the_host_level():
+    app, engine = sleepy(enable_sleep=True)                  # no host level: refused
+    try:
+        r = post(app, "/sleep?level=1&keep_prefixes=true", {})
+        assert r.status_code == 400 and "spill_prefixes=True" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "keep_prefixes" and engine.gen.asleep == 0
+        r = post(app, "/sleep?level=1&keep_prefixes=maybe", {})
+        assert r.status_code == 400 and engine.gen.asleep == 0
+    finally:
+        engine.stop(5)
+    gen = Generator(random_model("llama-tiny"), capacity=1024, eos=[], spill_bytes=1 << 28,
+                    spill_prefixes=True)
+    app, engine = sleepy(gen, enable_sleep=True)
+    try:
+        body = {"model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 6, "temperature": 0,
+                "logprobs": 0}
+
+        def ids(r):                 # (a model without a tokenizer: the ids are in the logprobs)
+            return [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+        first = post(app, "/v1/completions", body)
+        assert first.status_code == 200
+        r = post(app, "/sleep?level=1&keep_prefixes=true", {})
+        assert r.status_code == 200 and engine.gen.asleep == 1
+        assert len(gen.scheduler.kv.l2) > 0 and gen.prefix.metrics()["cached_tokens"] == 0
+        assert post(app, "/wake_up", {}).status_code == 200
+        # the conversation's next turn (its history, the reply, a new message) finds it
+        turn = dict(body, prompt=body["prompt"] + ids(first) + [7, 8])
+        alone = Generator(random_model("llama-tiny"), capacity=1024, eos=[])
+        ref = alone.add(turn["prompt"], Sampling(max_new_tokens=6))
+        alone.run()
+        again = post(app, "/v1/completions", turn)
+        assert ids(again) == ref.outputs[0]
+        assert gen.stats["l2_found"] == 1 and gen.stats["restored_tokens"] > 0
+    finally:
+        engine.stop(5)
+
+
 def test_a_sleep_while_a_request_runs_is_409_and_the_request_finishes(monkeypatch):
     import threading
 

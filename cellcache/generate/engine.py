@@ -670,27 +670,39 @@ class Generator:
             raise InvalidState(f"{what} while requests are queued or running: call it once run() "
                                "has returned (or cancel them)")
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, keep_prefixes: bool = False) -> None:
         """Gives back this generator's GPU memory between uses, keeping everything it built.
 
-        Level 1: the prefix cache is emptied (its K/V is not kept), the cache's pools lose
-        their memory and keep their addresses (:meth:`CellCache.sleep`), and PyTorch's cached
-        free blocks go back to the driver; the model stays on the device. Level 2 also moves
-        the model's parameters and buffers to pinned host memory (the Parameter objects
-        stay) and drops the runner's graphs. :meth:`wake` undoes it. Requests may be added
-        while asleep; :meth:`step` and :meth:`run` raise InvalidState until :meth:`wake`.
+        Level 1: the prefix cache is emptied, the cache's pools lose their memory and keep
+        their addresses (:meth:`CellCache.sleep`), and PyTorch's cached free blocks go back
+        to the driver; the model stays on the device. The prefix cache's K/V is dropped with
+        its host level's (weights changed while asleep must not meet it), unless
+        ``keep_prefixes``: then every cached prefix is moved to the host level
+        (``spill_prefixes=True``; within its budget, the most recently used kept), and
+        admissions after :meth:`wake` take them back as any kept prefix; call
+        :meth:`reset_prefix_cache` if the weights change meanwhile. Level 2 also moves the
+        model's parameters and buffers to pinned host memory (the Parameter objects stay)
+        and drops the runner's graphs. :meth:`wake` undoes it. Requests may be added while
+        asleep; :meth:`step` and :meth:`run` raise InvalidState until :meth:`wake`.
 
         InvalidArgument for a level other than 1 or 2 (2 under tensor parallelism, whose
-        weights are sharded tensors); InvalidState while requests are queued or running, from
-        inside a step, or asleep at another level; the cache's InvalidState when another user
-        of it holds cells; OutOfMemory when the host cannot hold the weights (level 2). A
-        refusal after the checks leaves the prefix cache emptied and nothing else changed.
-        Sleeping again at the same level does nothing.
+        weights are sharded tensors), or ``keep_prefixes`` not a bool or without the host
+        level; InvalidState while requests are queued or running, from inside a step, or
+        asleep at another level; the cache's InvalidState when another user of it holds
+        cells; OutOfMemory when the host cannot hold the weights (level 2). A refusal after
+        the checks leaves the prefix cache emptied (its prefixes in the host level with
+        ``keep_prefixes``) and nothing else changed. Sleeping again at the same level does
+        nothing.
         """
         if (not isinstance(level, (int, np.integer)) or isinstance(level, (bool, np.bool_))
                 or level not in (1, 2)):
             raise InvalidArgument(f"sleep level {level!r} is not 1 (the K/V) or 2 (the K/V and "
                                   "the weights)")
+        if not isinstance(keep_prefixes, (bool, np.bool_)):
+            raise InvalidArgument(f"keep_prefixes of type {type(keep_prefixes).__name__} is not a bool")
+        if keep_prefixes and self.scheduler.kv.l2 is None:
+            raise InvalidArgument("sleep(keep_prefixes=True) moves the prefix cache to its host level: "
+                                  "build the Generator with spill_bytes and spill_prefixes=True")
         if level == 2 and self.tp is not None:
             raise InvalidArgument("sleep(2) does not move sharded weights (tensor parallelism); "
                                   "use sleep(1)")
@@ -705,11 +717,14 @@ class Generator:
                     return
                 self._idle("sleep()")
                 local = self.cache.local if isinstance(self.cache, TPCache) else self.cache
-                if self.prefix is not None:          # (its K/V is not kept: emptied first)
-                    self.prefix.clear()
-                if self.scheduler.kv.l2 is not None:   # nor its host level's
-                    self.scheduler.kv.l2.clear()
+                if self.prefix is not None:
+                    if keep_prefixes:                # every prefix through the host level's
+                        self.prefix.evict(local.config.capacity)       # eviction hook
+                    self.prefix.clear()              # (else its K/V is not kept: emptied first)
+                if self.scheduler.kv.l2 is not None and not keep_prefixes:
+                    self.scheduler.kv.l2.clear()     # nor its host level's
                 local.sleep()                        # refused: nothing else has changed
+                                                     # (it waits for the copies queued first)
                 if level == 2:
                     try:
                         self._offloaded = offload_weights(self.model)

@@ -3,18 +3,21 @@ sharing the GPU with the rollouts) and taken again without rebuilding anything.
 
 ::
 
-    sleep(1)   prefix cache dropped (its K/V would be lost) -> cache.sleep(): the pools'
-               memory unmapped, their addresses kept -> torch's cached blocks freed
+    sleep(1)   prefix cache dropped (its K/V would be lost; keep_prefixes: evicted into the
+               host level first) -> cache.sleep(): the pools' memory unmapped, their
+               addresses kept -> torch's cached blocks freed
     sleep(2)   level 1, and the model's weights and buffers copied to pinned host memory
                (their device memory freed; the runner's graphs, which read them, dropped)
     wake()     weights back to the device (level 2: new addresses, graphs recaptured at
                first use) -> cache.wake(): fresh memory at the pools' old addresses, so
                level 1's graphs replay as captured
 
-A wake that runs out of memory leaves everything asleep as it was. The K/V is never kept:
-a sleep happens between uses, with nothing running, and a prefix cache starts empty after
-it (so weights changed while asleep are never met by stale K/V; :meth:`Generator.
-reset_prefix_cache` does the same for weights changed while awake).
+A wake that runs out of memory leaves everything asleep as it was. The pools' K/V is never
+kept: a sleep happens between uses, with nothing running, and a prefix cache starts empty
+after it (so weights changed while asleep are never met by stale K/V; :meth:`Generator.
+reset_prefix_cache` does the same for weights changed while awake). ``keep_prefixes`` is
+for weights that stay: the prefixes wait in the host level and come back at the turns that
+extend them.
 """
 
 from __future__ import annotations

@@ -294,8 +294,9 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
     """The FastAPI app serving ``engine`` under ``model_name``. Its lifespan starts the
     engine thread and, at shutdown, drains (``drain_timeout`` seconds) and stops it.
 
-    ``enable_sleep`` adds ``POST /sleep?level=1|2``, ``POST /wake_up`` and ``GET
-    /is_sleeping`` (``Generator.sleep``: an RL trainer takes the GPU between rollouts);
+    ``enable_sleep`` adds ``POST /sleep?level=1|2`` (``&keep_prefixes=true``: the prefix
+    cache moves to its host level), ``POST /wake_up`` and ``GET /is_sleeping``
+    (``Generator.sleep``: an RL trainer takes the GPU between rollouts);
     off, they are 404, since any client could otherwise stop the server serving. A sleep
     while requests are queued or running is 409; asleep, new requests are 503."""
     metrics = metrics or Metrics(engine)
@@ -365,8 +366,15 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
                 level = int(text)
             except ValueError:
                 return error_response(400, error_body(f"level {text!r} is not 1 or 2", param="level"))
+            keep = http.query_params.get("keep_prefixes", "false").lower()
+            if keep not in ("true", "false", "1", "0"):
+                return error_response(400, error_body(f"keep_prefixes {keep!r} is not true or false",
+                                                      param="keep_prefixes"))
             try:
-                got = await engine.sleep(level)
+                got = await engine.sleep(level, keep_prefixes=keep in ("true", "1"))
+            except InvalidArgument as e:
+                return error_response(400, error_body(
+                    str(e), param="keep_prefixes" if "keep_prefixes" in str(e) else "level"))
             except InvalidState as e:
                 return error_response(409, error_body(str(e), "invalid_request_error", None, "conflict"))
             return JSONResponse({"is_sleeping": True, "level": got})

@@ -77,15 +77,21 @@ def build_parser() -> Parser:
     p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                    help="K/V storage: the model's dtype, or 8-bit e4m3 with per-head scales "
                         "(half the memory a cell takes)")
+    p.add_argument("--spill-gib", type=float, default=0.0,
+                   help="pinned host memory for the host tier, GiB: preempted sequences' K/V kept "
+                        "there instead of recomputed (default 0: off)")
+    p.add_argument("--spill-prefixes", action="store_true",
+                   help="the prefix cache's evictions go to the host tier too, and a sleep with "
+                        "keep_prefixes=true moves the prefix cache there (needs --spill-gib)")
     p.add_argument("--async-steps", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode step before the last one's ids reach the host "
                         "(default: on CUDA with graphs)")
     p.add_argument("--tp", type=at_least(1), default=1,
                    help="tensor-parallel ranks: run under torchrun --nproc-per-node N (default 1)")
     p.add_argument("--enable-sleep", action="store_true",
-                   help="serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (the "
-                        "generator's sleep: KV memory, and at level 2 the weights, given back "
-                        "between uses); off by default: any client could stop the server")
+                   help="serve POST /sleep?level=1|2[&keep_prefixes=true], POST /wake_up and GET "
+                        "/is_sleeping (the generator's sleep: KV memory, and at level 2 the weights, "
+                        "given back between uses); off by default: any client could stop the server")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
     return p
 
@@ -132,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-batch-tokens must be at most --capacity")
     if args.enable_sleep and (args.tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1"):
         p.error("--enable-sleep serves one process: its ranks would have to sleep in lockstep")
+    if not 0 <= args.spill_gib <= 4096:
+        p.error(f"--spill-gib {args.spill_gib} is outside [0, 4096]")
+    if args.spill_prefixes and not (args.spill_gib and args.prefix_cache):
+        p.error("--spill-prefixes keeps the prefix cache's evictions in the host tier: give --spill-gib "
+                "(and leave the prefix cache on)")
+    if args.spill_gib and args.tp > 1:
+        p.error("--spill-gib does not serve under --tp (each rank would spill its own shard)")
     missing = _missing_extra()
     if missing is not None:
         p.error(f"needs the 'serve' extra (no module named {missing!r}): pip install 'cellcache[serve]'")
@@ -172,7 +185,8 @@ def _load(p: Parser, args: Any, device: str | None, world: int) -> Any:
         capacity=args.capacity, max_seqs=args.max_seqs, max_batch_tokens=args.max_batch_tokens,
         prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache, admission=args.admission,
         graphs=args.graphs, compile=args.compile, attention=args.attention, async_steps=args.async_steps,
-        kv_dtype=None if args.kv_dtype == "auto" else "float8_e4m3fn")
+        kv_dtype=None if args.kv_dtype == "auto" else "float8_e4m3fn",
+        spill_bytes=int(args.spill_gib * (1 << 30)), spill_prefixes=args.spill_prefixes)
     if world > 1:
         kwargs["tp"] = world
     from ..generate.cli import is_out_of_memory

@@ -256,12 +256,13 @@ class Engine:
         while self._live and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
-    async def sleep(self, level: int) -> int:
-        """``gen.sleep(level)`` on the engine thread, between steps; returns the level. The
-        generator's InvalidArgument (a bad level) and InvalidState (requests queued or
-        running, asleep at another level) propagate with nothing changed."""
+    async def sleep(self, level: int, keep_prefixes: bool = False) -> int:
+        """``gen.sleep(level, keep_prefixes=...)`` on the engine thread, between steps; returns
+        the level. The generator's InvalidArgument (a bad level, keep_prefixes without the
+        prefix cache's host level) and InvalidState (requests queued or running, asleep at
+        another level) propagate with nothing changed."""
         def go() -> int:
-            self.gen.sleep(level)
+            self.gen.sleep(level, keep_prefixes=keep_prefixes)
             self.asleep = self.gen.asleep
             return self.asleep
         self._falling_asleep += 1           # new requests: 503 from now (a level-2 sleep is long)
