@@ -85,6 +85,31 @@ def test_reset_and_sleep_let_the_kept_prefixes_go(model, how):
     assert len(tier) == 0 and sp.held == 0 and not tier.lengths and tier.nbytes == 0
 
 
+def test_the_same_prompt_again_restores_its_kept_history_up_to_the_prompt(model):
+    """A kept history longer than the prompt that finds it (the same prompt asked again
+    after its history was evicted) is restored up to the prompt's last token."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 500, size=60).tolist() for _ in range(N_CONV)]
+
+    def run(**kw):
+        gen = Generator(model, capacity=320, max_seqs=4, eos=[], **kw)
+        for p in prompts:                  # one at a time: the first ones' histories evicted
+            gen.add(p, Sampling(max_new_tokens=12))
+            gen.run()
+        again = gen.add(prompts[0], Sampling(max_new_tokens=12))
+        gen.run()
+        gen.cache.check_invariants()
+        return again.outputs, gen
+
+    ref, rgen = run()
+    out, gen = run(spill_bytes=1 << 30, spill_prefixes=True)
+    assert out == ref
+    assert gen.stats["l2_found"] == 1
+    assert gen.stats["restored_tokens"] == len(prompts[0]) - 1            # up to the prompt's last
+    assert gen.stats["computed_tokens"] == rgen.stats["computed_tokens"] - (len(prompts[0]) - 1)
+    assert gen.scheduler.kv.spiller.held == gen.scheduler.kv.l2.nbytes   # the found one let go
+
+
 def test_sleep_can_keep_the_prefixes_in_the_host_level(model):
     """sleep(1, keep_prefixes=True): the prefix cache's contents move to the host level
     and the next turns take them back after the wake (the tokens of a run that never

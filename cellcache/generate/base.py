@@ -427,7 +427,7 @@ class BaseScheduler:
                     w.spill = kv_.l2.find(arr, hit, hit + min(cells, kv - hit))
                     self.stats["l2_found"] += w.spill is not None
                 if sid is not None and w.spill is not None:   # preempted, its K/V on the host
-                    r = w.spill.length - hit
+                    r = w.spill.end - hit
                     if r <= 0 or (r + 1 > min(cells, kv - hit) and idle and not admitted):
                         kv_.drop_spill(w)             # cached already, or never room: read it
                     elif r + 1 > min(cells, kv - hit):

@@ -175,7 +175,7 @@ class KVManager:
             self.spiller.give(spill, sid, start)
         except OutOfMemory:
             return 0
-        return spill.length - start
+        return spill.end - start
 
     def drop_spill(self, s: Seq) -> None:
         """s's host copy, if any, goes (s ends, or is read again instead)."""

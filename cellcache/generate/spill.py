@@ -86,13 +86,21 @@ class PinnedArena:
 class Spill:
     """One sequence's K/V in host memory: ``positions`` (int64, increasing; a window may
     have let some go) of ``length`` tokens, and every pool's rows at them in one host
-    buffer (``host``, uint8: the pools one after another, each ``[n, heads, dim]``)."""
+    buffer (``host``, uint8: the pools one after another, each ``[n, heads, dim]``). A
+    restore places positions up to :attr:`end`: ``stop`` when set (a kept prefix longer than
+    the prompt that found it: its first ``stop`` positions), else ``length``."""
 
     positions: np.ndarray
     length: int
     host: torch.Tensor | None
     nbytes: int
     where: tuple[int, int] | None = None       # (slab, offset) in the arena (CUDA)
+    stop: int | None = None
+
+    @property
+    def end(self) -> int:
+        """The positions a restore places end here."""
+        return self.length if self.stop is None else self.stop
 
 
 class Spiller:
@@ -252,7 +260,7 @@ class Spiller:
                     self.arena.release(*spill.where, spill.nbytes)
 
     def give(self, spill: Spill, sid: int, start: int) -> None:
-        """Places positions ``[start, spill.length)`` of ``sid`` (which holds ``[0, start)``)
+        """Places positions ``[start, spill.end)`` of ``sid`` (which holds ``[0, start)``)
         with the spilled K/V: declared, prepared and committed ``max_write`` at a time, the
         copies queued on the stream. OutOfMemory (no cells, a growth failing) with ``sid``
         back at ``start`` positions; the spill is dropped either way."""
@@ -283,7 +291,7 @@ class Spiller:
                             p.index_copy_(0, dst, d.index_select(0, src))
 
                 # a growth's copy is ordered before the writes (the same stream)
-                place_positions(cache, sid, start, spill.length, write, self.stream)
+                place_positions(cache, sid, start, spill.end, write, self.stream)
                 if events is not None:
                     events[1].record()
         except BaseException as e:
@@ -296,8 +304,8 @@ class Spiller:
             self.drop(spill)
             self.stats["restore_host_s"] += time.perf_counter() - t
         st = self.stats
-        st["restored_tokens"] += spill.length - start
-        placed = int((spill.positions >= start).sum())
+        st["restored_tokens"] += spill.end - start
+        placed = int(((spill.positions >= start) & (spill.positions < spill.end)).sum())
         st["restored_bytes"] += spill.nbytes * placed // max(1, len(spill.positions))
         if not cuda:
             st["restore_s"] += time.perf_counter() - t
@@ -374,17 +382,31 @@ class PrefixTier:
             self.stats["stored_tokens"] += length
 
     def find(self, tokens: np.ndarray, hit: int, below: int | None = None) -> Spill | None:
-        """The longest kept prefix of ``tokens`` longer than ``hit``, shorter than the prompt
-        (its last token is fed) and than ``below``, taken out of the tier; None when none is."""
+        """The kept prefix that gives ``tokens`` the most positions past ``hit`` (shorter than
+        the prompt, whose last token is fed, and than ``below``), taken out of the tier; None
+        when none does. A kept prefix of ``tokens`` is found by its key; one that ``tokens``
+        run into (the same prompt again, its kept history longer) by a scan of the keys, most
+        recent first, and restored up to the prompt (``Spill.stop``; the rest goes with it)."""
         arr = np.ascontiguousarray(tokens, dtype=np.int32)
         top = len(arr) if below is None else min(len(arr), below)
+        m = top - 1                                   # the most positions a restore may place
         with self.lock:
+            exact = None
             for n in sorted(self.lengths, reverse=True):
-                if hit < n < top:
-                    key = arr[:n].tobytes()
-                    if key in self.entries:
+                if hit < n < top and arr[:n].tobytes() in self.entries:
+                    exact = arr[:n].tobytes()
+                    break
+            if (exact is None or len(exact) < 4 * m) and m > hit:
+                want = arr[:m].tobytes()
+                for key in reversed(self.entries):
+                    if len(key) > len(want) and key.startswith(want):
                         self.stats["found"] += 1
-                        return self._forget(key)
+                        spill = self._forget(key)
+                        spill.stop = m
+                        return spill
+            if exact is not None:
+                self.stats["found"] += 1
+                return self._forget(exact)
         return None
 
     def drop_oldest(self) -> bool:
