@@ -110,6 +110,41 @@ def test_the_same_prompt_again_restores_its_kept_history_up_to_the_prompt(model)
     assert gen.scheduler.kv.spiller.held == gen.scheduler.kv.l2.nbytes   # the found one let go
 
 
+def test_find_prefers_a_key_and_scans_only_for_a_whole_prompt():
+    """PrefixTier.find: a kept prefix of the prompt by its key; else a kept history the
+    prompt runs into, restored up to the prompt's last token, only when the whole prompt
+    can be placed (a history cut for room would lose its tail)."""
+    from cellcache.generate.spill import PrefixTier, Spill
+
+    class Spiller:                          # the tier's side of it: a budget and copies
+        held, budget = 0, 1 << 30
+
+        def bytes_for(self, n):
+            return n
+
+        def take(self, seq, length):
+            return Spill(np.arange(length), length, torch.zeros(1), length)
+
+        def drop(self, spill):
+            pass
+
+    tier = PrefixTier(Spiller())
+    a = np.arange(100, 200, dtype=np.int32)
+    tier.store(0, 100, a)                   # a 100-token history
+    tier.store(1, 30, a[:30])               # and a 30-token prefix of it
+    got = tier.find(a[:50], 0)
+    assert got.length == 30 and got.stop is None and got.end == 30     # the key, no scan
+    got = tier.find(a[:50], 0)              # now the history the prompt runs into
+    assert got.length == 100 and got.stop == 49 and got.end == 49 and len(tier) == 0
+    tier.store(0, 100, a)
+    assert tier.find(a[:50], 0, below=20) is None and len(tier) == 1   # capped by room: kept
+    assert tier.find(a[:50], 49) is None                               # nothing past the hit
+    b = a.copy()
+    b[10] += 1
+    assert tier.find(b[:50], 0) is None and len(tier) == 1             # diverges early
+    assert tier.stats["found"] == 2
+
+
 def test_sleep_can_keep_the_prefixes_in_the_host_level(model):
     """sleep(1, keep_prefixes=True): the prefix cache's contents move to the host level
     and the next turns take them back after the wake (the tokens of a run that never
@@ -144,6 +179,13 @@ def test_sleep_can_keep_the_prefixes_in_the_host_level(model):
     assert len(kgen.scheduler.kv.l2) > 0
     kgen.reset_prefix_cache()                         # the weights changed meanwhile
     assert len(kgen.scheduler.kv.l2) == 0 and kgen.scheduler.kv.spiller.held == 0
+    kgen.add(firsts[0], Sampling(max_new_tokens=4))
+    kgen.run()
+    kgen.sleep(1, keep_prefixes=True)
+    assert len(kgen.scheduler.kv.l2) > 0
+    kgen.sleep(1)                                     # asleep already: a plain sleep drops them
+    assert len(kgen.scheduler.kv.l2) == 0 and kgen.asleep == 1
+    kgen.wake()
 
 
 def test_sleep_keep_prefixes_refusals_change_nothing(model):

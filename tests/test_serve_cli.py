@@ -47,6 +47,7 @@ def test_help_lists_the_options(capsys):
     (["serve", "DIR", "--bogus"], "--bogus"),
     (["serve", "DIR", "--enable-sleep", "--tp", "2"], "--enable-sleep"),
     (["serve", "DIR", "--spill-gib", "-1"], "--spill-gib"),
+    (["serve", "DIR", "--spill-gib", "1e-12"], "--spill-gib"),          # 0 bytes: off, silently
     (["serve", "DIR", "--spill-prefixes"], "give --spill-gib"),
     (["serve", "DIR", "--spill-gib", "1", "--spill-prefixes", "--no-prefix-cache"],
      "leave the prefix cache on"),

@@ -424,6 +424,7 @@ def test_a_sleep_over_http_can_keep_the_prefixes_in_the_host_level():
         assert r.json()["error"]["param"] == "keep_prefixes" and engine.gen.asleep == 0
         r = post(app, "/sleep?level=1&keep_prefixes=maybe", {})
         assert r.status_code == 400 and engine.gen.asleep == 0
+        assert r.json()["error"]["param"] == "keep_prefixes"
     finally:
         engine.stop(5)
     gen = Generator(random_model("llama-tiny"), capacity=1024, eos=[], spill_bytes=1 << 28,

@@ -677,8 +677,8 @@ class Generator:
         their addresses (:meth:`CellCache.sleep`), and PyTorch's cached free blocks go back
         to the driver; the model stays on the device. The prefix cache's K/V is dropped with
         its host level's (weights changed while asleep must not meet it), unless
-        ``keep_prefixes``: then every cached prefix is moved to the host level
-        (``spill_prefixes=True``; within its budget, the most recently used kept), and
+        ``keep_prefixes``: then every unpinned cached prefix is evicted into the host level
+        (``spill_prefixes=True``; as its budget allows, the latest evicted kept), and
         admissions after :meth:`wake` take them back as any kept prefix; call
         :meth:`reset_prefix_cache` if the weights change meanwhile. Level 2 also moves the
         model's parameters and buffers to pinned host memory (the Parameter objects stay)
@@ -691,8 +691,8 @@ class Generator:
         asleep at another level; the cache's InvalidState when another user of it holds
         cells; OutOfMemory when the host cannot hold the weights (level 2). A refusal after
         the checks leaves the prefix cache emptied (its prefixes in the host level with
-        ``keep_prefixes``) and nothing else changed. Sleeping again at the same level does
-        nothing.
+        ``keep_prefixes``) and nothing else changed. Sleeping again at the same level changes
+        nothing but drop the kept prefixes unless ``keep_prefixes`` is given again.
         """
         if (not isinstance(level, (int, np.integer)) or isinstance(level, (bool, np.bool_))
                 or level not in (1, 2)):
@@ -714,6 +714,8 @@ class Generator:
                     if self._sleep_level != level:
                         raise InvalidState(f"asleep at level {self._sleep_level}; wake() before "
                                            f"sleeping at level {level}")
+                    if not keep_prefixes and self.scheduler.kv.l2 is not None:
+                        self.scheduler.kv.l2.clear()  # (kept by an earlier keep_prefixes sleep)
                     return
                 self._idle("sleep()")
                 local = self.cache.local if isinstance(self.cache, TPCache) else self.cache

@@ -276,10 +276,17 @@ class Spiller:
                     events[0].record()
                 pools = self._pools()
                 device = pools[0].device
+                # only the rows of positions [start, end) go up: each pool's slice of them
+                lo_row, hi_row = np.searchsorted(spill.positions, (start, spill.end))
                 have = np.full(spill.length, -1, dtype=np.int64)
-                have[spill.positions] = np.arange(len(spill.positions))
+                have[spill.positions] = np.arange(len(spill.positions)) - lo_row
                 assert spill.host is not None
-                dev = self._parts(spill.host.to(device, non_blocking=True), pools, len(spill.positions))
+                n = len(spill.positions)
+                if lo_row == 0 and hi_row == n:
+                    dev = self._parts(spill.host.to(device, non_blocking=True), pools, n)
+                else:
+                    dev = [part[lo_row:hi_row].to(device, non_blocking=True)
+                           for part in self._parts(spill.host, pools, n)]
 
                 def write(lo: int, w: int, step_cells: np.ndarray) -> None:
                     rows = have[lo:lo + w]
@@ -384,9 +391,10 @@ class PrefixTier:
     def find(self, tokens: np.ndarray, hit: int, below: int | None = None) -> Spill | None:
         """The kept prefix that gives ``tokens`` the most positions past ``hit`` (shorter than
         the prompt, whose last token is fed, and than ``below``), taken out of the tier; None
-        when none does. A kept prefix of ``tokens`` is found by its key; one that ``tokens``
-        run into (the same prompt again, its kept history longer) by a scan of the keys, most
-        recent first, and restored up to the prompt (``Spill.stop``; the rest goes with it)."""
+        when none does. A kept prefix of ``tokens`` is found by its key; when none is, one that
+        ``tokens`` run into (the same prompt again, its kept history longer) by a scan of the
+        keys, most recent first, if the whole prompt can be placed: it is restored up to the
+        prompt's last token (``Spill.stop``; the rest goes with it)."""
         arr = np.ascontiguousarray(tokens, dtype=np.int32)
         top = len(arr) if below is None else min(len(arr), below)
         m = top - 1                                   # the most positions a restore may place
@@ -396,7 +404,9 @@ class PrefixTier:
                 if hit < n < top and arr[:n].tobytes() in self.entries:
                     exact = arr[:n].tobytes()
                     break
-            if (exact is None or len(exact) < 4 * m) and m > hit:
+            if exact is None and m > hit and top == len(arr):
+                # (the whole prompt but its last token: a history cut for want of room would
+                # lose its tail for a few positions)
                 want = arr[:m].tobytes()
                 for key in reversed(self.entries):
                     if len(key) > len(want) and key.startswith(want):

@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-batch-tokens must be at most --capacity")
     if args.enable_sleep and (args.tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1"):
         p.error("--enable-sleep serves one process: its ranks would have to sleep in lockstep")
-    if not 0 <= args.spill_gib <= 4096:
-        p.error(f"--spill-gib {args.spill_gib} is outside [0, 4096]")
+    if not (args.spill_gib == 0 or 2**-10 <= args.spill_gib <= 4096):
+        p.error(f"--spill-gib {args.spill_gib} is outside [1/1024 (1 MiB), 4096], or 0 (off)")
     if args.spill_prefixes and not (args.spill_gib and args.prefix_cache):
         p.error("--spill-prefixes keeps the prefix cache's evictions in the host tier: give --spill-gib "
                 "(and leave the prefix cache on)")
