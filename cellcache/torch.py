@@ -60,7 +60,8 @@ from .cache import CellCache, Step
 from .config import CacheConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
-__all__ = ["BACKENDS", "FORWARD", "INVARIANT_CLASS", "INVARIANT_TILE", "AttentionPlan", "TorchView",
+__all__ = ["BACKENDS", "CASCADE_MIN_SHARED", "FORWARD", "INVARIANT_CLASS", "INVARIANT_TILE", "AttentionPlan",
+           "TorchView",
            "as_tensor", "attention", "attention_op", "check_qkv", "invariant_paths", "invariant_refusal",
            "layer_paths", "torch_dtype"]
 
@@ -83,6 +84,12 @@ INVARIANT_CLASS = "prefill"
 #: Keys a tile of the host's ``"invariant"`` attention: a row's keys, in position order, are
 #: reduced tile after tile from its first key, whatever the step holds.
 INVARIANT_TILE = 32
+#: Shared-prefix (cascade) attention on the tensor-core path: consecutive decode rows whose
+#: sequences share at least this many leading cells (a multiple of 128) form a group whose
+#: shared cells are read once for all its rows (docs/design/attention.md); 0 turns it off.
+#: Read when a step's plan is made. Never with the ``"invariant"`` backend (grouping changes
+#: a row's order of sums) nor on windowed layers.
+CASCADE_MIN_SHARED = 256
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -666,8 +673,8 @@ class AttentionPlan:
     >>> out = plan.run(layer, q, k, v, scale=None, out=None)    # doctest: +SKIP
     """
 
-    __slots__ = ("view", "step", "backend", "mixed", "decode", "kernels", "_routes", "_flashinfer",
-                 "_keys")
+    __slots__ = ("view", "step", "backend", "mixed", "decode", "kernels", "cascade", "_routes",
+                 "_flashinfer", "_keys", "_shared", "_planned", "_last_layer")
 
     def __init__(self, view: TorchView, step: Step, backend: str,
                  routes: dict[tuple[str, int, int], _Route] | None = None):
@@ -681,6 +688,14 @@ class AttentionPlan:
         self._routes = {} if routes is None else routes
         self._flashinfer: dict[tuple, Any] = {}
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host "invariant": by window
+        #: the tensor-core path's cascade threshold for this step (0: off)
+        self.cascade = CASCADE_MIN_SHARED if self.kernels and step.width > 1 else 0
+        # the step's shares are found and its tensor-core work list made by the first
+        # cascade (tensor-core) layer of each forward; the others reuse them (a forward
+        # starts when a layer comes again or an earlier one does: a graph captured from any
+        # forward holds those launches)
+        self._shared = self._planned = False
+        self._last_layer = -1
 
     def matches(self, step: Step, backend: str) -> bool:
         """Whether this plan is the one for ``step`` under ``backend`` now."""
@@ -692,6 +707,9 @@ class AttentionPlan:
         its path decided (a refusal raises here, before anything is written), K/V written
         at ``cells[:T]``, then the path run."""
         view = self.view
+        if layer <= self._last_layer:
+            self._shared = self._planned = False
+        self._last_layer = layer
         k_pool, v_pool, window = view.layer(layer)
         path, qk = self._path(layer, q, k_pool, v_pool, out)
         view.write_kv(layer, k, v, self.step.width)
@@ -791,9 +809,14 @@ class AttentionPlan:
             # one variant for every step and no kv split: the split's count and size follow
             # the step's units, the variant its shape class
             run = functools.partial(view.tensor_cores().run, decode=INVARIANT_CLASS == "decode",
-                                    split=0)
+                                    split=0, fresh=not self._planned)
+            self._planned = True
         elif path == "tc":
-            run = functools.partial(view.tensor_cores().run, decode=self.decode)
+            cascade = self.cascade if window == 0 else 0
+            run = functools.partial(view.tensor_cores().run, decode=self.decode, cascade=cascade,
+                                    share=cascade > 0 and not self._shared, fresh=not self._planned)
+            self._shared = self._shared or cascade > 0
+            self._planned = True
             if view.config.kv8:
                 run = functools.partial(run, kv_scale=view.kv_scales(layer).data_ptr())
         else:

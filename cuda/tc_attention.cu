@@ -49,6 +49,12 @@
 #define TC_CHUNK 1                 // kv split size (0: no split)
 #define TC_COUNTER 2               // next unit (atomic)
 #define TC_SPLIT 3                 // 1 when some run is split (the merge has work)
+#define TC_GUNITS 4                // units of the shared (cascade) pass: group items x kv heads
+#define TC_GCOUNTER 5              // next unit of the shared pass (atomic)
+#define TC_CASCADE 6               // 1 when some rows are grouped (the merge has work)
+
+#define TC_NSH 4                   // most kv splits of a group's shared keys
+#define TC_CASCADE_ALIGN 128       // a group's shared keys and their splits: multiples of this
 
 struct f16 { unsigned short x; };
 struct bf16 { unsigned short x; };
@@ -73,6 +79,10 @@ typedef struct {
     cc_i64 target_units;           // split when the step has fewer units than this (host: split x CTAs)
     double sl2;                    // softmax scale * log2(e)
     const float* kv_scale;         // 8-bit K/V: the layer's scales, K [n_kv_heads] then V [n_kv_heads]
+    cc_i64 mode;                   // tc_attend: 0 the runs' own units, 1 the groups' shared units
+    cc_i64 gcap;                   // group items the list holds (0: no cascade)
+    float* cpart;                  // grouped rows' partials: [row][n_heads][1 + TC_NSH][D + 2]
+    const cc_i32* share;           // [rows]: leading kv entries run r shares with run r - 1
 } TcArgs;
 
 // -- instructions ------------------------------------------------------------------------------
@@ -259,6 +269,20 @@ __device__ __forceinline__ const int4* plan_items(const TcArgs& a)
 }
 __device__ __forceinline__ cc_i32* plan_run_base(const TcArgs& a) { return a.plan + TC_HDR + 4 * a.list_cap; }
 __device__ __forceinline__ cc_i32* plan_run_ns(const TcArgs& a) { return plan_run_base(a) + a.rows; }
+// cascade: a grouped run's own keys start at run_start (its group's shared keys); run_crow is
+// its row in cpart (-1: not grouped); run_cs its partials there (1 + the shared splits)
+__device__ __forceinline__ cc_i32* plan_run_start(const TcArgs& a) { return plan_run_base(a) + 2 * a.rows; }
+__device__ __forceinline__ cc_i32* plan_run_crow(const TcArgs& a) { return plan_run_base(a) + 3 * a.rows; }
+__device__ __forceinline__ cc_i32* plan_run_cs(const TcArgs& a) { return plan_run_base(a) + 4 * a.rows; }
+// by row: 8 x its row in cpart + its partials there (-1: not grouped), for the merge
+__device__ __forceinline__ cc_i32* plan_row_cr(const TcArgs& a) { return plan_run_base(a) + 5 * a.rows; }
+// groups {first run, runs, shared keys, first cpart row (-1: not run)}: rows / 2 + 1 of them,
+// then the shared pass's items {group, q tile, split, split size}: gcap of them
+__device__ __forceinline__ int4* plan_groups(const TcArgs& a)
+{
+    return reinterpret_cast<int4*>(a.plan + TC_HDR + 4 * a.list_cap + ((6 * a.rows + 3) & ~3LL));
+}
+__device__ __forceinline__ int4* plan_gitems(const TcArgs& a) { return plan_groups(a) + a.rows / 2 + 1; }
 
 // Real queries of run r: its rows below width (padding runs and runs past the last have none).
 __device__ __forceinline__ int run_qlen(const TcArgs& a, int r, cc_i64 width)
@@ -299,18 +323,38 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     const int g = lane >> 2, tg = lane & 3;
     const int n_kvh = (int)a.n_kv_heads, G = (int)a.group, W = (int)a.window;
     const int item = u / n_kvh, kvh = u - item * n_kvh;
-    const int4 it = plan_items(a)[item];
-    const int run = it.x, qt = it.y, split = it.z, ns = it.w;
+    // mode 1 (cascade): a group's shared keys [0, S) for all its rows (consecutive decode
+    // runs, one row each: the group's rows are q0, q0 + 1, ...), split s of size it.w; every
+    // key precedes every query (shift S). Mode 0: a run's own tile; a grouped run's keys
+    // start past its group's shared ones.
+    const bool grp = a.mode != 0;
+    const int4 it = grp ? plan_gitems(a)[item] : plan_items(a)[item];
     const cc_i64 width = *a.width;
-    const int q0 = a.qo_indptr[run], q1 = a.qo_indptr[run + 1];
-    const int qlen = run_qlen(a, run, width);
-    const int k0 = a.kv_indptr[run], L = a.kv_indptr[run + 1] - k0;
+    int run, qt = it.y, split = it.z, ns, q0, qlen, k0, L, shift, crow, r0, r1;
+    if (grp) {
+        const int4 gd = plan_groups(a)[it.x];
+        run = gd.x; ns = 1; qlen = gd.y; L = gd.z; crow = gd.w;
+        q0 = a.qo_indptr[run];
+        k0 = a.kv_indptr[run];
+        shift = L;
+        r0 = split * it.w;
+        r1 = min(L, r0 + it.w) - 1;
+    } else {
+        run = it.x; ns = it.w;
+        q0 = a.qo_indptr[run];
+        qlen = run_qlen(a, run, width);
+        k0 = a.kv_indptr[run];
+        L = a.kv_indptr[run + 1] - k0;
+        shift = L - (a.qo_indptr[run + 1] - q0);        // hi(q) = shift + q
+        crow = a.gcap > 0 ? plan_run_crow(a)[run] : -1;
+    }
     const int P = qlen * G;
     const int p0 = qt * QROWS, p1 = min(P, p0 + QROWS);
-    const int shift = L - (q1 - q0);                    // hi(q) = shift + q
     const int qa = p0 / G, qb = (p1 - 1) / G;           // the unit's first and last query
-    int r0, r1;
-    unit_keys(shift, p0, p1, G, W, split, ns, ns > 1 ? a.plan[TC_CHUNK] : 0, r0, r1);
+    if (!grp) {
+        unit_keys(shift, p0, p1, G, W, split, ns, ns > 1 ? a.plan[TC_CHUNK] : 0, r0, r1);
+        if (crow >= 0) r0 = max(r0, plan_run_start(a)[run]);   // a multiple of TC_CASCADE_ALIGN
+    }
     // a windowed unit's tiles start at a multiple of KT of the run's list (the keys below its
     // first query's window land in the first tile, an edge tile, which masks them), so a
     // row's tiles are the same whichever unit holds it and whichever rows share it: a token
@@ -860,14 +904,17 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
             l[i] = lsum;
         }
     }
+    // grouped rows (crow >= 0) leave (m, l, O) in cpart: slot 0 the own keys, 1 + s split s
+    // of the shared ones; split runs in part at their slot; others write out
     const int slot = plan_run_base(a)[run] + ((P + QROWS - 1) / QROWS - 1 - qt) * ns + split;
+    const int cslot = grp ? 1 + split : 0;
     const float vs = KV8 ? a.kv_scale[n_kvh + kvh] * 256.f : 1.f;   // 8-bit V's scale (2^8: the widening)
 #pragma unroll
     for (int i = 0; i < 2 * MQ; ++i) {
         const int p = wp0 + 16 * (i >> 1) + g + 8 * (i & 1), mq = i >> 1, r = i & 1;
         if (p >= p1) continue;
-        if (ns == 1) {
-            const int qi = p / G, hl = p - qi * G;
+        const int qi = p / G, hl = p - qi * G;
+        if (ns == 1 && crow < 0) {
             T* dst = static_cast<T*>(a.out) + (cc_i64)(q0 + qi) * a.o_s_tok + (cc_i64)(kvh * G + hl) * a.o_s_head;
             const float inv = (l[i] > 0.f ? 1.f / l[i] : 0.f) * vs;
             if constexpr (R8) {                        // o[2 db] / o[2 db + 1]: even / odd dims of 16 db ..
@@ -886,7 +933,9 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                     Mma<T>::pack(o[mq][n][2 * r] * inv, o[mq][n][2 * r + 1] * inv);
             }
         } else {
-            float* dst = a.part + (((cc_i64)slot * n_kvh + kvh) * QROWS + (p - p0)) * (D + 2);
+            float* dst = crow >= 0
+                ? a.cpart + (((cc_i64)(crow + qi) * a.n_heads + kvh * G + hl) * (1 + TC_NSH) + cslot) * (D + 2)
+                : a.part + (((cc_i64)slot * n_kvh + kvh) * QROWS + (p - p0)) * (D + 2);
             if (tg == 0) { dst[0] = m[i]; dst[1] = l[i]; }
             if constexpr (R8) {
 #pragma unroll
@@ -912,9 +961,10 @@ __device__ void tc_attend(const TcArgs& a)
 {
     extern __shared__ uint4 smem[];
     __shared__ int s_unit;
-    const int n_units = a.plan[TC_N_UNITS];
+    const int n_units = a.plan[a.mode ? TC_GUNITS : TC_N_UNITS];
+    if (n_units == 0) return;                          // (a shared pass with no group: at once)
     for (;;) {
-        if (threadIdx.x == 0) s_unit = atomicAdd(a.plan + TC_COUNTER, 1);
+        if (threadIdx.x == 0) s_unit = atomicAdd(a.plan + (a.mode ? TC_GCOUNTER : TC_COUNTER), 1);
         __syncthreads();
         const int u = s_unit;
         if (u >= n_units) break;
@@ -983,26 +1033,131 @@ __device__ __forceinline__ int block_scan(int x, int* scratch, int* total)
 // rows' output. qrows: packed rows a unit; min_chunk: the smallest kv split (a multiple of
 // the tile).
 #define TC_BUCKETS 256
-__device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head_dim, int order)
+// Cascade (cmin > 0, a.gcap > 0): before the runs' own items, runs are grouped. Run r joins
+// run r - 1's group when both are decode runs sharing at least cmin leading kv entries
+// (a.share, from tc_share); a group of two or more runs reads its shared keys [0, S) once for
+// all its rows (S: the members' least share, down to a multiple of TC_CASCADE_ALIGN) in the
+// shared pass (items {group, q tile, split, split size} for tc_attend in mode 1: gqrows packed
+// rows a unit, split into at most TC_NSH so that the units come near gtarget), and each member
+// its own keys [S, L) in its own item, unsplit; the merge folds them. A step with a group
+// splits no run's own keys.
+// Whether run r joins run r - 1's group: a.share[r] >= cmin, and checked against this step
+// (so a share left from another step can only cost sharing, never results): both are decode
+// runs with more history than the share and their entries at share - 1 are the same cell
+// (sharing is a prefix: then so are all before it).
+__device__ __forceinline__ bool tc_linked(const TcArgs& a, int r, int cmin, cc_i64 width)
+{
+    if (r <= 0 || r >= (int)a.rows) return false;
+    const int sh = a.share[r];
+    if (sh < cmin) return false;
+    if (run_qlen(a, r, width) != 1 || run_qlen(a, r - 1, width) != 1 ||
+        a.qo_indptr[r + 1] - a.qo_indptr[r] != 1 || a.qo_indptr[r] - a.qo_indptr[r - 1] != 1)
+        return false;
+    const int kp = a.kv_indptr[r - 1], kr = a.kv_indptr[r], ke = a.kv_indptr[r + 1];
+    if (sh > kr - kp - 1 || sh > ke - kr - 1) return false;
+    return a.kv_indices[kp + sh - 1] == a.kv_indices[kr + sh - 1];
+}
+
+__device__ int tc_groups(const TcArgs& a, int cmin, int gqrows, int gtarget, long long* s_ll, int* s_i)
+{
+    const cc_i64 width = *a.width;
+    const int rows = (int)a.rows, G = (int)a.group, nkv = (int)a.n_kv_heads;
+    cc_i32* run_start = plan_run_start(a);
+    cc_i32* run_crow = plan_run_crow(a);
+    cc_i32* run_cs = plan_run_cs(a);
+    int4* groups = plan_groups(a);
+    int4* gitems = plan_gitems(a);
+    int ng = 0;
+    for (int b = 0; b < rows; b += blockDim.x) {
+        const int r = b + threadIdx.x;
+        const bool lnk = tc_linked(a, r, cmin, width);
+        const bool st = r < rows && !lnk && tc_linked(a, r + 1, cmin, width);
+        int total;
+        const int gi = ng + block_scan(st ? 1 : 0, s_i, &total) - 1;
+        if (r < rows) {
+            run_crow[r] = st || lnk ? gi : -1;         // the run's group, for now
+            run_start[r] = 0;
+            run_cs[r] = 0;
+            plan_row_cr(a)[r] = -1;
+            if (st) groups[gi] = make_int4(r, 0, 0x7fffffff, -1);
+        }
+        ng += total;
+    }
+    if (ng == 0) return 0;
+    __syncthreads();
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        const int g = run_crow[r];
+        if (g < 0) continue;
+        atomicAdd(&groups[g].y, 1);
+        if (groups[g].x != r) atomicMin(&groups[g].z, a.share[r]);   // a linked member
+    }
+    __syncthreads();
+    long long tiles = 0;
+    for (int g = threadIdx.x; g < ng; g += blockDim.x) {
+        int S = groups[g].z / TC_CASCADE_ALIGN * TC_CASCADE_ALIGN;
+        if (S < cmin) S = 0;
+        groups[g].z = S;
+        if (S > 0) tiles += (groups[g].y * G + gqrows - 1) / gqrows;
+    }
+    tiles = block_sum(tiles, s_ll);
+    const int nsh = tiles > 0 ? (int)max(1LL, min((long long)TC_NSH, gtarget / (tiles * nkv))) : 1;
+    int crows = 0, items = 0;
+    for (int b = 0; b < ng; b += blockDim.x) {
+        const int g = b + threadIdx.x;
+        int n = 0, nt = 0, nsg = 0, chunk = 0, S = 0;
+        if (g < ng) {
+            S = groups[g].z;
+            if (S > 0) {
+                n = groups[g].y;
+                nt = (n * G + gqrows - 1) / gqrows;
+                chunk = ((S + nsh - 1) / nsh + TC_CASCADE_ALIGN - 1) / TC_CASCADE_ALIGN * TC_CASCADE_ALIGN;
+                nsg = (S + chunk - 1) / chunk;
+            }
+        }
+        int tr, ti;
+        const int cb = crows + block_scan(n, s_i, &tr) - n;
+        const int ib = items + block_scan(nt * nsg, s_i, &ti) - nt * nsg;
+        if (S > 0) {
+            groups[g].w = cb;
+            for (int t = 0; t < nt; ++t)
+                for (int s = 0; s < nsg; ++s)
+                    if (ib + t * nsg + s < a.gcap) gitems[ib + t * nsg + s] = make_int4(g, t, s, chunk);
+        }
+        crows += tr;
+        items += ti;
+    }
+    __syncthreads();
+    const bool fits = items <= a.gcap;                  // (the host sizes gcap so that it does)
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        const int g = run_crow[r];
+        if (g < 0) continue;
+        const int4 d = groups[g];
+        if (d.z == 0 || !fits) {
+            run_crow[r] = -1;
+            continue;
+        }
+        const int chunk = ((d.z + nsh - 1) / nsh + TC_CASCADE_ALIGN - 1) / TC_CASCADE_ALIGN * TC_CASCADE_ALIGN;
+        run_crow[r] = d.w + (r - d.x);
+        run_start[r] = d.z;
+        run_cs[r] = 1 + (d.z + chunk - 1) / chunk;
+        plan_row_cr(a)[a.qo_indptr[r]] = 8 * run_crow[r] + run_cs[r];   // a decode run: one row
+    }
+    return fits ? items : 0;
+}
+
+__device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head_dim, int order,
+                             int cmin, int gqrows, int gtarget)
 {
     const cc_i64 width = *a.width;
     const int rows = (int)a.rows, G = (int)a.group, nkv = (int)a.n_kv_heads, W = (int)a.window;
-    if (blockIdx.x > 0) {
-        // padding rows [width, rows): 16-byte zeros (2-byte elements, head_dim % 8 == 0)
-        const int chunks = head_dim / 8, H = (int)a.n_heads;
-        const cc_i64 n = (rows - width) * H * chunks;
-        for (cc_i64 e = (cc_i64)(blockIdx.x - 1) * blockDim.x + threadIdx.x; e < n;
-             e += (cc_i64)(gridDim.x - 1) * blockDim.x) {
-            const cc_i64 i = width + e / (H * chunks);
-            const int h = (int)(e / chunks % H), c = (int)(e % chunks);
-            unsigned short* dst = static_cast<unsigned short*>(a.out) + i * a.o_s_tok + h * a.o_s_head + 8 * c;
-            *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-        }
-        return;
-    }
     __shared__ long long s_ll[32];
     __shared__ int s_i[32];
     __shared__ int s_bucket[TC_BUCKETS];
+    const int gitems = cmin > 0 && a.gcap > 0 && W == 0 ? tc_groups(a, cmin, gqrows, gtarget, s_ll, s_i) : 0;
+    if (a.gcap > 0 && gitems == 0)
+        for (int r = threadIdx.x; r < rows; r += blockDim.x) plan_run_crow(a)[r] = plan_row_cr(a)[r] = -1;
+    __syncthreads();
+    const cc_i32* run_crow = plan_run_crow(a);
     long long nt_sum = 0;
     int max_len = 0;
     for (int r = threadIdx.x; r < rows; r += blockDim.x) {
@@ -1015,7 +1170,7 @@ __device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head
     nt_sum = block_sum(nt_sum, s_ll);
     max_len = block_max(max_len, s_i);
     int chunk = 0;
-    if (nt_sum * nkv < a.target_units) {
+    if (gitems == 0 && nt_sum * nkv < a.target_units) {
         // the smallest split (most units) that stays within split_cap units
         for (long long c = min_chunk; c < max_len; c *= 2) {
             long long items = 0;
@@ -1072,10 +1227,12 @@ __device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head
                 const int P = ql * G, nt = (P + qrows - 1) / qrows, ns = run_ns[r];
                 const int L = a.kv_indptr[r + 1] - a.kv_indptr[r];
                 const int shift = L - (a.qo_indptr[r + 1] - a.qo_indptr[r]);
+                const int start = gitems > 0 && run_crow[r] >= 0 ? plan_run_start(a)[r] : 0;
                 for (int qt = nt - 1; qt >= 0; --qt)
                     for (int s = 0; s < ns; ++s) {
                         int r0, r1;
                         unit_keys(shift, qt * qrows, min(P, qt * qrows + qrows), G, W, s, ns, chunk, r0, r1);
+                        r0 = max(r0, start);
                         const long long len = r1 >= r0 ? r1 - r0 + 1 : 0;
                         const int bk = TC_BUCKETS - 1 - (int)(len * TC_BUCKETS / (max_len + 1));
                         const int k = atomicAdd(s_bucket + bk, 1);
@@ -1098,6 +1255,9 @@ __device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head
         a.plan[TC_CHUNK] = chunk;
         a.plan[TC_COUNTER] = 0;
         a.plan[TC_SPLIT] = chunk != 0;
+        a.plan[TC_GUNITS] = gitems * nkv;
+        a.plan[TC_GCOUNTER] = 0;
+        a.plan[TC_CASCADE] = gitems > 0;
     }
 }
 
@@ -1107,9 +1267,27 @@ __device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head
 template <typename T>
 __device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
 {
-    if (a.plan[TC_SPLIT] == 0) return;
+    // the attend launches are done: their counters go back to 0 for the next launch that
+    // runs this plan (the next layer's, when the plan is kept for the step)
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        a.plan[TC_COUNTER] = 0;
+        a.plan[TC_GCOUNTER] = 0;
+    }
     const cc_i64 width = *a.width;
     const int H = (int)a.n_heads, G = (int)a.group, nkv = (int)a.n_kv_heads, rows = (int)a.rows;
+    {
+        // padding rows [width, rows): 16-byte zeros (2-byte elements, head_dim % 8 == 0)
+        const int chunks = head_dim / 8;
+        const cc_i64 n = (rows - width) * H * chunks;
+        for (cc_i64 e = (cc_i64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (cc_i64)gridDim.x * blockDim.x) {
+            const cc_i64 i = width + e / (H * chunks);
+            const int h = (int)(e / chunks % H), c = (int)(e % chunks);
+            unsigned short* dst = static_cast<unsigned short*>(a.out) + i * a.o_s_tok + h * a.o_s_head + 8 * c;
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+        }
+    }
+    const bool split = a.plan[TC_SPLIT] != 0, cascade = a.gcap > 0 && a.plan[TC_CASCADE] != 0;
+    if (!split && !cascade) return;
     const int D = head_dim, lane = threadIdx.x & 31;
     const cc_i32* run_base = plan_run_base(a);
     const cc_i32* run_ns = plan_run_ns(a);
@@ -1118,6 +1296,39 @@ __device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
     for (cc_i64 pair = (cc_i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); pair < n_pairs;
          pair += stride) {
         const int i = (int)(pair / H), h = (int)(pair % H);
+        const int cr = cascade ? plan_row_cr(a)[i] : -1;
+        if (cr >= 0) {
+            // a grouped row: its own keys' (m, l, O) and its group's splits', the 2 + D floats
+            // of each apart; lane s reads split s's m and l
+            const int ns = cr & 7;
+            const float* pp = a.cpart + ((cc_i64)(cr >> 3) * H + h) * (1 + TC_NSH) * (D + 2);
+            const float ms = lane < ns ? pp[lane * (D + 2)] : TC_NEG_INF;
+            const float ls = lane < ns ? pp[lane * (D + 2) + 1] : 0.f;
+            float mx = ms;
+#pragma unroll
+            for (int off = 4; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            mx = __shfl_sync(0xffffffffu, mx, 0);
+            const float base = mx == TC_NEG_INF ? 0.f : mx;
+            const float ws = lane < ns ? ex2(ms - base) : 0.f;
+            float den = ws * ls;
+#pragma unroll
+            for (int off = 4; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
+            den = __shfl_sync(0xffffffffu, den, 0);
+            const float inv = den > 0.f ? 1.f / den : 0.f;
+            T* dst = static_cast<T*>(a.out) + (cc_i64)i * a.o_s_tok + (cc_i64)h * a.o_s_head;
+            for (int d = 2 * lane; d < D; d += 64) {
+                float x0 = 0.f, x1 = 0.f;
+                for (int s = 0; s < ns; ++s) {
+                    const float w = __shfl_sync(0xffffffffu, ws, s);
+                    const float2 v = *reinterpret_cast<const float2*>(pp + s * (D + 2) + 2 + d);
+                    x0 += w * v.x;
+                    x1 += w * v.y;
+                }
+                *reinterpret_cast<cc_u32*>(dst + d) = Mma<T>::pack(x0 * inv, x1 * inv);
+            }
+            continue;
+        }
+        if (!split) continue;
         int lo = 0, hi = rows;                          // qo[lo] <= i < qo[hi]
         while (hi - lo > 1) {
             const int mid = (lo + hi) >> 1;
@@ -1192,8 +1403,51 @@ extern "C" __device__ const cc_i32 tc_variants[] = {TC_VARIANTS(TC_ROW) TC_VARIA
 
 extern "C" __global__ void __launch_bounds__(TC_PLAN_THREADS) tc_plan(const TcArgs a, cc_i32 qrows,
                                                                       cc_i32 min_chunk, cc_i32 head_dim,
-                                                                      cc_i32 order)
-{ tc_plan_impl(a, qrows, min_chunk, head_dim, order); }
+                                                                      cc_i32 order, cc_i32 cmin,
+                                                                      cc_i32 gqrows, cc_i32 gtarget)
+{ tc_plan_impl(a, qrows, min_chunk, head_dim, order, cmin, gqrows, gtarget); }
+
+// Cascade: share[r] = how many leading kv entries run r has in common with run r - 1 when
+// both are decode runs (one real row each), else 0; one warp a run, from its history (the
+// entries before its last, the query's own). Two sequences share cells only as a prefix of
+// positions (a clone shares positions below its point, the prefix cache lends a root path,
+// and a sequence changes only at its end), so equality is monotone along the lists and a
+// 32-way search finds the first difference in a few rounds of one load a lane.
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_share(const TcArgs a)
+{
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * (TC_THREADS / 32) + (threadIdx.x >> 5);
+    const int rows = (int)a.rows;
+    if (r >= rows) return;
+    cc_i32* share = const_cast<cc_i32*>(a.share);
+    const cc_i64 width = *a.width;
+    if (r == 0 || run_qlen(a, r, width) != 1 || run_qlen(a, r - 1, width) != 1 ||
+        a.qo_indptr[r + 1] - a.qo_indptr[r] != 1 || a.qo_indptr[r] - a.qo_indptr[r - 1] != 1) {
+        if (lane == 0) share[r] = 0;
+        return;
+    }
+    const cc_i32* x = a.kv_indices + a.kv_indptr[r - 1];
+    const cc_i32* y = a.kv_indices + a.kv_indptr[r];
+    int lo = 0, hi = min(a.kv_indptr[r] - a.kv_indptr[r - 1], a.kv_indptr[r + 1] - a.kv_indptr[r]) - 1;
+    // the common length lies in [lo, hi]
+    while (lo < hi) {
+        const int step = (hi - lo + 31) / 32;
+        const int k = lo + (lane + 1) * step - 1;
+        const bool valid = k < hi;
+        const bool differ = valid && x[k] != y[k];
+        const unsigned dm = __ballot_sync(0xffffffffu, differ);
+        if (dm) {
+            const int f = __ffs(dm) - 1;                // the first probe that differs
+            hi = lo + (f + 1) * step - 1;
+            lo = lo + f * step;
+        } else {
+            const unsigned vm = __ballot_sync(0xffffffffu, valid);
+            lo = lo + (32 - __clz(vm)) * step;          // past the last probe (all equal)
+            lo = min(lo, hi);
+        }
+    }
+    if (lane == 0) share[r] = max(lo, 0);
+}
 
 #define TC_ATTEND(SUFFIX, T, D, MQ, WKV, KT, ST)                                                \
 extern "C" __global__ void __launch_bounds__(TC_THREADS)                                        \

@@ -10,16 +10,25 @@ random weights):
 
 - ``default``: 256 requests of 512 prompt tokens and 256 new tokens, no sharing, all
   arriving together: cellcache with the prefix cache on and off (target: on within 2% of
-  off), the same requests arriving otherwise (``--arrival``: ``staggered``, 32 every 16
-  steps, the default; ``poisson``, a seeded Poisson process of ``--rate`` requests a second,
-  by default 4x the rate "all together" completed requests at, so that the offered load
-  exceeds capacity as it does all together; target: within 1.25x of all together; the run
-  at exactly that rate is a second target line: its last arrival's decode steps come after
-  "all together" would have finished, whatever the server does, so its target is 1.25x of
-  the floor those arrivals impose), HF ``generate_batch`` and static ``generate``.
+  off), on CUDA without shared-prefix attention too (``cellcache_ungrouped``; target: on
+  within 2% of off, as nothing is shared), the same requests arriving otherwise
+  (``--arrival``: ``staggered``, 32 every 16 steps, the default; ``poisson``, a seeded
+  Poisson process of ``--rate`` requests a second, by default 4x the rate "all together"
+  completed requests at, so that the offered load exceeds capacity as it does all together;
+  target: within 1.25x of all together; the run at exactly that rate is a second target
+  line: its last arrival's decode steps come after "all together" would have finished,
+  whatever the server does, so its target is 1.25x of the floor those arrivals impose), HF
+  ``generate_batch`` and static ``generate``.
 - ``shared``: a system prompt: 512 requests of 2048 shared + 128 own tokens, 128 new:
-  prefix cache on and off (target: on >= 3x off), prompt tokens computed against the ideal
-  2048 + 512 x 128 (target: equal), HF ``generate_batch`` on the same requests.
+  prefix cache on and off (target: on >= 3x off; with shared-prefix attention, issue 43's:
+  >= 5x off and >= 80K tokens/s), the prefix cache on without shared-prefix attention
+  (``cellcache_ungrouped``: ``cellcache.torch.CASCADE_MIN_SHARED = 0``; on CUDA the decode
+  step of each, timed by events in one more run each: target grouped <= 0.4x ungrouped),
+  prompt tokens computed against the ideal 2048 + 512 x 128 (target: equal), HF
+  ``generate_batch`` on the same requests.
+- ``grpo``: GRPO-like rollouts: 64 prompts of 1024 tokens, ``n=16`` continuations each at
+  temperature 1 (seeded by the request), 512 new: on CUDA with shared-prefix attention and
+  without (``cellcache_ungrouped``; target: >= 2x), each decode step's GPU time by events.
 - ``chat``: 64 conversations x 8 turns; turn 1's prompt has 256 tokens, each later turn's
   prompt is the previous turn's prompt + its reply (128 new tokens) + a new 64-token
   message, sent as soon as the reply is complete: prompt tokens computed against the ideal
@@ -81,13 +90,32 @@ WORKLOADS = {
     "default": dict(requests=256, prompt_len=512, new_tokens=256, shared_len=0, turns=1, message_len=0),
     "shared": dict(requests=512, prompt_len=128, new_tokens=128, shared_len=2048, turns=1, message_len=0),
     "chat": dict(requests=64, prompt_len=256, new_tokens=128, shared_len=0, turns=8, message_len=64),
+    "grpo": dict(requests=64, prompt_len=1024, new_tokens=512, shared_len=0, turns=1, message_len=0, n=16,
+                 buckets=[16, 32, 64, 128, 256, 512, 1024]),      # decode graphs up to its 1024 rows
 }
 DEFAULT_MODEL = "qwen2-0.5b"
 QUICK = {
     "default": dict(requests=8, prompt_len=32, new_tokens=16),
     "shared": dict(requests=16, prompt_len=8, new_tokens=8, shared_len=64),
     "chat": dict(requests=4, prompt_len=24, new_tokens=8, turns=3, message_len=6),
+    "grpo": dict(requests=4, prompt_len=32, new_tokens=8, n=4, buckets=None),
 }
+
+
+def seqs_of(w: dict, requests: int) -> int:
+    """The sequences a run of ``requests`` needs at once (``max_seqs``): a few spare, or with
+    ``n`` continuations exactly ``n`` a request (so the largest decode step is a bucket)."""
+    n = w.get("n", 1)
+    return requests * n if n > 1 else requests + 8
+
+
+def sampling_of(w: dict, new_tokens: int):
+    """A request's sampling in workload ``w``: greedy, or (``n`` > 1, the GRPO-like workload)
+    ``n`` continuations at temperature 1, seeded by the request's id."""
+    from cellcache.generate import Sampling
+
+    n = w.get("n", 1)
+    return Sampling(max_new_tokens=new_tokens, n=n, temperature=1.0 if n > 1 else 0.0)
 
 
 def _sync(device: str) -> None:
@@ -135,7 +163,7 @@ def make_gen(model, w: dict, prefix: bool, capacity: int, max_seqs: int):
                     prefix_cache=prefix, async_steps=w.get("async_steps"),
                     compile=w.get("compile", False), attention=w.get("attention", "auto"),
                     spill_bytes=w.get("spill_bytes", 0),
-                    spill_prefixes=bool(w.get("spill_prefixes")) and prefix)
+                    spill_prefixes=bool(w.get("spill_prefixes")) and prefix, buckets=w.get("buckets"))
     gen.warmup()                    # the decode graphs, captured before the clock starts
     return gen
 
@@ -187,10 +215,10 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
     ``profile_steps``: then the same prompts once more on the same generator, all together,
     through :func:`profile_pass` (its summary in ``res["profile"]``, its files written to
     ``profile_to``: folder, stem)."""
-    from cellcache.generate import Sampling, poisson_arrivals, serve_arrivals
+    from cellcache.generate import poisson_arrivals, serve_arrivals
 
-    gen = make_gen(model, w, prefix, capacity, len(prompts) + 8)
-    sampling = Sampling(max_new_tokens=new_tokens)
+    gen = make_gen(model, w, prefix, capacity, seqs_of(w, len(prompts)))
+    sampling = sampling_of(w, new_tokens)
     prep: list[float] = []
     real_prepare = gen.cache.prepare_step
 
@@ -523,10 +551,8 @@ def agreement_pass(model, prompts, new_tokens, capacity: int, w: dict, device: s
     """The end-to-end agreement check of the configuration timed (cellcache.generate.agreement):
     every prompt served once more, all together, by a generator built as the timed ones
     (prefix cache on), through :func:`tapped_run`."""
-    from cellcache.generate import Sampling
-
-    gen = make_gen(model, w, True, capacity, len(prompts) + 8)
-    out = tapped_run(gen, prompts, [Sampling(max_new_tokens=new_tokens)] * len(prompts), models, sample, seed)
+    gen = make_gen(model, w, True, capacity, seqs_of(w, len(prompts)))
+    out = tapped_run(gen, prompts, [sampling_of(w, new_tokens)] * len(prompts), models, sample, seed)
     gen.cache.close()
     return out
 
@@ -1164,7 +1190,7 @@ def main(argv=None) -> int:
                         "completes and its queue fills, as all together; the run at exactly that "
                         "rate is a second target line: within 1.25x of the floor its arrivals impose)")
     p.add_argument("--skip", default="",
-                   help="comma-separated runs to skip: off, staggered, hf-batch, hf-static")
+                   help="comma-separated runs to skip: off, ungrouped, staggered, hf-batch, hf-static")
     p.add_argument("--async-steps", choices=["auto", "on", "off"], default="auto",
                    help="asynchronous scheduling of decode steps (Generator(async_steps=)); auto: "
                         "on with CUDA graphs")
@@ -1266,7 +1292,7 @@ def main(argv=None) -> int:
         longest = w["prompt_len"] + (w["turns"] - 1) * (new + w["message_len"])
         capacity = n * (longest + new) + 4096
     else:
-        capacity = n * (w["shared_len"] + w["prompt_len"] + new) + 4096
+        capacity = n * (w["shared_len"] + w["prompt_len"] + w.get("n", 1) * new) + 4096
     capacity = max(int(capacity * args.capacity_share), w["max_batch_tokens"])
     words = ["python3", "tools/bench_serve.py", *(argv if argv is not None else sys.argv[1:])]
     res: dict = {**run_record(result_name(args), words, device),
@@ -1281,24 +1307,36 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(slim, indent=2, default=str) + "\n")
 
     def run(prefix: bool, arrival: str = "together", breakdown_: bool = False, rate: float = 0.0,
-            profile_steps: int = 0) -> dict:
-        if name == "chat":
-            return chat(model, work["first"], work["messages"], new, capacity, w, device, prefix)
-        return ours(model, work["prompts"], new, arrival, capacity, w, device, prefix, breakdown_,
-                    rate=rate, seed=args.seed, profile_steps=profile_steps,
-                    profile_to=(path.parent, path.stem))
+            profile_steps: int = 0, grouped: bool = True) -> dict:
+        import cellcache.torch as cct
+
+        cascade = cct.CASCADE_MIN_SHARED
+        cct.CASCADE_MIN_SHARED = cascade if grouped else 0      # read when a step's plan is made
+        try:
+            if name == "chat":
+                return chat(model, work["first"], work["messages"], new, capacity, w, device, prefix)
+            return ours(model, work["prompts"], new, arrival, capacity, w, device, prefix, breakdown_,
+                        rate=rate, seed=args.seed, profile_steps=profile_steps,
+                        profile_to=(path.parent, path.stem))
+        finally:
+            cct.CASCADE_MIN_SHARED = cascade
 
     log(f"[serve] {name}: warm-up")                            # kernels, graphs
     if name == "chat":
         chat(model, work["first"][:4], [m[:2] for m in work["messages"][:4]], 4, capacity, w, device)
     else:
         ours(model, work["prompts"][:8], 8, "together", capacity, w, device)
-    modes = [("cellcache", True)] + ([] if "off" in skip else [("cellcache_off", False)])
+    modes = [("cellcache", True, True)] + ([] if "off" in skip else [("cellcache_off", False, True)])
+    if name == "grpo":                  # every continuation forks the prompt: no "off" to compare
+        modes = [m for m in modes if m[0] != "cellcache_off"]
+    if name in ("shared", "default", "grpo") and device == "cuda" and "ungrouped" not in skip:
+        modes.append(("cellcache_ungrouped", True, False))
     timed: dict[str, list[dict]] = {}
     for rep in range(args.repeat):
-        for key, prefix in (modes if rep % 2 == 0 else modes[::-1]):
-            log(f"[serve] {key} (prefix cache {'on' if prefix else 'off'})")
-            r = run(prefix)
+        for key, prefix, grouped in (modes if rep % 2 == 0 else modes[::-1]):
+            log(f"[serve] {key} (prefix cache {'on' if prefix else 'off'}"
+                f"{'' if grouped else ', shared-prefix attention off'})")
+            r = run(prefix, grouped=grouped)
             host = f", host per decode step {r['decode_host_us_per_step_total']:.0f} us" \
                 if "decode_host_us_per_step_total" in r else ""
             if "backlog_flush" in r:
@@ -1334,6 +1372,20 @@ def main(argv=None) -> int:
                                 "decode_host_us_per_step_total": t["decode_host_us_per_step_total"],
                                 "same_outputs": t["outputs"] == r["outputs"]}
         save()
+    if device == "cuda" and name in ("shared", "grpo"):
+        # the decode step's GPU time with shared-prefix attention and without (events around
+        # the decode replays, one more run each): issue 43's step target
+        for key, grouped in (("cellcache", True), ("cellcache_ungrouped", False)):
+            if key not in res:
+                continue
+            log(f"[serve] {key}, GPU timing pass (events around the decode replays)")
+            t = run(True, breakdown_=True, grouped=grouped)
+            for k in ("decode_gpu_ms_median", "decode_gpu_rows", "decode_gpu_samples"):
+                if k in t:
+                    res[key][k] = t[k]
+            res[key]["gpu_timing_pass"] = {"tokens_per_s": t["tokens_per_s"],
+                                           "same_outputs": t["outputs"] == res[key]["outputs"]}
+            save()
     if name == "default" and args.arrival == "staggered" and "staggered" not in skip:
         log("[serve] cellcache, staggered")
         res["cellcache_staggered"] = run(True, "staggered")
@@ -1367,7 +1419,7 @@ def main(argv=None) -> int:
     else:
         res["agreement"] = {"passed": None, "summary": "not checked (--no-check): the speed "
                                                       "figures do not count"}
-    hf_runs = {"default": ("hf-batch", "hf-static"), "shared": ("hf-batch",), "chat": ()}[name]
+    hf_runs = {"default": ("hf-batch", "hf-static"), "shared": ("hf-batch",), "chat": (), "grpo": ()}[name]
     for hf in hf_runs:
         if hf in skip:
             continue
@@ -1402,8 +1454,9 @@ def main(argv=None) -> int:
         res["profile"] = [run(True, profile_steps=args.profile_steps)["profile"]]
         save()
     base = res["cellcache"]["outputs"]
-    for key in ("cellcache_off", "cellcache_staggered", "cellcache_poisson", "cellcache_poisson_at_capacity",
-                "hf-batch", "hf-static", "hf-batch-legacy", "hf-static-legacy"):
+    for key in ("cellcache_off", "cellcache_ungrouped", "cellcache_staggered", "cellcache_poisson",
+                "cellcache_poisson_at_capacity", "hf-batch", "hf-static", "hf-batch-legacy",
+                "hf-static-legacy"):
         r = res.get(key, {})
         if "outputs" in r:
             same = sum(a == b for a, b in zip(base, r["outputs"]))
@@ -1423,9 +1476,9 @@ def main(argv=None) -> int:
         v = r.get(key)
         return f"{v:>{width}.2f}" if isinstance(v, float) else " " * width
 
-    for key in ("cellcache", "cellcache_off", "cellcache_staggered", "cellcache_poisson",
-                "cellcache_poisson_at_capacity", "hf-batch", "hf-static", "hf-batch-legacy",
-                "hf-static-legacy"):
+    for key in ("cellcache", "cellcache_off", "cellcache_ungrouped", "cellcache_staggered",
+                "cellcache_poisson", "cellcache_poisson_at_capacity", "hf-batch", "hf-static",
+                "hf-batch-legacy", "hf-static-legacy"):
         r = res.get(key)
         if r is None:
             continue
@@ -1438,8 +1491,9 @@ def main(argv=None) -> int:
         print(f"{key:<29} {r['tokens_per_s']:>10.0f} {r['seconds']:>9.2f} {comp!s:>10} {cached!s:>10} "
               f"{ms(r, 'ttft_ms_p50', 12)} {ms(r, 'ttft_ms_p99', 12)} {ms(r, 'itl_ms_p50', 11)} "
               f"{ms(r, 'itl_ms_p99', 11)} {ratio:>12.2f}x")
-    for key in ("cellcache_off", "cellcache_staggered", "cellcache_poisson", "cellcache_poisson_at_capacity",
-                "hf-batch", "hf-static", "hf-batch-legacy", "hf-static-legacy"):
+    for key in ("cellcache_off", "cellcache_ungrouped", "cellcache_staggered", "cellcache_poisson",
+                "cellcache_poisson_at_capacity", "hf-batch", "hf-static", "hf-batch-legacy",
+                "hf-static-legacy"):
         if "same_outputs_as_cellcache" in res.get(key, {}):
             same = res[key]["same_outputs_as_cellcache"]
             print(f"{key}: same greedy outputs as cellcache for {same} requests")
@@ -1451,8 +1505,12 @@ def main(argv=None) -> int:
         print(f"decode step of {bd['decode_rows']} rows: forward {bd['forward_ms']:.2f} ms = attention "
               f"{bd['attention_ms']:.2f} ms + rest of the model {bd['rest_of_model_ms']:.2f} ms; "
               f"prepare_step {res['cellcache']['prepare_step_host_us_median']:.0f} us host (median)")
-    for key in ("cellcache", "cellcache_off"):
+    for key in ("cellcache", "cellcache_off", "cellcache_ungrouped"):
         r = res.get(key, {})
+        if "decode_gpu_ms_median" in r and name in ("shared", "grpo"):
+            print(f"{key}: {r['decode_gpu_rows']}-row decode step {r['decode_gpu_ms_median']:.2f} ms "
+                  f"on the GPU (median of {r['decode_gpu_samples']}, events around the replays of a "
+                  f"timing pass)")
         if "mixed_steps" in r:
             print(f"{key}: {r['mixed_steps']} mixed steps {r['mixed_step_ms_total']:.0f} ms (median "
                   f"{r['mixed_step_ms_median']:.2f}), {r['decode_steps']} decode steps "
@@ -1523,10 +1581,33 @@ def main(argv=None) -> int:
                 if "tokens_per_s" in res.get(key, {}):
                     ratio = ours_tps / res[key]["tokens_per_s"]
                     targets.append((ratio >= times, f">= {times}x HF {key[3:]} ({ratio:.2f}x)"))
+        ung = res.get("cellcache_ungrouped")
+        if ung:                                # issue 43's: no sharing, nothing to pay
+            ratio = ours_tps / ung["tokens_per_s"]
+            targets.append((ratio >= 0.98, f"shared-prefix attention on, nothing shared: within 2% of "
+                                           f"it off ({ratio:.3f}x)"))
+    elif name == "grpo":
+        ung = res.get("cellcache_ungrouped")
+        if ung:                                # issue 43's
+            ratio = ours_tps / ung["tokens_per_s"]
+            targets.append((ratio >= 2, f"shared-prefix attention: >= 2x without it ({ratio:.2f}x)"))
+        targets.append((computed == ideal, f"prompt tokens computed = the ideal ({computed} vs {ideal})"))
     elif name == "shared":
         if off:
             ratio = ours_tps / off["tokens_per_s"]
             targets.append((ratio >= 3, f">= 3x the throughput with the prefix cache off ({ratio:.2f}x)"))
+        ung = res.get("cellcache_ungrouped")
+        if ung:                                # issue 43's, for the H200
+            if off:
+                targets.append((ratio >= 5, f"shared-prefix attention: >= 5x the prefix cache off "
+                                            f"({ratio:.2f}x)"))
+            targets.append((ours_tps >= 80_000, f"shared-prefix attention: >= 80,000 tokens/s "
+                                                f"({ours_tps:,.0f}; {ours_tps / ung['tokens_per_s']:.2f}x "
+                                                f"without it)"))
+            a, b = res["cellcache"].get("decode_gpu_ms_median"), ung.get("decode_gpu_ms_median")
+            if a and b:
+                targets.append((a <= 0.4 * b, f"decode step <= 0.4x without shared-prefix attention "
+                                              f"({a:.2f} ms against {b:.2f} ms = {a / b:.2f}x)"))
         targets.append((computed == ideal, f"prompt tokens computed = the ideal ({computed} vs {ideal})"))
     else:
         targets.append((computed == ideal, f"prompt tokens computed = the ideal ({computed} vs {ideal})"))

@@ -78,7 +78,9 @@ def _num(x, fmt: str = ",.0f") -> str:
 
 
 #: the runs a serving result compares itself with: (key, what "N.NNx ..." reads as)
-SERVE_RATIOS = (("cellcache_off", "the prefix cache off"), ("cellcache_staggered", "staggered arrivals"),
+SERVE_RATIOS = (("cellcache_off", "the prefix cache off"),
+                ("cellcache_ungrouped", "without shared-prefix attention"),
+                ("cellcache_staggered", "staggered arrivals"),
                 ("cellcache_poisson", "Poisson arrivals"), ("hf-static", "HF static `generate`"),
                 ("hf-batch", "HF `generate_batch`"), ("hf-static-legacy", "HF static `generate` eager"),
                 ("hf-batch-legacy", "HF `generate_batch` at its defaults"))
@@ -112,6 +114,10 @@ def _serve(d: dict) -> list[str]:
     if isinstance(host, (int, float)) and isinstance(gpu_ms, (int, float)) and gpu_ms > 0:
         parts.append(f"host {host:.0f} µs a decode step = {host / (10 * gpu_ms):.1f}% of its "
                      f"{gpu_ms:.2f} ms on the GPU")
+    ung = d.get("cellcache_ungrouped")
+    if isinstance(ung, dict) and isinstance(gpu_ms, (int, float)) and ung.get("decode_gpu_ms_median"):
+        parts.append(f"decode step {gpu_ms / ung['decode_gpu_ms_median']:.2f}x without shared-prefix "
+                     f"attention")
     if d.get("workload", {}).get("name") in ("shared", "chat") and "computed_tokens" in r:
         parts.append(f"prompt tokens computed {_num(r['computed_tokens'])} "
                      f"(ideal {_num(d['workload'].get('ideal_computed'))})")
@@ -254,6 +260,10 @@ def headline(d: dict) -> str:
             parts.append(f"{sv.get('workload')} {sv.get('model')} in {gib} GiB of pools: "
                          f"{_num(sv.get('speedup'), '.2f')}x the 16-bit side")
             parts += [t for t in (_agreement({"agreement": sv.get("agreement")}),) if t]
+    elif isinstance(d.get("cases"), list) and d.get("benchmark") == "cascade":   # tools/bench_cascade.py
+        parts += [f"{c['case'].split(',')[0]} ({c['heads'][0]}q/{c['heads'][1]}kv d{c['heads'][2]}): "
+                  f"grouped {_num(c.get('on_ms'), '.3f')} ms vs {_num(c.get('off_ms'), '.3f')} ms a layer "
+                  f"= {_num(c.get('on_vs_off'), '.2f')}x" for c in d["cases"]]
     if isinstance(d.get("together"), dict) and "anchors" in d:     # tools/bench_workloads.py
         parts.append(f"{_num(d['together'].get('tokens_per_s'))} output tok/s all at once")
         if isinstance(d.get("poisson"), dict):

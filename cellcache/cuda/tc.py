@@ -1,12 +1,18 @@
 """Paged attention on tensor cores (``cuda/tc_attention.cu``), launched through the driver API.
 
-One call of :meth:`TensorCoreAttention.run` is three launches on the caller's stream, whose
-shapes depend only on the padded row count and the heads, so the three can be captured in
-a graph and replayed for any step padded to the same rows::
+One call of :meth:`TensorCoreAttention.run` is up to five launches on the caller's stream,
+whose shapes depend only on the padded row count and the heads, so they can be captured in a
+graph and replayed for any step padded to the same rows::
 
-    tc_plan        qo_indptr, kv_indptr, width  ->  work list + kv split size (device)
+    tc_share       (cascade, once a step) how many leading kv entries each decode run shares
+                   with the one before it
+    tc_plan        qo_indptr, kv_indptr, width (, shares)  ->  work list + kv split size +
+                   groups of runs that share leading cells (device; once a step when the
+                   caller says the step's later layers plan alike: ``fresh=False``)
     tc_attend      persistent CTAs take (item, kv head) units from the list (one variant)
-    tc_merge       combines the kv splits of split runs (returns at once without any)
+    tc_attend      (cascade) the groups' shared keys, once a group, the prefill variant
+    tc_merge       combines the kv splits of split runs and the grouped rows' own and shared
+                   parts, zeroes the padding rows, resets the work counters
 
 The kernel file instantiates a few variants per head_dim (rows a warp, warps along the rows
 or along the kv tile, kv tile, ring stages; the module lists them in ``tc_variants``). A run
@@ -47,10 +53,12 @@ MAX_GROUP = 64          # query heads per kv head (a query's rows may span sever
 THREADS = 128           # tc_attend / tc_merge blocks (TC_THREADS)
 PLAN_THREADS = 1024     # tc_plan blocks (TC_PLAN_THREADS)
 _PLAN_HDR = 16          # int32 words of the plan header (TC_HDR)
-_ZERO_BLOCKS = 32       # tc_plan blocks that zero the padding rows
 _LOG2E = 1.4426950408889634
 #: TcArgs in cuda/tc_attention.cu: every field 8 bytes
-_ARGS = struct.Struct("=8Q4q5q2Q3qdQ")
+_ARGS = struct.Struct("=8Q4q5q2Q3qdQ2q2Q")
+#: cascade: the most kv splits of a group's shared keys (TC_NSH), their alignment (TC_CASCADE_ALIGN)
+_NSH = 4
+CASCADE_ALIGN = 128
 #: tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, shared bytes, B (CTAs an SM asked of
 #: the compiler, 0: none; named ...b<B>), KS (keys scored at once, 0: the default rule; named
 #: ...x<KS>)}
@@ -167,8 +175,10 @@ class TensorCoreAttention:
             check(cu.cuModuleUnload(self.module), "cuModuleUnload")
             self.module = None
             raise
-        self._plan = self._part = 0
-        self._plan_bytes = self._part_bytes = 0
+        self.f_share = int(drv.function(self.module, "tc_share"))
+        self._plan = self._part = self._share = self._cpart = 0
+        self._plan_bytes = self._part_bytes = self._share_bytes = self._cpart_bytes = 0
+        self._plan_key: tuple | None = None    # what the last tc_plan launch planned
 
     def _read_variants(self) -> list[tuple[int, ...]]:
         """The module's variant list (one source: the kernel file's TC_VARIANTS)."""
@@ -199,16 +209,18 @@ class TensorCoreAttention:
         for ptr in self._live:
             check(cu.cuMemFree(ptr), "cuMemFree")
         self._live = []
-        self._plan = self._part = 0
-        self._plan_bytes = self._part_bytes = 0
+        self._plan_key = None
+        self._plan = self._part = self._share = self._cpart = 0
+        self._plan_bytes = self._part_bytes = self._share_bytes = self._cpart_bytes = 0
         if self.module is not None:
             check(cu.cuModuleUnload(self.module), "cuModuleUnload")
             self.module = None
 
     # -- sizes ---------------------------------------------------------------------------------
     def _sizes(self, rows: int, n_heads: int, n_kv_heads: int, head_dim: int,
-               choice: Choice) -> tuple[int, ...]:
-        """(list_cap, split_cap units, plan bytes, partial bytes) for a launch of ``rows``."""
+               choice: Choice, cascade: bool = False) -> tuple[int, ...]:
+        """(list_cap, split_cap units, plan bytes, partial bytes, group items, cascade partial
+        bytes) for a launch of ``rows``."""
         group = n_heads // n_kv_heads
         v = self.variants[head_dim][choice.variant]
         qrows = v["qrows"]
@@ -216,22 +228,38 @@ class TensorCoreAttention:
         split_items = -(-split_cap // n_kv_heads)
         # without splits: sum over runs of ceil(qo_len * G / qrows) <= rows * G / qrows + runs
         list_cap = rows + -(-rows * group // qrows) + split_items
-        plan_bytes = 4 * (_PLAN_HDR + 4 * list_cap + 2 * rows)
+        # cascade: groups of >= 2 rows (<= rows / 2), each ceil(rows_g * G / gqrows) q tiles of
+        # at most _NSH splits
+        gqrows = self.variants[head_dim][self.table[head_dim, "prefill"].variant]["qrows"]
+        gcap = (rows // 2 + 1 + -(-rows * group // gqrows)) * _NSH if cascade else 0
+        plan_bytes = 4 * (_PLAN_HDR + 4 * list_cap + (6 * rows + 3) // 4 * 4 + 4 * (rows // 2 + 1) + 4 * gcap)
         part_bytes = 4 * split_items * n_kv_heads * qrows * (head_dim + 2)
-        return list_cap, split_cap, plan_bytes, part_bytes
+        cpart_bytes = 4 * rows * n_heads * (1 + _NSH) * (head_dim + 2) if cascade else 0
+        return list_cap, split_cap, plan_bytes, part_bytes, gcap, cpart_bytes
 
     def reserve(self, rows: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                decode: bool = False, variant: str | None = None, split: int | None = None) -> None:
+                decode: bool = False, variant: str | None = None, split: int | None = None,
+                cascade: bool = False) -> None:
         """Allocates the scratch a launch of ``rows`` padded rows with this choice needs (call
-        outside a capture, with the arguments the captured run will get)."""
+        outside a capture, with the arguments the captured run will get; ``cascade``: the
+        grouped rows' partials too, ``rows * n_heads * 5 * (head_dim + 2)`` floats)."""
         choice = self.choose(head_dim, decode, variant, split)
-        _, _, plan_bytes, part_bytes = self._sizes(rows, n_heads, n_kv_heads, head_dim, choice)
+        _, _, plan_bytes, part_bytes, _, cpart_bytes = self._sizes(rows, n_heads, n_kv_heads, head_dim,
+                                                                   choice, cascade)
         if plan_bytes > self._plan_bytes:
             self._plan = self._alloc(plan_bytes, "tensor-core work list")
             self._plan_bytes = plan_bytes
         if part_bytes > self._part_bytes:
             self._part = self._alloc(part_bytes, "tensor-core split partials")
             self._part_bytes = part_bytes
+        if cascade and 4 * rows > self._share_bytes:
+            # zeros: a plan that reads shares no call wrote groups nothing
+            self._share = self._alloc(4 * rows, "tensor-core shared prefixes")
+            check(cu.cuMemsetD32(self._share, 0, rows), "cuMemsetD32")
+            self._share_bytes = 4 * rows
+        if cpart_bytes > self._cpart_bytes:
+            self._cpart = self._alloc(cpart_bytes, "tensor-core grouped partials")
+            self._cpart_bytes = cpart_bytes
 
     def _alloc(self, nbytes: int, what: str) -> int:
         ptr = int(check(cu.cuMemAlloc(nbytes), f"cuMemAlloc({what})"))
@@ -243,7 +271,8 @@ class TensorCoreAttention:
             v_pool: int, out: int, out_strides: tuple[int, int], n_heads: int, n_kv_heads: int,
             head_dim: int, window: int, stream: int, scale: float | None = None,
             decode: bool = False, variant: str | None = None, split: int | None = None,
-            order: int | None = None, kv_scale: int = 0) -> None:
+            order: int | None = None, kv_scale: int = 0, cascade: int = 0,
+            share: bool = False, fresh: bool = True) -> None:
         """Paged attention of query rows ``[0, rows)`` (any mix of decode and prefill rows).
 
         ``view`` holds the device addresses of ``qo_indptr``, ``kv_indptr``, ``kv_indices``
@@ -258,6 +287,22 @@ class TensorCoreAttention:
         ``kv_scale`` is the device address of the layer's float32 scales, K's
         ``[n_kv_heads]`` then V's (a stored value times its head's scale is the K or V it
         stands for); InvalidArgument without it.
+
+        ``cascade`` > 0 (a multiple of :data:`CASCADE_ALIGN`; windowless layers only, else it
+        is ignored) groups consecutive decode runs that share at least that many leading kv
+        entries: the group's shared keys are read once for all its rows by the table's
+        prefill variant (a second persistent launch), each row's own keys by its own unit,
+        and the merge folds the two. ``share=True`` first finds, for this step, how many
+        leading entries each run shares with the one before it (``tc_share``); later calls of
+        the same step (the other layers) pass False and reuse it. A share left from another
+        step is checked against this step's lists before any group is formed, so it can only
+        cost sharing, never a wrong row.
+
+        ``fresh=False`` keeps the work list the last launch made when this launch's plan
+        inputs are the same (its view, rows, heads, window, variant, split and cascade): the
+        other layers of a step whose first layer planned it (``tc_plan`` is a single block;
+        once a step instead of once a layer). A caller passes False only for launches of the
+        same step, in the same order every time (a captured graph keeps the choice).
         """
         if self.module is None:
             raise InvalidState("the tensor-core kernels are closed")
@@ -277,33 +322,68 @@ class TensorCoreAttention:
         if scale is not None and not scale > 0:
             # the kernel takes row maxima of the raw scores and folds the scale into the exp
             raise InvalidArgument(f"scale={scale} must be > 0")
+        if cascade < 0 or cascade % CASCADE_ALIGN:
+            raise InvalidArgument(f"cascade={cascade} must be 0 (off) or a positive multiple of "
+                                  f"{CASCADE_ALIGN}")
         choice = self.choose(head_dim, decode, variant, split, order)
         if rows < 1:
             return
-        list_cap, split_cap, plan_bytes, part_bytes = self._sizes(rows, n_heads, n_kv_heads,
-                                                                  head_dim, choice)
-        if plan_bytes > self._plan_bytes or part_bytes > self._part_bytes:
+        cascade = cascade if window == 0 and rows > 1 else 0
+        list_cap, split_cap, plan_bytes, part_bytes, gcap, cpart_bytes = self._sizes(
+            rows, n_heads, n_kv_heads, head_dim, choice, cascade > 0)
+        if (plan_bytes > self._plan_bytes or part_bytes > self._part_bytes
+                or cpart_bytes > self._cpart_bytes or (cascade and 4 * rows > self._share_bytes)):
             capturing = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
             if int(capturing) != int(cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
                 raise InvalidState(
                     f"the tensor-core scratch for rows={rows} is not allocated and the stream is "
                     "being captured; call reserve() with these shapes before the capture")
-            self.reserve(rows, n_heads, n_kv_heads, head_dim, decode, choice.variant, choice.split)
+            self.reserve(rows, n_heads, n_kv_heads, head_dim, decode, choice.variant, choice.split,
+                         cascade > 0)
         v = self.variants[head_dim][choice.variant]
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        args = _ARGS.pack(view["qo_indptr"], view["kv_indptr"], view["kv_indices"], view["width"],
-                          q, k_pool, v_pool, out, q_strides[0], q_strides[1], out_strides[0],
-                          out_strides[1], rows, n_heads, n_kv_heads, group, window, self._plan,
-                          self._part, list_cap, split_cap, choice.split * v["ctas"],
-                          scale * _LOG2E, kv_scale if self.kv8 else 0)
+
+        def pack(mode: int) -> bytes:
+            return _ARGS.pack(view["qo_indptr"], view["kv_indptr"], view["kv_indices"], view["width"],
+                              q, k_pool, v_pool, out, q_strides[0], q_strides[1], out_strides[0],
+                              out_strides[1], rows, n_heads, n_kv_heads, group, window, self._plan,
+                              self._part, list_cap, split_cap, choice.split * v["ctas"],
+                              scale * _LOG2E, kv_scale if self.kv8 else 0, mode, gcap,
+                              self._cpart if cascade else 0, self._share if cascade else 0)
+
+        args = pack(0)
         n = len(args)
         min_chunk = 2 * v["kv_tile"]
-        _launch.launch(self.f_plan, (1 + _ZERO_BLOCKS, 1, 1), PLAN_THREADS, 0, stream,
-                       args + struct.pack("=iiii", v["qrows"], min_chunk, head_dim, choice.order),
-                       (0, n, n + 4, n + 8, n + 12))
+        vg = self.variants[head_dim][self.table[head_dim, "prefill"].variant]
+        if cascade and share:
+            _launch.launch(self.f_share, (-(-rows // (THREADS // 32)), 1, 1), THREADS, 0, stream, args, (0,))
+        plan_args = struct.pack("=iiiiiii", v["qrows"], min_chunk, head_dim, choice.order, cascade,
+                                vg["qrows"], vg["ctas"])
+        # what the work list depends on (not q, the pools or out; the partials' addresses
+        # are the same while the scratch is)
+        key = (args[:32], rows, n_heads, n_kv_heads, window, list_cap, split_cap, gcap,
+               choice.split * v["ctas"], self._plan, self._part, self._cpart, self._share, plan_args)
+        if fresh or key != self._plan_key or cascade and share:
+            _launch.launch(self.f_plan, (1, 1, 1), PLAN_THREADS, 0, stream, args + plan_args,
+                           (0, n, n + 4, n + 8, n + 12, n + 16, n + 20, n + 24))
+            self._plan_key = key
         _launch.launch(v["f"], (v["ctas"], 1, 1), THREADS, v["smem"], stream, args, (0,))
-        _launch.launch(self.f_merge, (2 * self.sm_count, 1, 1), THREADS, 0, stream,
+        if cascade:
+            _launch.launch(vg["f"], (vg["ctas"], 1, 1), THREADS, vg["smem"], stream, pack(1), (0,))
+        _launch.launch(self.f_merge, (4 * self.sm_count, 1, 1), THREADS, 0, stream,
                        args + struct.pack("=ii", head_dim, v["qrows"]), (0, n, n + 4))
+
+    def plan_header(self) -> dict[str, int]:
+        """The last launch's plan as the device left it (waits for the device): units of the
+        runs' own pass and of the shared (cascade) pass, the kv split size, and whether some
+        run was split or some rows grouped."""
+        if not self._plan:
+            raise InvalidState("no launch has made a plan yet")
+        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        hdr = np.zeros(_PLAN_HDR, dtype=np.int32)
+        check(cu.cuMemcpyDtoH(hdr.ctypes.data, self._plan, hdr.nbytes), "cuMemcpyDtoH")
+        return {"units": int(hdr[0]), "chunk": int(hdr[1]), "split": int(hdr[3]),
+                "shared_units": int(hdr[4]), "grouped": int(hdr[6])}
 
     def describe(self, head_dim: int, decode: bool = False, variant: str | None = None) -> dict[str, Any]:
         """Tile shape, shared memory and persistent grid of the variant a run would launch."""

@@ -1,0 +1,222 @@
+"""Shared-prefix (cascade) attention on the tensor-core kernels: decode rows whose sequences
+share leading cells (forks, clones at any point, nested sharing) grouped on the device, the
+shared cells read once a group, against the float64 reference over the same paged view and
+against the same launch without grouping: groups of every size from one row (no group) to
+every row, nested sharing, thresholds, windows (never grouped), padding rows, mixed steps,
+8-bit pools, and a captured graph replayed over a step grouped differently.
+
+Nothing here imports cuda-bindings at collection: without it (or a driver, or a device)
+every test is skipped by the conftest, never errored.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .test_cuda_tensor_core import WINDOW, Rig
+
+
+class Shared:
+    """A Rig whose sequences are rebuilt as families that share prefixes."""
+
+    def __init__(self, dtype: str, head_dim: int, group: int, seed: int = 0,
+                 kv_dtype: str | None = None, n_seqs: int = 44):
+        self.rig = Rig(dtype, head_dim, group, n_seqs=n_seqs, hist=(1, 1), capacity=60000,
+                       max_write=1024, seed=seed, kv_dtype=kv_dtype)
+        self.t = self.rig.cache.table
+        for s in self.rig.seqs:
+            self.t.seq_rm(s)
+        self.rng = self.rig.rng
+
+    def grow(self, seqs, n):
+        """n tokens for each of seqs, interleaved in chunks (cells spread out)."""
+        left = {s: n if np.isscalar(n) else int(k) for s, k in zip(seqs, np.broadcast_to(n, len(seqs)))}
+        while any(left.values()):
+            for s in self.rng.permutation(list(left)):
+                k = int(min(left[s], self.rng.integers(1, 90)))
+                if k:
+                    assert self.t.declare_step([int(s)] * k)
+                    self.t.place()
+                    left[s] -= k
+
+    def new(self, n):
+        s = self.t.seq_new()
+        self.grow([s], n)
+        return s
+
+    def forks(self, src, k, own=(1, 60), upto=None):
+        out = [self.t.seq_clone(src, upto=upto) for _ in range(k)]
+        assert None not in out
+        self.grow(out, self.rng.integers(own[0], own[1] + 1, size=k))
+        return out
+
+    def run(self, ids, pad, cascade, window=0, decode=True):
+        """One step; the cascade launch checked against the reference and against the same
+        launch without grouping; returns the plan's header of the cascade launch."""
+        rig, torch = self.rig, self.rig.torch
+        st, view, k_pool, v_pool, q = rig.step(ids, pad)
+        base = torch.full_like(q, float("nan"))
+        rig.run(view, pad, q, k_pool, v_pool, base, window, decode=decode)
+        out = torch.full_like(q, float("nan"))
+        rig.run(view, pad, q, k_pool, v_pool, out, window, decode=decode, cascade=cascade, share=True)
+        hdr = rig.tc.plan_header()
+        rig.check(st, view, k_pool, v_pool, q, window, out=out, what=f"cascade={cascade} w{window}")
+        w = len(ids)
+        diff = float((out[:w].double() - base[:w].double()).abs().max())
+        tol = 3e-2 if q.dtype == torch.bfloat16 else 5e-3
+        assert diff <= tol, f"cascade against no grouping: {diff:.3g}"
+        return hdr
+
+    def close(self):
+        self.rig.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim,group", [(64, 7), (128, 4), (80, 1), (96, 8), (256, 2), (128, 16)])
+def test_cascade_group_sizes(dtype, head_dim, group):
+    """One root's forks as groups of 1, 2, 3, 17 and every row (with padding rows after
+    them): grouped exactly when two or more rows share at least the threshold, and every
+    row equal to the reference and to the ungrouped launch."""
+    pytest.importorskip("torch")
+    sh = Shared(dtype, head_dim, group, seed=head_dim + group)
+    try:
+        root = sh.new(700)
+        kids = sh.forks(root, 40)
+        lone = sh.new(400)
+        for k in (1, 2, 3, 17, 40):
+            ids = [int(lone)] + [int(s) for s in kids[:k]]
+            hdr = sh.run(ids, len(ids) + 3, cascade=128)
+            assert hdr["grouped"] == (1 if k >= 2 else 0), (k, hdr)
+            assert (hdr["shared_units"] > 0) == (k >= 2), (k, hdr)
+        # a threshold above what they share: no group
+        hdr = sh.run([int(s) for s in kids[:8]], 8, cascade=768)
+        assert hdr["grouped"] == 0
+    finally:
+        sh.close()
+
+
+@pytest.mark.parametrize("cascade", [128, 512])
+def test_cascade_nested_and_interior_clones(cascade):
+    """A system prompt shared by all, two documents shared by some, forks of each and a
+    clone part-way into a document, unrelated sequences between them; grouping breaks where
+    the share falls below the threshold, and a mixed step (prompt chunks between decode rows)
+    groups only its decode rows."""
+    pytest.importorskip("torch")
+    sh = Shared("bfloat16", 128, 4, seed=cascade)
+    try:
+        s = sh.new(300)
+        d1, d2 = sh.forks(s, 2, own=(400, 400))
+        f1 = sh.forks(d1, 3)
+        f2 = sh.forks(d2, 2)
+        fi = sh.forks(d1, 2, upto=650)
+        u1, u2 = sh.new(500), sh.new(900)
+        ids = [u1, *f1, *fi, d1, *f2, d2, s, u2]
+        hdr = sh.run([int(x) for x in ids], len(ids) + 7, cascade=cascade)
+        assert hdr["grouped"] == 1
+        mixed = [int(u1)] * 37 + [int(x) for x in f1] + [int(u2)] * 50 + [int(x) for x in f2] + [int(d2)]
+        hdr = sh.run(mixed, len(mixed) + 2, cascade=cascade, decode=False)
+        assert hdr["grouped"] == 1
+        # a windowed layer never groups
+        sh.run([int(x) for x in ids], len(ids), cascade=cascade, window=WINDOW)
+    finally:
+        sh.close()
+
+
+def test_cascade_8bit_pools():
+    """Grouping over 8-bit (e4m3) pools: the shared pass runs the e4m3 prefill variant."""
+    pytest.importorskip("torch")
+    sh = Shared("bfloat16", 128, 4, seed=5, kv_dtype="float8_e4m3fn")
+    try:
+        root = sh.new(1000)
+        kids = sh.forks(root, 24)
+        hdr = sh.run([int(x) for x in kids], 32, cascade=256)
+        assert hdr["grouped"] == 1
+    finally:
+        sh.close()
+
+
+def test_cascade_graph_replays_another_grouping():
+    """Share + plan + both passes + merge captured once; replayed over a step of the same
+    padded rows whose rows group differently (and one where nothing groups)."""
+    torch = pytest.importorskip("torch")
+    sh = Shared("bfloat16", 64, 7, seed=9)
+    rig = sh.rig
+    try:
+        a, b = sh.new(900), sh.new(1300)
+        fa, fb = sh.forks(a, 20), sh.forks(b, 10)
+        lone = [sh.new(int(n)) for n in sh.rng.integers(200, 900, size=6)]
+        pad = 48
+        first = [int(x) for x in fa + fb]
+        st, view, k_pool, v_pool, q = rig.step(first, pad)
+        out = torch.empty_like(q)
+        rig.run(view, pad, q, k_pool, v_pool, out, 0, decode=True, cascade=128, share=True)   # warm-up
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+            rig.run(view, pad, q, k_pool, v_pool, out, 0, decode=True, cascade=128, share=True)
+        graph.replay()
+        rig.check(st, view, k_pool, v_pool, q, 0, out=out, what="replay 1")
+        assert rig.tc.plan_header()["grouped"] == 1
+        mixed_order = [int(x) for x in (fb[:5] + lone[:3] + fa[:7] + lone[3:] + fa[7:12] + fb[5:])]
+        for ids in (mixed_order, [int(x) for x in lone + fa[:1]]):
+            st2, view2, k2, v2, q2 = rig.step(ids, pad)
+            assert view2.paged_pointers() == view.paged_pointers()
+            q.copy_(q2)
+            out.fill_(float("nan"))
+            graph.replay()
+            rig.check(st2, view2, k2, v2, q, 0, out=out, what=f"replay over {len(ids)} rows")
+            assert rig.tc.plan_header()["grouped"] == (1 if ids is mixed_order else 0)
+        del graph
+    finally:
+        sh.close()
+
+
+def test_cascade_refuses_a_bad_threshold():
+    """cascade must be 0 or a positive multiple of 128: refused before anything is launched."""
+    torch = pytest.importorskip("torch")
+    from cellcache.errors import InvalidArgument
+
+    sh = Shared("bfloat16", 64, 2, seed=1, n_seqs=4)
+    try:
+        s = sh.new(10)
+        st, view, k_pool, v_pool, q = sh.rig.step([int(s)], 1)
+        out = torch.full_like(q, 7.0)
+        for bad in (-128, 100):
+            with pytest.raises(InvalidArgument, match="cascade"):
+                sh.rig.run(view, 1, q, k_pool, v_pool, out, 0, cascade=bad)
+        torch.cuda.synchronize()
+        assert bool((out == 7.0).all())
+    finally:
+        sh.close()
+
+
+def test_plan_kept_for_the_step_layers():
+    """``fresh=False``: the later layers of a step reuse the first layer's work list (and the
+    merge puts the counters back); a launch whose plan inputs differ (another window, another
+    variant) plans again even so, and every output matches the reference."""
+    torch = pytest.importorskip("torch")
+    sh = Shared("bfloat16", 128, 4, seed=21)
+    rig = sh.rig
+    try:
+        root = sh.new(900)
+        kids = sh.forks(root, 12)
+        lone = [sh.new(int(n)) for n in sh.rng.integers(100, 1500, size=5)]
+        ids = [int(x) for x in lone[:2] + kids + lone[2:]]
+        pad = len(ids) + 4
+        st, view, k_pool, v_pool, q = rig.step(ids, pad)
+        calls = [dict(window=0, cascade=128, share=True, fresh=True),
+                 dict(window=0, cascade=128, fresh=False),
+                 dict(window=0, cascade=128, fresh=False),
+                 dict(window=WINDOW, fresh=False),            # another window: planned again
+                 dict(window=0, cascade=128, fresh=False),     # and again
+                 dict(window=0, cascade=128, fresh=False, variant="m1w4k64s3"),
+                 dict(window=0, fresh=False)]                 # cascade off: planned again
+        for j, c in enumerate(calls):
+            window = c.pop("window")
+            qj = (q.float() * (1 + 0.1 * j)).to(q.dtype)    # each "layer" its own q and out
+            out = torch.full_like(q, float("nan"))
+            rig.run(view, pad, qj, k_pool, v_pool, out, window, decode=True, **c)
+            rig.check(st, view, k_pool, v_pool, qj, window, out=out, what=f"call {j} {c}")
+    finally:
+        sh.close()
