@@ -140,3 +140,20 @@ def test_bad_capacity_and_spill_usage_exits_2_with_one_line(capsys):
             bs.main([*QUICK, *argv])
         err = capsys.readouterr().err
         assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and says in err
+
+
+def test_the_grpo_workload_serves_n_continuations_a_prompt_and_checks_them(tmp_path, capsys):
+    """--workload grpo: every prompt's n continuations (sampled at temperature 1) are served
+    and the agreement check reads them; no prefix-cache-off side (every continuation forks
+    the prompt), and on the CPU no side without shared-prefix attention (a CUDA kernel)."""
+    out = tmp_path / "g.json"
+    assert load_tool("bench_serve").main([*QUICK, "--workload", "grpo", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    w = res["workload"]
+    assert w["name"] == "grpo" and w["n"] == 4
+    r = res["cellcache"]
+    assert r["tokens_out"] == w["requests"] * w["n"] * w["new_tokens"]
+    assert r["computed_tokens"] == w["requests"] * w["prompt_len"] == w["ideal_computed"]
+    assert "cellcache_off" not in res and "cellcache_ungrouped" not in res
+    assert res["agreement"]["passed"] is True
+    assert [t["met"] for t in res["targets"]] == [True, True]

@@ -122,6 +122,18 @@ def test_each_kind_of_result_has_its_headline(ri):
     assert ri.headline(kv8) == ("8-bit K/V: 2.0x the cells a GiB; decode 256 x 4096 d128: 1.95x the "
                                 "16-bit kernel; 2.00x faster than FlashInfer's e4m3 path, arithmetic "
                                 "error (mean) 2.0e-04 vs its 3.0e-04")
+    cascade = {"benchmark": "cascade",
+               "cases": [{"case": "shared prompt 512 x 2048, 14q/2kv d64", "heads": [14, 2, 64],
+                          "on_ms": 0.083, "off_ms": 0.186, "on_vs_off": 0.446}]}
+    assert ri.headline(cascade) == ("shared prompt 512 x 2048 (14q/2kv d64): grouped 0.083 ms vs "
+                                    "0.186 ms a layer = 0.45x")
+    grouped = {"workload": {"name": "grpo"},
+               "cellcache": {"tokens_per_s": 110.0, "decode_host_us_per_step_total": 50.0,
+                             "decode_gpu_ms_median": 4.0},
+               "cellcache_ungrouped": {"tokens_per_s": 100.0, "decode_gpu_ms_median": 5.0}}
+    assert ri.headline(grouped) == ("110 tok/s; 1.10x without shared-prefix attention; host 50 µs a "
+                                    "decode step = 1.2% of its 4.00 ms on the GPU; decode step 0.80x "
+                                    "without shared-prefix attention")
     assert ri.headline({"date": "2026-01-01"}) == ri.UNKNOWN
 
 

@@ -147,9 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated case numbers (1-based) to run")
     p.add_argument("--json", type=Path, default=None, help="default benchmarks/results/cascade.json")
     args = p.parse_args(argv)
+    words = [x for x in args.only.split(",") if x]
+    if not all(x.isdigit() and 1 <= int(x) <= len(CASES) for x in words):
+        p.error(f"--only {args.only!r}: comma-separated case numbers from 1 to {len(CASES)}")
+    only = {int(x) for x in words}
     if (code := require_gpu("bench_cascade")) is not None:
         return code
-    only = {int(x) for x in args.only.split(",") if x}
     rng = np.random.default_rng(0)
     out = {**run_record("cascade", ["python3", "tools/bench_cascade.py", *(argv or sys.argv[1:])], "cuda"),
            "layers": args.layers, "reps": args.reps, "cases": []}
