@@ -84,11 +84,11 @@ INVARIANT_CLASS = "prefill"
 #: Keys a tile of the host's ``"invariant"`` attention: a row's keys, in position order, are
 #: reduced tile after tile from its first key, whatever the step holds.
 INVARIANT_TILE = 32
-#: Shared-prefix (cascade) attention on the tensor-core path: consecutive decode rows whose
-#: sequences share at least this many leading cells (a multiple of 128) form a group whose
-#: shared cells are read once for all its rows (docs/design/attention.md); 0 turns it off.
-#: Read when a step's plan is made. Never with the ``"invariant"`` backend (grouping changes
-#: a row's order of sums) nor on windowed layers.
+#: Shared-prefix (cascade) attention on the tensor-core path: in decode steps, consecutive
+#: rows whose sequences share at least this many leading cells (a multiple of 128) form a
+#: group whose shared cells are read once for all its rows (docs/design/attention.md); 0
+#: turns it off. Read when a step's plan is made. Never with the ``"invariant"`` backend
+#: (grouping changes a row's order of sums) nor on windowed layers.
 CASCADE_MIN_SHARED = 256
 
 
@@ -688,8 +688,11 @@ class AttentionPlan:
         self._routes = {} if routes is None else routes
         self._flashinfer: dict[tuple, Any] = {}
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host "invariant": by window
-        #: the tensor-core path's cascade threshold for this step (0: off)
-        self.cascade = CASCADE_MIN_SHARED if self.kernels and step.width > 1 else 0
+        #: the tensor-core path's cascade threshold for this step (0: off): decode steps only
+        #: (only decode runs group; a prompt chunk's rows would size the grouped rows'
+        #: partials for nothing), whatever their width (a graph captured from a one-row step
+        #: replays wider ones)
+        self.cascade = CASCADE_MIN_SHARED if self.kernels and self.decode else 0
         # the step's shares are found and its tensor-core work list made by the first
         # cascade (tensor-core) layer of each forward; the others reuse them (a forward
         # starts when a layer comes again or an earlier one does: a graph captured from any

@@ -6,8 +6,9 @@
 //                       (qo_indptr, kv_indptr, width) into work items {run, q tile, kv split,
 //                       splits} in a fixed-capacity list, picks a kv split size when the
 //                       step has fewer units than the host's target, orders the list (run by
-//                       run, or heaviest first over the step) and resets the work counter;
-//                       the other blocks write zeros to the padding rows' output.
+//                       run, or heaviest first over the step) and resets the work counters;
+//                       with cascade, groups decode runs that share leading cells (tc_share
+//                       finds the shares once a step) into the shared pass's list.
 //   tc_attend_T_dD_V    persistent CTAs: each takes the next unit (item x kv head) from the
 //                       counter until the list is exhausted. A unit is QROWS packed rows of
 //                       one run, row p = (query p / G, head p % G) of the kv head's group, so
@@ -28,7 +29,9 @@
 //                       (.trans for V, every address a per-lane register plus an immediate),
 //                       online softmax in exp2 with scale * log2(e) folded in (the row sums on
 //                       the tensor cores at d128 m2); masks only on edge tiles.
-//   tc_merge_T          the splits of each split row merged (a no-op launch without splits).
+//   tc_merge_T          the splits of each split row and the own and shared parts of each
+//                       grouped row merged; zeros into the padding rows; the counters reset
+//                       (so a plan serves the step's later layers too).
 //
 // Masks mirror attention.cu: query i of a run of qo_len queries over a list of L entries sees
 // entries (hi - window, hi], hi = L - qo_len + i (window 0: [0, hi]).
@@ -1029,9 +1032,8 @@ __device__ __forceinline__ int block_scan(int x, int* scratch, int* total)
 // the items in the order CTAs take them: order 0 by slot (a run's tiles that see the most
 // keys first, run after run: neighbouring units share K/V in L2); order 1 heaviest first
 // over the whole step (TC_BUCKETS buckets of kv entries, longest first, so the persistent
-// grid ends on the lightest units and has no tail). Other blocks: zeros into the padding
-// rows' output. qrows: packed rows a unit; min_chunk: the smallest kv split (a multiple of
-// the tile).
+// grid ends on the lightest units and has no tail). One block (the merge zeroes the padding
+// rows). qrows: packed rows a unit; min_chunk: the smallest kv split (a multiple of the tile).
 #define TC_BUCKETS 256
 // Cascade (cmin > 0, a.gcap > 0): before the runs' own items, runs are grouped. Run r joins
 // run r - 1's group when both are decode runs sharing at least cmin leading kv entries
@@ -1067,17 +1069,20 @@ __device__ int tc_groups(const TcArgs& a, int cmin, int gqrows, int gtarget, lon
     cc_i32* run_cs = plan_run_cs(a);
     int4* groups = plan_groups(a);
     int4* gitems = plan_gitems(a);
+    // each run's link decided once (run_cs holds it until the groups are made): a run
+    // starts a group when the next one links to it and it links to none
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) run_cs[r] = tc_linked(a, r, cmin, width);
+    __syncthreads();
     int ng = 0;
     for (int b = 0; b < rows; b += blockDim.x) {
         const int r = b + threadIdx.x;
-        const bool lnk = tc_linked(a, r, cmin, width);
-        const bool st = r < rows && !lnk && tc_linked(a, r + 1, cmin, width);
+        const bool lnk = r < rows && run_cs[r] != 0;
+        const bool st = r < rows && !lnk && r + 1 < rows && run_cs[r + 1] != 0;
         int total;
         const int gi = ng + block_scan(st ? 1 : 0, s_i, &total) - 1;
         if (r < rows) {
             run_crow[r] = st || lnk ? gi : -1;         // the run's group, for now
             run_start[r] = 0;
-            run_cs[r] = 0;
             plan_row_cr(a)[r] = -1;
             if (st) groups[gi] = make_int4(r, 0, 0x7fffffff, -1);
         }
@@ -1087,6 +1092,7 @@ __device__ int tc_groups(const TcArgs& a, int cmin, int gqrows, int gtarget, lon
     __syncthreads();
     for (int r = threadIdx.x; r < rows; r += blockDim.x) {
         const int g = run_crow[r];
+        run_cs[r] = 0;
         if (g < 0) continue;
         atomicAdd(&groups[g].y, 1);
         if (groups[g].x != r) atomicMin(&groups[g].z, a.share[r]);   // a linked member
@@ -1095,7 +1101,7 @@ __device__ int tc_groups(const TcArgs& a, int cmin, int gqrows, int gtarget, lon
     long long tiles = 0;
     for (int g = threadIdx.x; g < ng; g += blockDim.x) {
         int S = groups[g].z / TC_CASCADE_ALIGN * TC_CASCADE_ALIGN;
-        if (S < cmin) S = 0;
+        if (S < cmin || groups[g].y < 2) S = 0;        // (every group has two runs and a share)
         groups[g].z = S;
         if (S > 0) tiles += (groups[g].y * G + gqrows - 1) / gqrows;
     }
@@ -1315,14 +1321,18 @@ __device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
             for (int off = 4; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
             den = __shfl_sync(0xffffffffu, den, 0);
             const float inv = den > 0.f ? 1.f / den : 0.f;
+            float w[1 + TC_NSH];                        // every lane: the weights (all lanes shuffle)
+#pragma unroll
+            for (int s = 0; s < 1 + TC_NSH; ++s) w[s] = __shfl_sync(0xffffffffu, ws, s);
             T* dst = static_cast<T*>(a.out) + (cc_i64)i * a.o_s_tok + (cc_i64)h * a.o_s_head;
             for (int d = 2 * lane; d < D; d += 64) {
                 float x0 = 0.f, x1 = 0.f;
-                for (int s = 0; s < ns; ++s) {
-                    const float w = __shfl_sync(0xffffffffu, ws, s);
+#pragma unroll
+                for (int s = 0; s < 1 + TC_NSH; ++s) {
+                    if (s >= ns) break;
                     const float2 v = *reinterpret_cast<const float2*>(pp + s * (D + 2) + 2 + d);
-                    x0 += w * v.x;
-                    x1 += w * v.y;
+                    x0 += w[s] * v.x;
+                    x1 += w[s] * v.y;
                 }
                 *reinterpret_cast<cc_u32*>(dst + d) = Mma<T>::pack(x0 * inv, x1 * inv);
             }

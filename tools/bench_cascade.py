@@ -10,8 +10,8 @@ in one run: the tensor-core kernels over decode steps whose rows share leading c
 Each case builds one CUDA cache whose sequences are families (a root of ``shared`` tokens,
 forked ``per`` times at its end, each fork then given its own tokens, uniform in
 ``own``), one decode step of every fork in family order, random pools and q in bf16, and
-times a CUDA graph of ``--layers`` attention launches (the first finds the step's shares,
-the others reuse them: a served step's attention) with grouping off and on
+times a CUDA graph of ``--layers`` attention launches (the first finds the step's shares
+and plans the step, the others reuse both: a served step's attention) with grouping off and on
 (``cascade=cellcache.torch.CASCADE_MIN_SHARED``), by CUDA events around each replay,
 alternating, the median of ``--reps``. The largest |difference| between the two outputs is
 printed beside them (each is checked against a float64 reference by
@@ -101,7 +101,7 @@ def case(name, families, per, shared, own, H, Hkv, D, layers, reps, rng) -> dict
         for layer in range(layers):
             tc.run(view.paged_pointers(), rows, q.data_ptr(), strides, k.data_ptr(), v.data_ptr(),
                    outs[side].data_ptr(), strides, H, Hkv, D, 0, stream.cuda_stream, decode=True,
-                   cascade=cascade if side == "on" else 0, share=layer == 0)
+                   cascade=cascade if side == "on" else 0, share=layer == 0, fresh=layer == 0)
 
     graphs = {}
     for side in outs:
