@@ -21,8 +21,8 @@ FLOORS = [
      "cuda.kernels", "cuda.tc", "cuda._launch", "cuda._dlpack", "cuda._engine"},
     {"registry"},
     {"radix", "prefix_events", "prefix_policy", "prefix_tree"},
-    {"attention", "session", "prefix", "torch", "batch_invariant", "hf", "runner", "tp", "tp.shard",
-     "tp.peers", "tp.agreement", "seqstate"},
+    {"attention", "session", "prefix", "torch", "cascade", "batch_invariant", "hf", "runner", "tp",
+     "tp.shard", "tp.peers", "tp.agreement", "seqstate"},
     # the generator package: each module only above those it imports
     {"generate.text", "generate.sleep", "generate.spill"},
     {"generate.requests", "generate.readback"},

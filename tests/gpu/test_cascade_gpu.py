@@ -220,3 +220,40 @@ def test_plan_kept_for_the_step_layers():
             rig.check(st, view, k_pool, v_pool, qj, window, out=out, what=f"call {j} {c}")
     finally:
         sh.close()
+
+
+def test_flashinfer_reads_the_cascade_levels():
+    """cellcache.cascade's two levels, planned by FlashInfer's MultiLevelCascadeAttentionWrapper
+    over the same pools (page size 1), give the reference attention (skipped where FlashInfer
+    is not installed, as the other FlashInfer tests)."""
+    torch = pytest.importorskip("torch")
+    flashinfer = pytest.importorskip("flashinfer")
+    from cellcache.cascade import cascade_levels
+
+    sh = Shared("bfloat16", 128, 4, seed=33)
+    rig = sh.rig
+    try:
+        root = sh.new(1100)
+        kids = sh.forks(root, 9)
+        lone = sh.new(700)
+        ids = [int(lone)] + [int(x) for x in kids]
+        c = rig.cache
+        assert c.declare_step(ids)
+        st = c.prepare_step()
+        view = rig.cct.TorchView(c)
+        lv = cascade_levels(view, min_shared=256)
+        c.commit_step()
+        assert lv.groups == [(1, 9, 1024)]
+        k_pool, v_pool, _ = view.layer(0)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        k_pool.copy_(torch.randn(k_pool.shape, generator=gen, device="cuda"))
+        v_pool.copy_(torch.randn(v_pool.shape, generator=gen, device="cuda"))
+        q = torch.randn((len(ids), rig.H, rig.D), generator=gen, device="cuda").bfloat16()
+        work = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(2, work, "NHD")
+        wrapper.plan(*lv.flashinfer_args(), rig.H, k_pool.shape[1], rig.D, 1, causal=True,
+                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        out = wrapper.run(q, (k_pool[:, None], v_pool[:, None]))
+        rig.check(st, view, k_pool, v_pool, q, 0, out=out, what="FlashInfer cascade")
+    finally:
+        sh.close()
