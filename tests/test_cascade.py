@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch")
 from cellcache import CacheConfig, LayerConfig, build  # noqa: E402
 from cellcache.errors import InvalidArgument, InvalidState  # noqa: E402
 
+from .helpers_cascade import Families  # noqa: E402
+
 cascade = pytest.importorskip("cellcache.cascade")
 cct = pytest.importorskip("cellcache.torch")
 
@@ -24,33 +26,6 @@ def _cache(paged=True, capacity=8192, max_seqs=40):
                       initial_capacity=capacity, dtype="float32", max_seqs=max_seqs, paged=paged,
                       mask_format="none" if paged else "bool")
     return build("host", "batched", cfg)
-
-
-class Family:
-    """Sequences on a host cache: roots, forks of them, tokens interleaved (cells spread)."""
-
-    def __init__(self, cache, seed=0):
-        self.c, self.t, self.rng = cache, cache.table, np.random.default_rng(seed)
-
-    def grow(self, seqs, lens):
-        left = dict(zip(seqs, (int(n) for n in np.broadcast_to(lens, len(seqs)))))
-        while any(left.values()):
-            for s in self.rng.permutation(list(left)):
-                n = int(min(left[s], self.rng.integers(1, 60)))
-                if n:
-                    assert self.t.declare_step([int(s)] * n)
-                    self.t.place()
-                    left[s] -= n
-
-    def new(self, n):
-        s = self.t.seq_new()
-        self.grow([s], n)
-        return s
-
-    def forks(self, src, k, upto=None, own=(1, 40)):
-        out = [self.t.seq_clone(src, upto=upto) for _ in range(k)]
-        self.grow(out, self.rng.integers(own[0], own[1] + 1, size=k))
-        return out
 
 
 def _attend(q, K, V, cells, causal):
@@ -114,9 +89,9 @@ def _check(cache, ids, pad_to, min_shared, seed=0):
 
 def test_forks_of_one_root_group_and_the_levels_give_plain_attention():
     cache = _cache()
-    f = Family(cache)
+    f = Families(cache.table, np.random.default_rng(0), chunk=60)
     root = f.new(600)
-    kids = f.forks(root, 5)
+    kids = f.forks(root, 5, own=(1, 40))
     u1, u2 = f.new(300), f.new(700)
     ids = [u1, *kids, u2]
     lv = _check(cache, [int(x) for x in ids], len(ids) + 3, 256)
@@ -128,11 +103,11 @@ def test_forks_of_one_root_group_and_the_levels_give_plain_attention():
 
 def test_nested_sharing_interior_clones_thresholds_and_mixed_steps():
     cache = _cache()
-    f = Family(cache, seed=3)
+    f = Families(cache.table, np.random.default_rng(3), chunk=60)
     s = f.new(300)
     d1, d2 = f.forks(s, 2, own=(400, 400))
-    f1, f2 = f.forks(d1, 3), f.forks(d2, 2)
-    fi = f.forks(d1, 2, upto=650)
+    f1, f2 = f.forks(d1, 3, own=(1, 40)), f.forks(d2, 2, own=(1, 40))
+    fi = f.forks(d1, 2, upto=650, own=(1, 40))
     u = f.new(500)
     ids = [int(x) for x in [u, *f1, *fi, d1, *f2, d2, s]]
     lv = _check(cache, ids, len(ids) + 2, 128, seed=1)
@@ -147,7 +122,7 @@ def test_nested_sharing_interior_clones_thresholds_and_mixed_steps():
 
 def test_refusals_change_nothing():
     cache = _cache()
-    f = Family(cache)
+    f = Families(cache.table, np.random.default_rng(0), chunk=60)
     a = f.new(10)
     view = cct.TorchView(cache)
     with pytest.raises(InvalidState, match="prepared step"):

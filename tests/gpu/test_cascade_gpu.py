@@ -11,9 +11,9 @@ every test is skipped by the conftest, never errored.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
+from ..helpers_cascade import Families
 from .test_cuda_tensor_core import WINDOW, Rig
 
 
@@ -28,28 +28,13 @@ class Shared:
         for s in self.rig.seqs:
             self.t.seq_rm(s)
         self.rng = self.rig.rng
-
-    def grow(self, seqs, n):
-        """n tokens for each of seqs, interleaved in chunks (cells spread out)."""
-        left = {s: n if np.isscalar(n) else int(k) for s, k in zip(seqs, np.broadcast_to(n, len(seqs)))}
-        while any(left.values()):
-            for s in self.rng.permutation(list(left)):
-                k = int(min(left[s], self.rng.integers(1, 90)))
-                if k:
-                    assert self.t.declare_step([int(s)] * k)
-                    self.t.place()
-                    left[s] -= k
+        self.fam = Families(self.t, self.rng)
 
     def new(self, n):
-        s = self.t.seq_new()
-        self.grow([s], n)
-        return s
+        return self.fam.new(n)
 
     def forks(self, src, k, own=(1, 60), upto=None):
-        out = [self.t.seq_clone(src, upto=upto) for _ in range(k)]
-        assert None not in out
-        self.grow(out, self.rng.integers(own[0], own[1] + 1, size=k))
-        return out
+        return self.fam.forks(src, k, own=own, upto=upto)
 
     def run(self, ids, pad, cascade, window=0, decode=True):
         """One step; the cascade launch checked against the reference and against the same
