@@ -89,8 +89,7 @@ def shared_prefixes(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: to
     b = kv_indices[(kvt[seg] + k).long()]
     # the first entry that differs, else the whole history
     first = torch.where(a != b, k, torch.full_like(k, total))
-    out = torch.as_tensor(np.where(pair, m, 0), device=dev).clone()
-    out = out.scatter_reduce(0, seg - 1, first, reduce="amin", include_self=True)
+    out = torch.as_tensor(m, device=dev).scatter_reduce(0, seg - 1, first, reduce="amin", include_self=True)
     share[1:] = out.cpu().numpy()
     return share
 

@@ -128,7 +128,8 @@ def test_refusals_change_nothing():
     with pytest.raises(InvalidState, match="prepared step"):
         cascade.cascade_levels(view)
     assert cache.declare_step([int(a)])
-    cache.prepare_step()
+    st = cache.prepare_step()
+    before = view.paged["kv_indices"].clone()
     for bad in (0, 100, -128, True, 1.5, "256"):
         with pytest.raises(InvalidArgument, match="min_shared"):
             cascade.cascade_levels(view, min_shared=bad)
@@ -139,6 +140,8 @@ def test_refusals_change_nothing():
     assert other.declare_step([b])
     with pytest.raises(InvalidState, match="prepared step"):
         cascade.cascade_levels(view, step=other.prepare_step())
+    # the refusals left the step prepared and its paged view as it was
+    assert cache.prepared_step is st and torch.equal(view.paged["kv_indices"], before)
     assert cascade.cascade_levels(view).groups == []
     cache.commit_step()
     plain = _cache(paged=False)
