@@ -97,6 +97,26 @@ class ServerProcess:
                 out[key] = float(value)
         return out
 
+    def engine_pid(self) -> int | None:
+        """The server's engine process (its child other than multiprocessing's resource
+        tracker), or None (Linux /proc)."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            return None
+        for child in children:
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if b"resource_tracker" not in cmdline:
+                return child
+        return None
+
     def signal(self, sig: int = signal.SIGTERM) -> None:
         assert self.proc is not None
         self.proc.send_signal(sig)

@@ -26,10 +26,12 @@ def model_dir(tmp_path_factory):
     return save_model_and_tokenizer(tmp_path_factory.mktemp("serve") / "tiny-chat", "bytelevel")
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
+@pytest.fixture(scope="module", params=["engine-process", "no-engine-process"])
+def server(model_dir, request):
+    """The server both ways: its generator in an engine process (the default), and on the
+    engine thread beside the HTTP loop."""
     srv = ServerProcess(model_dir, "--device", "cpu", "--dtype", "float32", "--capacity", "4096",
-                        "--log-level", "warning", "--served-model-name", "tiny")
+                        "--log-level", "warning", "--served-model-name", "tiny", f"--{request.param}")
     srv.start()
     yield srv
     srv.stop()

@@ -21,12 +21,14 @@ LONG = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 2000, "t
         "ignore_eos": True, "stream": True}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["engine-process", "no-engine-process"])
+def server(tmp_path_factory, request):
+    """A server of its own, both ways (an engine process, the default; one process)."""
     model_dir = save_model_and_tokenizer(tmp_path_factory.mktemp("bounds") / "tiny", "bytelevel")
     srv = ServerProcess(model_dir, "--device", "cpu", "--dtype", "float32", "--capacity", "4096",
                         "--no-prefix-cache", "--max-seqs", "1", "--max-waiting", "1",
-                        "--shutdown-timeout", "0.5", "--log-level", "warning", "--served-model-name", "tiny")
+                        "--shutdown-timeout", "0.5", "--log-level", "warning", "--served-model-name", "tiny",
+                        f"--{request.param}")
     srv.start()
     yield srv
     srv.stop()

@@ -200,7 +200,7 @@ def test_the_snapshot_is_never_older_than_an_event_delivered(served, monkeypatch
 
     async def go() -> None:
         q = Watched()
-        engine.submit([5, 6, 7], Sampling(max_new_tokens=4), q, tokens=True)
+        await engine.submit([5, 6, 7], Sampling(max_new_tokens=4), q, tokens=True)
         while True:
             if (await q.get()).kind == "done":
                 return
@@ -278,9 +278,9 @@ def test_nothing_of_a_request_outlives_it(served):
 
         async def cancelled() -> None:
             q: asyncio.Queue = asyncio.Queue()
-            early = engine.submit([5, 6, 7], Sampling(max_new_tokens=8), q, tag=0, tokens=True)
+            early = await engine.submit([5, 6, 7], Sampling(max_new_tokens=8), q, tag=0, tokens=True)
             engine.cancel(early)                          # before (or as) it runs
-            later = engine.submit([5, 6, 7], Sampling(max_new_tokens=8), q, tag=1, tokens=True)
+            later = await engine.submit([5, 6, 7], Sampling(max_new_tokens=8), q, tag=1, tokens=True)
             while (await q.get()).kind != "token":        # it runs
                 pass
             engine.cancel(later)

@@ -31,6 +31,7 @@ Progress lines go to stderr; the table to stdout. Bad usage: one line, exit 2.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import multiprocessing as mp
@@ -70,6 +71,9 @@ def build_parser() -> Parser:
                    help="the server's --stream-interval (tokens a chunk gathers; default 1)")
     p.add_argument("--max-batch-tokens", type=in_range(1, 1 << 16), default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="the server steps its generator in a process of its own (its default; "
+                        "--no-engine-process: the engine thread beside the HTTP loop)")
     p.add_argument("--loads", default="0.5", help="fractions of the saturated request rate (default 0.5)")
     p.add_argument("--clients", type=in_range(1, 64), default=4, help="client processes (default 4)")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
@@ -147,6 +151,8 @@ def server_flags(args: Any) -> list[str]:
         flags.append("--no-prefix-cache")
     if args.stream_interval != 1:
         flags += ["--stream-interval", str(args.stream_interval)]
+    if not args.engine_process:
+        flags.append("--no-engine-process")
     return flags
 
 
@@ -264,6 +270,8 @@ def soak(args: Any, server: Any, prompts: list[list[int]], rate: float) -> dict[
                 stop.wait(args.sample_every)
                 continue
             samples.append({"t": time.time() - start, "rss_bytes": _rss(server.proc.pid),
+                            # the engine process's (absent with --no-engine-process: the same process)
+                            "engine_rss_bytes": m.get("cellcache_engine_resident_memory_bytes", 0.0),
                             "gpu_reserved_bytes": m.get("cellcache_gpu_memory_reserved_bytes", 0.0),
                             "gpu_allocated_bytes": m.get("cellcache_gpu_memory_allocated_bytes", 0.0),
                             "running": m.get("cellcache_requests_running", 0.0),
@@ -271,6 +279,7 @@ def soak(args: Any, server: Any, prompts: list[list[int]], rate: float) -> dict[
                             "cells_used": m.get("cellcache_kv_cells_used", 0.0)})
             last = samples[-1]
             log(f"soak: t={last['t']:.0f}s rss={last['rss_bytes'] / 2**20:.0f} MiB "
+                f"engine rss={last['engine_rss_bytes'] / 2**20:.0f} MiB "
                 f"gpu={last['gpu_reserved_bytes'] / 2**20:.0f} MiB running={last['running']:.0f}")
             stop.wait(args.sample_every)
 
@@ -313,6 +322,8 @@ def plot(path: Path, result: dict[str, Any]) -> bool:
     t = [x["t"] / 60 for x in s]
     fig, ax = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     ax[0].plot(t, [x["rss_bytes"] / 2**20 for x in s], label="server RSS (MiB)")
+    if any(x.get("engine_rss_bytes") for x in s):
+        ax[0].plot(t, [x["engine_rss_bytes"] / 2**20 for x in s], label="engine process RSS (MiB)")
     ax[0].plot(t, [x["gpu_reserved_bytes"] / 2**20 for x in s], label="GPU reserved (MiB)")
     ax[0].plot(t, [x["gpu_allocated_bytes"] / 2**20 for x in s], label="GPU allocated (MiB)")
     ax[0].set_ylabel("MiB")
@@ -381,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"plot: {args.plot}" if plot(args.plot, res) else "plot: matplotlib is not installed")
                 print(f"soak: {res['requests']} requests in {args.soak:g} min at {rate:.2f}/s, "
                       f"{res['disconnected']} disconnects, {res['errors']} errors; RSS "
-                      f"{_mib(res['samples'], 'rss_bytes')} MiB, GPU reserved "
+                      f"{_mib(res['samples'], 'rss_bytes')} MiB, engine RSS "
+                      f"{_mib(res['samples'], 'engine_rss_bytes')} MiB, GPU reserved "
                       f"{_mib(res['samples'], 'gpu_reserved_bytes')} MiB (first -> last sample)")
                 code = 1 if res["errors"] else 0
             else:

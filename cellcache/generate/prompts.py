@@ -21,7 +21,7 @@ from ..errors import InvalidArgument
 from .requests import Sampling, token_ids
 
 __all__ = ["TOKENIZER_FILES", "check_text_options", "check_tokenizer", "encode_prompt", "has_tokenizer_files",
-           "is_messages", "load_pretrained"]
+           "is_messages", "load_pretrained", "load_tokenizer"]
 
 
 def check_tokenizer(tokenizer: Any) -> None:
@@ -122,7 +122,7 @@ def load_pretrained(path: Any, tokenizer: Any, dtype: Any, device: Any) -> tuple
     directory without tokenizer files (:func:`has_tokenizer_files`).
     InvalidArgument when something cannot be loaded."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if not isinstance(path, (str, bytes)) and not hasattr(path, "__fspath__"):
         raise InvalidArgument(f"path of type {type(path).__name__} is not a directory path or model name")
@@ -139,17 +139,30 @@ def load_pretrained(path: Any, tokenizer: Any, dtype: Any, device: Any) -> tuple
         dtype = resolved
     elif not (dtype == "auto" or isinstance(dtype, torch.dtype)):
         raise InvalidArgument(f"dtype of type {type(dtype).__name__} is not a torch dtype or 'auto'")
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path)
+    elif isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
+        tokenizer = load_tokenizer(tokenizer, required=True)
     try:
-        if tokenizer is None and not has_tokenizer_files(path):
-            pass                  # a checkpoint alone: token ids only (see has_tokenizer_files)
-        elif tokenizer is None or isinstance(tokenizer, (str, bytes)) or hasattr(tokenizer, "__fspath__"):
-            tokenizer = AutoTokenizer.from_pretrained(path if tokenizer is None else tokenizer,
-                                                      local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise InvalidArgument(f"could not load {path!r} from local files: {e}") from e
-    if tokenizer is not None:
-        check_tokenizer(tokenizer)
     return model.to(device).eval(), tokenizer
+
+
+def load_tokenizer(path: Any, required: bool = False) -> Any:
+    """``AutoTokenizer`` from a local directory or a cached hub name (``local_files_only``),
+    checked; None for a directory without tokenizer files (:func:`has_tokenizer_files`)
+    unless ``required``. InvalidArgument when it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    if not required and not has_tokenizer_files(path):
+        return None               # a checkpoint alone: token ids only (see has_tokenizer_files)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise InvalidArgument(f"could not load {path!r} from local files: {e}") from e
+    check_tokenizer(tokenizer)
+    return tokenizer
 
 

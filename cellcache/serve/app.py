@@ -122,7 +122,6 @@ class _Server:
 
     def __init__(self, engine: Engine, model_name: str, limits: ServeLimits, metrics: Metrics):
         self.engine, self.model_name, self.limits, self.metrics = engine, model_name, limits, metrics
-        self.gen = engine.gen
         self._pieces: dict[int, str] = {}
 
     # -- tokens as text ------------------------------------------------------------------------------
@@ -130,7 +129,7 @@ class _Server:
         """A token alone as text (``token_id:N`` without a tokenizer); remembered."""
         s = self._pieces.get(token)
         if s is None:
-            tok = self.gen.tokenizer
+            tok = self.engine.tokenizer
             s = f"token_id:{token}" if tok is None else tok.decode([token])
             if len(self._pieces) < 1 << 20:
                 self._pieces[token] = s
@@ -139,7 +138,7 @@ class _Server:
     def decode(self, ids: list[int]) -> str:
         """Token ids as the library's texts have them (special tokens skipped); "" without a
         tokenizer."""
-        tok = self.gen.tokenizer
+        tok = self.engine.tokenizer
         return "" if tok is None else decode(tok, ids)
 
     # -- requests in ---------------------------------------------------------------------------------
@@ -186,7 +185,8 @@ class _Server:
         streams: list[Stream] = []
         try:
             for tag, (ids, sampling) in enumerate(zip(ids_list, samplings)):
-                streams.append(self.engine.submit(ids, sampling, queue, tag, tokens=_wants_tokens(body)))
+                streams.append(await self.engine.submit(ids, sampling, queue, tag,
+                                                        tokens=_wants_tokens(body)))
         except BaseException as e:
             for s in streams:
                 self.engine.cancel(s)
@@ -504,7 +504,7 @@ async def _stream_events(srv: _Server, choices: _Choices, queue: asyncio.Queue,
     Without a tokenizer each step's tokens make a chunk (empty text; their ids with
     ``return_token_ids``)."""
     n = choices.n
-    untexted = srv.gen.tokenizer is None
+    untexted = srv.engine.tokenizer is None
     try:
         while not all(choices.done):
             batch = [await queue.get()]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -92,6 +93,9 @@ def build_parser() -> Parser:
                    help="serve POST /sleep?level=1|2[&keep_prefixes=true], POST /wake_up and GET "
                         "/is_sleeping (the generator's sleep: KV memory, and at level 2 the weights, "
                         "given back between uses); off by default: any client could stop the server")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="step the generator in a process of its own, the HTTP front end in this one, "
+                        "so that streaming never holds up a step (default: on, off under --tp)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
     return p
 
@@ -145,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                 "(and leave the prefix cache on)")
     if args.spill_gib and args.tp > 1:
         p.error("--spill-gib does not serve under --tp (each rank would spill its own shard)")
+    tp = args.tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1"
+    if args.engine_process and tp:
+        p.error("--engine-process serves one process: under --tp rank 0 steps beside its HTTP front end")
     missing = _missing_extra()
     if missing is not None:
         p.error(f"needs the 'serve' extra (no module named {missing!r}): pip install 'cellcache[serve]'")
@@ -164,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             p.error(str(e))
     sock = _bind(p, args.host, args.port) if rank == 0 else None
+    if world == 1 and args.engine_process is not False:
+        assert sock is not None
+        return _serve_split(p, args, device, sock)
     gen = _load(p, args, place if world > 1 else device, world)
     if rank != 0:
         return _follow(gen)
@@ -179,7 +189,20 @@ def _cuda() -> bool:
 
 def _load(p: Parser, args: Any, device: str | None, world: int) -> Any:
     """The Generator over MODEL_DIR, or a usage error (one line, exit 2)."""
+    from .process import EngineLoadError
+
+    try:
+        return load_generator(args, device, world)
+    except EngineLoadError as e:
+        p.error(str(e))
+
+
+def load_generator(args: Any, device: str | None, world: int = 1) -> Any:
+    """The Generator over MODEL_DIR with the options of ``args``, warmed up; EngineLoadError
+    (its message one line for the user) when it cannot be (the engine process runs this)."""
     from ..generate import Generator
+    from ..generate.cli import is_out_of_memory
+    from .process import EngineLoadError
 
     kwargs: dict[str, Any] = dict(
         capacity=args.capacity, max_seqs=args.max_seqs, max_batch_tokens=args.max_batch_tokens,
@@ -189,8 +212,6 @@ def _load(p: Parser, args: Any, device: str | None, world: int) -> Any:
         spill_bytes=int(args.spill_gib * (1 << 30)), spill_prefixes=args.spill_prefixes)
     if world > 1:
         kwargs["tp"] = world
-    from ..generate.cli import is_out_of_memory
-
     try:
         gen = Generator.from_pretrained(args.model_dir, dtype=args.dtype, device=device, **kwargs)
         if gen.tokenizer is None:
@@ -198,12 +219,14 @@ def _load(p: Parser, args: Any, device: str | None, world: int) -> Any:
                 "%s has no tokenizer: only token-id prompts are served, texts are empty", args.model_dir)
         gen.warmup()
     except (CellCacheError, OSError, ValueError) as e:
-        p.error(f"cannot serve {args.model_dir}: {type(e).__name__}: {' '.join(str(e).split())}")
+        raise EngineLoadError(f"cannot serve {args.model_dir}: {type(e).__name__}: "
+                              f"{' '.join(str(e).split())}") from None
     except (RuntimeError, MemoryError) as e:
         if not is_out_of_memory(e):
             raise
-        p.error(f"serving {args.model_dir} ran out of memory; give a smaller --capacity or "
-                "--max-batch-tokens, a --dtype of half the size, or a device with more free memory")
+        raise EngineLoadError(
+            f"serving {args.model_dir} ran out of memory; give a smaller --capacity or "
+            "--max-batch-tokens, a --dtype of half the size, or a device with more free memory") from None
     return gen
 
 
@@ -221,19 +244,50 @@ def _follow(gen: Any) -> int:
 
 
 def _serve(args: Any, gen: Any, sock: socket.socket, world: int) -> int:
-    import uvicorn
-
-    from .app import build_app
+    """Serves with the engine thread in this process (``--no-engine-process``, ``--tp``)."""
     from .engine import Engine
     from .protocol import ServeLimits
 
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model_dir))
     max_pos = getattr(getattr(gen.model, "config", None), "max_position_embeddings", None)
     limits = ServeLimits(capacity=gen.cache.config.capacity,
                          max_positions=max_pos if isinstance(max_pos, int) and max_pos > 0 else None,
                          default_max_tokens=args.default_max_tokens)
     engine = Engine(gen, max_waiting=args.max_waiting, idle_tick=1.0 if world > 1 else None,
                     stream_interval=args.stream_interval)
+    return _run(args, engine, limits, sock)
+
+
+def _serve_split(p: Parser, args: Any, device: str | None, sock: socket.socket) -> int:
+    """Serves with the generator in an engine process (:mod:`cellcache.serve.process`): the
+    tokenizer loads here while the model loads there."""
+    from ..errors import InvalidArgument
+    from ..generate.prompts import load_tokenizer
+    from .process import EngineClient, EngineLoadError
+    from .protocol import ServeLimits
+
+    build = functools.partial(load_generator, args, device)
+    engine = EngineClient(build, tokenizer=None, max_waiting=args.max_waiting,
+                          stream_interval=args.stream_interval, log_level=args.log_level)
+    try:
+        engine.launch()
+        engine.tokenizer = load_tokenizer(args.model_dir)
+    except (EngineLoadError, InvalidArgument) as e:
+        engine.stop(10)
+        p.error(str(e) if isinstance(e, EngineLoadError) else f"cannot serve {args.model_dir}: {e}")
+    limits = ServeLimits(capacity=engine.capacity, max_positions=engine.max_positions,
+                         default_max_tokens=args.default_max_tokens)
+    try:
+        return _run(args, engine, limits, sock)
+    finally:
+        engine.stop(10)
+
+
+def _run(args: Any, engine: Any, limits: Any, sock: socket.socket) -> int:
+    import uvicorn
+
+    from .app import build_app
+
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model_dir))
     app = build_app(engine, model_name=name, limits=limits, drain_timeout=args.shutdown_timeout,
                     enable_sleep=args.enable_sleep)
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5,

@@ -35,6 +35,8 @@ import collections
 import concurrent.futures
 import copy
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -60,10 +62,10 @@ MAX_FAILED_STEPS = 3
 
 @dataclass(slots=True)
 class Event:
-    """What a request's stream receives: ``"token"`` (continuation ``k``'s ``token``),
-    ``"text"`` (its newly final ``text``; ``finish`` set on the last one), ``"done"`` (the
-    request is done: no event follows), ``"error"`` (the engine failed it: ``text`` says
-    why)."""
+    """What a request's stream receives: ``"token"`` (continuation ``k``'s ``token``;
+    ``logprob`` its TokenLogprob where an engine process sends it), ``"text"`` (its newly
+    final ``text``; ``finish`` set on the last one), ``"done"`` (the request is done: no
+    event follows), ``"error"`` (the engine failed it: ``text`` says why)."""
 
     kind: str
     tag: int
@@ -71,6 +73,7 @@ class Event:
     token: int = 0
     text: str = ""
     finish: str | None = None
+    logprob: Any = None
 
 
 @dataclass(eq=False)
@@ -81,7 +84,7 @@ class Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     tag: int
-    request: Request | None = None
+    request: Any = None                         # a Request (a RemoteRequest in a front end)
     started: bool = False                       # a first token (or the end) was seen
     # the engine thread's hold-back (stream_interval > 1): events not handed over yet, the
     # tokens among them, and whether anything was handed over at all
@@ -142,6 +145,7 @@ class Engine:
         self.snapshot: dict[str, Any] = {}
         self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self._outbox: list[tuple[Stream, Event]] = []      # the engine thread's, until handed over
+        self._memory: dict[str, int] = {}                  # _memory(), refreshed with the rate
         # the tokenizer the pool encodes with: never the object the engine thread decodes with
         self._encoder: Any = None
         if gen.tokenizer is not None:
@@ -200,8 +204,13 @@ class Engine:
                     s.started = True
                     self._waiting -= 1
 
-    def submit(self, ids: list[int], sampling: Sampling, queue: asyncio.Queue, tag: int = 0,
-               tokens: bool = False) -> Stream:
+    @property
+    def tokenizer(self) -> Any:
+        """The generator's tokenizer (None: token ids only)."""
+        return self.gen.tokenizer
+
+    async def submit(self, ids: list[int], sampling: Sampling, queue: asyncio.Queue, tag: int = 0,
+                     tokens: bool = False) -> Stream:
         """Queues ``ids`` with ``sampling`` on the generator; its events go to ``queue``
         tagged ``tag``: ``"text"`` ones, and ``"token"`` ones when ``tokens`` is true or the
         generator has no tokenizer (an ``on_token`` callback a token costs the engine thread
@@ -209,7 +218,11 @@ class Engine:
         :class:`Refused` (see :meth:`check_admission`), or the generator's InvalidArgument
         with nothing queued. Loop thread only."""
         self.check_admission()
-        stream = Stream(asyncio.get_running_loop(), queue, tag)
+        return self._queue(Stream(asyncio.get_running_loop(), queue, tag), ids, sampling, tokens)
+
+    def _queue(self, stream: Stream, ids: list[int], sampling: Sampling, tokens: bool) -> Stream:
+        """``gen.add`` for ``stream`` (counted waiting, then live), the engine thread woken;
+        any thread. The generator's InvalidArgument propagates with nothing queued."""
         with self._lock:
             self._waiting += 1
         try:
@@ -497,13 +510,15 @@ class Engine:
         now = time.monotonic()
         stats = dict(gen.stats)
         cache = gen.cache
-        self.snapshot = {"running": len(gen.running), "waiting": self._waiting,
-                         "scheduler_waiting": len(gen.waiting), "live": len(self._live),
-                         "free_cells": cache.free_cells, "capacity": cache.config.capacity,
-                         "stats": stats, "time": now}
         rate = self._rate
         if not rate or now - rate[-1][0] >= 0.25:
             rate.append((now, stats.get("tokens_out", 0)))
+            self._memory = _memory()
+        self.snapshot = {"running": len(gen.running), "waiting": self._waiting,
+                         "scheduler_waiting": len(gen.waiting), "live": len(self._live),
+                         "free_cells": cache.free_cells, "capacity": cache.config.capacity,
+                         "stats": stats, "time": now, "asleep": self.asleep,
+                         "failed": None if self.failed is None else str(self.failed), **self._memory}
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         """Output tokens a second over about the last ``window`` seconds of steps."""
@@ -516,6 +531,22 @@ class Engine:
         if time.monotonic() - t1 > window or t1 <= t0:
             return 0.0
         return (n1 - n0) / (t1 - t0)
+
+
+def _memory() -> dict[str, int]:
+    """This process's resident bytes and, once it uses CUDA, torch's device memory: read with
+    the token rate (four times a second at most), not every step."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass                                    # not Linux: the gauge is left out
+    torch: Any = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["gpu_allocated_bytes"] = torch.cuda.memory_allocated()
+        out["gpu_reserved_bytes"] = torch.cuda.memory_reserved()
+    return out
 
 
 class Refused(Exception):

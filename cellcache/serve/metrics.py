@@ -4,15 +4,15 @@
 Gauges read the engine's snapshot at scrape time (refreshed after every step on the engine
 thread, so a scrape never waits for a step): requests running / waiting, KV cells used /
 free / capacity, the prefix cache's hit rate (cached prompt tokens over prompt tokens since
-start), output tokens a second over the last seconds, torch's device memory (CUDA), the
-process's resident memory and CPU time. Counters: prompt, cached and
+start), output tokens a second over the last seconds, torch's device memory (CUDA) and the
+resident memory of the process that steps the generator, the front end's own resident memory
+and CPU time. Counters: prompt, cached and
 generated tokens, requests by finish reason, HTTP errors by status. Histograms, observed when
 a request ends: time to first token, inter-token latency, end-to-end latency (seconds).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,12 +57,17 @@ class _EngineCollector(Collector):
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
-        torch: Any = sys.modules.get("torch")        # (a CUDA model has loaded it already)
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            yield GaugeMetricFamily("cellcache_gpu_memory_allocated_bytes", "torch's allocated device memory",
-                                    value=torch.cuda.memory_allocated())
-            yield GaugeMetricFamily("cellcache_gpu_memory_reserved_bytes", "torch's reserved device memory",
-                                    value=torch.cuda.memory_reserved())
+        # (read by the engine, which may be a process of its own: the front end's torch has
+        # no device memory)
+        memory = (("cellcache_gpu_memory_allocated_bytes", "torch's allocated device memory (the engine's)",
+                   "gpu_allocated_bytes"),
+                  ("cellcache_gpu_memory_reserved_bytes", "torch's reserved device memory (the engine's)",
+                   "gpu_reserved_bytes"),
+                  ("cellcache_engine_resident_memory_bytes",
+                   "Resident memory of the process that steps the generator", "rss_bytes"))
+        for name, doc, key in memory:
+            if key in snap:
+                yield GaugeMetricFamily(name, doc, value=snap[key])
         counters = (("cellcache_prompt_tokens", "Prompt tokens admitted", "prompt_tokens"),
                     ("cellcache_cached_prompt_tokens", "Prompt tokens found in the prefix cache",
                      "cached_tokens"),

@@ -1,0 +1,668 @@
+"""The engine in a process of its own: ``cellcache serve``'s default on one process.
+
+In one process the server's two halves share one interpreter lock: every token of every
+stream costs the event loop a JSON chunk and a write, and at a few hundred streams the loop
+holds the lock for most of each step while the engine thread waits for it to launch the next
+one (docs/design/http.md measures it). Here the generator steps in a child process, as vLLM's
+engine core and SGLang's scheduler run, and hands the front end each step's events as one
+message; the front end (this process: HTTP, tokenization, the streams' chunks) never runs
+Python beside the step.
+
+::
+
+    front end (event loop)                       engine process
+    ----------------------                       --------------
+    EngineClient.submit ── ("add", rid, ids, ──▶ receiver thread: Engine._queue (gen.add)
+                             sampling, tokens)        ◀── ("added", rid, error or None)
+    EngineClient.cancel ── ("cancel", rid) ────▶      Engine.cancel
+    sleep / wake ───────── ("control", ...) ───▶      run between steps ◀── ("control", cid, ...)
+    reader thread ◀──────── ("step", items,      ◀── engine thread, after each step: every
+      one call_soon_threadsafe a message             stream's events of the step, the streams that
+      -> RemoteRequest updated, Event queued         started, the snapshot (/metrics, /health)
+
+The front end keeps a :class:`RemoteRequest` per request, filled from the messages (tokens,
+texts, finish reasons, log-probabilities; the whole outcome with its ``"done"``), so the
+routes read it as they read a :class:`~cellcache.generate.Request` in one process. The
+child ignores SIGINT and SIGTERM (the front end drains it); when the front end goes away
+(its end of the pipe closes) the child cancels everything and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import copy
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import InvalidArgument, InvalidState, OutOfMemory
+from ..generate import Sampling
+from ..generate.prompts import encode_prompt
+from .engine import Engine, Event, Refused, Stream
+
+__all__ = ["EngineClient", "EngineLoadError", "RemoteRequest"]
+
+log = logging.getLogger("cellcache.serve")
+
+#: Seconds at least between two of the engine's messages whose steps had no events (a
+#: prompt chunk's step): the snapshot alone need not go every step.
+IDLE_SNAPSHOT = 0.1
+
+#: The exceptions a control (sleep, wake) may answer with, by name, raised again in the front end.
+_ERRORS: dict[str, type[Exception]] = {"InvalidArgument": InvalidArgument, "InvalidState": InvalidState,
+                                       "OutOfMemory": OutOfMemory}
+
+
+class EngineLoadError(Exception):
+    """The engine process could not build its generator: the message is one line for the
+    user (a usage error, exit code 2)."""
+
+
+class RemoteRequest:
+    """The front end's copy of a request running in the engine process: what the routes read
+    of a :class:`~cellcache.generate.Request` (``outputs``, ``texts``, ``finish_reasons``,
+    ``logprobs``, ``prompt_logprobs``, ``cached_tokens``, ``done``, the times the metrics
+    observe), filled in from the engine's messages; whole once ``done``."""
+
+    def __init__(self, rid: int, sampling: Sampling):
+        n = sampling.n
+        self.id = rid
+        self.outputs: list[list[int]] = [[] for _ in range(n)]
+        self.texts = [""] * n
+        self.finish_reasons: list[str | None] = [None] * n
+        self.logprobs: list[list[Any]] | None = (
+            [[] for _ in range(n)] if sampling.logprobs is not None else None)
+        self.prompt_logprobs: list[Any] | None = None
+        self.cached_tokens = 0
+        self.error: str | None = None
+        self.done = False
+        self.ttft: float | None = None
+        self.arrived = 0.0
+        self.finished: float | None = None
+        self._itl: list[float] = []
+
+    def itl(self) -> list[float]:
+        """The gaps between consecutive tokens (seconds), once done."""
+        return self._itl
+
+    def update(self, kind: str, k: int, token: int, text: str, finish: str | None, extra: Any) -> None:
+        if kind == "token":
+            self.outputs[k].append(token)
+            if extra is not None and self.logprobs is not None:
+                self.logprobs[k].append(extra)
+        elif kind == "text":
+            self.texts[k] += text
+            if finish is not None:
+                self.finish_reasons[k] = finish
+        elif kind == "first":
+            self.cached_tokens, self.prompt_logprobs = extra
+        elif kind == "done" and extra is not None:
+            for name, value in extra.items():
+                setattr(self, "_itl" if name == "itl" else name, value)
+            self.done = True
+
+
+def _summary(req: Any) -> dict[str, Any]:
+    """What the front end's RemoteRequest takes from a request that is done."""
+    return {"outputs": [list(o) for o in req.outputs], "texts": list(req.texts) if req.texts else [],
+            "finish_reasons": list(req.finish_reasons),
+            "logprobs": None if req.logprobs is None else [list(x) for x in req.logprobs],
+            "prompt_logprobs": None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+            "cached_tokens": req.cached_tokens, "ttft": req.ttft, "itl": req.itl(),
+            "arrived": req.arrived, "finished": req.finished,
+            "error": None if req.error is None else f"{type(req.error).__name__}: {req.error}"}
+
+
+# -- the engine process ------------------------------------------------------------------------------
+
+class _ChildEngine(Engine):
+    """The engine of the engine process: its streams are the front end's request ids, and
+    each step's events go down the pipe in one message (with the streams that started and
+    the snapshot) instead of to an event loop."""
+
+    def __init__(self, gen: Any, send: Callable[[Any], None], **kw: Any):
+        self._send = send
+        self._streams: dict[int, Stream] = {}        # rid -> stream (receiver thread adds)
+        self._unstarted: dict[int, Stream] = {}      # rid -> stream without a first token yet
+        self._started: list[int] = []
+        self._fresh: set[int] = set()                # rids that were sent nothing yet
+        self._last_sent = 0.0
+        super().__init__(gen, **kw)
+
+    def add(self, rid: int, ids: list[int], sampling: Sampling, tokens: bool) -> None:
+        """Queues the front end's request ``rid`` (receiver thread); InvalidArgument propagates."""
+        stream = Stream(None, None, rid)             # type: ignore[arg-type]
+        with self._lock:
+            self._unstarted[rid] = stream
+            self._fresh.add(rid)
+        try:
+            self._queue(stream, ids, sampling, tokens)
+        except BaseException:
+            with self._lock:
+                self._unstarted.pop(rid, None)
+                self._fresh.discard(rid)
+            raise
+        self._streams[rid] = stream
+
+    def cancel_rid(self, rid: int) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            self.cancel(stream)
+
+    def _on_token(self, stream: Stream) -> Callable[[Any, int, int], None]:
+        outbox = self._outbox
+        counts: dict[int, int] = {}
+
+        def on_token(req: Any, k: int, token: int) -> None:
+            if not stream.started:
+                self._start(stream)
+            i = counts.get(k, 0)
+            counts[k] = i + 1
+            lps = req.logprobs
+            lp = lps[k][i] if lps is not None and i < len(lps[k]) else None
+            outbox.append((stream, Event("token", stream.tag, k, token=token, logprob=lp)))
+            if req.finish_reasons[k] is not None:
+                self._ended = True
+        return on_token
+
+    def _start(self, stream: Stream) -> None:
+        with self._lock:
+            if not stream.started:
+                stream.started = True
+                self._waiting -= 1
+                self._unstarted.pop(stream.tag, None)
+                self._started.append(stream.tag)
+
+    def _refresh(self) -> None:
+        # a request whose first token raised no callback (its text held back) has started all
+        # the same: only the ones not started are looked at
+        if self._unstarted:
+            with self._lock:
+                waiting = list(self._unstarted.values())
+            for s in waiting:
+                if s.request is not None and s.request.first_token is not None:
+                    self._start(s)
+        super()._refresh()
+
+    def _sweep(self) -> None:
+        with self._lock:
+            ended = [s for s in self._live.values() if s.request is not None and s.request.done]
+        for s in ended:
+            self._start(s)                           # (counted here, not by the base's sweep)
+        super()._sweep()
+
+    def _hand_over(self) -> None:
+        outbox = self._outbox
+        taken = outbox[:]
+        del outbox[:len(taken)]
+        if self.stream_interval > 1:
+            taken = self._hold_back(taken)
+        with self._lock:
+            started, self._started = self._started, []
+        now = time.monotonic()
+        if not taken and not started and now - self._last_sent < IDLE_SNAPSHOT:
+            return
+        items: list[tuple[Any, ...]] = []
+        for stream, ev in taken:
+            rid = stream.tag
+            if rid in self._fresh:
+                self._fresh.discard(rid)
+                req = stream.request
+                if req is not None:
+                    items.append((rid, "first", 0, 0, "", None, (req.cached_tokens, req.prompt_logprobs)))
+            if ev.kind == "token":
+                items.append((rid, "token", ev.k, ev.token, "", None, ev.logprob))
+            elif ev.kind == "done":
+                self._streams.pop(rid, None)
+                items.append((rid, "done", 0, 0, "", None,
+                              _summary(stream.request) if stream.request is not None else None))
+            else:
+                items.append((rid, ev.kind, ev.k, 0, ev.text, ev.finish, None))
+        self._last_sent = now
+        self._send(("step", items, started, self.snapshot))
+
+
+def _child_main(conn: Any, build: Callable[[], Any], options: dict[str, Any], log_level: str) -> None:
+    """The engine process: builds the generator (``build()``), answers ``("ready", info)`` or
+    ``("refused", message)``, then serves the front end's messages until it says stop or
+    goes away."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)           # the front end drains us
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    lock = threading.Lock()
+
+    def send(msg: Any) -> None:
+        with lock:
+            conn.send(msg)
+
+    try:
+        gen = build()
+        engine = _ChildEngine(gen, send, **options)
+        max_pos = getattr(getattr(gen.model, "config", None), "max_position_embeddings", None)
+        info = {"vocab": gen.vocab, "capacity": gen.cache.config.capacity,
+                "max_positions": max_pos if isinstance(max_pos, int) and max_pos > 0 else None,
+                "snapshot": engine.snapshot}
+    except EngineLoadError as e:
+        send(("refused", str(e)))
+        return
+    except BaseException as e:
+        send(("refused", f"the engine process failed while loading: {type(e).__name__}: {e}"))
+        raise
+    send(("ready", info))
+    engine.start()
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                log.warning("the front end went away: cancelling every request")
+                break
+            op = msg[0]
+            if op == "add":
+                _, rid, ids, sampling, tokens = msg
+                error: str | None = None
+                try:
+                    engine.add(rid, ids, sampling, tokens)
+                except InvalidArgument as e:
+                    error = str(e)
+                except Exception as e:               # (a 500 in the front end)
+                    log.exception("queuing request %d failed", rid)
+                    error = f"!{type(e).__name__}: {e}"
+                send(("added", rid, error))
+            elif op == "cancel":
+                engine.cancel_rid(msg[1])
+            elif op == "control":
+                _control(engine, send, *msg[1:])
+            elif op == "stop":
+                break
+    finally:
+        for rid in list(engine._streams):
+            engine.cancel_rid(rid)
+        engine.stop(30.0)
+        try:
+            send(("stopped",))
+        except (OSError, ValueError):
+            pass
+
+
+def _control(engine: _ChildEngine, send: Callable[[Any], None], cid: int, name: str, args: tuple) -> None:
+    """Runs ``gen.sleep(*args)`` or ``gen.wake()`` on the engine thread between steps and
+    answers ``("control", cid, ok, result or (error name, message))``."""
+    gen = engine.gen
+
+    def go() -> int:
+        if name == "sleep":
+            level, keep = args
+            gen.sleep(level, keep_prefixes=keep)
+        else:
+            gen.wake()
+        engine.asleep = gen.asleep
+        return gen.asleep
+
+    def answer(fut: concurrent.futures.Future) -> None:
+        e = fut.exception()
+        if e is None:
+            send(("control", cid, True, fut.result()))
+        elif isinstance(e, Refused):
+            send(("control", cid, False, ("Refused", e.status, e.message)))
+        else:
+            send(("control", cid, False, (type(e).__name__, 0, str(e))))
+
+    try:
+        fut = engine._control(go)
+    except Refused as e:
+        send(("control", cid, False, ("Refused", e.status, e.message)))
+        return
+    fut.add_done_callback(answer)
+
+
+# -- the front end -----------------------------------------------------------------------------------
+
+class EngineClient:
+    """The front end's engine: the loop-side API of :class:`~cellcache.serve.engine.Engine`
+    (``submit``, ``cancel``, ``drain``, ``sleep``, ``wake``, ``check_admission``, ``encode``,
+    ``snapshot``, ``tokens_per_second``) over an engine process.
+
+    :meth:`launch` starts the process and waits (blocking, before the server listens) until
+    the generator is built: ``build`` is a picklable callable the child runs, which raises
+    :class:`EngineLoadError` for a usage problem. ``tokenizer``: the front end's own copy,
+    loaded from the same files (encodes prompts, names log-probabilities' tokens)."""
+
+    def __init__(self, build: Callable[[], Any], *, tokenizer: Any, max_waiting: int = 1024,
+                 stream_interval: int = 1, log_level: str = "info"):
+        self._tokenizer: Any = None
+        self._encoder: Any = None
+        self.tokenizer = tokenizer
+        self.max_waiting = max_waiting
+        self.on_done: Callable[[Any], Any] | None = None
+        self.draining = False
+        self.asleep = 0
+        self._falling_asleep = 0
+        self._build, self._log_level = build, log_level
+        self._options = {"max_waiting": max_waiting, "stream_interval": stream_interval}
+        self._process: Any = None
+        self._conn: Any = None
+        self._send_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._streams: dict[int, Stream] = {}
+        self._acks: dict[int, asyncio.Future] = {}
+        self._controls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._waiting = 0
+        self._lost: str | None = None
+        self._stopping = False
+        self._snapshot: dict[str, Any] = {}
+        self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
+        self.vocab: int | None = None
+        self.capacity = 0
+        self.max_positions: int | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The front end's tokenizer (None: token ids only)."""
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        # encoding runs in the loop's thread pool with a copy: a fast tokenizer refuses some
+        # concurrent uses ("Already borrowed"), and the loop decodes with the tokenizer itself
+        self._tokenizer, self._encoder = tokenizer, tokenizer
+        if tokenizer is not None:
+            try:
+                self._encoder = copy.deepcopy(tokenizer)
+            except Exception:
+                log.warning("the tokenizer cannot be copied: encoding shares it with the loop")
+
+    # -- the process -----------------------------------------------------------------------------
+    def launch(self, timeout: float | None = None) -> None:
+        """Starts the engine process and waits for its generator; :class:`EngineLoadError`
+        when it refuses (or dies) before it is ready."""
+        ctx = multiprocessing.get_context("spawn")   # (CUDA does not survive a fork)
+        parent, child = ctx.Pipe()
+        self._process = ctx.Process(target=_child_main, name="cellcache-engine",
+                                    args=(child, self._build, self._options, self._log_level), daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not parent.poll(0.2):
+            if not self._process.is_alive() and not parent.poll(0):
+                raise EngineLoadError(f"the engine process exited (code {self._process.exitcode}) "
+                                      "before its model was ready")
+            if deadline is not None and time.monotonic() > deadline:
+                self._process.kill()
+                raise EngineLoadError("the engine process was not ready in time")
+        try:
+            msg = parent.recv()
+        except (EOFError, OSError):
+            raise EngineLoadError(f"the engine process exited (code {self._process.exitcode}) "
+                                  "before its model was ready") from None
+        if msg[0] == "refused":
+            self._process.join(10)
+            raise EngineLoadError(msg[1])
+        info = msg[1]
+        self.vocab, self.capacity, self.max_positions = info["vocab"], info["capacity"], info["max_positions"]
+        self._snapshot = info["snapshot"]
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (None before :meth:`launch`)."""
+        return None if self._process is None else self._process.pid
+
+    def start(self) -> None:
+        """Starts reading the engine's messages on a thread of this process (call on the loop
+        that serves: they are handed to it)."""
+        if self._reader is None:
+            self._loop = asyncio.get_running_loop()
+            self._reader = threading.Thread(target=self._read, name="cellcache-engine-reader", daemon=True)
+            self._reader.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Asks the engine process to end (its requests cancelled) and waits for it."""
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except Refused:
+            pass
+        if self._process is not None:
+            self._process.join(timeout)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
+        if self._reader is not None:
+            self._reader.join(5)
+
+    def _send(self, msg: Any) -> None:
+        if self._conn is None or self._lost is not None:
+            raise Refused(503, "the engine is not running")
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except (OSError, ValueError):
+            raise Refused(503, "the engine is not running") from None
+
+    def _read(self) -> None:
+        """The reader thread: each message to the loop in one call."""
+        loop = self._loop
+        assert loop is not None
+        conn = self._conn
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "stopped":
+                break
+            try:
+                loop.call_soon_threadsafe(self._dispatch, msg)
+            except RuntimeError:                       # the loop closed
+                return
+        try:
+            loop.call_soon_threadsafe(self._gone)
+        except RuntimeError:
+            pass
+
+    def _gone(self) -> None:
+        """The engine process ended (or was asked to): every live stream ends with an error
+        unless it was stopped."""
+        code = None if self._process is None else self._process.exitcode
+        self._lost = "the engine process exited" + ("" if code is None else f" (code {code})")
+        if not self._stopping:
+            log.error("%s", self._lost)
+        for rid, stream in list(self._streams.items()):
+            self._end(rid, stream, f"the engine failed: {self._lost}")
+        for fut in list(self._acks.values()) + list(self._controls.values()):
+            if not fut.done():
+                fut.set_exception(Refused(503, "the engine is not running"))
+
+    def _end(self, rid: int, stream: Stream, why: str) -> None:
+        self._streams.pop(rid, None)
+        self._mark_started(stream)
+        req = stream.request
+        if req is not None:
+            req.done = True
+            req.finish_reasons = [r or "error" for r in req.finish_reasons]
+        stream.queue.put_nowait(Event("error", stream.tag, text=why))
+        stream.queue.put_nowait(Event("done", stream.tag))
+
+    def _mark_started(self, stream: Stream) -> None:
+        if not stream.started:
+            stream.started = True
+            self._waiting -= 1
+
+    def _dispatch(self, msg: Any) -> None:
+        """One engine message, on the loop."""
+        op = msg[0]
+        if op == "step":
+            _, items, started, snapshot = msg
+            streams = self._streams
+            for rid in started:
+                s = streams.get(rid)
+                if s is not None:
+                    self._mark_started(s)
+            for rid, kind, k, token, text, finish, extra in items:
+                stream = streams.get(rid)
+                if stream is None:
+                    continue
+                req = stream.request
+                req.update(kind, k, token, text, finish, extra)
+                if kind == "first":
+                    continue
+                if kind == "token":
+                    stream.queue.put_nowait(Event("token", stream.tag, k, token=token))
+                elif kind == "done":
+                    del streams[rid]
+                    self._mark_started(stream)           # (its "error" came before it)
+                    stream.queue.put_nowait(Event("done", stream.tag))
+                    if self.on_done is not None:
+                        try:
+                            self.on_done(req)
+                        except Exception:
+                            log.exception("on_done failed")
+                elif kind == "error":
+                    stream.queue.put_nowait(Event("error", stream.tag, text=text))
+                else:
+                    stream.queue.put_nowait(Event(kind, stream.tag, k, text=text, finish=finish))
+            self._snapshot = snapshot
+            stats = snapshot.get("stats", {})
+            now = time.monotonic()
+            if not self._rate or now - self._rate[-1][0] >= 0.25:
+                self._rate.append((now, stats.get("tokens_out", 0)))
+            if not self._falling_asleep:
+                self.asleep = snapshot.get("asleep", 0)
+        elif op == "added":
+            fut = self._acks.pop(msg[1], None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg[2])
+        elif op == "control":
+            _, cid, ok, value = msg
+            fut = self._controls.pop(cid, None)
+            if fut is None or fut.done():
+                return
+            if ok:
+                fut.set_result(value)
+            elif value[0] == "Refused":
+                fut.set_exception(Refused(value[1], value[2]))
+            else:
+                fut.set_exception(_ERRORS.get(value[0], RuntimeError)(value[2]))
+
+    # -- the loop's side (as Engine's) -----------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @property
+    def live(self) -> int:
+        return len(self._streams)
+
+    @property
+    def alive(self) -> bool:
+        return (self._process is not None and self._process.is_alive() and self._lost is None
+                and not self._stopping)
+
+    @property
+    def failed(self) -> str | None:
+        return self._lost or self._snapshot.get("failed")
+
+    @property
+    def snapshot(self) -> dict[str, Any]:
+        return {**self._snapshot, "waiting": self._waiting, "live": len(self._streams)}
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        return Engine.tokens_per_second(self, window)          # type: ignore[arg-type]
+
+    async def encode(self, prompt: Any) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, encode_prompt, self._encoder, prompt, self.vocab)
+
+    def check_admission(self, count: int = 1) -> None:
+        if self.draining:
+            raise Refused(503, "the server is shutting down")
+        if self.asleep or self._falling_asleep:
+            raise Refused(503, "the server is asleep (POST /wake_up wakes it)")
+        if not self.alive:
+            raise Refused(503, "the engine is not running")
+        if self._waiting + count > self.max_waiting:
+            raise Refused(429, f"{self._waiting} requests are waiting (the server's bound is "
+                          f"--max-waiting {self.max_waiting}); retry later")
+
+    async def submit(self, ids: list[int], sampling: Sampling, queue: asyncio.Queue, tag: int = 0,
+                     tokens: bool = False) -> Stream:
+        """As :meth:`Engine.submit`: the request queued in the engine process (its answer
+        awaited: InvalidArgument with nothing queued)."""
+        self.check_admission()
+        rid = next(self._ids)
+        stream = Stream(asyncio.get_running_loop(), queue, tag)
+        stream.request = RemoteRequest(rid, sampling)
+        self._streams[rid] = stream
+        self._waiting += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._acks[rid] = fut
+        try:
+            self._send(("add", rid, ids, sampling, tokens))
+            error = await fut
+        except BaseException:
+            self._acks.pop(rid, None)
+            if self._streams.pop(rid, None) is not None:
+                self._mark_started(stream)
+                try:
+                    self._send(("cancel", rid))
+                except Refused:
+                    pass
+            raise
+        if error is not None:
+            if self._streams.pop(rid, None) is not None:
+                self._mark_started(stream)
+            if error.startswith("!"):
+                raise RuntimeError(error[1:])
+            raise InvalidArgument(error)
+        return stream
+
+    def cancel(self, stream: Stream) -> None:
+        req = stream.request
+        if req is not None and not req.done and req.id in self._streams:
+            try:
+                self._send(("cancel", req.id))
+            except Refused:
+                pass
+
+    async def drain(self, timeout: float) -> None:
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for stream in list(self._streams.values()):
+            self.cancel(stream)
+        deadline = time.monotonic() + 10.0
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def _control(self, name: str, args: tuple) -> Any:
+        cid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._controls[cid] = fut
+        try:
+            self._send(("control", cid, name, args))
+            return await fut
+        finally:
+            self._controls.pop(cid, None)
+
+    async def sleep(self, level: int, keep_prefixes: bool = False) -> int:
+        self._falling_asleep += 1
+        try:
+            self.asleep = await self._control("sleep", (level, keep_prefixes))
+            return self.asleep
+        finally:
+            self._falling_asleep -= 1
+
+    async def wake(self) -> None:
+        await self._control("wake", ())
+        self.asleep = 0
