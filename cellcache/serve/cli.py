@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import signal
@@ -293,6 +294,10 @@ def _run(args: Any, engine: Any, limits: Any, sock: socket.socket) -> int:
     config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5,
                             access_log=args.log_level in ("info", "debug"))
     server = _make_server(config, engine, args.shutdown_timeout, f"serving {name} on {_url(sock)}")
+    # what start-up built stays: the collector's full passes, which a long-running server's
+    # streams trigger, skip it (vLLM freezes the same way)
+    gc.collect()
+    gc.freeze()
     server.run(sockets=[sock])
     return 0
 

@@ -16,8 +16,8 @@ Python beside the step.
                              sampling, tokens)        ◀── ("added", rid, error or None)
     EngineClient.cancel ── ("cancel", rid) ────▶      Engine.cancel
     sleep / wake ───────── ("control", ...) ───▶      run between steps ◀── ("control", cid, ...)
-    reader thread ◀──────── ("step", items,      ◀── engine thread, after each step: every
-      one call_soon_threadsafe a message             stream's events of the step, the streams that
+    loop reads the pipe ◀── ("step", items,      ◀── engine thread, after each step: every
+      when it is readable                            stream's events of the step, the streams that
       -> RemoteRequest updated, Event queued         started, the snapshot (/metrics, /health)
 
 The front end keeps a :class:`RemoteRequest` per request, filled from the messages (tokens,
@@ -33,9 +33,11 @@ import asyncio
 import collections
 import concurrent.futures
 import copy
+import gc
 import itertools
 import logging
 import multiprocessing
+import queue
 import signal
 import threading
 import time
@@ -236,11 +238,35 @@ def _child_main(conn: Any, build: Callable[[], Any], options: dict[str, Any], lo
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)           # the front end drains us
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    lock = threading.Lock()
+    # Messages go out through a thread of their own: the engine thread only queues them, so it
+    # never blocks on a full pipe while the front end is busy (pickling and the write happen
+    # there, the write with the interpreter lock released).
+    outgoing: queue.SimpleQueue = queue.SimpleQueue()
 
     def send(msg: Any) -> None:
-        with lock:
-            conn.send(msg)
+        outgoing.put(msg)
+
+    def sender() -> None:
+        while True:
+            msg = outgoing.get()
+            if msg is None:
+                return
+            try:
+                conn.send(msg)
+            except (OSError, ValueError):        # the front end went away: the receiver sees it
+                return
+
+    writer = threading.Thread(target=sender, name="cellcache-engine-sender", daemon=True)
+    writer.start()
+    try:
+        _engine_main(conn, build, options, send)
+    finally:
+        outgoing.put(None)
+        writer.join(30)
+
+
+def _engine_main(conn: Any, build: Callable[[], Any], options: dict[str, Any],
+                 send: Callable[[Any], None]) -> None:
 
     try:
         gen = build()
@@ -255,6 +281,9 @@ def _child_main(conn: Any, build: Callable[[], Any], options: dict[str, Any], lo
     except BaseException as e:
         send(("refused", f"the engine process failed while loading: {type(e).__name__}: {e}"))
         raise
+    # what was built stays: the collector's full passes skip it (as vLLM freezes after start-up)
+    gc.collect()
+    gc.freeze()
     send(("ready", info))
     engine.start()
     try:
@@ -351,7 +380,6 @@ class EngineClient:
         self._conn: Any = None
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: threading.Thread | None = None
         self._streams: dict[int, Stream] = {}
         self._acks: dict[int, asyncio.Future] = {}
         self._controls: dict[int, asyncio.Future] = {}
@@ -418,15 +446,15 @@ class EngineClient:
         return None if self._process is None else self._process.pid
 
     def start(self) -> None:
-        """Starts reading the engine's messages on a thread of this process (call on the loop
-        that serves: they are handed to it)."""
-        if self._reader is None:
+        """Starts reading the engine's messages on the running loop (the loop that serves): it
+        reads the pipe when it is readable, so no thread hands them over."""
+        if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._reader = threading.Thread(target=self._read, name="cellcache-engine-reader", daemon=True)
-            self._reader.start()
+            self._loop.add_reader(self._conn.fileno(), self._readable)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Asks the engine process to end (its requests cancelled) and waits for it."""
+        """Asks the engine process to end (its requests cancelled) and waits for it (any
+        thread)."""
         self._stopping = True
         try:
             self._send(("stop",))
@@ -437,8 +465,6 @@ class EngineClient:
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join(5)
-        if self._reader is not None:
-            self._reader.join(5)
 
     def _send(self, msg: Any) -> None:
         if self._conn is None or self._lost is not None:
@@ -449,26 +475,22 @@ class EngineClient:
         except (OSError, ValueError):
             raise Refused(503, "the engine is not running") from None
 
-    def _read(self) -> None:
-        """The reader thread: each message to the loop in one call."""
-        loop = self._loop
-        assert loop is not None
+    def _readable(self) -> None:
+        """On the loop: every message the pipe holds, each dispatched."""
         conn = self._conn
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                break
-            if msg[0] == "stopped":
-                break
-            try:
-                loop.call_soon_threadsafe(self._dispatch, msg)
-            except RuntimeError:                       # the loop closed
-                return
         try:
-            loop.call_soon_threadsafe(self._gone)
-        except RuntimeError:
+            while conn.poll():
+                msg = conn.recv()
+                if msg[0] == "stopped":
+                    break
+                self._dispatch(msg)
+            else:
+                return
+        except (EOFError, OSError):
             pass
+        assert self._loop is not None
+        self._loop.remove_reader(conn.fileno())
+        self._gone()
 
     def _gone(self) -> None:
         """The engine process ended (or was asked to): every live stream ends with an error
