@@ -26,9 +26,13 @@ class ServerProcess:
     """``python -m cellcache serve MODEL_DIR --port 0 ARGS...``; :attr:`url` (``http://host:port``)
     and :attr:`name` once :meth:`start` returned."""
 
-    def __init__(self, model_dir: str | Path, *args: str, timeout: float = 120.0):
+    def __init__(self, model_dir: str | Path, *args: str, timeout: float = 120.0,
+                 log_path: str | Path | None = None):
         self.model_dir, self.args, self.timeout = str(model_dir), list(args), timeout
-        self.log = tempfile.NamedTemporaryFile("w+b", prefix="cellcache-serve-", suffix=".log", delete=False)
+        # (a log_path given is the caller's to keep; the default one goes with stop())
+        self.keep_log = log_path is not None
+        self.log = open(log_path, "w+b") if log_path is not None else \
+            tempfile.NamedTemporaryFile("w+b", prefix="cellcache-serve-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.name = ""
@@ -127,6 +131,8 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait(30)
         self.log.close()
+        if self.keep_log:
+            return
         try:
             os.unlink(self.log.name)
         except OSError:

@@ -71,6 +71,11 @@ def build_parser() -> Parser:
                    help="the server's --stream-interval (tokens a chunk gathers; default 1)")
     p.add_argument("--max-batch-tokens", type=in_range(1, 1 << 16), default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--server-log", type=Path, default=None,
+                   help="keep the server's output in this file (written as it runs)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for `cellcache serve` (repeatable; "
+                        "e.g. --server-arg=--async-steps)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="the server steps its generator in a process of its own (its default; "
                         "--no-engine-process: the engine thread beside the HTTP loop)")
@@ -153,7 +158,7 @@ def server_flags(args: Any) -> list[str]:
         flags += ["--stream-interval", str(args.stream_interval)]
     if not args.engine_process:
         flags.append("--no-engine-process")
-    return flags
+    return flags + list(args.server_arg)
 
 
 def in_process(args: Any, model_dir: str, prompts: list[list[int]], loads: list[float]) -> dict[str, Any]:
@@ -377,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.soak is None and not args.skip_inprocess:
             result["in_process"] = in_process(args, model_dir, prompts, loads)
         log("starting the server")
-        with ServerProcess(model_dir, *server_flags(args), timeout=1800) as server:
+        with ServerProcess(model_dir, *server_flags(args), timeout=1800, log_path=args.server_log) as server:
             if args.soak is not None:
                 rate = args.rate
                 if rate is None:

@@ -33,6 +33,7 @@ import asyncio
 import collections
 import concurrent.futures
 import copy
+import faulthandler
 import gc
 import itertools
 import logging
@@ -56,6 +57,10 @@ log = logging.getLogger("cellcache.serve")
 #: Seconds at least between two of the engine's messages whose steps had no events (a
 #: prompt chunk's step): the snapshot alone need not go every step.
 IDLE_SNAPSHOT = 0.1
+
+#: Seconds without a message from an engine that has live requests after which the front end
+#: says so in its log (once a stall): a step takes milliseconds, a long prefill seconds.
+STALL_WARNING = 30.0
 
 #: The exceptions a control (sleep, wake) may answer with, by name, raised again in the front end.
 _ERRORS: dict[str, type[Exception]] = {"InvalidArgument": InvalidArgument, "InvalidState": InvalidState,
@@ -120,6 +125,15 @@ def _summary(req: Any) -> dict[str, Any]:
             "cached_tokens": req.cached_tokens, "ttft": req.ttft, "itl": req.itl(),
             "arrived": req.arrived, "finished": req.finished,
             "error": None if req.error is None else f"{type(req.error).__name__}: {req.error}"}
+
+
+def _summary_or_error(req: Any) -> dict[str, Any]:
+    """:func:`_summary`, or (it failed: said in the log) what ends the request's stream."""
+    try:
+        return _summary(req)
+    except Exception as e:
+        log.exception("summarizing request %s failed", getattr(req, "id", "?"))
+        return {"error": f"the engine could not report the request: {type(e).__name__}: {e}"}
 
 
 # -- the engine process ------------------------------------------------------------------------------
@@ -223,8 +237,7 @@ class _ChildEngine(Engine):
                 items.append((rid, "token", ev.k, ev.token, "", None, ev.logprob))
             elif ev.kind == "done":
                 self._streams.pop(rid, None)
-                items.append((rid, "done", 0, 0, "", None,
-                              _summary(stream.request) if stream.request is not None else None))
+                items.append((rid, "done", 0, 0, "", None, _summary_or_error(stream.request)))
             else:
                 items.append((rid, ev.kind, ev.k, 0, ev.text, ev.finish, None))
         self._last_sent = now
@@ -237,6 +250,7 @@ def _child_main(conn: Any, build: Callable[[], Any], options: dict[str, Any], lo
     goes away."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)           # the front end drains us
+    faulthandler.register(signal.SIGUSR1, all_threads=True)     # kill -USR1: every thread's stack
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     # Messages go out through a thread of their own: the engine thread only queues them, so it
     # never blocks on a full pipe while the front end is busy (pickling and the write happen
@@ -255,6 +269,8 @@ def _child_main(conn: Any, build: Callable[[], Any], options: dict[str, Any], lo
                 conn.send(msg)
             except (OSError, ValueError):        # the front end went away: the receiver sees it
                 return
+            except Exception:                    # (a message that cannot be pickled: said, and the
+                log.exception("sending %r to the front end failed", msg[0])   # next one goes)
 
     writer = threading.Thread(target=sender, name="cellcache-engine-sender", daemon=True)
     writer.start()
@@ -293,24 +309,12 @@ def _engine_main(conn: Any, build: Callable[[], Any], options: dict[str, Any],
             except (EOFError, OSError):
                 log.warning("the front end went away: cancelling every request")
                 break
-            op = msg[0]
-            if op == "add":
-                _, rid, ids, sampling, tokens = msg
-                error: str | None = None
-                try:
-                    engine.add(rid, ids, sampling, tokens)
-                except InvalidArgument as e:
-                    error = str(e)
-                except Exception as e:               # (a 500 in the front end)
-                    log.exception("queuing request %d failed", rid)
-                    error = f"!{type(e).__name__}: {e}"
-                send(("added", rid, error))
-            elif op == "cancel":
-                engine.cancel_rid(msg[1])
-            elif op == "control":
-                _control(engine, send, *msg[1:])
-            elif op == "stop":
+            if msg[0] == "stop":
                 break
+            try:
+                _receive(engine, send, msg)
+            except Exception:                        # one message's failure is not the engine's
+                log.exception("the front end's %r failed", msg[0])
     finally:
         for rid in list(engine._streams):
             engine.cancel_rid(rid)
@@ -319,6 +323,26 @@ def _engine_main(conn: Any, build: Callable[[], Any], options: dict[str, Any],
             send(("stopped",))
         except (OSError, ValueError):
             pass
+
+
+def _receive(engine: _ChildEngine, send: Callable[[Any], None], msg: Any) -> None:
+    """One message of the front end's (the receiver thread)."""
+    op = msg[0]
+    if op == "add":
+        _, rid, ids, sampling, tokens = msg
+        error: str | None = None
+        try:
+            engine.add(rid, ids, sampling, tokens)
+        except InvalidArgument as e:
+            error = str(e)
+        except Exception as e:                       # (a 500 in the front end)
+            log.exception("queuing request %d failed", rid)
+            error = f"!{type(e).__name__}: {e}"
+        send(("added", rid, error))
+    elif op == "cancel":
+        engine.cancel_rid(msg[1])
+    elif op == "control":
+        _control(engine, send, *msg[1:])
 
 
 def _control(engine: _ChildEngine, send: Callable[[Any], None], cid: int, name: str, args: tuple) -> None:
@@ -388,6 +412,8 @@ class EngineClient:
         self._lost: str | None = None
         self._stopping = False
         self._snapshot: dict[str, Any] = {}
+        self._last_message = 0.0
+        self._stalled = False
         self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)
         self.vocab: int | None = None
         self.capacity = 0
@@ -451,6 +477,23 @@ class EngineClient:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(self._conn.fileno(), self._readable)
+            self._last_message = time.monotonic()
+            self._loop.call_later(STALL_WARNING / 4, self._watch)
+
+    def _watch(self) -> None:
+        """Says (once a stall) when the engine has sent nothing for STALL_WARNING seconds
+        while requests are live: the log then tells an operator where to look."""
+        if self._lost is not None or self._stopping or self._loop is None:
+            return
+        quiet = time.monotonic() - self._last_message
+        if self._streams and quiet > STALL_WARNING:
+            if not self._stalled:
+                self._stalled = True
+                log.warning("the engine process (pid %s, alive: %s) has sent nothing for %.0f s with "
+                            "%d requests live", self.pid, self._process.is_alive(), quiet, len(self._streams))
+        else:
+            self._stalled = False
+        self._loop.call_later(STALL_WARNING / 4, self._watch)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Asks the engine process to end (its requests cancelled) and waits for it (any
@@ -481,6 +524,7 @@ class EngineClient:
         try:
             while conn.poll():
                 msg = conn.recv()
+                self._last_message = time.monotonic()
                 if msg[0] == "stopped":
                     break
                 self._dispatch(msg)
