@@ -38,11 +38,13 @@ import gc
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ..errors import InvalidArgument, InvalidState, OutOfMemory
@@ -158,14 +160,15 @@ class _ChildEngine(Engine):
         with self._lock:
             self._unstarted[rid] = stream
             self._fresh.add(rid)
+        self._streams[rid] = stream                  # (before it can end: its "done" pops it)
         try:
             self._queue(stream, ids, sampling, tokens)
         except BaseException:
             with self._lock:
                 self._unstarted.pop(rid, None)
                 self._fresh.discard(rid)
+            self._streams.pop(rid, None)
             raise
-        self._streams[rid] = stream
 
     def cancel_rid(self, rid: int) -> None:
         stream = self._streams.get(rid)
@@ -235,9 +238,14 @@ class _ChildEngine(Engine):
                     items.append((rid, "first", 0, 0, "", None, (req.cached_tokens, req.prompt_logprobs)))
             if ev.kind == "token":
                 items.append((rid, "token", ev.k, ev.token, "", None, ev.logprob))
-            elif ev.kind == "done":
+            elif ev.kind == "done":                  # its last event: nothing of it stays
                 self._streams.pop(rid, None)
-                items.append((rid, "done", 0, 0, "", None, _summary_or_error(stream.request)))
+                with self._lock:
+                    self._unstarted.pop(rid, None)
+                summary = _summary_or_error(stream.request)
+                if "outputs" not in summary:         # (the summary failed: the stream says so)
+                    items.append((rid, "error", 0, 0, summary["error"], None, None))
+                items.append((rid, "done", 0, 0, "", None, summary))
             else:
                 items.append((rid, ev.kind, ev.k, 0, ev.text, ev.finish, None))
         self._last_sent = now
@@ -266,11 +274,17 @@ def _child_main(conn: Any, build: Callable[[], Any], options: dict[str, Any], lo
             if msg is None:
                 return
             try:
-                conn.send(msg)
-            except (OSError, ValueError):        # the front end went away: the receiver sees it
-                return
-            except Exception:                    # (a message that cannot be pickled: said, and the
-                log.exception("sending %r to the front end failed", msg[0])   # next one goes)
+                data = _pickle(msg)
+            except Exception:                    # said, and its streams end with an error
+                log.exception("a %r message to the front end could not be pickled", msg[0])
+                data = _pickle(_unpicklable(msg))
+            try:
+                conn.send_bytes(data)
+            except Exception:
+                # the front end is gone, or the pipe failed: either way nothing more can reach
+                # it, and a process that keeps stepping for nobody would hide that
+                log.exception("writing to the front end failed: the engine process exits")
+                os._exit(1)
 
     writer = threading.Thread(target=sender, name="cellcache-engine-sender", daemon=True)
     writer.start()
@@ -323,6 +337,24 @@ def _engine_main(conn: Any, build: Callable[[], Any], options: dict[str, Any],
             send(("stopped",))
         except (OSError, ValueError):
             pass
+
+
+def _pickle(msg: Any) -> bytes:
+    return bytes(ForkingPickler.dumps(msg))
+
+
+def _unpicklable(msg: Any) -> Any:
+    """What replaces a message that could not be pickled: every stream it spoke of ends with
+    an error (a "step" message), or the request it answered is refused (an "added" one)."""
+    if msg[0] == "step":
+        why = "the engine could not send this request's events (see the server's log)"
+        rids = dict.fromkeys(item[0] for item in msg[1])
+        items = [x for rid in rids for x in ((rid, "error", 0, 0, why, None, None),
+                                             (rid, "done", 0, 0, "", None, None))]
+        return ("step", items, [int(r) for r in msg[2]], {})
+    if msg[0] == "added":
+        return ("added", msg[1], "!the engine could not answer this request (see the server's log)")
+    return ("noop",)
 
 
 def _receive(engine: _ChildEngine, send: Callable[[Any], None], msg: Any) -> None:
@@ -489,8 +521,9 @@ class EngineClient:
         if self._streams and quiet > STALL_WARNING:
             if not self._stalled:
                 self._stalled = True
-                log.warning("the engine process (pid %s, alive: %s) has sent nothing for %.0f s with "
-                            "%d requests live", self.pid, self._process.is_alive(), quiet, len(self._streams))
+                log.warning("the engine process (pid %s, alive: %s) has sent no step for %.0f s with "
+                            "%d requests live (kill -USR1 %s prints its threads' stacks)", self.pid,
+                            self._process.is_alive(), quiet, len(self._streams), self.pid)
         else:
             self._stalled = False
         self._loop.call_later(STALL_WARNING / 4, self._watch)
@@ -524,7 +557,8 @@ class EngineClient:
         try:
             while conn.poll():
                 msg = conn.recv()
-                self._last_message = time.monotonic()
+                if msg[0] == "step":
+                    self._last_message = time.monotonic()
                 if msg[0] == "stopped":
                     break
                 self._dispatch(msg)
@@ -574,29 +608,13 @@ class EngineClient:
                 s = streams.get(rid)
                 if s is not None:
                     self._mark_started(s)
-            for rid, kind, k, token, text, finish, extra in items:
-                stream = streams.get(rid)
-                if stream is None:
-                    continue
-                req = stream.request
-                req.update(kind, k, token, text, finish, extra)
-                if kind == "first":
-                    continue
-                if kind == "token":
-                    stream.queue.put_nowait(Event("token", stream.tag, k, token=token))
-                elif kind == "done":
-                    del streams[rid]
-                    self._mark_started(stream)           # (its "error" came before it)
-                    stream.queue.put_nowait(Event("done", stream.tag))
-                    if self.on_done is not None:
-                        try:
-                            self.on_done(req)
-                        except Exception:
-                            log.exception("on_done failed")
-                elif kind == "error":
-                    stream.queue.put_nowait(Event("error", stream.tag, text=text))
-                else:
-                    stream.queue.put_nowait(Event(kind, stream.tag, k, text=text, finish=finish))
+            for item in items:
+                try:
+                    self._item(*item)
+                except Exception:                        # one item's failure is not the others'
+                    log.exception("an engine event (%r) failed", item[1])
+            if not snapshot:                             # (a message that replaced a lost one)
+                return
             self._snapshot = snapshot
             stats = snapshot.get("stats", {})
             now = time.monotonic()
@@ -620,6 +638,35 @@ class EngineClient:
             else:
                 fut.set_exception(_ERRORS.get(value[0], RuntimeError)(value[2]))
 
+    def _item(self, rid: int, kind: str, k: int, token: int, text: str, finish: str | None,
+              extra: Any) -> None:
+        """One event of a step message: the request's copy updated, its stream told."""
+        stream = self._streams.get(rid)
+        if stream is None:
+            return                                       # (ended: cancelled and gone)
+        req = stream.request
+        if kind == "done":                               # its last: the stream ends whatever happens
+            del self._streams[rid]
+            self._mark_started(stream)                   # (its "error" came before it)
+            try:
+                req.update(kind, k, token, text, finish, extra)
+            finally:
+                req.done = True
+                stream.queue.put_nowait(Event("done", stream.tag))
+            if self.on_done is not None:
+                try:
+                    self.on_done(req)
+                except Exception:
+                    log.exception("on_done failed")
+            return
+        req.update(kind, k, token, text, finish, extra)
+        if kind == "token":
+            stream.queue.put_nowait(Event("token", stream.tag, k, token=token))
+        elif kind == "error":
+            stream.queue.put_nowait(Event("error", stream.tag, text=text))
+        elif kind != "first":
+            stream.queue.put_nowait(Event(kind, stream.tag, k, text=text, finish=finish))
+
     # -- the loop's side (as Engine's) -----------------------------------------------------------
     @property
     def waiting(self) -> int:
@@ -636,6 +683,11 @@ class EngineClient:
 
     @property
     def failed(self) -> str | None:
+        """Why the engine cannot serve (``/health`` answers 500): it exited, it failed, or it
+        has sent no step for STALL_WARNING seconds while requests are live."""
+        if self._stalled:
+            return (f"the engine process has sent no step for {STALL_WARNING:.0f} s or more with "
+                    f"{len(self._streams)} requests live")
         return self._lost or self._snapshot.get("failed")
 
     @property

@@ -1,0 +1,109 @@
+"""The engine process's two ends without a process: the front end's handling of the engine's
+messages (a bad event spoils only itself, a stream always ends at its "done"), a message
+that cannot be pickled replaced by one that ends its streams with an error, and an engine
+that has gone quiet with requests live reported by /health's ``failed``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from cellcache.generate import Sampling
+from cellcache.serve import process
+from cellcache.serve.engine import Stream
+from cellcache.serve.process import EngineClient, RemoteRequest
+
+
+def client_with_streams(n: int) -> tuple[EngineClient, list[Stream]]:
+    engine = EngineClient(lambda: None, tokenizer=None)
+    streams = []
+    for rid in range(1, n + 1):
+        s = Stream(None, asyncio.Queue(), rid - 1)           # type: ignore[arg-type]
+        s.request = RemoteRequest(rid, Sampling(max_new_tokens=4))
+        engine._streams[rid] = s
+        engine._waiting += 1
+        streams.append(s)
+    return engine, streams
+
+
+def drained(stream: Stream) -> list[tuple[str, object]]:
+    out = []
+    while not stream.queue.empty():
+        ev = stream.queue.get_nowait()
+        out.append((ev.kind, ev.token if ev.kind == "token" else ev.text))
+    return out
+
+
+def test_a_bad_event_spoils_only_itself_and_done_always_ends_the_stream(caplog):
+    engine, (a, b) = client_with_streams(2)
+    done_seen = []
+    engine.on_done = done_seen.append
+    items = [(1, "token", 0, 7, "", None, None),
+             (1, "token", 5, 8, "", None, None),               # continuation 5 of n=1: fails
+             (2, "token", 0, 9, "", None, None),
+             (2, "done", 0, 0, "", None, {"outputs": "not a list of lists", "bogus": 1}),
+             (1, "done", 0, 0, "", None, None)]                 # a replaced message's done
+    with caplog.at_level(logging.ERROR, logger="cellcache.serve"):
+        engine._dispatch(("step", items, [1], {"running": 3}))
+    assert "an engine event ('token') failed" in caplog.text
+    assert drained(a) == [("token", 7), ("done", "")]
+    assert drained(b) == [("token", 9), ("done", "")]
+    assert engine._streams == {} and engine.waiting == 0
+    assert a.request.done and b.request.done and done_seen == [b.request, a.request]
+    assert engine.snapshot["running"] == 3
+
+
+def test_a_message_without_a_snapshot_keeps_the_last_one():
+    engine, (a,) = client_with_streams(1)
+    engine._dispatch(("step", [], [], {"running": 5, "asleep": 0}))
+    lost = ("step", [(1, "token", 0, 3, "", None, None)], [1], {"x": object()})
+    engine._dispatch(process._unpicklable(lost))
+    assert engine.snapshot["running"] == 5
+    assert [k for k, _ in drained(a)] == ["error", "done"] and engine._streams == {}
+
+
+def test_an_unpicklable_message_is_replaced_by_errors_for_its_streams():
+    bad = ("step", [(4, "token", 0, 1, "", None, lambda: 0), (6, "text", 0, 0, "x", None, None),
+                    (4, "done", 0, 0, "", None, None)], [4], {"running": 1})
+    with pytest.raises(Exception):
+        process._pickle(bad)
+    op, items, started, snapshot = process._unpicklable(bad)
+    assert op == "step" and started == [4] and snapshot == {}
+    assert [(rid, kind) for rid, kind, *_ in items] == [(4, "error"), (4, "done"), (6, "error"), (6, "done")]
+    process._pickle((op, items, started, snapshot))             # the replacement itself pickles
+    assert process._unpicklable(("added", 9, None))[2].startswith("!")
+
+
+def test_an_engine_quiet_with_requests_live_fails_health(caplog, monkeypatch):
+    engine, _ = client_with_streams(1)
+    later: list = []
+
+    class Loop:
+        def call_later(self, delay, fn):
+            later.append((delay, fn))
+
+    class Alive:
+        def is_alive(self):
+            return True
+        pid = 4242
+
+    engine._loop, engine._process = Loop(), Alive()              # type: ignore[assignment]
+    engine._last_message = time.monotonic()
+    engine._watch()
+    assert engine.failed is None and len(later) == 1               # recent: nothing to say
+    engine._last_message = time.monotonic() - process.STALL_WARNING - 1
+    with caplog.at_level(logging.WARNING, logger="cellcache.serve"):
+        engine._watch()
+        engine._watch()
+    assert caplog.text.count("has sent no step") == 1              # once a stall
+    assert "no step" in engine.failed and len(later) == 3
+    engine._last_message = time.monotonic()
+    engine._watch()
+    assert engine.failed is None                                   # it spoke again
+    engine._streams.clear()
+    engine._last_message = time.monotonic() - process.STALL_WARNING - 1
+    engine._watch()
+    assert engine.failed is None                                   # idle is not a stall
