@@ -270,8 +270,9 @@ def _serve_split(p: Parser, args: Any, device: str | None, sock: socket.socket) 
     engine = EngineClient(build, tokenizer=None, max_waiting=args.max_waiting,
                           stream_interval=args.stream_interval, log_level=args.log_level)
     try:
-        engine.launch()
+        engine.spawn()
         engine.tokenizer = load_tokenizer(args.model_dir)
+        engine.wait_ready()
     except (EngineLoadError, InvalidArgument) as e:
         engine.stop(10)
         p.error(str(e) if isinstance(e, EngineLoadError) else f"cannot serve {args.model_dir}: {e}")

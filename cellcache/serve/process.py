@@ -471,6 +471,12 @@ class EngineClient:
     def launch(self, timeout: float | None = None) -> None:
         """Starts the engine process and waits for its generator; :class:`EngineLoadError`
         when it refuses (or dies) before it is ready."""
+        self.spawn()
+        self.wait_ready(timeout)
+
+    def spawn(self) -> None:
+        """Starts the engine process, which builds its generator (:meth:`wait_ready` waits
+        for it; this process may do its own loading meanwhile)."""
         ctx = multiprocessing.get_context("spawn")   # (CUDA does not survive a fork)
         parent, child = ctx.Pipe()
         self._process = ctx.Process(target=_child_main, name="cellcache-engine",
@@ -478,6 +484,11 @@ class EngineClient:
         self._process.start()
         child.close()
         self._conn = parent
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Waits until the engine process's generator is built; :class:`EngineLoadError` when
+        it refuses (or dies, or ``timeout`` seconds pass) first."""
+        parent = self._conn
         deadline = None if timeout is None else time.monotonic() + timeout
         while not parent.poll(0.2):
             if not self._process.is_alive() and not parent.poll(0):
