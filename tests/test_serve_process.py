@@ -87,3 +87,34 @@ def test_the_engine_process_ends_with_its_front_end(model_dir):
         wait_until(lambda: not alive(pid), timeout=60, what="the engine process ending")
     finally:
         server.stop()
+
+
+def test_sleep_and_wake_reach_the_engine_process(model_dir):
+    """``--enable-sleep`` through the engine process: a sleep while a request runs is 409 with
+    nothing changed, a bad level 400, a sleep frees the cache (new requests 503, ``/health``
+    says asleep), a wake serves again."""
+    server = start(model_dir, "--enable-sleep")
+    try:
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", server.url + "/v1/completions", json=LONG) as r:
+                lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                next(lines)                                   # running
+                status, body, _ = server.post("/sleep?level=1", b"")
+                assert status == 409 and body["error"]["code"] == "conflict"
+                assert json.loads(server.get("/is_sleeping")[1]) == {"is_sleeping": False, "level": 0}
+            # (the client left: its request is cancelled)
+        wait_until(lambda: server.metrics()["cellcache_requests_live"] == 0, what="the request ending")
+        status, body, _ = server.post("/sleep?level=3", b"")
+        assert status == 400 and body["error"]["param"] == "level"
+        status, body, _ = server.post("/sleep?level=1", b"")
+        assert status == 200 and body == {"is_sleeping": True, "level": 1}
+        status, body, _ = server.get("/health")
+        assert status == 200 and json.loads(body)["status"] == "asleep"
+        status, body, headers = server.post("/v1/completions", {**LONG, "max_tokens": 2, "stream": False})
+        assert status == 503 and "retry-after" in headers
+        status, body, _ = server.post("/wake_up", b"")
+        assert status == 200 and body == {"is_sleeping": False, "level": 0}
+        status, body, _ = server.post("/v1/completions", {**LONG, "max_tokens": 2, "stream": False})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    finally:
+        server.stop()

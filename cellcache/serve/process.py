@@ -175,6 +175,41 @@ class _ChildEngine(Engine):
         if stream is not None:
             self.cancel(stream)
 
+    def cancel_all(self) -> None:
+        """Cancels every request of the front end's (it is going, or gone)."""
+        for rid in list(self._streams):
+            self.cancel_rid(rid)
+
+    def control(self, send: Callable[[Any], None], cid: int, name: str, args: tuple) -> None:
+        """Runs ``gen.sleep(*args)`` or ``gen.wake()`` on the engine thread between steps and
+        answers ``("control", cid, ok, result or (error name, status, message))``."""
+        gen = self.gen
+
+        def go() -> int:
+            if name == "sleep":
+                level, keep = args
+                gen.sleep(level, keep_prefixes=keep)
+            else:
+                gen.wake()
+            self.asleep = gen.asleep
+            return gen.asleep
+
+        def answer(fut: concurrent.futures.Future) -> None:
+            e = fut.exception()
+            if e is None:
+                send(("control", cid, True, fut.result()))
+            elif isinstance(e, Refused):
+                send(("control", cid, False, ("Refused", e.status, e.message)))
+            else:
+                send(("control", cid, False, (type(e).__name__, 0, str(e))))
+
+        try:
+            fut = self._control(go)
+        except Refused as e:
+            send(("control", cid, False, ("Refused", e.status, e.message)))
+            return
+        fut.add_done_callback(answer)
+
     def _on_token(self, stream: Stream) -> Callable[[Any, int, int], None]:
         outbox = self._outbox
         counts: dict[int, int] = {}
@@ -330,8 +365,7 @@ def _engine_main(conn: Any, build: Callable[[], Any], options: dict[str, Any],
             except Exception:                        # one message's failure is not the engine's
                 log.exception("the front end's %r failed", msg[0])
     finally:
-        for rid in list(engine._streams):
-            engine.cancel_rid(rid)
+        engine.cancel_all()
         engine.stop(30.0)
         try:
             send(("stopped",))
@@ -374,38 +408,7 @@ def _receive(engine: _ChildEngine, send: Callable[[Any], None], msg: Any) -> Non
     elif op == "cancel":
         engine.cancel_rid(msg[1])
     elif op == "control":
-        _control(engine, send, *msg[1:])
-
-
-def _control(engine: _ChildEngine, send: Callable[[Any], None], cid: int, name: str, args: tuple) -> None:
-    """Runs ``gen.sleep(*args)`` or ``gen.wake()`` on the engine thread between steps and
-    answers ``("control", cid, ok, result or (error name, message))``."""
-    gen = engine.gen
-
-    def go() -> int:
-        if name == "sleep":
-            level, keep = args
-            gen.sleep(level, keep_prefixes=keep)
-        else:
-            gen.wake()
-        engine.asleep = gen.asleep
-        return gen.asleep
-
-    def answer(fut: concurrent.futures.Future) -> None:
-        e = fut.exception()
-        if e is None:
-            send(("control", cid, True, fut.result()))
-        elif isinstance(e, Refused):
-            send(("control", cid, False, ("Refused", e.status, e.message)))
-        else:
-            send(("control", cid, False, (type(e).__name__, 0, str(e))))
-
-    try:
-        fut = engine._control(go)
-    except Refused as e:
-        send(("control", cid, False, ("Refused", e.status, e.message)))
-        return
-    fut.add_done_callback(answer)
+        engine.control(send, *msg[1:])
 
 
 # -- the front end -----------------------------------------------------------------------------------
