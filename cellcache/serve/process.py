@@ -60,8 +60,9 @@ log = logging.getLogger("cellcache.serve")
 #: prompt chunk's step): the snapshot alone need not go every step.
 IDLE_SNAPSHOT = 0.1
 
-#: Seconds without a message from an engine that has live requests after which the front end
-#: says so in its log (once a stall): a step takes milliseconds, a long prefill seconds.
+#: Seconds without a step message from an engine that has live requests after which the front
+#: end says so in its log (once a stall) and /health fails: a step takes milliseconds, a long
+#: prefill seconds.
 STALL_WARNING = 30.0
 
 #: The exceptions a control (sleep, wake) may answer with, by name, raised again in the front end.
