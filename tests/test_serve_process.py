@@ -106,6 +106,7 @@ def test_sleep_and_wake_reach_the_engine_process(model_dir):
         wait_until(lambda: server.metrics()["cellcache_requests_live"] == 0, what="the request ending")
         status, body, _ = server.post("/sleep?level=3", b"")
         assert status == 400 and body["error"]["param"] == "level"
+        assert json.loads(server.get("/is_sleeping")[1]) == {"is_sleeping": False, "level": 0}
         status, body, _ = server.post("/sleep?level=1", b"")
         assert status == 200 and body == {"is_sleeping": True, "level": 1}
         status, body, _ = server.get("/health")

@@ -246,13 +246,6 @@ class _ChildEngine(Engine):
                     self._start(s)
         super()._refresh()
 
-    def _sweep(self) -> None:
-        with self._lock:
-            ended = [s for s in self._live.values() if s.request is not None and s.request.done]
-        for s in ended:
-            self._start(s)                           # (counted here, not by the base's sweep)
-        super()._sweep()
-
     def _hand_over(self) -> None:
         outbox = self._outbox
         taken = outbox[:]
