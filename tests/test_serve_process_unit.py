@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 
 import pytest
@@ -90,6 +91,8 @@ def test_an_engine_quiet_with_requests_live_fails_health(caplog, monkeypatch):
             return True
         pid = 4242
 
+    signals: list = []
+    monkeypatch.setattr(process.os, "kill", lambda pid, sig: signals.append((pid, sig)))
     engine._loop, engine._process = Loop(), Alive()              # type: ignore[assignment]
     engine._last_message = time.monotonic()
     engine._watch()
@@ -99,6 +102,7 @@ def test_an_engine_quiet_with_requests_live_fails_health(caplog, monkeypatch):
         engine._watch()
         engine._watch()
     assert caplog.text.count("has sent no step") == 1              # once a stall
+    assert signals == [(4242, signal.SIGUSR1)]                     # its stacks asked for, once
     assert "no step" in engine.failed and len(later) == 3
     engine._last_message = time.monotonic()
     engine._watch()

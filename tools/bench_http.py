@@ -32,11 +32,13 @@ Progress lines go to stderr; the table to stdout. Bad usage: one line, exit 2.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import multiprocessing as mp
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -350,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     loads = check(p, args)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)    # kill -USR1: where the clients wait
     import numpy as np
 
     sys.path.insert(0, str(ROOT))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import functools
 import gc
 import logging
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not _cuda():
         p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)    # kill -USR1: every thread's stack
     device = None if args.device == "auto" else args.device
     rank, world, place = 0, 1, device
     if args.tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1":     # under torchrun

@@ -529,12 +529,23 @@ class EngineClient:
         if self._streams and quiet > STALL_WARNING:
             if not self._stalled:
                 self._stalled = True
+                alive = self._process.is_alive()
                 log.warning("the engine process (pid %s, alive: %s) has sent no step for %.0f s with "
-                            "%d requests live (kill -USR1 %s prints its threads' stacks)", self.pid,
-                            self._process.is_alive(), quiet, len(self._streams), self.pid)
+                            "%d requests live%s", self.pid, alive, quiet, len(self._streams),
+                            ": its threads' stacks follow" if alive else "")
+                if alive:
+                    self._dump_stacks()
         else:
             self._stalled = False
         self._loop.call_later(STALL_WARNING / 4, self._watch)
+
+    def _dump_stacks(self) -> None:
+        # the engine process's faulthandler prints every thread's stack to its stderr (the
+        # server's log) from the signal itself: it answers even when a thread holds the GIL
+        try:
+            os.kill(self._process.pid, signal.SIGUSR1)
+        except (OSError, AttributeError):
+            log.warning("the engine process's stacks could not be asked for")
 
     def stop(self, timeout: float = 30.0) -> None:
         """Asks the engine process to end (its requests cancelled) and waits for it (any

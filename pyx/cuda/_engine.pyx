@@ -22,6 +22,7 @@ from cellcache.cuda._launch cimport (
     CUcontext,
     CUevent,
     CUfunction,
+    CUresult,
     CUstream,
     check,
     cu_ctx_set_current,
@@ -127,6 +128,15 @@ def step_params(*, int64_t capacity, int64_t owner_words, int64_t bit_words, int
     for k in range(len(masks)):
         p.masks[k] = masks[k]
     return (<char*>&p)[:sizeof(cc_step_params)]
+
+
+cdef int _wait(CUevent event) except -1:
+    # Waits for ``event`` with the interpreter lock released: the step's host work waits here
+    # for the GPU, and other threads (a server's receiver and sender) run meanwhile.
+    cdef CUresult r
+    with nogil:
+        r = cu_event_sync(event)
+    return check(r, b"cuEventSynchronize")
 
 
 cdef tuple _pair(str name, values):
@@ -306,17 +316,17 @@ cdef class StepEngine:
         check(cu_ctx_set_current(self.ctx), b"cuCtxSetCurrent")
         for k in range(2):
             if self.slot_pending[k]:
-                check(cu_event_sync(self.slot_event[k]), b"cuEventSynchronize")
+                _wait(self.slot_event[k])
                 self.slot_pending[k] = False
         if self.committed:
-            check(cu_event_sync(self.commit_event), b"cuEventSynchronize")
+            _wait(self.commit_event)
         return 0
 
     cdef int64_t* _acquire(self) except NULL:
         # The next staging slot, once the launch that last read it has completed.
         self.slot ^= 1
         if self.slot_pending[self.slot]:
-            check(cu_event_sync(self.slot_event[self.slot]), b"cuEventSynchronize")
+            _wait(self.slot_event[self.slot])
             self.slot_pending[self.slot] = False
         return self.host_slot[self.slot]
 
