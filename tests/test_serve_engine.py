@@ -507,3 +507,42 @@ def test_a_control_whose_caller_went_away_is_not_run_and_fails_nothing():
     with pytest.raises(Exception, match="not running"):
         engine._control(lambda: None)                 # not started: refused, nothing queued
     assert engine._controls == []
+
+
+def test_a_cancel_on_another_thread_ends_its_stream_after_its_last_text(monkeypatch):
+    """A cancel from the loop's thread marks the request done, then makes its last
+    ``on_text`` (the finish reason, and any text held back): an engine-thread sweep that
+    falls between the two must not end the stream first (its last delta would be lost)."""
+    pytest.importorskip("tokenizers")
+    from cellcache.serve.engine import Stream
+    from tests.helpers_text import make_tokenizer
+
+    gen = Generator(random_model("llama-tiny"), capacity=256, eos=[], tokenizer=make_tokenizer())
+    engine = Engine(gen)
+    delivered: list = []
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, batch):
+            delivered.extend((e.kind, e.finish) for _, e in batch)
+
+    stream = Stream(Loop(), None, 0)                     # type: ignore[arg-type]
+    engine._queue(stream, [5, 6, 7, 8], Sampling(max_new_tokens=40), False)
+    for _ in range(3):
+        gen.step()
+    engine._sweep()
+    engine._hand_over()
+    assert delivered and all(kind == "text" for kind, _ in delivered)
+    close = gen._close_texts
+
+    def sweep_first(job, all_ended=False):                # the engine thread's turn, mid-cancel
+        assert stream.request.done
+        engine._sweep()
+        engine._hand_over()
+        close(job, all_ended)
+
+    monkeypatch.setattr(gen, "_close_texts", sweep_first)
+    engine.cancel(stream)
+    engine._sweep()
+    engine._hand_over()
+    assert delivered[-2:] == [("text", "cancelled"), ("done", None)]
+    assert delivered.count(("done", None)) == 1

@@ -111,3 +111,24 @@ def test_an_engine_quiet_with_requests_live_fails_health(caplog, monkeypatch):
     engine._last_message = time.monotonic() - process.STALL_WARNING - 1
     engine._watch()
     assert engine.failed is None                                   # idle is not a stall
+
+
+def test_the_engine_looks_for_started_requests_among_the_oldest_only(monkeypatch):
+    from cellcache.generate import Generator, random_model
+
+    sent: list = []
+    engine = process._ChildEngine(Generator(random_model("llama-tiny"), capacity=256, eos=[]), sent.append)
+    monkeypatch.setattr(process, "START_SCAN", 2)
+
+    class Started:
+        first_token = 0.5
+
+    for rid in (1, 2, 3):
+        stream = Stream(None, None, rid)                           # type: ignore[arg-type]
+        stream.request = Started()                                  # type: ignore[assignment]
+        engine._unstarted[rid] = stream
+        engine._waiting += 1
+    engine._refresh()
+    assert list(engine._unstarted) == [3] and engine._started == [1, 2]
+    engine._refresh()
+    assert not engine._unstarted and engine._started == [1, 2, 3] and engine._waiting == 0

@@ -652,6 +652,13 @@ class Request:
     def done(self) -> bool:
         return self.finished is not None
 
+    @property
+    def complete(self) -> bool:
+        """Done, and its generator has let it go: its texts closed (their last ``on_text``
+        made), no callback of it to come. What :meth:`result` waits for; ``done`` turns
+        True first (a cancel from another thread closes the texts just after)."""
+        return self._done.is_set()
+
     def end_reason(self, n_out: int, tok: int, eos: Set[int]) -> str | None:
         """The stop rule: why a continuation with ``n_out`` tokens, the last ``tok``, ends:
         ``"stop"`` (an end-of-sequence id of ``eos``, unless ``ignore_eos``, or one of its

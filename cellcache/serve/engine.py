@@ -467,7 +467,10 @@ class Engine:
     def _sweep(self) -> None:
         """Ends the streams of the requests that are done (engine thread)."""
         with self._lock:
-            ended = [(rid, s) for rid, s in self._live.items() if s.request is not None and s.request.done]
+            # complete, not only done: a cancel from another thread marks a request done
+            # before it makes its last on_text
+            ended = [(rid, s) for rid, s in self._live.items()
+                     if s.request is not None and s.request.complete]
             for rid, s in ended:
                 del self._live[rid]
                 if not s.started:

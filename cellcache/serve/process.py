@@ -60,6 +60,10 @@ log = logging.getLogger("cellcache.serve")
 #: prompt chunk's step): the snapshot alone need not go every step.
 IDLE_SNAPSHOT = 0.1
 
+#: The requests without a first token the engine looks at after a step (the oldest): a
+#: backlog of thousands costs a step no more than this many reads.
+START_SCAN = 1024
+
 #: Seconds without a step message from an engine that has live requests after which the front
 #: end says so in its log (once a stall) and /health fails: a step takes milliseconds, a long
 #: prefill seconds.
@@ -237,10 +241,11 @@ class _ChildEngine(Engine):
 
     def _refresh(self) -> None:
         # a request whose first token raised no callback (its text held back) has started all
-        # the same: only the ones not started are looked at
+        # the same: only the ones not started are looked at, the START_SCAN oldest (a backlog
+        # starts in about the order it came; one further back is seen once it is nearer)
         if self._unstarted:
             with self._lock:
-                waiting = list(self._unstarted.values())
+                waiting = list(itertools.islice(self._unstarted.values(), START_SCAN))
             for s in waiting:
                 if s.request is not None and s.request.first_token is not None:
                     self._start(s)
