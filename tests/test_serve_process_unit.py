@@ -132,3 +132,41 @@ def test_the_engine_looks_for_started_requests_among_the_oldest_only(monkeypatch
     assert list(engine._unstarted) == [3] and engine._started == [1, 2]
     engine._refresh()
     assert not engine._unstarted and engine._started == [1, 2, 3] and engine._waiting == 0
+
+
+def test_the_front_end_never_blocks_on_a_full_pipe():
+    """The engine's receiver behind (here: not reading at all): the loop's writes return at
+    once, what the pipe does not take waits, and everything arrives in order once it reads;
+    a write with no loop running blocks as a plain pipe write does."""
+    import multiprocessing
+    import threading
+
+    parent, child = multiprocessing.Pipe()
+    engine = EngineClient(lambda: None, tokenizer=None)
+    engine._conn = parent
+    payload, n = list(range(5000)), 300                    # ~ 8 MB in all: more than a pipe holds
+    checked = threading.Event()
+    got: list = []
+
+    def read() -> None:
+        checked.wait(20)                                    # (a blocking write is freed after 20 s)
+        got.extend(child.recv() for _ in range(n + 1))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+
+    async def main() -> bool:
+        engine.start()
+        for i in range(n):
+            engine._send(("add", i, payload))
+        waiting = len(engine._out) > 0                      # the loop went on with the rest queued
+        checked.set()
+        while engine._out:
+            await asyncio.sleep(0.01)
+        return waiting
+
+    assert asyncio.run(main())
+    engine._send(("stop",))                                 # no loop running: written at once
+    reader.join(30)
+    assert [m[1] for m in got[:n]] == list(range(n)) and all(m[2] == payload for m in got[:n])
+    assert got[n] == ("stop",)

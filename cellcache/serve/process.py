@@ -41,6 +41,8 @@ import multiprocessing
 import os
 import queue
 import signal
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -376,6 +378,14 @@ def _pickle(msg: Any) -> bytes:
     return bytes(ForkingPickler.dumps(msg))
 
 
+def _frame(msg: Any) -> bytes:
+    """``msg`` as ``Connection.send`` writes it, for the other end's ``recv``: a big-endian
+    int32 length (-1 and a uint64 past 2 GiB), then the pickle."""
+    data = _pickle(msg)
+    n = len(data)
+    return (struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + data
+
+
 def _unpicklable(msg: Any) -> Any:
     """What replaces a message that could not be pickled: every stream it spoke of ends with
     an error (a "step" message), or the request it answered is refused (an "added" one)."""
@@ -436,8 +446,11 @@ class EngineClient:
         self._options = {"max_waiting": max_waiting, "stream_interval": stream_interval}
         self._process: Any = None
         self._conn: Any = None
+        self._sock: socket.socket | None = None      # the pipe's end again, for writes that never block
+        self._out = bytearray()                      # what the loop could not write yet
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
         self._streams: dict[int, Stream] = {}
         self._acks: dict[int, asyncio.Future] = {}
         self._controls: dict[int, asyncio.Future] = {}
@@ -521,6 +534,7 @@ class EngineClient:
         reads the pipe when it is readable, so no thread hands them over."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
             self._loop.add_reader(self._conn.fileno(), self._readable)
             self._last_message = time.monotonic()
             self._loop.call_later(STALL_WARNING / 4, self._watch)
@@ -565,15 +579,75 @@ class EngineClient:
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join(5)
+        if self._sock is not None:
+            self._sock.close()
 
     def _send(self, msg: Any) -> None:
+        """``msg`` to the engine process. On the loop it never blocks: what the pipe does not
+        take now (the engine's receiver behind) waits in ``_out`` and goes when the pipe is
+        writable, so /health and /metrics answer whatever the engine does. From another
+        thread while the loop runs it is handed to the loop; with no loop running, written
+        (blocking)."""
         if self._conn is None or self._lost is not None:
             raise Refused(503, "the engine is not running")
+        data = _frame(msg)
+        loop = self._loop
         try:
-            with self._send_lock:
-                self._conn.send(msg)
+            if loop is not None and threading.get_ident() == self._loop_thread:
+                self._write(data)
+            elif loop is not None and loop.is_running():
+                loop.call_soon_threadsafe(self._write_soon, data)
+            else:
+                with self._send_lock:
+                    sock = self._socket()
+                    sock.sendall(bytes(self._out) + data)
+                    self._out.clear()
         except (OSError, ValueError):
             raise Refused(503, "the engine is not running") from None
+
+    def _socket(self) -> socket.socket:
+        if self._sock is None:
+            # the same socket (a duplicate descriptor): MSG_DONTWAIT makes single writes
+            # non-blocking without making the Connection's reads so
+            self._sock = socket.socket(fileno=os.dup(self._conn.fileno()))
+        return self._sock
+
+    def _write(self, data: bytes) -> None:
+        """On the loop: ``data`` written as far as the pipe takes it now, the rest queued."""
+        if self._out:                                # (behind what waits: the order is kept)
+            self._out += data
+            return
+        sent = self._write_now(data)
+        if sent < len(data):
+            self._out += memoryview(data)[sent:]
+            assert self._loop is not None
+            self._loop.add_writer(self._socket().fileno(), self._writable)
+
+    def _write_soon(self, data: bytes) -> None:
+        try:
+            self._write(data)
+        except OSError:
+            pass                                     # (the reader sees the engine gone)
+
+    def _write_now(self, data: bytes | bytearray) -> int:
+        sock, view, sent = self._socket(), memoryview(data), 0
+        while sent < len(view):
+            try:
+                sent += sock.send(view[sent:], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+        return sent
+
+    def _writable(self) -> None:
+        """On the loop, the pipe writable again: what waits in ``_out``, as far as it goes."""
+        assert self._loop is not None
+        try:
+            sent = self._write_now(self._out)
+        except OSError:                              # the engine is gone: the reader says so
+            sent = len(self._out)
+        del self._out[:sent]
+        if not self._out:
+            self._loop.remove_writer(self._socket().fileno())
 
     def _readable(self) -> None:
         """On the loop: every message the pipe holds, each dispatched."""
@@ -599,6 +673,10 @@ class EngineClient:
         unless it was stopped."""
         code = None if self._process is None else self._process.exitcode
         self._lost = "the engine process exited" + ("" if code is None else f" (code {code})")
+        if self._out:
+            self._out.clear()
+            if self._loop is not None:
+                self._loop.remove_writer(self._socket().fileno())
         if not self._stopping:
             log.error("%s", self._lost)
         for rid, stream in list(self._streams.items()):
