@@ -170,3 +170,26 @@ def test_the_front_end_never_blocks_on_a_full_pipe():
     reader.join(30)
     assert [m[1] for m in got[:n]] == list(range(n)) and all(m[2] == payload for m in got[:n])
     assert got[n] == ("stop",)
+
+
+def test_a_new_streams_first_token_wakes_its_client_before_the_running_ones():
+    engine, (a, b, c) = client_with_streams(3)
+    woke: list[int] = []
+
+    async def client(stream: Stream) -> None:
+        await stream.queue.get()
+        woke.append(stream.tag)
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(client(s)) for s in (a, b, c)]
+        await asyncio.sleep(0)                                      # each waits on its queue
+        engine._dispatch(("step", [(1, "token", 0, 5, "", None, None),
+                                   (2, "token", 0, 6, "", None, None),
+                                   (3, "first", 0, 0, "", None, (0, None)),
+                                   (3, "token", 0, 7, "", None, None)], [3], {"running": 3}))
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert woke == [2, 0, 1]                                        # (tags: rid - 1)
+    assert [t for k, t in drained(c)] == [] and c.request.outputs[0] == [7]
+    assert a.request.outputs[0] == [5] and b.request.outputs[0] == [6]

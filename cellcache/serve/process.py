@@ -706,6 +706,12 @@ class EngineClient:
         if op == "step":
             _, items, started, snapshot = msg
             streams = self._streams
+            fresh = {item[0] for item in items if item[1] == "first"}
+            if fresh and len(fresh) < len(items):
+                # new streams' events first: the loop writes the chunks in the order their
+                # streams wake, and a first token waiting behind every running stream's next
+                # chunk is what a client reads as time to first token
+                items = [x for x in items if x[0] in fresh] + [x for x in items if x[0] not in fresh]
             for rid in started:
                 s = streams.get(rid)
                 if s is not None:
