@@ -546,3 +546,44 @@ def test_a_cancel_on_another_thread_ends_its_stream_after_its_last_text(monkeypa
     engine._hand_over()
     assert delivered[-2:] == [("text", "cancelled"), ("done", None)]
     assert delivered.count(("done", None)) == 1
+
+
+def test_a_cancel_made_during_a_step_ends_its_stream_at_the_next_one(monkeypatch):
+    """A cancel from another thread after a step's last look at its cancels is applied at
+    the next step: the sweep after this one finds the request still running, and the one
+    after must still look (not wait for the periodic full sweep, 64 steps later)."""
+    import threading
+
+    from cellcache.serve.engine import Stream
+
+    gen = Generator(random_model("llama-tiny"), capacity=512, eos=[])
+    engine = Engine(gen)
+    kinds: list = []
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, batch):
+            kinds.extend(e.kind for _, e in batch)
+
+    stream = Stream(Loop(), None, 0)                     # type: ignore[arg-type]
+    engine._queue(stream, [5, 6, 7], Sampling(max_new_tokens=200), True)
+    gen.add([9, 10, 11], Sampling(max_new_tokens=200))   # (keeps the generator busy)
+    failures = [0]
+    for _ in range(2):
+        engine._iterate(failures)
+    release, fired = gen._release, []
+
+    def cancel_from_another_thread() -> None:            # the step's very end, its lock held
+        if not fired:
+            fired.append(True)
+            t = threading.Thread(target=engine.cancel, args=(stream,))
+            t.start()
+            t.join()
+        release()
+
+    monkeypatch.setattr(gen, "_release", cancel_from_another_thread)
+    turns = 0
+    while "done" not in kinds and turns < 10:
+        engine._iterate(failures)
+        turns += 1
+    assert fired and "done" in kinds and turns == 2
+    assert stream.request.finish_reasons == ["cancelled"]

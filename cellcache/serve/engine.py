@@ -133,6 +133,7 @@ class Engine:
         self._submitted = False
         self._stop = False
         self._ended = False                     # a callback or cancel saw a request end
+        self._cancelled: set[int] = set()       # requests cancelled and not swept yet (ids)
         self._unswept = 0                       # steps since the last full sweep
         self._thread: threading.Thread | None = None
         # work the loop asks of the engine thread between steps (sleep, wake), with its future
@@ -249,6 +250,10 @@ class Engine:
         req = stream.request
         if req is not None and not req.done:
             self.gen.cancel(req)
+            # (swept every step until it has ended: a cancel made during a step takes effect
+            # at the next one, after a sweep may have cleared _ended)
+            with self._lock:
+                self._cancelled.add(req.id)
             self._ended = True
             with self._cond:
                 self._submitted = True          # the sweep reports it done
@@ -454,7 +459,7 @@ class Engine:
                     self._fail_all(e)
         # a sweep reads every live request: only when one may have ended
         self._unswept += 1
-        if self._ended or self._unswept >= FULL_SWEEP_STEPS or not gen.busy:
+        if self._ended or self._cancelled or self._unswept >= FULL_SWEEP_STEPS or not gen.busy:
             self._ended = False
             self._unswept = 0
             self._sweep()
@@ -476,6 +481,8 @@ class Engine:
                 if not s.started:
                     s.started = True
                     self._waiting -= 1
+            if self._cancelled:                 # (one that ended before it was counted too)
+                self._cancelled.intersection_update(self._live)
         for _, s in ended:
             req = s.request
             assert req is not None
@@ -495,6 +502,7 @@ class Engine:
         with self._lock:
             rest = list(self._live.items())
             self._live.clear()
+            self._cancelled.clear()
         for _, s in rest:
             if s.request is not None and not s.request.done:
                 try:
