@@ -1,12 +1,16 @@
-"""What every command line of the project shares: usage errors as one line and exit code 2."""
+"""What every command line of the project shares: usage errors as one line and exit code 2,
+every thread's stack on SIGUSR1."""
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import io
+import signal
 import sys
 from typing import NoReturn
 
-__all__ = ["Parser", "at_least", "in_range"]
+__all__ = ["Parser", "at_least", "in_range", "stacks_on_sigusr1"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,3 +39,15 @@ def in_range(lo: int, hi: int):
 def at_least(lo: int):
     """An argparse type: an int >= lo."""
     return in_range(lo, 2**62)
+
+
+def stacks_on_sigusr1() -> bool:
+    """``kill -USR1 <pid>`` prints every thread's stack to stderr (``faulthandler``: from the
+    signal itself, even while a thread holds the interpreter lock); the process goes on.
+    False, changing nothing, where stderr has no file descriptor (captured) or the platform
+    has no SIGUSR1."""
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError, RuntimeError, io.UnsupportedOperation):
+        return False
+    return True

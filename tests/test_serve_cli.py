@@ -124,3 +124,21 @@ def test_the_banner_url_is_one_a_client_can_use(family, host):
     with sock:
         port = sock.getsockname()[1]
         assert _url(sock) == (f"http://[{host}]:{port}" if family == socket.AF_INET6 else f"http://{host}:{port}")
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(capsys):
+    import subprocess
+    import sys
+
+    from cellcache._cli import stacks_on_sigusr1
+
+    assert stacks_on_sigusr1() is False                   # capsys's stderr: no descriptor
+    code = ("import os, signal, threading\n"
+            "from cellcache._cli import stacks_on_sigusr1\n"
+            "assert stacks_on_sigusr1()\n"
+            "threading.Thread(target=threading.Event().wait, name='idle', daemon=True).start()\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "print('still here')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "still here"
+    assert "Current thread" in done.stderr and done.stderr.count("Thread 0x") >= 1

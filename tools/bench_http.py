@@ -32,13 +32,11 @@ Progress lines go to stderr; the table to stdout. Bad usage: one line, exit 2.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import math
 import multiprocessing as mp
 import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -48,7 +46,7 @@ from typing import Any
 from _common import ROOT, log, run_record
 from _http_client import run_client
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, stacks_on_sigusr1
 
 TARGET_SATURATION = 0.9
 #: Requests of a short warm-up round before the measured runs, in process and over HTTP.
@@ -352,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     loads = check(p, args)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)    # kill -USR1: where the clients wait
+    stacks_on_sigusr1()                        # kill -USR1: where the clients wait
     import numpy as np
 
     sys.path.insert(0, str(ROOT))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import faulthandler
 import functools
 import gc
 import logging
@@ -31,7 +30,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from .._cli import Parser, at_least, in_range
+from .._cli import Parser, at_least, in_range, stacks_on_sigusr1
 from ..errors import CellCacheError
 
 __all__ = ["build_parser", "main"]
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not _cuda():
         p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)    # kill -USR1: every thread's stack
+    stacks_on_sigusr1()                        # kill -USR1: every thread's stack
     device = None if args.device == "auto" else args.device
     rank, world, place = 0, 1, device
     if args.tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1":     # under torchrun

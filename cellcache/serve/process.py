@@ -33,7 +33,6 @@ import asyncio
 import collections
 import concurrent.futures
 import copy
-import faulthandler
 import gc
 import itertools
 import logging
@@ -49,6 +48,7 @@ from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from .._cli import stacks_on_sigusr1
 from ..errors import InvalidArgument, InvalidState, OutOfMemory
 from ..generate import Sampling
 from ..generate.prompts import encode_prompt
@@ -294,7 +294,7 @@ def _child_main(conn: Any, build: Callable[[], Any], options: dict[str, Any], lo
     goes away."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)           # the front end drains us
-    faulthandler.register(signal.SIGUSR1, all_threads=True)     # kill -USR1: every thread's stack
+    stacks_on_sigusr1()                        # kill -USR1: every thread's stack
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     # Messages go out through a thread of their own: the engine thread only queues them, so it
     # never blocks on a full pipe while the front end is busy (pickling and the write happen
