@@ -274,7 +274,10 @@ def soak(args: Any, server: Any, prompts: list[list[int]], rate: float) -> dict[
             except (AssertionError, OSError, ValueError):     # the server going away: no sample
                 stop.wait(args.sample_every)
                 continue
-            samples.append({"t": time.time() - start, "rss_bytes": _rss(server.proc.pid),
+            status, body, _ = server.get("/health")
+            if status != 200 and (not samples or samples[-1].get("health") != status):
+                log(f"soak: /health answers {status}: {body.strip()[:300]}")   # (a stall says why)
+            samples.append({"t": time.time() - start, "health": status, "rss_bytes": _rss(server.proc.pid),
                             # the engine process's (absent with --no-engine-process: the same process)
                             "engine_rss_bytes": m.get("cellcache_engine_resident_memory_bytes", 0.0),
                             "gpu_reserved_bytes": m.get("cellcache_gpu_memory_reserved_bytes", 0.0),
