@@ -380,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [rng.integers(3, vocab, size=args.prompt_len).tolist() for _ in range(args.requests)]
         words = ["python3", "tools/bench_http.py", *(argv if argv is not None else sys.argv[1:])]
         device = "cuda" if _on_cuda(args) else "cpu"
-        result: dict[str, Any] = {**run_record("http-soak" if args.soak else "http", words, device),
+        # (a CPU soak is a result of its own: the GPU's is kept beside it)
+        name = "http" if args.soak is None else "http-soak" if device == "cuda" else "http-soak-cpu"
+        result: dict[str, Any] = {**run_record(name, words, device),
                                   "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
                                                "max_tokens": args.max_tokens}}
         if args.soak is None and not args.skip_inprocess:
