@@ -132,7 +132,7 @@ class Engine:
         self._waiting = 0
         self._submitted = False
         self._stop = False
-        self._ended = False                     # a callback or cancel saw a request end
+        self._ended = False                     # a callback saw a request end
         self._cancelled: set[int] = set()       # requests cancelled and not swept yet (ids)
         self._unswept = 0                       # steps since the last full sweep
         self._thread: threading.Thread | None = None
@@ -250,11 +250,10 @@ class Engine:
         req = stream.request
         if req is not None and not req.done:
             self.gen.cancel(req)
-            # (swept every step until it has ended: a cancel made during a step takes effect
-            # at the next one, after a sweep may have cleared _ended)
+            # swept after every step until it has ended (a cancel made during a step may take
+            # effect only at the next one)
             with self._lock:
                 self._cancelled.add(req.id)
-            self._ended = True
             with self._cond:
                 self._submitted = True          # the sweep reports it done
                 self._cond.notify()
