@@ -451,7 +451,9 @@ class ModelRunner:
         already on the runner's device (the previous step's sampled ids, gathered: the
         asynchronous generator feeds a step before its ids reach the host). It is copied
         into the input on the device's current stream without a host sync, so its values
-        are not checked: they must be ids the model's own sampling drew.
+        are not checked: they must be ids the model's own sampling drew. Both given:
+        ``device_tokens`` are the first rows' ids (fewer than ``step.width``), ``tokens``
+        the rest.
 
         On CUDA the host ``tokens`` go up through a pinned buffer without blocking the host.
 
@@ -470,20 +472,23 @@ class ModelRunner:
         T, width = step.pad_to, step.width
         handed = self._handed
         if device_tokens is not None:
-            if tokens is not None:
-                raise InvalidArgument("give tokens or device_tokens, not both")
             # the greedy ids the last replay handed out (self.greedy), fed back whole: known
             # to be right, so the checks below are skipped on the steady decode path
-            mine = handed is not None and device_tokens is handed[0] and handed[1] == width
-            if not mine and (not isinstance(device_tokens, torch.Tensor) or device_tokens.ndim != 1 \
+            mine = tokens is None and handed is not None and device_tokens is handed[0] \
+                and handed[1] == width
+            fits = isinstance(device_tokens, torch.Tensor) and (
+                device_tokens.numel() == width if tokens is None else 0 < device_tokens.numel() < width)
+            if not mine and (not fits or device_tokens.ndim != 1 \
                     or device_tokens.is_floating_point() or device_tokens.dtype == torch.bool \
-                    or device_tokens.device != self.device or device_tokens.numel() != width):
+                    or device_tokens.device != self.device):
                 shown = (f"a {tuple(device_tokens.shape)} {device_tokens.dtype} tensor on "
                          f"{device_tokens.device}" if isinstance(device_tokens, torch.Tensor)
                          else f"of type {type(device_tokens).__name__}")
+                want = f"{width} ids" if tokens is None else \
+                    f"the first 1 to {width - 1} of the step's {width} ids (tokens the rest)"
                 raise InvalidArgument(f"device_tokens is {shown}; give a 1-D integer tensor of "
-                                      f"{width} ids on {self.device}")
-            ids_np = None
+                                      f"{want} on {self.device}")
+            ids_np = None if tokens is None else self._token_ids(tokens, width - device_tokens.numel())
         elif tokens is None:
             raise InvalidArgument("give the step's tokens (or device_tokens)")
         else:
@@ -499,7 +504,12 @@ class ModelRunner:
         self.greedy = None
         self._handed = None
         self.replayed = False
-        if device_tokens is not None:
+        if ids_np is not None and device_tokens is not None:   # the first rows' ids on the device
+            n = device_tokens.numel()
+            self.input_ids[0, :n].copy_(device_tokens, non_blocking=True)
+            self._upload(ids_np, n)
+            self._fed_rows = 0
+        elif device_tokens is not None:
             # the previous decode graph's own greedy ids: already in input_ids (it put them there)
             greedy = self._greedy
             if not (greedy is not None and width <= self._fed_rows
@@ -548,12 +558,13 @@ class ModelRunner:
                 rows = np.arange(width)       # compiled: rows as a tensor, as every eager step
             return self._run(step, self.attention, self._index(rows)).float()
 
-    def _upload(self, ids: np.ndarray) -> None:
-        """Host ids into ``input_ids``: on CUDA through a pinned staging buffer, without
-        blocking the host (the buffer is reused once the previous upload has run)."""
+    def _upload(self, ids: np.ndarray, at: int = 0) -> None:
+        """Host ids into ``input_ids`` from row ``at`` on: on CUDA through a pinned staging
+        buffer, without blocking the host (the buffer is reused once the previous upload has
+        run)."""
         n = ids.size
         if not self.cuda:
-            self.input_ids[0, :n].copy_(torch.from_numpy(ids))
+            self.input_ids[0, at:at + n].copy_(torch.from_numpy(ids))
             return
         if self._staging is None or self._staging.numel() < n:
             self._staging = torch.empty(max(n, self.input_ids.shape[1]), dtype=torch.long, pin_memory=True)
@@ -561,7 +572,7 @@ class ModelRunner:
         else:
             self._staged.synchronize()        # the previous upload has left the buffer
         self._staging[:n].numpy()[:] = ids
-        self.input_ids[0, :n].copy_(self._staging[:n], non_blocking=True)
+        self.input_ids[0, at:at + n].copy_(self._staging[:n], non_blocking=True)
         self._staged.record(torch.cuda.current_stream(self.device))
 
     def _index(self, rows: np.ndarray) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cellcache import CacheConfig, HostCellCache, InvalidArgument, OutOfMemory, tp
-from tests.helpers import FailingAllocator, assert_same, state
+from tests.helpers import assert_same, state
 from tests.helpers_tp import LOST_AT_STEP, lose, outcome_of, short_group, timed_outcome_of, trace
 from tests.helpers_tp_cache import RankAllocator
 
@@ -57,11 +57,13 @@ def recorded(gen: Any) -> list:
     return seen
 
 
-def serve_workload(gen: Any, rank: int, alloc: Any = None) -> dict:
+def serve_workload(gen: Any, rank: int, alloc: Any = None, fails: bool = False) -> dict:
     """Arrivals over steps (added on rank 0 only), a follow-up added and a cancel made from
-    callbacks, a callback that raises, an allocation failure on rank 1 (``alloc``); every
-    rank steps in lockstep and handles the same exceptions. The same calls on one process
-    (rank 0, ``alloc`` None) are the reference."""
+    callbacks, a callback that raises, an allocation failure (``alloc`` fails from step
+    OOM_AFTER_STEP on where ``fails``: on rank 1); every rank steps in lockstep and handles
+    the same exceptions. The same calls on one process, whose allocator fails at the same
+    step (a failed step is rolled back with the one in flight: the steps after it follow
+    from that), are the reference."""
     from cellcache.errors import InvalidState
 
     prompts = gen_prompts()
@@ -88,7 +90,7 @@ def serve_workload(gen: Any, rank: int, alloc: Any = None) -> dict:
                 reqs[i] = gen.add(prompts[i], gen_sampling(i), on_token=on_token)
             reqs_at.add(step)                     # once, even when the step is retried
         if alloc is not None and step == OOM_AFTER_STEP and not raised:
-            alloc.fail = rank == 1
+            alloc.fail = fails
         try:
             busy = gen.step()
         except OutOfMemory as e:                  # agreed: every rank rolled its step back
@@ -142,7 +144,7 @@ def generator_on_rank(rank: int, world: int, async_steps: bool = False, debug: b
         refused["add"] = outcome_of(lambda: gen.add([1, 2, 3]))
     else:
         refused["draft"] = outcome_of(lambda: gen.add([1, 2], Sampling(), draft=lambda t, k: []))
-    out = serve_workload(gen, rank, alloc)
+    out = serve_workload(gen, rank, alloc, fails=rank == 1)
     out["refused"] = refused
     out["tp"] = (gen.tp.rank, gen.tp.world) if gen.tp is not None else None
     out["kv_heads"] = [layer.n_kv_heads for layer in gen.cache.config.layers]
@@ -150,13 +152,15 @@ def generator_on_rank(rank: int, world: int, async_steps: bool = False, debug: b
 
 
 def generator_single(async_steps: bool = False) -> dict:
-    """The reference: the same workload in one process, on the whole cache."""
+    """The reference: the same workload in one process, on the whole cache, its allocator
+    failing where rank 1's does."""
     from cellcache.generate import Generator
 
     model = gen_model()
-    cache = HostCellCache(gen_cache_config(model), growth="copy", allocator=FailingAllocator())
+    alloc = RankAllocator()
+    cache = HostCellCache(gen_cache_config(model), growth="copy", allocator=alloc)
     gen = Generator(model, cache, async_steps=async_steps, **GEN_OPTIONS)  # type: ignore[arg-type]
-    return serve_workload(gen, 0)
+    return serve_workload(gen, 0, alloc, fails=True)
 
 
 class CollectiveCounter:

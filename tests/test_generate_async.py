@@ -30,12 +30,14 @@ def make(model, async_steps, **kw):
     opts.update(kw)
     gen = Generator(model, async_steps=async_steps, **opts)
     gen.ahead = 0                                     # steps launched on device-side ids
+    gen.mixed_ahead = 0                               # of them, with host ids too (prompts)
     real = gen.runner.forward
 
     def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
         if device_tokens is not None:
             gen.ahead += 1
-            return real(step, None, logit_rows, decode, device_tokens=device_tokens)
+            gen.mixed_ahead += tokens is not None
+            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
         return real(step, tokens, logit_rows, decode)
 
     gen.runner.forward = forward
@@ -60,14 +62,18 @@ def make(model, async_steps, **kw):
 
 def check(gen):
     """The cache holds what the generator believes: a running sequence owns its in_cache
-    tokens, plus one cell for each step in flight that carries it."""
+    tokens, plus the cells of the step in flight that carries it (one a decode row, its
+    chunk a prompt's)."""
     cache = gen.cache
     cache.check_invariants()
-    flying = {id(s) for s in gen._flight.plan.seqs} if gen._flight is not None else set()
+    flying: dict[int, int] = {}
+    if gen._flight is not None:
+        for s, feed in gen._flight.plan.rows:
+            flying[id(s)] = flying.get(id(s), 0) + len(feed)
     sids = []
     for s in gen.running:
         assert s.sid is not None and s.req.finish_reasons[s.index] is None
-        extra = int(id(s) in flying)
+        extra = flying.get(id(s), 0)
         assert cache.pos(s.sid) == s.in_cache + extra == cache.seq_len(s.sid)
         sids.append(s.sid)
     for s in gen.waiting:
@@ -110,6 +116,7 @@ def same(model, work, *, kw=None, each_step=None, chained=True):
     assert a[1] == b[1]
     assert a[2] == b[2]
     assert a[3].ahead == 0
+    print("mixed ahead", b[3].mixed_ahead, "of", b[3].ahead)
     if chained:
         assert b[3].ahead > 0                          # the asynchronous path ran
     return ra, b[3]
@@ -436,30 +443,40 @@ def test_async_steps_is_checked_and_defaults_off_without_graphs(model):
 
 
 def test_model_runner_takes_device_tokens(model):
-    """ModelRunner.forward(device_tokens=...) computes what forward(tokens) does; bad
-    inputs are refused before anything runs."""
+    """ModelRunner.forward(device_tokens=...) computes what forward(tokens) does, whole or
+    for the first rows with host tokens for the rest; bad inputs are refused before
+    anything runs (the input buffer unchanged)."""
     from cellcache.errors import InvalidArgument as Bad
 
     gen = Generator(model, capacity=64, max_batch_tokens=16, eos=[], prefix_cache=False)
     cache, runner = gen.cache, gen.runner
     ids = [5, 9, 77, 3]
     out = []
-    for device_tokens in (None, torch.tensor(ids)):
+    for split in (None, 4, 1, 3):
         a = cache.seq_new()
         assert cache.declare_step([a] * len(ids))
         step = cache.prepare_step()
-        if device_tokens is None:
+        if split is None:
             out.append(runner.forward(step, ids))
         else:
-            for bad in (torch.tensor(ids[:3]), torch.tensor(ids, dtype=torch.float32), ids):
+            device_tokens = torch.tensor(ids[:split])
+            host = None if split == 4 else ids[split:]
+            before = runner.input_ids.clone()
+            bad_device = (torch.tensor(ids[:3]) if split == 4 else torch.tensor(ids),
+                          torch.tensor(ids[:split], dtype=torch.float32), ids[:split])
+            for bad in bad_device:
                 with pytest.raises(Bad, match="device_tokens"):
-                    runner.forward(step, None, device_tokens=bad)
-            with pytest.raises(Bad, match="not both"):
-                runner.forward(step, ids, device_tokens=device_tokens)
-            out.append(runner.forward(step, None, device_tokens=device_tokens))
+                    runner.forward(step, host, device_tokens=bad)
+            if host is not None:
+                for bad_host in (ids[split:] + [1], [600] * len(host)):
+                    with pytest.raises(Bad, match="tokens|vocabulary"):
+                        runner.forward(step, bad_host, device_tokens=device_tokens)
+            assert torch.equal(runner.input_ids, before)
+            out.append(runner.forward(step, host, device_tokens=device_tokens))
         cache.commit_step()
         cache.seq_rm(a)
-    assert torch.equal(out[0], out[1])
+    for o in out[1:]:
+        assert torch.equal(out[0], o)
 
 
 def test_profile_serve_tool_runs(tmp_path, capsys):
@@ -684,3 +701,282 @@ def test_mixed_steps_are_padded_only_to_a_graph_that_gives_their_logit_rows(mode
         cct.MIXED_CAPTURE.reset(token)
     assert cct._decode_step(step)
     cache.commit_step()
+
+
+# -- general (mixed) steps launched ahead: prompt chunks and admissions behind a step in flight --
+
+def _arrivals(ps, sampling, every=2, per=2, **kw):
+    """``work`` and ``each_step`` for :func:`serve`: the first ``per`` prompts at once, then
+    ``per`` more every ``every`` steps (each admitted while a step is in flight)."""
+    box: dict = {"reqs": []}
+
+    def add(gen, chunk):
+        for i, p in enumerate(chunk, len(box["reqs"])):
+            box["reqs"].append(gen.add(p, sampling(i) if callable(sampling) else sampling,
+                                       on_token=gen.on_token, **kw))
+
+    def work(gen):
+        box["reqs"] = []
+        add(gen, ps[:per])
+        return box["reqs"]
+
+    def each_step(gen, i):
+        j = len(box["reqs"])
+        if i % every == every - 1 and j < len(ps):
+            add(gen, ps[j:j + per])
+
+    return box, work, each_step
+
+
+MIXED = dict(max_batch_tokens=24, prefill_chunk=6)   # prompts of 8-30 tokens take chunks
+
+
+def same_mixed(model, sampling, *, kw=None, n=14, seed=21, arrivals=False, lengths=(8, 30),
+               counters=None, **add_kw):
+    """Chunked prompts admitted a few at a time (all added at once, or ``arrivals``: two
+    every other call), synchronous and asynchronous: outputs, finish reasons and streams
+    are equal, and general steps were launched ahead of the step in flight. Added at once,
+    the counters are equal too (the same steps, rows and admissions; ``counters`` False:
+    not checked); arriving by calls, they need not be: a call that only lands the step in
+    flight (one that forks, or after which nothing can be planned ahead) launches nothing,
+    so later arrivals meet other steps."""
+    ps = prompts(seed, n, *lengths)
+    opts = dict(MIXED, **(kw or {}))
+    box, work, each_step = _arrivals(ps, sampling, 2 if arrivals else 10 ** 6, 2 if arrivals else n,
+                                     **add_kw)
+    a = serve(model, False, work, kw=opts, each_step=each_step)
+    ra = list(box["reqs"])
+    b = serve(model, True, work, kw=opts, each_step=each_step)
+    rb = list(box["reqs"])
+    assert [r.outputs for r in ra] == [r.outputs for r in rb]
+    assert [r.finish_reasons for r in ra] == [r.finish_reasons for r in rb]
+    assert a[1] == b[1]                                # every token streamed, in order
+    if counters if counters is not None else not arrivals:
+        assert a[2] == b[2]                            # the same steps, rows and admissions
+    assert b[3].mixed_ahead >= 4, b[3].mixed_ahead     # prompt chunks launched ahead
+    return ra, rb, b[3]
+
+
+@pytest.mark.parametrize("arrivals", [False, True])
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_mixed_steps_are_launched_ahead_with_the_synchronous_outcome(model, prefix_cache, arrivals):
+    """Requests admitted while others decode, their prompts read in chunks: the step with
+    their chunks is planned and launched before the step in flight lands (its decode rows
+    fed on the device), and outputs, streams (and counters) equal the synchronous run's."""
+    _, rb, gen = same_mixed(model, lambda i: Sampling(max_new_tokens=6 + i % 5),
+                            kw=dict(prefix_cache=prefix_cache), arrivals=arrivals)
+    assert all(r.finish_reasons == ["length"] for r in rb)
+    p = gen.profile
+    assert p["mixed_steps"] > 0 and p["decode_steps"] > 0
+
+
+def test_mixed_steps_ahead_with_seeded_sampling_knobs_and_logprobs(model):
+    """The slots of a step planned ahead draw at the token numbers the step in flight
+    leaves (seeded sampling keyed by them), ``min_new_tokens`` bans by them, and the
+    log-probabilities recorded equal the synchronous run's."""
+    def sampling(i):
+        return Sampling(max_new_tokens=8, temperature=0.9, top_k=40, seed=100 + i,
+                        min_new_tokens=3 if i % 3 == 0 else 0, min_p=0.05 if i % 2 else 0.0,
+                        logprobs=2 if i % 2 else None)
+    ra, rb, _ = same_mixed(model, sampling)
+    for x, y in zip(ra, rb):
+        if x.sampling.logprobs is not None:
+            assert len(y.logprobs[0]) == len(y.outputs[0]) == len(x.logprobs[0])
+            for e, f in zip(x.logprobs[0], y.logprobs[0]):    # (rows in another order: ulps)
+                assert e.token == f.token and [t for t, _ in e.top] == [t for t, _ in f.top]
+                assert e.logprob == pytest.approx(f.logprob, abs=1e-5)
+
+
+def test_mixed_steps_ahead_with_stop_tokens_in_flight(model):
+    """A sequence that ends on a stop token in the step in flight already has its decode
+    row in the general step launched after it: the row is dropped (its cell freed, nothing
+    delivered), as with lean steps."""
+    ps = prompts(21, 14, 8, 30)
+    box, work, each_step = _arrivals(ps, Sampling(max_new_tokens=12))
+    serve(model, False, work, kw=MIXED, each_step=each_step)
+    stops = sorted({r.outputs[0][j] for r in box["reqs"] for j in (2, 5)})
+    ra, rb, gen = same_mixed(model, lambda i: Sampling(max_new_tokens=12, stop=stops[i % len(stops):][:3]),
+                             arrivals=True)
+    assert sum(r.finish_reasons == ["stop"] for r in rb) >= 2
+    assert gen.cache.live_seqs() == (gen.prefix.owned_seqs() if gen.prefix is not None else [])
+
+
+def test_mixed_steps_ahead_when_memory_is_short(model):
+    """A cache too small for every request at once (preemption, admissions waiting for
+    room) and stop tokens: outputs and streams are the synchronous run's. The counters may
+    differ: a row that ends on a stop token in the step in flight still holds its room when
+    the step after it is planned, where the synchronous step would admit into it."""
+    stops = [3, 77, 151, 260, 402]
+    _, rb, gen = same_mixed(model, lambda i: Sampling(max_new_tokens=12, stop=stops[i % 5:][:2]),
+                            kw=dict(capacity=160, reserve=0.0), counters=False)
+    assert gen.stats["preempted"] > 0 and any(r.finish_reasons == ["stop"] for r in rb)
+
+
+def test_a_step_that_draws_nothing_is_followed_ahead(model):
+    """Long prompts filling whole steps with chunks: a step in flight that draws nothing
+    (no ids on the device) is followed by a step planned ahead that feeds only host ids."""
+    def count(gen):
+        sampler = gen.sampler
+        real = sampler.launch
+
+        def launch(logits, spec, *a):
+            gen.empty += len(spec) == 0 and not spec.prompt_rows
+            return real(logits, spec, *a)
+        gen.empty = 0
+        sampler.launch = launch
+
+    opts = dict(max_batch_tokens=16, prefill_chunk=8)
+    ps = prompts(25, 6, 40, 60)
+    runs = []
+    for async_steps in (False, True):
+        gen = make(model, async_steps, **opts)
+        count(gen)
+        reqs = [gen.add(p, Sampling(max_new_tokens=5)) for p in ps]
+        while gen.step():
+            check(gen)
+        runs.append(([r.outputs for r in reqs], dict(gen.stats), gen.empty, gen.mixed_ahead))
+    (out_a, st_a, empty_a, _), (out_b, st_b, empty_b, mixed) = runs
+    assert out_a == out_b and st_a == st_b
+    assert empty_a == empty_b >= 3 and mixed >= 3
+
+
+def test_mixed_steps_ahead_with_forks(model):
+    """A request with ``n > 1`` whose prompt ends in a step launched ahead forks when it
+    lands; a step that forks is not left in flight (the next one is planned after it)."""
+    same_mixed(model, lambda i: Sampling(max_new_tokens=7, temperature=0.7, seed=i, n=2 if i % 3 == 1 else 1))
+
+
+def test_on_logits_contexts_of_mixed_steps_ahead(model):
+    """``on_logits`` of a general step planned ahead gives every row's context as its
+    length (its rows' last tokens are on the device); once resolved (LogitsTap), the
+    contexts and their logits are the synchronous run's, row for row."""
+    from cellcache.generate.agreement import LogitsTap
+
+    ps = prompts(22, 10, 8, 30)
+    got = []
+    for async_steps in (False, True):
+        box, work, each_step = _arrivals(ps, Sampling(max_new_tokens=6))
+        gen = make(model, async_steps, **MIXED)
+        gen.on_token = None
+        with LogitsTap(gen) as tap:
+            work(gen)
+            i = 0
+            while gen.step() or gen.waiting:
+                each_step(gen, i)
+                i += 1
+            each_step(gen, i)
+            while gen.step():
+                pass
+        rows = {(r.request.id, r.k, r.context): r.logits for r in tap.rows()}
+        got.append((rows, gen.mixed_ahead))
+    (sync_rows, _), (async_rows, mixed) = got
+    assert mixed >= 3
+    assert sync_rows.keys() == async_rows.keys()
+    for key, logits in sync_rows.items():
+        assert torch.allclose(logits, async_rows[key], rtol=0, atol=1e-4), key   # (batch shapes)
+
+
+def test_cancel_while_a_mixed_step_is_in_flight(model):
+    """A request cancelled while the general step in flight carries its prompt chunk, and
+    one cancelled while a step planned ahead of that one carries its first decode row: both
+    end "cancelled" with nothing more delivered, their cells freed, and the others' outputs
+    are the synchronous run's."""
+    ps = prompts(23, 12, 8, 30)
+    results = []
+    for async_steps in (False, True):
+        box, work, each_step = _arrivals(ps, Sampling(max_new_tokens=9))
+        cancelled: list = []
+
+        def each(gen, i, box=box, each_step=each_step, cancelled=cancelled):
+            each_step(gen, i)
+            if i in (3, 7, 11) and len(box["reqs"]) > 2:
+                r = box["reqs"][-1] if i != 7 else box["reqs"][-3]
+                if not r.done and gen.cancel(r):
+                    cancelled.append(r.id)
+        _, streamed, _, gen = serve(model, async_steps, work, kw=MIXED, each_step=each)
+        results.append(([(r.outputs, r.finish_reasons) for r in box["reqs"]], streamed, cancelled,
+                        gen.mixed_ahead))
+        assert gen.cache.live_seqs() == (gen.prefix.owned_seqs() if gen.prefix is not None else [])
+    (oa, sa, ca, _), (ob, sb, cb, mixed) = results
+    assert ca == cb and len(ca) >= 2 and mixed >= 3
+    for (out_a, why_a), (out_b, why_b) in zip(oa, ob):
+        if why_a == ["cancelled"]:
+            assert why_b == ["cancelled"]
+            assert out_b[0] == out_a[0][:len(out_b[0])]   # (async: a token in flight is lost)
+        else:
+            assert (out_a, why_a) == (out_b, why_b)
+
+
+@pytest.mark.parametrize("where", ["forward", "land"])
+def test_a_failed_mixed_step_ahead_rolls_both_back(model, where):
+    """A failure launching a general step on the one in flight, or landing the one in flight
+    under it: both go back (admissions requeued in their order, every sequence back to its
+    applied tokens), and stepping again ends with the synchronous run's tokens."""
+    ps = prompts(24, 10, 8, 30)
+    box, work, each_step = _arrivals(ps, Sampling(max_new_tokens=8))
+    serve(model, False, work, kw=MIXED, each_step=each_step)
+    ref = [r.outputs for r in box["reqs"]]
+    box, work, each_step = _arrivals(ps, Sampling(max_new_tokens=8))
+    gen = make(model, True, **MIXED)
+    streamed: dict = {}
+    gen.on_token = lambda req, k, tok: streamed.setdefault(req.id, []).append(tok)
+    work(gen)
+    real = gen.runner.forward
+    fired = []
+
+    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
+        if not fired and tokens is not None and device_tokens is not None:
+            fired.append(1)
+            if where == "forward":
+                raise RuntimeError("CUDA error: an illegal memory access")
+            flight = gen._flight
+
+            class Failing:
+                device_ids = flight.draw.device_ids
+
+                def result(self):
+                    raise RuntimeError("the copy failed")
+            flight.draw = Failing()
+        return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
+
+    gen.runner.forward = forward
+    i = 0
+    while not fired:
+        each_step(gen, i)
+        i += 1
+        waiting = [s.req.id for s in gen.waiting]
+        try:
+            gen.step()
+        except RuntimeError:
+            assert fired and gen._flight is None
+            check(gen)
+            # the step in flight's admissions and the ahead step's: back, in their order
+            ids = [s.req.id for s in gen.waiting]
+            assert ids == sorted(ids) and set(waiting) <= set(ids)
+            break
+        check(gen)
+    assert fired
+    gen.runner.forward = real
+    while gen.step() or len(box["reqs"]) < len(ps):
+        each_step(gen, i)
+        i += 1
+        check(gen)
+    assert [r.outputs for r in box["reqs"]] == ref
+    assert all(streamed[r.id] == r.outputs[0] for r in box["reqs"])
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_every_step_but_the_first_of_each_kind_is_launched_ahead(model, prefix_cache):
+    """Requests all together, prompts admitted over several steps: every mixed step but the
+    first is planned and launched while the one before is in flight, and every decode step
+    but the first (behind the last mixed step); the profile counts them."""
+    gen = make(model, True, capacity=64 * 96, max_batch_tokens=256, max_seqs=64,
+               prefill_chunk=64, prefix_cache=prefix_cache)
+    for p in prompts(26, 32, 40, 64):
+        gen.add(p, Sampling(max_new_tokens=10))
+    gen.run()
+    p = gen.profile
+    assert p["mixed_steps"] >= 4 and p["decode_steps"] >= 5
+    assert p["mixed_ahead_steps"] == p["mixed_steps"] - 1
+    assert p["decode_ahead_steps"] == p["decode_steps"] - 1
+    assert p["mixed_ahead_steps"] + p["decode_ahead_steps"] == gen.ahead

@@ -178,6 +178,8 @@ def summarize(gen, elapsed: float, reqs) -> dict:
            **{k: lat[k] for k in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")}}
     prof = gen.profile
     res["async_steps"] = gen.async_steps
+    # steps launched while the one before was on the device (their host time hidden)
+    res["ahead_steps"] = {"decode": prof["decode_ahead_steps"], "mixed": prof["mixed_ahead_steps"]}
     res["host_ms"] = {k: round(v, 3) for k, v in prof["host_ms"].items()}        # every step
     res["decode_host_ms"] = {k: round(v, 3) for k, v in prof["decode_host_ms"].items()}
     n_dec = max(1, prof["decode_steps"])
@@ -1512,7 +1514,9 @@ def main(argv=None) -> int:
                   f"on the GPU (median of {r['decode_gpu_samples']}, events around the replays of a "
                   f"timing pass)")
         if "mixed_steps" in r:
-            print(f"{key}: {r['mixed_steps']} mixed steps {r['mixed_step_ms_total']:.0f} ms (median "
+            ahead = r.get("ahead_steps", {}).get("mixed", 0)
+            print(f"{key}: {r['mixed_steps']} mixed steps ({ahead} launched ahead) "
+                  f"{r['mixed_step_ms_total']:.0f} ms (median "
                   f"{r['mixed_step_ms_median']:.2f}), {r['decode_steps']} decode steps "
                   f"{r['decode_step_ms_total']:.0f} ms (median {r['decode_step_ms_median']:.2f}), "
                   f"prepare_step {r['prepare_step_host_us_median']:.0f} us (median)")

@@ -330,6 +330,95 @@ class BaseScheduler:
                 self.finish(self.waiting.pop(0), "capacity")
         return None
 
+    def schedule_ahead(self, after: StepPlan) -> StepPlan | None:
+        """A general step (prompt chunks, admissions) planned while ``after`` is still on
+        the device, its draws not known on the host (asynchronous steps): the plan
+        :meth:`schedule` would make once ``after`` is applied, supposing no sequence ends on
+        a stop token there. Its first rows are the sequences ``after`` draws for, which go on
+        (those reaching ``max_new_tokens`` with it do not), each feeding the token drawn
+        there, on the device (:attr:`StepPlan.fed_slots`); then the prompt chunks ``after``
+        leaves; then admissions, as :meth:`schedule` admits. A row whose sequence ends in
+        ``after`` after all (a stop token, a cancel) is dropped when ``after`` lands
+        (:meth:`drop_ended`): its room was not given to an admission one step sooner, as
+        the synchronous step would.
+
+        None, declaring nothing, when the step would do more than that: ``after`` forks or
+        verifies drafts; a running sequence is not in it; a row would be deferred, evicted
+        or preempted for; a row feeding a token in flight has penalties (which count that
+        token on the host); a request proposes drafts; an admission would wait for a prompt
+        being read (``after`` may complete it: the prefix cache then gives it); or no row
+        but the tokens in flight would be fed (the lean path, or a step planned after
+        ``after`` lands, does that)."""
+        self.sync()
+        if not after.flies or after.spec.groups:
+            return None
+        kv_ = self.kv
+        shift: dict[int, tuple[int, int]] = {}
+        fed: list[tuple[Seq, int]] = []               # (sequence, its slot in `after`)
+        chunks: list[Seq] = []
+        for s, feed, slot, _ in after.owners:
+            if s.job.closed or s.sid is None:
+                continue                              # cancelled or failed meanwhile
+            req = s.job.req
+            if req.draft is not None:
+                return None                           # it will propose drafts
+            in_cache = s.in_cache + len(feed)
+            if slot is None:                          # a prompt chunk: the next one goes on
+                shift[id(s)] = (in_cache, 0)
+                chunks.append(s)
+                continue
+            shift[id(s)] = (in_cache, 1)
+            if s.draws_left() <= 1:
+                continue                              # ends by length in `after`
+            sp = req.sampling
+            if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
+                return None
+            fed.append((s, slot))
+        if any(id(s) not in shift for s in self.running):
+            return None                               # a row `after` left out
+        budget, cells = self.max_batch, kv_.free_cells
+        kv = kv_.max_kv
+        if kv_.caching and cells < budget:            # room for the running rows first, as _plan
+            want = len(fed) + sum(min(len(s.tokens) - shift[id(s)][0], self.prefill_chunk)
+                                  for s in chunks)
+            cells += kv_.evict(min(want, budget) - cells)
+        if len(fed) > min(budget, cells):
+            return None                               # (the step after it lands preempts)
+        free = cells
+        rows: list[tuple[Seq, list[int]]] = []
+        for s, _ in fed:                              # 1. the tokens in flight
+            in_cache = shift[id(s)][0]
+            if in_cache + 1 > kv:
+                return None                           # deferred: the paged view is full
+            rows.append((s, [0]))                     # (a stand-in: fed on the device)
+            budget, cells, kv = budget - 1, cells - 1, kv - in_cache - 1
+        for s in chunks:                              # 2. prompt chunks
+            in_cache = shift[id(s)][0]
+            n = min(len(s.tokens) - in_cache, self.prefill_chunk, budget, cells, kv - in_cache)
+            if n < 1:
+                continue
+            rows.append((s, s.tokens[in_cache:in_cache + n]))
+            budget, cells, kv = budget - n, cells - n, kv - in_cache - n
+        admitted: list[Seq] = []
+        cached = 0
+        if self.waiting:                              # 3. admissions
+            planned = {id(s): len(feed) for s, feed in rows}
+            avail = free - sum(max(planned.get(id(s), 0), self._claim(s, shift[id(s)][0]))
+                               for s in self.running)
+            cached = self._admit(rows, admitted, budget, cells, kv, avail, False, ahead=True)
+            if cached < 0:                            # it may share a prompt `after` completes
+                self._unadmit(admitted)
+                return None
+        if len(rows) == len(fed):
+            return None
+        plan = StepPlan(rows, admitted, False, cached, ahead=True, shift=shift,
+                        fed_slots=[slot for _, slot in fed])
+        if not kv_.declare(plan.token_sids()):        # (cells taken behind the generator's back)
+            self._unadmit(admitted)
+            return None
+        self._layout(plan)
+        return plan
+
     def _order_lpm(self) -> None:
         """Longest cached prefix first (stable: FIFO among equals); preempted sequences (read
         before) keep the head."""
@@ -371,7 +460,6 @@ class BaseScheduler:
             budget, cells, kv = budget - room, cells - room, kv - room
             rows.append((s, [s.tokens[-1]] + s.drafts))
             decode_only &= room == 0
-        cached = 0
         for s in self.running:                        # 3. prompt chunks and recomputes
             pending = s.to_feed
             if pending <= 1:
@@ -383,85 +471,105 @@ class BaseScheduler:
             budget, cells, kv = budget - n, cells - n, kv - s.in_cache - n
             decode_only = False
         admitted: list[Seq] = []
+        cached = 0
         if admit and self.waiting:                    # 4. admissions
             planned = {id(s): len(feed) for s, feed in rows}
             avail = free - sum(max(planned.get(id(s), 0), self._claim(s, s.in_cache))
                                for s in self.running)
-            idle = not self.running
-            if self.admission == "lpm":
-                self._order_lpm()
-            i = 0
-            while i < len(self.waiting) and budget > 0:
-                if self.max_running is not None and len(self.running) >= self.max_running:
-                    break
-                w = self.waiting[i]
-                arr = self.tokens_of(w)
-                L = len(arr)
-                # (a prompt whose log-probabilities are still missing is read whole: a hit's
-                # tokens are never computed)
-                whole = w.req.prompt_logprobs is not None and w.req.prompt_logprobs_missing()
-                hit = 0 if whole else kv_.hit(arr)
-                # a prompt being read shares more with w than the cache: w waits for it to be
-                # stored (only while something else runs in this step)
-                if rows and kv_.waits_for(arr, hit):
-                    i += 1
-                    continue
-                growth = self._claim(w, L)
-                own = L - hit + growth                # a hit's cells are allocated already
-                if not (idle and not admitted) and own > avail:
-                    got = kv_.evict_for(arr, hit, own - avail, partial=False)
-                    cells, avail = cells + got, avail + got
-                    if own > avail:
-                        break                         # FIFO: nothing overtakes it for room
-                n = min(L - hit, self.prefill_chunk, budget, kv - hit)
-                if n > cells:
-                    got = kv_.evict_for(arr, hit, n - cells, partial=True)
-                    cells, avail = cells + got, avail + got
-                if min(n, cells) < 1:
-                    break
-                sid, hit = kv_.obtain(w, arr, hit)
-                restored = 0
-                if sid is not None and w.spill is None and kv_.l2 is not None and not whole:
-                    # a longer prefix the prefix cache evicted, if it can be placed now (a
-                    # fresh request never waits for room for one)
-                    w.spill = kv_.l2.find(arr, hit, hit + min(cells, kv - hit))
-                    self.stats["l2_found"] += w.spill is not None
-                if sid is not None and w.spill is not None:   # preempted, its K/V on the host
-                    r = w.spill.end - hit
-                    if r <= 0 or (r + 1 > min(cells, kv - hit) and idle and not admitted):
-                        kv_.drop_spill(w)             # cached already, or never room: read it
-                    elif r + 1 > min(cells, kv - hit):
-                        w.sid = sid
-                        self.free(w)                  # waits for room, its copy kept
-                        break
-                    else:
-                        try:
-                            restored = kv_.restore(w, sid, hit)
-                        except BaseException:
-                            w.sid = sid
-                            self.free(w)              # its id and pins: nothing is lost
-                            raise
-                        hit, cells = hit + restored, cells - restored
-                        self.stats["restored_tokens"] += restored
-                n = min(L - hit, self.prefill_chunk, budget, cells, kv - hit)
-                if sid is None or n < 1:
-                    w.sid = sid
-                    self.free(w)                      # its pin too
-                    break
-                self.waiting.pop(i)
-                w.sid, w.in_cache, w.drafts, w.stamp = sid, hit, [], self._stamps
-                self._stamps += 1
-                self.running.append(w)
-                admitted.append(w)
-                rows.append((w, w.tokens[hit:hit + n]))
-                budget, cells, kv = budget - n, cells - n, kv - hit - n
-                avail -= L - (hit - restored) + growth
-                decode_only = False
-                cached += hit - restored
-                kv_.reading(w, hit)
+            cached = self._admit(rows, admitted, budget, cells, kv, avail, not self.running)
+            decode_only &= not admitted
         if not rows:
             return None
         return StepPlan(rows, admitted, decode_only, cached)
+
+    def _admit(self, rows: list[tuple[Seq, list[int]]], admitted: list[Seq], budget: int,
+               cells: int, kv: int, avail: int, idle: bool, ahead: bool = False) -> int:
+        """Admits waiting sequences into the step whose other rows are ``rows`` (appended to,
+        as ``admitted``) within the token ``budget``, the free ``cells``, the ``kv`` entries
+        left and ``avail`` (the free cells the running sequences do not claim); ``idle``: no
+        sequence runs (the first admission takes what it needs). ``ahead``: the step is
+        planned before the previous one's outcomes are applied (:meth:`schedule_ahead`):
+        a sequence that would be restored from the host tier, or looked up there, waits for a
+        step planned after the last one landed, and -1 is returned when a sequence would wait
+        for a prompt being read (the caller takes this step's admissions back). Returns the
+        tokens found in the prefix cache."""
+        kv_ = self.kv
+        cached = 0
+        if self.admission == "lpm":
+            self._order_lpm()
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            if self.max_running is not None and len(self.running) >= self.max_running:
+                break
+            w = self.waiting[i]
+            arr = self.tokens_of(w)
+            L = len(arr)
+            # (a prompt whose log-probabilities are still missing is read whole: a hit's
+            # tokens are never computed)
+            whole = w.req.prompt_logprobs is not None and w.req.prompt_logprobs_missing()
+            hit = 0 if whole else kv_.hit(arr)
+            # a prompt being read shares more with w than the cache: w waits for it to be
+            # stored (only while something else runs in this step)
+            if rows and kv_.waits_for(arr, hit):
+                if ahead:                         # (maybe a prompt the step in flight completes:
+                    return -1                     # decided once it has landed)
+                i += 1
+                continue
+            growth = self._claim(w, L)
+            own = L - hit + growth                # a hit's cells are allocated already
+            if not (idle and not admitted) and own > avail:
+                got = kv_.evict_for(arr, hit, own - avail, partial=False)
+                cells, avail = cells + got, avail + got
+                if own > avail:
+                    break                         # FIFO: nothing overtakes it for room
+            n = min(L - hit, self.prefill_chunk, budget, kv - hit)
+            if n > cells:
+                got = kv_.evict_for(arr, hit, n - cells, partial=True)
+                cells, avail = cells + got, avail + got
+            if min(n, cells) < 1:
+                break
+            if ahead and (w.spill is not None or kv_.l2 is not None):
+                break                             # (its host copy: once the step has landed)
+            sid, hit = kv_.obtain(w, arr, hit)
+            restored = 0
+            if sid is not None and w.spill is None and kv_.l2 is not None and not whole:
+                # a longer prefix the prefix cache evicted, if it can be placed now (a
+                # fresh request never waits for room for one)
+                w.spill = kv_.l2.find(arr, hit, hit + min(cells, kv - hit))
+                self.stats["l2_found"] += w.spill is not None
+            if sid is not None and w.spill is not None:   # preempted, its K/V on the host
+                r = w.spill.end - hit
+                if r <= 0 or (r + 1 > min(cells, kv - hit) and idle and not admitted):
+                    kv_.drop_spill(w)             # cached already, or never room: read it
+                elif r + 1 > min(cells, kv - hit):
+                    w.sid = sid
+                    self.free(w)                  # waits for room, its copy kept
+                    break
+                else:
+                    try:
+                        restored = kv_.restore(w, sid, hit)
+                    except BaseException:
+                        w.sid = sid
+                        self.free(w)              # its id and pins: nothing is lost
+                        raise
+                    hit, cells = hit + restored, cells - restored
+                    self.stats["restored_tokens"] += restored
+            n = min(L - hit, self.prefill_chunk, budget, cells, kv - hit)
+            if sid is None or n < 1:
+                w.sid = sid
+                self.free(w)                      # its pin too
+                break
+            self.waiting.pop(i)
+            w.sid, w.in_cache, w.drafts, w.stamp = sid, hit, [], self._stamps
+            self._stamps += 1
+            self.running.append(w)
+            admitted.append(w)
+            rows.append((w, w.tokens[hit:hit + n]))
+            budget, cells, kv = budget - n, cells - n, kv - hit - n
+            avail -= L - (hit - restored) + growth
+            cached += hit - restored
+            kv_.reading(w, hit)
+        return cached
 
     def _claim(self, s: Seq, have: int) -> int:
         """The cells admission sets aside for s once ``have`` of its tokens are in the cache:
@@ -476,20 +584,23 @@ class BaseScheduler:
         token it feeds (but its last) while some are missing; a slot whose request uses the
         server knobs (:meth:`Sampling.processed`) gets a :class:`~.plan.SlotExtra`."""
         spec = plan.spec
+        shift = plan.shift
         row = 0
         for s, feed in plan.rows:
             plan.tokens += feed
             end = row + len(feed)
             req, sp = s.req, s.req.sampling
-            if req.prompt_logprobs is not None and s.in_cache < len(req.prompt) - 1 \
+            # (a plan made ahead: its sequences as the step in flight leaves them)
+            in_cache, drawn = (s.in_cache, 0) if shift is None else shift.get(id(s), (s.in_cache, 0))
+            if req.prompt_logprobs is not None and in_cache < len(req.prompt) - 1 \
                     and req.prompt_logprobs_missing():
-                self._prompt_rows(plan, s, feed, row)
-            if s.to_feed > len(feed):                 # a prompt chunk: nothing drawn
+                self._prompt_rows(plan, s, feed, row, in_cache)
+            if len(s.tokens) + drawn - in_cache > len(feed):   # a prompt chunk: nothing drawn
                 plan.owners.append((s, feed, None, -1))
                 row = end
                 continue
             seed = sp.seed if sp.seed is not None else req.id
-            n_out = len(req.outputs[s.index])
+            n_out = len(req.outputs[s.index]) + drawn
             first = len(spec)
             extra = sp.server_knobs and sp.processed(n_out)   # (one attribute without knobs)
             if s.drafts:
@@ -518,14 +629,15 @@ class BaseScheduler:
             row = end
 
     @staticmethod
-    def _prompt_rows(plan: StepPlan, s: Seq, feed: list[int], row: int) -> None:
-        """Logit rows for the prompt tokens s feeds whose next token is a prompt token too:
-        their log-probabilities (``Sampling.prompt_logprobs``) come with the step's draws."""
+    def _prompt_rows(plan: StepPlan, s: Seq, feed: list[int], row: int, in_cache: int) -> None:
+        """Logit rows for the prompt tokens s feeds (from its token ``in_cache`` on) whose
+        next token is a prompt token too: their log-probabilities
+        (``Sampling.prompt_logprobs``) come with the step's draws."""
         req = s.req
         prompt, top = req.prompt, req.sampling.prompt_logprobs
         assert top is not None
         for j in range(len(feed)):
-            pos = s.in_cache + j
+            pos = in_cache + j
             if pos + 1 >= len(prompt):
                 break
             plan.spec.prompt_rows.append((len(plan.logit_rows), prompt[pos + 1], top))
@@ -676,8 +788,16 @@ class BaseScheduler:
         return plan
 
     def drop_ended(self, plan: StepPlan) -> None:
-        """Removes from a lean plan (not applied yet) the rows of sequences that ended or
-        were freed meanwhile: their cells went with them, and their tokens are not drawn."""
+        """Removes from a plan made ahead (not applied yet) the rows of sequences that ended
+        or were freed meanwhile: their cells went with them, and their tokens are not drawn
+        (a general plan's draws keep their slots)."""
+        if not plan.lean:                             # a general plan made ahead
+            rows = [(s, feed) for s, feed in plan.rows if s.sid is not None and not s.job.closed]
+            if len(rows) < len(plan.rows):
+                plan.rows = rows
+                plan.owners = [o for o in plan.owners if o[0].sid is not None and not o[0].job.closed]
+                plan.tokens = [t for _, feed in rows for t in feed]
+            return
         keep = [i for i, s in enumerate(plan.seqs) if s.sid is not None and not s.job.closed]
         if len(keep) == len(plan.seqs):
             return

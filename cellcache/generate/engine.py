@@ -11,20 +11,25 @@ transaction per step, and keeps the threading rules.
              -> update_from_output [Ctrl-C held] -> on_token callbacks (user code)
     failure before update: rollback(plan) and re-raise; a request's own code: "error"
 
-Asynchronous scheduling (``async_steps``, default on CUDA with graphs): a lean decode step
-(every running sequence's next token; nothing waiting, no drafts, forks or prompt chunks)
-is left in flight, and the next call overlaps the host with it::
+Asynchronous scheduling (``async_steps``, default on CUDA with graphs): a step (a lean
+decode step, or a general one without drafts or forks) is left in flight, and the next
+call overlaps the host with it::
 
     step() with step N in flight:
-      schedule_decode(after=N)     rows: N's sequences but those N ends by length; no ids
-      prepare_step, forward(device_tokens = N's draws gathered on the device), commit,
-      sampler.launch               -> step N+1 in flight (its D2H copy queued)
+      schedule_decode(after=N)     nothing waits, N lean: N's sequences but those N ends by
+                                   length; no ids
+      or schedule_ahead(N)         prompt chunks or admissions: N's drawing sequences first
+                                   (ids on the device), then chunks and admissions (host ids)
+      prepare_step, forward(device_tokens = N's draws gathered on the device [, tokens]),
+      commit, sampler.launch       -> step N+1 in flight (its D2H copy queued)
       land N: wait for N's one copy, apply (stops, streams, stats as the synchronous step)
       drop from N+1 the rows of sequences N ended (stop, error, cancel): freed with them
       on_token callbacks for N's tokens
-    anything else (waiting requests, drafts, prefill): N lands alone, the next call plans
-    synchronously. Failure launching N+1 or landing N: both roll back, the exception
-    propagates; stepping again recomputes them (same tokens: sampling is keyed, not stateful).
+    nothing plannable ahead (drafts, a fork, preemption, eviction for a running row, a prompt
+    N may complete that an admission shares): N lands alone, the next call plans
+    synchronously. Failure launching N+1 or landing N: both roll back (N+1 first: the
+    admissions requeue in order), the exception propagates; stepping again recomputes them
+    (same tokens: sampling is keyed, not stateful).
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class _Flight:
     draw: Draw
     graph: bool
     prof: dict[str, float]
+    rolled_back: bool = False
 
 
 def _own_copy(tokenizer: Any) -> Any:
@@ -179,16 +185,22 @@ class Generator:
     latency.
 
     ``async_steps`` (default: on when the model runs on CUDA with graphs; False keeps every
-    step synchronous): a decode step is left in flight on the device while the next one is
-    planned, prepared and launched on its sampled ids (fed on the device); its tokens are
-    applied, and its ``on_token`` callbacks run, in the next :meth:`step` call, so outputs
-    lag the device by one step and :meth:`step` returns True while a step is in flight.
-    Outputs, finish reasons, streams and ``stats`` are the synchronous generator's, token
-    for token (steps with drafts, forks, prompt chunks or waiting requests run
-    synchronously). A request cancelled while a step carrying it is in flight loses that
-    step's token, as a cancel during a synchronous step does (``stats["tokens_in"]`` then
-    counts that step's row, which the synchronous generator never fed). ``profile``: host time per
-    phase (:data:`PHASES`), summed in ms, for every step and by kind (decode/mixed).
+    step synchronous): a step is left in flight on the device while the next one is
+    planned, prepared and launched, its decode rows fed the sampled ids on the device (a
+    mixed step's prompt chunks and admissions from the host); its tokens are applied, and
+    its ``on_token`` callbacks run, in the next :meth:`step` call, so outputs lag the device
+    by one step and :meth:`step` returns True while a step is in flight. Outputs, finish
+    reasons and streams are the synchronous generator's, token for token, and so are
+    ``stats`` for the same calls while memory is not short (verify runs with drafts and
+    steps whose first token forks run synchronously; a call after which nothing can be
+    planned ahead only lands the step in flight, so requests added by calls may meet other
+    steps; a row ending on a stop token in the step in flight still holds its room when the
+    step after it is planned, where the synchronous generator would admit into it). A request cancelled while
+    a step carrying it is in flight loses that step's token, as a cancel during a
+    synchronous step does (``stats["tokens_in"]`` then counts that step's row, which the
+    synchronous generator never fed). ``profile``: host time per phase (:data:`PHASES`),
+    summed in ms, for every step and by kind (decode/mixed), and the steps of each kind
+    launched ahead.
 
     ``graphs``, ``buckets``, ``mixed_buckets`` (the CUDA graphs: decode buckets in rows,
     mixed steps padded to token buckets, ``[]`` for none), ``attention`` (``"auto"`` or
@@ -321,9 +333,11 @@ class Generator:
         self._prof: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._on_logits: Callable | None = None
         #: Host time by phase (:data:`PHASES`), in ms summed over the steps applied, for all
-        #: steps, decode-only ones and mixed ones, and the step counts.
+        #: steps, decode-only ones and mixed ones, and the step counts (``*_ahead_steps``:
+        #: those planned and launched while the step before was in flight, ``async_steps``).
         self.profile: dict[str, Any] = {
-            "steps": 0, "decode_steps": 0, "mixed_steps": 0,
+            "steps": 0, "decode_steps": 0, "mixed_steps": 0, "decode_ahead_steps": 0,
+            "mixed_ahead_steps": 0,
             "host_ms": dict.fromkeys(PHASES, 0.0), "decode_host_ms": dict.fromkeys(PHASES, 0.0),
             "mixed_host_ms": dict.fromkeys(PHASES, 0.0)}
         #: None, or a list (a ``deque(maxlen=...)`` for a long run) the caller sets: each
@@ -884,7 +898,7 @@ class Generator:
             t = self._tick("schedule", t)
             if plan is not None:
                 flight = self._launch(plan)
-                if self.async_steps and plan.lean:    # left in flight: applied next step
+                if self.async_steps and plan.flies:   # left in flight: applied next step
                     self._flight = flight
                 else:
                     events, interrupted = self._land(flight, errors)
@@ -989,21 +1003,29 @@ class Generator:
             self.step_log.append((kind, len(flight.plan.rows), dict(flight.prof)))
         p["steps"] += 1
         p[f"{kind}_steps"] += 1
+        p[f"{kind}_ahead_steps"] += flight.plan.ahead
         for totals in (p["host_ms"], p[f"{kind}_host_ms"]):
             for k, v in flight.prof.items():
                 totals[k] += 1e3 * v
 
     def _step_ahead(self, flight: _Flight, errors: list[BaseException], t: float
                     ) -> tuple[list[tuple[Job, int, int]], bool]:
-        """Asynchronous scheduling, with ``flight`` (a lean decode step) on the device: the
-        next step is scheduled, prepared and launched on ``flight``'s sampled ids (on the
-        device) when nothing but decoding is going on; then ``flight`` lands (its one host
+        """Asynchronous scheduling, with ``flight`` on the device: the next step is
+        scheduled, prepared and launched on ``flight``'s sampled ids (on the device) when it
+        can be planned ahead (:meth:`~.base.BaseScheduler.schedule_decode` with ``after``,
+        or :meth:`~.base.BaseScheduler.schedule_ahead`); then ``flight`` lands (its one host
         copy, outcomes applied, ended sequences' rows dropped from the next step)."""
         sched = self.scheduler
         nxt: _Flight | None = None
-        if not self.waiting:                          # (running: among the flight's rows)
+        after = flight.plan
+        if after.flies:
             with HoldInterrupts() as held:
-                plan = sched.schedule_decode(after=flight.plan)
+                if after.lean and not self.waiting:   # (running: among the flight's rows)
+                    plan = sched.schedule_decode(after=after)
+                else:                                 # prompt chunks, admissions
+                    plan = sched.schedule_ahead(after)
+                    if plan is None and after.lean:   # (requests wait, none is admitted)
+                        plan = sched.schedule_decode(after=after)
             if held.hit or plan is None:
                 if plan is not None:
                     sched.rollback(plan, False)
@@ -1023,9 +1045,9 @@ class Generator:
         self._flight = nxt
         try:
             events, interrupted = self._land(flight, errors, nxt)
-        except BaseException:                         # `flight` was rolled back: `nxt` too
+        except BaseException:                         # `flight` was rolled back or applied
             self._flight = None
-            if nxt is not None:
+            if nxt is not None and not nxt.rolled_back:
                 sched.rollback(nxt.plan, False)
             raise
         if nxt is not None:
@@ -1052,6 +1074,14 @@ class Generator:
             rows = None if plan.lean else plan.logit_rows   # lean: every real row, in order
             if after is None:
                 logits = self.runner.forward(step, plan.tokens, rows, decode=decode)
+            elif not plan.lean:                   # its first rows fed on the device, then the host's
+                n = len(plan.fed_slots)
+                fed = None
+                if n:                             # (a step that draws nothing has no ids)
+                    ids = after.draw.device_ids
+                    assert ids is not None
+                    fed = self.runner.gather(ids, np.asarray(plan.fed_slots, np.int64))
+                logits = self.runner.forward(step, plan.tokens[n:], rows, decode=decode, device_tokens=fed)
             else:
                 fed = self._fed(plan, after)
                 if plan.spec.extras:              # penalties count the fed tokens on the device
@@ -1092,9 +1122,10 @@ class Generator:
     def _land(self, flight: _Flight, errors: list[BaseException], nxt: _Flight | None = None
               ) -> tuple[list[tuple[Job, int, int]], bool]:
         """Waits for ``flight``'s ids, decides and applies its outcomes; a failure before
-        they are applied rolls ``flight`` back (``nxt``, launched after it, is the caller's)
-        and re-raises. Returns the tokens to deliver and whether an interrupt was held back
-        while applying."""
+        they are applied rolls back ``nxt`` (launched after it) and then ``flight`` (so
+        that their admissions go back to the queue in order), and re-raises; a failure after
+        leaves ``nxt`` to the caller. Returns the tokens to deliver and whether an interrupt
+        was held back while applying."""
         plan = flight.plan
         sched = self.scheduler
         try:                                          # from the first statement: rolled back
@@ -1107,6 +1138,9 @@ class Generator:
             if not plan.lean:
                 outcomes, failed = sched.decide(plan, drawn)
         except BaseException:
+            if nxt is not None:
+                nxt.rolled_back = True
+                sched.rollback(nxt.plan, False)
             sched.rollback(plan, False)
             raise
         with HoldInterrupts() as held:

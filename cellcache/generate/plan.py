@@ -270,6 +270,19 @@ class StepPlan:
     # the prompt token each of ``spec.prompt_rows`` gives the log-probability of: (request,
     # its index in the prompt)
     prompt_lp: list[tuple[Request, int]] = field(default_factory=list)
+    # a general plan made ahead (:meth:`~.base.BaseScheduler.schedule_ahead`): its first
+    # ``len(fed_slots)`` rows feed the token the step before draws at that slot (on the
+    # device; ``tokens`` holds a stand-in), and ``shift`` gives each sequence of the step
+    # before as that step leaves it, by id: (its in_cache, tokens it draws there: 0 or 1)
+    fed_slots: list[int] = field(default_factory=list)
+    shift: dict[int, tuple[int, int]] | None = None
+
+    @property
+    def flies(self) -> bool:
+        """Whether the step may be left in flight (asynchronous steps): the next one can be
+        planned before its draws are known. Not a verify run (accepted drafts are decided
+        on the host), nor a step whose first tokens fork a request's continuations."""
+        return self.lean or not (self.children or self.spec.groups)
 
     @property
     def width(self) -> int:
@@ -294,9 +307,13 @@ class StepPlan:
         for s, feed in self.rows:
             owner += [(s, feed, j) for j in range(len(feed))]
         out: list[tuple[Request, int, tuple[int, ...] | int]] = []
+        shift = self.shift
         for r in self.logit_rows:
             s, feed, j = owner[r]
-            out.append((s.job.req, s.index, tuple(s.tokens[:s.in_cache]) + tuple(feed[:j + 1])))
+            if shift is not None:             # made ahead: every context by its length
+                out.append((s.job.req, s.index, shift.get(id(s), (s.in_cache, 0))[0] + j + 1))
+            else:
+                out.append((s.job.req, s.index, tuple(s.tokens[:s.in_cache]) + tuple(feed[:j + 1])))
         return out
 
     def lean_rows(self, rows: list[Seq], ahead: bool, prompt_last: int = 0) -> None:
