@@ -129,11 +129,42 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summary(tokens: int, seconds: float, ttft: list[float], itl: list[float], **extra: Any) -> dict[str, Any]:
-    """Throughput and latency percentiles (ms) of a run."""
+    """Throughput and latency percentiles (ms) of a run, and the mean TTFT."""
     ms = lambda v: None if v is None else 1e3 * v
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
+            "ttft_ms_mean": ms(sum(ttft) / len(ttft)) if ttft else None,
             "itl_ms_p50": ms(percentile(itl, 50)), "itl_ms_p99": ms(percentile(itl, 99)), **extra}
+
+
+def engine_ttft(url: str) -> tuple[float, float]:
+    """The server's own TTFT histogram so far (``/metrics``): (sum in seconds, count). The
+    engine stamps a request when it queues it and when its first token's step is applied,
+    so a run's mean of it (the difference of two readings) is the engine's share of the
+    TTFT a client sees; the rest is the way in and out (HTTP, the front end, the pipe)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "cellcache_time_to_first_token_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    total = sample.value
+                elif sample.name.endswith("_count"):
+                    count = sample.value
+    return total, count
+
+
+def measured(url: str, run: Any) -> dict[str, Any]:
+    """``run()``'s :func:`http_summary`, with the engine's mean TTFT over it
+    (``engine_ttft_ms_mean``, from :func:`engine_ttft` before and after)."""
+    s0, n0 = engine_ttft(url)
+    res = run()
+    s1, n1 = engine_ttft(url)
+    res["engine_ttft_ms_mean"] = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
+    return res
 
 
 # -- in process -------------------------------------------------------------------------------------
@@ -411,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                 over_http(server.url, prompts[:WARM_REQUESTS], [0.0] * min(WARM_REQUESTS, len(prompts)),
                           min(args.max_tokens, 4), args.clients)              # first-use costs
                 log(f"over HTTP: {len(prompts)} requests at once")
-                http: dict[str, Any] = {"saturation": http_summary(
-                    over_http(server.url, prompts, [0.0] * len(prompts), args.max_tokens, args.clients))}
+                http: dict[str, Any] = {"saturation": measured(server.url, lambda: http_summary(
+                    over_http(server.url, prompts, [0.0] * len(prompts), args.max_tokens, args.clients)))}
                 base_rate = result.get("in_process", {}).get("rate_at_saturation") or \
                     len(prompts) / http["saturation"]["seconds"]
                 from cellcache.generate import poisson_arrivals
@@ -420,9 +451,10 @@ def main(argv: list[str] | None = None) -> int:
                 for load in loads:
                     offsets = poisson_arrivals(len(prompts), load * base_rate, seed=args.seed)
                     log(f"over HTTP: load {load:g} ({load * base_rate:.2f} requests/s)")
-                    http[f"load_{load:g}"] = http_summary(
+                    run = lambda offsets=offsets, load=load: http_summary(    # noqa: E731
                         over_http(server.url, prompts, offsets, args.max_tokens, args.clients),
                         rate=load * base_rate)
+                    http[f"load_{load:g}"] = measured(server.url, run)
                 result["http"] = http
                 code = report(result, loads)
     if args.json is not None:
@@ -472,6 +504,16 @@ def report(result: dict[str, Any], loads: list[float]) -> int:
             targets["ttft_p50_gap_ms_at_half_load"] = gap
             targets["ttft_ok"] = gap <= TARGET_TTFT_MS
             print(f"50% load: TTFT p50 HTTP - in-process {gap:+.1f} ms (target <= {TARGET_TTFT_MS} ms)")
+            mine, engine, there = (http[half]["ttft_ms_mean"], http[half].get("engine_ttft_ms_mean"),
+                                   local[half]["ttft_ms_mean"])
+            if None not in (mine, engine, there):
+                # where the gap lies: in the engine (queued to first token applied) or on the
+                # way in and out (client -> front end -> pipe, and back)
+                split = {"client_ms": mine, "engine_ms": engine, "in_process_ms": there,
+                         "engine_gap_ms": engine - there, "transport_ms": mine - engine}
+                targets["ttft_mean_split_at_half_load"] = split
+                print(f"50% load: TTFT mean over HTTP {mine:.1f} ms = engine {engine:.1f} ms (in process "
+                      f"{there:.1f}: {engine - there:+.1f}) + the way in and out {mine - engine:.1f} ms")
     result["targets"] = targets
     errors = sum(r.get("errors", 0) for r in http.values())
     if errors:
