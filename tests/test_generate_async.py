@@ -732,14 +732,11 @@ MIXED = dict(max_batch_tokens=24, prefill_chunk=6)   # prompts of 8-30 tokens ta
 
 
 def same_mixed(model, sampling, *, kw=None, n=14, seed=21, arrivals=False, lengths=(8, 30),
-               counters=None, **add_kw):
+               counters=True, **add_kw):
     """Chunked prompts admitted a few at a time (all added at once, or ``arrivals``: two
     every other call), synchronous and asynchronous: outputs, finish reasons and streams
-    are equal, and general steps were launched ahead of the step in flight. Added at once,
-    the counters are equal too (the same steps, rows and admissions; ``counters`` False:
-    not checked); arriving by calls, they need not be: a call that only lands the step in
-    flight (one that forks, or after which nothing can be planned ahead) launches nothing,
-    so later arrivals meet other steps."""
+    are equal, general steps were launched ahead of the step in flight, and (``counters``)
+    so are the counters: the same steps, rows and admissions."""
     ps = prompts(seed, n, *lengths)
     opts = dict(MIXED, **(kw or {}))
     box, work, each_step = _arrivals(ps, sampling, 2 if arrivals else 10 ** 6, 2 if arrivals else n,
@@ -751,7 +748,7 @@ def same_mixed(model, sampling, *, kw=None, n=14, seed=21, arrivals=False, lengt
     assert [r.outputs for r in ra] == [r.outputs for r in rb]
     assert [r.finish_reasons for r in ra] == [r.finish_reasons for r in rb]
     assert a[1] == b[1]                                # every token streamed, in order
-    if counters if counters is not None else not arrivals:
+    if counters:
         assert a[2] == b[2]                            # the same steps, rows and admissions
     assert b[3].mixed_ahead >= 4, b[3].mixed_ahead     # prompt chunks launched ahead
     return ra, rb, b[3]
@@ -980,3 +977,117 @@ def test_every_step_but_the_first_of_each_kind_is_launched_ahead(model, prefix_c
     assert p["mixed_ahead_steps"] == p["mixed_steps"] - 1
     assert p["decode_ahead_steps"] == p["decode_steps"] - 1
     assert p["mixed_ahead_steps"] + p["decode_ahead_steps"] == gen.ahead
+
+
+def test_a_cancelled_admission_stays_ended_when_its_step_is_rolled_back(model):
+    """A request admitted by the general step in flight, cancelled before it lands, whose
+    landing then fails: the rollback does not requeue it (it ended "cancelled" and keeps
+    that); the others end as the synchronous run's."""
+    ps = prompts(24, 6, 8, 30)
+    ref = serve(model, False, adder(ps[:4], Sampling(max_new_tokens=8)), kw=MIXED)[0]
+    gen = make(model, True, **MIXED)
+    reqs = [gen.add(p, Sampling(max_new_tokens=8)) for p in ps[:2]]
+    victim = None
+    for i in range(40):
+        if i == 3:
+            reqs += [gen.add(p, Sampling(max_new_tokens=8)) for p in ps[2:4]]
+        gen.step()
+        check(gen)
+        f = gen._flight
+        if f is not None and f.plan.ahead and not f.plan.lean and f.plan.admitted:
+            victim = f.plan.admitted[-1]
+            break
+    assert victim is not None
+    assert gen.cancel(victim.req) and victim.req.finish_reasons == ["cancelled"]
+
+    class Failing:
+        device_ids = gen._flight.draw.device_ids
+
+        def result(self):
+            raise RuntimeError("the copy failed")
+
+    gen._flight.draw = Failing()
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        gen.step()
+    check(gen)
+    assert all(s.req is not victim.req for s in gen.waiting + gen.running)
+    while gen.step():
+        check(gen)
+    assert victim.req.finish_reasons == ["cancelled"] and victim.sid is None
+    for r, want in zip(reqs, ref):
+        if r is not victim.req:
+            assert r.outputs == want.outputs and r.finish_reasons == ["length"]
+    assert gen.cache.live_seqs() == (gen.prefix.owned_seqs() if gen.prefix is not None else [])
+
+
+@pytest.mark.parametrize("why", ["penalties", "host tier"])
+def test_a_declined_plan_ahead_lets_the_step_land_and_admits_then(model, why):
+    """A request arriving while others decode, where the step after the one in flight
+    cannot be planned ahead (a running request with penalties; the prefix cache's host
+    level): the step in flight lands and the next one, planned in the same call, admits it,
+    one call after the synchronous run (the one call outputs lag)."""
+    ps = prompts(5, 3)
+    firsts, outs = [], []
+    for async_steps in (False, True):
+        kw = dict(spill_prefixes=True, spill_bytes=1 << 24) if why == "host tier" else {}
+        gen = make(model, async_steps, **kw)
+        pen = Sampling(max_new_tokens=40, repetition_penalty=1.2) if why == "penalties" else \
+            Sampling(max_new_tokens=40)
+        running = [gen.add(ps[0], pen), gen.add(ps[1], Sampling(max_new_tokens=40))]
+        for _ in range(4):
+            gen.step()
+            check(gen)
+        late = gen.add(ps[2], Sampling(max_new_tokens=5))
+        calls, first = 0, None
+        while gen.step():
+            check(gen)
+            calls += 1
+            if first is None and late.outputs[0]:
+                first = calls
+        firsts.append(first)
+        outs.append([r.outputs for r in running + [late]])
+    assert outs[0] == outs[1]
+    assert firsts[1] <= firsts[0] + 1, firsts              # (the one call outputs lag)
+
+
+def test_an_admission_waits_for_a_prompt_the_step_in_flight_completes(model):
+    """A prompt P read by the step in flight (its only draw ends it by length) and a request
+    extending P: the step after is not planned ahead (nothing of P is in the prefix cache
+    yet), so the request is admitted once P is stored and its hit is the synchronous one."""
+    P = prompts(5, 1, 20, 21)[0]
+    W = P + [7, 8, 9, 10, 11]
+
+    def work(gen):
+        return [gen.add(P, Sampling(max_new_tokens=1), on_token=gen.on_token),
+                gen.add(W, Sampling(max_new_tokens=3), on_token=gen.on_token)]
+    kw = dict(max_batch_tokens=24, prefill_chunk=8, prefix_cache=True)
+    a = serve(model, False, work, kw=kw)
+    b = serve(model, True, work, kw=kw)
+    assert [r.outputs for r in a[0]] == [r.outputs for r in b[0]] and a[2] == b[2]
+    assert b[0][1].cached_tokens == a[0][1].cached_tokens >= 16
+
+
+def test_max_running_does_not_count_rows_ending_by_length_in_flight(model):
+    """``max_running`` reached, one running request ending by length in the step in flight:
+    the step planned ahead admits the next request into its place, as the synchronous step
+    planned after it would (the same steps and counters)."""
+    same_mixed(model, lambda i: Sampling(max_new_tokens=2 + i % 4), kw=dict(max_seqs=2))
+
+
+def test_computed_tokens_of_a_step_carrying_a_cancelled_row(model):
+    """A request cancelled while a step carrying its row is in flight: that row counts in
+    ``tokens_in`` (documented) but never as a computed prompt token, so every prompt token
+    is counted once (``prompt_tokens == cached + computed``)."""
+    box: dict = {}
+
+    def work(gen):
+        box["reqs"] = [gen.add(p, Sampling(max_new_tokens=10), on_token=gen.on_token)
+                       for p in prompts(8, 6, 8, 30)]
+        return box["reqs"]
+
+    def each_step(gen, i):
+        if i == 4 and not box["reqs"][1].done:
+            gen.cancel(box["reqs"][1])
+    for async_steps in (False, True):
+        _, _, st, _ = serve(model, async_steps, work, kw=MIXED, each_step=each_step)
+        assert st["prompt_tokens"] == st["cached_tokens"] + st["computed_tokens"], st

@@ -342,13 +342,21 @@ class BaseScheduler:
         (:meth:`drop_ended`): its room was not given to an admission one step sooner, as
         the synchronous step would.
 
-        None, declaring nothing, when the step would do more than that: ``after`` forks or
-        verifies drafts; a running sequence is not in it; a row would be deferred, evicted
-        or preempted for; a row feeding a token in flight has penalties (which count that
-        token on the host); a request proposes drafts; an admission would wait for a prompt
-        being read (``after`` may complete it: the prefix cache then gives it); or no row
-        but the tokens in flight would be fed (the lean path, or a step planned after
-        ``after`` lands, does that)."""
+        With no row but the tokens in flight (nothing to read, no room to admit), the lean
+        plan :meth:`schedule_decode` makes after a lean ``after``, else None.
+
+        None, declaring nothing (the caller lands ``after`` alone and plans the next step
+        once it has landed), where that step could be another: ``after`` forks or verifies
+        drafts; a running sequence is not in it; a row would be deferred or preempted for
+        (cached prefixes are evicted for the rows, as :meth:`schedule` does); a row feeding
+        a token in flight has penalties (which count that token on the host); a request
+        proposes drafts; an admission would come from the host tier, or wait for a prompt
+        being read (``after`` may complete it: the prefix cache then gives it).
+
+        What still differs from the plan made once ``after`` has landed: the sequences that
+        ``after`` ends on a stop token keep their rows (a token of the budget and a cell
+        each), and the cells of every sequence ``after`` ends are not free yet, so with room
+        short an admission may come a step later."""
         self.sync()
         if not after.flies or after.spec.groups:
             return None
@@ -376,6 +384,7 @@ class BaseScheduler:
             fed.append((s, slot))
         if any(id(s) not in shift for s in self.running):
             return None                               # a row `after` left out
+        leaving = len(shift) - len(fed) - len(chunks)  # (ending by length in `after`)
         budget, cells = self.max_batch, kv_.free_cells
         kv = kv_.max_kv
         if kv_.caching and cells < budget:            # room for the running rows first, as _plan
@@ -405,12 +414,13 @@ class BaseScheduler:
             planned = {id(s): len(feed) for s, feed in rows}
             avail = free - sum(max(planned.get(id(s), 0), self._claim(s, shift[id(s)][0]))
                                for s in self.running)
-            cached = self._admit(rows, admitted, budget, cells, kv, avail, False, ahead=True)
+            cached = self._admit(rows, admitted, budget, cells, kv, avail, False, ahead=True,
+                                 leaving=leaving)
             if cached < 0:                            # it may share a prompt `after` completes
                 self._unadmit(admitted)
                 return None
-        if len(rows) == len(fed):
-            return None
+        if len(rows) == len(fed):                     # nothing but the tokens in flight:
+            return self.schedule_decode(after) if after.lean else None   # (admissions wait for room)
         plan = StepPlan(rows, admitted, False, cached, ahead=True, shift=shift,
                         fed_slots=[slot for _, slot in fed])
         if not kv_.declare(plan.token_sids()):        # (cells taken behind the generator's back)
@@ -483,25 +493,31 @@ class BaseScheduler:
         return StepPlan(rows, admitted, decode_only, cached)
 
     def _admit(self, rows: list[tuple[Seq, list[int]]], admitted: list[Seq], budget: int,
-               cells: int, kv: int, avail: int, idle: bool, ahead: bool = False) -> int:
+               cells: int, kv: int, avail: int, idle: bool, ahead: bool = False,
+               leaving: int = 0) -> int:
         """Admits waiting sequences into the step whose other rows are ``rows`` (appended to,
         as ``admitted``) within the token ``budget``, the free ``cells``, the ``kv`` entries
         left and ``avail`` (the free cells the running sequences do not claim); ``idle``: no
-        sequence runs (the first admission takes what it needs). ``ahead``: the step is
-        planned before the previous one's outcomes are applied (:meth:`schedule_ahead`):
-        a sequence that would be restored from the host tier, or looked up there, waits for a
-        step planned after the last one landed, and -1 is returned when a sequence would wait
-        for a prompt being read (the caller takes this step's admissions back). Returns the
-        tokens found in the prefix cache."""
+        sequence runs (the first admission takes what it needs). Returns the tokens found
+        in the prefix cache.
+
+        ``ahead``: the step is planned before the previous one's outcomes are applied
+        (:meth:`schedule_ahead`; ``leaving`` of the running sequences end by length there,
+        which ``max_running`` does not count). -1 is returned, before anything is evicted for
+        the sequence concerned (the caller takes this step's admissions back), where the step
+        planned after that one lands could admit otherwise: the sequence would be restored
+        from the host tier or looked up there, or would wait for a prompt being read."""
         kv_ = self.kv
         cached = 0
         if self.admission == "lpm":
             self._order_lpm()
         i = 0
         while i < len(self.waiting) and budget > 0:
-            if self.max_running is not None and len(self.running) >= self.max_running:
+            if self.max_running is not None and len(self.running) - leaving >= self.max_running:
                 break
             w = self.waiting[i]
+            if ahead and (w.spill is not None or kv_.l2 is not None):
+                return -1                         # (its host copy: once the step has landed)
             arr = self.tokens_of(w)
             L = len(arr)
             # (a prompt whose log-probabilities are still missing is read whole: a hit's
@@ -510,7 +526,7 @@ class BaseScheduler:
             hit = 0 if whole else kv_.hit(arr)
             # a prompt being read shares more with w than the cache: w waits for it to be
             # stored (only while something else runs in this step)
-            if rows and kv_.waits_for(arr, hit):
+            if (rows or ahead) and kv_.waits_for(arr, hit):
                 if ahead:                         # (maybe a prompt the step in flight completes:
                     return -1                     # decided once it has landed)
                 i += 1
@@ -528,8 +544,6 @@ class BaseScheduler:
                 cells, avail = cells + got, avail + got
             if min(n, cells) < 1:
                 break
-            if ahead and (w.spill is not None or kv_.l2 is not None):
-                break                             # (its host copy: once the step has landed)
             sid, hit = kv_.obtain(w, arr, hit)
             restored = 0
             if sid is not None and w.spill is None and kv_.l2 is not None and not whole:
@@ -662,8 +676,11 @@ class BaseScheduler:
         spec.extras.append(SlotExtra(slot, sp, banned, tokens, n_prompt))
 
     def _unadmit(self, admitted: list[Seq]) -> None:
-        """Takes back this step's admissions: ids freed, back at the queue's head in order."""
+        """Takes back this step's admissions: ids freed, back at the queue's head in order
+        (but those whose request ended meanwhile: a cancel while the step was in flight)."""
         for s in reversed(admitted):
+            if s.job.closed:
+                continue                              # ended: freed and let go already
             if s in self.running:
                 self.running.remove(s)
             self.free(s)
@@ -963,6 +980,8 @@ class BaseScheduler:
             st["computed_tokens"] += plan.prompt_last
             return
         for s, feed in plan.rows:                     # prompt tokens and recomputes: every row
+            if s.sid is None:                         # (freed while the step was in flight)
+                continue
             n_tok = len(s.tokens)                     # before the sequence's own next token
             end = s.in_cache + len(feed)
             st["computed_tokens"] += max(0, min(end, n_tok - 1) - s.in_cache) + int(

@@ -25,10 +25,11 @@ call overlaps the host with it::
       land N: wait for N's one copy, apply (stops, streams, stats as the synchronous step)
       drop from N+1 the rows of sequences N ended (stop, error, cancel): freed with them
       on_token callbacks for N's tokens
-    nothing plannable ahead (drafts, a fork, preemption, eviction for a running row, a prompt
-    N may complete that an admission shares): N lands alone, the next call plans
-    synchronously. Failure launching N+1 or landing N: both roll back (N+1 first: the
-    admissions requeue in order), the exception propagates; stepping again recomputes them
+    nothing plannable ahead (drafts, a fork, preemption, penalties on a row fed on the
+    device, the host tier, a prompt N may complete that an admission shares): N lands
+    alone, then the next step is planned synchronously in the same call. Failure launching
+    N+1 or landing N: both roll back (N+1 first: the admissions requeue in order, a
+    cancelled one stays ended), the exception propagates; stepping again recomputes them
     (same tokens: sampling is keyed, not stateful).
 """
 
@@ -191,11 +192,11 @@ class Generator:
     its ``on_token`` callbacks run, in the next :meth:`step` call, so outputs lag the device
     by one step and :meth:`step` returns True while a step is in flight. Outputs, finish
     reasons and streams are the synchronous generator's, token for token, and so are
-    ``stats`` for the same calls while memory is not short (verify runs with drafts and
-    steps whose first token forks run synchronously; a call after which nothing can be
-    planned ahead only lands the step in flight, so requests added by calls may meet other
-    steps; a row ending on a stop token in the step in flight still holds its room when the
-    step after it is planned, where the synchronous generator would admit into it). A request cancelled while
+    ``stats`` for the same calls (verify runs with drafts and steps whose first token forks
+    run synchronously), but where a step planned ahead cannot know what the step in flight
+    ends: a row ending on a stop token there still takes a token of the budget and a cell,
+    and no sequence ending there has freed its cells yet, so with the budget or the cells
+    short an admission may come a step later. A request cancelled while
     a step carrying it is in flight loses that step's token, as a cancel during a
     synchronous step does (``stats["tokens_in"]`` then counts that step's row, which the
     synchronous generator never fed). ``profile``: host time per phase (:data:`PHASES`),
@@ -885,7 +886,16 @@ class Generator:
         plan: StepPlan | None = None
         if flight is not None:                        # asynchronous: a step is on the device
             events, interrupted = self._step_ahead(flight, errors, t)
-        else:
+            if self._flight is None and not interrupted:
+                # it landed alone (the next step could not be planned ahead of it): the next
+                # one is planned now, so that every call launches a step while there is one
+                if self._landed is not None and self._landed.plan.rows:
+                    self._book(self._landed)
+                self._landed = None
+                self._prof = dict.fromkeys(PHASES, 0.0)
+                t = time.perf_counter()
+                flight = None
+        if flight is None:
             self._phase = "draft"
             self._propose(errors)
             self._phase = None
@@ -1024,8 +1034,6 @@ class Generator:
                     plan = sched.schedule_decode(after=after)
                 else:                                 # prompt chunks, admissions
                     plan = sched.schedule_ahead(after)
-                    if plan is None and after.lean:   # (requests wait, none is admitted)
-                        plan = sched.schedule_decode(after=after)
             if held.hit or plan is None:
                 if plan is not None:
                     sched.rollback(plan, False)
