@@ -126,66 +126,26 @@ def test_warmup_then_greedy_equals_hf_on_cuda(compile):
     gen.cache.close()
 
 
-def test_mixed_steps_launched_ahead_match_the_synchronous_run():
-    """Prompts read in chunks and admitted a few at a time while others decode: with
-    asynchronous steps the mixed steps are planned and launched before the step in flight
-    lands, their decode rows fed from its draws on the device and their prompt rows from
-    the host, replayed from the mixed graphs; the tokens are the synchronous run's (float32,
-    greedy and seeded), and greedy ones equal HF's ``generate``."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from cellcache.generate import Generator, Sampling, random_model
-
-    model = random_model("llama-tiny", torch.float32, "cuda", seed=9)
-    rng = np.random.default_rng(31)
-    prompts = [rng.integers(0, 512, size=int(rng.integers(10, 60))).tolist() for _ in range(24)]
-    samplings = [Sampling(max_new_tokens=6 + i % 7, temperature=0.8 if i % 4 == 1 else 0.0,
-                          top_k=30 if i % 4 == 1 else 0, seed=i) for i in range(len(prompts))]
-    refs = [model.generate(torch.tensor([p], device="cuda"),
-                           attention_mask=torch.ones((1, len(p)), dtype=torch.long, device="cuda"),
-                           max_new_tokens=s.max_new_tokens, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, len(p):].tolist()
-            for p, s in zip(prompts, samplings)]
-    outs, ahead = {}, {}
-    for async_steps in (True, False):
-        gen = Generator(model, capacity=2048, max_batch_tokens=48, max_seqs=16, prefill_chunk=16,
-                        eos=[], prefix_cache=False, async_steps=async_steps)
-        gen.warmup()
-        runner = gen.runner
-        real, ahead[async_steps] = runner.forward, 0
-
-        def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None,
-                    real=real, flag=async_steps):
-            ahead[flag] += tokens is not None and device_tokens is not None
-            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
-
-        runner.forward = forward
-        reqs = [gen.add(p, s) for p, s in zip(prompts, samplings)]
-        gen.run()
-        assert gen.stats["graph_steps"] == gen.stats["steps"]
-        outs[async_steps] = [r.outputs[0] for r in reqs]
-        gen.cache.check_invariants()
-        gen.cache.close()
-    assert ahead[True] >= 3 and ahead[False] == 0
-    assert outs[True] == outs[False]
-    greedy = [i for i, s in enumerate(samplings) if s.temperature == 0]
-    assert [outs[True][i] for i in greedy] == [refs[i] for i in greedy]
-
-
-def test_graph_greedy_ids_and_fed_inputs_match_the_synchronous_run():
+@pytest.mark.parametrize("shape", ["decode", "mixed"])
+def test_graph_greedy_ids_and_fed_inputs_match_the_synchronous_run(shape):
     """The decode graphs compute each row's argmax and leave it in the next step's input;
     the sampler takes those ids for greedy rows and the next step of the same rows reads
     them where they lie. Greedy and seeded random requests side by side, rows ending at
     different lengths (so rows drop out and the feed is gathered): the asynchronous run,
     which feeds on the device, gives exactly the synchronous run's tokens, and greedy ones
-    equal HF's ``generate``."""
+    equal HF's ``generate``. ``mixed``: longer prompts read in chunks and admitted a few at
+    a time while others decode, so that mixed steps are planned and launched ahead of the
+    step in flight (decode rows fed its draws on the device, prompt rows from the host,
+    replayed from the mixed graphs)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from cellcache.generate import Generator, Sampling, random_model
 
+    seed, n, lengths, budget, chunk = {"decode": (21, 10, (3, 30), 64, 32),
+                                       "mixed": (31, 24, (10, 60), 48, 16)}[shape]
     model = random_model("llama-tiny", torch.float32, "cuda", seed=7)
-    rng = np.random.default_rng(21)
-    prompts = [rng.integers(0, 512, size=int(rng.integers(3, 30))).tolist() for _ in range(10)]
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 512, size=int(rng.integers(*lengths))).tolist() for _ in range(n)]
     samplings = [Sampling(max_new_tokens=12 + 3 * (i % 4), temperature=0.9 if i % 3 == 1 else 0.0,
                           top_k=20 if i % 3 == 1 else 0, seed=i) for i in range(len(prompts))]
     # an explicit mask: HF would take the prompts' id 0 for padding (pad_token_id=0) and mask it
@@ -194,17 +154,19 @@ def test_graph_greedy_ids_and_fed_inputs_match_the_synchronous_run():
                            max_new_tokens=s.max_new_tokens, do_sample=False, eos_token_id=None,
                            pad_token_id=0)[0, len(p):].tolist()
             for p, s in zip(prompts, samplings)]
-    outs = {}
+    outs, ahead = {}, {}
     for async_steps in (True, False):
-        gen = Generator(model, capacity=1024, max_batch_tokens=64, max_seqs=16, prefill_chunk=32,
+        gen = Generator(model, capacity=2048, max_batch_tokens=budget, max_seqs=16, prefill_chunk=chunk,
                         eos=[], prefix_cache=False, async_steps=async_steps)
         gen.warmup()
         reqs = [gen.add(p, s) for p, s in zip(prompts, samplings)]
         gen.run()
         assert gen.stats["graph_steps"] == gen.stats["steps"]
         outs[async_steps] = [r.outputs[0] for r in reqs]
+        ahead[async_steps] = gen.profile["mixed_ahead_steps"]
         gen.cache.check_invariants()
         gen.cache.close()
+    assert ahead[False] == 0 and (ahead[True] >= 3 or shape == "decode")
     assert outs[True] == outs[False]
     greedy = [i for i, s in enumerate(samplings) if s.temperature == 0]
     assert [outs[True][i] for i in greedy] == [refs[i] for i in greedy]
