@@ -350,8 +350,10 @@ class BaseScheduler:
         drafts; a running sequence is not in it; a row would be deferred or preempted for
         (cached prefixes are evicted for the rows, as :meth:`schedule` does); a row feeding
         a token in flight has penalties (which count that token on the host); a request
-        proposes drafts; an admission would come from the host tier, or wait for a prompt
-        being read (``after`` may complete it: the prefix cache then gives it).
+        proposes drafts; an admission would be restored from the host tier (a preempted
+        sequence's copy; with the prefix cache's host level on, any admission: it looks
+        there), or wait for a prompt being read (``after`` may complete it: the prefix cache
+        then gives it).
 
         What still differs from the plan made once ``after`` has landed: the sequences that
         ``after`` ends on a stop token keep their rows (a token of the budget and a cell

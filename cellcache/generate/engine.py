@@ -196,10 +196,10 @@ class Generator:
     run synchronously), but where a step planned ahead cannot know what the step in flight
     ends: a row ending on a stop token there still takes a token of the budget and a cell,
     and no sequence ending there has freed its cells yet, so with the budget or the cells
-    short an admission may come a step later. A request cancelled while
-    a step carrying it is in flight loses that step's token, as a cancel during a
-    synchronous step does (``stats["tokens_in"]`` then counts that step's row, which the
-    synchronous generator never fed). ``profile``: host time per phase (:data:`PHASES`),
+    short an admission may come a step later. A request cancelled while a step carrying it
+    is in flight loses that step's token, as a cancel during a synchronous step does
+    (``stats["tokens_in"]`` then counts that step's row, which the synchronous generator
+    never fed). ``profile``: host time per phase (:data:`PHASES`),
     summed in ms, for every step and by kind (decode/mixed), and the steps of each kind
     launched ahead.
 
