@@ -360,7 +360,7 @@ class BaseScheduler:
         each), and the cells of every sequence ``after`` ends are not free yet, so with room
         short an admission may come a step later."""
         self.sync()
-        if not after.flies or after.spec.groups:
+        if not after.flies:                           # (a verify run, or a fork)
             return None
         kv_ = self.kv
         shift: dict[int, tuple[int, int]] = {}
