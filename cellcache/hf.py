@@ -30,8 +30,8 @@ windows. This module maps configs and attention (:class:`HFAdapter`); the runner
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,13 +42,13 @@ from .batch_invariant import ROWS, BatchInvariant
 from .cache import CellCache, Step
 from .config import KV_DTYPES, CacheConfig, LayerConfig, _kv_dtype_name
 from .errors import CellCacheError, InvalidArgument, InvalidState
-from .runner import ATTENTION_BACKENDS, COMPILE_OPTIONS, ModelRunner, compile_options
+from .runner import ATTENTION_BACKENDS, COMPILE_OPTIONS, ModelRunner, check_options, compile_options
 
 __all__ = ["ATTENTION_BACKENDS", "ATTENTION_NAME", "COMPILE_OPTIONS", "HFAdapter", "ModelRunner", "attach",
            "cache_config", "compile_options", "layer_windows", "vocab_size"]
 
 ATTENTION_NAME = "cellcache"
-_CURRENT = cct.FORWARD          # the step a forward runs on (a _Current), for the hook and the op
+_CURRENT = cct.FORWARD          # the step a forward runs on (a cct.Forward), for the hook and the op
 
 #: Keywords transformers passes to attention functions that do not change what attention
 #: computes (the step's positions reach RoPE before attention; cellcache keeps the K/V).
@@ -59,15 +59,6 @@ _IGNORED_KWARGS = frozenset({
 #: Keywords that change the scores in ways cellcache's attention does not compute.
 _SCORE_KWARGS = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks",
                  "sinks": "attention sinks"}
-
-
-@dataclass
-class _Current:
-    view: cct.TorchView
-    step: Step | None
-    backend: str
-    calls: int = 0
-    probe: list | None = None      # attach's probe: (layer, module config) per call; writes nothing
 
 
 def _refuse_alibi(cfg: Any) -> None:
@@ -222,7 +213,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_call(module: Any, query: Any, key: Any, value: Any, cur: _Current, dropout: Any,
+def _check_call(module: Any, query: Any, key: Any, value: Any, cur: cct.Forward, dropout: Any,
                 kwargs: dict) -> int:
     """Refuses an attention call cellcache would compute differently from the model (every
     such refusal comes up at attach's probe); returns the layer index."""
@@ -329,7 +320,7 @@ def _attn_configs(model: Any) -> list[Any]:
 def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
            buckets: list[int] | None = None, compile: bool | Mapping[str, Any] = False,
            mixed_buckets: list[int] | None = None, attention: str = "auto",
-           deterministic: bool = False, invariant_rows: int = ROWS) -> ModelRunner:
+           deterministic: bool = False, invariant_rows: int = ROWS, native: bool = False) -> ModelRunner:
     """Switches ``model`` to cellcache's attention and returns the :class:`ModelRunner`
     that runs its forwards on ``cache``'s steps.
 
@@ -363,6 +354,16 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
 
     To use the model without cellcache again: ``model.set_attn_implementation("sdpa")``;
     its runners then refuse to run (InvalidState) until :meth:`ModelRunner.reattach`.
+
+    ``native`` (default False): the runner runs :class:`cellcache.native.NativeLM`, cellcache's
+    own forward of a Llama, Mistral, Qwen2 or Qwen3 model over the same weights (q/k/v and
+    gate/up as one GEMM each, the norms, residual adds, rotary embedding and SiLU as one
+    launch each), instead of the model's modules; the model's attention setting is then
+    not switched. Its q/k/v and gate/up weights are re-laid as views of one tensor each
+    (the same values; update them in place). Refused (InvalidArgument, before anything is
+    re-laid) for other architectures, a tensor-parallel shard and the refusals of
+    :func:`cellcache.native.refuse`. Attaching a model natively again while a runner keeps
+    its :class:`~cellcache.native.NativeLM` reuses it.
     """
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
@@ -403,9 +404,51 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
                                   f"cache holds {cache.config.layers[0].n_kv_heads} of the model's "
                                   f"{kv_heads} KV heads): the ranks' all-reduces sum in an order "
                                   "that depends on the step's size")
+    if not isinstance(native, bool):
+        raise InvalidArgument(f"native of type {type(native).__name__} is not a bool")
     adapter = HFAdapter(model, deterministic=deterministic, invariant_rows=invariant_rows)
-    runner = ModelRunner(model, cache, adapter, graphs=graphs, buckets=buckets,
-                         compile=compile, mixed_buckets=mixed_buckets, attention=attention)
+    options: dict[str, Any] = dict(graphs=graphs, buckets=buckets, compile=compile,
+                                   mixed_buckets=mixed_buckets, attention=attention)
+    if native:
+        return _attach_native(model, cache, cfg, adapter, options)
+    runner = ModelRunner(model, cache, adapter, **options)
+    runner.reattach()
+    return runner
+
+
+#: The native forward of each model attached natively, while a runner keeps it (by the
+#: model's id; weak references, so the dead ones are found by ``ref() is None``).
+_NATIVE: dict[int, Any] = {}
+
+
+def _attach_native(model: Any, cache: CellCache, cfg: Any, base: HFAdapter,
+                   options: dict[str, Any]) -> ModelRunner:
+    """:func:`attach`'s ``native=True``: the model's :class:`~cellcache.native.NativeLM`
+    (built once while a runner keeps it; building it re-lays the weights) run by a runner
+    through a :class:`~cellcache.native.NativeAdapter`."""
+    from .native import NativeAdapter, NativeLM, refuse
+
+    heads = _config_int(cfg, "num_attention_heads", 1)
+    kv_heads = _config_int(cfg, "num_key_value_heads", 1, default=heads)
+    if any(layer.n_kv_heads != kv_heads for layer in cache.config.layers):
+        raise InvalidArgument(f"native=True does not run a tensor-parallel shard (the cache holds "
+                              f"{cache.config.layers[0].n_kv_heads} of the model's {kv_heads} KV "
+                              "heads): serve it without native")
+    refuse(model)                                         # before anything is re-laid
+    check_options(options["compile"], options["attention"])
+    for key in [k for k, r in _NATIVE.items() if r() is None]:
+        del _NATIVE[key]
+    ref = _NATIVE.get(id(model))
+    native = ref() if ref is not None else None
+    if native is not None:
+        try:
+            native.check()
+        except InvalidState:
+            native = None
+    if native is None or native.hf is not model:
+        native = NativeLM(model)
+        _NATIVE[id(model)] = weakref.ref(native)
+    runner = ModelRunner(native, cache, NativeAdapter(native, base), **options)
     runner.reattach()
     return runner
 
@@ -472,7 +515,7 @@ class HFAdapter:
         if isinstance(mdev, torch.device) and mdev != device:
             raise InvalidArgument(f"the model is on {mdev}; the cache's buffers are on {device}")
         calls: list[tuple[int, Any]] = []
-        cur = _Current(view, None, "probe", probe=calls)
+        cur = cct.Forward(view, None, "probe", probe=calls)
         ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         token = _CURRENT.set(cur)
         try:
@@ -517,7 +560,7 @@ class HFAdapter:
             input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         if self.deterministic:
             backend = "invariant"
-        cur = _Current(view, step, backend)
+        cur = cct.Forward(view, step, backend)
         token = _CURRENT.set(cur)
         try:
             if self.deterministic:

@@ -43,6 +43,7 @@ graph; it finds its view and step in :data:`FORWARD`, set around the forward by 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -61,7 +62,7 @@ from .config import CacheConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
 __all__ = ["BACKENDS", "CASCADE_MIN_SHARED", "FORWARD", "INVARIANT_CLASS", "INVARIANT_TILE", "AttentionPlan",
-           "TorchView",
+           "Forward", "TorchView",
            "as_tensor", "attention", "attention_op", "check_qkv", "invariant_paths", "invariant_refusal",
            "layer_paths", "torch_dtype"]
 
@@ -480,10 +481,25 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     return plan.run(layer, q, k, v, scale, out)
 
 
-#: The forward running now, for :func:`attention_op`: an object with ``view`` (a
-#: :class:`TorchView`), ``step``, ``backend`` (as :func:`attention` takes them) and an int
-#: ``calls`` the op counts up; None between forwards. Set by whoever runs the model
-#: (:class:`cellcache.runner.ModelRunner`), read only inside the op, where dynamo does not look.
+@dataclasses.dataclass
+class Forward:
+    """A forward running over a step (what :data:`FORWARD` holds): the ``view``, the
+    ``step`` and the ``backend`` its attention runs on (as :func:`attention` takes them),
+    the attention calls made so far, and ``probe`` (a list, or None): an attach's probe
+    forward, whose attention checks and records (layer, module config) and writes nothing."""
+
+    view: TorchView
+    step: Step | None
+    backend: str
+    calls: int = 0
+    probe: list | None = None
+
+
+#: The forward running now, for :func:`attention_op` and the model code that calls
+#: :func:`attention` (cellcache.hf's hook, cellcache.native): a :class:`Forward` whose
+#: ``calls`` the op counts up; None between forwards. Set by the model's adapter around each
+#: forward of a :class:`cellcache.runner.ModelRunner`, read only inside the op, where dynamo
+#: does not look.
 FORWARD: contextvars.ContextVar = contextvars.ContextVar("cellcache_forward", default=None)
 
 

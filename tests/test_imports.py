@@ -18,10 +18,11 @@ FLOORS = [
     {"errors", "_checks", "config", "buffers", "buckets", "_cli", "_bitset"},
     {"reference", "_table", "_views"},
     {"cache", "pools", "host", "cuda", "cuda.probe", "cuda.driver", "cuda.pools", "cuda.backend",
-     "cuda.kernels", "cuda.tc", "cuda._launch", "cuda._dlpack", "cuda._engine"},
+     "cuda.kernels", "cuda.tc", "cuda.fused", "cuda._launch", "cuda._dlpack", "cuda._engine"},
     {"registry"},
     {"radix", "prefix_events", "prefix_policy", "prefix_tree"},
     {"attention", "session", "prefix", "torch", "cascade", "batch_invariant", "hf", "runner", "tp",
+     "native",
      "tp.shard", "tp.peers", "tp.agreement", "seqstate"},
     # the generator package: each module only above those it imports
     {"generate.text", "generate.sleep", "generate.spill"},

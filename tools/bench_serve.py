@@ -42,7 +42,9 @@ Generator's defaults (8192-token steps, 2048-token prompt chunks) unless
 ``--max-batch-tokens``/``--prefill-chunk`` say otherwise, and capture their CUDA graphs
 (``Generator.warmup()``) before the clock starts, as a serving engine does at start-up;
 ``--attention flashinfer`` runs FlashInfer's kernels over the same paged view instead of
-cellcache's (eager steps). Every cellcache run reports time to
+cellcache's (eager steps); ``--native`` runs cellcache's own forward of the model
+(:mod:`cellcache.native`) in every cellcache run and the agreement check, with a run on
+the model's modules beside it (``cellcache_modules``). Every cellcache run reports time to
 first token and inter-token latency, p50 and p99 (``Generator.latency()``), and a reading of
 the host CPU's speed before and after it (``cpu_probe_us``: a fixed piece of pure-Python
 work, timed), so that a run's host time can be read against the machine's state. On CUDA the
@@ -147,6 +149,12 @@ def cpu_probe() -> float:
     return round(1e6 * statistics.median(times), 1)
 
 
+#: The runs compared with the timed configuration ("cellcache"), in the table's order.
+COMPARED = ("cellcache_off", "cellcache_ungrouped", "cellcache_modules", "cellcache_staggered",
+            "cellcache_poisson", "cellcache_poisson_at_capacity", "hf-batch", "hf-static",
+            "hf-batch-legacy", "hf-static-legacy")
+
+
 def make_gen(model, w: dict, prefix: bool, capacity: int, max_seqs: int):
     import gc
 
@@ -163,7 +171,8 @@ def make_gen(model, w: dict, prefix: bool, capacity: int, max_seqs: int):
                     prefix_cache=prefix, async_steps=w.get("async_steps"),
                     compile=w.get("compile", False), attention=w.get("attention", "auto"),
                     spill_bytes=w.get("spill_bytes", 0),
-                    spill_prefixes=bool(w.get("spill_prefixes")) and prefix, buckets=w.get("buckets"))
+                    spill_prefixes=bool(w.get("spill_prefixes")) and prefix, buckets=w.get("buckets"),
+                    native=bool(w.get("native")))
     gen.warmup()                    # the decode graphs, captured before the clock starts
     return gen
 
@@ -1192,7 +1201,8 @@ def main(argv=None) -> int:
                         "completes and its queue fills, as all together; the run at exactly that "
                         "rate is a second target line: within 1.25x of the floor its arrivals impose)")
     p.add_argument("--skip", default="",
-                   help="comma-separated runs to skip: off, ungrouped, staggered, hf-batch, hf-static")
+                   help="comma-separated runs to skip: off, ungrouped, modules, staggered, hf-batch, "
+                        "hf-static")
     p.add_argument("--async-steps", choices=["auto", "on", "off"], default="auto",
                    help="asynchronous scheduling of decode steps (Generator(async_steps=)); auto: "
                         "on with CUDA graphs")
@@ -1203,6 +1213,11 @@ def main(argv=None) -> int:
     p.add_argument("--attention", choices=["auto", "flashinfer"], default="auto",
                    help="attention kernels (Generator(attention=)): auto, cellcache's own "
                         "(default); flashinfer, FlashInfer's over the same paged view (eager steps)")
+    p.add_argument("--native", action="store_true",
+                   help="cellcache's own forward of the model (Generator(native=True): fused "
+                        "q/k/v and gate/up GEMMs, one launch a norm, rotary and SiLU) for every "
+                        "cellcache run and the agreement check, with the model's modules beside it "
+                        "(cellcache_modules) unless --skip modules")
     p.add_argument("--capacity-share", type=float, default=1.0,
                    help="the cache's cells as a share of what holds the whole workload (default 1; "
                         "below 1 the histories do not fit: evictions, preemptions)")
@@ -1276,6 +1291,7 @@ def main(argv=None) -> int:
     w["spill_prefixes"] = bool(args.spill_prefixes)
     w["compile"] = bool(args.compile)
     w["attention"] = args.attention
+    w["native"] = bool(args.native)
     skip = set(filter(None, args.skip.split(",")))
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -1309,11 +1325,13 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(slim, indent=2, default=str) + "\n")
 
     def run(prefix: bool, arrival: str = "together", breakdown_: bool = False, rate: float = 0.0,
-            profile_steps: int = 0, grouped: bool = True) -> dict:
+            profile_steps: int = 0, grouped: bool = True, native: bool | None = None) -> dict:
         import cellcache.torch as cct
 
         cascade = cct.CASCADE_MIN_SHARED
         cct.CASCADE_MIN_SHARED = cascade if grouped else 0      # read when a step's plan is made
+        was = w["native"]
+        w["native"] = was if native is None else native
         try:
             if name == "chat":
                 return chat(model, work["first"], work["messages"], new, capacity, w, device, prefix)
@@ -1322,23 +1340,28 @@ def main(argv=None) -> int:
                         profile_to=(path.parent, path.stem))
         finally:
             cct.CASCADE_MIN_SHARED = cascade
+            w["native"] = was
 
     log(f"[serve] {name}: warm-up")                            # kernels, graphs
     if name == "chat":
         chat(model, work["first"][:4], [m[:2] for m in work["messages"][:4]], 4, capacity, w, device)
     else:
         ours(model, work["prompts"][:8], 8, "together", capacity, w, device)
-    modes = [("cellcache", True, True)] + ([] if "off" in skip else [("cellcache_off", False, True)])
+    modes = [("cellcache", True, True, None)] + (
+        [] if "off" in skip else [("cellcache_off", False, True, None)])
     if name == "grpo":                  # every continuation forks the prompt: no "off" to compare
         modes = [m for m in modes if m[0] != "cellcache_off"]
     if name in ("shared", "default", "grpo") and device == "cuda" and "ungrouped" not in skip:
-        modes.append(("cellcache_ungrouped", True, False))
+        modes.append(("cellcache_ungrouped", True, False, None))
+    if args.native and "modules" not in skip:     # the model's own modules, beside the native forward
+        modes.append(("cellcache_modules", True, True, False))
     timed: dict[str, list[dict]] = {}
     for rep in range(args.repeat):
-        for key, prefix, grouped in (modes if rep % 2 == 0 else modes[::-1]):
+        for key, prefix, grouped, native in (modes if rep % 2 == 0 else modes[::-1]):
             log(f"[serve] {key} (prefix cache {'on' if prefix else 'off'}"
-                f"{'' if grouped else ', shared-prefix attention off'})")
-            r = run(prefix, grouped=grouped)
+                f"{'' if grouped else ', shared-prefix attention off'}"
+                f"{', on the modules' if native is False else ''})")
+            r = run(prefix, grouped=grouped, native=native)
             host = f", host per decode step {r['decode_host_us_per_step_total']:.0f} us" \
                 if "decode_host_us_per_step_total" in r else ""
             if "backlog_flush" in r:
@@ -1456,9 +1479,7 @@ def main(argv=None) -> int:
         res["profile"] = [run(True, profile_steps=args.profile_steps)["profile"]]
         save()
     base = res["cellcache"]["outputs"]
-    for key in ("cellcache_off", "cellcache_ungrouped", "cellcache_staggered", "cellcache_poisson",
-                "cellcache_poisson_at_capacity", "hf-batch", "hf-static", "hf-batch-legacy",
-                "hf-static-legacy"):
+    for key in COMPARED:
         r = res.get(key, {})
         if "outputs" in r:
             same = sum(a == b for a, b in zip(base, r["outputs"]))
@@ -1478,9 +1499,7 @@ def main(argv=None) -> int:
         v = r.get(key)
         return f"{v:>{width}.2f}" if isinstance(v, float) else " " * width
 
-    for key in ("cellcache", "cellcache_off", "cellcache_ungrouped", "cellcache_staggered",
-                "cellcache_poisson", "cellcache_poisson_at_capacity", "hf-batch", "hf-static",
-                "hf-batch-legacy", "hf-static-legacy"):
+    for key in ("cellcache", *COMPARED):
         r = res.get(key)
         if r is None:
             continue
@@ -1493,9 +1512,7 @@ def main(argv=None) -> int:
         print(f"{key:<29} {r['tokens_per_s']:>10.0f} {r['seconds']:>9.2f} {comp!s:>10} {cached!s:>10} "
               f"{ms(r, 'ttft_ms_p50', 12)} {ms(r, 'ttft_ms_p99', 12)} {ms(r, 'itl_ms_p50', 11)} "
               f"{ms(r, 'itl_ms_p99', 11)} {ratio:>12.2f}x")
-    for key in ("cellcache_off", "cellcache_ungrouped", "cellcache_staggered", "cellcache_poisson",
-                "cellcache_poisson_at_capacity", "hf-batch", "hf-static", "hf-batch-legacy",
-                "hf-static-legacy"):
+    for key in COMPARED:
         if "same_outputs_as_cellcache" in res.get(key, {}):
             same = res[key]["same_outputs_as_cellcache"]
             print(f"{key}: same greedy outputs as cellcache for {same} requests")
@@ -1585,6 +1602,11 @@ def main(argv=None) -> int:
                 if "tokens_per_s" in res.get(key, {}):
                     ratio = ours_tps / res[key]["tokens_per_s"]
                     targets.append((ratio >= times, f">= {times}x HF {key[3:]} ({ratio:.2f}x)"))
+        mod = res.get("cellcache_modules")
+        if mod:                                # the native forward against the modules'
+            ratio = ours_tps / mod["tokens_per_s"]
+            targets.append((ratio >= 1.0, f"the native forward at least as fast as the model's "
+                                          f"modules ({ratio:.3f}x)"))
         ung = res.get("cellcache_ungrouped")
         if ung:                                # issue 43's: no sharing, nothing to pay
             ratio = ours_tps / ung["tokens_per_s"]

@@ -215,7 +215,11 @@ class Generator:
     strings) and read ``Request.texts``; :meth:`from_pretrained` loads a model with its
     tokenizer. ``deterministic`` (default False): passed on to :func:`cellcache.hf.attach`
     when True (batch-invariant forwards); the sampler's per-row work never depends on the
-    other rows. ``on_logits``: see the property.
+    other rows. ``native`` (default False): the runner runs cellcache's own forward of a
+    Llama, Mistral, Qwen2 or Qwen3 model (:mod:`cellcache.native`: fused q/k/v and gate/up
+    GEMMs, one launch for each norm, rotary embedding and SiLU) over the model's weights,
+    which it re-lays as views (:func:`cellcache.hf.attach`'s ``native``); not under
+    tensor parallelism. ``on_logits``: see the property.
 
     One thread steps a Generator: :meth:`step` (and :meth:`run`) from a second thread while
     a step runs, or from inside an ``on_token``/``draft`` callback, raises InvalidState
@@ -240,11 +244,14 @@ class Generator:
                  tp: bool | int | None = None, async_steps: bool | None = None,
                  compile: bool | Mapping[str, Any] = False, mixed_buckets: list[int] | None = None,
                  attention: str = "auto", deterministic: bool = False, tokenizer: Any = None,
-                 spill_bytes: int = 0, spill_prefixes: bool = False, kv_dtype: str | None = None):
+                 spill_bytes: int = 0, spill_prefixes: bool = False, kv_dtype: str | None = None,
+                 native: bool = False):
         check_options(compile, attention)    # refused before anything is built or switched
         check_tokenizer(tokenizer)
         if not isinstance(deterministic, (bool, np.bool_)):
             raise InvalidArgument(f"deterministic of type {type(deterministic).__name__} is not a bool")
+        if not isinstance(native, (bool, np.bool_)):
+            raise InvalidArgument(f"native of type {type(native).__name__} is not a bool")
         spill_bytes = check_int(spill_bytes, "spill_bytes", 0)
         if not isinstance(spill_prefixes, (bool, np.bool_)):
             raise InvalidArgument(f"spill_prefixes of type {type(spill_prefixes).__name__} is not a bool")
@@ -260,6 +267,9 @@ class Generator:
         if spill_bytes and checked.world is not None:
             raise InvalidArgument("spill_bytes does not serve under tensor parallelism (each rank would "
                                   "spill its own shard); leave it 0")
+        if native and checked.world is not None:
+            raise InvalidArgument("native=True does not serve under tensor parallelism (its forward "
+                                  "has no all-reduces): leave it False with tp")
         if deterministic and checked.world is not None:    # (before the model is sharded in place)
             raise InvalidArgument("deterministic=True does not serve under tensor parallelism: the "
                                   "ranks' all-reduces sum in an order that depends on the step's size")
@@ -272,6 +282,8 @@ class Generator:
         self.deterministic = bool(deterministic)
         # the keyword goes to attach only when asked for (an attach without it knows no such mode)
         extra: dict[str, Any] = {"deterministic": True} if self.deterministic else {}
+        if native:
+            extra["native"] = True
         self.runner = attach(model, cache.local if isinstance(cache, TPCache) else cache,
                              graphs=graphs, buckets=buckets, compile=compile,
                              mixed_buckets=mixed_buckets, attention=attention, **extra)
@@ -744,7 +756,8 @@ class Generator:
                                                      # (it waits for the copies queued first)
                 if level == 2:
                     try:
-                        self._offloaded = offload_weights(self.model)
+                        # the runner's model: the native forward's too (its fused weights)
+                        self._offloaded = offload_weights(self.runner.model)
                     except BaseException:
                         local.wake()
                         raise

@@ -31,41 +31,44 @@ from ..errors import OutOfMemory
 __all__ = ["OffloadedWeights", "offload_weights"]
 
 
+def _view(base: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s view (dtype, offset, shape, strides) of the bytes of ``base``'s storage."""
+    return torch.empty(0, dtype=like.dtype, device=base.device).set_(
+        base.untyped_storage(), like.storage_offset(), like.shape, like.stride())
+
+
 class OffloadedWeights:
     """A model's device tensors (parameters and buffers) moved to pinned host memory by
-    :func:`offload_weights`; :meth:`restore` moves them back (to new device addresses)."""
+    :func:`offload_weights`; :meth:`restore` moves them back (to new device addresses).
+    Tensors that shared a storage (tied weights, the native forward's fused weights and the
+    modules' views of them) share one again, on the host and back on the device."""
 
-    def __init__(self, moved: list[tuple[torch.Tensor, torch.Tensor, torch.device]]):
-        self._moved = moved          # (the model's tensor, its host copy, its device)
+    def __init__(self, moved: list[tuple[torch.Tensor, list[torch.Tensor], torch.device]]):
+        self._moved = moved          # (a storage's bytes on the host, its tensors, its device)
 
     @property
     def nbytes(self) -> int:
         """Bytes moved to the host (each storage once)."""
-        seen: dict[int, int] = {}
-        for _, host, _ in self._moved:
-            seen[id(host)] = host.numel() * host.element_size()
-        return sum(seen.values())
+        return sum(host.numel() for host, _, _ in self._moved)
 
     def restore(self) -> None:
-        """Copies every tensor back to its device. OutOfMemory (a CUDA allocation failing)
-        puts the ones already copied back on the host: the weights stay offloaded and the
-        call can be retried."""
+        """Copies every storage back to its device. OutOfMemory (a CUDA allocation failing)
+        puts the tensors already copied back on the host: the weights stay offloaded and
+        the call can be retried."""
         if not self._moved:
             return
-        done: dict[int, torch.Tensor] = {}          # a host copy shared by tied tensors: one copy
-        back: list[torch.Tensor] = []
+        back: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         try:
-            for t, host, device in self._moved:
-                dev = done.get(id(host))
-                if dev is None:
-                    dev = done[id(host)] = host.to(device, non_blocking=True)
-                t.data = dev
-                back.append(t)
+            for host, tensors, device in self._moved:
+                dev = host.to(device, non_blocking=True)
+                for t in tensors:
+                    t.data = _view(dev, t.data)
+                back.append((host, tensors))
             torch.cuda.synchronize()
         except (torch.OutOfMemoryError, RuntimeError) as e:
-            for t, host, _ in self._moved[:len(back)]:
-                t.data = host
-            done.clear()
+            for host, tensors in back:
+                for t in tensors:
+                    t.data = _view(host, t.data)
             torch.cuda.empty_cache()
             raise OutOfMemory(f"moving the weights back to the device ran out of memory ({e}); "
                               "they stay on the host, wake() can be retried") from e
@@ -74,25 +77,34 @@ class OffloadedWeights:
 
 def offload_weights(model: Any) -> OffloadedWeights:
     """Moves every CUDA parameter and buffer of ``model`` to pinned host memory in place
-    (``tensor.data`` swapped: the Parameter objects, and whatever holds them, stay), tied
-    tensors (one storage, one shape) once. Nothing changes if an allocation fails."""
-    moved: list[tuple[torch.Tensor, torch.Tensor, torch.device]] = []
-    copies: dict[tuple, torch.Tensor] = {}
-    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"]
-    if not tensors:                          # a model on the host: nothing to move
+    (``tensor.data`` swapped: the Parameter objects, and whatever holds them, stay): each
+    storage is copied once, whole, and every tensor on it becomes the same view of the copy
+    (tied weights and views of one tensor stay one storage). Nothing changes if an
+    allocation fails."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "cuda" or id(t) in seen:
+            continue
+        seen.add(id(t))
+        key = (t.device, t.untyped_storage().data_ptr())
+        groups.setdefault(key, []).append(t)
+    if not groups:                           # a model on the host: nothing to move
         return OffloadedWeights([])
+    moved: list[tuple[torch.Tensor, list[torch.Tensor], torch.device]] = []
     try:
-        for t in tensors:
-            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            host = copies.get(key)
-            if host is None:
-                host = copies[key] = torch.empty_like(t, device="cpu", pin_memory=True)
-                host.copy_(t.detach(), non_blocking=True)
-            moved.append((t, host, t.device))
+        for (device, _), tensors in groups.items():
+            storage = tensors[0].untyped_storage()
+            n = storage.nbytes()
+            data = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (n,), (1,))
+            host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            host.copy_(data, non_blocking=True)
+            moved.append((host, tensors, device))
         torch.cuda.synchronize()
     except (torch.OutOfMemoryError, RuntimeError) as e:
         raise OutOfMemory(f"copying the weights to pinned host memory failed ({e}); nothing "
                           "changed") from e
-    for t, host, _ in moved:
-        t.data = host
+    for host, tensors, _ in moved:
+        for t in tensors:
+            t.data = _view(host, t.data)
     return OffloadedWeights(moved)

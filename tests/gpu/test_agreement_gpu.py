@@ -1,7 +1,7 @@
 """End-to-end agreement on the GPU, in the precision served: every configuration a benchmark
 reports or a user can reach (the tensor-core kernels at every head_dim they take, in bf16
 and fp16, GQA groups 1 to 8, sliding-window layers, compile on and off, graphs and eager,
-asynchronous steps on and off, FlashInfer) serves a schedule that makes every kind of row
+asynchronous steps on and off, FlashInfer, the native forward) serves a schedule that makes every kind of row
 (prompt chunks, decode steps at several widths, a fork, rewound drafts, preemption and
 re-prefill, prefix-cache hits), and the logits each row was sampled from are compared with
 Hugging Face's own forward of the same weights over the same tokens: float32 as the
@@ -98,6 +98,23 @@ def test_eager_synchronous_steps_agree_end_to_end():
 def test_synchronous_steps_with_graphs_agree_end_to_end():
     gen, _ = _agree("qwen2-0.5b", "fp16", async_steps=False)
     assert gen.stats["graph_steps"] > 0 and not gen.async_steps
+
+
+@pytest.mark.parametrize("name, dtype", [("qwen2-0.5b", "bf16"), ("llama3-8b", "fp16"),
+                                         ("d80-mha", "bf16"), ("gemma-2b-attn", "bf16"),
+                                         ("mistral-window", "bf16")])
+def test_native_forward_agrees_end_to_end(name, dtype):
+    """``native=True``: cellcache's own forward (fused q/k/v and gate/up GEMMs, the fused
+    norm, rotary and SiLU kernels) with graphs and asynchronous steps."""
+    from cellcache.native import NativeLM
+
+    gen, _ = _agree(name, dtype, native=True)
+    assert isinstance(gen.runner.model, NativeLM) and gen.stats["graph_steps"] > 0
+
+
+def test_compiled_native_forward_agrees_end_to_end():
+    """``native=True, compile=True``: the fused ops as custom ops in the compiled forward."""
+    _agree("qwen2-0.5b", "bf16", native=True, compile=True)
 
 
 def test_flashinfer_attention_agrees_end_to_end():

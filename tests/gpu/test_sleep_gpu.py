@@ -94,12 +94,14 @@ def test_copy_pools_are_released_and_allocated_elsewhere_at_the_next_step():
     cache.close()
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_a_generator_with_graphs_gives_the_same_tokens_after_sleep_and_wake(level):
+@pytest.mark.parametrize("level, native", [(1, False), (2, False), (2, True)])
+def test_a_generator_with_graphs_gives_the_same_tokens_after_sleep_and_wake(level, native):
+    """(``native``: the native forward, whose fused weights the modules' parameters are
+    views of: they go to the host and back as one storage, still shared.)"""
     from cellcache.generate import Generator, Sampling, random_model
 
     model = random_model("llama-tiny", torch.bfloat16, "cuda", seed=5)
-    gen = Generator(model, capacity=1 << 14, max_seqs=16, eos=[])
+    gen = Generator(model, capacity=1 << 14, max_seqs=16, eos=[], native=native)
     assert gen.runner.graphs_enabled and gen.async_steps
     gen.warmup()                        # decode and mixed graphs, the mixed ones in one pool
     prompts = [[3 + i, 40, 7 * i % 500, 9] for i in range(12)]
@@ -124,6 +126,8 @@ def test_a_generator_with_graphs_gives_the_same_tokens_after_sleep_and_wake(leve
         assert not gen.runner.graphs
     gen.wake()
     assert all(p.device.type == "cuda" for p in model.parameters())
+    if native:                          # the modules' weights are the native forward's again
+        gen.runner.model.check()
     steps = gen.stats["graph_steps"]
     assert serve() == first
     assert gen.stats["graph_steps"] > steps

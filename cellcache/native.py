@@ -1,0 +1,502 @@
+"""A native forward for Llama-family transformers models (Llama, Mistral, Qwen2, Qwen3) on
+cellcache steps: the model's own weights, fewer and larger launches.
+
+Per decoder layer transformers' modules launch three q/k/v GEMMs, two gate/up GEMMs and
+five to ten small kernels for each RMSNorm, residual add, rotary embedding and SiLU. The
+native forward runs the same arithmetic as
+
+    h, res = add_rms_norm(x, res)        residual add + RMSNorm: one launch
+    qkv = h @ W_qkv (+ b_qkv)            one GEMM (q, k, v weights as rows of one tensor)
+    rotary_(qkv)                         q and k heads rotated in place: one launch
+    a = attention(q, k, v)               cellcache.torch.attention (writes K/V, reads the cache)
+    x = a @ W_o
+    h, res = add_rms_norm(x, res)
+    x = silu_mul(h @ W_gate_up) @ W_down one GEMM, one launch, one GEMM
+
+with the elementwise launches from ``cuda/fused.cu`` on CUDA (bf16, fp16, fp32) and the
+modules' own torch ops elsewhere. Each op rounds where the modules' ops round (every torch
+op's output is a tensor of the model's dtype), so a native forward differs from the
+modules' only by the GEMMs' blocking over the fused weights and the RMS sum's order.
+
+The weights are the model's: :class:`NativeLM` concatenates each layer's q/k/v weights (and
+biases) and its gate/up weights into one tensor each and rebinds the modules' parameters to
+views of it (``param.data``), so memory does not grow, the transformers modules still
+compute the same model, and in-place updates (``load_state_dict``, an optimizer step, an RL
+weight sync through ``param.data.copy_``) reach both. Replacing a parameter's tensor
+(``param.data = new``) detaches it from the native forward: :meth:`NativeLM.check` finds
+it (:meth:`NativeAdapter.check` runs it before every forward).
+
+Refused (InvalidArgument, the model unchanged): architectures other than those above,
+activations other than SiLU, partial rotary embeddings, attention logit soft-capping,
+quantized or sharded (DTensor) weights. ``cellcache.hf.attach(model, cache, native=True)``
+and ``Generator(model, native=True)`` build it; :class:`NativeAdapter` is its
+:class:`cellcache.runner.ModelAdapter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import torch as cct
+from .batch_invariant import BatchInvariant
+from .cache import Step
+from .config import CacheConfig
+from .errors import CellCacheError, InvalidArgument, InvalidState
+
+__all__ = ["ARCHITECTURES", "NativeAdapter", "NativeLM", "add_rms_norm", "refuse", "rms_norm",
+           "rotary_", "silu_mul"]
+
+#: ``config.model_type`` values the native forward runs.
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+# -- the fused ops -----------------------------------------------------------------------------
+# Each has a kernel path (CUDA, a dtype of cuda/fused.cu, rows whose last dim is contiguous)
+# and a torch path with the transformers modules' arithmetic, op for op. Eager forwards call
+# them directly (a custom op's dispatch costs more than the launch); compiled forwards call
+# the custom ops cellcache::rms_norm, ::add_rms_norm, ::silu_mul and ::rotary_ instead.
+
+def _kernels(t: torch.Tensor) -> Any:
+    """The fused kernels of ``t``'s device when they take ``t`` (CUDA, a built dtype), else None."""
+    if t.device.type != "cuda" or t.dtype not in _DTYPES:
+        return None
+    from .cuda.fused import fused_kernels
+
+    return fused_kernels(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` is 2-D with a contiguous last dim (what the kernels index)."""
+    return t.ndim == 2 and t.stride(1) == 1
+
+
+def _norm_ref(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = h.dtype
+    h = h.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * RMSNorm(x)`` over the last dim of a ``[rows, hidden]`` tensor, as
+    transformers' Llama/Qwen2 RMSNorm computes it."""
+    k = _kernels(x)
+    if k is None or not _rows(x) or not weight.is_contiguous() or x.dtype != weight.dtype:
+        return _norm_ref(x, weight, eps)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    k.add_rms_norm(_DTYPES[x.dtype], x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), 0, 0, 0, 0,
+                   weight.data_ptr(), out.data_ptr(), out.stride(0), float(eps), False,
+                   torch.cuda.current_stream(x.device).cuda_stream)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 inplace: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * RMSNorm(residual + x), residual + x)`` for ``[rows, hidden]`` tensors;
+    with ``inplace`` the sum is written into ``residual`` (and returned as it)."""
+    k = _kernels(x)
+    if (k is None or not _rows(x) or not _rows(residual) or not weight.is_contiguous()
+            or not x.dtype == residual.dtype == weight.dtype):
+        s = residual + x
+        if inplace:
+            residual.copy_(s)
+            s = residual
+        return _norm_ref(s, weight, eps), s
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    res_out = residual if inplace else torch.empty_like(residual, memory_format=torch.contiguous_format)
+    k.add_rms_norm(_DTYPES[x.dtype], x.shape[0], x.shape[1], x.data_ptr(), x.stride(0),
+                   residual.data_ptr(), residual.stride(0), res_out.data_ptr(), res_out.stride(0),
+                   weight.data_ptr(), out.data_ptr(), out.stride(0), float(eps), True,
+                   torch.cuda.current_stream(x.device).cuda_stream)
+    return out, res_out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a ``[rows, 2 * inter]`` tensor holding gate then up."""
+    inter = gate_up.shape[-1] // 2
+    k = _kernels(gate_up)
+    if k is None or not _rows(gate_up):
+        return F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    out = gate_up.new_empty((gate_up.shape[0], inter))
+    k.silu_mul(_DTYPES[gate_up.dtype], gate_up.shape[0], inter, gate_up.data_ptr(), gate_up.stride(0),
+               out.data_ptr(), out.stride(0), torch.cuda.current_stream(gate_up.device).cuda_stream)
+    return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+            head_dim: int) -> None:
+    """Rotates the first ``n_heads`` heads (``head_dim`` each) of every row of ``qkv``
+    ``[T, >= n_heads * head_dim]`` in place by the rows of ``cos`` and ``sin`` ``[T,
+    head_dim]``, as transformers' ``apply_rotary_pos_emb`` computes it."""
+    k = _kernels(qkv)
+    if (k is None or not _rows(qkv) or not _rows(cos) or not _rows(sin)
+            or not qkv.dtype == cos.dtype == sin.dtype):
+        x = qkv[:, :n_heads * head_dim].view(qkv.shape[0], n_heads, head_dim)
+        c, s = cos[:, None], sin[:, None]
+        x.copy_((x * c) + (_rotate_half(x) * s))
+        return
+    k.rotary(_DTYPES[qkv.dtype], qkv.shape[0], qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+             n_heads, head_dim, qkv.stride(0), cos.stride(0), sin.stride(0),
+             torch.cuda.current_stream(qkv.device).cuda_stream)
+
+
+@torch.library.custom_op("cellcache::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("cellcache::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return add_rms_norm(x, residual, weight, eps, inplace=False)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(residual, memory_format=torch.contiguous_format))
+
+
+@torch.library.custom_op("cellcache::silu_mul", mutates_args=())
+def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_mul(gate_up).contiguous()
+
+
+@_silu_mul_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("cellcache::rotary_", mutates_args=("qkv",))
+def _rotary_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+               head_dim: int) -> None:
+    rotary_(qkv, cos, sin, n_heads, head_dim)
+
+
+@_rotary_op.register_fake
+def _(qkv, cos, sin, n_heads, head_dim):
+    return None
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+def _fuse(modules: list[Any], name: str, dim: int = 0) -> torch.Tensor | None:
+    """One tensor holding the ``name`` (``weight`` or ``bias``) of each module, concatenated
+    along ``dim``, whose slices become the modules' parameters' data; None when no module
+    has one. A bias some of the modules lack is zeros in the fused tensor (theirs stays None)."""
+    parts = [getattr(m, name, None) for m in modules]
+    if all(p is None for p in parts):
+        return None
+    ref = next(p for p in parts if p is not None)
+    sizes = [m.weight.shape[0] for m in modules]
+    fused = torch.empty((sum(sizes), *ref.shape[1:]), dtype=ref.dtype, device=ref.device)
+    at = 0
+    for p, n in zip(parts, sizes):
+        if p is None:
+            fused[at:at + n].zero_()
+        else:
+            fused[at:at + n].copy_(p.detach())
+        at += n
+    at = 0
+    for p, n in zip(parts, sizes):
+        if p is not None:
+            p.data = fused[at:at + n]
+        at += n
+    return fused
+
+
+def refuse(model: Any) -> Any:
+    """The text config of a model the native forward runs, after every check; InvalidArgument
+    naming what it does not run."""
+    config = getattr(model, "config", None)
+    cfg = getattr(config, "text_config", None) or config
+    kind = getattr(cfg, "model_type", None)
+    if kind not in ARCHITECTURES:
+        raise InvalidArgument(f"native=True runs {', '.join(ARCHITECTURES)} models; this one is "
+                              f"{kind!r} ({type(model).__name__}): serve it without native")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise InvalidArgument(f"native=True runs SiLU-gated MLPs; this model's activation is {act!r}")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    partial = getattr(cfg, "partial_rotary_factor", None) or (
+        rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
+    if partial not in (None, 1, 1.0):
+        raise InvalidArgument(f"native=True rotates whole heads; this model's "
+                              f"partial_rotary_factor is {partial}")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, name, None):
+            raise InvalidArgument(f"native=True does not compute {name}={getattr(cfg, name)}")
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(model, "lm_head"):
+        raise InvalidArgument(f"{type(model).__name__} has no .model.layers and .lm_head: not a "
+                              "transformers causal LM of a supported architecture")
+    for p in model.parameters():
+        if type(p.data) is not torch.Tensor:          # DTensor (a TP shard), quantized
+            raise InvalidArgument(f"native=True runs plain weights; this model holds "
+                                  f"{type(p.data).__name__} parameters (a tensor-parallel shard or "
+                                  "a quantized model): serve it without native")
+    for i, layer in enumerate(base.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                             (mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for n in names:
+                if not isinstance(getattr(owner, n, None), torch.nn.Linear):
+                    raise InvalidArgument(f"layer {i}: {n} is not a torch.nn.Linear; this model's "
+                                          "layers are not a supported architecture's")
+        dtypes = {p.dtype for p in layer.parameters()}
+        if len(dtypes) != 1:
+            raise InvalidArgument(f"layer {i} holds parameters of dtypes {sorted(map(str, dtypes))}; "
+                                  "native=True runs one dtype")
+    return cfg
+
+
+class _Layer:
+    """One decoder layer's tensors and sizes (plain attributes: no module call per layer)."""
+
+    def __init__(self, index: int, layer: Any, cfg: Any, qkv_w: torch.nn.Parameter,
+                 qkv_b: torch.nn.Parameter | None, gate_up_w: torch.nn.Parameter,
+                 gate_up_b: torch.nn.Parameter | None):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.index = index
+        self.attn, self.mlp = attn, mlp
+        self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv_w, self.qkv_b, self.gate_up_w, self.gate_up_b = qkv_w, qkv_b, gate_up_w, gate_up_b
+        self.head_dim = int(getattr(attn, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.n_q = attn.q_proj.out_features // self.head_dim
+        self.n_kv = attn.k_proj.out_features // self.head_dim
+        self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        # Qwen3's per-head RMSNorm of q and k before the rotation (its own modules)
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+
+
+def _eps(norm: Any) -> float:
+    for name in ("variance_epsilon", "eps"):
+        v = getattr(norm, name, None)
+        if v is not None:
+            return float(v)
+    raise InvalidArgument(f"{type(norm).__name__} has no variance_epsilon or eps")
+
+
+class NativeLM(torch.nn.Module):
+    """The native forward of a Llama-family model (see the module docstring): called as a
+    transformers causal LM is (``input_ids`` and ``position_ids`` ``[1, T]``,
+    ``logits_to_keep``), inside a cellcache step (:class:`NativeAdapter`). ``hf`` is the
+    model (a submodule: its parameters, the fused ones' views included, are this module's).
+
+    >>> native = NativeLM(model)        # re-lays q/k/v and gate/up as views   # doctest: +SKIP
+    """
+
+    def __init__(self, model: Any):
+        super().__init__()
+        cfg = refuse(model)
+        self.hf = model
+        self.text_config = cfg
+        base = model.model
+        self.qkv_w = torch.nn.ParameterList()
+        self.qkv_b = torch.nn.ParameterList()
+        self.gate_up_w = torch.nn.ParameterList()
+        self.gate_up_b = torch.nn.ParameterList()
+        layers = []
+        for i, layer in enumerate(base.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            projs = [attn.q_proj, attn.k_proj, attn.v_proj]
+            gates = [mlp.gate_proj, mlp.up_proj]
+            params = []
+            for mods, name, into in ((projs, "weight", self.qkv_w), (projs, "bias", self.qkv_b),
+                                     (gates, "weight", self.gate_up_w), (gates, "bias", self.gate_up_b)):
+                fused = _fuse(mods, name)
+                p = None if fused is None else torch.nn.Parameter(fused, requires_grad=False)
+                if p is not None:
+                    into.append(p)
+                params.append(p)
+            qkv_w, qkv_b, gate_up_w, gate_up_b = params
+            assert qkv_w is not None and gate_up_w is not None        # (Linear layers have weights)
+            layers.append(_Layer(i, layer, cfg, qkv_w, qkv_b, gate_up_w, gate_up_b))
+        self._layers = layers
+        self.embed = base.embed_tokens
+        self.norm = base.norm
+        self.norm_eps = _eps(base.norm)
+        self.rotary = base.rotary_emb
+        self.lm_head = model.lm_head
+        self._eps = [(_eps(la.in_norm), _eps(la.post_norm)) for la in layers]
+
+    @property
+    def config(self) -> Any:
+        """The transformers model's config (what the runner and its checks read)."""
+        return self.hf.config
+
+    def check(self) -> None:
+        """InvalidState when the first or last layer's modules no longer hold views of the
+        fused weights (a parameter's tensor was replaced, not updated in place: the native
+        forward would serve the old weights)."""
+        for la in (self._layers[0], self._layers[-1]):
+            start = la.qkv_w.data_ptr()
+            size = la.qkv_w.element_size() * la.attn.q_proj.weight.numel()
+            if (la.attn.q_proj.weight.data_ptr() != start
+                    or la.attn.k_proj.weight.data_ptr() != start + size
+                    or la.mlp.gate_proj.weight.data_ptr() != la.gate_up_w.data_ptr()):
+                raise InvalidState(
+                    f"layer {la.index}'s q/k/gate weights are no longer the native forward's (a "
+                    "parameter's tensor was replaced, e.g. param.data = new or model.to(...)): update "
+                    "weights in place (load_state_dict, param.data.copy_), or attach again")
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, use_cache: bool = False,
+                logits_to_keep: int | torch.Tensor = 0) -> Any:
+        compiling = torch.compiler.is_compiling()
+        x = self.embed(input_ids[0])                                      # [T, hidden]
+        cos, sin = self.rotary(x[None], position_ids)                     # [1, T, head_dim]
+        cos, sin = cos[0], sin[0]
+        T = x.shape[0]
+        res = x               # the residual stream (eager: updated in place from here on)
+        if compiling:
+            h = torch.ops.cellcache.rms_norm(x, self._layers[0].in_norm.weight, self._eps[0][0])
+        else:
+            h = rms_norm(x, self._layers[0].in_norm.weight, self._eps[0][0])
+        for la, (eps_in, eps_post) in zip(self._layers, self._eps):
+            if la.index:
+                h, res = self._add_norm(x, res, la.in_norm.weight, eps_in, compiling)
+            qkv = F.linear(h, la.qkv_w, la.qkv_b)
+            hq, hk = la.n_q * la.head_dim, la.n_kv * la.head_dim
+            if la.q_norm is not None and la.k_norm is not None:
+                q = la.q_norm(qkv[:, :hq].view(T, la.n_q, la.head_dim))
+                k = la.k_norm(qkv[:, hq:hq + hk].view(T, la.n_kv, la.head_dim))
+                qkv = torch.cat((q.reshape(T, hq), k.reshape(T, hk), qkv[:, hq + hk:]), dim=-1)
+            if compiling:
+                torch.ops.cellcache.rotary_(qkv, cos, sin, la.n_q + la.n_kv, la.head_dim)
+            else:
+                rotary_(qkv, cos, sin, la.n_q + la.n_kv, la.head_dim)
+            q = qkv[:, :hq].view(T, la.n_q, la.head_dim)
+            k = qkv[:, hq:hq + hk].view(T, la.n_kv, la.head_dim)
+            v = qkv[:, hq + hk:].view(T, la.n_kv, la.head_dim)
+            a = _attend(la.index, q, k, v, la.scale, compiling)
+            x = la.attn.o_proj(a.reshape(T, hq))
+            h, res = self._add_norm(x, res, la.post_norm.weight, eps_post, compiling)
+            gu = F.linear(h, la.gate_up_w, la.gate_up_b)
+            x = la.mlp.down_proj(torch.ops.cellcache.silu_mul(gu) if compiling else silu_mul(gu))
+        if isinstance(logits_to_keep, torch.Tensor):
+            x, res = x[logits_to_keep], res[logits_to_keep]
+        elif logits_to_keep:
+            x, res = x[-logits_to_keep:], res[-logits_to_keep:]
+        h, _ = self._add_norm(x, res, self.norm.weight, self.norm_eps, compiling)
+        return _Output(self.lm_head(h)[None])
+
+    @staticmethod
+    def _add_norm(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, eps: float,
+                  compiling: bool, inplace: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        if compiling:
+            return torch.ops.cellcache.add_rms_norm(x, res, weight, eps)
+        return add_rms_norm(x, res, weight, eps, inplace=inplace)
+
+
+class _Output:
+    """What the adapter reads of a forward (``.logits``), as of a transformers output."""
+
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+
+def _attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            compiling: bool) -> torch.Tensor:
+    """Attention of one layer over the step the forward runs (cellcache.hf's context)."""
+    if compiling:
+        return cct.attention_op(q, k, v, layer, scale)
+    cur = cct.FORWARD.get()
+    if cur is None:
+        raise InvalidState("the native forward ran outside a step: run it through "
+                           "ModelRunner.forward (cellcache.hf.attach(..., native=True))")
+    cur.calls += 1
+    if cur.probe is not None:                 # attach's probe: check, record, write nothing
+        cct.check_qkv(cur.view, layer, q, k, v)
+        cur.probe.append((layer, None))
+        return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).to(q.dtype)
+    return cct.attention(cur.view, layer, q, k, v, step=cur.step, backend=cur.backend, scale=scale)
+
+
+class NativeAdapter:
+    """The :class:`cellcache.runner.ModelAdapter` of a :class:`NativeLM`: its forward calls
+    cellcache's attention itself, so nothing in the transformers model is switched (it
+    keeps its attention setting and runs as before outside the runner).
+
+    ``base``: the model's :class:`cellcache.hf.HFAdapter`, which answers for the model (its
+    vocabulary, attention paths) and says whether forwards run deterministic (inside
+    :class:`~cellcache.batch_invariant.BatchInvariant`, attention through ``"invariant"``:
+    the fused kernels work a row at a time, so they are batch-invariant as they are).
+    """
+
+    def __init__(self, native: NativeLM, base: Any):
+        self.native = native
+        self._hf = base
+        self.deterministic = bool(base.deterministic)
+
+    def vocab(self) -> int:
+        return self._hf.vocab()
+
+    def attention_paths(self, config: CacheConfig) -> list[str]:
+        return self._hf.attention_paths(config)
+
+    def invariant(self, device: torch.device) -> BatchInvariant:
+        return self._hf.invariant(device)
+
+    def attach(self, view: cct.TorchView) -> None:
+        """One probe forward of one token at position 0 (writes nothing): every layer's
+        q, k, v checked against the cache's layers."""
+        calls: list[tuple[int, Any]] = []
+        cur = cct.Forward(view, None, "probe", probe=calls)
+        ids = torch.zeros((1, 1), dtype=torch.long, device=view.device)
+        token = cct.FORWARD.set(cur)
+        try:
+            with torch.inference_mode():
+                self.native(ids, ids, logits_to_keep=1)
+        except CellCacheError:
+            raise
+        except Exception as e:
+            raise InvalidArgument(f"the native forward failed on attach's one-token probe "
+                                  f"({type(e).__name__}: {e})") from e
+        finally:
+            cct.FORWARD.reset(token)
+        n = len(view.config.layers)
+        if sorted(layer for layer, _ in calls) != list(range(n)):
+            raise InvalidArgument(f"the native forward attended {len(calls)} times for the "
+                                  f"cache's {n} layers")
+
+    def check(self) -> None:
+        self.native.check()
+
+    def run(self, forward: Callable[..., Any], view: cct.TorchView, step: Step, backend: str,
+            input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        if self.deterministic:
+            backend = "invariant"
+        cur = cct.Forward(view, step, backend)
+        token = cct.FORWARD.set(cur)
+        try:
+            if self.deterministic:
+                with self.invariant(view.device):
+                    out = forward(input_ids, positions, logits_to_keep=rows if rows is not None else 0)
+            else:
+                out = forward(input_ids, positions, logits_to_keep=rows if rows is not None else 0)
+        finally:
+            cct.FORWARD.reset(token)
+        n = len(view.config.layers)
+        if cur.calls != n:
+            raise InvalidState(f"the native forward called cellcache's attention {cur.calls} times "
+                               f"for {n} layers")
+        return out.logits[0]

@@ -1,0 +1,183 @@
+// The native model path's elementwise kernels (cellcache/native.py): what a Llama-family
+// decoder layer does between its GEMMs and attention, one launch each where transformers'
+// modules launch five to ten.
+//
+//   add_rms_norm  r = T(x + res) (when add; else r = x), out = T(w * T(r * rsqrt(mean(r^2) + eps)))
+//                 one block a row; r is stored into res_out (the residual stream: res_out
+//                 may be res, in place)
+//   silu_mul      out = T(T(silu(gate)) * up), gate and up the two halves of a gate_up row
+//   rotary        q and k heads of a qkv row rotated in place (rotate_half's pairing:
+//                 element j with element j + D/2) by the step's cos and sin rows
+//
+// Every value is rounded to T where transformers' modules round it (each torch op's output
+// is a T tensor), so a forward in T differs from the modules' only by the sum order of the
+// RMS reduction. Arithmetic in float32. Vectorized (16-byte) variants for rows whose width,
+// strides and addresses are multiples of 8 elements of 2 bytes (VEC 8) or 4 of 4 bytes
+// (VEC 4); the host picks (cellcache/cuda/fused.py).
+#include "abi.h"
+
+#define THREADS 256
+
+struct f16 { unsigned short x; };
+struct bf16 { unsigned short x; };
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(f16 h) {
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.x)); return f;
+}
+__device__ __forceinline__ float to_f(bf16 h) { return __uint_as_float(((cc_u32)h.x) << 16); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ f16 from_f<f16>(float x) {
+    f16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(x)); return h;
+}
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) {
+    bf16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.x) : "f"(x)); return h;
+}
+// x rounded to T and back: where a torch op would have stored a T tensor
+template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
+
+// VEC elements of T at p (16 bytes when VEC * sizeof(T) == 16), as floats, and back
+template <typename T, int VEC> struct Vec {
+    T v[VEC];
+};
+template <typename T, int VEC>
+__device__ __forceinline__ void load(const T* __restrict__ p, float* f)
+{
+    Vec<T, VEC> v;
+    if (VEC * sizeof(T) == 16) *reinterpret_cast<uint4*>(&v) = *reinterpret_cast<const uint4*>(p);
+    else v = *reinterpret_cast<const Vec<T, VEC>*>(p);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) f[i] = to_f(v.v[i]);
+}
+template <typename T, int VEC>
+__device__ __forceinline__ void store(T* __restrict__ p, const float* f)
+{
+    Vec<T, VEC> v;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v.v[i] = from_f<T>(f[i]);
+    if (VEC * sizeof(T) == 16) *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
+    else *reinterpret_cast<Vec<T, VEC>*>(p) = v;
+}
+
+__device__ __forceinline__ float block_sum(float x, float* scratch)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    x = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.f;
+    if (warp == 0) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+        if (lane == 0) scratch[0] = x;
+    }
+    __syncthreads();
+    return scratch[0];
+}
+
+// One block a row of `hidden` elements. add: the row of x is added to the row of res_in
+// (the sum, rounded to T, stored into res_out, which may be res_in: each thread reads its
+// own elements before it writes them) and the norm reads the sum; else the norm reads x.
+template <typename T, int VEC>
+__device__ void add_rms_norm(const T* __restrict__ x, const T* res_in, T* res_out,
+                             const T* __restrict__ w, T* __restrict__ out, cc_i32 hidden,
+                             cc_i64 s_x, cc_i64 s_in, cc_i64 s_res, cc_i64 s_out, float eps,
+                             cc_i32 add)
+{
+    __shared__ float scratch[32];
+    const cc_i64 row = blockIdx.x;
+    const T* xr = x + row * s_x;
+    const T* ri = res_in + row * s_in;
+    T* rr = res_out + row * s_res;
+    T* orow = out + row * s_out;
+    float ss = 0.f;
+    for (cc_i32 i = threadIdx.x * VEC; i < hidden; i += blockDim.x * VEC) {
+        float a[VEC];
+        load<T, VEC>(xr + i, a);
+        if (add) {
+            float b[VEC];
+            load<T, VEC>(ri + i, b);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) a[j] = rnd<T>(a[j] + b[j]);
+            store<T, VEC>(rr + i, a);
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) ss += a[j] * a[j];
+    }
+    const float rstd = rsqrtf(block_sum(ss, scratch) / (float)hidden + eps);
+    const T* src = add ? (const T*)rr : xr;     // this thread's own elements, written above
+    for (cc_i32 i = threadIdx.x * VEC; i < hidden; i += blockDim.x * VEC) {
+        float a[VEC], g[VEC];
+        load<T, VEC>(src + i, a);
+        load<T, VEC>(w + i, g);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) a[j] = g[j] * rnd<T>(a[j] * rstd);
+        store<T, VEC>(orow + i, a);
+    }
+}
+
+// grid (column blocks, rows): out[r, i] = T(T(silu(gu[r, i])) * gu[r, inter + i])
+template <typename T, int VEC>
+__device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, cc_i32 inter,
+                         cc_i64 s_gu, cc_i64 s_out)
+{
+    const cc_i64 row = blockIdx.y;
+    const cc_i32 i = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    if (i >= inter) return;
+    float g[VEC], u[VEC];
+    load<T, VEC>(gu + row * s_gu + i, g);
+    load<T, VEC>(gu + row * s_gu + inter + i, u);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) g[j] = rnd<T>(g[j] / (1.f + expf(-g[j]))) * u[j];
+    store<T, VEC>(out + row * s_out + i, g);
+}
+
+// grid (pair blocks, tokens): heads [0, n_heads) of a token's row, each head_dim wide and
+// contiguous from the row's start, rotated in place; cos and sin rows are head_dim wide
+template <typename T>
+__device__ void rotary(T* __restrict__ qkv, const T* __restrict__ cos_, const T* __restrict__ sin_,
+                       cc_i32 n_heads, cc_i32 head_dim, cc_i64 s_tok, cc_i64 s_cos, cc_i64 s_sin)
+{
+    const cc_i64 t = blockIdx.y;
+    const cc_i32 half = head_dim >> 1;
+    const cc_i32 p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= n_heads * half) return;
+    const cc_i32 h = p / half, j = p - h * half;
+    T* x = qkv + t * s_tok + (cc_i64)h * head_dim;
+    const float x1 = to_f(x[j]), x2 = to_f(x[j + half]);
+    const float c1 = to_f(cos_[t * s_cos + j]), c2 = to_f(cos_[t * s_cos + j + half]);
+    const float s1 = to_f(sin_[t * s_sin + j]), s2 = to_f(sin_[t * s_sin + j + half]);
+    // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1): each product a T tensor
+    x[j] = from_f<T>(rnd<T>(x1 * c1) + rnd<T>(-x2 * s1));
+    x[j + half] = from_f<T>(rnd<T>(x2 * c2) + rnd<T>(x1 * s2));
+}
+
+#define NORM(NAME, T, VEC)                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+    add_rms_norm_##NAME##_v##VEC(const T* x, const T* res_in, T* res_out, const T* w, T* out,  \
+                                 cc_i32 hidden, cc_i64 s_x, cc_i64 s_in, cc_i64 s_res,         \
+                                 cc_i64 s_out, float eps, cc_i32 add)                          \
+    { add_rms_norm<T, VEC>(x, res_in, res_out, w, out, hidden, s_x, s_in, s_res, s_out, eps,   \
+                           add); }                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+    silu_mul_##NAME##_v##VEC(const T* gu, T* out, cc_i32 inter, cc_i64 s_gu, cc_i64 s_out)    \
+    { silu_mul<T, VEC>(gu, out, inter, s_gu, s_out); }
+
+#define ROTARY(NAME, T)                                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+    rotary_##NAME(T* qkv, const T* c, const T* s, cc_i32 n_heads, cc_i32 head_dim,             \
+                  cc_i64 s_tok, cc_i64 s_cos, cc_i64 s_sin)                                    \
+    { rotary<T>(qkv, c, s, n_heads, head_dim, s_tok, s_cos, s_sin); }
+
+NORM(float32, float, 1)
+NORM(float32, float, 4)
+NORM(float16, f16, 1)
+NORM(float16, f16, 8)
+NORM(bfloat16, bf16, 1)
+NORM(bfloat16, bf16, 8)
+ROTARY(float32, float)
+ROTARY(float16, f16)
+ROTARY(bfloat16, bf16)

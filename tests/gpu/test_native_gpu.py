@@ -1,0 +1,131 @@
+"""The native forward's kernels (cuda/fused.cu) on the device: each equals the transformers
+modules' torch ops on the same tensors (rounded where they round), in float32, fp16 and
+bf16, on the vectorized and the scalar variants, on strided rows and inside a captured
+graph; and the native forward in float32 gives HF generate's greedy tokens with graphs and
+asynchronous steps. (Its agreement in bf16/fp16 is test_agreement_gpu.py's.)"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from cellcache import native as ccn  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def ulp_close(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> None:
+    """Equal up to ``ulps`` units in the last place of the dtype (the RMS sum's order), and
+    equal bit for bit in at least 99% of the elements."""
+    eps = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=ulps * eps, atol=ulps * eps)
+    same = (got == want).float().mean().item()
+    assert same >= 0.99, same
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [896, 4096, 100])           # v8/v4 variants, and v1
+def test_norms_equal_the_modules_ops(dtype, hidden):
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    rows = 37
+    w = torch.randn(hidden, device="cuda", generator=g).to(dtype)
+    big = torch.randn(rows, hidden + 8, device="cuda", generator=g).to(dtype)
+    x = big[:, :hidden]                                          # strided rows
+    res = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
+    ulp_close(ccn.rms_norm(x, w, 1e-6), ccn._norm_ref(x, w, 1e-6))
+    want_sum = res + x
+    want = ccn._norm_ref(want_sum, w, 1e-6)
+    out, s = ccn.add_rms_norm(x, res.clone(), w, 1e-6, inplace=False)
+    assert torch.equal(s, want_sum)
+    ulp_close(out, want)
+    keep = res.clone()
+    out, s = ccn.add_rms_norm(x, keep, w, 1e-6)
+    assert s is keep and torch.equal(keep, want_sum)
+    ulp_close(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [4864, 1000, 36])
+def test_silu_mul_equals_the_modules_ops(dtype, inter):
+    g = torch.Generator(device="cuda").manual_seed(inter)
+    gu = (3 * torch.randn(53, 2 * inter, device="cuda", generator=g)).to(dtype)
+    want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    ulp_close(ccn.silu_mul(gu), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv, d", [(14, 2, 64), (32, 8, 128), (32, 32, 80), (8, 1, 256)])
+def test_rotary_equals_apply_rotary_pos_emb(dtype, heads, kv, d):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator(device="cuda").manual_seed(d)
+    T = 41
+    qkv = torch.randn(T, (heads + 2 * kv) * d, device="cuda", generator=g).to(dtype)
+    pos = torch.randint(0, 30000, (1, T), device="cuda", generator=g)
+    inv = 1.0 / (500000 ** (torch.arange(0, d, 2, dtype=torch.float32, device="cuda") / d))
+    emb = torch.cat((pos[..., None].float() * inv,) * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q = qkv[:, :heads * d].view(T, heads, d).transpose(0, 1)[None]
+    k = qkv[:, heads * d:(heads + kv) * d].view(T, kv, d).transpose(0, 1)[None]
+    q_want, k_want = apply_rotary_pos_emb(q, k, cos, sin)
+    v = qkv[:, (heads + kv) * d:].clone()
+    ccn.rotary_(qkv, cos[0], sin[0], heads + kv, d)
+    ulp_close(qkv[:, :heads * d].view(T, heads, d), q_want[0].transpose(0, 1))
+    ulp_close(qkv[:, heads * d:(heads + kv) * d].view(T, kv, d), k_want[0].transpose(0, 1))
+    assert torch.equal(qkv[:, (heads + kv) * d:], v)
+
+
+def test_the_kernels_replay_from_a_graph():
+    dtype = torch.bfloat16
+    x = torch.randn(64, 896, device="cuda").to(dtype)
+    res = torch.randn(64, 896, device="cuda").to(dtype)
+    w = torch.randn(896, device="cuda").to(dtype)
+    gu = torch.randn(64, 2 * 256, device="cuda").to(dtype)
+    qkv = torch.randn(64, 18 * 64, device="cuda").to(dtype)
+    cos, sin = torch.randn(64, 64, device="cuda").to(dtype), torch.randn(64, 64, device="cuda").to(dtype)
+
+    def run():
+        r = res.clone()
+        h, r = ccn.add_rms_norm(x, r, w, 1e-6)
+        q = qkv.clone()
+        ccn.rotary_(q, cos, sin, 16, 64)
+        return h, r, ccn.silu_mul(gu), q
+
+    eager = run()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()                                    # warm-up on the side stream
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for t in out:
+        t.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(out, eager):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny", "mistral-tiny"])
+def test_native_greedy_float32_equals_hf_generate_with_graphs(name):
+    from cellcache.generate import Generator, Sampling, random_model
+
+    model = random_model(name, torch.float32, "cuda", seed=3)
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 512, (int(n),)).tolist() for n in (3, 17, 40, 9, 25, 2)]
+    refs = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        refs.append(out[0, len(p):].tolist())
+    gen = Generator(model, capacity=1 << 12, max_seqs=16, prefill_chunk=16, max_batch_tokens=64,
+                    eos=[], native=True)
+    gen.warmup()
+    reqs = [gen.add(p, Sampling(max_new_tokens=16)) for p in prompts]
+    gen.run()
+    assert [r.outputs[0] for r in reqs] == refs
+    assert gen.stats["graph_steps"] > 0 and gen.async_steps
