@@ -145,6 +145,25 @@ def test_aot_eager_equals_eager():
     assert compiled == refs
 
 
+@pytest.mark.parametrize("arch", ["tiny", "llama-tiny"])
+def test_compiled_native_forward_is_one_graph_and_equals_hf_generate(arch):
+    """``native=True`` compiled: the fused ops as custom ops beside attention, one graph
+    without breaks (counting backend), and through AOT autograd, whose functionalization
+    meets the in-place ``cellcache::rotary_``: HF's greedy tokens both ways."""
+    model = random_model(arch, torch.float32, "cpu", 3)
+    prompts, refs = prompts_and_refs(model)
+    backend = Graphs()
+    compiled, gen = serve(model, prompts, native=True, compile={"backend": backend, "fullgraph": True})
+    assert compiled == refs and gen.runner.eager == gen.stats["steps"]
+    layers = model.config.num_hidden_layers
+    assert backend.graphs and backend.attention_calls() == [layers] * len(backend.graphs)
+    rotary = (torch.ops.cellcache.rotary_, torch.ops.cellcache.rotary_.default)
+    assert all(sum(n.target in rotary for n in gm.graph.nodes) == layers for gm in backend.graphs)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    aot, _ = serve(model, prompts, native=True, compile={"backend": "aot_eager"})
+    assert aot == refs
+
+
 def test_inductor_equals_hf_generate():
     """``compile=True`` as users get it (inductor, C++ on the CPU): the one slow test here."""
     model = random_model("llama-tiny", torch.float32, "cpu", 7)

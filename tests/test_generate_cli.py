@@ -387,6 +387,32 @@ def test_the_rest_of_the_cli_runs_without_torch():
     assert usage.returncode == 0 and "pip install 'cellcache[hf]'" in usage.stdout
 
 
+# -- --native --------------------------------------------------------------------------------
+
+def test_native_reaches_the_generator_and_serves_the_same_tokens(monkeypatch, capsys):
+    """``--native`` reaches the Generator (``native=True``; False without it), its greedy
+    outputs are the modules' forward's, and ``--tp 2`` with it is bad usage."""
+    made = []
+
+    class Recording(cli.Generator):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("native"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "Generator", Recording)
+    base = ["--random", "llama-tiny", "--device", "cpu", "--max-new-tokens", "8", "--json", "--quiet",
+            "5 6 7 8", "--random-prompts", "3"]
+    code, out, err = run_main([*base, "--native"], capsys)
+    assert code == 0, err
+    native = [r["outputs"] for r in json.loads(out)["results"]]
+    code, out, err = run_main(base, capsys)
+    assert code == 0, err
+    assert [r["outputs"] for r in json.loads(out)["results"]] == native
+    assert made == [True, False]
+    code, out, err = run_main([*base, "--native", "--tp", "2"], capsys)
+    assert code == 2 and out == "" and "--native does not run with --tp" in err
+
+
 # -- --deterministic ---------------------------------------------------------------------------
 
 def test_deterministic_serves_each_prompt_as_it_would_be_alone(monkeypatch, capsys):

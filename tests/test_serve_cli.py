@@ -29,7 +29,7 @@ def test_help_lists_the_options(capsys):
                  "--capacity", "--max-seqs", "--max-batch-tokens", "--prefill-chunk", "--no-prefix-cache",
                  "--graphs", "--compile", "--attention", "--async-steps", "--tp", "--log-level",
                  "--shutdown-timeout", "--default-max-tokens", "--enable-sleep", "--spill-gib",
-                 "--spill-prefixes", "--kv-dtype"):
+                 "--spill-prefixes", "--kv-dtype", "--native"):
         assert flag in out, flag
     code, out, _ = run(["--help"], capsys)
     assert code == 0 and "serve" in out
@@ -52,6 +52,7 @@ def test_help_lists_the_options(capsys):
     (["serve", "DIR", "--spill-gib", "1", "--spill-prefixes", "--no-prefix-cache"],
      "leave the prefix cache on"),
     (["serve", "DIR", "--spill-gib", "1", "--tp", "2"], "does not serve under --tp"),
+    (["serve", "DIR", "--native", "--tp", "2"], "--native does not serve under --tp"),
 ])
 def test_bad_usage_is_one_line_and_exit_2(argv, says, capsys):
     code, out, err = run(argv, capsys)

@@ -188,6 +188,10 @@ def build_parser() -> Parser:
     p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                    help="K/V storage: the model's dtype, or 8-bit e4m3 with per-head scales "
                         "(half the memory a cell takes)")
+    p.add_argument("--native", action="store_true",
+                   help="cellcache's own forward of a Llama, Mistral, Qwen2 or Qwen3 model (fused "
+                        "q/k/v and gate/up GEMMs, one launch a norm, rotary and SiLU) instead of "
+                        "the model's modules; not with --tp")
     p.add_argument("--admission", choices=list(ADMISSION_POLICIES), default="fifo",
                    help="waiting requests in arrival order, or longest cached prefix first (lpm)")
     p.add_argument("--tp", type=in_range(1, 1 << 12), default=1,
@@ -210,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         # refused here, before every rank joins the group, loads and shards the model
         p.error("--deterministic does not run with --tp > 1: the ranks' all-reduces sum in an order "
                 "that depends on the step's size")
+    if args.native and args.tp > 1:
+        p.error("--native does not run with --tp > 1 (its forward has no all-reduces)")
     texts = list(args.prompts)
     if args.prompts_file:
         try:
@@ -473,7 +479,8 @@ def _serve(p: Parser, args: Any, texts: list[str], device: str, place: Any, dtyp
                         graphs=False if args.no_graphs else None,
                         prefix_cache=not args.no_prefix_cache, admission=args.admission,
                         tp=world if world > 1 else None, deterministic=args.deterministic,
-                        kv_dtype=None if args.kv_dtype == "auto" else "float8_e4m3fn")
+                        kv_dtype=None if args.kv_dtype == "auto" else "float8_e4m3fn",
+                        native=args.native)
     except (CellCacheError, MemoryError) as e:
         p.error(f"cannot serve this model with --capacity {args.capacity} on {device}: {_one_line(e)}")
     except RuntimeError as e:

@@ -76,6 +76,10 @@ def build_parser() -> Parser:
                    help="replay CUDA graphs for decode steps (default: on CUDA)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
     p.add_argument("--attention", choices=["auto", "flashinfer"], default="auto")
+    p.add_argument("--native", action="store_true",
+                   help="cellcache's own forward of a Llama, Mistral, Qwen2 or Qwen3 model (fused "
+                        "q/k/v and gate/up GEMMs, one launch a norm, rotary and SiLU) instead of "
+                        "the model's modules; not with --tp")
     p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                    help="K/V storage: the model's dtype, or 8-bit e4m3 with per-head scales "
                         "(half the memory a cell takes)")
@@ -150,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 "(and leave the prefix cache on)")
     if args.spill_gib and args.tp > 1:
         p.error("--spill-gib does not serve under --tp (each rank would spill its own shard)")
+    if args.native and args.tp > 1:
+        p.error("--native does not serve under --tp (its forward has no all-reduces)")
     tp = args.tp > 1 or os.environ.get("WORLD_SIZE", "1") != "1"
     if args.engine_process and tp:
         p.error("--engine-process serves one process: under --tp rank 0 steps beside its HTTP front end")
@@ -211,7 +217,8 @@ def load_generator(args: Any, device: str | None, world: int = 1) -> Any:
         prefill_chunk=args.prefill_chunk, prefix_cache=args.prefix_cache, admission=args.admission,
         graphs=args.graphs, compile=args.compile, attention=args.attention, async_steps=args.async_steps,
         kv_dtype=None if args.kv_dtype == "auto" else "float8_e4m3fn",
-        spill_bytes=int(args.spill_gib * (1 << 30)), spill_prefixes=args.spill_prefixes)
+        spill_bytes=int(args.spill_gib * (1 << 30)), spill_prefixes=args.spill_prefixes,
+        native=args.native)
     if world > 1:
         kwargs["tp"] = world
     try:
