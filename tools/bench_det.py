@@ -9,7 +9,8 @@ The workloads, their sizes and the staggered arrivals (32 requests every 16 step
 tools/bench_serve.py's (imported, not copied); both modes get the same prompts, the same
 Generator arguments (the CUDA or CPU defaults of bench_serve), their graphs captured by
 ``warmup()`` before the clock starts, no ``torch.compile`` (deterministic mode refuses it:
-``--normal-compile`` times a compiled normal mode beside them). Runs alternate normal,
+``--normal-compile`` times a compiled normal mode beside them; ``--native`` runs both modes
+on cellcache's native forward, :mod:`cellcache.native`). Runs alternate normal,
 deterministic, normal, ... and each side's figure is its median run. SGLang's published
 cost of its deterministic mode (34%) is printed beside the measured one. The deterministic
 runs also check themselves: every request's tokens of the first deterministic run are
@@ -40,7 +41,7 @@ TARGET_COST = 0.15
 
 
 def serve_once(model: Any, prompts: list, new_tokens: int, w: dict, capacity: int,
-               deterministic: bool, compile: bool = False) -> dict:
+               deterministic: bool, compile: bool = False, native: bool = False) -> dict:
     """One timed run (staggered arrivals, as bench_serve's ``ours``): tokens/s and the
     outputs."""
     import torch
@@ -53,7 +54,7 @@ def serve_once(model: Any, prompts: list, new_tokens: int, w: dict, capacity: in
     extra = {"deterministic": True} if deterministic else {}
     gen = Generator(model, capacity=capacity, max_batch_tokens=w["max_batch_tokens"],
                     max_seqs=len(prompts) + 8, prefill_chunk=w["prefill_chunk"], eos=[],
-                    compile=compile, **extra)
+                    compile=compile, native=native, **extra)
     gen.warmup()
     sampling = Sampling(max_new_tokens=new_tokens)
     if torch.cuda.is_available():
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: cellcache.torch.INVARIANT_CLASS)")
     p.add_argument("--normal-compile", action="store_true",
                    help="also time the normal mode with torch.compile")
+    p.add_argument("--native", action="store_true",
+                   help="both modes on cellcache's native forward (Generator(native=True))")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
     p.add_argument("--json", type=Path, default=None, help="write the result here")
@@ -145,7 +148,7 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
     for r in range(args.repeat):
         for name, det, comp in sides:
             log(f"bench_det: run {r + 1}/{args.repeat}, {name}")
-            runs[name].append(serve_once(model, prompts, new, w, capacity, det, comp))
+            runs[name].append(serve_once(model, prompts, new, w, capacity, det, comp, args.native))
     det_outputs = [run["outputs"] for run in runs["deterministic"]]
     # one run compared with itself proves nothing: None then
     reproducible = all(o == det_outputs[0] for o in det_outputs) if len(det_outputs) > 1 else None
@@ -158,6 +161,7 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
                            args.device),
               "workload": args.workload, "model": args.model, "sizes": w, "runs": runs,
               "invariant_rows": args.rows or 256, "invariant_class": invariant_class,
+              "native": bool(args.native),
               "tokens_per_s": med, "deterministic_cost": round(cost, 4), "target_cost": TARGET_COST,
               "sglang_published_cost": SGLANG_COST, "deterministic_runs_identical": reproducible}
     print(f"normal {med['normal']:.0f} tok/s, deterministic {med['deterministic']:.0f} tok/s: "
