@@ -442,7 +442,7 @@ def _attach_native(model: Any, cache: CellCache, cfg: Any, base: HFAdapter,
     native = ref() if ref is not None else None
     if native is not None:
         try:
-            native.check()
+            native.check(full=True)
         except InvalidState:
             native = None
     if native is None or native.hf is not model:

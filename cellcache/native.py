@@ -306,6 +306,11 @@ class NativeLM(torch.nn.Module):
     def __init__(self, model: Any):
         super().__init__()
         cfg = refuse(model)
+        # (outside inference mode: the re-laid weights must stay usable by autograd)
+        with torch.inference_mode(False), torch.no_grad():
+            self._build(model, cfg)
+
+    def _build(self, model: Any, cfg: Any) -> None:
         self.hf = model
         self.text_config = cfg
         base = model.model
@@ -342,16 +347,29 @@ class NativeLM(torch.nn.Module):
         """The transformers model's config (what the runner and its checks read)."""
         return self.hf.config
 
-    def check(self) -> None:
-        """InvalidState when the first or last layer's modules no longer hold views of the
-        fused weights (a parameter's tensor was replaced, not updated in place: the native
-        forward would serve the old weights)."""
-        for la in (self._layers[0], self._layers[-1]):
-            start = la.qkv_w.data_ptr()
-            size = la.qkv_w.element_size() * la.attn.q_proj.weight.numel()
-            if (la.attn.q_proj.weight.data_ptr() != start
-                    or la.attn.k_proj.weight.data_ptr() != start + size
-                    or la.mlp.gate_proj.weight.data_ptr() != la.gate_up_w.data_ptr()):
+    def check(self, full: bool = False) -> None:
+        """InvalidState when the modules no longer hold views of the fused weights (a
+        parameter's tensor was replaced, not updated in place: the native forward would
+        serve the old weights). The first and last layers' q, k and gate weights (what every
+        forward checks), or with ``full`` every fused weight and bias of every layer and the
+        modules the forward calls directly (what a reuse at attach checks)."""
+        layers = self._layers if full else (self._layers[0], self._layers[-1])
+        for la in layers:
+            parts = [(la.qkv_w, [la.attn.q_proj.weight, la.attn.k_proj.weight]),
+                     (la.gate_up_w, [la.mlp.gate_proj.weight])]
+            if full:
+                parts = [(la.qkv_w, [la.attn.q_proj.weight, la.attn.k_proj.weight,
+                                     la.attn.v_proj.weight]),
+                         (la.gate_up_w, [la.mlp.gate_proj.weight, la.mlp.up_proj.weight])]
+                parts += [(b, [p for p in (m.bias for m in mods) if p is not None])
+                          for b, mods in ((la.qkv_b, (la.attn.q_proj, la.attn.k_proj, la.attn.v_proj)),
+                                          (la.gate_up_b, (la.mlp.gate_proj, la.mlp.up_proj)))
+                          if b is not None and all(m.bias is not None for m in mods)]
+            stale = any(not _views_of(fused, params, full) for fused, params in parts)
+            if full:
+                layer = self.hf.model.layers[la.index]
+                stale = stale or layer.self_attn is not la.attn or layer.mlp is not la.mlp
+            if stale:
                 raise InvalidState(
                     f"layer {la.index}'s q/k/gate weights are no longer the native forward's (a "
                     "parameter's tensor was replaced, e.g. param.data = new or model.to(...)): update "
@@ -403,6 +421,19 @@ class NativeLM(torch.nn.Module):
         if compiling:
             return torch.ops.cellcache.add_rms_norm(x, res, weight, eps)
         return add_rms_norm(x, res, weight, eps, inplace=inplace)
+
+
+def _views_of(fused: torch.Tensor, params: list[torch.Tensor], storage: bool) -> bool:
+    """Whether ``params`` start one after the other from ``fused``'s start (as :func:`_fuse`
+    laid them), and with ``storage`` also lie in its storage (a few µs more)."""
+    at = fused.data_ptr()
+    for p in params:
+        if p.data_ptr() != at:
+            return False
+        if storage and p.untyped_storage().data_ptr() != fused.untyped_storage().data_ptr():
+            return False
+        at += p.numel() * p.element_size()
+    return True
 
 
 class _Output:

@@ -43,7 +43,7 @@ template <typename T, int VEC> struct Vec {
     T v[VEC];
 };
 template <typename T, int VEC>
-__device__ __forceinline__ void load(const T* __restrict__ p, float* f)
+__device__ __forceinline__ void load(const T* p, float* f)
 {
     Vec<T, VEC> v;
     if (VEC * sizeof(T) == 16) *reinterpret_cast<uint4*>(&v) = *reinterpret_cast<const uint4*>(p);
@@ -52,7 +52,7 @@ __device__ __forceinline__ void load(const T* __restrict__ p, float* f)
     for (int i = 0; i < VEC; ++i) f[i] = to_f(v.v[i]);
 }
 template <typename T, int VEC>
-__device__ __forceinline__ void store(T* __restrict__ p, const float* f)
+__device__ __forceinline__ void store(T* p, const float* f)
 {
     Vec<T, VEC> v;
 #pragma unroll
@@ -61,6 +61,7 @@ __device__ __forceinline__ void store(T* __restrict__ p, const float* f)
     else *reinterpret_cast<Vec<T, VEC>*>(p) = v;
 }
 
+// scratch: 33 floats (a partial sum a warp, then the total in scratch[32])
 __device__ __forceinline__ float block_sum(float x, float* scratch)
 {
 #pragma unroll
@@ -68,26 +69,28 @@ __device__ __forceinline__ float block_sum(float x, float* scratch)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (lane == 0) scratch[warp] = x;
     __syncthreads();
-    x = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.f;
     if (warp == 0) {
+        x = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.f;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-        if (lane == 0) scratch[0] = x;
+        if (lane == 0) scratch[32] = x;
     }
     __syncthreads();
-    return scratch[0];
+    return scratch[32];
 }
 
 // One block a row of `hidden` elements. add: the row of x is added to the row of res_in
 // (the sum, rounded to T, stored into res_out, which may be res_in: each thread reads its
 // own elements before it writes them) and the norm reads the sum; else the norm reads x.
+// x, res_in and res_out carry no __restrict__: the second pass reads back what the first
+// wrote, which a non-coherent (read-only) load may not.
 template <typename T, int VEC>
-__device__ void add_rms_norm(const T* __restrict__ x, const T* res_in, T* res_out,
+__device__ void add_rms_norm(const T* x, const T* res_in, T* res_out,
                              const T* __restrict__ w, T* __restrict__ out, cc_i32 hidden,
                              cc_i64 s_x, cc_i64 s_in, cc_i64 s_res, cc_i64 s_out, float eps,
                              cc_i32 add)
 {
-    __shared__ float scratch[32];
+    __shared__ float scratch[33];
     const cc_i64 row = blockIdx.x;
     const T* xr = x + row * s_x;
     const T* ri = res_in + row * s_in;
@@ -119,13 +122,13 @@ __device__ void add_rms_norm(const T* __restrict__ x, const T* res_in, T* res_ou
     }
 }
 
-// grid (column blocks, rows): out[r, i] = T(T(silu(gu[r, i])) * gu[r, inter + i])
+// grid (rows, column blocks): out[r, i] = T(T(silu(gu[r, i])) * gu[r, inter + i])
 template <typename T, int VEC>
 __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, cc_i32 inter,
                          cc_i64 s_gu, cc_i64 s_out)
 {
-    const cc_i64 row = blockIdx.y;
-    const cc_i32 i = (blockIdx.x * blockDim.x + threadIdx.x) * VEC;
+    const cc_i64 row = blockIdx.x;
+    const cc_i32 i = (blockIdx.y * blockDim.x + threadIdx.x) * VEC;
     if (i >= inter) return;
     float g[VEC], u[VEC];
     load<T, VEC>(gu + row * s_gu + i, g);
@@ -135,15 +138,17 @@ __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, cc_i32 i
     store<T, VEC>(out + row * s_out + i, g);
 }
 
-// grid (pair blocks, tokens): heads [0, n_heads) of a token's row, each head_dim wide and
-// contiguous from the row's start, rotated in place; cos and sin rows are head_dim wide
+// grid (tokens, pair blocks): heads [0, n_heads) of a token's row, each head_dim wide and
+// contiguous from the row's start, rotated in place; cos and sin rows are head_dim wide.
+// Products and sums by __fmul_rn/__fadd_rn: never contracted into an fma (float32 rounds
+// each product as torch's ops do; 16-bit types round them to T between anyway)
 template <typename T>
 __device__ void rotary(T* __restrict__ qkv, const T* __restrict__ cos_, const T* __restrict__ sin_,
                        cc_i32 n_heads, cc_i32 head_dim, cc_i64 s_tok, cc_i64 s_cos, cc_i64 s_sin)
 {
-    const cc_i64 t = blockIdx.y;
+    const cc_i64 t = blockIdx.x;
     const cc_i32 half = head_dim >> 1;
-    const cc_i32 p = blockIdx.x * blockDim.x + threadIdx.x;
+    const cc_i32 p = blockIdx.y * blockDim.x + threadIdx.x;
     if (p >= n_heads * half) return;
     const cc_i32 h = p / half, j = p - h * half;
     T* x = qkv + t * s_tok + (cc_i64)h * head_dim;
@@ -151,8 +156,8 @@ __device__ void rotary(T* __restrict__ qkv, const T* __restrict__ cos_, const T*
     const float c1 = to_f(cos_[t * s_cos + j]), c2 = to_f(cos_[t * s_cos + j + half]);
     const float s1 = to_f(sin_[t * s_sin + j]), s2 = to_f(sin_[t * s_sin + j + half]);
     // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1): each product a T tensor
-    x[j] = from_f<T>(rnd<T>(x1 * c1) + rnd<T>(-x2 * s1));
-    x[j + half] = from_f<T>(rnd<T>(x2 * c2) + rnd<T>(x1 * s2));
+    x[j] = from_f<T>(__fadd_rn(rnd<T>(__fmul_rn(x1, c1)), rnd<T>(__fmul_rn(-x2, s1))));
+    x[j + half] = from_f<T>(__fadd_rn(rnd<T>(__fmul_rn(x2, c2)), rnd<T>(__fmul_rn(x1, s2))));
 }
 
 #define NORM(NAME, T, VEC)                                                                     \

@@ -68,14 +68,17 @@ def test_kernel_categories():
 
 def test_every_shipped_kernel_is_attention_or_a_step_kernel():
     """The kernels cellcache launches, by their names in the shipped PTX: none lands in
-    "other" (the row meant for the model's elementwise kernels)."""
+    "other" (the row meant for the model's elementwise kernels), but the native forward's
+    (fused.ptx), which are the model's elementwise work."""
     cat = load_tool("bench_serve").kernel_category
-    names = {m for f in (ROOT / "cellcache" / "ptx").glob("*.ptx")
-             for m in re.findall(r"\.entry\s+(\w+)", f.read_text())}
-    assert len(names) > 20
+    entries = {f.stem: set(re.findall(r"\.entry\s+(\w+)", f.read_text()))
+               for f in (ROOT / "cellcache" / "ptx").glob("*.ptx")}
+    names = set().union(*(v for k, v in entries.items() if k != "fused"))
+    assert len(names) > 20 and entries["fused"]
     got = {n: cat(n) for n in names}
     assert {n for n, c in got.items() if c not in ("attention", "cellcache_step")} == set()
     assert got["build_step"] == got["apply_step"] == "cellcache_step"
+    assert {cat(n) for n in entries["fused"]} == {"other"}
 
 
 def _check_summary(s: dict, steps: int) -> None:

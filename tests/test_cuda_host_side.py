@@ -460,7 +460,7 @@ def test_ptx_check_rebuilds_and_notices_a_changed_instruction(tmp_path):
     r = subprocess.run([sys.executable, str(tree / "tools" / "build_ptx.py"), "--check", "--only", "nope"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
-        "--only ['nope']: the kernel files are ['attention', 'step', 'tc_attention']")
+        "--only ['nope']: the kernel files are ['attention', 'fused', 'step', 'tc_attention']")
 
 
 @pytest.mark.parametrize("use", ["copy_to_host", "dlpack", "cuda_array_interface"])

@@ -63,6 +63,12 @@ def same_weights(model, before: dict[str, torch.Tensor]) -> bool:
     return now.keys() == before.keys() and all(torch.equal(now[k], before[k]) for k in before)
 
 
+def relaid(model) -> bool:
+    """Whether any layer's q and k weights share a storage (the native forward's lay-out)."""
+    return any(la.self_attn.q_proj.weight.untyped_storage().data_ptr()
+               == la.self_attn.k_proj.weight.untyped_storage().data_ptr() for la in model.model.layers)
+
+
 # -- the ops -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -189,7 +195,7 @@ def test_weights_are_views_updated_in_place_and_a_replaced_one_is_refused():
     qkv = native._layers[0].qkv_w
     assert layer.self_attn.q_proj.weight.data_ptr() == qkv.data_ptr()
     assert layer.self_attn.v_proj.weight.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
-    assert sum(p.numel() for p in model.parameters()) == count
+    assert sum(p.numel() for p in model.parameters()) == count and relaid(model)
 
     # new weights loaded in place (as a trainer's weight sync does) reach the native forward
     fresh = random_model("llama-tiny", seed=9)
@@ -212,9 +218,26 @@ def test_weights_are_views_updated_in_place_and_a_replaced_one_is_refused():
     req = gen2.add(ps[0], Sampling(max_new_tokens=N_NEW))
     gen2.run()
     assert req.outputs[0] == hf_greedy(model, ps[:1])[0]
-    # and a third attach reuses that native forward
-    assert cchf.attach(model, build("host", "batched", cchf.cache_config(model, capacity=64)),
-                       native=True).model is gen2.runner.model
+    # and a third attach reuses that native forward, after checking every fused weight: a
+    # replaced up_proj (which a step's quick check does not look at) makes a new one
+    cfg = cchf.cache_config(model, capacity=64)
+    assert cchf.attach(model, build("host", "batched", cfg), native=True).model is gen2.runner.model
+    up = layer.mlp.up_proj.weight
+    up.data = up.data.clone()
+    again = cchf.attach(model, build("host", "batched", cfg), native=True).model
+    assert again is not gen2.runner.model
+    again.check(full=True)
+
+
+def test_attached_in_inference_mode_the_weights_still_serve_autograd():
+    model = random_model("llama-tiny", seed=4)
+    with torch.inference_mode():
+        Generator(model, capacity=64, eos=[], native=True)
+    assert relaid(model) and not any(p.is_inference() for p in model.parameters())
+    model.train()
+    loss = model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss
+    loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
 
 
 def test_deterministic_native_tokens_do_not_depend_on_the_schedule():
@@ -265,7 +288,7 @@ def test_unsupported_models_are_refused_unchanged(build_model, match):
     with pytest.raises(InvalidArgument, match=match):
         cchf.attach(model, build("host", "batched", cfg), native=True)
     assert same_weights(model, before) and model.config._attn_implementation == attn
-    assert all(p._base is None for p in model.parameters())            # nothing re-laid
+    assert not relaid(model)
 
 
 def test_a_tensor_parallel_shard_and_bad_types_are_refused_unchanged(monkeypatch):
@@ -290,7 +313,7 @@ def test_a_tensor_parallel_shard_and_bad_types_are_refused_unchanged(monkeypatch
         Generator(model, capacity=64, eos=[], tp=True, native=True)
     assert built == []
     assert same_weights(model, before)
-    assert all(p._base is None for p in model.parameters())            # nothing re-laid
+    assert not relaid(model)
 
 
 def test_native_forward_outside_a_step_is_refused():

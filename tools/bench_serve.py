@@ -1116,6 +1116,8 @@ def result_name(args, world: int | None = None) -> str:
         parts = [f"serve-{args.workload}"]
         if args.compile:
             parts.append("compile")
+        if args.native:
+            parts.append("native")
         if args.attention == "flashinfer":
             parts.append("flashinfer")
         if args.arrival == "poisson" and args.workload == "default":

@@ -44,6 +44,8 @@ class FusedKernels:
 
     def __init__(self, device: int):
         self.ctx = drv.Context(device)
+        if not _launch.entry_points_set():    # (set by the first CUDA cache otherwise)
+            _launch.set_entry_points(drv.entry_points(_launch.ENTRY_POINTS))
         self.module = drv.load_module("fused")
         fn = lambda name: int(drv.function(self.module, name))  # noqa: E731
         self.f_norm = {(d, v): fn(f"add_rms_norm_{d}_v{v}") for d, s in DTYPES.items()
@@ -63,7 +65,9 @@ class FusedKernels:
         """``out = w * norm(res_in + x)`` with ``res_out = res_in + x`` (``add``; ``res_out``
         may be ``res_in``), else ``out = w * norm(x)`` (``res_*`` unused); rows of
         ``hidden`` contiguous elements at the given row strides (elements; addresses in
-        bytes)."""
+        bytes). No rows: nothing launched."""
+        if rows == 0:
+            return
         both = (s_x, s_out, s_in, s_res) if add else (s_x, s_out)
         v = vector_width(DTYPES[dtype], hidden, *both)
         if v > 1 and any(a % 16 for a in ((x, w, out, res_in, res_out) if add else (x, w, out))):
@@ -75,12 +79,14 @@ class FusedKernels:
     def silu_mul(self, dtype: str, rows: int, inter: int, gu: int, s_gu: int, out: int,
                  s_out: int, stream: int) -> None:
         """``out[:, :inter] = silu(gu[:, :inter]) * gu[:, inter:2 * inter]`` by rows."""
+        if rows == 0:
+            return
         v = vector_width(DTYPES[dtype], inter, s_gu, s_out)
         if v > 1 and (gu % 16 or out % 16):
             v = 1
         args = struct.pack("=QQiqq", gu, out, inter, s_gu, s_out)
         blocks = -(-inter // (THREADS * v))
-        _launch.launch(self.f_silu[dtype, v], (blocks, rows, 1), THREADS, 0, stream, args, _SILU_OFFS)
+        _launch.launch(self.f_silu[dtype, v], (rows, blocks, 1), THREADS, 0, stream, args, _SILU_OFFS)
 
     def rotary(self, dtype: str, rows: int, qkv: int, cos: int, sin: int, n_heads: int,
                head_dim: int, s_tok: int, s_cos: int, s_sin: int, stream: int) -> None:
@@ -88,9 +94,11 @@ class FusedKernels:
         start) of ``rows`` rows in place by each row's ``cos`` and ``sin``."""
         if head_dim % 2:
             raise InvalidArgument(f"rotary embedding over an odd head_dim ({head_dim})")
+        if rows == 0:
+            return
         args = struct.pack("=QQQiiqqq", qkv, cos, sin, n_heads, head_dim, s_tok, s_cos, s_sin)
         blocks = -(-n_heads * (head_dim // 2) // THREADS)
-        _launch.launch(self.f_rotary[dtype], (blocks, rows, 1), THREADS, 0, stream, args, _ROTARY_OFFS)
+        _launch.launch(self.f_rotary[dtype], (rows, blocks, 1), THREADS, 0, stream, args, _ROTARY_OFFS)
 
     def close(self) -> None:
         if self.module is not None:

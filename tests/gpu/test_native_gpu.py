@@ -16,13 +16,23 @@ from cellcache import native as ccn  # noqa: E402
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def ulp_close(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> None:
-    """Equal up to ``ulps`` units in the last place of the dtype (the RMS sum's order), and
-    equal bit for bit in at least 99% of the elements."""
+def ulp_close(got: torch.Tensor, want: torch.Tensor, ulps: int = 1, same: float = 0.99) -> None:
+    """Equal up to ``ulps`` units in the last place of the dtype, and bit for bit in at
+    least ``same`` of the elements."""
     eps = torch.finfo(got.dtype).eps
     torch.testing.assert_close(got.float(), want.float(), rtol=ulps * eps, atol=ulps * eps)
-    same = (got == want).float().mean().item()
-    assert same >= 0.99, same
+    equal = (got == want).float().mean().item()
+    assert equal >= same, equal
+
+
+def norm_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A norm's output against the modules': the RMS sum's order differs, which moves rstd by
+    an ulp of float32 now and then; in float32 that moves the whole row by an ulp or two, in
+    16-bit types it rarely crosses a rounding boundary."""
+    if got.dtype == torch.float32:
+        ulp_close(got, want, ulps=4, same=0.0)
+    else:
+        ulp_close(got, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -34,16 +44,19 @@ def test_norms_equal_the_modules_ops(dtype, hidden):
     big = torch.randn(rows, hidden + 8, device="cuda", generator=g).to(dtype)
     x = big[:, :hidden]                                          # strided rows
     res = torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
-    ulp_close(ccn.rms_norm(x, w, 1e-6), ccn._norm_ref(x, w, 1e-6))
+    norm_close(ccn.rms_norm(x, w, 1e-6), ccn._norm_ref(x, w, 1e-6))
     want_sum = res + x
     want = ccn._norm_ref(want_sum, w, 1e-6)
     out, s = ccn.add_rms_norm(x, res.clone(), w, 1e-6, inplace=False)
     assert torch.equal(s, want_sum)
-    ulp_close(out, want)
+    norm_close(out, want)
     keep = res.clone()
     out, s = ccn.add_rms_norm(x, keep, w, 1e-6)
     assert s is keep and torch.equal(keep, want_sum)
-    ulp_close(out, want)
+    norm_close(out, want)
+    empty = x[:0]                                                # no rows: nothing launched
+    assert ccn.rms_norm(empty, w, 1e-6).shape == (0, hidden)
+    assert ccn.add_rms_norm(empty, res[:0], w, 1e-6)[0].shape == (0, hidden)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -53,6 +66,21 @@ def test_silu_mul_equals_the_modules_ops(dtype, inter):
     gu = (3 * torch.randn(53, 2 * inter, device="cuda", generator=g)).to(dtype)
     want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
     ulp_close(ccn.silu_mul(gu), want)
+    assert ccn.silu_mul(gu[:0]).shape == (0, inter)
+
+
+def test_steps_past_65535_rows_launch():
+    """Rows go on the grid's x dimension (y stops at 65535): a 70,000-token step."""
+    gu = torch.randn(70_000, 2 * 64, device="cuda").to(torch.bfloat16)
+    ulp_close(ccn.silu_mul(gu), torch.nn.functional.silu(gu[:, :64]) * gu[:, 64:])
+    qkv = torch.randn(70_000, 3 * 64, device="cuda").to(torch.bfloat16)
+    cos, sin = torch.randn(70_000, 64, device="cuda").to(torch.bfloat16), \
+        torch.randn(70_000, 64, device="cuda").to(torch.bfloat16)
+    want = qkv.clone()
+    x = want[:, :128].view(-1, 2, 64)                            # the torch ops, by hand
+    x.copy_(x * cos[:, None] + ccn._rotate_half(x) * sin[:, None])
+    ccn.rotary_(qkv, cos, sin, 2, 64)
+    ulp_close(qkv, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -110,8 +138,11 @@ def test_the_kernels_replay_from_a_graph():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama-tiny", "mistral-tiny"])
-def test_native_greedy_float32_equals_hf_generate_with_graphs(name):
+@pytest.mark.parametrize("name, graphs", [("tiny", True), ("llama-tiny", True), ("mistral-tiny", True),
+                                         ("llama-tiny", False)])
+def test_native_greedy_float32_equals_hf_generate(name, graphs):
+    """With graphs and asynchronous steps, and eager (prompt chunks without logit rows: the
+    final norm over no rows)."""
     from cellcache.generate import Generator, Sampling, random_model
 
     model = random_model(name, torch.float32, "cuda", seed=3)
@@ -123,9 +154,9 @@ def test_native_greedy_float32_equals_hf_generate_with_graphs(name):
                              eos_token_id=None, pad_token_id=0)
         refs.append(out[0, len(p):].tolist())
     gen = Generator(model, capacity=1 << 12, max_seqs=16, prefill_chunk=16, max_batch_tokens=64,
-                    eos=[], native=True)
+                    eos=[], native=True, graphs=graphs)
     gen.warmup()
     reqs = [gen.add(p, Sampling(max_new_tokens=16)) for p in prompts]
     gen.run()
     assert [r.outputs[0] for r in reqs] == refs
-    assert gen.stats["graph_steps"] > 0 and gen.async_steps
+    assert (gen.stats["graph_steps"] > 0) == graphs
