@@ -362,7 +362,8 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
     not switched. Its q/k/v and gate/up weights are re-laid as views of one tensor each
     (the same values; update them in place). Refused (InvalidArgument, before anything is
     re-laid) for other architectures, a tensor-parallel shard and the refusals of
-    :func:`cellcache.native.refuse`. Attaching a model natively again while a runner keeps
+    :func:`cellcache.native.refuse`; a refusal after that (the runner's options, the probe)
+    leaves the weights re-laid, with the same values. Attaching a model natively again while a runner keeps
     its :class:`~cellcache.native.NativeLM` reuses it.
     """
     if not isinstance(cache, CellCache):

@@ -275,11 +275,13 @@ def test_bench_det_times_both_modes_on_one_workload(tmp_path):
                        "--json", str(out)]) == 0
     assert (cct.INVARIANT_CLASS, engine.attach) == before
     res = json.loads(out.read_text())
-    assert res["benchmark"] == "bench_det" and res["deterministic_runs_identical"] is True
+    assert res["benchmark"] == "deterministic" and res["deterministic_runs_identical"] is True
     assert res["invariant_class"] == "decode" and res["invariant_rows"] == 64
     assert bench.main(["--device", "cpu", "--quick", "--model", "llama-tiny", "--requests", "2",
-                       "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["deterministic_runs_identical"] is None
+                       "--native", "--json", str(out)]) == 0
+    native = json.loads(out.read_text())
+    assert native["deterministic_runs_identical"] is None and native["native"] is True
+    assert native["benchmark"] == "deterministic-native"
     assert set(res["tokens_per_s"]) == {"normal", "deterministic"}
     assert res["sglang_published_cost"] == 0.34 and res["target_cost"] == 0.15
     assert res["runs"]["deterministic"][0]["tokens_out"] == res["runs"]["normal"][0]["tokens_out"] > 0

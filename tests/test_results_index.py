@@ -223,8 +223,9 @@ def test_the_tools_name_their_results_after_the_benchmark():
     name = load_tool("bench_serve").result_name
     plain = dict(workload="default", compile=False, attention="auto", arrival="staggered",
                  model="qwen2-0.5b", device="cuda", quick=False, capacity_share=1.0, spill_gib=0.0,
-                 spill_prefixes=False)
+                 spill_prefixes=False, native=False)
     assert name(SimpleNamespace(**plain)) == "serve-default"
+    assert name(SimpleNamespace(**{**plain, "native": True})) == "serve-default-native"
     assert name(SimpleNamespace(**{**plain, "arrival": "none"})) == "serve-default"
     assert name(SimpleNamespace(**{**plain, "compile": True})) == "serve-default-compile"
     assert name(SimpleNamespace(**{**plain, "arrival": "poisson"})) == "serve-default-poisson"
@@ -238,7 +239,8 @@ def test_the_tools_name_their_results_after_the_benchmark():
     assert name(SimpleNamespace(**{**chat, "spill_prefixes": True})) == "serve-chat-small-l2"
     # every file kept here is one the tools would write under the same name
     kept = {p.stem for p in RESULTS.glob("*.json")}
-    assert {"serve-default", "serve-default-compile", "gpu-masks", "attention"} <= kept
+    assert {"serve-default", "serve-default-compile", "serve-default-native", "gpu-masks",
+            "attention"} <= kept
 
 
 # -- the command line -------------------------------------------------------------------------

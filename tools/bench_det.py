@@ -157,7 +157,8 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
     for rs in runs.values():
         for x in rs:
             x.pop("outputs")
-    result = {**run_record("bench_det", ["python3", "tools/bench_det.py", *(argv or sys.argv[1:])],
+    name = "deterministic-native" if args.native else "deterministic"      # (the record's stem)
+    result = {**run_record(name, ["python3", "tools/bench_det.py", *(argv or sys.argv[1:])],
                            args.device),
               "workload": args.workload, "model": args.model, "sizes": w, "runs": runs,
               "invariant_rows": args.rows or 256, "invariant_class": invariant_class,
