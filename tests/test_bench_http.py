@@ -34,16 +34,19 @@ def test_side_by_side(model_dir, tmp_path, capsys):
             assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and 0 < r["itl_ms_p50"] <= r["itl_ms_p99"]
     assert res["http"]["saturation"]["errors"] == 0
     assert res["targets"]["saturation_ratio"] > 0 and "ttft_p50_gap_ms_at_half_load" in res["targets"]
-    # the TTFT split: the engine's own mean (its /metrics, over the run) within the client's
+    # the TTFT split (the server's /metrics over the run): the engine's own mean within the
+    # front end's (handler to first chunk), within the client's
     for run in ("saturation", "load_0.5"):
         r = res["http"][run]
-        assert 0 < r["engine_ttft_ms_mean"] < r["ttft_ms_mean"], (run, r)
+        assert 0 < r["engine_ttft_ms_mean"] < r["front_end_ttft_ms_mean"] < r["ttft_ms_mean"], (run, r)
     split = res["targets"]["ttft_mean_split_at_half_load"]
     assert split["client_ms"] == pytest.approx(split["engine_ms"] + split["transport_ms"])
+    assert split["client_ms"] == pytest.approx(
+        split["engine_ms"] + split["pipe_and_loop_ms"] + split["client_and_http_ms"])
     assert split["transport_ms"] > 0 and split["in_process_ms"] > 0
     printed = capsys.readouterr().out
     assert "saturation: HTTP / in-process throughput" in printed and "50% load: TTFT p50" in printed
-    assert "50% load: TTFT mean over HTTP" in printed
+    assert "50% load: TTFT mean over HTTP" in printed and "pipe and front end loop" in printed
 
 
 @pytest.mark.parametrize("argv,says", [

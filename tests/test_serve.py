@@ -235,6 +235,10 @@ def test_metrics_after_requests(server):
     wait_until(lambda: server.metrics()["cellcache_requests_live"] == 0, what="every request done")
     m = server.metrics()
     assert m["cellcache_time_to_first_token_seconds_count"] > 0
+    # the front end's TTFT of the streamed ones (handler to first chunk): at least the engine's
+    n = m["cellcache_http_time_to_first_token_seconds_count"]
+    assert 0 < n <= m["cellcache_time_to_first_token_seconds_count"]
+    assert m["cellcache_http_time_to_first_token_seconds_sum"] / n > 0
     assert m["cellcache_inter_token_latency_seconds_count"] > 0
     assert m["cellcache_e2e_request_latency_seconds_count"] > 0
     assert m["cellcache_generation_tokens_total"] > 0

@@ -137,33 +137,49 @@ def summary(tokens: int, seconds: float, ttft: list[float], itl: list[float], **
             "itl_ms_p50": ms(percentile(itl, 50)), "itl_ms_p99": ms(percentile(itl, 99)), **extra}
 
 
-def engine_ttft(url: str) -> tuple[float, float]:
-    """The server's own TTFT histogram so far (``/metrics``): (sum in seconds, count). The
-    engine stamps a request when it queues it and when its first token's step is applied,
-    so a run's mean of it (the difference of two readings) is the engine's share of the
-    TTFT a client sees; the rest is the way in and out (HTTP, the front end, the pipe)."""
+#: The server's TTFT histograms a run's mean is read from: the engine's (queued in the engine
+#: to its first token's step applied) and the front end's (the request's handler start to its
+#: first token's chunk on the way out: the engine's, the pipe both ways and the front end's loop).
+TTFT_HISTOGRAMS = {"engine_ttft_ms_mean": "cellcache_time_to_first_token_seconds",
+                   "front_end_ttft_ms_mean": "cellcache_http_time_to_first_token_seconds"}
+
+
+def server_ttft(url: str) -> dict[str, tuple[float, float]]:
+    """The server's TTFT histograms so far (``/metrics``), by the key of
+    :data:`TTFT_HISTOGRAMS`: (sum in seconds, count). A run's mean of one (the difference of
+    two readings) is that part's share of the TTFT a client sees: the engine's, then the
+    front end's (the engine's, the pipe and the loop); the rest of the client's is the client
+    and HTTP."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    total = count = 0.0
+    names = {v: k for k, v in TTFT_HISTOGRAMS.items()}
+    out = {k: (0.0, 0.0) for k in TTFT_HISTOGRAMS}
     for family in text_string_to_metric_families(text):
-        if family.name == "cellcache_time_to_first_token_seconds":
-            for sample in family.samples:
-                if sample.name.endswith("_sum"):
-                    total = sample.value
-                elif sample.name.endswith("_count"):
-                    count = sample.value
-    return total, count
+        key = names.get(family.name)
+        if key is None:
+            continue
+        total = count = 0.0
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                total = sample.value
+            elif sample.name.endswith("_count"):
+                count = sample.value
+        out[key] = (total, count)
+    return out
 
 
 def measured(url: str, run: Any) -> dict[str, Any]:
-    """``run()``'s :func:`http_summary`, with the engine's mean TTFT over it
-    (``engine_ttft_ms_mean``, from :func:`engine_ttft` before and after)."""
-    s0, n0 = engine_ttft(url)
+    """``run()``'s :func:`http_summary`, with the server's mean TTFTs over it
+    (``engine_ttft_ms_mean``, ``front_end_ttft_ms_mean``: :func:`server_ttft` before and
+    after)."""
+    before = server_ttft(url)
     res = run()
-    s1, n1 = engine_ttft(url)
-    res["engine_ttft_ms_mean"] = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
+    after = server_ttft(url)
+    for key in TTFT_HISTOGRAMS:
+        (s0, n0), (s1, n1) = before[key], after[key]
+        res[key] = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
     return res
 
 
@@ -506,14 +522,24 @@ def report(result: dict[str, Any], loads: list[float]) -> int:
             print(f"50% load: TTFT p50 HTTP - in-process {gap:+.1f} ms (target <= {TARGET_TTFT_MS} ms)")
             mine, engine, there = (http[half]["ttft_ms_mean"], http[half].get("engine_ttft_ms_mean"),
                                    local[half]["ttft_ms_mean"])
+            front = http[half].get("front_end_ttft_ms_mean")
             if None not in (mine, engine, there):
-                # where the gap lies: in the engine (queued to first token applied) or on the
-                # way in and out (client -> front end -> pipe, and back)
+                # where the gap lies: in the engine (queued to first token applied), between it
+                # and the front end's handler (the pipe both ways, the loop), or between the
+                # handler and the client (HTTP, the client's own parsing)
                 split = {"client_ms": mine, "engine_ms": engine, "in_process_ms": there,
                          "engine_gap_ms": engine - there, "transport_ms": mine - engine}
+                line = (f"50% load: TTFT mean over HTTP {mine:.1f} ms = engine {engine:.1f} ms (in "
+                        f"process {there:.1f}: {engine - there:+.1f})")
+                if front is not None:
+                    split.update(front_end_ms=front, pipe_and_loop_ms=front - engine,
+                                 client_and_http_ms=mine - front)
+                    line += (f" + pipe and front end loop {front - engine:.1f} ms + client and HTTP "
+                             f"{mine - front:.1f} ms")
+                else:
+                    line += f" + the way in and out {mine - engine:.1f} ms"
                 targets["ttft_mean_split_at_half_load"] = split
-                print(f"50% load: TTFT mean over HTTP {mine:.1f} ms = engine {engine:.1f} ms (in process "
-                      f"{there:.1f}: {engine - there:+.1f}) + the way in and out {mine - engine:.1f} ms")
+                print(line)
     result["targets"] = targets
     errors = sum(r.get("errors", 0) for r in http.values())
     if errors:

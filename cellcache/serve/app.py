@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -408,6 +409,7 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest) -> Response:
+        t0 = time.perf_counter()
         body: CompletionRequest = await srv.parse(http, CompletionRequest)
         prompts = body.prompts()
         streams, queue, ids_list = await srv.submit(body, list(prompts))
@@ -417,7 +419,7 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
         prompt_texts = [p if isinstance(p, str) else srv.decode(ids) if body.echo else ""
                         for p, ids in zip(prompts, ids_list)]
         if body.stream:
-            chunks = _completion_chunks(srv, body, choices, queue, ids_list, prompt_texts, rid, created)
+            chunks = _completion_chunks(srv, body, choices, queue, ids_list, prompt_texts, rid, created, t0)
             return EventStream(chunks, partial(srv.cancel_all, streams))
         if not await srv.collect(http, choices, queue):
             return Response(status_code=499)
@@ -452,13 +454,14 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
 
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest) -> Response:
+        t0 = time.perf_counter()
         body: ChatRequest = await srv.parse(http, ChatRequest)
         messages = [m.as_dict() for m in body.messages]
         streams, queue, ids_list = await srv.submit(body, [messages])
         choices = _Choices(streams, body.n)
         rid, created = new_id("chatcmpl"), now()
         if body.stream:
-            chunks = _chat_chunks(srv, body, choices, queue, ids_list, rid, created)
+            chunks = _chat_chunks(srv, body, choices, queue, ids_list, rid, created, t0)
             return EventStream(chunks, partial(srv.cancel_all, streams))
         if not await srv.collect(http, choices, queue):
             return Response(status_code=499)
@@ -495,16 +498,18 @@ def _pending(srv: _Server, choices: _Choices, tag: int, k: int) -> tuple[list[in
     return toks[start:], lps
 
 
-async def _stream_events(srv: _Server, choices: _Choices, queue: asyncio.Queue,
+async def _stream_events(srv: _Server, choices: _Choices, queue: asyncio.Queue, t0: float = 0.0,
                          ) -> AsyncIterator[tuple[int, int, str, str | None]]:
     """``(tag, k, text delta, finish reason or None)`` for the text a choice gets and once
     for its end (the request's own text past what was sent fills any gap). Every event
     already queued is taken at once and a choice's deltas among them are joined: a client
     (or a loop) that falls behind gets fewer, larger chunks instead of a growing backlog.
     Without a tokenizer each step's tokens make a chunk (empty text; their ids with
-    ``return_token_ids``)."""
+    ``return_token_ids``). ``t0``: when the request came (``time.perf_counter()``); the
+    first chunk's delay from it goes to the server's HTTP TTFT histogram."""
     n = choices.n
     untexted = srv.engine.tokenizer is None
+    first = t0 > 0
     try:
         while not all(choices.done):
             batch = [await queue.get()]
@@ -528,6 +533,9 @@ async def _stream_events(srv: _Server, choices: _Choices, queue: asyncio.Queue,
                         choices.ended[i] = True
                 elif ev.kind == "done":
                     ended.append(ev.tag)
+            if first and texts:
+                first = False
+                srv.metrics.http_ttft.observe(time.perf_counter() - t0)
             for tag, k, text, finish in texts.values():
                 yield tag, k, text, finish
             for tag in ended:
@@ -549,14 +557,14 @@ async def _stream_events(srv: _Server, choices: _Choices, queue: asyncio.Queue,
 
 async def _completion_chunks(srv: _Server, body: CompletionRequest, choices: _Choices, queue: asyncio.Queue,
                              ids_list: list[list[int]], prompt_texts: list[str], rid: str,
-                             created: int) -> AsyncIterator[str]:
+                             created: int, t0: float) -> AsyncIterator[str]:
     n = body.n
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     head = {"id": rid, "object": "text_completion", "created": created, "model": srv.model_name}
     extra = {"usage": None} if include_usage else {}
     offsets = [0] * (len(ids_list) * n)
     echoed = [not body.echo] * len(ids_list)
-    async for tag, k, delta, finish in _stream_events(srv, choices, queue):
+    async for tag, k, delta, finish in _stream_events(srv, choices, queue, t0):
         i = tag * n + k
         if choices.error is not None:
             break
@@ -598,7 +606,7 @@ def _stream_end(choices: _Choices, head: dict[str, Any], ids_list: list[list[int
 
 
 async def _chat_chunks(srv: _Server, body: ChatRequest, choices: _Choices, queue: asyncio.Queue,
-                       ids_list: list[list[int]], rid: str, created: int) -> AsyncIterator[str]:
+                       ids_list: list[list[int]], rid: str, created: int, t0: float) -> AsyncIterator[str]:
     n = body.n
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name}
@@ -606,7 +614,7 @@ async def _chat_chunks(srv: _Server, body: ChatRequest, choices: _Choices, queue
     for k in range(n):
         yield _sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **extra})
-    async for _, k, delta, finish in _stream_events(srv, choices, queue):
+    async for _, k, delta, finish in _stream_events(srv, choices, queue, t0):
         if choices.error is not None:
             break
         toks, lps = _pending(srv, choices, 0, k)
