@@ -28,29 +28,13 @@
 // Softmax runs in base 2: q is pre-scaled by scale * log2(e), and split states carry log2
 // maxima.
 #include "abi.h"
+#include "dtypes.h"
 
 #define THREADS CC_ATTN_THREADS
 #define INFINITY __int_as_float(0x7f800000)
 #define MAX_HEAD_DIM 256
 #define LOG2E 1.4426950408889634f
 
-struct f16 { unsigned short x; };
-struct bf16 { unsigned short x; };
-
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(f16 h) {
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.x)); return f;
-}
-__device__ __forceinline__ float to_f(bf16 h) { return __uint_as_float(((cc_u32)h.x) << 16); }
-
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ f16 from_f<f16>(float x) {
-    f16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(x)); return h;
-}
-template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) {
-    bf16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.x) : "f"(x)); return h;
-}
 
 __device__ __forceinline__ float ex2(float x) {
     float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;

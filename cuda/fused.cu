@@ -15,26 +15,10 @@
 // strides and addresses are multiples of 8 elements of 2 bytes (VEC 8) or 4 of 4 bytes
 // (VEC 4); the host picks (cellcache/cuda/fused.py).
 #include "abi.h"
+#include "dtypes.h"
 
 #define THREADS 256
 
-struct f16 { unsigned short x; };
-struct bf16 { unsigned short x; };
-
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(f16 h) {
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.x)); return f;
-}
-__device__ __forceinline__ float to_f(bf16 h) { return __uint_as_float(((cc_u32)h.x) << 16); }
-
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ f16 from_f<f16>(float x) {
-    f16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(x)); return h;
-}
-template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) {
-    bf16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.x) : "f"(x)); return h;
-}
 // x rounded to T and back: where a torch op would have stored a T tensor
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
 
