@@ -1,6 +1,7 @@
 """``cellcache serve`` at its edges, before any model loads: --help, bad usage, a directory
 that is not there, a port already taken, a missing ``serve`` extra. Each failure is one line
-on stderr and exit code 2, and nothing is served."""
+on stderr and exit code 2, and nothing is served. And one option that only a loaded model
+shows: ``--native`` reaches the Generator the engine serves."""
 
 from __future__ import annotations
 
@@ -143,3 +144,18 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_goes_on(capsys):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "still here"
     assert "Current thread" in done.stderr and done.stderr.count("Thread 0x") >= 1
+
+
+def test_native_reaches_the_generator_the_server_loads(tmp_path):
+    """``--native``: the engine's Generator runs the native forward (and without it, the
+    model's modules)."""
+    pytest.importorskip("transformers")
+    from cellcache.native import NativeLM
+    from cellcache.serve.cli import build_parser, load_generator
+    from tests.helpers_text import save_model_and_tokenizer
+
+    model_dir = save_model_and_tokenizer(tmp_path / "tiny", "bytelevel")
+    base = [str(model_dir), "--device", "cpu", "--dtype", "float32", "--capacity", "1024"]
+    native = load_generator(build_parser().parse_args([*base, "--native"]), "cpu")
+    plain = load_generator(build_parser().parse_args(base), "cpu")
+    assert isinstance(native.runner.model, NativeLM) and not isinstance(plain.runner.model, NativeLM)
