@@ -161,6 +161,8 @@ def build_parser() -> Parser:
                    help="cells (default: the workload's tokens, at most 85%% of the free GPU memory)")
     p.add_argument("--max-seqs", type=in_range(1, 1 << 16), default=512)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--native", action="store_true",
+                   help="cellcache's own forward of the model (Generator(native=True))")
     p.add_argument("--no-check", action="store_true", help="skip the agreement check (figures do not count)")
     p.add_argument("--check-requests", type=in_range(1, 1 << 16), default=4)
     p.add_argument("--quick", action="store_true", help="16 requests, lengths divided by 16: a smoke run")
@@ -205,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     capacity = args.capacity or cells_that_fit(model, args.device, wanted)
     words = ["python3", "tools/bench_workloads.py", *(argv if argv is not None else sys.argv[1:])]
     stem = f"workload-{args.workload}-{os.path.basename(os.path.normpath(args.model))}"
+    if args.native:
+        stem += "-native"
     if args.device == "cpu":
         stem += "-cpu"
     if args.quick:
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "output_tokens": sum(lengths), "temperature": temperature,
                                         "capacity": capacity, "max_seqs": args.max_seqs}}
     kw: dict[str, Any] = {"capacity": capacity, "max_seqs": min(args.max_seqs, n), "eos": [],
-                          "compile": args.compile}
+                          "compile": args.compile, "native": args.native}
     if args.quick:
         kw.update(max_batch_tokens=64, prefill_chunk=32)
     gen = Generator(model, **kw)
