@@ -49,6 +49,20 @@ def test_side_by_side(model_dir, tmp_path, capsys):
     assert "50% load: TTFT mean over HTTP" in printed and "pipe and front end loop" in printed
 
 
+def test_the_lean_client_reads_the_same_streams(model_dir, tmp_path):
+    """``--client httpx``: the SSE lines read and parsed without the openai client; every
+    request's tokens arrive, and the record says which client ran."""
+    out = tmp_path / "h.json"
+    assert load_tool("bench_http").main(["--model", str(model_dir), *SMALL, "--client", "httpx",
+                                         "--skip-inprocess", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["client"] == "httpx" and "in_process" not in res
+    for run in ("saturation", "load_0.5"):
+        r = res["http"][run]
+        assert r["tokens"] == 4 * 4 and r["errors"] == 0 and 0 < r["ttft_ms_p50"], (run, r)
+        assert 0 < r["engine_ttft_ms_mean"] < r["front_end_ttft_ms_mean"] < r["ttft_ms_mean"], (run, r)
+
+
 @pytest.mark.parametrize("argv,says", [
     (["--random", "tiny", "--loads", "0"], "--loads"),
     (["--random", "tiny", "--loads", "x"], "--loads"),
@@ -57,6 +71,7 @@ def test_side_by_side(model_dir, tmp_path, capsys):
     (["--random", "tiny", "--soak", "-1"], "--soak"),
     (["--random", "tiny", "--disconnect", "2"], "--disconnect"),
     (["--requests", "4"], "--model"),
+    (["--random", "tiny", "--client", "curl"], "--client"),
 ])
 def test_bad_usage_is_one_line_and_exit_2(argv, says, capsys):
     with pytest.raises(SystemExit) as e:

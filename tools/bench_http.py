@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import ROOT, log, run_record
-from _http_client import run_client
+from _http_client import CLIENTS, run_client
 
 from cellcache._cli import Parser, in_range, stacks_on_sigusr1
 
@@ -81,6 +81,10 @@ def build_parser() -> Parser:
                         "--no-engine-process: the engine thread beside the HTTP loop)")
     p.add_argument("--loads", default="0.5", help="fractions of the saturated request rate (default 0.5)")
     p.add_argument("--clients", type=in_range(1, 64), default=4, help="client processes (default 4)")
+    p.add_argument("--client", choices=CLIENTS, default="openai",
+                   help="what the client processes send through: the openai client (default: what "
+                        "users run) or httpx alone (lean: SSE lines and json.loads, so that the "
+                        "client's own parsing weighs less in TTFT)")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
     p.add_argument("--skip-inprocess", action="store_true", help="only the server")
     p.add_argument("--soak", type=float, default=None, metavar="MINUTES", help="a soak of this many minutes")
@@ -253,9 +257,10 @@ def in_process(args: Any, model_dir: str, prompts: list[list[int]], loads: list[
 
 def over_http(url: str, prompts: list[list[int]], offsets: list[float], max_tokens: int, clients: int,
               leave: list[int | None] | None = None, order: list[int] | None = None,
-              keep_chunks: bool = True) -> list[dict[str, Any]]:
+              keep_chunks: bool = True, kind: str = "openai") -> list[dict[str, Any]]:
     """Request i (prompt ``order[i]``, default i) at ``offsets[i]`` seconds through ``clients``
-    processes; request i's client leaves after ``leave[i]`` chunks when that is not None."""
+    processes of the ``kind`` client; request i's client leaves after ``leave[i]`` chunks when
+    that is not None."""
     n = len(offsets)
     leave = leave or [None] * n
     order = order if order is not None else list(range(n))
@@ -263,8 +268,8 @@ def over_http(url: str, prompts: list[list[int]], offsets: list[float], max_toke
     t0 = time.time() + 1.0 + 0.2 * clients            # every client started by then
     ctx = mp.get_context("spawn")
     with ctx.Pool(clients) as pool:
-        parts = pool.starmap(run_client, [(url, prompts, jobs[w::clients], max_tokens, t0, keep_chunks)
-                                          for w in range(clients)])
+        parts = pool.starmap(run_client, [(url, prompts, jobs[w::clients], max_tokens, t0, keep_chunks,
+                                           kind) for w in range(clients)])
     recs = sorted((r for part in parts for r in part), key=lambda r: r["i"])
     for r in recs:
         r["t0"] = t0
@@ -353,7 +358,7 @@ def soak(args: Any, server: Any, prompts: list[list[int]], rate: float) -> dict[
              for _ in offsets]
     log(f"soak: {len(offsets)} requests over {seconds:.0f} s")
     recs = over_http(server.url, prompts, offsets, args.max_tokens, args.clients, leave, order,
-                     keep_chunks=False)
+                     keep_chunks=False, kind=args.client)
     stop.set()
     th.join()
     # an error: an exception, or a request that was not left and did not run to its length
@@ -431,15 +436,20 @@ def main(argv: list[str] | None = None) -> int:
         name = "http" if args.soak is None else "http-soak" if device == "cuda" else "http-soak-cpu"
         result: dict[str, Any] = {**run_record(name, words, device),
                                   "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
-                                               "max_tokens": args.max_tokens}}
+                                               "max_tokens": args.max_tokens},
+                                  "client": args.client, "clients": args.clients}
         if args.soak is None and not args.skip_inprocess:
             result["in_process"] = in_process(args, model_dir, prompts, loads)
         log("starting the server")
         with ServerProcess(model_dir, *server_flags(args), timeout=1800, log_path=args.server_log) as server:
+            def send(offsets: list[float], ps: list[list[int]] = prompts,
+                     max_tokens: int = args.max_tokens) -> list[dict[str, Any]]:
+                return over_http(server.url, ps, offsets, max_tokens, args.clients, kind=args.client)
+
             if args.soak is not None:
                 rate = args.rate
                 if rate is None:
-                    recs = over_http(server.url, prompts, [0.0] * len(prompts), args.max_tokens, args.clients)
+                    recs = send([0.0] * len(prompts))
                     sat = http_summary(recs)
                     rate = args.load * len(prompts) / sat["seconds"]
                     result["saturation"] = sat
@@ -455,11 +465,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{_mib(res['samples'], 'gpu_reserved_bytes')} MiB (first -> last sample)")
                 code = 1 if res["errors"] else 0
             else:
-                over_http(server.url, prompts[:WARM_REQUESTS], [0.0] * min(WARM_REQUESTS, len(prompts)),
-                          min(args.max_tokens, 4), args.clients)              # first-use costs
+                send([0.0] * min(WARM_REQUESTS, len(prompts)), prompts[:WARM_REQUESTS],
+                     min(args.max_tokens, 4))                                 # first-use costs
                 log(f"over HTTP: {len(prompts)} requests at once")
                 http: dict[str, Any] = {"saturation": measured(server.url, lambda: http_summary(
-                    over_http(server.url, prompts, [0.0] * len(prompts), args.max_tokens, args.clients)))}
+                    send([0.0] * len(prompts))))}
                 base_rate = result.get("in_process", {}).get("rate_at_saturation") or \
                     len(prompts) / http["saturation"]["seconds"]
                 from cellcache.generate import poisson_arrivals
@@ -468,8 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                     offsets = poisson_arrivals(len(prompts), load * base_rate, seed=args.seed)
                     log(f"over HTTP: load {load:g} ({load * base_rate:.2f} requests/s)")
                     run = lambda offsets=offsets, load=load: http_summary(    # noqa: E731
-                        over_http(server.url, prompts, offsets, args.max_tokens, args.clients),
-                        rate=load * base_rate)
+                        send(offsets), rate=load * base_rate)
                     http[f"load_{load:g}"] = measured(server.url, run)
                 result["http"] = http
                 code = report(result, loads)
