@@ -387,19 +387,26 @@ def test_the_rest_of_the_cli_runs_without_torch():
     assert usage.returncode == 0 and "pip install 'cellcache[hf]'" in usage.stdout
 
 
+def record_keyword(monkeypatch, name: str) -> list:
+    """The value of the Generator keyword ``name`` of each Generator the CLI builds from now
+    on, in order (the CLI's Generator replaced by a recording subclass)."""
+    made: list = []
+
+    class Recording(cli.Generator):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get(name))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "Generator", Recording)
+    return made
+
+
 # -- --native --------------------------------------------------------------------------------
 
 def test_native_reaches_the_generator_and_serves_the_same_tokens(monkeypatch, capsys):
     """``--native`` reaches the Generator (``native=True``; False without it), its greedy
     outputs are the modules' forward's, and ``--tp 2`` with it is bad usage."""
-    made = []
-
-    class Recording(cli.Generator):
-        def __init__(self, *args, **kwargs):
-            made.append(kwargs.get("native"))
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(cli, "Generator", Recording)
+    made = record_keyword(monkeypatch, "native")
     base = ["--random", "llama-tiny", "--device", "cpu", "--max-new-tokens", "8", "--json", "--quiet",
             "5 6 7 8", "--random-prompts", "3"]
     code, out, err = run_main([*base, "--native"], capsys)
@@ -418,14 +425,7 @@ def test_native_reaches_the_generator_and_serves_the_same_tokens(monkeypatch, ca
 def test_deterministic_serves_each_prompt_as_it_would_be_alone(monkeypatch, capsys):
     """``--deterministic`` reaches the Generator (``deterministic=True``; False without the
     flag) and a prompt's outputs do not depend on the prompts beside it."""
-    made = []
-
-    class Recording(cli.Generator):
-        def __init__(self, *args, **kwargs):
-            made.append(kwargs.get("deterministic"))
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(cli, "Generator", Recording)
+    made = record_keyword(monkeypatch, "deterministic")
     base = ["--random", "tiny", "--device", "cpu", "--max-new-tokens", "6", "--json", "--quiet",
             "--temperature", "0.8", "--seed", "3"]
     code, out, err = run_main([*base, "--deterministic", "5 6 7 8", "--random-prompts", "3"], capsys)
