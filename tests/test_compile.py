@@ -145,7 +145,7 @@ def test_aot_eager_equals_eager():
     assert compiled == refs
 
 
-@pytest.mark.parametrize("arch", ["tiny", "llama-tiny"])
+@pytest.mark.parametrize("arch", ["tiny"])                # (windowed layers, biases: Qwen2)
 def test_compiled_native_forward_is_one_graph_and_equals_hf_generate(arch):
     """``native=True`` compiled: the fused ops as custom ops beside attention, one graph
     without breaks (counting backend), and through AOT autograd, whose functionalization
