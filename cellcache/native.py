@@ -61,13 +61,18 @@ _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
 # them directly (a custom op's dispatch costs more than the launch); compiled forwards call
 # the custom ops cellcache::rms_norm, ::add_rms_norm, ::silu_mul and ::rotary_ instead.
 
+_LOADER: list[Callable[[int], Any]] = []      # cellcache.cuda.fused.fused_kernels, once imported
+
+
 def _kernels(t: torch.Tensor) -> Any:
     """The fused kernels of ``t``'s device when they take ``t`` (CUDA, a built dtype), else None."""
     if t.device.type != "cuda" or t.dtype not in _DTYPES:
         return None
-    from .cuda.fused import fused_kernels
+    if not _LOADER:                              # (imported on first use: no CUDA module before)
+        from .cuda.fused import fused_kernels
 
-    return fused_kernels(t.device.index if t.device.index is not None else torch.cuda.current_device())
+        _LOADER.append(fused_kernels)
+    return _LOADER[0](t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -175,7 +180,7 @@ def _(x, residual, weight, eps):
 
 @torch.library.custom_op("cellcache::silu_mul", mutates_args=())
 def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
-    return silu_mul(gate_up).contiguous()
+    return silu_mul(gate_up)
 
 
 @_silu_mul_op.register_fake
@@ -196,9 +201,9 @@ def _(qkv, cos, sin, n_heads, head_dim):
 
 # -- the model ---------------------------------------------------------------------------------
 
-def _fuse(modules: list[Any], name: str, dim: int = 0) -> torch.Tensor | None:
+def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
     """One tensor holding the ``name`` (``weight`` or ``bias``) of each module, concatenated
-    along ``dim``, whose slices become the modules' parameters' data; None when no module
+    along their first dim, whose slices become the modules' parameters' data; None when no module
     has one. A bias some of the modules lack is zeros in the fused tensor (theirs stays None)."""
     parts = [getattr(m, name, None) for m in modules]
     if all(p is None for p in parts):
