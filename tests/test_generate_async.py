@@ -499,6 +499,11 @@ def test_profile_serve_tool_runs(tmp_path, capsys):
         streamed = json.loads((tmp_path / "s.json").read_text())[0]
         assert streamed["stream"] is True and res[1]["stream"] is False
         assert streamed["decode_steps"] == 3 and streamed["us_per_step"]["callbacks"] > 0
+        # 80 rows' prompts take two steps of 512 tokens: the second is a mixed step whose
+        # decode rows are fed on the device beside the host's prompt ids (the stub's path)
+        assert mod["main"](["--rows", "80", "--steps", "2", "--mode", "async",
+                            "--json", str(tmp_path / "m.json")]) == 0
+        assert json.loads((tmp_path / "m.json").read_text())[0]["decode_steps"] == 2
     finally:
         sys.path[:] = before
 

@@ -67,9 +67,7 @@ def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: st
 
     def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
         if logit_rows is not None and len(logit_rows) != step.width:   # prompt chunks: the model
-            if device_tokens is not None:
-                return real(step, None, logit_rows, decode, device_tokens=device_tokens)
-            return real(step, tokens, logit_rows, decode)
+            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
         n = step.width if logit_rows is None else len(logit_rows)
         if n not in stub_logits:
             stub_logits[n] = torch.zeros((n, vocab), dtype=torch.float32)
