@@ -1,6 +1,6 @@
-// The native model path's elementwise kernels (cellcache/native.py): what a Llama-family
-// decoder layer does between its GEMMs and attention, one launch each where transformers'
-// modules launch five to ten.
+// The kernels cellcache launches on torch tensors. The native model path's elementwise
+// kernels (cellcache/native.py): what a Llama-family decoder layer does between its GEMMs
+// and attention, one launch each where transformers' modules launch five to ten.
 //
 //   add_rms_norm  r = T(x + res) (when add; else r = x), out = T(w * T(r * rsqrt(mean(r^2) + eps)))
 //                 one block a row; r is stored into res_out (the residual stream: res_out
@@ -14,6 +14,15 @@
 // RMS reduction. Arithmetic in float32. Vectorized (16-byte) variants for rows whose width,
 // strides and addresses are multiples of 8 elements of 2 bytes (VEC 8) or 4 of 4 bytes
 // (VEC 4); the host picks (cellcache/cuda/fused.py).
+//
+// And the host tier's row mover (cellcache/generate/spill.py): every pool's rows of a
+// sequence moved between the cache's pools and one packed staging buffer in one launch
+// (moving them pool by pool is two launches a layer, which at 256-byte rows cost more than
+// the bytes).
+//
+//   move_rows     to_stage: stage part p row stage_idx[j] = pool p row pool_idx[j]
+//                 else:     pool p row pool_idx[j]       = stage part p row stage_idx[j]
+//                 for j in [0, n) and every pool p; stage_idx null: row row0 + j
 #include "abi.h"
 #include "dtypes.h"
 
@@ -170,3 +179,42 @@ NORM(bfloat16, bf16, 8)
 ROTARY(float32, float)
 ROTARY(float16, f16)
 ROTARY(bfloat16, bf16)
+
+// A pool of the row mover: its base address, its row's bytes, and the bytes of a row of every
+// pool before it (part p of a stage of R rows starts at stage + R * cum_bytes).
+struct RowPool {
+    cc_u64 base;
+    cc_i64 row_bytes, cum_bytes;
+};
+
+// grid (blocks, pools): block (x, p) moves a grid-stride share of pool p's n * row_bytes / V
+// units of V bytes (V 16: every row_bytes, base and the stage a multiple of 16; the host
+// picks). Unit i is byte (i % W) * V of row i / W (W units a row; the host keeps n * W below
+// 2^31). Plain loads: the pools were written by kernels earlier in the stream.
+template <typename U>
+__device__ void move_rows(const RowPool* __restrict__ pools, cc_u64 stage, cc_i64 stage_rows,
+                          const cc_i64* __restrict__ pool_idx, const cc_i64* __restrict__ stage_idx,
+                          cc_i64 row0, cc_i32 n, cc_i32 to_stage)
+{
+    const RowPool pool = pools[blockIdx.y];
+    const cc_i32 w = (cc_i32)(pool.row_bytes / (cc_i64)sizeof(U));
+    const cc_u32 total = (cc_u32)n * (cc_u32)w;
+    const cc_u64 part = stage + (cc_u64)(stage_rows * pool.cum_bytes);
+    for (cc_u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const cc_u32 j = i / (cc_u32)w, u = i - j * (cc_u32)w;
+        const cc_i64 s = stage_idx ? stage_idx[j] : row0 + (cc_i64)j;
+        U* a = reinterpret_cast<U*>(pool.base + (cc_u64)(pool_idx[j] * pool.row_bytes)) + u;
+        U* b = reinterpret_cast<U*>(part + (cc_u64)(s * pool.row_bytes)) + u;
+        if (to_stage) *b = *a;
+        else *a = *b;
+    }
+}
+
+#define MOVE_ROWS(V, U)                                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+    move_rows_v##V(const RowPool* pools, cc_u64 stage, cc_i64 stage_rows, const cc_i64* pool_idx, \
+                   const cc_i64* stage_idx, cc_i64 row0, cc_i32 n, cc_i32 to_stage)            \
+    { move_rows<U>(pools, stage, stage_rows, pool_idx, stage_idx, row0, n, to_stage); }
+
+MOVE_ROWS(16, uint4)
+MOVE_ROWS(1, unsigned char)

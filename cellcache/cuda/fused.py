@@ -1,10 +1,11 @@
-"""The elementwise kernels of ``cuda/fused.cu`` (the native model path's RMSNorm with the
-residual add, SiLU-and-multiply and rotary embedding), launched through the driver API.
+"""The kernels of ``cuda/fused.cu``, launched through the driver API: the native model
+path's elementwise ones (RMSNorm with the residual add, SiLU-and-multiply, rotary embedding)
+and the host tier's row mover.
 
 :func:`fused_kernels` loads them once per device in its primary context (the one PyTorch
 uses); the launches take raw device addresses and element strides and run on any stream
 (a capturing one included), like :class:`cellcache.cuda.kernels.AttentionKernels`.
-:mod:`cellcache.native` calls them on torch tensors.
+:mod:`cellcache.native` and :mod:`cellcache.generate.spill` call them on torch tensors.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class FusedKernels:
         self.f_silu = {(d, v): fn(f"silu_mul_{d}_v{v}") for d, s in DTYPES.items()
                        for v in (1, _VEC[s])}
         self.f_rotary = {d: fn(f"rotary_{d}") for d in DTYPES}
+        self.f_move = {v: fn(f"move_rows_v{v}") for v in (1, 16)}
 
     def make_current(self) -> None:
         """Makes the device's primary context current on this thread (a thread PyTorch has
@@ -100,6 +102,37 @@ class FusedKernels:
         blocks = -(-n_heads * (head_dim // 2) // THREADS)
         _launch.launch(self.f_rotary[dtype], (rows, blocks, 1), THREADS, 0, stream, args, _ROTARY_OFFS)
 
+    def move_rows(self, pools: int, n_pools: int, row_bytes: list[int], stage: int,
+                  stage_rows: int, pool_idx: int, stage_idx: int, n: int, to_stage: bool,
+                  vec: int, stream: int) -> None:
+        """Moves rows ``pool_idx[j]`` (int64, device) of every pool and rows ``stage_idx[j]``
+        (int64, device; 0: row ``j``) of the pool's part of ``stage``, ``j`` in ``[0, n)``:
+        into the stage (``to_stage``) or out of it into the pools. ``pools``: a device table
+        of ``n_pools`` records of three int64 (base address, ``row_bytes[p]``, the bytes of a
+        row of the pools before it); part ``p`` of the stage starts ``stage_rows`` times that
+        last figure in. ``vec`` 16 needs every row's bytes, pool base and the stage at a
+        multiple of 16; 1 takes any. Launched in pieces of rows small enough that a piece's
+        units of ``vec`` bytes count below 2^31 (the kernel's 32-bit index). No rows or
+        pools: nothing launched."""
+        if vec not in self.f_move:
+            raise InvalidArgument(f"vec {vec} is neither 1 nor 16")
+        if n <= 0 or n_pools <= 0:
+            return
+        if n_pools > 65535 or len(row_bytes) != n_pools:
+            raise InvalidArgument(f"{n_pools} pools with {len(row_bytes)} row sizes (at most 65535)")
+        widest = max(row_bytes) // vec
+        if widest <= 0 or any(b % vec for b in row_bytes):
+            raise InvalidArgument(f"rows of {row_bytes} bytes do not split into units of {vec}")
+        piece = max(1, _MAX_UNITS // widest)
+        for lo in range(0, n, piece):
+            m = min(piece, n - lo)
+            blocks = min(-(-m * widest // THREADS), 2048)
+            # (no stage_idx: the stage's rows follow j from this piece's first, row0)
+            args = struct.pack("=QQqQQqii", pools, stage, stage_rows, pool_idx + 8 * lo,
+                               stage_idx + 8 * lo if stage_idx else 0, lo, m, int(to_stage))
+            _launch.launch(self.f_move[vec], (blocks, n_pools, 1), THREADS, 0, stream, args,
+                           _MOVE_OFFS)
+
     def close(self) -> None:
         if self.module is not None:
             check(cu.cuModuleUnload(self.module), "cuModuleUnload")
@@ -119,6 +152,9 @@ def _offsets(fmt: str) -> tuple[int, ...]:
 _NORM_OFFS = _offsets("QQQQQiqqqqfi")
 _SILU_OFFS = _offsets("QQiqq")
 _ROTARY_OFFS = _offsets("QQQiiqqq")
+_MOVE_OFFS = _offsets("QQqQQqii")
+#: Most units one move_rows launch indexes (its 32-bit unit index; tests lower it)
+_MAX_UNITS = (1 << 31) - 1
 
 _loaded: dict[int, FusedKernels] = {}
 _lock = threading.Lock()

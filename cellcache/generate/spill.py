@@ -2,13 +2,15 @@
 
 ::
 
-    preempt v     each pool's rows of v's cells gathered on the device (index_select,
-                  position order) into one staging buffer -> one copy into pinned host
-                  memory -> v's cells freed; v waits with its Spill
-    admit v       the prefix cache's hit cloned as usual -> the positions past it declared,
-                  prepared and committed (max_write a step) -> one copy back to the device,
-                  each pool's part scattered into the step's cells; v then feeds only its
-                  last token (or the rest of its prompt)
+    preempt v     every pool's rows of v's cells gathered on the device (position order;
+                  on CUDA one launch of the row mover of cuda/fused.cu for all pools)
+                  into one staging buffer -> one copy into pinned host memory -> v's
+                  cells freed; v waits with its Spill
+    admit v       the prefix cache's hit cloned as usual -> one copy back to the device ->
+                  the positions past the hit declared, prepared and committed (max_write
+                  a step), each step's rows scattered into its cells (one launch for all
+                  pools on CUDA); v then feeds only its last token (or the rest of its
+                  prompt)
 
 A spill is taken only within ``budget`` bytes (the Generator's ``spill_bytes``); past it,
 or when a restore finds no room, the sequence is read again as before. Every copy is
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -115,7 +118,10 @@ class Spiller:
     A copy goes through one device staging buffer as large as the spill: each pool's rows
     gathered into their part of it, then one device-to-host copy (and back: one
     host-to-device copy, then each pool's part scattered into the cells), so the bytes cross
-    the bus in one transfer whatever the number of layers.
+    the bus in one transfer whatever the number of layers. On CUDA the gather and each
+    step's scatter are one launch for every pool (:meth:`FusedKernels.move_rows`), where a
+    pool-by-pool ``index_select``/``index_copy_`` would launch two kernels a layer and a
+    step, each moving a few hundred KiB.
     """
 
     def __init__(self, cache: CellCache, view: TorchView, budget: int,
@@ -127,6 +133,7 @@ class Spiller:
         #: the stream every copy is queued on (the runner's: in order with the forwards)
         self.stream = (stream or torch.cuda.current_stream(view.device)) if view.cuda else None
         self._timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._table: tuple[int, Any] | None = None    # (view generation, the row mover's table)
         if self.stream is not None:
             # the cache's close waits for its own work only: the copies queued on the stream
             # must not outlive the pools they read and write
@@ -143,6 +150,29 @@ class Spiller:
         # scales they were written with)
         return [p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p
                 for i in range(len(self.cache.config.layers)) for p in view.layer(i)[:2]]
+
+    def _mover(self, pools: list[torch.Tensor]) -> tuple[Any, torch.Tensor, list[int], int] | None:
+        """CUDA: (the fused kernels, the pools' table on the device, each pool's row bytes,
+        the vector width) for :meth:`FusedKernels.move_rows` over ``pools`` (this view's,
+        just refreshed), the table rebuilt when the pools moved; None on the host or for a
+        pool whose rows are not contiguous (then each pool is copied by torch)."""
+        if not self.view.cuda:
+            return None
+        rows = [p[0].numel() * p.element_size() for p in pools]
+        if any(p.stride(0) * p.element_size() != b or not p[0].is_contiguous()
+               for p, b in zip(pools, rows)):
+            return None
+        from ..cuda.fused import fused_kernels
+
+        device = pools[0].device
+        kernels = fused_kernels(device.index if device.index is not None else torch.cuda.current_device())
+        vec = 16 if all(b % 16 == 0 and p.data_ptr() % 16 == 0 for p, b in zip(pools, rows)) else 1
+        generation = self.view.generation
+        if self._table is None or self._table[0] != generation:
+            cum = np.concatenate([[0], np.cumsum(rows)[:-1]])
+            table = np.stack([[p.data_ptr() for p in pools], rows, cum], axis=1).astype(np.int64)
+            self._table = (generation, self._up(table, device))
+        return kernels, self._table[1], rows, vec
 
     def _up(self, a: np.ndarray, device: torch.device) -> torch.Tensor:
         """``a`` on ``device`` without a host wait (through pinned memory, which torch's
@@ -229,8 +259,15 @@ class Spiller:
                 else:
                     host = torch.empty(nbytes, dtype=torch.uint8)
                 stage = torch.empty(nbytes, dtype=torch.uint8, device=pools[0].device) if cuda else host
-                for p, part in zip(pools, self._parts(stage, pools, n)):
-                    torch.index_select(p, 0, index, out=part)
+                mover = self._mover(pools)
+                if mover is not None:
+                    kernels, table, rows, vec = mover
+                    assert self.stream is not None
+                    kernels.move_rows(table.data_ptr(), len(rows), rows, stage.data_ptr(), n,
+                                      index.data_ptr(), 0, n, True, vec, self.stream.cuda_stream)
+                else:
+                    for p, part in zip(pools, self._parts(stage, pools, n)):
+                        torch.index_select(p, 0, index, out=part)
                 if cuda:
                     host.copy_(stage, non_blocking=True)
                 if events is not None:
@@ -282,20 +319,34 @@ class Spiller:
                 have[spill.positions] = np.arange(len(spill.positions)) - lo_row
                 assert spill.host is not None
                 n = len(spill.positions)
+                m = int(hi_row - lo_row)              # the rows that go up: [lo_row, hi_row)
                 if lo_row == 0 and hi_row == n:
-                    dev = self._parts(spill.host.to(device, non_blocking=True), pools, n)
-                else:
-                    dev = [part[lo_row:hi_row].to(device, non_blocking=True)
-                           for part in self._parts(spill.host, pools, n)]
+                    stage = spill.host.to(device, non_blocking=True)
+                else:                                 # each pool's slice, packed as a spill of m rows
+                    stage = torch.empty(m * (spill.nbytes // n), dtype=torch.uint8, device=device)
+                    for src_part, dst_part in zip(self._parts(spill.host, pools, n),
+                                                  self._parts(stage, pools, m)):
+                        dst_part.copy_(src_part[lo_row:hi_row], non_blocking=True)
 
                 def write(lo: int, w: int, step_cells: np.ndarray) -> None:
                     rows = have[lo:lo + w]
                     some = rows >= 0
-                    if some.any():
-                        dst = self._up(step_cells[some], device)
-                        src = self._up(rows[some], device)
-                        for p, d in zip(self._pools(), dev):     # (a copy growth moves the pools)
-                            p.index_copy_(0, dst, d.index_select(0, src))
+                    if not some.any():
+                        return
+                    now = self._pools()                   # (a copy growth moves the pools)
+                    mover = self._mover(now)
+                    if mover is not None:
+                        kernels, table, sizes, vec = mover
+                        assert self.stream is not None
+                        idx = self._up(np.stack([step_cells[some], rows[some]]).astype(np.int64), device)
+                        kernels.move_rows(table.data_ptr(), len(sizes), sizes, stage.data_ptr(), m,
+                                          idx[0].data_ptr(), idx[1].data_ptr(), int(some.sum()),
+                                          False, vec, self.stream.cuda_stream)
+                        return
+                    dst = self._up(step_cells[some], device)
+                    src = self._up(rows[some], device)
+                    for p, d in zip(now, self._parts(stage, now, m)):
+                        p.index_copy_(0, dst, d.index_select(0, src))
 
                 # a growth's copy is ordered before the writes (the same stream)
                 place_positions(cache, sid, start, spill.end, write, self.stream)

@@ -40,6 +40,70 @@ def test_a_spill_round_trip_is_bit_exact_in_bf16():
         cache.check_invariants()
 
 
+def _table(pools):
+    import numpy as np
+
+    rows = [p.shape[1] for p in pools]
+    cum = np.concatenate([[0], np.cumsum(rows)[:-1]])
+    return torch.tensor(np.stack([[p.data_ptr() for p in pools], rows, cum], 1).astype(np.int64),
+                        device="cuda"), rows
+
+
+@pytest.mark.parametrize("sizes, vecs", [((256, 48, 2048, 16), (16, 1)), ((5, 3, 130), (1,))])
+@pytest.mark.parametrize("units", [None, 1000])
+def test_the_row_mover_gathers_and_scatters_every_pool_in_one_launch(sizes, vecs, units, monkeypatch):
+    """FusedKernels.move_rows against index_select / index_copy_ pool by pool: rows of every
+    size (16-byte units and bytes), a gather into a packed stage and a scatter of a subset of
+    its rows into other cells, rows untouched elsewhere; with ``units`` 1000 the launches go
+    in pieces of a few rows (the kernel's row0)."""
+    from cellcache.cuda import fused
+    from cellcache.errors import InvalidArgument
+
+    if units is not None:
+        monkeypatch.setattr(fused, "_MAX_UNITS", units)
+    k = fused.fused_kernels(torch.cuda.current_device())
+    stream = torch.cuda.current_stream().cuda_stream
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pools = [torch.randint(0, 256, (300, b), dtype=torch.uint8, device="cuda", generator=g) for b in sizes]
+    table, rows = _table(pools)
+    n = 123
+    idx = torch.randperm(300, device="cuda", generator=g)[:n]
+    total = sum(rows)
+    for vec in vecs:
+        stage = torch.zeros(n * total, dtype=torch.uint8, device="cuda")
+        k.move_rows(table.data_ptr(), len(pools), rows, stage.data_ptr(), n, idx.data_ptr(), 0, n,
+                    True, vec, stream)
+        off = 0
+        for p, b in zip(pools, rows):
+            assert torch.equal(stage[off:off + n * b].view(n, b), p.index_select(0, idx))
+            off += n * b
+        # a scatter: stage rows src (distinct, any order) into cells dst of a copy of the pools
+        m = 50
+        src = torch.randperm(n, device="cuda", generator=g)[:m]
+        dst = torch.randperm(300, device="cuda", generator=g)[:m]
+        want = [p.clone() for p in pools]
+        for w, part in zip(want, fused_parts(stage, rows, n)):
+            w.index_copy_(0, dst, part.index_select(0, src))
+        pairs = torch.stack([dst, src]).contiguous()
+        k.move_rows(table.data_ptr(), len(pools), rows, stage.data_ptr(), n, pairs[0].data_ptr(),
+                    pairs[1].data_ptr(), m, False, vec, stream)
+        assert all(torch.equal(p, w) for p, w in zip(pools, want))
+    if 16 not in vecs:                            # rows that are not whole 16-byte units
+        before = [p.clone() for p in pools]
+        with pytest.raises(InvalidArgument, match="units of 16"):
+            k.move_rows(table.data_ptr(), len(pools), rows, stage.data_ptr(), n, idx.data_ptr(), 0,
+                        n, False, 16, stream)
+        assert all(torch.equal(p, b) for p, b in zip(pools, before))
+
+
+def fused_parts(stage, rows, n):
+    out, off = [], 0
+    for b in rows:
+        out.append(stage[off:off + n * b].view(n, b))
+        off += n * b
+    return out
+
+
 def test_a_generator_with_graphs_gives_the_same_tokens_with_the_tier():
     from cellcache.generate import Generator, Sampling, random_model
 
