@@ -60,6 +60,7 @@ def test_a_quick_run_with_poisson_arrivals_and_the_agreement_check(bw, tmp_path,
         "python3 tools/bench_workloads.py --device cpu")
     w = res["workload"]
     assert w["requests"] == 16 and res["together"]["output_tokens"] == w["output_tokens"]
+    assert w["kv_dtype"] == "float32"                        # (the model's: stored as computed)
     assert res["poisson"]["output_tokens"] == w["output_tokens"] and res["poisson"]["load"] == 0.7
     assert res["poisson"]["rate"] == pytest.approx(0.7 * res["together"]["requests_per_s"])
     assert res["agreement"]["passed"] is True and res["agreement"]["requests"] == 4
@@ -69,11 +70,23 @@ def test_a_quick_run_with_poisson_arrivals_and_the_agreement_check(bw, tmp_path,
     assert "agreement: PASS" in printed
 
 
+def test_kv_dtype_serves_8bit_kv_and_names_the_record(bw, tmp_path, capsys):
+    out = tmp_path / "k.json"
+    assert bw.main(["--device", "cpu", "--model", "tiny", "--quick", "--workload", "trt-128",
+                    "--requests", "4", "--kv-dtype", "fp8_e4m3", "--no-check", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "workload-trt-128-tiny-kv8-cpu-quick"
+    assert res["workload"]["kv_dtype"] == "float8_e4m3fn"
+    assert res["together"]["output_tokens"] == res["workload"]["output_tokens"]
+    assert "K/V float8_e4m3fn" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--model", "nope"], "--model 'nope'"),
     (["--model", "tiny", "--rate", "0"], "--rate"),
     (["--model", "tiny", "--load", "9"], "--load"),
     (["--workload", "other"], "--workload"),
+    (["--model", "tiny", "--kv-dtype", "int4"], "--kv-dtype"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(bw, args, fragment, capsys):
     with pytest.raises(SystemExit) as e:

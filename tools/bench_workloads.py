@@ -114,8 +114,9 @@ def load_model(spec: str, dtype: Any, device: str, seed: int) -> tuple[Any, str]
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval(), f"{name} (random weights)"
 
 
-def cells_that_fit(model, device: str, wanted: int, share: float = 0.85) -> int:
-    """Cells for ``wanted`` tokens, at most what ``share`` of the free GPU memory holds."""
+def cells_that_fit(model, device: str, wanted: int, share: float = 0.85, kv_bytes: int | None = None) -> int:
+    """Cells for ``wanted`` tokens, at most what ``share`` of the free GPU memory holds at
+    ``kv_bytes`` a stored K or V element (default the model's dtype's)."""
     if device != "cuda":
         return wanted
     import torch
@@ -123,7 +124,7 @@ def cells_that_fit(model, device: str, wanted: int, share: float = 0.85) -> int:
     cfg = model.config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_cell = 2 * cfg.num_hidden_layers * heads * dim * model.dtype.itemsize
+    per_cell = 2 * cfg.num_hidden_layers * heads * dim * (kv_bytes or model.dtype.itemsize)
     free, _ = torch.cuda.mem_get_info()
     return max(4096, min(wanted, int(share * free) // per_cell))
 
@@ -163,6 +164,8 @@ def build_parser() -> Parser:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--native", action="store_true",
                    help="cellcache's own forward of the model (Generator(native=True))")
+    p.add_argument("--kv-dtype", choices=["fp8_e4m3"], default=None,
+                   help="K/V stored in 8 bits (Generator(kv_dtype=...); default: the model's dtype)")
     p.add_argument("--no-check", action="store_true", help="skip the agreement check (figures do not count)")
     p.add_argument("--check-requests", type=in_range(1, 1 << 16), default=4)
     p.add_argument("--quick", action="store_true", help="16 requests, lengths divided by 16: a smoke run")
@@ -204,11 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [max(2, k // 16) for k in lengths]
     temperature = spec["temperature"]
     wanted = sum(len(q) + k for q, k in zip(prompts, lengths)) + 4096
-    capacity = args.capacity or cells_that_fit(model, args.device, wanted)
+    capacity = args.capacity or cells_that_fit(model, args.device, wanted,
+                                               kv_bytes=1 if args.kv_dtype else None)
     words = ["python3", "tools/bench_workloads.py", *(argv if argv is not None else sys.argv[1:])]
     stem = f"workload-{args.workload}-{os.path.basename(os.path.normpath(args.model))}"
     if args.native:
         stem += "-native"
+    if args.kv_dtype:
+        stem += "-kv8"
     if args.device == "cpu":
         stem += "-cpu"
     if args.quick:
@@ -219,10 +225,11 @@ def main(argv: list[str] | None = None) -> int:
                                         "output_tokens": sum(lengths), "temperature": temperature,
                                         "capacity": capacity, "max_seqs": args.max_seqs}}
     kw: dict[str, Any] = {"capacity": capacity, "max_seqs": min(args.max_seqs, n), "eos": [],
-                          "compile": args.compile, "native": args.native}
+                          "compile": args.compile, "native": args.native, "kv_dtype": args.kv_dtype}
     if args.quick:
         kw.update(max_batch_tokens=64, prefill_chunk=32)
     gen = Generator(model, **kw)
+    res["workload"]["kv_dtype"] = gen.cache.config.kv_dtype or gen.cache.config.dtype   # what it stores
     log(f"[workloads] {args.workload} on {model_name}: {n} requests, warm-up")
     gen.warmup()
     serve(gen, prompts[:8], [min(4, k) for k in lengths[:8]], temperature)
@@ -267,7 +274,7 @@ def report(res: dict[str, Any]) -> None:
     f = lambda v, spec=",.0f": "-" if v is None else format(v, spec)
     w = res["workload"]
     print(f"{w['name']}, {w['model']}, {w['requests']} requests ({w['prompt_tokens']:,} prompt + "
-          f"{w['output_tokens']:,} output tokens), {res['device']}")
+          f"{w['output_tokens']:,} output tokens), K/V {w.get('kv_dtype')}, {res['device']}")
     print(f"{'run':<34} {'output tok/s':>12} {'TTFT p50':>9} {'p99':>9} {'ITL p50':>8} {'p99':>8}")
     for run in ("together", "poisson"):
         r = res.get(run)
