@@ -504,6 +504,10 @@ def test_profile_serve_tool_runs(tmp_path, capsys):
         assert mod["main"](["--rows", "80", "--steps", "2", "--mode", "async",
                             "--json", str(tmp_path / "m.json")]) == 0
         assert json.loads((tmp_path / "m.json").read_text())[0]["decode_steps"] == 2
+        for flag in ("--compile", "--native"):      # the real forward's options need the GPU's
+            with pytest.raises(SystemExit) as e:
+                mod["main"]([flag])
+            assert e.value.code == 2 and "needs --device cuda" in capsys.readouterr().err
     finally:
         sys.path[:] = before
 

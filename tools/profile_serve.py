@@ -15,6 +15,7 @@ applying the outcomes, the callbacks.
     python3 tools/profile_serve.py --cprofile 25        # the 25 costliest functions too
     python3 tools/profile_serve.py --mode async --stream   # every token to an on_token callback
     python3 tools/profile_serve.py --device cuda --compile --mode async   # the GPU's real steps
+    python3 tools/profile_serve.py --device cuda --native --mode async    # on the native forward
 
 It prints, per mode, the mean host microseconds per decode step for each phase of
 ``Generator.profile`` and their sum (``wait``: blocked on the sampled ids' copy, not host
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: str,
-          device: str = "cpu", compile: bool = False, stream: bool = False):
+          device: str = "cpu", compile: bool = False, stream: bool = False, native: bool = False):
     import torch
 
     from cellcache.generate import Generator, Sampling, random_model
@@ -49,7 +50,7 @@ def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: st
     if device == "cuda":                      # the real model and forward (graphs, bf16)
         model = random_model(model_name, torch.bfloat16, "cuda", 0)
         gen = Generator(model, capacity=capacity, max_seqs=rows + 8, eos=[], prefix_cache=False,
-                        async_steps=mode == "async", compile=compile)
+                        async_steps=mode == "async", compile=compile, native=native)
         gen.warmup()
         vocab = model.config.vocab_size
         for i in range(rows):
@@ -82,8 +83,9 @@ def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: st
 
 
 def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int,
-            device: str = "cpu", prompt_len: int = 8, compile: bool = False, stream: bool = False) -> dict:
-    gen = build(rows, steps + 8, prompt_len, mode, model_name, device, compile, stream)
+            device: str = "cpu", prompt_len: int = 8, compile: bool = False, stream: bool = False,
+            native: bool = False) -> dict:
+    gen = build(rows, steps + 8, prompt_len, mode, model_name, device, compile, stream, native)
     # read every prompt and reach the steady state (all rows decoding)
     while any(len(s.tokens) - s.in_cache > 1 for s in gen.running) or gen.waiting:
         gen.step()
@@ -105,7 +107,8 @@ def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int,
     phases = {k: 1e3 * (after["decode_host_ms"][k] - before["decode_host_ms"].get(k, 0.0)) / max(n, 1)
               for k in after["decode_host_ms"]}
     host = sum(v for k, v in phases.items() if k != "wait")
-    res = {"mode": mode, "compile": compile, "stream": stream, "rows": rows, "decode_steps": n,
+    res = {"mode": mode, "compile": compile, "native": native, "stream": stream, "rows": rows,
+           "decode_steps": n,
            "us_per_step": phases,
            "host_us_per_step": host, "wall_us_per_step": 1e6 * wall / steps}
     if prof is not None:
@@ -128,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens a row (default 8)")
     p.add_argument("--compile", action="store_true",
                    help="with --device cuda: the model through torch.compile (Generator(compile=True))")
+    p.add_argument("--native", action="store_true",
+                   help="with --device cuda: cellcache's own forward of the model (Generator(native=True))")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also print cProfile's N costliest functions (by own time)")
     p.add_argument("--stream", action="store_true",
@@ -138,6 +143,8 @@ def main(argv=None) -> int:
         p.error("--rows, --steps and --prompt-len must be >= 1")
     if args.compile and args.device != "cuda":
         p.error("--compile needs --device cuda")
+    if args.native and args.device != "cuda":
+        p.error("--native needs --device cuda (on the CPU the forward is stubbed out)")
     model = args.model or ("qwen2-0.5b" if args.device == "cuda" else "llama-tiny")
     if args.device == "cuda":
         from tools._common import require_gpu
@@ -147,7 +154,7 @@ def main(argv=None) -> int:
     out = []
     for mode in modes:
         r = profile(args.rows, args.steps, mode, model, args.cprofile, args.device, args.prompt_len,
-                    args.compile, args.stream)
+                    args.compile, args.stream, args.native)
         out.append(r)
         parts = ", ".join(f"{k} {v:.1f}" for k, v in r["us_per_step"].items())
         print(f"{mode}: {r['rows']} rows, host {r['host_us_per_step']:.1f} us/decode step "
