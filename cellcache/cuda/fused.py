@@ -111,9 +111,10 @@ class FusedKernels:
         of ``n_pools`` records of three int64 (base address, ``row_bytes[p]``, the bytes of a
         row of the pools before it); part ``p`` of the stage starts ``stage_rows`` times that
         last figure in. ``vec`` 16 needs every row's bytes, pool base and the stage at a
-        multiple of 16; 1 takes any. Launched in pieces of rows small enough that a piece's
-        units of ``vec`` bytes count below 2^31 (the kernel's 32-bit index). No rows or
-        pools: nothing launched."""
+        multiple of 16 (InvalidArgument where the rows or the stage are not; the pools'
+        bases are the caller's to check); 1 takes any. Launched in pieces of rows small
+        enough that a piece's units of ``vec`` bytes count below 2^31 (the kernel's 32-bit
+        index). No rows or pools: nothing launched."""
         if vec not in self.f_move:
             raise InvalidArgument(f"vec {vec} is neither 1 nor 16")
         if n <= 0 or n_pools <= 0:
@@ -123,10 +124,15 @@ class FusedKernels:
         widest = max(row_bytes) // vec
         if widest <= 0 or any(b % vec for b in row_bytes):
             raise InvalidArgument(f"rows of {row_bytes} bytes do not split into units of {vec}")
-        piece = max(1, _MAX_UNITS // widest)
+        if vec > 1 and stage % vec:
+            raise InvalidArgument(f"a stage at {stage:#x} is not at a multiple of {vec} bytes")
+        if widest > _MAX_UNITS:
+            raise InvalidArgument(f"a row of {widest} units of {vec} bytes is past one launch's "
+                                  f"{_MAX_UNITS}")
+        piece = _MAX_UNITS // widest
         for lo in range(0, n, piece):
             m = min(piece, n - lo)
-            blocks = min(-(-m * widest // THREADS), 2048)
+            blocks = min(-(-m * widest // THREADS), _MAX_BLOCKS)
             # (no stage_idx: the stage's rows follow j from this piece's first, row0)
             args = struct.pack("=QQqQQqii", pools, stage, stage_rows, pool_idx + 8 * lo,
                                stage_idx + 8 * lo if stage_idx else 0, lo, m, int(to_stage))
@@ -153,8 +159,10 @@ _NORM_OFFS = _offsets("QQQQQiqqqqfi")
 _SILU_OFFS = _offsets("QQiqq")
 _ROTARY_OFFS = _offsets("QQQiiqqq")
 _MOVE_OFFS = _offsets("QQqQQqii")
-#: Most units one move_rows launch indexes (its 32-bit unit index; tests lower it)
+#: Most units one move_rows launch indexes (its 32-bit unit index), and most blocks a pool
+#: a launch (a grid-stride loop takes the rest); tests lower both
 _MAX_UNITS = (1 << 31) - 1
+_MAX_BLOCKS = 2048
 
 _loaded: dict[int, FusedKernels] = {}
 _lock = threading.Lock()

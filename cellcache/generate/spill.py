@@ -6,7 +6,8 @@
                   on CUDA one launch of the row mover of cuda/fused.cu for all pools)
                   into one staging buffer -> one copy into pinned host memory -> v's
                   cells freed; v waits with its Spill
-    admit v       the prefix cache's hit cloned as usual -> one copy back to the device ->
+    admit v       the prefix cache's hit cloned as usual -> one copy back to the device
+                  (each pool's slice where the hit leaves less than half of the spill) ->
                   the positions past the hit declared, prepared and committed (max_write
                   a step), each step's rows scattered into its cells (one launch for all
                   pools on CUDA); v then feeds only its last token (or the rest of its
@@ -133,7 +134,7 @@ class Spiller:
         #: the stream every copy is queued on (the runner's: in order with the forwards)
         self.stream = (stream or torch.cuda.current_stream(view.device)) if view.cuda else None
         self._timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self._table: tuple[int, Any] | None = None    # (view generation, the row mover's table)
+        self._table: tuple[int, Any] | None = None    # (view generation, _mover's answer)
         if self.stream is not None:
             # the cache's close waits for its own work only: the copies queued on the stream
             # must not outlive the pools they read and write
@@ -153,26 +154,48 @@ class Spiller:
 
     def _mover(self, pools: list[torch.Tensor]) -> tuple[Any, torch.Tensor, list[int], int] | None:
         """CUDA: (the fused kernels, the pools' table on the device, each pool's row bytes,
-        the vector width) for :meth:`FusedKernels.move_rows` over ``pools`` (this view's,
-        just refreshed), the table rebuilt when the pools moved; None on the host or for a
-        pool whose rows are not contiguous (then each pool is copied by torch)."""
+        the widest vector the pools take) for :meth:`FusedKernels.move_rows` over ``pools``
+        (this view's, just refreshed), kept until the pools move (the view's generation);
+        None on the host, for a pool whose rows are not contiguous, or where the kernels do
+        not load (then each pool is copied by torch)."""
         if not self.view.cuda:
             return None
-        rows = [p[0].numel() * p.element_size() for p in pools]
-        if any(p.stride(0) * p.element_size() != b or not p[0].is_contiguous()
-               for p, b in zip(pools, rows)):
-            return None
-        from ..cuda.fused import fused_kernels
-
-        device = pools[0].device
-        kernels = fused_kernels(device.index if device.index is not None else torch.cuda.current_device())
-        vec = 16 if all(b % 16 == 0 and p.data_ptr() % 16 == 0 for p, b in zip(pools, rows)) else 1
         generation = self.view.generation
-        if self._table is None or self._table[0] != generation:
-            cum = np.concatenate([[0], np.cumsum(rows)[:-1]])
-            table = np.stack([[p.data_ptr() for p in pools], rows, cum], axis=1).astype(np.int64)
-            self._table = (generation, self._up(table, device))
-        return kernels, self._table[1], rows, vec
+        kept = self._table                    # (read once: the prefix level's hook may copy too)
+        if kept is not None and kept[0] == generation:
+            return kept[1]
+        mover: tuple[Any, torch.Tensor, list[int], int] | None = None
+        rows = [p[0].numel() * p.element_size() for p in pools]
+        if all(p.stride(0) * p.element_size() == b and p[0].is_contiguous() for p, b in zip(pools, rows)):
+            from ..cuda.driver import CudaError
+            from ..cuda.fused import fused_kernels
+
+            device = pools[0].device
+            try:
+                kernels = fused_kernels(device.index if device.index is not None
+                                        else torch.cuda.current_device())
+            except CudaError:
+                kernels = None
+            if kernels is not None:
+                vec = 16 if all(b % 16 == 0 and p.data_ptr() % 16 == 0 for p, b in zip(pools, rows)) else 1
+                cum = np.concatenate([[0], np.cumsum(rows)[:-1]])
+                table = np.stack([[p.data_ptr() for p in pools], rows, cum], axis=1).astype(np.int64)
+                mover = (kernels, self._up(table, device), rows, vec)
+        self._table = (generation, mover)
+        return mover
+
+    def _move(self, mover: tuple[Any, torch.Tensor, list[int], int], stage: torch.Tensor,
+              stage_rows: int, pool_idx: torch.Tensor, stage_idx: torch.Tensor | None,
+              to_stage: bool) -> None:
+        """One launch of the row mover on the stream: ``len(pool_idx)`` rows of every pool
+        into ``stage`` (a spill's layout of ``stage_rows`` rows) or out of it."""
+        kernels, table, rows, vec = mover
+        assert self.stream is not None
+        if stage.data_ptr() % 16:
+            vec = 1
+        kernels.move_rows(table.data_ptr(), len(rows), rows, stage.data_ptr(), stage_rows,
+                          pool_idx.data_ptr(), 0 if stage_idx is None else stage_idx.data_ptr(),
+                          pool_idx.numel(), to_stage, vec, self.stream.cuda_stream)
 
     def _up(self, a: np.ndarray, device: torch.device) -> torch.Tensor:
         """``a`` on ``device`` without a host wait (through pinned memory, which torch's
@@ -261,10 +284,7 @@ class Spiller:
                 stage = torch.empty(nbytes, dtype=torch.uint8, device=pools[0].device) if cuda else host
                 mover = self._mover(pools)
                 if mover is not None:
-                    kernels, table, rows, vec = mover
-                    assert self.stream is not None
-                    kernels.move_rows(table.data_ptr(), len(rows), rows, stage.data_ptr(), n,
-                                      index.data_ptr(), 0, n, True, vec, self.stream.cuda_stream)
+                    self._move(mover, stage, n, index, None, True)
                 else:
                     for p, part in zip(pools, self._parts(stage, pools, n)):
                         torch.index_select(p, 0, index, out=part)
@@ -313,16 +333,20 @@ class Spiller:
                     events[0].record()
                 pools = self._pools()
                 device = pools[0].device
-                # only the rows of positions [start, end) go up: each pool's slice of them
+                # each position's row in the spill, counted from the first at or past start
                 lo_row, hi_row = np.searchsorted(spill.positions, (start, spill.end))
                 have = np.full(spill.length, -1, dtype=np.int64)
                 have[spill.positions] = np.arange(len(spill.positions)) - lo_row
                 assert spill.host is not None
                 n = len(spill.positions)
-                m = int(hi_row - lo_row)              # the rows that go up: [lo_row, hi_row)
-                if lo_row == 0 and hi_row == n:
-                    stage = spill.host.to(device, non_blocking=True)
-                else:                                 # each pool's slice, packed as a spill of m rows
+                # the rows that go up, [lo_row, hi_row): in one copy of the whole spill when
+                # they are at least half of it (on the host: no copy at all), else each
+                # pool's slice (a copy a pool) packed as a spill of their count
+                m = int(hi_row - lo_row)
+                if 2 * m >= n or not cuda:
+                    stage, m = spill.host.to(device, non_blocking=True), n
+                    have[spill.positions] = np.arange(n)
+                else:
                     stage = torch.empty(m * (spill.nbytes // n), dtype=torch.uint8, device=device)
                     for src_part, dst_part in zip(self._parts(spill.host, pools, n),
                                                   self._parts(stage, pools, m)):
@@ -336,12 +360,8 @@ class Spiller:
                     now = self._pools()                   # (a copy growth moves the pools)
                     mover = self._mover(now)
                     if mover is not None:
-                        kernels, table, sizes, vec = mover
-                        assert self.stream is not None
                         idx = self._up(np.stack([step_cells[some], rows[some]]).astype(np.int64), device)
-                        kernels.move_rows(table.data_ptr(), len(sizes), sizes, stage.data_ptr(), m,
-                                          idx[0].data_ptr(), idx[1].data_ptr(), int(some.sum()),
-                                          False, vec, self.stream.cuda_stream)
+                        self._move(mover, stage, m, idx[0], idx[1], False)
                         return
                     dst = self._up(step_cells[some], device)
                     src = self._up(rows[some], device)

@@ -14,29 +14,41 @@ import cellcache as cc  # noqa: E402
 from ..test_seqstate import LAYERS, feed, kv_at  # noqa: E402
 
 
-def test_a_spill_round_trip_is_bit_exact_in_bf16():
+@pytest.mark.parametrize("growth, kv, clone_at", [
+    ("auto", None, 20), ("auto", None, 50), ("copy", None, 20), ("auto", "fp8_e4m3", 20)])
+def test_a_spill_round_trip_is_bit_exact_in_bf16(growth, kv, clone_at):
+    """Restored past a clone of 20 (the whole spill goes up in one copy) or 50 positions (each
+    pool's slice of the 20 left); with copy growth the pools move part-way through the
+    restore (80 rows at first: a restore step needs more), so its later steps go through a
+    new table of the pools; 8-bit pools move as bytes."""
     from cellcache.cuda.backend import CudaCellCache  # (not at collection: see conftest)
     from cellcache.generate.spill import Spiller
     from cellcache.torch import TorchView
 
-    cfg = cc.CacheConfig(capacity=512, layers=LAYERS, max_write=16, dtype="bfloat16", max_seqs=8)
-    with CudaCellCache(cfg) as cache:
+    cfg = cc.CacheConfig(capacity=512, layers=LAYERS, max_write=16, dtype="bfloat16", max_seqs=8,
+                         initial_capacity=80, kv_dtype=kv)
+    with CudaCellCache(cfg, growth=growth) as cache:
         a = cache.seq_new()
         feed(cache, a, 70, seed=4)
         torch.cuda.synchronize()
         before = {p: [t.cpu() for t in ts] for p, ts in kv_at(cache, a).items()}
-        sp = Spiller(cache, TorchView(cache), 1 << 30)
+        view = TorchView(cache)
+        sp = Spiller(cache, view, 1 << 30)
         spill = sp.take(a, 70)
         assert spill is not None and spill.host[0].is_pinned() and sp.held == spill.nbytes
-        clone = cache.seq_clone(a, 20)            # (a prefix kept elsewhere: restored past it)
+        clone = cache.seq_clone(a, clone_at)      # (a prefix kept elsewhere: restored past it)
         cache.seq_rm(a)
         filler = cache.seq_new()
         feed(cache, filler, 33, seed=5)           # the old cells are taken by another sequence
-        sp.give(spill, clone, 20)
+        moved = cache.pools_generation
+        sp.give(spill, clone, clone_at)
         assert sp.held == 0 and cache.seq_len(clone) == 70
+        assert (cache.pools_generation > moved) == (growth == "copy" and clone_at == 20)
         after = {p: [t.cpu() for t in ts] for p, ts in kv_at(cache, clone).items()}
         assert sorted(after) == sorted(before)
-        assert all(torch.equal(x, y) for p in before for x, y in zip(before[p], after[p]))
+        assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                   for p in before for x, y in zip(before[p], after[p]))
+        assert sp._table is not None and sp._table[1] is not None   # (the row mover ran)
         cache.check_invariants()
 
 
@@ -50,17 +62,21 @@ def _table(pools):
 
 
 @pytest.mark.parametrize("sizes, vecs", [((256, 48, 2048, 16), (16, 1)), ((5, 3, 130), (1,))])
-@pytest.mark.parametrize("units", [None, 1000])
-def test_the_row_mover_gathers_and_scatters_every_pool_in_one_launch(sizes, vecs, units, monkeypatch):
+@pytest.mark.parametrize("units, blocks", [(None, None), (1000, None), (None, 3)])
+def test_the_row_mover_gathers_and_scatters_every_pool_in_one_launch(sizes, vecs, units, blocks,
+                                                                     monkeypatch):
     """FusedKernels.move_rows against index_select / index_copy_ pool by pool: rows of every
     size (16-byte units and bytes), a gather into a packed stage and a scatter of a subset of
     its rows into other cells, rows untouched elsewhere; with ``units`` 1000 the launches go
-    in pieces of a few rows (the kernel's row0)."""
+    in pieces of a few rows (the kernel's row0), with ``blocks`` 3 each thread loops over
+    many units (the grid-stride loop)."""
     from cellcache.cuda import fused
     from cellcache.errors import InvalidArgument
 
     if units is not None:
         monkeypatch.setattr(fused, "_MAX_UNITS", units)
+    if blocks is not None:
+        monkeypatch.setattr(fused, "_MAX_BLOCKS", blocks)
     k = fused.fused_kernels(torch.cuda.current_device())
     stream = torch.cuda.current_stream().cuda_stream
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -88,12 +104,15 @@ def test_the_row_mover_gathers_and_scatters_every_pool_in_one_launch(sizes, vecs
         k.move_rows(table.data_ptr(), len(pools), rows, stage.data_ptr(), n, pairs[0].data_ptr(),
                     pairs[1].data_ptr(), m, False, vec, stream)
         assert all(torch.equal(p, w) for p, w in zip(pools, want))
-    if 16 not in vecs:                            # rows that are not whole 16-byte units
-        before = [p.clone() for p in pools]
-        with pytest.raises(InvalidArgument, match="units of 16"):
-            k.move_rows(table.data_ptr(), len(pools), rows, stage.data_ptr(), n, idx.data_ptr(), 0,
-                        n, False, 16, stream)
-        assert all(torch.equal(p, b) for p, b in zip(pools, before))
+    before = [p.clone() for p in pools]
+    # rows that are not whole 16-byte units, or (rows that are) a stage off 16 bytes
+    refusals = [(stage.data_ptr(), 16, "units of 16")] if 16 not in vecs else \
+        [(stage.data_ptr() + 8, 16, "multiple of 16")]
+    for at, vec, why in refusals:
+        with pytest.raises(InvalidArgument, match=why):
+            k.move_rows(table.data_ptr(), len(pools), rows, at, n, idx.data_ptr(), 0, n, False,
+                        vec, stream)
+    assert all(torch.equal(p, b) for p, b in zip(pools, before))
 
 
 def fused_parts(stage, rows, n):
