@@ -23,10 +23,17 @@
 //   move_rows     to_stage: stage part p row stage_idx[j] = pool p row pool_idx[j]
 //                 else:     pool p row pool_idx[j]       = stage part p row stage_idx[j]
 //                 for j in [0, n) and every pool p; stage_idx null: row row0 + j
+//
+// And the sampler's draw for rows at a temperature alone (cellcache/generate/sampler.py):
+//
+//   sample_rows   token = the first j whose running sum of e_j = expf(x_j / T - max) (in
+//                 double) exceeds u times the row's sum: what softmax -> cumsum ->
+//                 searchsorted computes, in one launch and two reads of the row
 #include "abi.h"
 #include "dtypes.h"
 
 #define THREADS 256
+#define TC_NEG_INF_F __int_as_float(0xff800000)
 
 // x rounded to T and back: where a torch op would have stored a T tensor
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
@@ -218,3 +225,122 @@ __device__ void move_rows(const RowPool* __restrict__ pools, cc_u64 stage, cc_i6
 
 MOVE_ROWS(16, uint4)
 MOVE_ROWS(1, unsigned char)
+
+// grid (slots), SAMPLE_THREADS threads, ceil(V / 128) doubles of dynamic shared memory.
+// Slot s draws from row rows[s] (null: s) of x (float32, row stride sx elements, V columns)
+// at temperature (float)temp[s] with uniform unif[s] in [0, 1):
+//   xr_j = x_j / T (a float32 division, as torch's), m = max xr, e_j = expf(xr_j - m);
+//   out[s] = the first j with e_0 + ... + e_j > u * (e_0 + ... + e_{V-1}), V - 1 when no j
+//   does (a sum rounded) or the row has a NaN or no finite maximum (where torch's softmax
+//   gives NaN and its search runs off the end, clamped to V - 1).
+// The row is read in warp tiles of 128 elements (4 rows of 32, coalesced): a pass for the
+// maximum, a pass for each tile's sum, a scan of the tile sums, then one warp reads the one
+// tile where the running sum crosses u times the total again, element by element.
+#define SAMPLE_THREADS 512
+#define SAMPLE_TILE 128
+
+__device__ __forceinline__ double warp_sum_d(double v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_rows(const float* __restrict__ x, cc_i64 sx, const cc_i64* __restrict__ rows,
+            const double* __restrict__ temp, const double* __restrict__ unif, cc_i64* __restrict__ out,
+            cc_i32 V)
+{
+    extern __shared__ double tile_sum[];
+    __shared__ float s_max[SAMPLE_THREADS / 32];
+    __shared__ double s_part[SAMPLE_THREADS / 32];
+    __shared__ int s_tile;
+    const int s = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const float* xs = x + (rows ? rows[s] : (cc_i64)s) * sx;
+    const float T = (float)temp[s];
+    const int tiles = (V + SAMPLE_TILE - 1) / SAMPLE_TILE;
+
+    // the maximum of x / T, and whether the row has a NaN
+    float m = TC_NEG_INF_F;
+    int nan = 0;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        const float v = __fdiv_rn(xs[j], T);
+        nan |= v != v;
+        m = fmaxf(m, v);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) s_max[warp] = m;
+    nan = __syncthreads_or(nan);
+    m = s_max[0];
+    for (int w = 1; w < warps; ++w) m = fmaxf(m, s_max[w]);
+    if (nan || !(m > TC_NEG_INF_F && m < -TC_NEG_INF_F)) {
+        if (threadIdx.x == 0) out[s] = V - 1;
+        return;
+    }
+
+    // each tile's sum of e (double), a warp a tile
+    for (int t = warp; t < tiles; t += warps) {
+        double acc = 0.0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int j = t * SAMPLE_TILE + k * 32 + lane;
+            if (j < V) acc += (double)expf(__fdiv_rn(xs[j], T) - m);
+        }
+        acc = warp_sum_d(acc);
+        if (lane == 0) tile_sum[t] = acc;
+    }
+    __syncthreads();
+
+    // inclusive prefix sums of the tiles, in place: each thread a run of tiles in order
+    const int per = (tiles + blockDim.x - 1) / blockDim.x;
+    const int t0 = threadIdx.x * per, t1 = min(tiles, t0 + per);
+    double own = 0.0;
+    for (int t = t0; t < t1; ++t) own += tile_sum[t];
+    double inc = own;                                 // inclusive scan of the threads' runs
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const double v = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += v;
+    }
+    if (lane == 31) s_part[warp] = inc;
+    __syncthreads();
+    double before = 0.0;
+    for (int w = 0; w < warp; ++w) before += s_part[w];
+    double run = before + inc - own;                  // the sum of the tiles before t0
+    for (int t = t0; t < t1; ++t) {
+        run += tile_sum[t];
+        tile_sum[t] = run;
+    }
+    if (threadIdx.x == 0) s_tile = tiles;
+    __syncthreads();
+    const double target = unif[s] * tile_sum[tiles - 1];
+    // the first tile whose running sum passes the target (the sums do not decrease)
+    for (int t = t0; t < t1; ++t)
+        if (tile_sum[t] > target && (t == 0 || !(tile_sum[t - 1] > target))) s_tile = t;
+    __syncthreads();
+    const int c = s_tile;
+    if (warp != 0) return;
+    if (c == tiles) {                                 // the total rounded below the target
+        if (lane == 0) out[s] = V - 1;
+        return;
+    }
+    double carry = c > 0 ? tile_sum[c - 1] : 0.0;
+    for (int k = 0; k < 4; ++k) {
+        const int j = c * SAMPLE_TILE + k * 32 + lane;
+        double e = j < V ? (double)expf(__fdiv_rn(xs[j], T) - m) : 0.0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const double v = __shfl_up_sync(0xffffffffu, e, o);
+            if (lane >= o) e += v;
+        }
+        const unsigned hit = __ballot_sync(0xffffffffu, j < V && carry + e > target);
+        if (hit) {
+            if (lane == 0) out[s] = c * SAMPLE_TILE + k * 32 + (__ffs(hit) - 1);
+            return;
+        }
+        carry += __shfl_sync(0xffffffffu, e, 31);
+    }
+    if (lane == 0) out[s] = V - 1;                    // (the tile's own sum rounded lower)
+}

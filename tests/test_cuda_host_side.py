@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,28 @@ def test_driver_for_isa_names_the_cuda_release(isa, cuda):
 def test_driver_for_isa_refuses_an_unknown_isa():
     with pytest.raises(ValueError, match="no known CUDA release for PTX ISA 9.9"):
         load_build_ptx().driver_for_isa("9.9")
+
+
+def test_fused_launches_match_the_kernels_parameters_and_block_sizes():
+    """Every entry of fused.ptx takes, in order, arguments of the sizes its launch packs
+    (cellcache.cuda.fused.FORMATS), and the block sizes the host launches with are the
+    source's #defines (the kernels index by them)."""
+    from cellcache.cuda import fused
+
+    ptx = (ROOT / "cellcache" / "ptx" / "fused.ptx").read_text()
+    entries = re.findall(r"\.entry (\w+)\(\s*(.*?)\)", ptx, re.S)
+    size = {"u64": 8, "s64": 8, "b64": 8, "u32": 4, "s32": 4, "b32": 4, "f32": 4}
+    assert len(entries) > 10
+    for name, params in entries:
+        kind = next(k for k in fused.FORMATS if name.startswith(k))
+        got = [size[t] for t in re.findall(r"\.param \.(\w+) ", params)]
+        want = [struct.calcsize("=" + c) for c in fused.FORMATS[kind].lstrip("=")]
+        assert got == want, name
+    source = (ROOT / "cuda" / "fused.cu").read_text()
+    values = dict(re.findall(r"^#define (\w+) (\d+)$", source, re.M))
+    assert fused.THREADS == int(values["THREADS"])
+    assert fused.SAMPLE_THREADS == int(values["SAMPLE_THREADS"])
+    assert fused.SAMPLE_TILE == int(values["SAMPLE_TILE"])
 
 
 def test_kernel_abi_has_one_source():

@@ -18,7 +18,7 @@ from . import _launch
 from . import driver as drv
 from .driver import check, cu
 
-__all__ = ["DTYPES", "THREADS", "FusedKernels", "fused_kernels", "vector_width"]
+__all__ = ["DTYPES", "SAMPLE_MAX_VOCAB", "THREADS", "FusedKernels", "fused_kernels", "vector_width"]
 
 #: Element dtypes the kernels are built for, and their sizes.
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -55,6 +55,7 @@ class FusedKernels:
                        for v in (1, _VEC[s])}
         self.f_rotary = {d: fn(f"rotary_{d}") for d in DTYPES}
         self.f_move = {v: fn(f"move_rows_v{v}") for v in (1, 16)}
+        self.f_sample = fn("sample_rows")
 
     def make_current(self) -> None:
         """Makes the device's primary context current on this thread (a thread PyTorch has
@@ -74,7 +75,7 @@ class FusedKernels:
         v = vector_width(DTYPES[dtype], hidden, *both)
         if v > 1 and any(a % 16 for a in ((x, w, out, res_in, res_out) if add else (x, w, out))):
             v = 1                            # (the vector loads need 16-byte addresses)
-        args = struct.pack("=QQQQQiqqqqfi", x, res_in, res_out, w, out, hidden, s_x, s_in, s_res,
+        args = struct.pack(FORMATS["add_rms_norm"], x, res_in, res_out, w, out, hidden, s_x, s_in, s_res,
                            s_out, eps, int(add))
         _launch.launch(self.f_norm[dtype, v], (rows, 1, 1), THREADS, 0, stream, args, _NORM_OFFS)
 
@@ -86,7 +87,7 @@ class FusedKernels:
         v = vector_width(DTYPES[dtype], inter, s_gu, s_out)
         if v > 1 and (gu % 16 or out % 16):
             v = 1
-        args = struct.pack("=QQiqq", gu, out, inter, s_gu, s_out)
+        args = struct.pack(FORMATS["silu_mul"], gu, out, inter, s_gu, s_out)
         blocks = -(-inter // (THREADS * v))
         _launch.launch(self.f_silu[dtype, v], (rows, blocks, 1), THREADS, 0, stream, args, _SILU_OFFS)
 
@@ -98,7 +99,7 @@ class FusedKernels:
             raise InvalidArgument(f"rotary embedding over an odd head_dim ({head_dim})")
         if rows == 0:
             return
-        args = struct.pack("=QQQiiqqq", qkv, cos, sin, n_heads, head_dim, s_tok, s_cos, s_sin)
+        args = struct.pack(FORMATS["rotary"], qkv, cos, sin, n_heads, head_dim, s_tok, s_cos, s_sin)
         blocks = -(-n_heads * (head_dim // 2) // THREADS)
         _launch.launch(self.f_rotary[dtype], (rows, blocks, 1), THREADS, 0, stream, args, _ROTARY_OFFS)
 
@@ -134,10 +135,26 @@ class FusedKernels:
             m = min(piece, n - lo)
             blocks = min(-(-m * widest // THREADS), _MAX_BLOCKS)
             # (no stage_idx: the stage's rows follow j from this piece's first, row0)
-            args = struct.pack("=QQqQQqii", pools, stage, stage_rows, pool_idx + 8 * lo,
+            args = struct.pack(FORMATS["move_rows"], pools, stage, stage_rows, pool_idx + 8 * lo,
                                stage_idx + 8 * lo if stage_idx else 0, lo, m, int(to_stage))
             _launch.launch(self.f_move[vec], (blocks, n_pools, 1), THREADS, 0, stream, args,
                            _MOVE_OFFS)
+
+    def sample_rows(self, x: int, sx: int, vocab: int, n: int, rows: int, temp: int, unif: int,
+                    out: int, stream: int) -> None:
+        """Draws ``n`` tokens into ``out`` (int64): slot ``s`` from row ``rows[s]`` (int64;
+        0: row ``s``) of the float32 logits at ``x`` (rows ``sx`` elements apart, ``vocab``
+        wide) at temperature ``temp[s]`` with uniform ``unif[s]`` (both float64): the first
+        id whose running sum of ``exp(x / T - max)`` passes ``u`` times the row's sum (the
+        sampler's formula with neither top-k nor top-p). InvalidArgument for a vocabulary
+        whose tile sums do not fit a block's shared memory (past :data:`SAMPLE_MAX_VOCAB`)."""
+        if n <= 0:
+            return
+        if not 0 < vocab <= SAMPLE_MAX_VOCAB:
+            raise InvalidArgument(f"a vocabulary of {vocab} is outside [1, {SAMPLE_MAX_VOCAB}]")
+        smem = 8 * -(-vocab // SAMPLE_TILE)
+        args = struct.pack(FORMATS["sample_rows"], x, sx, rows, temp, unif, out, vocab)
+        _launch.launch(self.f_sample, (n, 1, 1), SAMPLE_THREADS, smem, stream, args, _SAMPLE_OFFS)
 
     def close(self) -> None:
         if self.module is not None:
@@ -148,17 +165,27 @@ class FusedKernels:
 
 def _offsets(fmt: str) -> tuple[int, ...]:
     out, at = [], 0
-    for c in fmt:
+    for c in fmt.lstrip("="):
         size = struct.calcsize("=" + c)
         out.append(at)
         at += size
     return tuple(out)
 
 
-_NORM_OFFS = _offsets("QQQQQiqqqqfi")
-_SILU_OFFS = _offsets("QQiqq")
-_ROTARY_OFFS = _offsets("QQQiiqqq")
-_MOVE_OFFS = _offsets("QQqQQqii")
+#: Each kernel's arguments as struct formats (standard sizes, no padding: each argument is
+#: handed to the driver by its own address): a CPU test reads the PTX's parameter lists
+FORMATS = {"add_rms_norm": "=QQQQQiqqqqfi", "silu_mul": "=QQiqq", "rotary": "=QQQiiqqq",
+           "move_rows": "=QQqQQqii", "sample_rows": "=QqQQQQi"}
+_NORM_OFFS = _offsets(FORMATS["add_rms_norm"])
+_SILU_OFFS = _offsets(FORMATS["silu_mul"])
+_ROTARY_OFFS = _offsets(FORMATS["rotary"])
+_MOVE_OFFS = _offsets(FORMATS["move_rows"])
+_SAMPLE_OFFS = _offsets(FORMATS["sample_rows"])
+#: sample_rows: threads of its block, elements of a warp's tile (SAMPLE_THREADS and SAMPLE_TILE
+#: in cuda/fused.cu), and the largest vocabulary whose tile sums fit 48 KiB of shared memory
+SAMPLE_THREADS = 512
+SAMPLE_TILE = 128
+SAMPLE_MAX_VOCAB = 48 * 1024 // 8 * SAMPLE_TILE
 #: Most units one move_rows launch indexes (its 32-bit unit index), and most blocks a pool
 #: a launch (a grid-stride loop takes the rest); tests lower both
 _MAX_UNITS = (1 << 31) - 1

@@ -69,9 +69,12 @@ from ..errors import InvalidArgument
 from .plan import SamplerOutput, SampleSpec
 from .readback import Pending, Readback
 
-__all__ = ["LOGPROB_BLOCK", "TEMPERATURE_MAX", "TEMPERATURE_MIN", "TOP_P_MIN", "Draw", "SampleSpec",
+__all__ = ["FUSED_DRAW", "LOGPROB_BLOCK", "TEMPERATURE_MAX", "TEMPERATURE_MIN", "TOP_P_MIN", "Draw", "SampleSpec",
            "Sampler", "SamplerOutput", "uniforms"]
 
+#: On CUDA, slots that sample at a temperature alone (no top-k, top-p or min-p in the step)
+#: draw in one fused launch (:meth:`Sampler._fused_draw`); False: through torch's ops.
+FUSED_DRAW = True
 #: Temperatures below this draw as their limit T -> 0+: top-k 1 at temperature 1 (module
 #: docstring: below it float32's ``x / T`` overflows for ever smaller logits, while the
 #: formula there already draws the limit).
@@ -201,15 +204,17 @@ class Sampler:
                                    or greedy.device != logits.device):
             raise InvalidArgument(f"greedy ids of shape {tuple(greedy.shape)} {greedy.dtype} on "
                                   f"{greedy.device} for logits {tuple(logits.shape)} on {logits.device}")
-        ids = greedy if greedy is not None else torch.argmax(x, dim=-1)
         if spec.any_random():
             temps = np.asarray(spec.temperature, dtype=np.float64)
             rand = np.flatnonzero(temps > 0)
             tok = self._draw(x, spec, rand, temps, None if min_p is None else min_p[rand])
-            if rand.size == n:
+            if rand.size == n:                        # (no greedy slot: no argmax)
                 ids = tok
             else:
+                ids = greedy if greedy is not None else torch.argmax(x, dim=-1)
                 ids = ids.index_copy(0, self._up(rand, torch.int64), tok)
+        else:
+            ids = greedy if greedy is not None else torch.argmax(x, dim=-1)
         out = ids
         if spec.groups:
             out = torch.cat([ids, self._accept(ids, spec)])
@@ -357,6 +362,10 @@ class Sampler:
         has_k = (top_k > 0) & (top_k < V)
         has_p = host[1] < 1.0
         params = self._up(host, torch.float64)
+        if not has_k.any() and not has_p.any() and (min_p is None or min_p.max(initial=0.0) <= 0):
+            tok = self._fused_draw(x, rand, params)
+            if tok is not None:
+                return tok
         xr = x if rand.size == x.shape[0] else x.index_select(0, self._up(rand, torch.int64))
         xr = xr.float() / params[0].float()[:, None]
         if min_p is not None and min_p.max(initial=0.0) > 0:
@@ -380,6 +389,37 @@ class Sampler:
         target = params[2] * cdf[:, -1]
         tok = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
         return tok.clamp_(max=V - 1)
+
+    def _fused_draw(self, x: torch.Tensor, rand: np.ndarray, params: torch.Tensor) -> torch.Tensor | None:
+        """The draws of slots ``rand`` at a temperature alone (``params``: temperature, top_p,
+        u a row, float64 on the device) in one launch of ``sample_rows`` (cuda/fused.cu):
+        the formula of :meth:`_draw` without its softmax, float64 cumulative sum and search
+        over the vocabulary as separate passes (each of them reads or writes ``rows x vocab``
+        floats). None where it does not run: on the host, for logits other than float32 rows
+        of contiguous ids, past its largest vocabulary, with :data:`FUSED_DRAW` off, or where
+        the kernels do not load. Its sums run in another order than torch's softmax and
+        cumulative sum, so a draw can differ from :meth:`_draw`'s torch path only where ``u``
+        times the sum lands within rounding of a boundary between two ids."""
+        if not (FUSED_DRAW and self.cuda and x.dtype == torch.float32 and x.ndim == 2
+                and x.stride(1) == 1):
+            return None
+        from ..cuda.driver import CudaError
+        from ..cuda.fused import SAMPLE_MAX_VOCAB, fused_kernels
+
+        V = x.shape[1]
+        if V > SAMPLE_MAX_VOCAB:
+            return None
+        try:
+            k = fused_kernels(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        except CudaError:
+            return None
+        n = rand.size
+        rows = None if n == x.shape[0] else self._up(rand, torch.int64)
+        tok = torch.empty(n, dtype=torch.int64, device=x.device)
+        k.sample_rows(x.data_ptr(), x.stride(0), V, n, 0 if rows is None else rows.data_ptr(),
+                      params[0].data_ptr(), params[2].data_ptr(), tok.data_ptr(),
+                      torch.cuda.current_stream(x.device).cuda_stream)
+        return tok
 
     def _accept(self, ids: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         """Accepted drafts per verify group: the leading slots whose token is their draft."""

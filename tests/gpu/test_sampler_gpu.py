@@ -234,6 +234,52 @@ def test_extreme_parameters_draw_on_cuda_as_on_the_cpu(dtype):
     assert got[n:].tolist() == alone.tolist()
 
 
+@pytest.mark.parametrize("V, rows", [(300, 40), (151936, 256)])
+def test_temperature_alone_draws_in_one_fused_launch_as_on_the_cpu(V, rows, monkeypatch):
+    """A step whose random slots have no top-k, top-p or min-p draws them with sample_rows
+    (cuda/fused.cu): what the CPU sampler and CUDA's torch path (FUSED_DRAW off) draw, for
+    a vocabulary of a few hundred ids and Qwen2's, greedy slots between the random ones
+    (their rows picked by index), temperatures from 2**-64 to 2**64 and beyond, and rows
+    with a NaN, every entry -inf, or a +inf entry (torch's search runs off the end: the last
+    id). No argmax runs when every slot samples."""
+    from cellcache.cuda import fused
+    from cellcache.generate import sampler as sampler_mod
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn((rows, V), generator=g) * 3
+    logits[1, 17] = torch.nan
+    logits[2] = -torch.inf
+    logits[3, 9] = torch.inf
+    temps = [0.0 if i % 7 == 6 else float(t) for i, t in
+             enumerate(np.exp(np.random.default_rng(1).uniform(-3, 2, rows)))]
+    temps[4], temps[5], temps[8] = 2.0 ** -64, 2.0 ** 64, 1e300
+
+    def spec_of(ts):
+        spec = SampleSpec()
+        for i, t in enumerate(ts):
+            spec.add(i, t, 0, 1.0, 11, 0, i)
+        return spec
+
+    launches = []
+    real = fused.FusedKernels.sample_rows
+    monkeypatch.setattr(fused.FusedKernels, "sample_rows",
+                        lambda self, *a: launches.append(a[3]) or real(self, *a))
+    for ts in (temps, [t if t > 0 else 0.9 for t in temps]):      # with greedy slots, without
+        want = Sampler("cpu")(logits, spec_of(ts)).ids
+        dev = logits.to("cuda:0")
+        got = Sampler("cuda:0")(dev, spec_of(ts)).ids
+        monkeypatch.setattr(sampler_mod, "FUSED_DRAW", False)
+        plain = Sampler("cuda:0")(dev, spec_of(ts)).ids
+        monkeypatch.setattr(sampler_mod, "FUSED_DRAW", True)
+        assert got.tolist() == want.tolist() == plain.tolist()
+        assert got[1] == got[2] == got[3] == V - 1
+    assert launches == [sum(t > 0 for t in temps), rows]
+    argmax = []
+    monkeypatch.setattr(torch, "argmax", lambda *a, **k: argmax.append(1) or torch.max(*a, **k)[1])
+    Sampler("cuda:0")(logits.to("cuda:0"), spec_of([0.9] * rows))
+    assert argmax == []
+
+
 # -- the server knobs (issue 40 §2) -------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_server_knobs_draw_on_cuda_as_on_the_cpu(dtype):
