@@ -69,8 +69,8 @@ from ..errors import InvalidArgument
 from .plan import SamplerOutput, SampleSpec
 from .readback import Pending, Readback
 
-__all__ = ["FUSED_DRAW", "LOGPROB_BLOCK", "TEMPERATURE_MAX", "TEMPERATURE_MIN", "TOP_P_MIN", "Draw", "SampleSpec",
-           "Sampler", "SamplerOutput", "uniforms"]
+__all__ = ["FUSED_DRAW", "LOGPROB_BLOCK", "TEMPERATURE_MAX", "TEMPERATURE_MIN", "TOP_P_MIN", "Draw",
+           "SampleSpec", "Sampler", "SamplerOutput", "uniforms"]
 
 #: On CUDA, slots that sample at a temperature alone (no top-k, top-p or min-p in the step)
 #: draw in one fused launch (:meth:`Sampler._fused_draw`); False: through torch's ops.
