@@ -7,6 +7,11 @@
               ─► op(chunk) for each chunk, at one shape [M, ...] whatever R is
               ─► the real rows of each chunk, concatenated ─► [R, ...]
 
+A linear (``aten::linear``, what the runner's inference-mode forwards reach) runs its chunks
+as one strided-batched GEMM (``bmm`` with the weight broadcast) where a probe found that it
+gives, chunk for chunk, the bits of each chunk's own GEMM; otherwise, and for a chunk count
+met first inside a CUDA graph's capture, chunk by chunk. Its bias is added on its own.
+
 Matrix products and row reductions pick their algorithm by shape: cuBLAS and oneDNN/MKL
 choose tiles, split-K and thread partitions from M (the row count), and torch's reduction
 kernels split a row differently when there are few rows. So a token's logits would depend
@@ -48,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._checks import check_int
 
-__all__ = ["ROWS", "ROW_OPS", "BatchInvariant", "chunk_rows"]
+__all__ = ["MAX_BATCHED_CHUNKS", "ROWS", "ROW_OPS", "BatchInvariant", "batched_gemms", "chunk_rows"]
 
 #: The default fixed row count of every chunked op: a decode step of 256 rows runs
 #: unpadded; a smaller step pays a 256-row GEMM, which costs about what a small one does
@@ -131,11 +136,86 @@ def _rows_of(x: torch.Tensor, fn: Callable[[torch.Tensor], Any], rows: int,
 
 
 def _linear(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
+    # x @ w.T in chunks of rows by the batched GEMM (_gemm_chunks), then the bias added on
+    # its own (an elementwise op: the same whatever the rows)
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    if x.ndim < 1 or w.ndim != 2:
+    if x.ndim < 1 or w.ndim != 2 or x.dtype != w.dtype or x.device != w.device \
+            or x.shape[-1] != w.shape[1] or (bias is not None and not isinstance(bias, torch.Tensor)):
         return func(*args, **kwargs)
-    return _rows_of(x, lambda c: func(c, w, bias), rows, (w.shape[0],))
+    lead = tuple(x.shape[:-1])
+    y = _gemm_chunks(_aligned(x.reshape(-1, x.shape[-1])), w, rows)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, w.shape[0])
+
+
+#: (device, dtype, K, N, the weight's strides and alignment, rows, chunks) -> whether that many
+#: chunks in one strided-batched GEMM give, chunk for chunk, the bits of each chunk's GEMM alone
+_BATCHED: dict[tuple, bool] = {}
+#: The most chunks one batched GEMM takes (more: chunk by chunk)
+MAX_BATCHED_CHUNKS = 64
+
+
+def _gemm_chunks(x: torch.Tensor, w: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x @ w.T`` (``x``: ``[n, K]``, contiguous at an aligned address) as ``c`` chunks of
+    exactly ``rows`` rows (the last padded with zeros), each computed as its own batch-of-one
+    GEMM (``bmm``: a ``gemm`` call at one shape whatever ``n`` is). Where :func:`_batched_ok`
+    found that one strided-batched GEMM over the ``c`` chunks (the weight broadcast, no copy)
+    gives the same bits chunk for chunk, the chunks go in that one launch instead: a prompt
+    chunk of 8192 tokens is then one GEMM a linear, not 32."""
+    n, K = x.shape
+    N = w.shape[0]
+    c = max(1, -(-n // rows))
+    if n != c * rows:
+        padded = x.new_zeros((c * rows, K))
+        padded[:n] = x
+        x = padded
+    x3 = x.view(c, rows, K)
+    wt = w.t().unsqueeze(0)                       # [1, K, N], a view
+    if c == 1:
+        y = torch.bmm(x3, wt)
+    elif _batched_ok(x3, wt, rows):
+        y = torch.bmm(x3, wt.expand(c, K, N))
+    else:
+        y = _one_by_one(x3, wt)
+    return y.view(c * rows, N)[:n]
+
+
+def _one_by_one(x3: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """Each chunk of ``x3`` in a GEMM of its own, at an aligned address (copied where the
+    chunk's offset is not)."""
+    return torch.cat([torch.bmm(_aligned(x3[i:i + 1]), wt) for i in range(x3.shape[0])])
+
+
+def _batched_ok(x3: torch.Tensor, wt: torch.Tensor, rows: int) -> bool:
+    """Whether one strided-batched GEMM over ``x3``'s chunks equals, chunk for chunk, each
+    chunk's own GEMM: decided once per shape and chunk count, on random values (a kernel
+    chosen by the batch count sums in another order, which random values show at once),
+    outside a CUDA graph's capture (during one, an undecided count goes chunk by chunk)."""
+    c, _, K = x3.shape
+    N = wt.shape[2]
+    if c > MAX_BATCHED_CHUNKS:
+        return False
+    dev = x3.device
+    key = (dev.type, dev.index, x3.dtype, K, N, wt.stride(), wt.data_ptr() % 256, rows, c)
+    ok = _BATCHED.get(key)
+    if ok is not None:
+        return ok
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    g = torch.Generator(device=dev).manual_seed(c)
+    probe = torch.randn(x3.shape, generator=g, device=dev, dtype=torch.float32).to(x3.dtype)
+    whole = torch.bmm(probe, wt.expand(c, K, N))
+    ok = _BATCHED[key] = bool(torch.equal(whole, _one_by_one(probe, wt)))
+    return ok
+
+
+def batched_gemms() -> dict[str, int]:
+    """How the chunk counts met so far were decided: ``{"batched": shapes and counts that go
+    in one batched GEMM, "one_by_one": those whose batched GEMM summed otherwise}``."""
+    ok = list(_BATCHED.values())
+    return {"batched": sum(ok), "one_by_one": len(ok) - sum(ok)}
 
 
 def _mm(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:

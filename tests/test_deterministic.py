@@ -277,6 +277,7 @@ def test_bench_det_times_both_modes_on_one_workload(tmp_path):
     res = json.loads(out.read_text())
     assert res["benchmark"] == "deterministic" and res["deterministic_runs_identical"] is True
     assert res["invariant_class"] == "decode" and res["invariant_rows"] == 64
+    assert set(res["linear_gemms"]) == {"batched", "one_by_one"}
     assert bench.main(["--device", "cpu", "--quick", "--model", "llama-tiny", "--requests", "2",
                        "--native", "--json", str(out)]) == 0
     native = json.loads(out.read_text())

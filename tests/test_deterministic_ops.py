@@ -79,6 +79,65 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(data, op):
     torch.testing.assert_close(whole, plain, rtol=1e-5, atol=1e-5)
 
 
+def _gemm_shapes(seen):
+    return [shape for name, shape in seen if name == "aten::bmm"]
+
+
+def test_a_linears_chunks_go_in_one_batched_gemm_where_it_sums_alike(data, monkeypatch):
+    """Inference mode's linear: c chunks of rows in one strided-batched GEMM once a probe
+    found it equal, chunk for chunk, to each chunk's own GEMM (decided once per shape and
+    count); the same rows' bits as one chunk alone and as a forced chunk-by-chunk run."""
+    from cellcache import batch_invariant as bi
+
+    monkeypatch.setattr(bi, "_BATCHED", {})
+    x, w, b = data
+    with torch.inference_mode():
+        below = _Below()
+        with below, BatchInvariant(rows=16, cpu_threads=1):
+            whole = F.linear(x, w, b)                           # 100 rows: 7 chunks
+            again = F.linear(x, w, b)
+            alone = F.linear(x[48:64], w, b)                    # one chunk
+        # the probe (batched, then each chunk alone), the first call, the second, the chunk
+        assert _gemm_shapes(below.seen) == [(7, 16, 96)] + [(1, 16, 96)] * 7 + [(7, 16, 96)] * 2 + \
+            [(1, 16, 96)]
+        assert list(bi._BATCHED.values()) == [True] and bi.batched_gemms() == {"batched": 1, "one_by_one": 0}
+        monkeypatch.setattr(bi, "_batched_ok", lambda *a: False)
+        below = _Below()
+        with below, BatchInvariant(rows=16, cpu_threads=1):
+            apart = F.linear(x, w, b)
+        assert _gemm_shapes(below.seen) == [(1, 16, 96)] * 7
+    assert same_bits(whole, again) and same_bits(whole, apart) and same_bits(whole[48:64], alone)
+    torch.testing.assert_close(whole, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_batched_gemm_that_sums_otherwise_goes_chunk_by_chunk(data, monkeypatch):
+    """A probe that finds the batched GEMM's bits differ from the chunks' own (a stand-in
+    batched kernel that rounds otherwise) keeps that count chunk by chunk, for good: the
+    rows' bits stay those of a chunk alone."""
+    from cellcache import batch_invariant as bi
+
+    monkeypatch.setattr(bi, "_BATCHED", {})
+    real = torch.bmm
+
+    def other_order(a, b):                      # batches of more than one sum otherwise
+        out = real(a, b)
+        return out if a.shape[0] == 1 else out + 1e-3
+
+    monkeypatch.setattr(torch, "bmm", other_order)
+    x, w, _ = data
+    with torch.inference_mode():
+        with BatchInvariant(rows=16, cpu_threads=1):
+            whole = F.linear(x, w)
+            alone = F.linear(x[16:32], w)
+        below = _Below()
+        with below, BatchInvariant(rows=16, cpu_threads=1):
+            again = F.linear(x, w)
+    assert bi.batched_gemms() == {"batched": 0, "one_by_one": 1}
+    assert _gemm_shapes(below.seen) == [(1, 16, 96)] * 7
+    assert same_bits(whole, again) and same_bits(whole[16:32], alone)
+    torch.testing.assert_close(whole, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 def test_rows_alone_in_a_chunk_equal_rows_among_others(data):
     """The slot a row takes in its chunk changes nothing: a row computed alone (slot 0,
     the rest padding) equals the same row at every slot of a full chunk."""
@@ -287,8 +346,8 @@ _REDUCING = ("aten::rms_norm", "aten::layer_norm", "aten::native_layer_norm", "a
 @pytest.mark.parametrize("op", sorted(ROW_REDUCTIONS))
 def test_row_reductions_reach_their_kernels_in_chunks_of_rows(data, op, grad_mode):
     """Every reduction kernel below the mode sees ``rows`` rows whatever the call's row count
-    (the shape is what fixes the kernel's reduction order on CUDA), and a row's bits do not
-    depend on the rows beside it."""
+    (the shape is what fixes the kernel's reduction order on CUDA; a batched GEMM, chunks of
+    ``rows`` rows), and a row's bits do not depend on the rows beside it."""
     x, _, _ = data
     w = torch.linspace(0.5, 1.5, x.shape[1])
     fn = ROW_REDUCTIONS[op]
@@ -302,6 +361,7 @@ def test_row_reductions_reach_their_kernels_in_chunks_of_rows(data, op, grad_mod
     reductions = [(name, shape) for name, shape in below.seen if name in _REDUCING]
     assert reductions, below.seen
     for name, shape in reductions:
-        assert shape[:-1] in ((16,), (1, 16)), (name, shape)
+        assert shape[:-1] in ((16,), (1, 16)) or (name == "aten::bmm" and shape[1:-1] == (16,)), \
+            (name, shape)
     assert same_bits(part, whole[:, 5:9])
     torch.testing.assert_close(whole, plain, rtol=1e-5, atol=1e-5)

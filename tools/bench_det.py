@@ -149,6 +149,8 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
         for name, det, comp in sides:
             log(f"bench_det: run {r + 1}/{args.repeat}, {name}")
             runs[name].append(serve_once(model, prompts, new, w, capacity, det, comp, args.native))
+    from cellcache.batch_invariant import batched_gemms
+
     det_outputs = [run["outputs"] for run in runs["deterministic"]]
     # one run compared with itself proves nothing: None then
     reproducible = all(o == det_outputs[0] for o in det_outputs) if len(det_outputs) > 1 else None
@@ -164,13 +166,17 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
               "invariant_rows": args.rows or 256, "invariant_class": invariant_class,
               "native": bool(args.native),
               "tokens_per_s": med, "deterministic_cost": round(cost, 4), "target_cost": TARGET_COST,
-              "sglang_published_cost": SGLANG_COST, "deterministic_runs_identical": reproducible}
+              "sglang_published_cost": SGLANG_COST, "deterministic_runs_identical": reproducible,
+              "linear_gemms": batched_gemms()}
     print(f"normal {med['normal']:.0f} tok/s, deterministic {med['deterministic']:.0f} tok/s: "
           f"cost {100 * cost:.1f}% (target <= {100 * TARGET_COST:.0f}%; SGLang publishes "
           f"{100 * SGLANG_COST:.0f}% for its deterministic mode)"
           + (f"; normal+compile {med['normal+compile']:.0f} tok/s" if args.normal_compile else "")
           + "; deterministic runs identical: "
           + ("not checked (one run)" if reproducible is None else str(reproducible)))
+    g = result["linear_gemms"]
+    print(f"deterministic linears' chunks: {g['batched']} shape/count pairs in one batched GEMM, "
+          f"{g['one_by_one']} chunk by chunk (their batched GEMM summed otherwise)")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 1 if reproducible is False else 0
