@@ -7,8 +7,9 @@ native forward runs the same arithmetic as
 
     h, res = add_rms_norm(x, res)        residual add + RMSNorm: one launch
     qkv = h @ W_qkv (+ b_qkv)            one GEMM (q, k, v weights as rows of one tensor)
-    rotary_(qkv)                         q and k heads rotated in place: one launch
-    a = attention(q, k, v)               cellcache.torch.attention (writes K/V, reads the cache)
+    rotary_store(qkv)                    q and k heads rotated in place, k and v written into
+                                         the layer's pools at the step's cells: one launch
+    a = attention(q, k, v, write=False)  cellcache.torch.attention (reads the cache)
     x = a @ W_o
     h, res = add_rms_norm(x, res)
     x = silu_mul(h @ W_gate_up) @ W_down one GEMM, one launch, one GEMM
@@ -401,14 +402,17 @@ class NativeLM(torch.nn.Module):
                 q = la.q_norm(qkv[:, :hq].view(T, la.n_q, la.head_dim))
                 k = la.k_norm(qkv[:, hq:hq + hk].view(T, la.n_kv, la.head_dim))
                 qkv = torch.cat((q.reshape(T, hq), k.reshape(T, hk), qkv[:, hq + hk:]), dim=-1)
+            written = False
             if compiling:
                 torch.ops.cellcache.rotary_(qkv, cos, sin, la.n_q + la.n_kv, la.head_dim)
             else:
-                rotary_(qkv, cos, sin, la.n_q + la.n_kv, la.head_dim)
+                written = _rotary_store(la.index, qkv, cos, sin, la.n_q, la.n_kv, la.head_dim)
+                if not written:
+                    rotary_(qkv, cos, sin, la.n_q + la.n_kv, la.head_dim)
             q = qkv[:, :hq].view(T, la.n_q, la.head_dim)
             k = qkv[:, hq:hq + hk].view(T, la.n_kv, la.head_dim)
             v = qkv[:, hq + hk:].view(T, la.n_kv, la.head_dim)
-            a = _attend(la.index, q, k, v, la.scale, compiling)
+            a = _attend(la.index, q, k, v, la.scale, compiling, written)
             x = la.attn.o_proj(a.reshape(T, hq))
             h, res = self._add_norm(x, res, la.post_norm.weight, eps_post, compiling)
             gu = F.linear(h, la.gate_up_w, la.gate_up_b)
@@ -450,9 +454,49 @@ class _Output:
         self.logits = logits
 
 
+#: Eager forwards (and the graphs captured from them) rotate q and k and write K/V into the
+#: pools in one launch (:func:`_rotary_store`) where it takes the layer; False: the rotary
+#: kernel, then cellcache's attention writes K/V (two copies a layer)
+FUSED_KV_WRITE = True
+
+
+def _rotary_store(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int,
+                  n_kv: int, head_dim: int) -> bool:
+    """The rotary embedding of ``qkv``'s q and k heads and the K/V write of ``layer`` into
+    the pools of the step the forward runs, in one launch (``rotary_store`` of
+    cuda/fused.cu); False, with nothing done, where it does not run: outside a step or in
+    attach's probe, on the host, with 8-bit or other-dtype pools, a row count other than the
+    step's, a view whose pools moved inside a capture, or :data:`FUSED_KV_WRITE` off (then
+    the caller rotates and attention writes, as ever)."""
+    cur = cct.FORWARD.get()
+    if not FUSED_KV_WRITE or cur is None or cur.probe is not None or cur.step is None:
+        return False
+    view = cur.view
+    kern = _kernels(qkv)
+    T = qkv.shape[0]
+    if kern is None or view.config.kv8 or T != cur.step.pad_to or cur.step is not view.cache.prepared_step \
+            or not (_rows(qkv) and _rows(cos) and _rows(sin) and qkv.dtype == cos.dtype == sin.dtype) \
+            or qkv.shape[1] != (n_q + 2 * n_kv) * head_dim:
+        return False
+    if view.stale():                              # (attention refreshes it so too)
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        view.refresh()
+    k_pool, v_pool, _ = view.layer(layer)
+    if not (k_pool.dtype == v_pool.dtype == qkv.dtype and k_pool.is_contiguous()
+            and v_pool.is_contiguous() and k_pool.shape[1:] == (n_kv, head_dim)):
+        return False
+    kern.rotary_store(_DTYPES[qkv.dtype], T, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                      view.cells[:T].data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), n_q, n_kv,
+                      head_dim, qkv.stride(0), cos.stride(0), sin.stride(0),
+                      torch.cuda.current_stream(qkv.device).cuda_stream)
+    return True
+
+
 def _attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            compiling: bool) -> torch.Tensor:
-    """Attention of one layer over the step the forward runs (cellcache.hf's context)."""
+            compiling: bool, written: bool = False) -> torch.Tensor:
+    """Attention of one layer over the step the forward runs (cellcache.hf's context);
+    ``written``: its K/V are in the pools already (:func:`_rotary_store`)."""
     if compiling:
         return cct.attention_op(q, k, v, layer, scale)
     cur = cct.FORWARD.get()
@@ -464,7 +508,8 @@ def _attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         cct.check_qkv(cur.view, layer, q, k, v)
         cur.probe.append((layer, None))
         return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).to(q.dtype)
-    return cct.attention(cur.view, layer, q, k, v, step=cur.step, backend=cur.backend, scale=scale)
+    return cct.attention(cur.view, layer, q, k, v, step=cur.step, backend=cur.backend, scale=scale,
+                         write=not written)
 
 
 class NativeAdapter:

@@ -414,7 +414,8 @@ class TorchView:
 
 def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               *, step: Step | None = None, backend: str = "auto",
-              scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float | None = None, out: torch.Tensor | None = None,
+              write: bool = True) -> torch.Tensor:
     """Writes rows ``[0, T)`` of K/V at ``cells[:T]`` and attends every row; returns
     ``[T, n_heads, head_dim]`` (rows past the step's real width are padding: discard them).
     ``out``, when given, receives the result: ``[T, n_heads, head_dim]`` of the pool's dtype.
@@ -442,6 +443,11 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     ``"auto"`` and warn once per cache and shape; a shape no path takes raises
     InvalidArgument.
 
+    ``write=False``: the caller has written rows ``[0, T)`` of K/V at ``cells[:T]`` itself,
+    in the pools' dtype (cellcache.native's fused rotary and K/V write); ``k``/``v`` are
+    then checked for shape only. Refused (InvalidArgument) for 8-bit pools, whose write
+    scales the values.
+
     Every check happens before anything is written: a refused call (InvalidArgument for
     the arguments, InvalidState for the step) leaves the pools as they were. The checks
     read Python attributes only (no device access), so the call can be captured in a graph.
@@ -450,6 +456,10 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     if cfg is None:
         raise InvalidArgument(f"view of type {type(view).__name__} is not a TorchView")
     layer = check_qkv(view, layer, q, k, v)
+    if not isinstance(write, (bool, np.bool_)):
+        raise InvalidArgument(f"write of type {type(write).__name__} is not a bool")
+    if not write and cfg.kv8:
+        raise InvalidArgument("write=False: 8-bit pools are written scaled by attention itself")
     T = q.shape[0]
     current = view.cache.prepared_step
     if current is None:
@@ -478,7 +488,7 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
             raise InvalidState("the pools moved (a copy growth) since the view was built; call "
                                "view.refresh() before capturing a graph")
         view.refresh()
-    return plan.run(layer, q, k, v, scale, out)
+    return plan.run(layer, q, k, v, scale, out, write)
 
 
 @dataclasses.dataclass
@@ -721,17 +731,18 @@ class AttentionPlan:
         return step is self.step and backend == self.backend and MIXED_CAPTURE.get() == self.mixed
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            scale: float | None, out: torch.Tensor | None) -> torch.Tensor:
+            scale: float | None, out: torch.Tensor | None, write: bool = True) -> torch.Tensor:
         """Layer ``layer``'s attention of the step (arguments checked by :func:`attention`):
         its path decided (a refusal raises here, before anything is written), K/V written
-        at ``cells[:T]``, then the path run."""
+        at ``cells[:T]`` (unless ``write`` is False: the caller did), then the path run."""
         view = self.view
         if layer <= self._last_layer:
             self._shared = self._planned = False
         self._last_layer = layer
         k_pool, v_pool, window = view.layer(layer)
         path, qk = self._path(layer, q, k_pool, v_pool, out)
-        view.write_kv(layer, k, v, self.step.width)
+        if write:
+            view.write_kv(layer, k, v, self.step.width)
         if path in ("decode", "prefill", "tc"):
             return self._kernel(layer, path, qk, k_pool, v_pool, window, scale, out)
         if path == "flashinfer":

@@ -8,6 +8,8 @@
 //   silu_mul      out = T(T(silu(gate)) * up), gate and up the two halves of a gate_up row
 //   rotary        q and k heads of a qkv row rotated in place (rotate_half's pairing:
 //                 element j with element j + D/2) by the step's cos and sin rows
+//   rotary_store  the same, and the row's k and v heads written into the layer's K/V pools
+//                 at the step's cell for the row (the attention's K/V write, fused)
 //
 // Every value is rounded to T where transformers' modules round it (each torch op's output
 // is a T tensor), so a forward in T differs from the modules' only by the sum order of the
@@ -142,6 +144,20 @@ __device__ void silu_mul(const T* __restrict__ gu, T* __restrict__ out, cc_i32 i
 // contiguous from the row's start, rotated in place; cos and sin rows are head_dim wide.
 // Products and sums by __fmul_rn/__fadd_rn: never contracted into an fma (float32 rounds
 // each product as torch's ops do; 16-bit types round them to T between anyway)
+// Pair j of head x (elements j and j + half) rotated by token t's cos and sin, into a and b
+template <typename T>
+__device__ __forceinline__ void rotate_pair(const T* x, const T* cos_, const T* sin_, cc_i64 t,
+                                            cc_i32 j, cc_i32 half, cc_i64 s_cos, cc_i64 s_sin,
+                                            T& a, T& b)
+{
+    const float x1 = to_f(x[j]), x2 = to_f(x[j + half]);
+    const float c1 = to_f(cos_[t * s_cos + j]), c2 = to_f(cos_[t * s_cos + j + half]);
+    const float s1 = to_f(sin_[t * s_sin + j]), s2 = to_f(sin_[t * s_sin + j + half]);
+    // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1): each product a T tensor
+    a = from_f<T>(__fadd_rn(rnd<T>(__fmul_rn(x1, c1)), rnd<T>(__fmul_rn(-x2, s1))));
+    b = from_f<T>(__fadd_rn(rnd<T>(__fmul_rn(x2, c2)), rnd<T>(__fmul_rn(x1, s2))));
+}
+
 template <typename T>
 __device__ void rotary(T* __restrict__ qkv, const T* __restrict__ cos_, const T* __restrict__ sin_,
                        cc_i32 n_heads, cc_i32 head_dim, cc_i64 s_tok, cc_i64 s_cos, cc_i64 s_sin)
@@ -152,12 +168,49 @@ __device__ void rotary(T* __restrict__ qkv, const T* __restrict__ cos_, const T*
     if (p >= n_heads * half) return;
     const cc_i32 h = p / half, j = p - h * half;
     T* x = qkv + t * s_tok + (cc_i64)h * head_dim;
-    const float x1 = to_f(x[j]), x2 = to_f(x[j + half]);
-    const float c1 = to_f(cos_[t * s_cos + j]), c2 = to_f(cos_[t * s_cos + j + half]);
-    const float s1 = to_f(sin_[t * s_sin + j]), s2 = to_f(sin_[t * s_sin + j + half]);
-    // q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-q2, q1): each product a T tensor
-    x[j] = from_f<T>(__fadd_rn(rnd<T>(__fmul_rn(x1, c1)), rnd<T>(__fmul_rn(-x2, s1))));
-    x[j + half] = from_f<T>(__fadd_rn(rnd<T>(__fmul_rn(x2, c2)), rnd<T>(__fmul_rn(x1, s2))));
+    T a, b;
+    rotate_pair<T>(x, cos_, sin_, t, j, half, s_cos, s_sin, a, b);
+    x[j] = a;
+    x[j + half] = b;
+}
+
+// grid (tokens, pair blocks): rotary's rotation of token t's q and k heads (n_q, then n_kv,
+// head_dim each from the row's start) in place, the k heads also stored into the K pool at
+// row cells[t], and the v heads (the n_kv after them) copied into the V pool at that row
+// (pools [rows, n_kv, head_dim], contiguous): the K/V write of cellcache.torch's attention
+// in the same launch (a padding row's cell is the sink, as the step buffer says)
+template <typename T>
+__device__ void rotary_store(T* __restrict__ qkv, const T* __restrict__ cos_, const T* __restrict__ sin_,
+                             const cc_i64* __restrict__ cells, T* __restrict__ k_pool,
+                             T* __restrict__ v_pool, cc_i32 n_q, cc_i32 n_kv, cc_i32 head_dim,
+                             cc_i64 s_tok, cc_i64 s_cos, cc_i64 s_sin)
+{
+    const cc_i64 t = blockIdx.x;
+    const cc_i32 half = head_dim >> 1;
+    const cc_i32 p = blockIdx.y * blockDim.x + threadIdx.x;
+    const cc_i32 pairs = (n_q + n_kv) * half;
+    if (p >= pairs + n_kv * half) return;
+    T* row = qkv + t * s_tok;
+    const cc_i64 at = cells[t] * (cc_i64)n_kv * head_dim;
+    if (p >= pairs) {                                 // a pair of a v head: copied
+        const cc_i32 i = p - pairs, h = i / half, j = i - h * half;
+        const T* v = row + (cc_i64)(n_q + n_kv + h) * head_dim;
+        T* dst = v_pool + at + (cc_i64)h * head_dim;
+        dst[j] = v[j];
+        dst[j + half] = v[j + half];
+        return;
+    }
+    const cc_i32 h = p / half, j = p - h * half;
+    T* x = row + (cc_i64)h * head_dim;
+    T a, b;
+    rotate_pair<T>(x, cos_, sin_, t, j, half, s_cos, s_sin, a, b);
+    x[j] = a;
+    x[j + half] = b;
+    if (h >= n_q) {
+        T* dst = k_pool + at + (cc_i64)(h - n_q) * head_dim;
+        dst[j] = a;
+        dst[j + half] = b;
+    }
 }
 
 #define NORM(NAME, T, VEC)                                                                     \
@@ -175,7 +228,13 @@ __device__ void rotary(T* __restrict__ qkv, const T* __restrict__ cos_, const T*
     extern "C" __global__ void __launch_bounds__(THREADS)                                      \
     rotary_##NAME(T* qkv, const T* c, const T* s, cc_i32 n_heads, cc_i32 head_dim,             \
                   cc_i64 s_tok, cc_i64 s_cos, cc_i64 s_sin)                                    \
-    { rotary<T>(qkv, c, s, n_heads, head_dim, s_tok, s_cos, s_sin); }
+    { rotary<T>(qkv, c, s, n_heads, head_dim, s_tok, s_cos, s_sin); }                         \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+    rotary_store_##NAME(T* qkv, const T* c, const T* s, const cc_i64* cells, T* k_pool,        \
+                        T* v_pool, cc_i32 n_q, cc_i32 n_kv, cc_i32 head_dim, cc_i64 s_tok,     \
+                        cc_i64 s_cos, cc_i64 s_sin)                                            \
+    { rotary_store<T>(qkv, c, s, cells, k_pool, v_pool, n_q, n_kv, head_dim, s_tok, s_cos,     \
+                      s_sin); }
 
 NORM(float32, float, 1)
 NORM(float32, float, 4)

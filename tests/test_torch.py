@@ -127,6 +127,7 @@ def _qkv(T, heads=4, kv_heads=2, dim=16, dtype=torch.float32, device="cpu"):
     ("scale negative", cc.InvalidArgument, "scale=-0.5 must be a finite number > 0"),
     ("scale nan", cc.InvalidArgument, "scale=nan must be a finite number > 0"),
     ("scale str", cc.InvalidArgument, "scale of type str is not a number"),
+    ("write str", cc.InvalidArgument, "write of type str is not a bool"),
 ])
 def test_attention_refusals_write_nothing(case, error, match):
     """Every refusal comes before any write: the pools (sink row included), the step buffers
@@ -175,6 +176,8 @@ def test_attention_refusals_write_nothing(case, error, match):
         args.update(out=torch.empty((4, 4, 8)))
     elif case == "not a view":
         args.update(view=cache)
+    elif case == "write str":
+        args.update(write="no")
     elif case.startswith("scale"):
         args.update(scale={"scale 0": 0.0, "scale negative": -0.5, "scale nan": float("nan"),
                            "scale str": "1"}[case])
@@ -198,6 +201,32 @@ def test_attention_accepts_the_prepared_step_by_default_and_converts_kv_to_the_p
     assert torch.equal(by_default, explicit) and _pool_bytes(cache) == pools
     k_pool = cache.layer(1).k
     assert (k_pool[step.cells] == -3.0).all() and (k_pool[cache.sink] == -3.0).all()
+
+
+def test_attention_with_write_false_reads_the_kv_its_caller_wrote():
+    """write=False (cellcache.native's fused rotary and K/V write): nothing is written, and
+    with K/V written at the step's cells beforehand the result is the writing call's; 8-bit
+    pools are refused (their write scales the values) with nothing changed."""
+    cache, step, _ = _refusal_setup()
+    view = cct.TorchView(cache)
+    q, k, v = _qkv(4)
+    k, v = k + torch.arange(4.0)[:, None, None], v - torch.arange(4.0)[:, None, None]
+    pools = _pool_bytes(cache)
+    cct.attention(view, 1, q, k, v, write=False)
+    assert _pool_bytes(cache) == pools                         # nothing written
+    view.write_kv(1, k, v, step.width)                          # as the caller would
+    read = cct.attention(view, 1, q, k * 0, v * 0, write=False)
+    assert torch.equal(read, cct.attention(view, 1, q, k, v))
+
+    kv8 = cc.HostCellCache(cc.CacheConfig(capacity=64, layers=LAYERS, max_write=8, dtype="float32",
+                                          kv_dtype="fp8"))
+    s = kv8.seq_new()
+    kv8.declare_step([s])
+    kv8.prepare_step(pad_to=4)
+    before = _pool_bytes(kv8)
+    with pytest.raises(cc.InvalidArgument, match="8-bit pools are written scaled"):
+        cct.attention(cct.TorchView(kv8), 0, *_qkv(4), write=False)
+    assert _pool_bytes(kv8) == before
 
 
 def test_attention_is_planned_once_a_step_and_every_layer_runs_that_plan():

@@ -54,6 +54,7 @@ class FusedKernels:
         self.f_silu = {(d, v): fn(f"silu_mul_{d}_v{v}") for d, s in DTYPES.items()
                        for v in (1, _VEC[s])}
         self.f_rotary = {d: fn(f"rotary_{d}") for d in DTYPES}
+        self.f_rotary_store = {d: fn(f"rotary_store_{d}") for d in DTYPES}
         self.f_move = {v: fn(f"move_rows_v{v}") for v in (1, 16)}
         self.f_sample = fn("sample_rows")
 
@@ -102,6 +103,23 @@ class FusedKernels:
         args = struct.pack(FORMATS["rotary"], qkv, cos, sin, n_heads, head_dim, s_tok, s_cos, s_sin)
         blocks = -(-n_heads * (head_dim // 2) // THREADS)
         _launch.launch(self.f_rotary[dtype], (rows, blocks, 1), THREADS, 0, stream, args, _ROTARY_OFFS)
+
+    def rotary_store(self, dtype: str, rows: int, qkv: int, cos: int, sin: int, cells: int,
+                     k_pool: int, v_pool: int, n_q: int, n_kv: int, head_dim: int, s_tok: int,
+                     s_cos: int, s_sin: int, stream: int) -> None:
+        """:meth:`rotary` over a row's ``n_q + n_kv`` q and k heads, and the row's k heads
+        (rotated) and the ``n_kv`` v heads after them written at pool row ``cells[r]`` (int64)
+        of ``k_pool`` / ``v_pool`` (``[pool rows, n_kv, head_dim]``, contiguous, ``dtype``):
+        the rotation and the attention's K/V write in one launch."""
+        if head_dim % 2:
+            raise InvalidArgument(f"rotary embedding over an odd head_dim ({head_dim})")
+        if rows == 0:
+            return
+        args = struct.pack(FORMATS["rotary_store"], qkv, cos, sin, cells, k_pool, v_pool, n_q, n_kv,
+                           head_dim, s_tok, s_cos, s_sin)
+        blocks = -(-(n_q + 2 * n_kv) * (head_dim // 2) // THREADS)
+        _launch.launch(self.f_rotary_store[dtype], (rows, blocks, 1), THREADS, 0, stream, args,
+                       _ROTARY_STORE_OFFS)
 
     def move_rows(self, pools: int, n_pools: int, row_bytes: list[int], stage: int,
                   stage_rows: int, pool_idx: int, stage_idx: int, n: int, to_stage: bool,
@@ -174,11 +192,12 @@ def _offsets(fmt: str) -> tuple[int, ...]:
 
 #: Each kernel's arguments as struct formats (standard sizes, no padding: each argument is
 #: handed to the driver by its own address): a CPU test reads the PTX's parameter lists
-FORMATS = {"add_rms_norm": "=QQQQQiqqqqfi", "silu_mul": "=QQiqq", "rotary": "=QQQiiqqq",
-           "move_rows": "=QQqQQqii", "sample_rows": "=QqQQQQi"}
+FORMATS = {"add_rms_norm": "=QQQQQiqqqqfi", "silu_mul": "=QQiqq", "rotary_store": "=QQQQQQiiiqqq",
+           "rotary": "=QQQiiqqq", "move_rows": "=QQqQQqii", "sample_rows": "=QqQQQQi"}
 _NORM_OFFS = _offsets(FORMATS["add_rms_norm"])
 _SILU_OFFS = _offsets(FORMATS["silu_mul"])
 _ROTARY_OFFS = _offsets(FORMATS["rotary"])
+_ROTARY_STORE_OFFS = _offsets(FORMATS["rotary_store"])
 _MOVE_OFFS = _offsets(FORMATS["move_rows"])
 _SAMPLE_OFFS = _offsets(FORMATS["sample_rows"])
 #: sample_rows: threads of its block, elements of a warp's tile (SAMPLE_THREADS and SAMPLE_TILE

@@ -105,6 +105,75 @@ def test_rotary_equals_apply_rotary_pos_emb(dtype, heads, kv, d):
     assert torch.equal(qkv[:, (heads + kv) * d:], v)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv, d", [(14, 2, 64), (32, 8, 128), (8, 1, 256)])
+def test_rotary_store_equals_rotary_then_the_kv_write(dtype, heads, kv, d):
+    """The fused launch: qkv as rotary_ leaves it, and the pools as the attention's K/V
+    write (index_copy_ of the rotated k and of v at the rows' cells) leaves them, bit for
+    bit; cells past a row's own untouched (a padding row's cell is the sink, row 0 here)."""
+    from cellcache.cuda.fused import fused_kernels
+
+    g = torch.Generator(device="cuda").manual_seed(d + heads)
+    T, rows = 37, 300
+    qkv = torch.randn(T, (heads + 2 * kv) * d, device="cuda", generator=g).to(dtype)
+    cos = torch.randn(T, d, device="cuda", generator=g).to(dtype)
+    sin = torch.randn(T, d, device="cuda", generator=g).to(dtype)
+    cells = torch.randperm(rows, device="cuda", generator=g)[:T]
+    cells[-3:] = 0                                 # padding rows: the sink
+    k_pool = torch.randn(rows, kv, d, device="cuda", generator=g).to(dtype)
+    v_pool = torch.randn(rows, kv, d, device="cuda", generator=g).to(dtype)
+    want_qkv = qkv.clone()
+    ccn.rotary_(want_qkv, cos, sin, heads + kv, d)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    hq, hk = heads * d, kv * d
+    want_k[cells[:-3]] = want_qkv[:-3, hq:hq + hk].view(-1, kv, d)
+    want_v[cells[:-3]] = want_qkv[:-3, hq + hk:].view(-1, kv, d)
+    want_k[0] = want_qkv[-1, hq:hq + hk].view(kv, d)           # (the last padding row wins the sink)
+    want_v[0] = want_qkv[-1, hq + hk:].view(kv, d)
+    fused_kernels(0).rotary_store(ccn._DTYPES[dtype], T, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                  cells.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), heads, kv, d,
+                                  qkv.stride(0), cos.stride(0), sin.stride(0),
+                                  torch.cuda.current_stream().cuda_stream)
+    assert torch.equal(qkv, want_qkv)
+    keep = torch.ones(rows, dtype=torch.bool, device="cuda")
+    keep[cells] = False
+    assert torch.equal(k_pool[keep], want_k[keep]) and torch.equal(v_pool[keep], want_v[keep])
+    live = cells[:-3]
+    assert torch.equal(k_pool[live], want_k[live]) and torch.equal(v_pool[live], want_v[live])
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_fused_kv_write_serves_what_the_attentions_write_does(graphs, monkeypatch):
+    """The native forward with its K/V written by the fused rotary launch and with the
+    attention's own write (FUSED_KV_WRITE off): the same seeded tokens (the same K/V, so the
+    same logits), in bf16 with graphs and eager; the fused launch ran only in the first."""
+    from cellcache.cuda import fused
+    from cellcache.generate import Generator, Sampling, random_model
+
+    model = random_model("tiny", torch.bfloat16, "cuda", seed=3)     # (qwen2: biases, a window)
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 500, (int(n),)).tolist() for n in (3, 40, 9, 25)]
+    calls = []
+    real = fused.FusedKernels.rotary_store
+    monkeypatch.setattr(fused.FusedKernels, "rotary_store",
+                        lambda self, *a: calls.append(a[1]) or real(self, *a))
+
+    def serve(on):
+        monkeypatch.setattr(ccn, "FUSED_KV_WRITE", on)
+        gen = Generator(model, capacity=1 << 12, max_seqs=8, prefill_chunk=16, max_batch_tokens=64,
+                        eos=[], native=True, graphs=graphs)
+        gen.warmup()
+        reqs = [gen.add(p, Sampling(max_new_tokens=12, temperature=0.8, seed=i))
+                for i, p in enumerate(prompts)]
+        gen.run()
+        return [r.outputs[0] for r in reqs]
+
+    fused_out = serve(True)
+    assert calls
+    calls.clear()
+    assert serve(False) == fused_out and not calls
+
+
 def test_the_kernels_replay_from_a_graph():
     dtype = torch.bfloat16
     x = torch.randn(64, 896, device="cuda").to(dtype)
