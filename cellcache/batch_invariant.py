@@ -140,9 +140,14 @@ def _linear(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
     # its own (an elementwise op: the same whatever the rows)
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    if x.ndim < 1 or w.ndim != 2 or x.dtype != w.dtype or x.device != w.device \
-            or x.shape[-1] != w.shape[1] or (bias is not None and not isinstance(bias, torch.Tensor)):
+    if x.ndim < 1 or w.ndim != 2:
         return func(*args, **kwargs)
+    if not (type(x) is type(w) is torch.Tensor and x.dtype == w.dtype and x.device == w.device
+            and x.shape[-1] == w.shape[1] and not kwargs.get("out")
+            and (bias is None or (type(bias) is torch.Tensor and bias.dtype == x.dtype
+                                  and bias.device == x.device))):
+        # (a subclass, mixed dtypes or devices: the op itself on each chunk, as it decides)
+        return _rows_of(x, lambda c: func(c, w, bias), rows, (w.shape[0],))
     lead = tuple(x.shape[:-1])
     y = _gemm_chunks(_aligned(x.reshape(-1, x.shape[-1])), w, rows)
     if bias is not None:
@@ -198,17 +203,31 @@ def _batched_ok(x3: torch.Tensor, wt: torch.Tensor, rows: int) -> bool:
     if c > MAX_BATCHED_CHUNKS:
         return False
     dev = x3.device
-    key = (dev.type, dev.index, x3.dtype, K, N, wt.stride(), wt.data_ptr() % 256, rows, c)
+    key = (dev.type, dev.index, x3.dtype, K, N, wt.stride(), wt.data_ptr() % 256, rows, c,
+           _gemm_settings(dev.type))
     ok = _BATCHED.get(key)
     if ok is not None:
         return ok
     if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
     g = torch.Generator(device=dev).manual_seed(c)
-    probe = torch.randn(x3.shape, generator=g, device=dev, dtype=torch.float32).to(x3.dtype)
+    probe = torch.randn(x3.shape, generator=g, device=dev, dtype=x3.dtype)
     whole = torch.bmm(probe, wt.expand(c, K, N))
-    ok = _BATCHED[key] = bool(torch.equal(whole, _one_by_one(probe, wt)))
+    ok = all(torch.equal(whole[i:i + 1], torch.bmm(_aligned(probe[i:i + 1]), wt)) for i in range(c))
+    _BATCHED[key] = ok
     return ok
+
+
+def _gemm_settings(device_type: str) -> tuple:
+    """The process-wide settings a GEMM's kernel choice may follow: TF32 and reduced-precision
+    reductions, the preferred BLAS library on CUDA, the intra-op threads on the CPU (a probe
+    decided under one holds for it alone)."""
+    if device_type == "cuda":
+        m = torch.backends.cuda.matmul
+        return (m.allow_tf32, m.allow_fp16_reduced_precision_reduction,
+                m.allow_bf16_reduced_precision_reduction, str(torch.backends.cuda.preferred_blas_library()),
+                torch.get_float32_matmul_precision())
+    return (torch.get_num_threads(), torch.get_float32_matmul_precision())
 
 
 def batched_gemms() -> dict[str, int]:

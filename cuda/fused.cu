@@ -375,9 +375,10 @@ sample_rows(const float* __restrict__ x, cc_i64 sx, const cc_i64* __restrict__ r
     if (threadIdx.x == 0) s_tile = tiles;
     __syncthreads();
     const double target = unif[s] * tile_sum[tiles - 1];
-    // the first tile whose running sum passes the target (the sums do not decrease)
+    // the first tile whose running sum passes the target (the sums do not decrease but for
+    // rounding where one thread's run of tiles meets the next: the least such tile wins)
     for (int t = t0; t < t1; ++t)
-        if (tile_sum[t] > target && (t == 0 || !(tile_sum[t - 1] > target))) s_tile = t;
+        if (tile_sum[t] > target && (t == 0 || !(tile_sum[t - 1] > target))) atomicMin(&s_tile, t);
     __syncthreads();
     const int c = s_tile;
     if (warp != 0) return;
@@ -386,9 +387,11 @@ sample_rows(const float* __restrict__ x, cc_i64 sx, const cc_i64* __restrict__ r
         return;
     }
     double carry = c > 0 ? tile_sum[c - 1] : 0.0;
+    int last = V - 1;                                 // the tile's last id with e > 0 so far
     for (int k = 0; k < 4; ++k) {
         const int j = c * SAMPLE_TILE + k * 32 + lane;
-        double e = j < V ? (double)expf(__fdiv_rn(xs[j], T) - m) : 0.0;
+        const double own = j < V ? (double)expf(__fdiv_rn(xs[j], T) - m) : 0.0;
+        double e = own;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const double v = __shfl_up_sync(0xffffffffu, e, o);
@@ -399,7 +402,11 @@ sample_rows(const float* __restrict__ x, cc_i64 sx, const cc_i64* __restrict__ r
             if (lane == 0) out[s] = c * SAMPLE_TILE + k * 32 + (__ffs(hit) - 1);
             return;
         }
+        const unsigned some = __ballot_sync(0xffffffffu, own > 0.0);
+        if (some) last = c * SAMPLE_TILE + k * 32 + (31 - __clz(some));
         carry += __shfl_sync(0xffffffffu, e, 31);
     }
-    if (lane == 0) out[s] = V - 1;                    // (the tile's own sum rounded lower)
+    // the tile's own sum rounded below the target its tiles' sums passed: its last id that
+    // has any probability
+    if (lane == 0) out[s] = last;
 }

@@ -47,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--temperature {args.temperature} must be a positive number")
     if args.device == "cuda" and (code := require_gpu("bench_sampler")) is not None:
         return code
+    if args.device == "cuda":
+        from cellcache.cuda.fused import SAMPLE_MAX_VOCAB
+
+        if args.vocab > SAMPLE_MAX_VOCAB:
+            p.error(f"--vocab {args.vocab}: the fused draw takes at most {SAMPLE_MAX_VOCAB} ids")
     import torch
 
     from cellcache.generate import Sampler, SampleSpec

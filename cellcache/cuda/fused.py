@@ -201,10 +201,11 @@ _ROTARY_STORE_OFFS = _offsets(FORMATS["rotary_store"])
 _MOVE_OFFS = _offsets(FORMATS["move_rows"])
 _SAMPLE_OFFS = _offsets(FORMATS["sample_rows"])
 #: sample_rows: threads of its block, elements of a warp's tile (SAMPLE_THREADS and SAMPLE_TILE
-#: in cuda/fused.cu), and the largest vocabulary whose tile sums fit 48 KiB of shared memory
+#: in cuda/fused.cu), and the largest vocabulary whose tile sums fit the 48 KiB of shared
+#: memory a block gets without opting in, beside the kernel's own few hundred bytes
 SAMPLE_THREADS = 512
 SAMPLE_TILE = 128
-SAMPLE_MAX_VOCAB = 48 * 1024 // 8 * SAMPLE_TILE
+SAMPLE_MAX_VOCAB = (48 * 1024 - 1024) // 8 * SAMPLE_TILE
 #: Most units one move_rows launch indexes (its 32-bit unit index), and most blocks a pool
 #: a launch (a grid-stride loop takes the rest); tests lower both
 _MAX_UNITS = (1 << 31) - 1

@@ -361,11 +361,27 @@ class Sampler:
         np.maximum(host[1], TOP_P_MIN, out=host[1])
         has_k = (top_k > 0) & (top_k < V)
         has_p = host[1] < 1.0
+        # a slot at a temperature alone draws through the fused launch wherever it runs,
+        # whatever the other slots ask: a slot's way never depends on the batch
+        plain = ~has_k & ~has_p if min_p is None else ~has_k & ~has_p & ~(min_p > 0)
+        if not plain.any() or self._fused_kernels(x) is None:
+            return self._torch_draw(x, rand, host, top_k, has_k, has_p, min_p)
+        if plain.all():
+            return self._fused_draw(x, rand, self._up(host, torch.float64))
+        a, b = np.flatnonzero(plain), np.flatnonzero(~plain)
+        drawn = torch.cat([
+            self._fused_draw(x, rand[a], self._up(host[:, a], torch.float64)),
+            self._torch_draw(x, rand[b], host[:, b], top_k[b], has_k[b], has_p[b],
+                             None if min_p is None else min_p[b])])
+        return torch.empty_like(drawn).index_copy_(0, self._up(np.concatenate([a, b]), torch.int64), drawn)
+
+    def _torch_draw(self, x: torch.Tensor, rand: np.ndarray, host: np.ndarray, top_k: np.ndarray,
+                    has_k: np.ndarray, has_p: np.ndarray, min_p: np.ndarray | None) -> torch.Tensor:
+        """:meth:`_draw`'s formula through torch's ops for slots ``rand`` (``host``: their
+        clamped temperature, top_p and u rows; ``top_k``, ``has_k``, ``has_p``, ``min_p``
+        theirs)."""
+        V = x.shape[-1]
         params = self._up(host, torch.float64)
-        if not has_k.any() and not has_p.any() and (min_p is None or min_p.max(initial=0.0) <= 0):
-            tok = self._fused_draw(x, rand, params)
-            if tok is not None:
-                return tok
         xr = x if rand.size == x.shape[0] else x.index_select(0, self._up(rand, torch.int64))
         xr = xr.float() / params[0].float()[:, None]
         if min_p is not None and min_p.max(initial=0.0) > 0:
@@ -390,35 +406,45 @@ class Sampler:
         tok = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
         return tok.clamp_(max=V - 1)
 
-    def _fused_draw(self, x: torch.Tensor, rand: np.ndarray, params: torch.Tensor) -> torch.Tensor | None:
-        """The draws of slots ``rand`` at a temperature alone (``params``: temperature, top_p,
-        u a row, float64 on the device) in one launch of ``sample_rows`` (cuda/fused.cu):
-        the formula of :meth:`_draw` without its softmax, float64 cumulative sum and search
-        over the vocabulary as separate passes (each of them reads or writes ``rows x vocab``
-        floats). None where it does not run: on the host, for logits other than float32 rows
-        of contiguous ids, past its largest vocabulary, with :data:`FUSED_DRAW` off, or where
-        the kernels do not load. Its sums run in another order than torch's softmax and
-        cumulative sum, so a draw can differ from :meth:`_draw`'s torch path only where ``u``
-        times the sum lands within rounding of a boundary between two ids."""
+    def _fused_kernels(self, x: torch.Tensor) -> Any:
+        """The fused kernels that draw from ``x`` (:meth:`_fused_draw`), or None where they do
+        not: on the host, for logits other than float32 rows of contiguous ids, past their
+        largest vocabulary, with :data:`FUSED_DRAW` off, or where the kernels do not load.
+        Nothing of it depends on the step's other slots."""
         if not (FUSED_DRAW and self.cuda and x.dtype == torch.float32 and x.ndim == 2
                 and x.stride(1) == 1):
             return None
         from ..cuda.driver import CudaError
         from ..cuda.fused import SAMPLE_MAX_VOCAB, fused_kernels
 
-        V = x.shape[1]
-        if V > SAMPLE_MAX_VOCAB:
+        if x.shape[1] > SAMPLE_MAX_VOCAB:
             return None
         try:
-            k = fused_kernels(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            with torch.cuda.device(x.device):
+                return fused_kernels(torch.cuda.current_device())
         except CudaError:
             return None
+
+    def _fused_draw(self, x: torch.Tensor, rand: np.ndarray, params: torch.Tensor) -> torch.Tensor:
+        """The draws of slots ``rand`` at a temperature alone (``params``: temperature, top_p,
+        u a row, float64 on the device) in one launch of ``sample_rows`` (cuda/fused.cu):
+        the formula of :meth:`_torch_draw` without its softmax, float64 cumulative sum and
+        search over the vocabulary as separate passes (each of them reads or writes ``rows x
+        vocab`` floats). Its sums run in another order (over the unnormalized ``exp``, where
+        torch sums the probabilities rounded to float32), so its draw and torch's differ where
+        ``u`` times the sum lands within rounding of a boundary between two ids (a few in
+        100,000 draws at 152K ids, mostly in the tail); which of the two a slot takes depends
+        only on the slot and the device (:meth:`_fused_kernels`)."""
+        k = self._fused_kernels(x)
+        assert k is not None
         n = rand.size
-        rows = None if n == x.shape[0] else self._up(rand, torch.int64)
+        rows = None if n == x.shape[0] and np.array_equal(rand, np.arange(n)) \
+            else self._up(rand, torch.int64)
         tok = torch.empty(n, dtype=torch.int64, device=x.device)
-        k.sample_rows(x.data_ptr(), x.stride(0), V, n, 0 if rows is None else rows.data_ptr(),
-                      params[0].data_ptr(), params[2].data_ptr(), tok.data_ptr(),
-                      torch.cuda.current_stream(x.device).cuda_stream)
+        with torch.cuda.device(x.device):
+            k.sample_rows(x.data_ptr(), x.stride(0), x.shape[1], n, 0 if rows is None else rows.data_ptr(),
+                          params[0].data_ptr(), params[2].data_ptr(), tok.data_ptr(),
+                          torch.cuda.current_stream(x.device).cuda_stream)
         return tok
 
     def _accept(self, ids: torch.Tensor, spec: SampleSpec) -> torch.Tensor:

@@ -274,10 +274,38 @@ def test_temperature_alone_draws_in_one_fused_launch_as_on_the_cpu(V, rows, monk
         assert got.tolist() == want.tolist() == plain.tolist()
         assert got[1] == got[2] == got[3] == V - 1
     assert launches == [sum(t > 0 for t in temps), rows]
+    # a slot at a temperature alone draws the same beside slots with top-p (torch's ops for
+    # those): its way does not depend on the batch
+    mixed = SampleSpec()
+    for i in range(rows):
+        mixed.add(i, 0.9, 0, 0.9 if i % 3 == 0 else 1.0, 11, 0, i)
+    alone = Sampler("cuda:0")(logits.to("cuda:0"), spec_of([0.9] * rows)).ids
+    beside = Sampler("cuda:0")(logits.to("cuda:0"), mixed).ids
+    plain = [i for i in range(rows) if i % 3]
+    assert beside[plain].tolist() == alone[plain].tolist()
+    assert launches[-2:] == [rows, len(plain)]
     argmax = []
     monkeypatch.setattr(torch, "argmax", lambda *a, **k: argmax.append(1) or torch.max(*a, **k)[1])
     Sampler("cuda:0")(logits.to("cuda:0"), spec_of([0.9] * rows))
     assert argmax == []
+
+
+def test_the_fused_draw_takes_strided_rows_and_its_largest_vocabulary():
+    """Logits whose rows lie further apart than the vocabulary (a slice of a wider tensor),
+    and the largest vocabulary whose tile sums fit a block's shared memory: the CPU
+    sampler's draws; one id past it goes through torch's ops."""
+    from cellcache.cuda.fused import SAMPLE_MAX_VOCAB
+
+    g = torch.Generator().manual_seed(9)
+    for V, width in ((5000, 5003), (SAMPLE_MAX_VOCAB, SAMPLE_MAX_VOCAB), (SAMPLE_MAX_VOCAB + 1,) * 2):
+        wide = torch.randn((4, width), generator=g) * 3
+        logits = wide[:, :V]
+        spec = SampleSpec()
+        for i in range(4):
+            spec.add(i, 0.7, 0, 1.0, 3, 0, i)
+        want = Sampler("cpu")(logits, spec).ids
+        got = Sampler("cuda:0")(wide.to("cuda:0")[:, :V], spec).ids
+        assert got.tolist() == want.tolist(), V
 
 
 # -- the server knobs (issue 40 §2) -------------------------------------------------------------------
