@@ -476,7 +476,8 @@ def _rotary_store(layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.T
     T = qkv.shape[0]
     if kern is None or view.config.kv8 or T != cur.step.pad_to or cur.step is not view.cache.prepared_step \
             or not (_rows(qkv) and _rows(cos) and _rows(sin) and qkv.dtype == cos.dtype == sin.dtype) \
-            or qkv.shape[1] != (n_q + 2 * n_kv) * head_dim:
+            or not qkv.device == cos.device == sin.device == view.device \
+            or qkv.shape[1] != (n_q + 2 * n_kv) * head_dim or n_q % n_kv:
         return False
     if view.stale():                              # (attention refreshes it so too)
         if torch.cuda.is_current_stream_capturing():

@@ -449,8 +449,10 @@ def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     scales the values.
 
     Every check happens before anything is written: a refused call (InvalidArgument for
-    the arguments, InvalidState for the step) leaves the pools as they were. The checks
-    read Python attributes only (no device access), so the call can be captured in a graph.
+    the arguments, InvalidState for the step) leaves the pools as they were (with
+    ``write=False`` the caller's own write came before them: it touched the step's cells
+    only). The checks read Python attributes only (no device access), so the call can be
+    captured in a graph.
     """
     cfg = view.config if isinstance(view, TorchView) else None
     if cfg is None:

@@ -106,19 +106,21 @@ def test_rotary_equals_apply_rotary_pos_emb(dtype, heads, kv, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads, kv, d", [(14, 2, 64), (32, 8, 128), (8, 1, 256)])
-def test_rotary_store_equals_rotary_then_the_kv_write(dtype, heads, kv, d):
+@pytest.mark.parametrize("heads, kv, d, pad", [(14, 2, 64, 0), (32, 8, 128, 0), (8, 1, 256, 0),
+                                               (14, 2, 64, 24)])
+def test_rotary_store_equals_rotary_then_the_kv_write(dtype, heads, kv, d, pad):
     """The fused launch: qkv as rotary_ leaves it, and the pools as the attention's K/V
     write (index_copy_ of the rotated k and of v at the rows' cells) leaves them, bit for
     bit; every other row untouched. Padding rows all write the sink (the last row here),
-    whose content no one reads: which of them lands there is not compared."""
+    whose content no one reads: one of them lands there. ``pad``: rows of qkv, cos and sin
+    that many elements further apart than their width (strided views)."""
     from cellcache.cuda.fused import fused_kernels
 
-    g = torch.Generator(device="cuda").manual_seed(d + heads)
-    T, rows = 37, 300
-    qkv = torch.randn(T, (heads + 2 * kv) * d, device="cuda", generator=g).to(dtype)
-    cos = torch.randn(T, d, device="cuda", generator=g).to(dtype)
-    sin = torch.randn(T, d, device="cuda", generator=g).to(dtype)
+    g = torch.Generator(device="cuda").manual_seed(d + heads + pad)
+    T, rows, W = 37, 300, (heads + 2 * kv) * d
+    qkv = torch.randn(T, W + pad, device="cuda", generator=g).to(dtype)[:, :W]
+    cos = torch.randn(T, d + pad, device="cuda", generator=g).to(dtype)[:, :d]
+    sin = torch.randn(T, d + pad, device="cuda", generator=g).to(dtype)[:, :d]
     cells = torch.randperm(rows - 1, device="cuda", generator=g)[:T]
     cells[-3:] = rows - 1                          # padding rows: the sink
     k_pool = torch.randn(rows, kv, d, device="cuda", generator=g).to(dtype)
@@ -139,6 +141,8 @@ def test_rotary_store_equals_rotary_then_the_kv_write(dtype, heads, kv, d):
     assert torch.equal(k_pool[keep], want_k[keep]) and torch.equal(v_pool[keep], want_v[keep])
     live = cells[:-3]
     assert torch.equal(k_pool[live], want_k[live]) and torch.equal(v_pool[live], want_v[live])
+    padding = [(want_qkv[t, hq:hq + hk].view(kv, d), want_qkv[t, hq + hk:].view(kv, d)) for t in (-3, -2, -1)]
+    assert any(torch.equal(k_pool[-1], pk) and torch.equal(v_pool[-1], pv) for pk, pv in padding)
 
 
 @pytest.mark.parametrize("graphs", [True, False])
@@ -152,25 +156,36 @@ def test_the_fused_kv_write_serves_what_the_attentions_write_does(graphs, monkey
     model = random_model("tiny", torch.bfloat16, "cuda", seed=3)     # (qwen2: biases, a window)
     torch.manual_seed(1)
     prompts = [torch.randint(0, 500, (int(n),)).tolist() for n in (3, 40, 9, 25)]
-    calls = []
+    import cellcache.torch as cct
+
+    calls, writes = [], []
     real = fused.FusedKernels.rotary_store
     monkeypatch.setattr(fused.FusedKernels, "rotary_store",
                         lambda self, *a: calls.append(a[1]) or real(self, *a))
+    real_write = cct.TorchView.write_kv
+    monkeypatch.setattr(cct.TorchView, "write_kv",
+                        lambda self, *a: writes.append(a[0]) or real_write(self, *a))
 
     def serve(on):
         monkeypatch.setattr(ccn, "FUSED_KV_WRITE", on)
         gen = Generator(model, capacity=1 << 12, max_seqs=8, prefill_chunk=16, max_batch_tokens=64,
-                        eos=[], native=True, graphs=graphs)
+                        eos=[], native=True, graphs=graphs, prefix_cache=False)
         gen.warmup()
-        reqs = [gen.add(p, Sampling(max_new_tokens=12, temperature=0.8, seed=i))
+        reqs = [gen.add(p, Sampling(max_new_tokens=12, temperature=0.8 if i % 2 else 0.0, seed=i))
                 for i, p in enumerate(prompts)]
         gen.run()
-        return [r.outputs[0] for r in reqs]
+        torch.cuda.synchronize()
+        view = gen.runner.view
+        rows = gen.cache.rows                       # (the sink, row `rows`, left out)
+        pools = [t[:rows].clone() for i in range(len(gen.cache.config.layers)) for t in view.layer(i)[:2]]
+        return [r.outputs[0] for r in reqs], pools
 
-    fused_out = serve(True)
-    assert calls
+    fused_out, fused_pools = serve(True)
+    assert calls and not writes                     # every layer of every forward fused
     calls.clear()
-    assert serve(False) == fused_out and not calls
+    plain_out, plain_pools = serve(False)
+    assert plain_out == fused_out and not calls and writes
+    assert all(torch.equal(a, b) for a, b in zip(fused_pools, plain_pools))
 
 
 def test_the_kernels_replay_from_a_graph():
