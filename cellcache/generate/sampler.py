@@ -72,8 +72,9 @@ from .readback import Pending, Readback
 __all__ = ["FUSED_DRAW", "LOGPROB_BLOCK", "TEMPERATURE_MAX", "TEMPERATURE_MIN", "TOP_P_MIN", "Draw",
            "SampleSpec", "Sampler", "SamplerOutput", "uniforms"]
 
-#: On CUDA, slots that sample at a temperature alone (no top-k, top-p or min-p in the step)
-#: draw in one fused launch (:meth:`Sampler._fused_draw`); False: through torch's ops.
+#: On CUDA, a slot that samples at a temperature alone (no top-k, top-p or min-p of its own)
+#: draws in one fused launch with the step's others like it (:meth:`Sampler._fused_draw`);
+#: False: through torch's ops.
 FUSED_DRAW = True
 #: Temperatures below this draw as their limit T -> 0+: top-k 1 at temperature 1 (module
 #: docstring: below it float32's ``x / T`` overflows for ever smaller logits, while the
