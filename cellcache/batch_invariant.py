@@ -224,7 +224,7 @@ def _gemm_settings(device_type: str) -> tuple:
     decided under one holds for it alone)."""
     if device_type == "cuda":
         m = torch.backends.cuda.matmul
-        return (m.allow_tf32, m.allow_fp16_reduced_precision_reduction,
+        return (m.allow_tf32, getattr(m, "fp32_precision", None), m.allow_fp16_reduced_precision_reduction,
                 m.allow_bf16_reduced_precision_reduction, str(torch.backends.cuda.preferred_blas_library()),
                 torch.get_float32_matmul_precision())
     return (torch.get_num_threads(), torch.get_float32_matmul_precision())
