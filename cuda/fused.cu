@@ -390,8 +390,8 @@ sample_rows(const float* __restrict__ x, cc_i64 sx, const cc_i64* __restrict__ r
     int last = V - 1;                                 // the tile's last id with e > 0 so far
     for (int k = 0; k < 4; ++k) {
         const int j = c * SAMPLE_TILE + k * 32 + lane;
-        const double own = j < V ? (double)expf(__fdiv_rn(xs[j], T) - m) : 0.0;
-        double e = own;
+        const double ej = j < V ? (double)expf(__fdiv_rn(xs[j], T) - m) : 0.0;
+        double e = ej;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const double v = __shfl_up_sync(0xffffffffu, e, o);
@@ -402,7 +402,7 @@ sample_rows(const float* __restrict__ x, cc_i64 sx, const cc_i64* __restrict__ r
             if (lane == 0) out[s] = c * SAMPLE_TILE + k * 32 + (__ffs(hit) - 1);
             return;
         }
-        const unsigned some = __ballot_sync(0xffffffffu, own > 0.0);
+        const unsigned some = __ballot_sync(0xffffffffu, ej > 0.0);
         if (some) last = c * SAMPLE_TILE + k * 32 + (31 - __clz(some));
         carry += __shfl_sync(0xffffffffu, e, 31);
     }
