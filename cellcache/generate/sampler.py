@@ -370,8 +370,8 @@ class Sampler:
         if plain.all():
             return self._fused_draw(x, rand, self._up(host, torch.float64))
         a, b = np.flatnonzero(plain), np.flatnonzero(~plain)
-        drawn = torch.cat([
-            self._fused_draw(x, rand[a], self._up(host[:, a], torch.float64)),
+        drawn = torch.cat([         # (host[:, a] is column-major: the kernel reads rows of it)
+            self._fused_draw(x, rand[a], self._up(np.ascontiguousarray(host[:, a]), torch.float64)),
             self._torch_draw(x, rand[b], host[:, b], top_k[b], has_k[b], has_p[b],
                              None if min_p is None else min_p[b])])
         return torch.empty_like(drawn).index_copy_(0, self._up(np.concatenate([a, b]), torch.int64), drawn)
@@ -421,8 +421,7 @@ class Sampler:
         if x.shape[1] > SAMPLE_MAX_VOCAB:
             return None
         try:
-            with torch.cuda.device(x.device):
-                return fused_kernels(torch.cuda.current_device())
+            return fused_kernels(x.device.index if x.device.index is not None else 0)
         except CudaError:
             return None
 
@@ -438,6 +437,7 @@ class Sampler:
         only on the slot and the device (:meth:`_fused_kernels`)."""
         k = self._fused_kernels(x)
         assert k is not None
+        params = params.contiguous()                  # (the kernel reads its rows as arrays)
         n = rand.size
         rows = None if n == x.shape[0] and np.array_equal(rand, np.arange(n)) \
             else self._up(rand, torch.int64)

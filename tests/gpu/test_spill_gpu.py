@@ -62,12 +62,12 @@ def _table(pools):
 
 
 @pytest.mark.parametrize("sizes, vecs", [((256, 48, 2048, 16), (16, 1)), ((5, 3, 130), (1,))])
-@pytest.mark.parametrize("units, blocks", [(None, None), (1000, None), (None, 3)])
+@pytest.mark.parametrize("units, blocks", [(None, None), (4096, None), (None, 3)])
 def test_the_row_mover_gathers_and_scatters_every_pool_in_one_launch(sizes, vecs, units, blocks,
                                                                      monkeypatch):
     """FusedKernels.move_rows against index_select / index_copy_ pool by pool: rows of every
     size (16-byte units and bytes), a gather into a packed stage and a scatter of a subset of
-    its rows into other cells, rows untouched elsewhere; with ``units`` 1000 the launches go
+    its rows into other cells, rows untouched elsewhere; with ``units`` 4096 the launches go
     in pieces of a few rows (the kernel's row0), with ``blocks`` 3 each thread loops over
     many units (the grid-stride loop)."""
     from cellcache.cuda import fused
