@@ -142,9 +142,10 @@ def _linear(rows: int, func: Any, args: tuple, kwargs: dict) -> Any:
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     if x.ndim < 1 or w.ndim != 2:
         return func(*args, **kwargs)
-    if not (type(x) is type(w) is torch.Tensor and x.dtype == w.dtype and x.device == w.device
+    plain = (torch.Tensor, torch.nn.Parameter)           # (a weight is a Parameter)
+    if not (type(x) in plain and type(w) in plain and x.dtype == w.dtype and x.device == w.device
             and x.shape[-1] == w.shape[1] and not kwargs.get("out")
-            and (bias is None or (type(bias) is torch.Tensor and bias.dtype == x.dtype
+            and (bias is None or (type(bias) in plain and bias.dtype == x.dtype
                                   and bias.device == x.device))):
         # (a subclass, mixed dtypes or devices: the op itself on each chunk, as it decides)
         return _rows_of(x, lambda c: func(c, w, bias), rows, (w.shape[0],))

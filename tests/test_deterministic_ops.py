@@ -91,6 +91,7 @@ def test_a_linears_chunks_go_in_one_batched_gemm_where_it_sums_alike(data, monke
 
     monkeypatch.setattr(bi, "_BATCHED", {})
     x, w, b = data
+    w, b = torch.nn.Parameter(w, requires_grad=False), torch.nn.Parameter(b, requires_grad=False)
     with torch.inference_mode():
         below = _Below()
         with below, BatchInvariant(rows=16, cpu_threads=1):
