@@ -365,13 +365,14 @@ class Sampler:
         # a slot at a temperature alone draws through the fused launch wherever it runs,
         # whatever the other slots ask: a slot's way never depends on the batch
         plain = ~has_k & ~has_p if min_p is None else ~has_k & ~has_p & ~(min_p > 0)
-        if not plain.any() or self._fused_kernels(x) is None:
+        kern = self._fused_kernels(x) if plain.any() else None
+        if kern is None:
             return self._torch_draw(x, rand, host, top_k, has_k, has_p, min_p)
         if plain.all():
-            return self._fused_draw(x, rand, self._up(host, torch.float64))
+            return self._fused_draw(kern, x, rand, self._up(host, torch.float64))
         a, b = np.flatnonzero(plain), np.flatnonzero(~plain)
         drawn = torch.cat([         # (host[:, a] is column-major: the kernel reads rows of it)
-            self._fused_draw(x, rand[a], self._up(np.ascontiguousarray(host[:, a]), torch.float64)),
+            self._fused_draw(kern, x, rand[a], self._up(np.ascontiguousarray(host[:, a]), torch.float64)),
             self._torch_draw(x, rand[b], host[:, b], top_k[b], has_k[b], has_p[b],
                              None if min_p is None else min_p[b])])
         return torch.empty_like(drawn).index_copy_(0, self._up(np.concatenate([a, b]), torch.int64), drawn)
@@ -425,7 +426,7 @@ class Sampler:
         except CudaError:
             return None
 
-    def _fused_draw(self, x: torch.Tensor, rand: np.ndarray, params: torch.Tensor) -> torch.Tensor:
+    def _fused_draw(self, k: Any, x: torch.Tensor, rand: np.ndarray, params: torch.Tensor) -> torch.Tensor:
         """The draws of slots ``rand`` at a temperature alone (``params``: temperature, top_p,
         u a row, float64 on the device) in one launch of ``sample_rows`` (cuda/fused.cu):
         the formula of :meth:`_torch_draw` without its softmax, float64 cumulative sum and
@@ -434,9 +435,7 @@ class Sampler:
         torch sums the probabilities rounded to float32), so its draw and torch's differ where
         ``u`` times the sum lands within rounding of a boundary between two ids (a few in
         100,000 draws at 152K ids, mostly in the tail); which of the two a slot takes depends
-        only on the slot and the device (:meth:`_fused_kernels`)."""
-        k = self._fused_kernels(x)
-        assert k is not None
+        only on the slot and the device (:meth:`_fused_kernels`, which gives ``k``)."""
         params = params.contiguous()                  # (the kernel reads its rows as arrays)
         n = rand.size
         rows = None if n == x.shape[0] and np.array_equal(rand, np.arange(n)) \
