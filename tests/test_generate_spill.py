@@ -135,7 +135,7 @@ def test_a_restore_failing_in_torch_is_the_librarys_out_of_memory_and_undoes_its
 
     def oom(self, *args):
         calls["n"] += 1
-        if calls["n"] == 5:                           # part way through the second chunk
+        if calls["n"] == 3:                           # part way through the scatter (every step placed)
             raise RuntimeError("CUDA out of memory (injected)")
         return real(self, *args)
 
@@ -144,4 +144,39 @@ def test_a_restore_failing_in_torch_is_the_librarys_out_of_memory_and_undoes_its
         sp.give(spill, b, 10)
     assert cache.seq_len(b) == 10 and cache.free_cells == free and sp.held == 0
     assert cache.table.declared_width == 0 and cache.prepared_step is None
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_a_restore_puts_every_kept_row_back_at_its_position(window):
+    """The rows go in after the last step of the placement: each kept position's K/V
+    equals the spilled one (with windows: only the positions they kept, while the window
+    frees the cells of the first steps placed)."""
+    import cellcache as cc
+    from cellcache.generate.spill import Spiller
+    from cellcache.torch import TorchView
+
+    from .test_seqstate import feed, kv_at
+
+    extra = {} if window is None else {"window": window}
+    layers = (cc.LayerConfig(n_kv_heads=2, head_dim=8, **extra),
+              cc.LayerConfig(n_kv_heads=2, head_dim=8, **extra))
+    cache = cc.HostCellCache(cc.CacheConfig(capacity=96, layers=layers, max_write=16, max_seqs=8))
+    a = cache.seq_new()
+    feed(cache, a, 40, seed=3)
+    before = kv_at(cache, a)
+    sp = Spiller(cache, TorchView(cache), 1 << 20)
+    spill = sp.take(a, 40)
+    assert spill is not None and sorted(before) == spill.positions.tolist()
+    cache.seq_rm(a)
+    filler = cache.seq_new()                       # the freed cells taken: others come back
+    feed(cache, filler, 24, seed=4)
+    b = cache.seq_new()
+    sp.give(spill, b, 0)
+    assert cache.seq_len(b) == 40 and sp.held == 0
+    after = kv_at(cache, b)
+    assert sorted(after) == sorted(before)
+    for pos, rows in before.items():
+        for x, y in zip(rows, after[pos]):
+            assert torch.equal(x, y), pos
     cache.check_invariants()

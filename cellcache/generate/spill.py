@@ -6,12 +6,12 @@
                   on CUDA one launch of the row mover of cuda/fused.cu for all pools)
                   into one staging buffer -> one copy into pinned host memory -> v's
                   cells freed; v waits with its Spill
-    admit v       the prefix cache's hit cloned as usual -> one copy back to the device
-                  (each pool's slice where the hit leaves less than half of the spill) ->
-                  the positions past the hit declared, prepared and committed (max_write
-                  a step), each step's rows scattered into its cells (one launch for all
-                  pools on CUDA); v then feeds only its last token (or the rest of its
-                  prompt)
+    admit v       the prefix cache's hit cloned as usual -> the positions past the hit
+                  declared, prepared and committed (max_write a step), their cells noted
+                  -> one copy back to the device (each pool's slice where the hit leaves
+                  less than half of the spill) -> the rows scattered into the noted cells
+                  (one launch for all pools on CUDA); v then feeds only its last token (or
+                  the rest of its prompt)
 
 A spill is taken only within ``budget`` bytes (the Generator's ``spill_bytes``); past it,
 or when a restore finds no room, the sequence is read again as before. Every copy is
@@ -120,9 +120,10 @@ class Spiller:
     gathered into their part of it, then one device-to-host copy (and back: one
     host-to-device copy, then each pool's part scattered into the cells), so the bytes cross
     the bus in one transfer whatever the number of layers. On CUDA the gather and each
-    step's scatter are one launch for every pool (:meth:`FusedKernels.move_rows`), where a
-    pool-by-pool ``index_select``/``index_copy_`` would launch two kernels a layer and a
-    step, each moving a few hundred KiB.
+    scatter are one launch for every pool (:meth:`FusedKernels.move_rows`), where a
+    pool-by-pool ``index_select``/``index_copy_`` would launch two kernels a layer, each
+    moving a few hundred KiB. A restore places its positions first and moves the rows
+    after the last step, so the copy up and the scatter run back to back on the device.
     """
 
     def __init__(self, cache: CellCache, view: TorchView, budget: int,
@@ -231,8 +232,8 @@ class Spiller:
 
     def settle(self) -> dict[str, float]:
         """Waits for the copies queued so far and returns :attr:`stats` (``spill_s`` and
-        ``restore_s``: device seconds of the copies, gathers and scatters included, and for a
-        restore the placement's own step kernels, on CUDA; host seconds on the host)."""
+        ``restore_s``: on CUDA device seconds from the first copy or gather to the last,
+        queued back to back; host seconds on the host, placing the positions included)."""
         with self._lock:
             self._collect(wait=True)
         return self.stats
@@ -272,10 +273,7 @@ class Spiller:
         t = time.perf_counter()
         cuda = self.view.cuda
         try:
-            events = self._timed("spill_s")
             with torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext():
-                if events is not None:
-                    events[0].record()
                 index = self._up(cells, pools[0].device)
                 if where is not None and self.arena is not None:
                     host = self.arena.slabs[where[0]][where[1]:where[1] + nbytes]
@@ -283,6 +281,11 @@ class Spiller:
                     host = torch.empty(nbytes, dtype=torch.uint8)
                 stage = torch.empty(nbytes, dtype=torch.uint8, device=pools[0].device) if cuda else host
                 mover = self._mover(pools)
+                # timed: the gather and the copy down, queued back to back (what comes before
+                # them is the host's, counted in spill_host_s)
+                events = self._timed("spill_s")
+                if events is not None:
+                    events[0].record()
                 if mover is not None:
                     self._move(mover, stage, n, index, None, True)
                 else:
@@ -327,10 +330,7 @@ class Spiller:
         cache = self.cache
         cuda = self.view.cuda
         try:
-            events = self._timed("restore_s")
             with torch.cuda.stream(self.stream) if cuda else contextlib.nullcontext():
-                if events is not None:
-                    events[0].record()
                 pools = self._pools()
                 device = pools[0].device
                 # each position's row in the spill, counted from the first at or past start
@@ -339,39 +339,54 @@ class Spiller:
                 have[spill.positions] = np.arange(len(spill.positions)) - lo_row
                 assert spill.host is not None
                 n = len(spill.positions)
-                # the rows that go up, [lo_row, hi_row): in one copy of the whole spill when
-                # they are at least half of it (on the host: no copy at all), else each
-                # pool's slice (a copy a pool) packed as a spill of their count
-                m = int(hi_row - lo_row)
-                if 2 * m >= n or not cuda:
-                    stage, m = spill.host.to(device, non_blocking=True), n
-                    have[spill.positions] = np.arange(n)
-                else:
-                    stage = torch.empty(m * (spill.nbytes // n), dtype=torch.uint8, device=device)
-                    for src_part, dst_part in zip(self._parts(spill.host, pools, n),
-                                                  self._parts(stage, pools, m)):
-                        dst_part.copy_(src_part[lo_row:hi_row], non_blocking=True)
+                # the positions placed first, each step's (cell, row) pairs kept: the rows
+                # go in after the last step, so the device moves the bytes back to back
+                # (the copy up, then one scatter) instead of between the steps' host work
+                dst: list[np.ndarray] = []
+                src: list[np.ndarray] = []
 
                 def write(lo: int, w: int, step_cells: np.ndarray) -> None:
                     rows = have[lo:lo + w]
                     some = rows >= 0
-                    if not some.any():
-                        return
-                    now = self._pools()                   # (a copy growth moves the pools)
-                    mover = self._mover(now)
-                    if mover is not None:
-                        idx = self._up(np.stack([step_cells[some], rows[some]]).astype(np.int64), device)
-                        self._move(mover, stage, m, idx[0], idx[1], False)
-                        return
-                    dst = self._up(step_cells[some], device)
-                    src = self._up(rows[some], device)
-                    for p, d in zip(now, self._parts(stage, now, m)):
-                        p.index_copy_(0, dst, d.index_select(0, src))
+                    if some.any():
+                        dst.append(step_cells[some])
+                        src.append(rows[some])
 
-                # a growth's copy is ordered before the writes (the same stream)
+                # a growth's copy is ordered before the rows go in (the same stream)
                 place_positions(cache, sid, start, spill.end, write, self.stream)
-                if events is not None:
-                    events[1].record()
+                if dst:
+                    cells_to = np.concatenate(dst)
+                    rows_from = np.concatenate(src)
+                    # (no cell gets two rows: a kept position is within the windows of the
+                    # spilled length, which the placement never passes, so none is let go
+                    # and its cell taken again before the last step)
+                    # the rows that go up, [lo_row, hi_row): in one copy of the whole spill
+                    # when they are at least half of it (on the host: no copy at all), else
+                    # each pool's slice (a copy a pool) packed as a spill of their count
+                    m = int(hi_row - lo_row)
+                    whole = 2 * m >= n or not cuda
+                    if whole:
+                        rows_from = rows_from + lo_row
+                    now = self._pools()                   # (a growth may have moved the pools)
+                    mover = self._mover(now)
+                    idx = self._up(np.stack([cells_to, rows_from]).astype(np.int64), device)
+                    events = self._timed("restore_s")
+                    if events is not None:
+                        events[0].record()
+                    if whole:
+                        stage, m = spill.host.to(device, non_blocking=True), n
+                    else:
+                        stage = torch.empty(m * (spill.nbytes // n), dtype=torch.uint8, device=device)
+                        for src_part, dst_part in zip(self._parts(spill.host, pools, n),
+                                                      self._parts(stage, pools, m)):
+                            dst_part.copy_(src_part[lo_row:hi_row], non_blocking=True)
+                    if mover is not None:
+                        self._move(mover, stage, m, idx[0], idx[1], False)
+                    else:
+                        for p, d in zip(now, self._parts(stage, now, m)):
+                            p.index_copy_(0, idx[0], d.index_select(0, idx[1]))
+                    if events is not None:
+                        events[1].record()
         except BaseException as e:
             if cache.pos(sid) > start:
                 cache.rewind(sid, start)
