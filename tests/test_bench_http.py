@@ -44,9 +44,15 @@ def test_side_by_side(model_dir, tmp_path, capsys):
     assert split["client_ms"] == pytest.approx(
         split["engine_ms"] + split["pipe_and_loop_ms"] + split["client_and_http_ms"])
     assert split["transport_ms"] > 0 and split["in_process_ms"] > 0
+    # how busy each side's loop was: the server's /metrics, the client processes' own probes
+    for run in ("saturation", "load_0.5"):
+        r = res["http"][run]
+        assert r["server_lag_ms_mean"] >= 0 and r["client_lag_ms_mean"] >= 0, (run, r)
+    assert split["server_lag_ms"] == res["http"]["load_0.5"]["server_lag_ms_mean"]
     printed = capsys.readouterr().out
     assert "saturation: HTTP / in-process throughput" in printed and "50% load: TTFT p50" in printed
     assert "50% load: TTFT mean over HTTP" in printed and "pipe and front end loop" in printed
+    assert "loop lag" in printed
 
 
 def test_the_lean_client_reads_the_same_streams(model_dir, tmp_path):

@@ -241,6 +241,7 @@ def test_metrics_after_requests(server):
     assert m["cellcache_http_time_to_first_token_seconds_sum"] / n > 0
     assert m["cellcache_inter_token_latency_seconds_count"] > 0
     assert m["cellcache_e2e_request_latency_seconds_count"] > 0
+    assert m["cellcache_event_loop_lag_seconds_count"] > 0      # probed since start-up
     assert m["cellcache_generation_tokens_total"] > 0
     assert 0 < m["cellcache_prefix_hit_rate"] <= 1
     assert m["cellcache_kv_cells_capacity"] == 4096

@@ -16,6 +16,8 @@ __all__ = ["CLIENTS", "run_client"]
 
 #: The clients a run may send its requests through.
 CLIENTS = ("openai", "httpx")
+#: How often a client process probes its event loop's lag (seconds; the server's period).
+LAG_PERIOD = 0.01
 
 
 def _chunk(rec: dict[str, Any], n: int, finish: str | None, keep_chunks: bool,
@@ -90,7 +92,8 @@ def run_client(url: str, prompts: list[list[int]], jobs: list[tuple[int, int, fl
                ) -> list[dict[str, Any]]:
     """A client process: each job ``(i, prompt index, offset, leave after N chunks or None)``
     sent at ``t0 + offset`` (wall clock), concurrently, through ``kind`` (:data:`CLIENTS`);
-    their records in job order."""
+    their records in job order, each with ``client_lag_ms``: the mean lag of this process's
+    event loop over the run (a timer due every :data:`LAG_PERIOD` s, how late it ran)."""
     import httpx
 
     async def send(client: Any) -> list[dict[str, Any]]:
@@ -103,7 +106,16 @@ def run_client(url: str, prompts: list[list[int]], jobs: list[tuple[int, int, fl
                                                   kind)))
         return list(await asyncio.gather(*tasks))
 
-    async def main() -> list[dict[str, Any]]:
+    lags: list[float] = []
+
+    async def watch() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LAG_PERIOD
+            await asyncio.sleep(LAG_PERIOD)
+            lags.append(max(0.0, loop.time() - due))
+
+    async def with_client() -> list[dict[str, Any]]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         if kind == "httpx":
             async with httpx.AsyncClient(base_url=url, limits=limits, timeout=3600) as client:
@@ -114,4 +126,17 @@ def run_client(url: str, prompts: list[list[int]], jobs: list[tuple[int, int, fl
                                       http_client=openai.DefaultAsyncHttpxClient(limits=limits)) as client:
             return await send(client)
 
-    return asyncio.run(main())
+    async def main() -> list[dict[str, Any]]:
+        probe = asyncio.get_running_loop().create_task(watch())
+        try:
+            return await with_client()
+        finally:
+            probe.cancel()
+
+    recs = asyncio.run(main())
+    # the process's loop lag over its run, on each of its records: a client busy parsing
+    # other streams' chunks reads a first chunk late by about this much
+    lag = 1e3 * sum(lags) / len(lags) if lags else None
+    for r in recs:
+        r["client_lag_ms"] = lag
+    return recs

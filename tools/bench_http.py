@@ -144,22 +144,23 @@ def summary(tokens: int, seconds: float, ttft: list[float], itl: list[float], **
 #: The server's TTFT histograms a run's mean is read from: the engine's (queued in the engine
 #: to its first token's step applied) and the front end's (the request's handler start to its
 #: first token's chunk on the way out: the engine's, the pipe both ways and the front end's loop).
-TTFT_HISTOGRAMS = {"engine_ttft_ms_mean": "cellcache_time_to_first_token_seconds",
-                   "front_end_ttft_ms_mean": "cellcache_http_time_to_first_token_seconds"}
+SERVER_MEANS = {"engine_ttft_ms_mean": "cellcache_time_to_first_token_seconds",
+                "front_end_ttft_ms_mean": "cellcache_http_time_to_first_token_seconds",
+                "server_lag_ms_mean": "cellcache_event_loop_lag_seconds"}
 
 
-def server_ttft(url: str) -> dict[str, tuple[float, float]]:
-    """The server's TTFT histograms so far (``/metrics``), by the key of
-    :data:`TTFT_HISTOGRAMS`: (sum in seconds, count). A run's mean of one (the difference of
-    two readings) is that part's share of the TTFT a client sees: the engine's, then the
-    front end's (the engine's, the pipe and the loop); the rest of the client's is the client
-    and HTTP."""
+def server_sums(url: str) -> dict[str, tuple[float, float]]:
+    """The server's histograms of :data:`SERVER_MEANS` so far (``/metrics``), by its key:
+    (sum in seconds, count). A run's mean of one (the difference of two readings) places
+    part of the TTFT a client sees: the engine's, then the front end's (the engine's, the
+    pipe and the loop); the rest is the client and HTTP. The front end loop's lag says how
+    busy that loop was (a request's parsing and chunks wait about that long)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    names = {v: k for k, v in TTFT_HISTOGRAMS.items()}
-    out = {k: (0.0, 0.0) for k in TTFT_HISTOGRAMS}
+    names = {v: k for k, v in SERVER_MEANS.items()}
+    out = {k: (0.0, 0.0) for k in SERVER_MEANS}
     for family in text_string_to_metric_families(text):
         key = names.get(family.name)
         if key is None:
@@ -175,13 +176,12 @@ def server_ttft(url: str) -> dict[str, tuple[float, float]]:
 
 
 def measured(url: str, run: Any) -> dict[str, Any]:
-    """``run()``'s :func:`http_summary`, with the server's mean TTFTs over it
-    (``engine_ttft_ms_mean``, ``front_end_ttft_ms_mean``: :func:`server_ttft` before and
-    after)."""
-    before = server_ttft(url)
+    """``run()``'s :func:`http_summary`, with the server's means over it (each key of
+    :data:`SERVER_MEANS`: :func:`server_sums` before and after)."""
+    before = server_sums(url)
     res = run()
-    after = server_ttft(url)
-    for key in TTFT_HISTOGRAMS:
+    after = server_sums(url)
+    for key in SERVER_MEANS:
         (s0, n0), (s1, n1) = before[key], after[key]
         res[key] = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
     return res
@@ -288,6 +288,9 @@ def http_summary(recs: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             itl += [b[0] - a[0] for a, b in zip(r["chunks"], r["chunks"][1:])]
         elif r["n_chunks"] > 1:
             itl.append((r["last"] - r["first"]) / (r["n_chunks"] - 1))
+    lags = [r["client_lag_ms"] for r in recs if r.get("client_lag_ms") is not None]
+    if lags:
+        extra.setdefault("client_lag_ms_mean", sum(lags) / len(lags))
     chunks = sum(r["n_chunks"] for r in ok)
     tokens = sum(r["tokens"] for r in ok)
     end = max((r["end"] for r in recs), default=t0)
@@ -545,6 +548,12 @@ def report(result: dict[str, Any], loads: list[float]) -> int:
                                  client_and_http_ms=mine - front)
                     line += (f" + pipe and front end loop {front - engine:.1f} ms + client and HTTP "
                              f"{mine - front:.1f} ms")
+                lags = {"server": http[half].get("server_lag_ms_mean"),
+                        "client": http[half].get("client_lag_ms_mean")}
+                if None not in lags.values():
+                    split.update(server_lag_ms=lags["server"], client_lag_ms=lags["client"])
+                    line += (f"; loop lag (a timer due every 10 ms, how late it ran, mean): server "
+                             f"{lags['server']:.2f} ms, clients {lags['client']:.2f} ms")
                 else:
                     line += f" + the way in and out {mine - engine:.1f} ms"
                 targets["ttft_mean_split_at_half_load"] = split

@@ -307,9 +307,11 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        watch = asyncio.get_running_loop().create_task(metrics.watch_loop())
         try:
             yield
         finally:
+            watch.cancel()
             await engine.drain(drain_timeout)
             await anyio.to_thread.run_sync(engine.stop)
 

@@ -8,7 +8,9 @@ start), output tokens a second over the last seconds, torch's device memory (CUD
 resident memory of the process that steps the generator, the front end's own resident memory
 and CPU time. Counters: prompt, cached and
 generated tokens, requests by finish reason, HTTP errors by status. Histograms, observed when
-a request ends: time to first token, inter-token latency, end-to-end latency (seconds).
+a request ends: time to first token, inter-token latency, end-to-end latency (seconds); and
+the front end's event loop lag (how late a timer due every 10 ms ran: a busy loop delays
+every request's parsing and every chunk, which no request's own histogram shows).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+#: How often the front end's loop is probed for lag (seconds).
+LAG_PERIOD = 0.01
 
 
 class _EngineCollector(Collector):
@@ -103,6 +108,20 @@ class Metrics:
         self.finished = Counter("cellcache_request_finished", "Continuations ended, by reason",
                                 ["reason"], registry=r)
         self.errors = Counter("cellcache_http_errors", "Error responses, by status", ["status"], registry=r)
+        self.loop_lag = Histogram("cellcache_event_loop_lag_seconds",
+                                  "How late the front end's event loop ran a timer (sampled every 10 ms)",
+                                  buckets=LAG_BUCKETS, registry=r)
+
+    async def watch_loop(self, period: float = LAG_PERIOD) -> None:
+        """Observes the running loop's lag every ``period`` seconds until cancelled: a sleep
+        of ``period`` that ends late by the time the loop was busy with other callbacks."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + period
+            await asyncio.sleep(period)
+            self.loop_lag.observe(max(0.0, loop.time() - due))
 
     def observe(self, req: Any) -> None:
         """Records an ended request: TTFT, every inter-token gap, end-to-end, its reasons."""
