@@ -172,6 +172,78 @@ def test_the_front_end_never_blocks_on_a_full_pipe():
     assert got[n] == ("stop",)
 
 
+@pytest.mark.parametrize("big", [False, True])
+def test_messages_arriving_in_pieces_on_a_non_blocking_pipe_are_read_whole(big):
+    """uvloop makes a descriptor it watches non-blocking: a step message that comes in
+    pieces is read as far as it came, dispatched once whole, and the engine is not taken
+    for gone; the end of the pipe still is."""
+    import multiprocessing
+    import os
+    import select
+    import threading
+
+    parent, child = multiprocessing.Pipe()
+    engine, (a,) = client_with_streams(1)
+    engine._conn = parent
+    os.set_blocking(parent.fileno(), False)
+    text = "x" * (1 << 20) if big else ""                  # past a pipe's buffer: many reads
+    first = process._frame(("step", [(1, "token", 0, 7, text, None, None)], [1], {"running": 1}))
+    second = process._frame(("step", [(1, "token", 0, 8, "", None, None)], [1], {"running": 1}))
+    cut = 6                                                # the length and a byte of the pickle
+    pieces = [first[:cut], first[cut:] + second[:3], second[3:]]
+    sent = [threading.Event() for _ in pieces]
+    go = [threading.Event() for _ in pieces]
+    closing = threading.Event()
+
+    def write() -> None:                                   # gives up after 10 s: never hangs
+        out = child.fileno()
+        for data, ready, done in zip(pieces, go, sent):
+            if not ready.wait(10):
+                return
+            view = memoryview(data)
+            while view:
+                if not select.select([], [out], [], 10)[1]:
+                    return
+                view = view[os.write(out, view):]
+            done.set()
+        if closing.wait(10):
+            child.close()
+
+    async def until(what, seconds: float = 10.0) -> bool:
+        end = time.monotonic() + seconds
+        while not what() and time.monotonic() < end:
+            await asyncio.sleep(0.005)
+        return bool(what())
+
+    tokens: list = []
+
+    def took(n: int) -> bool:
+        tokens.extend(t for k, t in drained(a) if k == "token")
+        return len(tokens) >= n
+
+    async def main() -> list:
+        engine.start()
+        go[0].set()
+        await until(sent[0].is_set)
+        await asyncio.sleep(0.05)                          # read as far as it came
+        seen = [took(1), engine._lost]
+        go[1].set()
+        seen.append(await until(lambda: took(1)))
+        go[2].set()
+        seen += [await until(lambda: took(2)), engine._lost]
+        closing.set()
+        seen.append(await until(lambda: engine._lost is not None))
+        return seen
+
+    os.set_blocking(child.fileno(), False)
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    seen = asyncio.run(main())
+    assert seen == [False, None, True, True, None, True], seen
+    assert tokens == [7, 8]
+    assert [k for k, _ in drained(a)] == ["error", "done"]   # the pipe's end: its streams end
+
+
 def test_a_new_streams_first_token_wakes_its_client_before_the_running_ones():
     engine, (a, b, c) = client_with_streams(3)
     woke: list[int] = []

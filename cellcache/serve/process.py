@@ -386,6 +386,26 @@ def _frame(msg: Any) -> bytes:
     return (struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + data
 
 
+def _unframe(buf: bytearray) -> list[Any]:
+    """The whole messages at the start of ``buf`` (as :func:`_frame` writes them), taken out
+    of it; a message not whole yet stays."""
+    out, at = [], 0
+    while len(buf) - at >= 4:
+        (n,) = struct.unpack_from("!i", buf, at)
+        head = 4
+        if n == -1:
+            if len(buf) - at < 12:
+                break
+            (n,) = struct.unpack_from("!Q", buf, at + 4)
+            head = 12
+        if len(buf) - at - head < n:
+            break
+        out.append(ForkingPickler.loads(buf[at + head:at + head + n]))
+        at += head + n
+    del buf[:at]
+    return out
+
+
 def _unpicklable(msg: Any) -> Any:
     """What replaces a message that could not be pickled: every stream it spoke of ends with
     an error (a "step" message), or the request it answered is refused (an "added" one)."""
@@ -448,6 +468,7 @@ class EngineClient:
         self._conn: Any = None
         self._sock: socket.socket | None = None      # the pipe's end again, for writes that never block
         self._out = bytearray()                      # what the loop could not write yet
+        self._in = bytearray()                       # what the loop read of a message not whole yet
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -600,6 +621,7 @@ class EngineClient:
             else:
                 with self._send_lock:
                     sock = self._socket()
+                    sock.setblocking(True)           # (a loop that watched it may have left it not)
                     sock.sendall(bytes(self._out) + data)
                     self._out.clear()
         except (OSError, ValueError):
@@ -650,23 +672,34 @@ class EngineClient:
             self._loop.remove_writer(self._socket().fileno())
 
     def _readable(self) -> None:
-        """On the loop: every message the pipe holds, each dispatched."""
-        conn = self._conn
+        """On the loop: what the pipe holds now, read without waiting (a message not whole
+        yet stays in ``_in`` until its rest comes), each whole message dispatched. The pipe's
+        descriptor may be non-blocking: uvloop (libuv) makes a descriptor it watches so, and
+        then ``Connection.recv`` would fail half-way through a message."""
+        sock = self._socket()
+        ended = False
         try:
-            while conn.poll():
-                msg = conn.recv()
-                if msg[0] == "step":
-                    self._last_message = time.monotonic()
-                if msg[0] == "stopped":
+            while True:
+                data = sock.recv(1 << 20, socket.MSG_DONTWAIT)
+                if not data:
+                    ended = True
                     break
-                self._dispatch(msg)
-            else:
-                return
-        except (EOFError, OSError):
+                self._in += data
+        except BlockingIOError:
             pass
-        assert self._loop is not None
-        self._loop.remove_reader(conn.fileno())
-        self._gone()
+        except OSError:
+            ended = True
+        for msg in _unframe(self._in):
+            if msg[0] == "stopped":
+                ended = True
+                break
+            if msg[0] == "step":
+                self._last_message = time.monotonic()
+            self._dispatch(msg)
+        if ended:
+            assert self._loop is not None
+            self._loop.remove_reader(self._conn.fileno())
+            self._gone()
 
     def _gone(self) -> None:
         """The engine process ended (or was asked to): every live stream ends with an error
