@@ -676,9 +676,9 @@ class EngineClient:
         yet stays in ``_in`` until its rest comes), each whole message dispatched. The pipe's
         descriptor may be non-blocking: uvloop (libuv) makes a descriptor it watches so, and
         then ``Connection.recv`` would fail half-way through a message."""
-        sock = self._socket()
         ended = False
         try:
+            sock = self._socket()
             while True:
                 data = sock.recv(1 << 20, socket.MSG_DONTWAIT)
                 if not data:
