@@ -244,6 +244,42 @@ def test_messages_arriving_in_pieces_on_a_non_blocking_pipe_are_read_whole(big):
     assert [k for k, _ in drained(a)] == ["error", "done"]   # the pipe's end: its streams end
 
 
+class _Unpicklable(Exception):
+    """Pickles, but does not unpickle (its two arguments are not what it pickled)."""
+
+    def __init__(self, a, b):
+        super().__init__(a)
+
+
+def test_a_message_that_fails_is_lost_alone(monkeypatch, caplog):
+    """A message that does not unpickle, or whose dispatch raises, is logged and skipped:
+    the messages before and after it are dispatched and nothing stays behind in the buffer."""
+    import multiprocessing
+    import os
+
+    parent, child = multiprocessing.Pipe()
+    engine, (a,) = client_with_streams(1)
+    engine._conn = parent
+    os.set_blocking(parent.fileno(), False)
+    step = lambda token: process._frame(("step", [(1, "token", 0, token, "", None, None)], [1], {}))  # noqa: E731
+    real = engine._dispatch
+
+    def dispatch(msg):
+        if msg[0] == "step" and msg[1][0][3] == 8:
+            raise RuntimeError("injected")
+        real(msg)
+
+    monkeypatch.setattr(engine, "_dispatch", dispatch)
+    bad = process._frame(("step", _Unpicklable(1, 2)))
+    child.send_bytes(b"")                                  # (an empty frame: skipped as well)
+    os.write(child.fileno(), step(7) + bad + step(8) + step(9))
+    with caplog.at_level(logging.ERROR, logger="cellcache.serve"):
+        engine._readable()
+    assert [t for k, t in drained(a) if k == "token"] == [7, 9]
+    assert "could not be unpickled" in caplog.text and "failed in the front end" in caplog.text
+    assert engine._in == bytearray() and engine._lost is None
+
+
 def test_a_new_streams_first_token_wakes_its_client_before_the_running_ones():
     engine, (a, b, c) = client_with_streams(3)
     woke: list[int] = []

@@ -132,7 +132,9 @@ class Spiller:
         self.held = 0
         self._lock = threading.Lock()     # held and the arena: the prefix level's hook may copy
         self.arena = PinnedArena(budget) if view.cuda else None
-        #: the stream every copy is queued on (the runner's: in order with the forwards)
+        #: the stream every copy is queued on (the runner's: in order with the forwards; a
+        #: restore's scatter lands after its placement's commits, so a forward on another
+        #: stream would not be ordered after it)
         self.stream = (stream or torch.cuda.current_stream(view.device)) if view.cuda else None
         self._timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._table: tuple[int, Any] | None = None    # (view generation, _mover's answer)

@@ -70,6 +70,9 @@ START_SCAN = 1024
 #: end says so in its log (once a stall) and /health fails: a step takes milliseconds, a long
 #: prefill seconds.
 STALL_WARNING = 30.0
+#: The front end reads at most this many MiB of the pipe before it dispatches what came and
+#: lets the loop go on (the rest stays readable).
+READ_CHUNKS = 16
 
 #: The exceptions a control (sleep, wake) may answer with, by name, raised again in the front end.
 _ERRORS: dict[str, type[Exception]] = {"InvalidArgument": InvalidArgument, "InvalidState": InvalidState,
@@ -388,7 +391,7 @@ def _frame(msg: Any) -> bytes:
 
 def _unframe(buf: bytearray) -> list[Any]:
     """The whole messages at the start of ``buf`` (as :func:`_frame` writes them), taken out
-    of it; a message not whole yet stays."""
+    of it; a message not whole yet stays, one that does not unpickle is logged and skipped."""
     out, at = [], 0
     while len(buf) - at >= 4:
         (n,) = struct.unpack_from("!i", buf, at)
@@ -400,7 +403,10 @@ def _unframe(buf: bytearray) -> list[Any]:
             head = 12
         if len(buf) - at - head < n:
             break
-        out.append(ForkingPickler.loads(buf[at + head:at + head + n]))
+        try:
+            out.append(ForkingPickler.loads(buf[at + head:at + head + n]))
+        except Exception:                # (one message lost, not the pipe: the rest still read)
+            log.exception("a message from the engine process could not be unpickled")
         at += head + n
     del buf[:at]
     return out
@@ -600,8 +606,9 @@ class EngineClient:
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join(5)
-        if self._sock is not None:
-            self._sock.close()
+        loop = self._loop
+        if self._sock is not None and not (loop is not None and loop.is_running()):
+            self._sock.close()                       # (with a loop running its reader closes it)
 
     def _send(self, msg: Any) -> None:
         """``msg`` to the engine process. On the loop it never blocks: what the pipe does not
@@ -646,6 +653,8 @@ class EngineClient:
             self._loop.add_writer(self._socket().fileno(), self._writable)
 
     def _write_soon(self, data: bytes) -> None:
+        if self._lost is not None:                   # (handed over before the engine was gone)
+            return
         try:
             self._write(data)
         except OSError:
@@ -679,7 +688,7 @@ class EngineClient:
         ended = False
         try:
             sock = self._socket()
-            while True:
+            for _ in range(READ_CHUNKS):           # (then the loop's other work: the rest stays readable)
                 data = sock.recv(1 << 20, socket.MSG_DONTWAIT)
                 if not data:
                     ended = True
@@ -695,7 +704,10 @@ class EngineClient:
                 break
             if msg[0] == "step":
                 self._last_message = time.monotonic()
-            self._dispatch(msg)
+            try:
+                self._dispatch(msg)
+            except Exception:                      # (the messages after it still dispatched)
+                log.exception("an engine message (%r) failed in the front end", msg[0])
         if ended:
             assert self._loop is not None
             self._loop.remove_reader(self._conn.fileno())
@@ -706,10 +718,13 @@ class EngineClient:
         unless it was stopped."""
         code = None if self._process is None else self._process.exitcode
         self._lost = "the engine process exited" + ("" if code is None else f" (code {code})")
-        if self._out:
-            self._out.clear()
-            if self._loop is not None:
-                self._loop.remove_writer(self._socket().fileno())
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            # (on the loop's thread: its writer goes before its descriptor, as uvloop needs)
+            if self._out and self._loop is not None and sock.fileno() >= 0:
+                self._loop.remove_writer(sock.fileno())
+            sock.close()
+        self._out.clear()
         if not self._stopping:
             log.error("%s", self._lost)
         for rid, stream in list(self._streams.items()):
