@@ -16,7 +16,10 @@
    the bottleneck. TTFT: send to the first chunk with a token; ITL: gaps between chunks
    with tokens (a chunk may carry several when the client falls behind: ``tokens_per_chunk``).
 3. The table: throughput, TTFT and ITL p50/p99 side by side, the HTTP/in-process ratios, and
-   the issue's targets (saturation >= 0.9x; TTFT p50 within 10 ms at 50% load).
+   the issue's targets (saturation >= 0.9x; TTFT p50 within 10 ms at 50% load), then where
+   the 50% load TTFT mean went: the engine's, the pipe and the front end's loop, the client
+   and HTTP (the server's histograms over the run), and how busy each side's event loop was
+   (the server's ``cellcache_event_loop_lag_seconds``, the client processes' own probes).
 
 ``--soak MINUTES``: only the server, Poisson arrivals at ``--load`` of the rate measured at
 saturation (or ``--rate``), each request dropped by its client after a random number of chunks
