@@ -26,9 +26,11 @@ def test_a_smoke_run_times_every_case(bs, tmp_path, capsys):
     assert set(res["cases"]) == {"greedy", "temperature, fused draw", "temperature, torch's ops",
                                  "temperature and top-p 0.9"}
     assert all(c["ms_median"] >= c["ms_min"] > 0 for c in res["cases"].values())
+    # the host's share: the launch alone, within the whole step on the CPU
+    assert all(0 < c["host_us_median"] <= 1e3 * c["ms_median"] * 1.5 for c in res["cases"].values())
     assert res["passed"] is True and res["fused_vs_torch_differing_slots"] == 0
     printed = capsys.readouterr().out
-    assert "ms a step" in printed and "0 of 8 slots differ (ok)" in printed
+    assert "ms a step" in printed and "host us" in printed and "0 of 8 slots differ (ok)" in printed
 
 
 def test_draws_that_differ_fail_the_run(bs, tmp_path, monkeypatch, capsys):

@@ -11,8 +11,11 @@ temperature alone through the fused draw (``sample_rows``), the same through tor
 
 Each case launches ``Sampler.launch`` on the same float32 logits ``--reps`` times after a
 warm-up and reads the median (CUDA: events around each launch, on the sampler's stream; CPU:
-the wall clock of the launch and its result). It prints a table (ms a step, and each case
-against the fused draw) and writes JSON (``--json``; default
+the wall clock of the launch and its result), and the host's time in the launch itself (the
+wall clock until ``launch`` returns, before its result is waited for: what a generator's
+``sample`` phase costs the host a step; each slot its own seed and continuation index, as
+a request with ``n`` continuations draws). It prints a table (ms a step, and each case
+against the fused draw, host µs a launch) and writes JSON (``--json``; default
 ``benchmarks/results/sampler.json``, ``sampler-cpu.json`` on the CPU). The fused and torch
 draws are compared id for id first: the run fails (exit 1) when they differ in more than
 one slot in a thousand (a draw may move only where ``u`` times the sum lands within
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     def spec_of(temperature: float, top_p: float) -> SampleSpec:
         spec = SampleSpec()
         for i in range(args.rows):
-            spec.add(i, temperature, 0, top_p, args.seed, 0, i)
+            spec.add(i, temperature, 0, top_p, args.seed + i // 16, i % 16, 100)
         return spec
 
     cases: list[tuple[str, float, float, bool]] = [
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"[sampler] {name}")
         spec = spec_of(t, top_p)
         draw(spec, fused)                                    # warm-up
-        times = []
+        times, host = [], []
         for _ in range(args.reps):
             sampler_mod.FUSED_DRAW = fused
             try:
@@ -103,24 +106,30 @@ def main(argv: list[str] | None = None) -> int:
                     stream = torch.cuda.current_stream()
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record(stream)
+                    t0 = time.perf_counter()
                     pending = sampler.launch(logits, spec)
+                    host.append(1e6 * (time.perf_counter() - t0))
                     end.record(stream)
                     pending.result()
                     end.synchronize()
                     times.append(start.elapsed_time(end))
                 else:
                     t0 = time.perf_counter()
-                    sampler.launch(logits, spec).result()
+                    pending = sampler.launch(logits, spec)
+                    host.append(1e6 * (time.perf_counter() - t0))
+                    pending.result()
                     times.append(1e3 * (time.perf_counter() - t0))
             finally:
                 sampler_mod.FUSED_DRAW = True
-        res["cases"][name] = {"ms_median": statistics.median(times), "ms_min": min(times)}
+        res["cases"][name] = {"ms_median": statistics.median(times), "ms_min": min(times),
+                              "host_us_median": statistics.median(host)}
     base = res["cases"]["temperature, fused draw"]["ms_median"]
     print(f"sampler, {args.rows} rows x {args.vocab:,} ids, float32 logits, {res['device']}; "
           f"median of {args.reps}")
-    print(f"{'case':<28} {'ms a step':>10} {'/ fused':>8}")
+    print(f"{'case':<28} {'ms a step':>10} {'/ fused':>8} {'host us':>8}")
     for name, c in res["cases"].items():
-        print(f"{name:<28} {c['ms_median']:>10.3f} {c['ms_median'] / base:>7.2f}x")
+        ratio = c["ms_median"] / base
+        print(f"{name:<28} {c['ms_median']:>10.3f} {ratio:>7.2f}x {c['host_us_median']:>8.0f}")
     ok = differ <= max(0, args.rows // 1000)
     print(f"fused and torch's draws: {differ} of {args.rows} slots differ ({'ok' if ok else 'FAILED'})")
     res["passed"] = ok
