@@ -149,9 +149,9 @@ def test_a_restore_failing_in_torch_is_the_librarys_out_of_memory_and_undoes_its
 
 @pytest.mark.parametrize("window", [None, 12])
 def test_a_restore_puts_every_kept_row_back_at_its_position(window):
-    """The rows go in after the last step of the placement: each kept position's K/V
-    equals the spilled one (with windows: only the positions they kept, while the window
-    frees the cells of the first steps placed)."""
+    """The rows go in after the last step of the placement: each position's K/V equals
+    the spilled one, placed after another sequence took cells it left,
+    with and without sliding-window layers."""
     import cellcache as cc
     from cellcache.generate.spill import Spiller
     from cellcache.torch import TorchView

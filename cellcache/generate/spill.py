@@ -359,9 +359,8 @@ class Spiller:
                 if dst:
                     cells_to = np.concatenate(dst)
                     rows_from = np.concatenate(src)
-                    # (no cell gets two rows: a kept position is within the windows of the
-                    # spilled length, which the placement never passes, so none is let go
-                    # and its cell taken again before the last step)
+                    # (no cell gets two rows: a placement only takes cells, and windows
+                    # mask positions without freeing them, so every noted cell is distinct)
                     # the rows that go up, [lo_row, hi_row): in one copy of the whole spill
                     # when they are at least half of it (on the host: no copy at all), else
                     # each pool's slice (a copy a pool) packed as a spill of their count
