@@ -374,3 +374,86 @@ def test_huge_temperatures_draw_uniformly_over_the_kept_tokens(dtype):
         kept = np.flatnonzero(freq)
         assert len(kept) == support and np.isfinite(f[r, kept].numpy()).all()
         assert np.abs(freq[kept] / m - 1 / support).max() < 4 * np.sqrt(1 / support / m), freq[kept]
+
+
+# -- the slots' parameters kept from one spec to the next ------------------------------------
+
+def steady_specs(first, steps):
+    """Specs as a steady decode plans them: each shares the one before's lists and moves its
+    positions on by one, as an int64 array."""
+    out = [first]
+    for _ in range(steps - 1):
+        prev = out[-1]
+        out.append(SampleSpec(rows=prev.rows, temperature=prev.temperature, top_k=prev.top_k,
+                              top_p=prev.top_p, seed=prev.seed, index=prev.index,
+                              position=np.add(prev.position, 1), draft=prev.draft,
+                              dense=len(prev.rows), random=True))
+    return out
+
+
+def mixed_spec(n):
+    """Greedy, plain-temperature, top-k, top-p and extreme slots side by side, each its own key."""
+    kinds = [(0.0, 0, 1.0), (0.8, 0, 1.0), (1.2, 5, 1.0), (0.6, 0, 0.7), (1e-30, 0, 1.0),
+             (1e30, 3, 1.0), (0.9, 0, 1e-30)]
+    spec = SampleSpec()
+    for i in range(n):
+        t, k, p = kinds[i % len(kinds)]
+        spec.add(i, t, k, p, 11 + i // 4, i % 4, 5 + i)
+    return spec
+
+
+def test_steady_specs_sharing_lists_draw_what_fresh_specs_draw():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn((14, V), generator=g) * 3
+    kept = Sampler("cpu")
+    for spec in steady_specs(mixed_spec(14), 5):
+        fresh = SampleSpec()
+        for i in range(len(spec)):
+            fresh.add(spec.rows[i], spec.temperature[i], spec.top_k[i], spec.top_p[i], spec.seed[i],
+                      spec.index[i], int(spec.position[i]))
+        got = kept(logits, spec).ids
+        assert got.tolist() == Sampler("cpu")(logits, fresh).ids.tolist() == unclamped_or_greedy(logits, fresh)
+
+
+def unclamped_or_greedy(logits, spec):
+    """Each slot's token by :func:`unclamped` for ordinary parameters, argmax for greedy
+    slots, and the limits (module docstring of the sampler) for the extreme ones."""
+    out = []
+    for i in range(len(spec)):
+        t, k, p = spec.temperature[i], spec.top_k[i], spec.top_p[i]
+        one = SampleSpec()
+        if t == 0:
+            out.append(int(torch.argmax(logits[spec.rows[i]])))
+            continue
+        if t < 2.0 ** -64 or p < 2.0 ** -64:     # the top logit (ties: drawn among them)
+            t, k, p = 1.0, 1, 1.0
+        t = min(t, 2.0 ** 64)
+        one.add(spec.rows[i], t, k, p, spec.seed[i], spec.index[i], spec.position[i])
+        out.append(unclamped(logits, one)[0])
+    return out
+
+
+def test_a_list_changed_in_place_is_drawn_with_its_new_values():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn((8, V), generator=g) * 3
+    spec = mixed_spec(8)
+    sampler = Sampler("cpu")
+    sampler(logits, spec)
+    for name, slot, value in [("temperature", 1, 0.0), ("temperature", 0, 2.5), ("top_k", 1, 1),
+                              ("top_p", 3, 1.0), ("seed", 2, 99), ("index", 3, 7)]:
+        getattr(spec, name)[slot] = value
+        assert sampler(logits, spec).ids.tolist() == Sampler("cpu")(logits, spec).ids.tolist() \
+            == unclamped_or_greedy(logits, spec), name
+
+
+def test_the_same_lists_over_another_vocabulary_are_clamped_for_it():
+    spec = SampleSpec()
+    for i in range(16):                           # top-k 40: all of 40 ids, a cut of 64
+        spec.add(i, 100.0, 40, 1.0, 5, i, 0)
+    sampler = Sampler("cpu")
+    for vocab in (40, 64):
+        logits = torch.randn((16, vocab), generator=torch.Generator().manual_seed(vocab)) * 3
+        got = sampler(logits, spec).ids
+        assert got.tolist() == Sampler("cpu")(logits, spec).ids.tolist()
+        kth = torch.topk(logits, min(40, vocab), dim=-1).values[:, -1]
+        assert (logits[torch.arange(16), torch.as_tensor(got)] >= kth).all()

@@ -789,6 +789,8 @@ class BaseScheduler:
         spec = plan.spec
         spec.random = random
         if random:                             # the sampler reads every slot's parameters
+            position = spec.position
+            assert isinstance(position, list)  # (a new plan's)
             for s in rows:
                 req = s.job.req
                 sp = req.sampling
@@ -797,7 +799,7 @@ class BaseScheduler:
                 spec.top_p.append(sp.top_p)
                 spec.seed.append(sp.seed if sp.seed is not None else req.id)
                 spec.index.append(s.index)
-                spec.position.append(len(req.outputs[s.index]) + ahead)
+                position.append(len(req.outputs[s.index]) + ahead)
                 spec.draft.append(-1)
         if knobs:                              # the server knobs' slots: slot i is row i
             for i, s in enumerate(rows):

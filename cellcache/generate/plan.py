@@ -48,7 +48,8 @@ class SampleSpec:
     top_p: list[float] = field(default_factory=list)
     seed: list[int] = field(default_factory=list)
     index: list[int] = field(default_factory=list)
-    position: list[int] = field(default_factory=list)
+    #: (a steady decode's plan made from the one before: an int64 array, one step further)
+    position: list[int] | np.ndarray = field(default_factory=list)
     draft: list[int] = field(default_factory=list)
     groups: list[tuple[int, int]] = field(default_factory=list)
     #: set by a caller that knows: slot i draws from row i for ``dense`` rows (None: look)
@@ -75,7 +76,10 @@ class SampleSpec:
         self.top_p.append(top_p)
         self.seed.append(seed)
         self.index.append(index)
-        self.position.append(position)
+        pos = self.position
+        if not isinstance(pos, list):
+            pos = self.position = pos.tolist()
+        pos.append(position)
         self.draft.append(draft)
         return len(self.rows) - 1
 

@@ -112,8 +112,68 @@ def uniforms(seed: Any, index: Any, position: Any) -> np.ndarray:
         s = np.asarray(seed, dtype=np.uint64)
         k = np.asarray(index, dtype=np.uint64)
         t = np.asarray(position, dtype=np.uint64)
-        h = _mix(_mix(_mix(s) ^ k) ^ t)
+        h = _mix(_key(s, k) ^ t)
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def _key(seed: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The part of :func:`uniforms`' hash that does not depend on the position (uint64
+    arrays in, wrapping arithmetic): a slot's is the same at every step of its sequence."""
+    return _mix(_mix(seed) ^ index)
+
+
+def _uniforms_at(key: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """:func:`uniforms` from :func:`_key`'s value and the positions (bit for bit)."""
+    with np.errstate(over="ignore"):
+        h = _mix(key ^ np.asarray(position, dtype=np.uint64))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+class _Params:
+    """What a spec's random slots draw with, apart from their positions: built from its
+    lists once and kept while the next spec's lists hold the same values (a steady decode's
+    plans share them: only the positions move on), so a step converts one list, not six.
+
+    ``rand``: the slots with temperature > 0; ``key``: their :func:`_key`; ``base``: their
+    clamped temperature and top_p rows (module docstring); ``top_k``, ``has_k``, ``has_p``:
+    theirs after the clamps."""
+
+    __slots__ = ("lists", "vocab", "rand", "key", "base", "top_k", "has_k", "has_p")
+
+    def __init__(self, spec: SampleSpec, V: int):
+        self.lists = (list(spec.temperature), list(spec.top_k), list(spec.top_p), list(spec.seed),
+                      list(spec.index))
+        self.vocab = V
+        temps = np.asarray(spec.temperature, dtype=np.float64)
+        rand = self.rand = np.flatnonzero(temps > 0)
+        top_k = np.asarray(spec.top_k, dtype=np.int64)[rand]
+        with np.errstate(over="ignore"):
+            self.key = _key(np.asarray(spec.seed, dtype=np.uint64)[rand],
+                            np.asarray(spec.index, dtype=np.uint64)[rand])
+        base = np.stack([temps[rand], np.asarray(spec.top_p, dtype=np.float64)[rand]])
+        if base[0].min(initial=np.inf) < TEMPERATURE_MIN:   # T -> 0+: the top logit, ties kept
+            cold = base[0] < TEMPERATURE_MIN
+            base[0, cold] = 1.0
+            top_k = np.where(cold, 1, top_k)
+        if base[1].min(initial=1.0) < TOP_P_MIN:      # the top logit alone, at any temperature
+            top_k = np.where(base[1] < TOP_P_MIN, 1, top_k)
+        np.minimum(base[0], TEMPERATURE_MAX, out=base[0])
+        np.maximum(base[1], TOP_P_MIN, out=base[1])
+        self.base, self.top_k = base, top_k
+        self.has_k = (top_k > 0) & (top_k < V)
+        self.has_p = base[1] < 1.0
+
+    def holds(self, spec: SampleSpec, V: int) -> bool:
+        """Whether ``spec``'s lists hold the values these were built from, for logits of
+        ``V`` ids (list equality: a few microseconds for the same objects, which a steady
+        decode's plans share; a list changed in place compares unequal)."""
+        if V != self.vocab:
+            return False
+        for now, then in zip((spec.temperature, spec.top_k, spec.top_p, spec.seed, spec.index),
+                             self.lists):
+            if type(now) is not list or now != then:
+                return False
+        return True
 
 
 class Sampler:
@@ -142,6 +202,7 @@ class Sampler:
         # greedy ids, slots, the ids' device address); the same three objects again (a
         # steady decode step), the spec still saying so, skip the checks for the copy
         self._fast: tuple[SampleSpec, torch.Tensor, torch.Tensor, int, int] | None = None
+        self._params: _Params | None = None           # the last spec's, kept while they hold
 
     @property
     def stream(self) -> Any:
@@ -206,9 +267,11 @@ class Sampler:
             raise InvalidArgument(f"greedy ids of shape {tuple(greedy.shape)} {greedy.dtype} on "
                                   f"{greedy.device} for logits {tuple(logits.shape)} on {logits.device}")
         if spec.any_random():
-            temps = np.asarray(spec.temperature, dtype=np.float64)
-            rand = np.flatnonzero(temps > 0)
-            tok = self._draw(x, spec, rand, temps, None if min_p is None else min_p[rand])
+            params = self._params
+            if params is None or not params.holds(spec, x.shape[-1]):
+                params = self._params = _Params(spec, x.shape[-1])
+            rand = params.rand
+            tok = self._draw(x, spec, params, None if min_p is None else min_p[rand])
             if rand.size == n:                        # (no greedy slot: no argmax)
                 ids = tok
             else:
@@ -340,28 +403,17 @@ class Sampler:
             parts += [torch.cat(tops_i), torch.cat(tops_v).double().view(torch.int64)]
         return torch.cat(parts), (len(spec.groups), L, k)
 
-    def _draw(self, x: torch.Tensor, spec: SampleSpec, rand: np.ndarray, temps: np.ndarray,
+    def _draw(self, x: torch.Tensor, spec: SampleSpec, params: _Params,
               min_p: np.ndarray | None = None) -> torch.Tensor:
-        """Tokens of the random slots ``rand`` (host indexes into the spec), their
-        parameters clamped to what float32 computes as the limit (module docstring);
-        ``min_p`` (of the ``rand`` slots, None: none) masks, after temperature, every token
-        whose probability is below min_p times the largest."""
-        V = x.shape[-1]
-        top_k = np.asarray(spec.top_k, dtype=np.int64)[rand]
-        u = uniforms(np.asarray(spec.seed, dtype=np.uint64)[rand], np.asarray(spec.index)[rand],
-                     np.asarray(spec.position)[rand])
+        """Tokens of the random slots ``params.rand`` (host indexes into the spec), with the
+        parameters :class:`_Params` clamped to what float32 computes as the limit (module
+        docstring); ``min_p`` (of the ``rand`` slots, None: none) masks, after temperature,
+        every token whose probability is below min_p times the largest."""
+        rand, top_k, has_k, has_p = params.rand, params.top_k, params.has_k, params.has_p
         # every float parameter, uploaded at once: temperature, top_p, u
-        host = np.stack([temps[rand], np.asarray(spec.top_p, dtype=np.float64)[rand], u])
-        if host[0].min(initial=np.inf) < TEMPERATURE_MIN:   # T -> 0+: the top logit, ties kept
-            cold = host[0] < TEMPERATURE_MIN
-            host[0, cold] = 1.0
-            top_k = np.where(cold, 1, top_k)
-        if host[1].min(initial=1.0) < TOP_P_MIN:      # the top logit alone, at any temperature
-            top_k = np.where(host[1] < TOP_P_MIN, 1, top_k)
-        np.minimum(host[0], TEMPERATURE_MAX, out=host[0])
-        np.maximum(host[1], TOP_P_MIN, out=host[1])
-        has_k = (top_k > 0) & (top_k < V)
-        has_p = host[1] < 1.0
+        host = np.empty((3, rand.size))
+        host[:2] = params.base
+        host[2] = _uniforms_at(params.key, np.asarray(spec.position)[rand])
         # a slot at a temperature alone draws through the fused launch wherever it runs,
         # whatever the other slots ask: a slot's way never depends on the batch
         plain = ~has_k & ~has_p if min_p is None else ~has_k & ~has_p & ~(min_p > 0)

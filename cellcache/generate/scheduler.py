@@ -201,7 +201,7 @@ class Scheduler(BaseScheduler):
         if prev.random:                        # each slot's token number moves on
             plan.spec = SampleSpec(rows=prev.rows, temperature=prev.temperature, top_k=prev.top_k,
                                    top_p=prev.top_p, seed=prev.seed, index=prev.index,
-                                   position=[p + 1 for p in prev.position], draft=prev.draft,
+                                   position=np.add(prev.position, 1), draft=prev.draft,
                                    dense=n, random=True, extras=prev.extras)
         plan.fast = _Steady(fast.epoch, fast.sids, fast.hooked, fast.min_left - 1, used, fast.stops,
                             fast.left - 1, fast.origin)
@@ -247,7 +247,7 @@ class Scheduler(BaseScheduler):
             spec.temperature, spec.top_k = prev.temperature[:m], prev.top_k[:m]
             spec.top_p, spec.seed = prev.top_p[:m], prev.seed[:m]
             spec.index, spec.draft = prev.index[:m], prev.draft[:m]
-            spec.position = [p + 1 for p in prev.position[:m]]
+            spec.position = np.add(prev.position[:m], 1)
             # the sampled rows may be the ones that ended: then the steps on draw greedily
             spec.random = any(t > 0 for t in spec.temperature)
         kept = left[:m]
