@@ -412,7 +412,8 @@ def test_steady_specs_sharing_lists_draw_what_fresh_specs_draw():
             fresh.add(spec.rows[i], spec.temperature[i], spec.top_k[i], spec.top_p[i], spec.seed[i],
                       spec.index[i], int(spec.position[i]))
         got = kept(logits, spec).ids
-        assert got.tolist() == Sampler("cpu")(logits, fresh).ids.tolist() == unclamped_or_greedy(logits, fresh)
+        want = unclamped_or_greedy(logits, fresh)
+        assert got.tolist() == Sampler("cpu")(logits, fresh).ids.tolist() == want
 
 
 def unclamped_or_greedy(logits, spec):
