@@ -122,6 +122,10 @@ def check(gen):
     for s in gen.running:
         assert s.sid is not None and cache.pos(s.sid) == s.in_cache < len(s.tokens)
         sids.append(s.sid)
+        # its tokens' array (what it stores and pins; a fork's starts as its parent's prompt)
+        # is its tokens so far
+        if s.arr is not None:
+            assert s.arr.dtype == np.int32 and s.arr.tolist() == list(s.tokens[:len(s.arr)])
     for s in gen.waiting:
         assert s.sid is None and s.in_cache == 0 and not s.pins and s.pending is None
     tree = []

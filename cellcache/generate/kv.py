@@ -213,6 +213,10 @@ class KVManager:
         child.sid, child.in_cache = sid, n
         if pc is not None:                            # the prompt it shares stays cached
             p = s.tokens_array()[:n]
+            if child.arr is None:
+                # its tokens' array (what it stores when it ends) starts as the prompt's: a
+                # view, as arrays here only ever grow by copy, not built again from its list
+                child.arr = p
             held = pc.pin(p)
             if held:
                 child.pins.append((p, held))
