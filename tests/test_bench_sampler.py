@@ -24,7 +24,7 @@ def test_a_smoke_run_times_every_case(bs, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["benchmark"] == "sampler-cpu" and res["rows"] == 8 and res["vocab"] == 1000
     assert set(res["cases"]) == {"greedy", "temperature, fused draw", "temperature, torch's ops",
-                                 "temperature and top-p 0.9"}
+                                 "temperature and top-p 0.9", "fused, steady decode specs"}
     assert all(c["ms_median"] >= c["ms_min"] > 0 for c in res["cases"].values())
     # the host's share: the launch alone, within the whole step on the CPU
     assert all(0 < c["host_us_median"] <= 1e3 * c["ms_median"] * 1.5 for c in res["cases"].values())

@@ -15,7 +15,9 @@ the wall clock of the launch and its result), and the host's time in the launch 
 wall clock until ``launch`` returns, before its result is waited for: what a generator's
 ``sample`` phase costs the host a step; each slot its own seed and continuation index, as
 a request with ``n`` continuations draws). It prints a table (ms a step, and each case
-against the fused draw, host µs a launch) and writes JSON (``--json``; default
+against the fused draw, host µs a launch; the last case launches the specs a steady decode
+plans, each sharing the one before's lists with its positions one step on, as a generator's
+decode steps do) and writes JSON (``--json``; default
 ``benchmarks/results/sampler.json``, ``sampler-cpu.json`` on the CPU). The fused and torch
 draws are compared id for id first: the run fails (exit 1) when they differ in more than
 one slot in a thousand (a draw may move only where ``u`` times the sum lands within
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
 
 from cellcache._cli import Parser, in_range
@@ -71,11 +74,21 @@ def main(argv: list[str] | None = None) -> int:
             spec.add(i, temperature, 0, top_p, args.seed + i // 16, i % 16, 100)
         return spec
 
-    cases: list[tuple[str, float, float, bool]] = [
-        ("greedy", 0.0, 1.0, True),
-        ("temperature, fused draw", args.temperature, 1.0, True),
-        ("temperature, torch's ops", args.temperature, 1.0, False),
-        ("temperature and top-p 0.9", args.temperature, 0.9, True),
+    def steady(prev: SampleSpec) -> SampleSpec:
+        """The spec a steady decode plans after ``prev`` (scheduler._steady_decode): its
+        lists shared, each slot's position one step further as an int64 array."""
+        return SampleSpec(rows=prev.rows, temperature=prev.temperature, top_k=prev.top_k,
+                          top_p=prev.top_p, seed=prev.seed, index=prev.index,
+                          position=np.add(prev.position, 1), draft=prev.draft,
+                          dense=len(prev.rows), random=True)
+
+    # (name, temperature, top_p, fused, each launch a steady decode's next spec)
+    cases: list[tuple[str, float, float, bool, bool]] = [
+        ("greedy", 0.0, 1.0, True, False),
+        ("temperature, fused draw", args.temperature, 1.0, True, False),
+        ("temperature, torch's ops", args.temperature, 1.0, False, False),
+        ("temperature and top-p 0.9", args.temperature, 0.9, True, False),
+        ("fused, steady decode specs", args.temperature, 1.0, True, True),
     ]
 
     def draw(spec: SampleSpec, fused: bool) -> Any:
@@ -94,12 +107,14 @@ def main(argv: list[str] | None = None) -> int:
                      args.device),
         "rows": args.rows, "vocab": args.vocab, "reps": args.reps, "temperature": args.temperature,
         "fused_vs_torch_differing_slots": differ, "cases": {}}
-    for name, t, top_p, fused in cases:
+    for name, t, top_p, fused, moving in cases:
         log(f"[sampler] {name}")
         spec = spec_of(t, top_p)
         draw(spec, fused)                                    # warm-up
         times, host = [], []
         for _ in range(args.reps):
+            if moving:
+                spec = steady(spec)
             sampler_mod.FUSED_DRAW = fused
             try:
                 if args.device == "cuda":
