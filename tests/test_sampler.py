@@ -379,15 +379,13 @@ def test_huge_temperatures_draw_uniformly_over_the_kept_tokens(dtype):
 # -- the slots' parameters kept from one spec to the next ------------------------------------
 
 def steady_specs(first, steps):
-    """Specs as a steady decode plans them: each shares the one before's lists and moves its
-    positions on by one, as an int64 array."""
+    """Specs as a steady decode plans them (:meth:`SampleSpec.next_step`): each shares the
+    one before's lists and moves its positions on by one, as an int64 array."""
     out = [first]
     for _ in range(steps - 1):
-        prev = out[-1]
-        out.append(SampleSpec(rows=prev.rows, temperature=prev.temperature, top_k=prev.top_k,
-                              top_p=prev.top_p, seed=prev.seed, index=prev.index,
-                              position=np.add(prev.position, 1), draft=prev.draft,
-                              dense=len(prev.rows), random=True))
+        nxt = out[-1].next_step()
+        assert nxt.temperature is first.temperature and isinstance(nxt.position, np.ndarray)
+        out.append(nxt)
     return out
 
 

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
 
 from cellcache._cli import Parser, in_range
@@ -74,14 +73,6 @@ def main(argv: list[str] | None = None) -> int:
             spec.add(i, temperature, 0, top_p, args.seed + i // 16, i % 16, 100)
         return spec
 
-    def steady(prev: SampleSpec) -> SampleSpec:
-        """The spec a steady decode plans after ``prev`` (scheduler._steady_decode): its
-        lists shared, each slot's position one step further as an int64 array."""
-        return SampleSpec(rows=prev.rows, temperature=prev.temperature, top_k=prev.top_k,
-                          top_p=prev.top_p, seed=prev.seed, index=prev.index,
-                          position=np.add(prev.position, 1), draft=prev.draft,
-                          dense=len(prev.rows), random=True)
-
     # (name, temperature, top_p, fused, each launch a steady decode's next spec)
     cases: list[tuple[str, float, float, bool, bool]] = [
         ("greedy", 0.0, 1.0, True, False),
@@ -114,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         times, host = [], []
         for _ in range(args.reps):
             if moving:
-                spec = steady(spec)
+                spec = spec.next_step()            # (a steady decode's next plan)
             sampler_mod.FUSED_DRAW = fused
             try:
                 if args.device == "cuda":

@@ -86,6 +86,16 @@ class SampleSpec:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def next_step(self) -> SampleSpec:
+        """The spec of the same slots one token further (a steady decode's next plan): the
+        lists shared (nothing changes a plan's lists once it is made; the sampler keeps
+        what it derives from them while they compare equal), each slot's position one on
+        as an int64 array."""
+        return SampleSpec(rows=self.rows, temperature=self.temperature, top_k=self.top_k,
+                          top_p=self.top_p, seed=self.seed, index=self.index,
+                          position=np.add(self.position, 1), draft=self.draft,
+                          dense=len(self.rows), random=True, extras=self.extras)
+
     def identity(self, n_rows: int) -> bool:
         """Whether slot i draws from row i for every one of ``n_rows`` rows."""
         if self.dense is not None:

@@ -35,7 +35,7 @@ from ..cache import CellCache
 from ..prefix import PrefixCache
 from ..radix import PendingPrompts
 from .base import ADMISSION_POLICIES, STATS, BaseScheduler, HoldInterrupts, read_clock
-from .plan import Job, Outcome, SampleSpec, Seq, StepPlan, StoredRow, TokenStore
+from .plan import Job, Outcome, Seq, StepPlan, StoredRow, TokenStore
 
 __all__ = ["ADMISSION_POLICIES", "STATS", "HoldInterrupts", "Job", "Outcome", "PendingPrompts",
            "Scheduler", "Seq", "StepPlan", "read_clock"]
@@ -199,10 +199,7 @@ class Scheduler(BaseScheduler):
         plan.admitted, plan.tokens, plan.children, plan.prefix_fed = [], [], {}, False
         prev = after.spec
         if prev.random:                        # each slot's token number moves on
-            plan.spec = SampleSpec(rows=prev.rows, temperature=prev.temperature, top_k=prev.top_k,
-                                   top_p=prev.top_p, seed=prev.seed, index=prev.index,
-                                   position=np.add(prev.position, 1), draft=prev.draft,
-                                   dense=n, random=True, extras=prev.extras)
+            plan.spec = prev.next_step()
         plan.fast = _Steady(fast.epoch, fast.sids, fast.hooked, fast.min_left - 1, used, fast.stops,
                             fast.left - 1, fast.origin)
         return plan
