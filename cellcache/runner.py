@@ -650,11 +650,15 @@ class ModelRunner:
             assert greedy is not None
             del warm
             graph = torch.cuda.CUDAGraph()
-            # float32 logits and their greedy ids out of the graph: no launch after it
+            # float32 logits and their greedy ids out of the graph: no launch after it. The
+            # argmax reads the model's own logits (bf16: half the bytes of the float32 copy;
+            # the cast is exact, so the ids are the same)
             with torch.cuda.graph(graph, pool=pool):
                 logits = out[:rows]
-                logits.copy_(self._run(step, "auto", index))
-                torch.argmax(logits, dim=-1, out=greedy[:rows])
+                model_logits = self._run(step, "auto", index)
+                torch.argmax(model_logits, dim=-1, out=greedy[:rows])
+                logits.copy_(model_logits)
+                del model_logits
                 if feed:                      # ids in [0, vocab): pad rows' are harmless too
                     self.input_ids[0, :rows].copy_(greedy[:rows])
         return graph, logits, greedy[:rows]
