@@ -638,6 +638,14 @@ class Request:
             self.__dict__[name] = rows
         self._stored += 1
 
+    def own_row(self, k: int) -> tuple[list[int], list[float]]:
+        """Continuation k's own ``outputs`` and ``token_times`` lists, k not stored: no
+        other continuation's list is built (reading ``outputs`` while some are stored builds
+        every one of them)."""
+        out, times = self.__dict__["outputs"][k], self.__dict__["token_times"][k]
+        assert type(out) is list and type(times) is list, "a stored continuation's lists are its row's"
+        return out, times
+
     def unstore_row(self, k: int, out: list[int], times: list[float]) -> None:
         """Continuation k's lists are ``out`` and ``times`` again (whole: the row's tokens
         appended)."""

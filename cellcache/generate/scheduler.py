@@ -135,8 +135,8 @@ class Scheduler(BaseScheduler):
         """A token store for ``seqs`` (a steady record's rows), every one read through it."""
         store = TokenStore(len(seqs), min(STORE_STEPS, int(fast.left.max()) + 2))
         for i, s in enumerate(seqs):
-            req = s.job.req
-            out, times, tokens = req.outputs[s.index], req.token_times[s.index], s.tokens
+            out, times = s.job.req.own_row(s.index)    # (n continuations: n reads, not n^2)
+            tokens = s.tokens
             s.hold(StoredRow(store, i, out, times, tokens, len(out), len(tokens), s.in_cache))
         self._store, self._rows, self._origin = store, list(seqs), fast.origin
         return store
