@@ -304,3 +304,37 @@ def test_forks_and_prefix_hits_then_steady_steps():
     for (p, _), r in zip(specs, reqs):                # every finished sequence went to the tree
         toks = p + r.outputs[0]
         assert pc.peek(toks) == len(toks) - 1
+
+
+def test_holding_a_request_s_continuations_builds_none_of_its_lists(monkeypatch):
+    """The token store takes each continuation's own lists: with n continuations held, no
+    read of ``outputs`` while the store is made builds the siblings' lists from their rows
+    (n^2 work a request: what reading ``req.outputs[k]`` there did), and every token lands."""
+    from cellcache.generate import plan as plan_mod
+    from cellcache.generate.scheduler import Scheduler
+
+    holding, built, held = [], [], []
+    real_ids, real_hold = plan_mod.StoredRow.ids, Scheduler._hold
+
+    def ids(self):
+        if holding:
+            built.append(1)
+        return real_ids(self)
+
+    def hold(self, seqs, fast):
+        holding.append(len(seqs))
+        held.append(len(seqs))
+        try:
+            return real_hold(self, seqs, fast)
+        finally:
+            holding.pop()
+
+    monkeypatch.setattr(plan_mod.StoredRow, "ids", ids)
+    monkeypatch.setattr(Scheduler, "_hold", hold)
+    ps = prompts(25, 2)
+    reqs, _ = serve([(p, Sampling(max_new_tokens=24, n=8, temperature=1.0)) for p in ps],
+                    prefix=True, max_write=32)
+    assert max(held) == 16                            # both requests' continuations at once
+    assert built == []                                # nothing built a held row's list
+    assert all(len(o) == 24 for r in reqs for o in r.outputs)
+    assert all(r.finish_reasons == ["length"] * 8 for r in reqs)
