@@ -81,6 +81,32 @@ def test_every_shipped_kernel_is_attention_or_a_step_kernel():
     assert {cat(n) for n in entries["fused"]} == {"other"}
 
 
+def test_the_window_counts_the_device_work_it_launched_only():
+    """With asynchronous steps the forward launched before the window still runs when it
+    opens; its kernels are left out (they made a window of N steps hold N + 1 forwards)."""
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    mod = load_tool("bench_serve")
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [E(id=7, name="cudaGraphLaunch", device_type=cpu),
+              E(id=9, name="cuLaunchKernel", device_type=cpu),
+              E(id=1, name="aten::copy_", device_type=cpu),       # an operator: no launch id
+              E(id=5, name="gemm", device_type=gpu),               # launched before the window
+              E(id=7, name="gemm", device_type=gpu), E(id=7, name="attend", device_type=gpu),
+              E(id=9, name="build_step", device_type=gpu),
+              E(id=7, name="cellcache.step", device_type=gpu),   # an annotation's device row
+              E(id=1, name="memcpy", device_type=gpu)]            # an operator's id, no launch's
+    kept, left_out = mod.window_device_events(events)
+    assert [(e.id, e.name) for e in kept] == [(7, "gemm"), (7, "attend"), (9, "build_step")]
+    assert left_out == 2
+    # ids that match no recorded call: every device event is kept, the count unknown
+    kept, left_out = mod.window_device_events([E(id=3, name="cudaGraphLaunch", device_type=cpu),
+                                               E(id=4, name="k", device_type=gpu)])
+    assert [e.name for e in kept] == ["k"] and left_out is None
+
+
 def _check_summary(s: dict, steps: int) -> None:
     assert "error" not in s, s
     assert s["steps"] == steps and s["activities"] == "cpu"

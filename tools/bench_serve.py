@@ -797,6 +797,31 @@ def profile_pass(gen, prompts: list, new_tokens: int, steps: int, start_after: i
     return summary
 
 
+_RUNTIME = re.compile(r"cu(da)?[A-Z]")        # the driver's and the runtime's calls
+
+
+def window_device_events(events: list) -> tuple[list, int | None]:
+    """The device events (kernels, copies, memsets) of ``events`` (torch.profiler's
+    ``prof.events()``) whose launch the window recorded, and how many were left out: with
+    asynchronous steps the device is still running the forward launched just before the
+    window when it opens, and the profiler records that forward's kernels too (a window of
+    N steps then holds N + 1 forwards' worth of some kernels). A device event's ``id`` is
+    its launch's correlation id, the same as the launching call's (``cudaGraphLaunch``,
+    ``cuLaunchKernel``, a copy); an event whose launching call is not among the window's
+    is left out. Where nothing matches (no call recorded, or ids that are not correlation
+    ids) every device event is kept and the count is None."""
+    from torch.autograd import DeviceType
+
+    launched = {e.id for e in events if e.device_type == DeviceType.CPU and _RUNTIME.match(e.name)}
+    device = [e for e in events
+              if not (e.device_type == DeviceType.CPU or getattr(e, "is_user_annotation", False)
+                      or e.name in _ANNOTATIONS or e.name.startswith("ProfilerStep"))]
+    kept = [e for e in device if e.id in launched]
+    if not kept:
+        return device, None
+    return kept, len(device) - len(kept)
+
+
 def profile_summary(prof, steps: int, cuda: bool) -> dict:
     """Per-step numbers from a finished profiler over ``steps`` steps, from torch.profiler's
     own events: device time by :func:`kernel_category` (CUDA: every kernel, copy and memset
@@ -809,11 +834,10 @@ def profile_summary(prof, steps: int, cuda: bool) -> dict:
     per: dict[str, list[float]] = {}          # name -> [total us, count]
     intervals: list[tuple[float, float]] = []
     devices: set = set()
+    left_out: int | None = 0
     if cuda:
-        for e in events:
-            if e.device_type == DeviceType.CPU or getattr(e, "is_user_annotation", False) \
-                    or e.name in _ANNOTATIONS or e.name.startswith("ProfilerStep"):
-                continue                     # (record_function ranges drawn on the GPU's rows)
+        device_events, left_out = window_device_events(events)
+        for e in device_events:
             start, end = e.time_range.start, e.time_range.end
             intervals.append((start, end))
             devices.add(getattr(e, "device_index", None))
@@ -865,7 +889,8 @@ def profile_summary(prof, steps: int, cuda: bool) -> dict:
                           "idle_us_per_step": round((span - busy) / n, 1),
                           "largest_gap_us": round(max(gaps, default=0.0), 1),
                           "gaps_over_50us": sum(g > 50 for g in gaps),
-                          "kernels_per_step": round(len(intervals) / n, 1)}
+                          "kernels_per_step": round(len(intervals) / n, 1),
+                          "launched_before_window": left_out}
         else:
             out["gpu"] = {"note": "no GPU activity recorded (CUPTI traced no kernel)"}
     return out
@@ -908,6 +933,7 @@ def print_profile(summaries: list[dict], title: str) -> None:
         line("GPU idle (gaps)", lambda s: s["gpu"]["idle_us_per_step"])
         line("  largest single gap", lambda s: s["gpu"]["largest_gap_us"])
         line("  kernels per step", lambda s: s["gpu"]["kernels_per_step"])
+        line("  kernels launched before, left out", lambda s: s["gpu"]["launched_before_window"])
     print(f"  {unit} time by category:")
     for c in CATEGORIES:
         line(f"  {c}", lambda s, c=c: s["device_us_per_step"][c])
