@@ -849,7 +849,7 @@ def profile_summary(prof, steps: int, cuda: bool) -> dict:
         if getattr(a, "device_type", DeviceType.CPU) != DeviceType.CPU:
             continue
         key = a.key
-        if key in _ANNOTATIONS or re.match(r"cu(da)?[A-Z]", key) \
+        if key in _ANNOTATIONS or _RUNTIME.match(key) \
                 or key.startswith(("gloo", "c10d::")) or "nccl" in key.lower():
             host[key] = [a.cpu_time_total, a.count]
         if not cuda and not key.startswith(("cellcache.", "ProfilerStep")) and a.self_cpu_time_total > 0:
