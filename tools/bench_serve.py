@@ -985,7 +985,11 @@ def tp_bench(p, args, argv: list[str]) -> int:
     all arriving together, greedy, prefix cache off) through ``Generator(tp=N)``, then HF
     ``generate_batch`` on the same sharded model. Reports tokens/s and rank 0's host time per
     step (wall time of ``step()``, and the host phases of ``Generator.profile`` when present);
-    rank 0 writes the JSON (default: ``benchmarks/results/serve-tp{N}-{model}.json``).
+    rank 0 writes the JSON (default: ``benchmarks/results/serve-tp{N}-{model}.json``). The
+    configuration timed is checked end to end as one process's is (every prompt served once
+    more; rank 0 compares ``--check-requests`` of them with HF's forward of the whole model,
+    float32 and the served dtype, copies it made before the model was sharded): the run exits
+    1 when they do not agree.
 
     HF's comparison: ``from_pretrained(..., tp_plan="auto")`` needs a checkpoint and
     ``accelerate``; the random model is sharded instead with the same plan through the same
@@ -1013,6 +1017,13 @@ def tp_bench(p, args, argv: list[str]) -> int:
     n, plen, new = w["requests"], w["prompt_len"], w["new_tokens"]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = random_model(args.model, dtype, place, args.seed)
+    # the agreement check's float32 reference and served-dtype noise floor, whole models on
+    # rank 0 (which compares): copies made before a Generator shards the model
+    models = None
+    if not args.no_check and rank == 0:
+        from cellcache.generate.agreement import reference_models
+
+        models = reference_models(model)
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, model.config.vocab_size, size=plen).tolist() for _ in range(n)]
     capacity = n * (plen + new) + 4096
@@ -1022,11 +1033,15 @@ def tp_bench(p, args, argv: list[str]) -> int:
     record = run_record(result_name(args, world), words, device, gpus=world)
     path = args.json or RESULTS / f"{record['benchmark']}.json"
 
-    def serve(batch: list, new_tokens: int, profile_steps: int = 0) -> dict:
+    def make(requests: int) -> Any:
         gen = Generator(model, capacity=capacity, max_batch_tokens=w["max_batch_tokens"],
-                        max_seqs=len(batch) + 8, prefill_chunk=w["prefill_chunk"], eos=[],
+                        max_seqs=requests + 8, prefill_chunk=w["prefill_chunk"], eos=[],
                         prefix_cache=False, tp=world if world > 1 else None)
         gen.warmup()                # the decode graphs on every rank, before the clock starts
+        return gen
+
+    def serve(batch: list, new_tokens: int, profile_steps: int = 0) -> dict:
+        gen = make(len(batch))
         sampling = Sampling(max_new_tokens=new_tokens)
         for prompt in batch if rank == 0 else []:
             gen.add(prompt, sampling)
@@ -1100,6 +1115,24 @@ def tp_bench(p, args, argv: list[str]) -> int:
         if "profile" in r:
             print_profile(r["profile"], f"cellcache tp={world} {args.model}, {n} requests x "
                                         f"({plen} + {new}); files {path.parent}/{path.stem}-*-rank*")
+    if not args.no_check:
+        # the configuration timed, every prompt once more on every rank; rank 0 records the
+        # logits of --check-requests of them and compares them with HF's forward
+        if rank == 0:
+            log(f"[serve-tp] agreement check: {args.check_requests} requests against HF's forward")
+        gen = make(len(prompts))
+        if rank == 0:
+            assert models is not None
+            res["agreement"] = tapped_run(gen, prompts, [Sampling(max_new_tokens=new)] * len(prompts),
+                                          models, args.check_requests, args.seed)
+            del models
+            log(f"[serve-tp] agreement: {res['agreement']['summary']}")
+        else:
+            gen.run()
+        gen.cache.close()
+    else:
+        res["agreement"] = {"passed": None, "summary": "not checked (--no-check): the speed "
+                                                      "figures do not count"}
     if rank == 0:                                 # saved now, and again with HF's run
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
@@ -1129,7 +1162,7 @@ def tp_bench(p, args, argv: list[str]) -> int:
 
         dist.barrier()                    # every rank past its last collective first
         dist.destroy_process_group()
-    return 0
+    return disagreement(res["agreement"]) if rank == 0 else 0
 
 
 def result_name(args, world: int | None = None) -> str:
@@ -1678,6 +1711,12 @@ def main(argv=None) -> int:
     res["targets"] = [{"met": ok, "target": text} for ok, text in targets]
     save()
     log(f"wrote {path}")
+    return disagreement(agree)
+
+
+def disagreement(agree: dict) -> int:
+    """The run's exit code by its agreement check: 1, saying where, when the served
+    configuration does not agree with the model end to end (the figures do not count)."""
     if agree["passed"] is False:
         print(f"bench_serve: the served configuration does not agree with the model end to end: "
               f"{agree['summary']}; by row kind {agree['by_kind']}; worst rows {agree['worst']}",
