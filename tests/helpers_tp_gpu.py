@@ -99,6 +99,37 @@ def gpu_tp_on_rank(rank: int, world: int, arch: str, n_new: int, device_type: st
 GPU_OPTIONS = dict(capacity=160, max_batch_tokens=32, max_seqs=32, prefill_chunk=9, eos=[], reserve=0.0)
 
 
+def gpu_agreement_on_rank(rank: int, world: int, arch: str, n_new: int, device_type: str = "cuda") -> dict:
+    """TP=2 in the served precision (bf16 on the GPU; ``device_type="cpu"``: float32 over
+    gloo, a dry run), checked end to end: rank 0 copies the whole model for the reference
+    (float32) and the noise floor (bf16) before the Generator shards it, records the logits
+    every row of its requests was sampled from, and compares them with HF's forward
+    (:mod:`cellcache.generate.agreement`). Returns the report (rank 0) and what the ranks
+    served with."""
+    from cellcache.generate import Generator, random_model
+    from cellcache.generate.agreement import LogitsTap, compare, reference_models
+
+    cuda = device_type == "cuda"
+    device = f"cuda:{rank}" if cuda else "cpu"
+    model = random_model(arch, torch.bfloat16 if cuda else torch.float32, device, seed=5)
+    models = reference_models(model) if rank == 0 else None
+    gen = Generator(model, tp=True, **GPU_OPTIONS)
+    trace(f"generator built: graphs {gen.runner.graphs_enabled}, async {gen.async_steps}")
+    out: dict = {"graphs": gen.runner.graphs_enabled, "async": gen.async_steps,
+                 "kv_heads": [layer.n_kv_heads for layer in gen.cache.config.layers]}
+    if rank == 0:
+        assert models is not None
+        with LogitsTap(gen) as tap:
+            out["outputs"] = gpu_greedy(gen, rank, n_new)
+        out["agreement"] = compare(tap.rows(), *models).as_dict()
+    else:
+        gpu_greedy(gen, rank, n_new)
+    out["graph_steps"], out["preempted"] = gen.stats["graph_steps"], gen.stats["preempted"]
+    trace(f"served: {gen.stats['steps']} steps, {gen.stats['graph_steps']} replayed")
+    gen.cache.close()
+    return out
+
+
 def gpu_reference(arch: str, n_new: int, device: str) -> dict:
     """One GPU (TP=1) on the same requests, and HF's teacher-forced argmax of every output."""
     from cellcache.generate import Generator, random_model

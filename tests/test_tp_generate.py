@@ -124,6 +124,16 @@ def test_the_two_gpu_test_runs_over_gloo_on_the_cpu(tmp_path):
         assert lines[-1].endswith("process group destroyed")
 
 
+def test_the_two_gpu_agreement_check_runs_over_gloo_on_the_cpu(tmp_path):
+    """tests/gpu/test_tp_gpu.py's bf16 agreement rank function, dry run over gloo in float32
+    (no noise floor: the error against the reference within atol)."""
+    r0, r1 = H.run_ranks(HGPU.gpu_agreement_on_rank, tmp_path, "tiny", 6, "cpu", timeout=150)
+    agree = r0["agreement"]
+    assert agree["passed"] is True, agree["summary"]
+    assert agree["rows"] >= sum(len(o[0]) for o in r0["outputs"]) > 0
+    assert "agreement" not in r1                      # rank 0 compares
+
+
 def test_a_tp_generator_is_freed_with_its_last_reference(tmp_path):
     """No reference cycle keeps a TP generator's runner (its CUDA graphs) alive: with NCCL,
     destroy_process_group() after its last use would otherwise wait for them forever."""
