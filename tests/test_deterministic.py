@@ -285,4 +285,8 @@ def test_bench_det_times_both_modes_on_one_workload(tmp_path):
     assert native["benchmark"] == "deterministic-native"
     assert set(res["tokens_per_s"]) == {"normal", "deterministic"}
     assert res["sglang_published_cost"] == 0.34 and res["target_cost"] == 0.15
+    # each mode served once more and checked end to end against HF's forward (float32: atol)
+    for r in (res, native):
+        assert set(r["agreement"]) == {"normal", "deterministic"}
+        assert all(a["passed"] is True and a["rows"] > 0 for a in r["agreement"].values())
     assert res["runs"]["deterministic"][0]["tokens_out"] == res["runs"]["normal"][0]["tokens_out"] > 0

@@ -93,6 +93,14 @@ def test_each_kind_of_result_has_its_headline(ri):
                      "samples": [{"rss_bytes": 2**30}, {"rss_bytes": 2**30 + 2**21}]}}
     assert ri.headline(soak) == ("100 requests in 30 min at 2.50/s, 7 disconnects, 0 errors; "
                                  "server RSS 1,024 -> 1,026 MiB")
+    det = {"tokens_per_s": {"normal": 100.0, "deterministic": 90.0}, "deterministic_cost": 0.1,
+           "target_cost": 0.15, "sglang_published_cost": 0.34, "deterministic_runs_identical": True,
+           "agreement": {"normal": {"passed": True, "noise_max": 0.5, "error_max": 0.1},
+                         "deterministic": {"passed": False, "noise_max": 0.5, "error_max": 1.0}}}
+    assert ri.headline(det) == ("normal 100 tok/s, deterministic 90 tok/s: 10.0% cost (target 15%, "
+                                "SGLang's published 34%); deterministic runs identical; normal: "
+                                "agreement with HF passed (0.20x the noise floor); deterministic: "
+                                "agreement with HF FAILED (2.00x the noise floor)")
     anchor = {"engine": "vLLM", "conditions": "A800", "tokens_per_s": 17700.0}
     work = {"together": {"tokens_per_s": 23456.0}, "anchors": [anchor], "target_tokens_per_s": 50000.0,
             "agreement": {"passed": True, "noise_max": 0.3, "error_max": 0.06}}

@@ -15,7 +15,11 @@ deterministic, normal, ... and each side's figure is its median run. SGLang's pu
 cost of its deterministic mode (34%) is printed beside the measured one. The deterministic
 runs also check themselves: every request's tokens of the first deterministic run are
 those of the others (bit-identical serving; with ``--repeat 1`` there is nothing to compare
-and ``deterministic_runs_identical`` is null).
+and ``deterministic_runs_identical`` is null). A figure counts only for a mode that computes
+the model it serves: after the timed runs each mode serves the prompts once more and the
+logits of ``--check-requests`` of them are compared with HF's own forward of the same
+weights (bench_serve's ``tapped_run``); the run exits 1 when a mode does not agree
+(``--no-check`` skips it, and the JSON says the figures do not count).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import log, require_gpu, run_record
-from bench_serve import DEFAULT_MODEL, QUICK, WORKLOADS, build_workload, cpu_probe, staggered
+from bench_serve import DEFAULT_MODEL, QUICK, WORKLOADS, build_workload, cpu_probe, staggered, tapped_run
 
 from cellcache._cli import Parser, in_range
 
@@ -40,13 +44,12 @@ SGLANG_COST = 0.34
 TARGET_COST = 0.15
 
 
-def serve_once(model: Any, prompts: list, new_tokens: int, w: dict, capacity: int,
-               deterministic: bool, compile: bool = False, native: bool = False) -> dict:
-    """One timed run (staggered arrivals, as bench_serve's ``ours``): tokens/s and the
-    outputs."""
+def make_gen(model: Any, prompts: list, w: dict, capacity: int, deterministic: bool,
+             compile: bool = False, native: bool = False) -> Any:
+    """A generator of one mode, its graphs captured (what every run of the mode gets)."""
     import torch
 
-    from cellcache.generate import Generator, Sampling
+    from cellcache.generate import Generator
 
     gc.collect()
     if torch.cuda.is_available():
@@ -56,6 +59,18 @@ def serve_once(model: Any, prompts: list, new_tokens: int, w: dict, capacity: in
                     max_seqs=len(prompts) + 8, prefill_chunk=w["prefill_chunk"], eos=[],
                     compile=compile, native=native, **extra)
     gen.warmup()
+    return gen
+
+
+def serve_once(model: Any, prompts: list, new_tokens: int, w: dict, capacity: int,
+               deterministic: bool, compile: bool = False, native: bool = False) -> dict:
+    """One timed run (staggered arrivals, as bench_serve's ``ours``): tokens/s and the
+    outputs."""
+    import torch
+
+    from cellcache.generate import Sampling
+
+    gen = make_gen(model, prompts, w, capacity, deterministic, compile, native)
     sampling = Sampling(max_new_tokens=new_tokens)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -91,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the normal mode with torch.compile")
     p.add_argument("--native", action="store_true",
                    help="both modes on cellcache's native forward (Generator(native=True))")
+    p.add_argument("--no-check", action="store_true", help="skip the agreement check (figures do not count)")
+    p.add_argument("--check-requests", type=in_range(1, 1 << 16), default=8,
+                   help="requests whose every sampled row is checked against HF's forward, a mode")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
     p.add_argument("--json", type=Path, default=None, help="write the result here")
@@ -137,6 +155,13 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
             w[key] = getattr(args, key)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = random_model(args.model, dtype, args.device, seed=args.seed)
+    # the agreement check's float32 reference and served-dtype noise floor: copies made
+    # before a Generator attaches to the model
+    models = None
+    if not args.no_check:
+        from cellcache.generate.agreement import reference_models
+
+        models = reference_models(model)
     vocab = model.config.vocab_size
     work = build_workload(args.workload, w, vocab, args.seed)
     prompts, new = work["prompts"], w["new_tokens"]
@@ -149,6 +174,18 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
         for name, det, comp in sides:
             log(f"bench_det: run {r + 1}/{args.repeat}, {name}")
             runs[name].append(serve_once(model, prompts, new, w, capacity, det, comp, args.native))
+    agreement: dict[str, Any] = {}
+    if models is not None:
+        from cellcache.generate import Sampling
+
+        for name, det, comp in sides:
+            log(f"bench_det: agreement check, {name}: {args.check_requests} requests against HF's forward")
+            gen = make_gen(model, prompts, w, capacity, det, comp, args.native)
+            agreement[name] = tapped_run(gen, prompts, [Sampling(max_new_tokens=new)] * len(prompts),
+                                         models, args.check_requests, args.seed)
+            del gen
+            log(f"bench_det: agreement, {name}: {agreement[name]['summary']}")
+        del models
     from cellcache.batch_invariant import batched_gemms
 
     det_outputs = [run["outputs"] for run in runs["deterministic"]]
@@ -167,6 +204,8 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
               "native": bool(args.native),
               "tokens_per_s": med, "deterministic_cost": round(cost, 4), "target_cost": TARGET_COST,
               "sglang_published_cost": SGLANG_COST, "deterministic_runs_identical": reproducible,
+              "agreement": agreement or {"passed": None, "summary": "not checked (--no-check): "
+                                                                    "the figures do not count"},
               "linear_gemms": batched_gemms()}
     print(f"normal {med['normal']:.0f} tok/s, deterministic {med['deterministic']:.0f} tok/s: "
           f"cost {100 * cost:.1f}% (target <= {100 * TARGET_COST:.0f}%; SGLang publishes "
@@ -177,9 +216,15 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
     g = result["linear_gemms"]
     print(f"deterministic linears' chunks: {g['batched']} shape/count pairs in one batched GEMM, "
           f"{g['one_by_one']} chunk by chunk (their batched GEMM summed otherwise)")
+    for mode, a in agreement.items():
+        print(f"end-to-end agreement with HF's forward, {mode}: {a['summary']}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return 1 if reproducible is False else 0
+    failed = [mode for mode, a in agreement.items() if a["passed"] is False]
+    if failed:
+        print(f"bench_det: {', '.join(failed)} does not agree with the model end to end: the "
+              "figures do not count", file=sys.stderr)
+    return 1 if reproducible is False or failed else 0
 
 
 if __name__ == "__main__":

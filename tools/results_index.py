@@ -198,6 +198,11 @@ def headline(d: dict) -> str:
                  f"{_num(100 * d.get('sglang_published_cost', 0), '.0f')}%)",
                  {True: "deterministic runs identical", False: "deterministic runs DIFFER"}.get(
                      d.get("deterministic_runs_identical"), "one deterministic run (nothing to compare)")]
+        modes = d.get("agreement")
+        if isinstance(modes, dict) and modes and "passed" not in modes:    # a verdict a mode
+            parts.append("; ".join(f"{mode}: {_agreement({'agreement': a})}" for mode, a in modes.items()))
+        elif isinstance(modes, dict):
+            parts.append(_agreement(d) or "")
     elif isinstance(d.get("http"), dict):             # tools/bench_http.py
         http, local = d["http"], d.get("in_process") or {}
         for run in http:

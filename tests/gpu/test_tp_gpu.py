@@ -4,10 +4,11 @@ CUDA graphs captured on every rank, every rank sampling for itself with asynchro
 (its draws' checksums compared at every hand-over); greedy output (float32) equals one
 GPU's and Hugging Face's teacher-forced argmax (computed in the test's process once the ranks
 are gone); in bf16, the logits every row was sampled from agree with HF's forward of the
-whole model end to end (cellcache.generate.agreement). First, a probe of what a 7B decode step's collectives cost on the pair. Skipped like
-every GPU test without a usable device (tests/gpu/conftest.py), and also with fewer than two
-GPUs or without NCCL. A rank that hangs or dies fails its test with every rank's stacks and
-step trace (tests/helpers_tp.run_ranks); ``-s`` prints the numbers and NCCL's transport."""
+whole model end to end (cellcache.generate.agreement). First, a probe of what a 7B decode
+step's collectives cost on the pair. Skipped like every GPU test without a usable device
+(tests/gpu/conftest.py), and also with fewer than two GPUs or without NCCL. A rank that
+hangs or dies fails its test with every rank's stacks and step trace
+(tests/helpers_tp.run_ranks); ``-s`` prints the numbers and NCCL's transport."""
 
 from __future__ import annotations
 
