@@ -33,6 +33,9 @@ def test_side_by_side(model_dir, tmp_path, capsys):
             assert r["tokens"] == 4 * 4 and r["tokens_per_s"] > 0, (where, run, r)
             assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and 0 < r["itl_ms_p50"] <= r["itl_ms_p99"]
     assert res["http"]["saturation"]["errors"] == 0
+    # the configuration served, checked end to end in process (float32: against the reference)
+    agree = res["in_process"]["agreement"]
+    assert agree["passed"] is True and agree["rows"] > 0 and agree["requests"] == 4, agree
     assert res["targets"]["saturation_ratio"] > 0 and "ttft_p50_gap_ms_at_half_load" in res["targets"]
     # the TTFT split (the server's /metrics over the run): the engine's own mean within the
     # front end's (handler to first chunk), within the client's
@@ -52,7 +55,7 @@ def test_side_by_side(model_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "saturation: HTTP / in-process throughput" in printed and "50% load: TTFT p50" in printed
     assert "50% load: TTFT mean over HTTP" in printed and "pipe and front end loop" in printed
-    assert "loop lag" in printed
+    assert "loop lag" in printed and "end-to-end agreement of the configuration served" in printed
 
 
 def test_the_lean_client_reads_the_same_streams(model_dir, tmp_path):

@@ -89,6 +89,8 @@ def test_each_kind_of_result_has_its_headline(ri):
     assert ri.headline(http) == ("saturation: HTTP 9,000 tok/s, TTFT p50 50.0 ms (in process 10,000 tok/s, "
                                  "40.0 ms); saturation HTTP/in-process 0.90x (met: >= 0.9x); 50% load TTFT "
                                  "p50 gap +12.0 ms (MISSED: <= 10 ms)")
+    http["in_process"]["agreement"] = {"passed": True, "noise_max": 0.4, "error_max": 0.1}
+    assert ri.headline(http).endswith("(MISSED: <= 10 ms); agreement with HF passed (0.25x the noise floor)")
     soak = {"soak": {"requests": 100, "minutes": 30, "rate": 2.5, "disconnected": 7, "errors": 0,
                      "samples": [{"rss_bytes": 2**30}, {"rss_bytes": 2**30 + 2**21}]}}
     assert ri.headline(soak) == ("100 requests in 30 min at 2.50/s, 7 disconnects, 0 errors; "

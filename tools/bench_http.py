@@ -15,6 +15,9 @@
    ``--max-tokens``) from ``--clients`` processes, so that the client's own parsing is not
    the bottleneck. TTFT: send to the first chunk with a token; ITL: gaps between chunks
    with tokens (a chunk may carry several when the client falls behind: ``tokens_per_chunk``).
+   Then the configuration is checked end to end: the prompts once more, the logits of
+   ``--check-requests`` of them against HF's forward of the checkpoint (the figures count
+   only when it agrees; exit 1 otherwise; ``--no-check`` skips it).
 3. The table: throughput, TTFT and ITL p50/p99 side by side, the HTTP/in-process ratios, and
    the issue's targets (saturation >= 0.9x; TTFT p50 within 10 ms at 50% load), then where
    the 50% load TTFT mean went: the engine's, the pipe and the front end's loop, the client
@@ -90,6 +93,11 @@ def build_parser() -> Parser:
                         "client's own parsing weighs less in TTFT)")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
     p.add_argument("--skip-inprocess", action="store_true", help="only the server")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the end-to-end agreement check of the served configuration (the "
+                        "figures do not count)")
+    p.add_argument("--check-requests", type=in_range(1, 1 << 16), default=8,
+                   help="requests whose every sampled row is checked against HF's forward (default 8)")
     p.add_argument("--soak", type=float, default=None, metavar="MINUTES", help="a soak of this many minutes")
     p.add_argument("--load", type=float, default=0.7, help="soak: fraction of the saturated rate")
     p.add_argument("--rate", type=float, default=None, help="soak: requests a second (no saturation run)")
@@ -248,11 +256,33 @@ def in_process(args: Any, model_dir: str, prompts: list[list[int]], loads: list[
         out[f"load_{load:g}"] = summary(sum(len(r.outputs[0]) for r in reqs), elapsed,
                                         [r.ttft for r in reqs], [g for r in reqs for g in r.itl()],
                                         rate=load * rate)
+    if not args.no_check:
+        out["agreement"] = agreement(args, model_dir, gen, prompts, sampling)
     del gen, reqs
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     out["rate_at_saturation"] = rate
+    return out
+
+
+def agreement(args: Any, model_dir: str, gen: Any, prompts: list[list[int]], sampling: Any) -> dict[str, Any]:
+    """The end-to-end agreement check of the configuration served (the server runs the same
+    options): the prompts once more on the in-process generator, the logits of
+    ``--check-requests`` of them against HF's forward of the checkpoint (float32 reference,
+    the served dtype's noise floor; bench_serve's ``tapped_run``)."""
+    from bench_serve import tapped_run
+    from transformers import AutoModelForCausalLM
+
+    from cellcache.generate.agreement import reference_models
+
+    log(f"in process: agreement check, {args.check_requests} requests against HF's forward")
+    dtype = next(gen.model.parameters()).dtype
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(gen.runner.device)
+    models = reference_models(hf)
+    del hf
+    out = tapped_run(gen, prompts, [sampling] * len(prompts), models, args.check_requests, args.seed)
+    log(f"in process: agreement: {out['summary']}")
     return out
 
 
@@ -524,6 +554,9 @@ def report(result: dict[str, Any], loads: list[float]) -> int:
                       f"{f(res['itl_ms_p50'], '.2f'):>8} {f(res['itl_ms_p99'], '.2f'):>8} "
                       f"{f(res.get('tokens_per_chunk'), '.2f'):>9}")
     targets: dict[str, Any] = {}
+    agree = (local or {}).get("agreement")
+    if agree is not None:
+        print(f"end-to-end agreement of the configuration served, with HF's forward: {agree['summary']}")
     if local:
         ratio = http["saturation"]["tokens_per_s"] / local["saturation"]["tokens_per_s"]
         targets["saturation_ratio"] = ratio
@@ -565,6 +598,10 @@ def report(result: dict[str, Any], loads: list[float]) -> int:
     errors = sum(r.get("errors", 0) for r in http.values())
     if errors:
         print(f"{errors} requests failed over HTTP")
+    if agree is not None and agree["passed"] is False:
+        print("bench_http: the configuration served does not agree with the model end to end: the "
+              "figures do not count", file=sys.stderr)
+        return 1
     return 1 if errors else 0
 
 

@@ -220,6 +220,9 @@ def headline(d: dict) -> str:
         if "ttft_p50_gap_ms_at_half_load" in t:
             parts.append(f"50% load TTFT p50 gap {_num(t['ttft_p50_gap_ms_at_half_load'], '+.1f')} ms "
                          f"({'met' if t.get('ttft_ok') else 'MISSED'}: <= 10 ms)")
+        agree = _agreement({"agreement": local.get("agreement")})
+        if agree:
+            parts.append(agree)
     elif "speedup" in d and isinstance(d.get("bandwidth"), dict):    # tools/bench_spill.py
         tps, bw, w = d.get("tokens_per_s") or {}, d["bandwidth"], d.get("workload") or {}
         parts.append(f"{w.get('name')} x{_num(w.get('requests'))}, cache {_num(w.get('share'), 'g')} of "
