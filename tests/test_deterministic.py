@@ -290,3 +290,26 @@ def test_bench_det_times_both_modes_on_one_workload(tmp_path):
         assert set(r["agreement"]) == {"normal", "deterministic"}
         assert all(a["passed"] is True and a["rows"] > 0 for a in r["agreement"].values())
     assert res["runs"]["deterministic"][0]["tokens_out"] == res["runs"]["normal"][0]["tokens_out"] > 0
+
+
+def test_bench_det_fails_when_a_mode_does_not_agree_with_the_model(tmp_path, monkeypatch, capsys):
+    """The served model changed after the reference copies were taken: the JSON keeps each
+    mode's report, the run says which mode and where, and exits 1."""
+    bench = load_tool("bench_det")
+    real = bench.tapped_run
+
+    def changed(gen, *a, **k):
+        with torch.no_grad():
+            for prm in gen.model.parameters():
+                prm.mul_(1.05)
+        return real(gen, *a, **k)
+
+    monkeypatch.setattr(bench, "tapped_run", changed)
+    out = tmp_path / "det.json"
+    assert bench.main(["--device", "cpu", "--quick", "--model", "llama-tiny", "--requests", "2",
+                       "--json", str(out)]) == 1
+    res = json.loads(out.read_text())
+    assert {mode: a["passed"] for mode, a in res["agreement"].items()} == \
+        {"normal": False, "deterministic": False}
+    err = capsys.readouterr().err
+    assert "bench_det (normal): the served configuration does not agree" in err and "worst rows" in err

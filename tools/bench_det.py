@@ -33,7 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from _common import log, require_gpu, run_record
-from bench_serve import DEFAULT_MODEL, QUICK, WORKLOADS, build_workload, cpu_probe, staggered, tapped_run
+from bench_serve import (
+    DEFAULT_MODEL,
+    QUICK,
+    WORKLOADS,
+    build_workload,
+    cpu_probe,
+    disagreement,
+    not_checked,
+    staggered,
+    tapped_run,
+)
 
 from cellcache._cli import Parser, in_range
 
@@ -204,8 +214,7 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
               "native": bool(args.native),
               "tokens_per_s": med, "deterministic_cost": round(cost, 4), "target_cost": TARGET_COST,
               "sglang_published_cost": SGLANG_COST, "deterministic_runs_identical": reproducible,
-              "agreement": agreement or {"passed": None, "summary": "not checked (--no-check): "
-                                                                    "the figures do not count"},
+              "agreement": agreement or not_checked(),
               "linear_gemms": batched_gemms()}
     print(f"normal {med['normal']:.0f} tok/s, deterministic {med['deterministic']:.0f} tok/s: "
           f"cost {100 * cost:.1f}% (target <= {100 * TARGET_COST:.0f}%; SGLang publishes "
@@ -220,11 +229,8 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
         print(f"end-to-end agreement with HF's forward, {mode}: {a['summary']}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-    failed = [mode for mode, a in agreement.items() if a["passed"] is False]
-    if failed:
-        print(f"bench_det: {', '.join(failed)} does not agree with the model end to end: the "
-              "figures do not count", file=sys.stderr)
-    return 1 if reproducible is False or failed else 0
+    failed = [disagreement(a, f"bench_det ({mode})") for mode, a in agreement.items()]
+    return 1 if reproducible is False or any(failed) else 0
 
 
 if __name__ == "__main__":

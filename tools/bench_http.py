@@ -598,10 +598,11 @@ def report(result: dict[str, Any], loads: list[float]) -> int:
     errors = sum(r.get("errors", 0) for r in http.values())
     if errors:
         print(f"{errors} requests failed over HTTP")
-    if agree is not None and agree["passed"] is False:
-        print("bench_http: the configuration served does not agree with the model end to end: the "
-              "figures do not count", file=sys.stderr)
-        return 1
+    if agree is not None:
+        from bench_serve import disagreement
+
+        if disagreement(agree, "bench_http"):
+            return 1
     return 1 if errors else 0
 
 

@@ -568,6 +568,11 @@ def agreement_pass(model, prompts, new_tokens, capacity: int, w: dict, device: s
     return out
 
 
+def not_checked() -> dict:
+    """What a run records for its agreement check under ``--no-check``."""
+    return {"passed": None, "summary": "not checked (--no-check): the figures do not count"}
+
+
 def tapped_run(gen, prompts: list, samplings: list, models: tuple, sample: int, seed: int) -> dict:
     """Every prompt served on ``gen`` all together (the batch shapes of the run timed), the
     logits of ``sample`` requests chosen at random recorded at every row they were sampled
@@ -1131,8 +1136,7 @@ def tp_bench(p, args, argv: list[str]) -> int:
             gen.run()
         gen.cache.close()
     else:
-        res["agreement"] = {"passed": None, "summary": "not checked (--no-check): the speed "
-                                                      "figures do not count"}
+        res["agreement"] = not_checked()
     if rank == 0:                                 # saved now, and again with HF's run
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=2, default=str) + "\n")
@@ -1503,8 +1507,7 @@ def main(argv=None) -> int:
         log(f"[serve] agreement: {res['agreement']['summary']}")
         save()
     else:
-        res["agreement"] = {"passed": None, "summary": "not checked (--no-check): the speed "
-                                                      "figures do not count"}
+        res["agreement"] = not_checked()
     hf_runs = {"default": ("hf-batch", "hf-static"), "shared": ("hf-batch",), "chat": (), "grpo": ()}[name]
     for hf in hf_runs:
         if hf in skip:
@@ -1714,11 +1717,11 @@ def main(argv=None) -> int:
     return disagreement(agree)
 
 
-def disagreement(agree: dict) -> int:
+def disagreement(agree: dict, prog: str = "bench_serve") -> int:
     """The run's exit code by its agreement check: 1, saying where, when the served
     configuration does not agree with the model end to end (the figures do not count)."""
     if agree["passed"] is False:
-        print(f"bench_serve: the served configuration does not agree with the model end to end: "
+        print(f"{prog}: the served configuration does not agree with the model end to end: "
               f"{agree['summary']}; by row kind {agree['by_kind']}; worst rows {agree['worst']}",
               file=sys.stderr)
         return 1

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import RESULTS, log, require_gpu, run_record
-from bench_serve import tapped_run
+from bench_serve import not_checked, tapped_run
 from bench_workloads import WORKLOADS, build_workload, load_model, serve
 
 from cellcache._cli import Parser, in_range
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             bw["restore_share"] = bw["restore_bytes_per_s"] / bw["pinned"]["h2d"]
     res["bandwidth"] = bw
     if args.no_check:
-        res["agreement"] = {"passed": None, "summary": "not checked (--no-check): the figures do not count"}
+        res["agreement"] = not_checked()
     else:
         from cellcache.generate.agreement import reference_models
 

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
-from bench_serve import tapped_run
+from bench_serve import not_checked, tapped_run
 
 from cellcache._cli import Parser, in_range
 
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         sps = [Sampling(max_new_tokens=k, temperature=temperature, seed=i) for i, k in enumerate(lengths)]
         res["agreement"] = tapped_run(gen, prompts, sps, models, args.check_requests, args.seed)
     else:
-        res["agreement"] = {"passed": None, "summary": "not checked (--no-check): the figures do not count"}
+        res["agreement"] = not_checked()
     gen.cache.close()
     key = (args.workload, args.model)
     res["anchors"] = [{"engine": e, "conditions": c, "tokens_per_s": v} for e, c, v in ANCHORS.get(key, [])]

@@ -201,8 +201,8 @@ def headline(d: dict) -> str:
         modes = d.get("agreement")
         if isinstance(modes, dict) and modes and "passed" not in modes:    # a verdict a mode
             parts.append("; ".join(f"{mode}: {_agreement({'agreement': a})}" for mode, a in modes.items()))
-        elif isinstance(modes, dict):
-            parts.append(_agreement(d) or "")
+        else:                                                             # (--no-check)
+            parts += [t for t in (_agreement(d),) if t]
     elif isinstance(d.get("http"), dict):             # tools/bench_http.py
         http, local = d["http"], d.get("in_process") or {}
         for run in http:
