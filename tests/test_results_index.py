@@ -230,6 +230,7 @@ def test_the_tools_name_their_results_after_the_benchmark():
     bench = load_tool("bench")
     assert [bench.result_name(s) for s in ("table", "gpu", "all-gpu", "attention")] == [
         "table", "gpu-masks", "gpu-all", "attention"]
+    assert bench.result_name("attention", "256 x 640") == "attention-some"   # not the sweep's file
     name = load_tool("bench_serve").result_name
     plain = dict(workload="default", compile=False, attention="auto", arrival="staggered",
                  model="qwen2-0.5b", device="cuda", quick=False, capacity_share=1.0, spill_gib=0.0,
@@ -267,3 +268,13 @@ def test_bad_usage_exits_2_with_one_line(args):
     assert r.returncode == 2, r
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("results_index: error:"), r.stderr
     assert not r.stdout
+
+
+def test_bench_refuses_a_case_filter_outside_the_attention_section(tmp_path, capsys):
+    bench = load_tool("bench")
+    out = tmp_path / "t.json"
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--section", "table", "--case", "decode", "--json", str(out)])
+    assert e.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--case selects cases of the attention section" in err[0]

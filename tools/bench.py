@@ -409,9 +409,11 @@ SECTIONS = ("table", "soak", "prefix", "gpu", "growth", "attention")
 GPU_SECTIONS = ("gpu", "growth", "attention")
 
 
-def result_name(section: str) -> str:
-    """The benchmark a section's run records, the stem of its file in benchmarks/results."""
-    return {"gpu": "gpu-masks", "all-gpu": "gpu-all"}.get(section, section)
+def result_name(section: str, case: str = "") -> str:
+    """The benchmark a section's run records, the stem of its file in benchmarks/results (a
+    run of some attention cases only: ``attention-some``, never the whole sweep's file)."""
+    name = {"gpu": "gpu-masks", "all-gpu": "gpu-all"}.get(section, section)
+    return f"{name}-some" if case else name
 
 
 def main(argv=None) -> int:
@@ -424,13 +426,18 @@ def main(argv=None) -> int:
     p.add_argument("--soak-calls", type=in_range(8, 10**9), default=10**6,
                    help="calls of the soak section (default 10**6)")
     p.add_argument("--seed", type=in_range(0, 2**32 - 1), default=0)
+    p.add_argument("--case", default="", metavar="TEXT",
+                   help="attention section: only the cases whose name contains TEXT (default: every case; "
+                        "the record is then attention-some.json)")
     p.add_argument("--json", type=Path, default=None,
                    help="where to write the JSON (default: its canonical file, benchmarks/results/"
                         "<benchmark>.json: the section's name, gpu-masks for gpu, gpu-all for all-gpu)")
     args = p.parse_args(argv)
+    if args.case and args.section not in ("attention", "all-gpu"):
+        p.error("--case selects cases of the attention section")
     sections = GPU_SECTIONS if args.section == "all-gpu" else (args.section,)
     words = ["python3", "tools/bench.py", *(argv if argv is not None else sys.argv[1:])]
-    result = run_record(result_name(args.section), words,
+    result = run_record(result_name(args.section, args.case), words,
                         "cuda" if set(sections) <= set(GPU_SECTIONS) else "cpu")
     result["machine"] = {"python": platform.python_version(),
                          "cpu": platform.processor() or platform.machine(), "numpy": np.__version__}

@@ -570,7 +570,10 @@ def attention(args) -> dict:
     ours faster)."""
     rng = np.random.default_rng(args.seed)
     reps = max(5, min(args.reps, 50))
-    cases = [_attention_case(*c, reps=reps, rng=rng) for c in ATTENTION_CASES]
+    chosen = [c for c in ATTENTION_CASES if args.case in c[0]]
+    if not chosen:
+        raise SystemExit(f"bench: no attention case's name contains {args.case!r}")
+    cases = [_attention_case(*c, reps=reps, rng=rng) for c in chosen]
     for r in cases:                                   # every variant, fastest first
         print()
         print(f"{r['case']}: every tensor-core variant (table: {r['table_choice']}, "
