@@ -1339,10 +1339,16 @@ __device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
             continue;
         }
         if (!split) continue;
+        // the run of row i: a 32-way search, every lane probing one point of (lo, hi) at
+        // once (two rounds of loads for 1,024 runs where halving takes ten in a row)
         int lo = 0, hi = rows;                          // qo[lo] <= i < qo[hi]
         while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if (a.qo_indptr[mid] <= i) lo = mid; else hi = mid;
+            const int span = hi - lo;                   // probes nondecreasing in lane, in [lo + 1, hi - 1]
+            const int probe = lo + 1 + (int)((cc_i64)(span - 1) * lane / 32);
+            const unsigned below = __ballot_sync(0xffffffffu, a.qo_indptr[probe] <= i);
+            const int k = __popc(below);                // qo is nondecreasing: lanes [0, k) hold
+            if (k < 32) hi = lo + 1 + (int)((cc_i64)(span - 1) * k / 32);
+            if (k > 0) lo = lo + 1 + (int)((cc_i64)(span - 1) * (k - 1) / 32);
         }
         const int run = lo, ns = run_ns[run];
         if (ns <= 1) continue;
@@ -1353,8 +1359,10 @@ __device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
         const cc_i64 item0 = run_base[run] + (cc_i64)(nt - 1 - qt) * ns;
         const float* pp = a.part + ((item0 * nkv + kvh) * qrows + prow) * (D + 2);
         const cc_i64 sstride = (cc_i64)nkv * qrows * (D + 2);
-        float mx = TC_NEG_INF;
-        for (int s = 0; s < ns; ++s) mx = fmaxf(mx, pp[s * sstride]);
+        float mx = TC_NEG_INF;                          // (a max: the same in any order)
+        for (int s = lane; s < ns; s += 32) mx = fmaxf(mx, pp[s * sstride]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
         const float base = mx == TC_NEG_INF ? 0.f : mx;
         float den = 0.f;
         for (int s = 0; s < ns; ++s) den += ex2(pp[s * sstride] - base) * pp[s * sstride + 1];

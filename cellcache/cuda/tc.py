@@ -84,7 +84,7 @@ class Choice(NamedTuple):
 #: for keep a choice of the nearest swept one.
 TABLE: dict[tuple[int, str], Choice] = {
     (64, "prefill"): Choice("m2w1k64s2x64", 1, 0),
-    (64, "decode"): Choice("m1w4k64s2", 2, 1),
+    (64, "decode"): Choice("m1w4k128s2", 1, 1),
     (80, "prefill"): Choice("m2w1k32s2", 1, 1),
     (80, "decode"): Choice("m1w4k64s2", 4, 1),
     (96, "prefill"): Choice("m2w1k32s2", 1, 1),
@@ -370,7 +370,9 @@ class TensorCoreAttention:
         _launch.launch(v["f"], (v["ctas"], 1, 1), THREADS, v["smem"], stream, args, (0,))
         if cascade:
             _launch.launch(vg["f"], (vg["ctas"], 1, 1), THREADS, vg["smem"], stream, pack(1), (0,))
-        _launch.launch(self.f_merge, (4 * self.sm_count, 1, 1), THREADS, 0, stream,
+        # a warp a (row, head) where the rows allow (the merge waits on loads, not on math)
+        merge_ctas = min(16 * self.sm_count, max(4 * self.sm_count, -(-rows * n_heads // (THREADS // 32))))
+        _launch.launch(self.f_merge, (merge_ctas, 1, 1), THREADS, 0, stream,
                        args + struct.pack("=ii", head_dim, v["qrows"]), (0, n, n + 4))
 
     def plan_header(self) -> dict[str, int]:
