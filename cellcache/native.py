@@ -48,8 +48,8 @@ from .cache import Step
 from .config import CacheConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
-__all__ = ["ARCHITECTURES", "NativeAdapter", "NativeLM", "add_rms_norm", "refuse", "rms_norm",
-           "rotary_", "silu_mul"]
+__all__ = ["ARCHITECTURES", "NativeAdapter", "NativeLM", "add_rms_norm", "logits_out", "refuse",
+           "rms_norm", "rotary_", "silu_mul"]
 
 #: ``config.model_type`` values the native forward runs.
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -100,6 +100,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                    weight.data_ptr(), out.data_ptr(), out.stride(0), float(eps), False,
                    torch.cuda.current_stream(x.device).cuda_stream)
     return out
+
+
+def logits_out(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor) -> None:
+    """``out.copy_(x)`` into float32 ``out`` and ``ids`` (int64) = ``x.argmax(-1)`` for a
+    ``[rows, vocab]`` ``x``: on CUDA one launch that reads ``x`` once (half the bytes of the
+    argmax reading the float32 copy, and one pass less than argmax then copy), elsewhere
+    torch's two ops. The ids are torch.argmax's (a NaN above every number, ties to the
+    lowest id)."""
+    k = _kernels(x)
+    if (k is None or not _rows(x) or not _rows(out) or out.dtype != torch.float32
+            or out.shape != x.shape or out.device != x.device or ids.dtype != torch.int64
+            or ids.shape != x.shape[:1] or not ids.is_contiguous() or ids.device != x.device):
+        torch.argmax(x, dim=-1, out=ids)
+        out.copy_(x)
+        return
+    k.logits_out(_DTYPES[x.dtype], x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), out.data_ptr(),
+                 out.stride(0), ids.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

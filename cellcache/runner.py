@@ -31,6 +31,7 @@ from .buckets import bucket_for, check_buckets, default_buckets, default_mixed_b
 from .cache import CellCache, Step
 from .config import CacheConfig
 from .errors import InvalidArgument, InvalidState, OutOfMemory
+from .native import logits_out
 
 __all__ = ["ATTENTION_BACKENDS", "COMPILE_OPTIONS", "ModelAdapter", "ModelRunner", "check_options",
            "compile_options", "release_compile_workers"]
@@ -650,14 +651,13 @@ class ModelRunner:
             assert greedy is not None
             del warm
             graph = torch.cuda.CUDAGraph()
-            # float32 logits and their greedy ids out of the graph: no launch after it. The
-            # argmax reads the model's own logits (bf16: half the bytes of the float32 copy;
-            # the cast is exact, so the ids are the same)
+            # float32 logits and their greedy ids out of the graph: no launch after it. Both
+            # from one read of the model's own logits (cuda/fused.cu logits_out; the cast is
+            # exact, so the ids are those of the float32 copy)
             with torch.cuda.graph(graph, pool=pool):
                 logits = out[:rows]
                 model_logits = self._run(step, "auto", index)
-                torch.argmax(model_logits, dim=-1, out=greedy[:rows])
-                logits.copy_(model_logits)
+                logits_out(model_logits, logits, greedy[:rows])
                 del model_logits
                 if feed:                      # ids in [0, vocab): pad rows' are harmless too
                     self.input_ids[0, :rows].copy_(greedy[:rows])

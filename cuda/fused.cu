@@ -26,6 +26,12 @@
 //                 else:     pool p row pool_idx[j]       = stage part p row stage_idx[j]
 //                 for j in [0, n) and every pool p; stage_idx null: row row0 + j
 //
+// And the logits a forward hands out (cellcache/runner.py's graphs):
+//
+//   logits_out    out = float32(x) by rows, and ids[r] = the argmax of row r in torch.argmax's
+//                 order (a NaN above every number, ties to the lowest id): the float32 copy
+//                 and the greedy ids in one read of the model's logits
+//
 // And the sampler's draw for rows at a temperature alone (cellcache/generate/sampler.py):
 //
 //   sample_rows   token = the first j whose running sum of e_j = expf(x_j / T - max) (in
@@ -284,6 +290,84 @@ __device__ void move_rows(const RowPool* __restrict__ pools, cc_u64 stage, cc_i6
 
 MOVE_ROWS(16, uint4)
 MOVE_ROWS(1, unsigned char)
+
+// grid (rows), LOGIT_THREADS threads: row r of x (V elements of T, rows sx apart) copied to
+// float32 into row r of out (rows so apart) and its argmax written to ids[r]. (v, i) beats
+// (bv, bi) in torch.argmax's order: a NaN beats every number (the first NaN wins), otherwise
+// the larger value, ties to the lower id; so a row of -inf gives 0, as torch's does.
+#define LOGIT_THREADS 1024
+
+__device__ __forceinline__ bool beats(float v, int i, float bv, int bi)
+{
+    const bool vn = v != v, bn = bv != bv;
+    if (vn || bn) return vn && (!bn || i < bi);
+    return v > bv || (v == bv && i < bi);
+}
+
+template <typename T, int VEC>
+__device__ void logits_out(const T* __restrict__ x, cc_i64 sx, float* __restrict__ out, cc_i64 so,
+                           cc_i64* __restrict__ ids, cc_i32 V)
+{
+    __shared__ float s_v[LOGIT_THREADS / 32];
+    __shared__ int s_i[LOGIT_THREADS / 32];
+    const cc_i64 row = blockIdx.x;
+    const T* xr = x + row * sx;
+    float* orow = out + row * so;
+    float bv = TC_NEG_INF_F;
+    int bi = 0x7fffffff;
+    for (cc_i32 i = threadIdx.x * VEC; i < V; i += blockDim.x * VEC) {
+        float a[VEC];
+        load<T, VEC>(xr + i, a);
+        if (VEC % 4 == 0) {
+#pragma unroll
+            for (int j = 0; j < VEC; j += 4) {
+                float4 f;
+                f.x = a[j]; f.y = a[j + 1]; f.z = a[j + 2]; f.w = a[j + 3];
+                *reinterpret_cast<float4*>(orow + i + j) = f;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) orow[i + j] = a[j];
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+            if (beats(a[j], i + j, bv, bi)) { bv = a[j]; bi = i + j; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) { s_v[warp] = bv; s_i[warp] = bi; }
+    __syncthreads();
+    if (warp == 0) {
+        const bool live = lane < (int)(blockDim.x >> 5);
+        bv = live ? s_v[lane] : TC_NEG_INF_F;
+        bi = live ? s_i[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) ids[row] = bi;
+    }
+}
+
+#define LOGITS_OUT(NAME, T, VEC)                                                               \
+    extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)                                \
+    logits_out_##NAME##_v##VEC(const T* x, cc_i64 sx, float* out, cc_i64 so, cc_i64* ids,      \
+                               cc_i32 V)                                                       \
+    { logits_out<T, VEC>(x, sx, out, so, ids, V); }
+
+LOGITS_OUT(float32, float, 1)
+LOGITS_OUT(float32, float, 4)
+LOGITS_OUT(float16, f16, 1)
+LOGITS_OUT(float16, f16, 8)
+LOGITS_OUT(bfloat16, bf16, 1)
+LOGITS_OUT(bfloat16, bf16, 8)
 
 // grid (slots), SAMPLE_THREADS threads, ceil(V / 128) doubles of dynamic shared memory.
 // Slot s draws from row rows[s] (null: s) of x (float32, row stride sx elements, V columns)

@@ -118,6 +118,7 @@ def test_fused_launches_match_the_kernels_parameters_and_block_sizes():
     assert fused.THREADS == int(values["THREADS"])
     assert fused.SAMPLE_THREADS == int(values["SAMPLE_THREADS"])
     assert fused.SAMPLE_TILE == int(values["SAMPLE_TILE"])
+    assert fused.LOGIT_THREADS == int(values["LOGIT_THREADS"])
 
 
 def test_kernel_abi_has_one_source():

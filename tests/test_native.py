@@ -109,6 +109,17 @@ def test_ops_are_the_modules_arithmetic_bit_for_bit(dtype):
     assert torch.equal(qkv[:, (heads + kv) * d:], v_before)          # v is not rotated
 
 
+def test_logits_out_off_cuda_is_torch_s_copy_and_argmax():
+    x = torch.randn(5, 33).to(torch.bfloat16)
+    x[2, 4] = float("nan")
+    out = torch.zeros(6, 33)
+    ids = torch.full((6,), -1, dtype=torch.long)
+    ccn.logits_out(x, out[:5], ids[:5])
+    assert torch.equal(out[:5].view(torch.int32), x.float().view(torch.int32))   # (bits: NaN)
+    assert torch.equal(ids[:5], torch.argmax(x, dim=-1))
+    assert ids[2] == 4 and (out[5] == 0).all() and ids[5] == -1
+
+
 def test_custom_ops_compute_what_the_eager_ops_do():
     g = torch.Generator().manual_seed(1)
     x, res, w = (torch.randn(4, 32, generator=g) for _ in range(3))

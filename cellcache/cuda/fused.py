@@ -57,6 +57,8 @@ class FusedKernels:
         self.f_rotary_store = {d: fn(f"rotary_store_{d}") for d in DTYPES}
         self.f_move = {v: fn(f"move_rows_v{v}") for v in (1, 16)}
         self.f_sample = fn("sample_rows")
+        self.f_logits = {(d, v): fn(f"logits_out_{d}_v{v}") for d, s in DTYPES.items()
+                         for v in (1, _VEC[s])}
 
     def make_current(self) -> None:
         """Makes the device's primary context current on this thread (a thread PyTorch has
@@ -174,6 +176,22 @@ class FusedKernels:
         args = struct.pack(FORMATS["sample_rows"], x, sx, rows, temp, unif, out, vocab)
         _launch.launch(self.f_sample, (n, 1, 1), SAMPLE_THREADS, smem, stream, args, _SAMPLE_OFFS)
 
+    def logits_out(self, dtype: str, rows: int, vocab: int, x: int, sx: int, out: int, so: int,
+                   ids: int, stream: int) -> None:
+        """``out[r, :vocab] = float32(x[r, :vocab])`` and ``ids[r]`` (int64) = the row's
+        argmax in ``torch.argmax``'s order (a NaN above every number, ties to the lowest
+        id), ``r`` in ``[0, rows)``: rows ``sx`` / ``so`` elements apart, ``dtype`` the
+        elements of ``x``. One block a row. No rows: nothing launched."""
+        if rows <= 0:
+            return
+        if not 0 < vocab < 2**31:
+            raise InvalidArgument(f"a vocabulary of {vocab} is outside [1, 2**31)")
+        v = vector_width(DTYPES[dtype], vocab, sx)
+        if v > 1 and (x % 16 or out % 16 or so % 4):
+            v = 1                            # (the vector loads and stores need 16 bytes)
+        args = struct.pack(FORMATS["logits_out"], x, sx, out, so, ids, vocab)
+        _launch.launch(self.f_logits[dtype, v], (rows, 1, 1), LOGIT_THREADS, 0, stream, args, _LOGITS_OFFS)
+
     def close(self) -> None:
         if self.module is not None:
             check(cu.cuModuleUnload(self.module), "cuModuleUnload")
@@ -193,13 +211,17 @@ def _offsets(fmt: str) -> tuple[int, ...]:
 #: Each kernel's arguments as struct formats (standard sizes, no padding: each argument is
 #: handed to the driver by its own address): a CPU test reads the PTX's parameter lists
 FORMATS = {"add_rms_norm": "=QQQQQiqqqqfi", "silu_mul": "=QQiqq", "rotary_store": "=QQQQQQiiiqqq",
-           "rotary": "=QQQiiqqq", "move_rows": "=QQqQQqii", "sample_rows": "=QqQQQQi"}
+           "rotary": "=QQQiiqqq", "move_rows": "=QQqQQqii", "sample_rows": "=QqQQQQi",
+           "logits_out": "=QqQqQi"}
 _NORM_OFFS = _offsets(FORMATS["add_rms_norm"])
 _SILU_OFFS = _offsets(FORMATS["silu_mul"])
 _ROTARY_OFFS = _offsets(FORMATS["rotary"])
 _ROTARY_STORE_OFFS = _offsets(FORMATS["rotary_store"])
 _MOVE_OFFS = _offsets(FORMATS["move_rows"])
 _SAMPLE_OFFS = _offsets(FORMATS["sample_rows"])
+_LOGITS_OFFS = _offsets(FORMATS["logits_out"])
+#: logits_out: threads of its block (LOGIT_THREADS in cuda/fused.cu)
+LOGIT_THREADS = 1024
 #: sample_rows: threads of its block, elements of a warp's tile (SAMPLE_THREADS and SAMPLE_TILE
 #: in cuda/fused.cu), and the largest vocabulary whose tile sums fit the 48 KiB of shared
 #: memory a block gets without opting in, beside the kernel's own few hundred bytes

@@ -60,6 +60,39 @@ def test_norms_equal_the_modules_ops(dtype, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [151936, 1001])              # v8/v4 variants, and v1
+def test_logits_out_is_the_float32_copy_and_torch_s_argmax(dtype, vocab):
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    rows = 300
+    big = (4 * torch.randn(rows, vocab + 8, device="cuda", generator=g)).to(dtype)
+    x = big[:, :vocab]                                           # strided rows
+    x[1, 7] = x[1, vocab - 3] = x[1].max() + 1                   # a tie: the lowest id
+    x[2] = float("-inf")                                         # no finite value: id 0
+    x[3, 5] = x[3, 9] = float("nan")                             # NaN beats every number
+    x[4, vocab - 1] = float("inf")
+    x[5, vocab - 2] = float("nan")
+    x[5, 3] = float("inf")
+    x[6] = x[6, 0]                                               # every id ties
+    out = torch.full((rows + 2, vocab), 7.0, device="cuda")
+    ids = torch.full((rows + 2,), -1, dtype=torch.long, device="cuda")
+    ccn.logits_out(x, out[:rows], ids[:rows])
+    bits = lambda t: t.float().view(torch.int32)  # noqa: E731 - equal bit for bit (NaN too)
+    assert torch.equal(bits(out[:rows]), bits(x)) and torch.equal(ids[:rows], torch.argmax(x, dim=-1))
+    assert ids[[1, 2, 3, 4, 5, 6]].tolist() == [7, 0, 5, vocab - 1, vocab - 2, 0]
+    assert (out[rows:] == 7).all() and (ids[rows:] == -1).all()  # nothing past the rows
+    ccn.logits_out(x[:0], out[:0], ids[:0])                      # no rows: nothing launched
+    # inside a captured graph, as the runner's decode graphs run it
+    y = torch.randn(rows, vocab, device="cuda", generator=g).to(dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ccn.logits_out(y, out[:rows], ids[:rows])
+    y.copy_(torch.randn(rows, vocab, device="cuda", generator=g).to(dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out[:rows]), bits(y)) and torch.equal(ids[:rows], torch.argmax(y, dim=-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [4864, 1000, 36])
 def test_silu_mul_equals_the_modules_ops(dtype, inter):
     g = torch.Generator(device="cuda").manual_seed(inter)
