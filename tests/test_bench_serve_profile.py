@@ -107,6 +107,19 @@ def test_the_window_counts_the_device_work_it_launched_only():
     assert [e.name for e in kept] == ["k"] and left_out is None
 
 
+def test_the_breakdown_comes_from_the_profiled_steps():
+    mod = load_tool("bench_serve")
+    cuda = {"steps": 8, "activities": "cuda", "device_us_per_step_total": 2285.5,
+            "device_us_per_step": {"gemm": 846.7, "collective": 0.0, "attention": 1043.1,
+                                   "cellcache_step": 30.0, "memcpy": 2.5, "other": 363.2}}
+    pb = mod.profiled_breakdown(cuda)
+    assert pb["steps"] == 8 and pb["kernels_ms"] == 2.2855
+    assert abs(pb["attention_ms"] - 1.0431) < 1e-12 and abs(pb["gemm_ms"] - 0.8467) < 1e-12
+    assert abs(pb["attention_ms"] + pb["gemm_ms"] + pb["rest_ms"] - pb["kernels_ms"]) < 1e-12
+    assert mod.profiled_breakdown({**cuda, "activities": "cpu"}) is None   # operators' time, not the GPU's
+    assert mod.profiled_breakdown({"error": "no window"}) is None
+
+
 def _check_summary(s: dict, steps: int) -> None:
     assert "error" not in s, s
     assert s["steps"] == steps and s["activities"] == "cpu"

@@ -901,6 +901,19 @@ def profile_summary(prof, steps: int, cuda: bool) -> dict:
     return out
 
 
+def profiled_breakdown(summary: dict) -> dict | None:
+    """The decode step's split from a ``--profile-steps`` summary (the served steps mid-run,
+    per step): all kernels, attention, GEMMs and the rest, in ms; None for a summary without
+    device activity (an error, a CPU profile)."""
+    dev = summary.get("device_us_per_step")
+    if "error" in summary or summary.get("activities") != "cuda" or not dev:
+        return None
+    total = summary.get("device_us_per_step_total", sum(dev.values()))
+    att, gemm = dev.get("attention", 0.0), dev.get("gemm", 0.0)
+    return {"steps": summary.get("steps"), "kernels_ms": total / 1e3, "attention_ms": att / 1e3,
+            "gemm_ms": gemm / 1e3, "rest_ms": (total - att - gemm) / 1e3}
+
+
 def print_profile(summaries: list[dict], title: str) -> None:
     """The profile table: a column per rank (``summaries[r]``)."""
     ok = [s for s in summaries if "error" not in s]
@@ -1583,11 +1596,18 @@ def main(argv=None) -> int:
     if "profile" in res:
         print_profile(res["profile"], f"cellcache (prefix cache on) {args.model}, {name} workload; "
                                       f"files {path.parent}/{path.stem}-*-rank0*")
+    pb = profiled_breakdown(res["profile"][0]) if "profile" in res else None
+    if pb:
+        print(f"decode step as served (profiled mid-run, {pb['steps']} steps): {pb['kernels_ms']:.2f} ms "
+              f"of kernels = attention {pb['attention_ms']:.2f} + GEMMs {pb['gemm_ms']:.2f} + the rest "
+              f"{pb['rest_ms']:.2f} ms (the profile's table above)")
     bd = res["cellcache"].get("breakdown", {})
     if bd:
-        print(f"decode step of {bd['decode_rows']} rows: forward {bd['forward_ms']:.2f} ms = attention "
-              f"{bd['attention_ms']:.2f} ms + rest of the model {bd['rest_of_model_ms']:.2f} ms; "
-              f"prepare_step {res['cellcache']['prepare_step_host_us_median']:.0f} us host (median)")
+        print(f"decode step of {bd['decode_rows']} rows, its graph replayed after the run: forward "
+              f"{bd['forward_ms']:.2f} ms = attention {bd['attention_ms']:.2f} ms (the CUDA-core kernel, "
+              f"replayed alone) + rest of the model {bd['rest_of_model_ms']:.2f} ms; prepare_step "
+              f"{res['cellcache']['prepare_step_host_us_median']:.0f} us host (median)"
+              + ("" if pb else "; --profile-steps N gives the served step's kernels"))
     for key in ("cellcache", "cellcache_off", "cellcache_ungrouped"):
         r = res.get(key, {})
         if "decode_gpu_ms_median" in r and name in ("shared", "grpo"):
