@@ -242,12 +242,12 @@ __device__ void rotary_store(T* __restrict__ qkv, const T* __restrict__ cos_, co
     { rotary_store<T>(qkv, c, s, cells, k_pool, v_pool, n_q, n_kv, head_dim, s_tok, s_cos,     \
                       s_sin); }
 
-NORM(float32, float, 1)
-NORM(float32, float, 4)
-NORM(float16, f16, 1)
-NORM(float16, f16, 8)
-NORM(bfloat16, bf16, 1)
-NORM(bfloat16, bf16, 8)
+// every element type with its scalar and its 16-byte variant: X(name, T, VEC)
+#define BY_DTYPE_AND_VEC(X)                                                                    \
+    X(float32, float, 1) X(float32, float, 4) X(float16, f16, 1) X(float16, f16, 8)            \
+    X(bfloat16, bf16, 1) X(bfloat16, bf16, 8)
+
+BY_DTYPE_AND_VEC(NORM)
 ROTARY(float32, float)
 ROTARY(float16, f16)
 ROTARY(bfloat16, bf16)
@@ -362,12 +362,7 @@ __device__ void logits_out(const T* __restrict__ x, cc_i64 sx, float* __restrict
                                cc_i32 V)                                                       \
     { logits_out<T, VEC>(x, sx, out, so, ids, V); }
 
-LOGITS_OUT(float32, float, 1)
-LOGITS_OUT(float32, float, 4)
-LOGITS_OUT(float16, f16, 1)
-LOGITS_OUT(float16, f16, 8)
-LOGITS_OUT(bfloat16, bf16, 1)
-LOGITS_OUT(bfloat16, bf16, 8)
+BY_DTYPE_AND_VEC(LOGITS_OUT)
 
 // grid (slots), SAMPLE_THREADS threads, ceil(V / 128) doubles of dynamic shared memory.
 // Slot s draws from row rows[s] (null: s) of x (float32, row stride sx elements, V columns)
