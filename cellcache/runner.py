@@ -649,6 +649,9 @@ class ModelRunner:
             out = self._shared_out(rows, warm.shape[-1])
             greedy = self._greedy
             assert greedy is not None
+            # once outside the capture: its first call loads the kernel's module (a module
+            # load is no stream work and has no place inside a capture)
+            logits_out(warm, out[:rows], greedy[:rows])
             del warm
             graph = torch.cuda.CUDAGraph()
             # float32 logits and their greedy ids out of the graph: no launch after it. Both
