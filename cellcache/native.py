@@ -107,7 +107,9 @@ def logits_out(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor) -> None:
     ``[rows, vocab]`` ``x``: on CUDA one launch that reads ``x`` once (half the bytes of the
     argmax reading the float32 copy, and one pass less than argmax then copy), elsewhere
     torch's two ops. The ids are torch.argmax's (a NaN above every number, ties to the
-    lowest id)."""
+    lowest id). InvalidArgument, nothing written, for rows of no logits."""
+    if x.ndim == 2 and x.shape[0] and not x.shape[1]:
+        raise InvalidArgument(f"logits of shape {tuple(x.shape)}: rows of no vocabulary have no argmax")
     k = _kernels(x)
     if (k is None or not _rows(x) or not _rows(out) or out.dtype != torch.float32
             or out.shape != x.shape or out.device != x.device or ids.dtype != torch.int64

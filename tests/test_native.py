@@ -118,6 +118,9 @@ def test_logits_out_off_cuda_is_torch_s_copy_and_argmax():
     assert torch.equal(out[:5].view(torch.int32), x.float().view(torch.int32))   # (bits: NaN)
     assert torch.equal(ids[:5], torch.argmax(x, dim=-1))
     assert ids[2] == 4 and (out[5] == 0).all() and ids[5] == -1
+    with pytest.raises(InvalidArgument, match="no vocabulary"):      # refused, nothing written
+        ccn.logits_out(x[:, :0], out[:5, :0], ids[:5])
+    assert torch.equal(ids[:5], torch.argmax(x, dim=-1))
 
 
 def test_custom_ops_compute_what_the_eager_ops_do():

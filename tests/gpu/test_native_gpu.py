@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from cellcache import InvalidArgument  # noqa: E402
 from cellcache import native as ccn  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -81,6 +82,9 @@ def test_logits_out_is_the_float32_copy_and_torch_s_argmax(dtype, vocab):
     assert ids[[1, 2, 3, 4, 5, 6]].tolist() == [7, 0, 5, vocab - 1, vocab - 2, 0]
     assert (out[rows:] == 7).all() and (ids[rows:] == -1).all()  # nothing past the rows
     ccn.logits_out(x[:0], out[:0], ids[:0])                      # no rows: nothing launched
+    with pytest.raises(InvalidArgument, match="no vocabulary"):  # refused, nothing written
+        ccn.logits_out(x[:, :0], out[:rows, :0], ids[:rows])
+    assert torch.equal(ids[:rows], torch.argmax(x, dim=-1))
     # inside a captured graph, as the runner's decode graphs run it
     y = torch.randn(rows, vocab, device="cuda", generator=g).to(dtype)
     graph = torch.cuda.CUDAGraph()
