@@ -402,7 +402,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     // j is computed and stores it at the end of the iteration into s_cells[(j + ST + 1) & 1],
     // one iteration before the copies that read it there are issued, so the index latency
     // never stalls the issue and the copies hold no index registers (-1: past the range).
-    __shared__ int s_cells[2][KT];
+    __shared__ __align__(16) int s_cells[2][KT];
     auto cell_of = [&](int j, int row) { const int key = r0 + j * KT + row; return j < n_tiles && key <= r1 ? kv_idx[key] : -1; };
     // a cell's row of kv heads is n_kvh * D elements (bytes < 2^32): one 32 x 32 -> 64-bit
     // multiply-add a copy; a zero-filled copy (cell -1) points at cell 0 and reads nothing.
@@ -414,21 +414,44 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     constexpr int RPP = COLFIX ? TC_THREADS / CH : 1;  // rows a pass
     const int crow0 = COLFIX ? tid / CH : 0, ccol = COLFIX ? tid - crow0 * CH : 0;
     const int cx = C::SWZ ? (ccol ^ (crow0 & 7)) : ccol;   // the swizzled chunk (RPP % 8 == 0)
-    // tile j from the cells in s_cells[j & 1] (from_smem) or straight from kv_indices
-    auto issue = [&](const T* __restrict__ pool, cc_u32 base, int j, bool from_smem) {
-        if (j >= n_tiles) return;                      // an empty group keeps the count uniform
+    // A thread's NP cells of a tile are read before any of its copies is issued: the copies
+    // are volatile asm with a memory clobber, so a read between two of them cannot move up,
+    // and a read-then-copy loop paid a shared (or, for the first tiles, global) latency a copy
+    // (measured on the H100, 256 x 4K d64: the index reads' waits were ~40% of the kernel's
+    // stall samples). With COLFIX and NP rows a thread filling the tile exactly (TRANS), row r's
+    // cell is kept at slot (r % RPP) NP + r / RPP, so a thread's NP cells are contiguous and
+    // come in NP / 4 16-byte reads.
+    constexpr bool TRANS = COLFIX && RPP * NP == KT && NP % 4 == 0 && !KV8;
+    auto cell_slot = [](int row) { return TRANS ? (row % RPP) * NP + row / RPP : row; };
+    auto cells_of = [&](int j, bool from_smem, int (&cl)[NP]) {
+        if (TRANS && from_smem) {
+            const int4* v = reinterpret_cast<const int4*>(s_cells[j & 1] + crow0 * NP);
+#pragma unroll
+            for (int i = 0; i < NP / 4; ++i) {
+                const int4 x = v[i];
+                cl[4 * i] = x.x; cl[4 * i + 1] = x.y; cl[4 * i + 2] = x.z; cl[4 * i + 3] = x.w;
+            }
+        } else {
+#pragma unroll
+            for (int p = 0; p < NP; ++p) {
+                const int row = COLFIX ? crow0 + p * RPP : (tid + p * TC_THREADS) / CH;
+                const bool in = COLFIX ? RPP * NP <= KT || row < KT : tid + p * TC_THREADS < KT * CH;
+                cl[p] = !in ? -1 : from_smem ? s_cells[j & 1][row] : cell_of(j, row);
+            }
+        }
+    };
+    // tile j's copies into its stage of the ring at base, from the thread's cells cl
+    auto issue_cells = [&](const T* __restrict__ pool, cc_u32 base, int j, const int (&cl)[NP]) {
         const cc_u32 buf = base + 16 * (j % ST) * C::KV_CH;
-        const int* cells = s_cells[j & 1];
         if constexpr (COLFIX) {
             const char* colp = reinterpret_cast<const char*>(pool + kvh * D + ccol * 8);
 #pragma unroll
             for (int p = 0; p < NP; ++p) {
                 const int row = crow0 + p * RPP;
                 if (RPP * NP <= KT || row < KT) {
-                    const int cell = from_smem ? cells[row] : cell_of(j, row);
-                    const char* src = colp + (cc_u64)(cc_u32)max(cell, 0) * cbytes;
+                    const char* src = colp + (cc_u64)(cc_u32)max(cl[p], 0) * cbytes;
                     const int chunk = RPP % 8 == 0 ? row * C::RS + cx : C::at(row, ccol);
-                    cp_async16_cell(buf + 16 * chunk, src, cell);
+                    cp_async16_cell(buf + 16 * chunk, src, cl[p]);
                 }
             }
         } else {
@@ -438,13 +461,19 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
                 const int c = tid + p * TC_THREADS;
                 if (c < KT * CH) {
                     const int row = c / CH, col = c - row * CH;
-                    const int cell = from_smem ? cells[row] : cell_of(j, row);
-                    const T* src = head + (cc_u64)(cc_u32)max(cell, 0) * (cbytes / sizeof(T)) + col * 8;
+                    const T* src = head + (cc_u64)(cc_u32)max(cl[p], 0) * (cbytes / sizeof(T)) + col * 8;
                     // (the COLFIX forms cost registers here: 164 instead of 128 at d80)
-                    cp_async16(buf + 16 * C::at(row, col), src, cell >= 0 ? 16 : 0);
+                    cp_async16(buf + 16 * C::at(row, col), src, cl[p] >= 0 ? 16 : 0);
                 }
             }
         }
+    };
+    // tile j from the cells in s_cells[j & 1] (from_smem) or straight from kv_indices
+    auto issue = [&](const T* __restrict__ pool, cc_u32 base, int j, bool from_smem) {
+        if (j >= n_tiles) return;                      // an empty group keeps the count uniform
+        int cl[NP];
+        cells_of(j, from_smem, cl);
+        issue_cells(pool, base, j, cl);
     };
     // ONEBAR (the m2 variants, compute-bound prefill shapes): one barrier a tile. After the
     // barrier of iteration j every warp is done with tile j - 1, so tile j + ST - 1 goes into
@@ -574,23 +603,22 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
             cp_async_commit();
         }
         if (tid < KT) s_cells[(ST - 1) & 1][tid] = cell_of(ST - 1, tid);   // read after the first barrier
-    } else if constexpr (ONEBAR) {
-#pragma unroll
-        for (int s = 0; s < ST - 1; ++s) {
-            issue(kp, a_k, s, false);
-            issue(vp, a_v, s, false);
-            cp_async_commit();
-        }
-        if (tid < KT) s_cells[(ST - 1) & 1][tid] = cell_of(ST - 1, tid);   // read after the first barrier
     } else {
+        // the first tiles' cells straight from kv_indices, every read issued before any copy
+        // (and the next tile's, kept in s_cells, first of all), K and V of a tile from one read
+        constexpr int PRE = ONEBAR ? ST - 1 : ST;       // tiles issued here
+        const int next = tid < KT ? cell_of(PRE, tid) : -1;
+        int cl[PRE][NP];
 #pragma unroll
-        for (int s = 0; s < ST; ++s) {
-            issue(kp, a_k, s, false);
-            cp_async_commit();
-            issue(vp, a_v, s, false);
+        for (int s = 0; s < PRE; ++s) cells_of(s, false, cl[s]);
+#pragma unroll
+        for (int s = 0; s < PRE; ++s) {
+            if (s < n_tiles) issue_cells(kp, a_k, s, cl[s]);
+            if (!ONEBAR) cp_async_commit();
+            if (s < n_tiles) issue_cells(vp, a_v, s, cl[s]);
             cp_async_commit();
         }
-        if (tid < KT) s_cells[ST & 1][tid] = cell_of(ST, tid);   // read after the loop's first barrier
+        if (tid < KT) s_cells[PRE & 1][cell_slot(tid)] = next;   // read after the (loop's) first barrier
     }
 
     // this thread's rows: g and g + 8 of each of the warp's MQ 16-row blocks
@@ -830,7 +858,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
         } else if constexpr (ONEBAR || KV8) {
             // the other slot: its cells (tile j + ST - 2) were read before this iteration's
             // barrier (iteration j - 1's issue); these are read after the next one
-            if (tid < KT) s_cells[(j + ST) & 1][tid] = ncell;
+            if (tid < KT) s_cells[(j + ST) & 1][cell_slot(tid)] = ncell;
         } else {
             __syncthreads();                           // every warp is done with V(j) (and K(j))
             if (NSUB > 1) {
@@ -841,7 +869,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
             cp_async_commit();
             // the other slot: its cells (tile j + ST - 1) were last read before this iteration's
             // first barrier; these are read after the next one
-            if (tid < KT) s_cells[(j + ST + 1) & 1][tid] = ncell;
+            if (tid < KT) s_cells[(j + ST + 1) & 1][cell_slot(tid)] = ncell;
         }
     }
     cp_async_wait<0>();                                // nothing in flight into the buffers
