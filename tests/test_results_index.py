@@ -278,3 +278,19 @@ def test_bench_refuses_a_case_filter_outside_the_attention_section(tmp_path, cap
     assert e.value.code == 2 and not out.exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--case selects cases of the attention section" in err[0]
+
+
+def test_bench_refuses_a_baseline_ptx_outside_the_attention_section_or_unreadable(tmp_path, capsys):
+    bench = load_tool("bench")
+    out = tmp_path / "t.json"
+    ptx = tmp_path / "old.ptx"
+    ptx.write_text("// a PTX")
+    for argv, said in ((["--section", "table", "--baseline-ptx", str(ptx)],
+                        "--baseline-ptx is for the attention"),
+                       (["--section", "attention", "--baseline-ptx", str(tmp_path / "none.ptx")],
+                        "--baseline-ptx: cannot read")):
+        with pytest.raises(SystemExit) as e:
+            bench.main([*argv, "--json", str(out)])
+        assert e.value.code == 2 and not out.exists()
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err

@@ -429,12 +429,23 @@ def main(argv=None) -> int:
     p.add_argument("--case", default="", metavar="TEXT",
                    help="attention section: only the cases whose name contains TEXT (default: every case; "
                         "the record is then attention-some.json)")
+    p.add_argument("--baseline-ptx", type=Path, default=None, metavar="FILE",
+                   help="attention section: also time the table's choice from this tc_attention.ptx (built "
+                        "from other sources, e.g. git show HEAD~1:cellcache/ptx/tc_attention.ptx) on the "
+                        "same buffers, and print the ratio")
     p.add_argument("--json", type=Path, default=None,
                    help="where to write the JSON (default: its canonical file, benchmarks/results/"
                         "<benchmark>.json: the section's name, gpu-masks for gpu, gpu-all for all-gpu)")
     args = p.parse_args(argv)
     if args.case and args.section not in ("attention", "all-gpu"):
         p.error("--case selects cases of the attention section")
+    if args.baseline_ptx is not None:
+        if args.section not in ("attention", "all-gpu"):
+            p.error("--baseline-ptx is for the attention section")
+        try:
+            args.baseline_ptx = args.baseline_ptx.read_bytes()
+        except OSError as e:
+            p.error(f"--baseline-ptx: cannot read {args.baseline_ptx}: {e.strerror}")
     sections = GPU_SECTIONS if args.section == "all-gpu" else (args.section,)
     words = ["python3", "tools/bench.py", *(argv if argv is not None else sys.argv[1:])]
     result = run_record(result_name(args.section, args.case), words,

@@ -434,8 +434,42 @@ def _folded(tc, pv, rows: int, q, k_pool, v_pool, H: int, Hkv: int, D: int, stre
     return found
 
 
+def _against_baseline(ptx: bytes, tensor_core, sm: int, pv, rows: int, q, strides, k_pool, v_pool, out,
+                      H: int, Hkv: int, D: int, stream: int, decode: bool, ref, reps: int) -> dict:
+    """The table's choice of another build of the kernels (``ptx``) on the same buffers, timed
+    between two timings of this tree's (their mean is the ratio's numerator: a drift of the
+    clocks during the three timings falls on both sides), its output against ``ref``."""
+    import torch
+
+    from cellcache.cuda.tc import TensorCoreAttention
+
+    try:
+        old = TensorCoreAttention("bfloat16", sm, ptx=ptx)
+    except Exception as e:  # noqa: BLE001 - a baseline that does not load loses its columns only
+        return {"baseline_error": repr(e)[:300]}
+    try:
+        alt = torch.full_like(out, float("nan"))
+
+        def base():
+            old.run(pv, rows, q.data_ptr(), strides, k_pool.data_ptr(), v_pool.data_ptr(), alt.data_ptr(),
+                    strides, H, Hkv, D, 0, stream, decode=decode)
+
+        first = _timed(tensor_core, reps)
+        base_ms = _timed(base, reps)
+        again = _timed(tensor_core, reps)
+        ours = (first + again) / 2
+        return {"baseline_choice": dict(zip(("variant", "split", "order"), old.choose(D, decode))),
+                "baseline_ms": base_ms, "tensor_core_ms_vs_baseline": ours,
+                "ratio_vs_baseline": ours / base_ms,
+                "diff_baseline": float((alt.float() - ref).abs().max())}
+    except Exception as e:  # noqa: BLE001
+        return {"baseline_error": repr(e)[:300]}
+    finally:
+        old.close()
+
+
 def _attention_case(name: str, n_seq: int, hist: int, new: int, H: int, Hkv: int, D: int,
-                    reps: int, rng) -> dict:
+                    reps: int, rng, baseline: bytes | None = None) -> dict:
     """One shape, side by side in one run: cellcache CUDA cores, cellcache tensor cores,
     FlashInfer (prefill wrapper fa2 / auto; decode wrappers too for decode shapes), SDPA over
     the dense bool mask. Every column reads the same buffers; differences to the tensor-core
@@ -488,6 +522,12 @@ def _attention_case(name: str, n_seq: int, hist: int, new: int, H: int, Hkv: int
     res["tensor_core_ms"] = _timed(tensor_core, reps)
     ref = out.float().clone()
     log(f"[attention] {name}: tensor cores (table: {res['table_choice']}) {res['tensor_core_ms']:.3f} ms")
+    if baseline is not None:
+        res.update(_against_baseline(baseline, tensor_core, sm, pv, rows, q, strides, k_pool, v_pool, out,
+                                     H, Hkv, D, stream, decode, ref, reps))
+        if "ratio_vs_baseline" in res:
+            log(f"[attention] {name}: the baseline PTX's table choice {res['baseline_ms']:.3f} ms; this "
+                f"tree's {res['tensor_core_ms_vs_baseline']:.3f} ms = {res['ratio_vs_baseline']:.3f}x")
     # every variant built for D: prefill-like steps with both list orders, decode steps with
     # 1, 2, 4, 8 x CTAs as the split target (the plan splits below it)
     configs: list[dict] = ([{"split": sp, "order": 1} for sp in (1, 2, 4, 8)] if decode
@@ -617,7 +657,8 @@ def attention(args) -> dict:
     chosen = [c for c in ATTENTION_CASES if args.case in c[0]]
     if not chosen:
         raise SystemExit(f"bench: no attention case's name contains {args.case!r}")
-    cases = [_attention_case(*c, reps=reps, rng=rng) for c in chosen]
+    baseline = getattr(args, "baseline_ptx", None)
+    cases = [_attention_case(*c, reps=reps, rng=rng, baseline=baseline) for c in chosen]
     for r in cases:                                   # every variant, fastest first
         print()
         print(f"{r['case']}: every tensor-core variant (table: {r['table_choice']}, "
@@ -633,6 +674,13 @@ def attention(args) -> dict:
             print(f"{v['variant']:>12}{v['split']:>6}{v['order']:>6}{v['qrows']:>6}{v['ctas']:>6}"
                   f"{v['smem'] / 1024:>8.1f}{v['ms']:>10.3f}{v['TFLOPs']:>9.0f}{v['TBps']:>7.2f}{rat}"
                   f"{v['diff_table']:>9.2e}")
+        if "ratio_vs_baseline" in r:
+            print(f"  against the baseline PTX, the table's choice ({r['baseline_choice']['variant']} split "
+                  f"{r['baseline_choice']['split']}): {r['baseline_ms']:.4f} ms there, "
+                  f"{r['tensor_core_ms_vs_baseline']:.4f} ms here = {r['ratio_vs_baseline']:.3f}x "
+                  f"(diff {r['diff_baseline']:.2e})")
+        elif "baseline_error" in r:
+            print(f"  the baseline PTX: {r['baseline_error']}")
         if r.get("folded"):
             print(f"  K/V heads folded into one head of {r['heads'][1] * r['heads'][2]} (a unit reads whole "
                   f"cell rows), fastest first:")

@@ -146,13 +146,21 @@ _LOAD_ERRORS = ("CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "CUDA_ERROR_INVALID_PTX",
                 "CUDA_ERROR_NO_BINARY_FOR_GPU", "CUDA_ERROR_JIT_COMPILER_NOT_FOUND")
 
 
-def load_module(name: str) -> Any:
-    """``cuModuleLoadData`` of the shipped ``ptx/<name>.ptx``; a CudaError naming the driver
-    the PTX needs and the one present when the driver cannot load it."""
-    data = resources.files("cellcache").joinpath(f"ptx/{name}.ptx").read_bytes() + b"\0"
-    image = np.frombuffer(data, dtype=np.uint8)      # NUL-terminated, alive through the call
+def load_module(name: str, ptx: bytes | None = None) -> Any:
+    """``cuModuleLoadData`` of the shipped ``ptx/<name>.ptx`` (or of ``ptx``, PTX built from
+    other sources, to compare kernels); a CudaError naming the driver the PTX needs and the
+    one present when the driver cannot load the shipped PTX, or the driver's error for ``ptx``."""
+    given = ptx is not None
+    if ptx is None:
+        ptx = resources.files("cellcache").joinpath(f"ptx/{name}.ptx").read_bytes()
+    data = bytes(ptx)
+    image = np.frombuffer(data + b"\0", dtype=np.uint8)   # NUL-terminated, alive through the call
     code, module = check(cu.cuModuleLoadData(image.ctypes.data), f"cuModuleLoadData({name}.ptx)",
                          allowed=tuple(int(getattr(cu.CUresult, n)) for n in _LOAD_ERRORS))
+    if code != 0 and given:
+        errname = error_name(code)
+        raise CudaError(f"the driver cannot load the PTX given for {name}: {errname}", code=code,
+                        name=errname)
     if code != 0:
         info = manifest()
         have = driver_version()

@@ -139,7 +139,10 @@ class TensorCoreAttention:
     ...        torch.cuda.current_stream().cuda_stream)             # doctest: +SKIP
     """
 
-    def __init__(self, dtype: str, sm_count: int, kv_dtype: str | None = None):
+    def __init__(self, dtype: str, sm_count: int, kv_dtype: str | None = None, *, ptx: bytes | None = None):
+        if ptx is not None and not isinstance(ptx, (bytes, bytearray)):
+            raise InvalidArgument(f"ptx must be bytes (a tc_attention.ptx built elsewhere), not "
+                                  f"{type(ptx).__name__}")
         if dtype not in DTYPES:
             raise InvalidArgument(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
         if kv_dtype not in (None, dtype, *KV8_DTYPES):
@@ -149,7 +152,7 @@ class TensorCoreAttention:
         self.kv8 = kv_dtype in KV8_DTYPES
         self.table = TABLE_E4M3 if self.kv8 else TABLE
         self.sm_count = sm_count
-        self.module = drv.load_module("tc_attention")
+        self.module = drv.load_module("tc_attention", ptx)
         self._live: list[int] = []          # every scratch allocation, freed at close
         try:
             self.f_plan = int(drv.function(self.module, "tc_plan"))

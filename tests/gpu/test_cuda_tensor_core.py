@@ -245,6 +245,51 @@ def test_tensor_core_strided_views_and_refusals():
         rig.close()
 
 
+def test_tensor_core_kernels_from_given_ptx():
+    """A module from PTX bytes (to compare a kernel built from other sources, `bench.py
+    --baseline-ptx`): the shipped PTX given as bytes computes the same output bit for bit;
+    bytes that are not PTX, or not bytes, are refused with the library's error and the
+    running module is untouched."""
+    torch = pytest.importorskip("torch")
+    from importlib import resources
+
+    from cellcache.cuda.tc import TensorCoreAttention
+    from cellcache.errors import CudaError, InvalidArgument
+
+    rig = Rig("bfloat16", 64, 7, seed=11)
+    try:
+        ids = [int(s) for s in rig.seqs]
+        st, view, k_pool, v_pool, q = rig.step(ids, len(ids))
+        rows = q.shape[0]
+        out = torch.full_like(q, float("nan"))
+        rig.run(view, rows, q, k_pool, v_pool, out, 0, decode=True)
+        sm = torch.cuda.get_device_properties(0).multi_processor_count
+        ptx = resources.files("cellcache").joinpath("ptx/tc_attention.ptx").read_bytes()
+        other = TensorCoreAttention("bfloat16", sm, ptx=ptx)
+        try:
+            alt = torch.full_like(q, float("nan"))
+            shipped, rig.tc = rig.tc, other
+            try:
+                rig.run(view, rows, q, k_pool, v_pool, alt, 0, decode=True)
+            finally:
+                rig.tc = shipped
+            torch.cuda.synchronize()
+            assert torch.equal(alt, out)
+        finally:
+            other.close()
+        with pytest.raises(CudaError, match="PTX given for tc_attention"):
+            TensorCoreAttention("bfloat16", sm, ptx=b"not ptx at all")
+        with pytest.raises(InvalidArgument, match="ptx must be bytes"):
+            TensorCoreAttention("bfloat16", sm, ptx="tc_attention.ptx")  # type: ignore[arg-type]
+        again = torch.full_like(q, float("nan"))
+        rig.run(view, rows, q, k_pool, v_pool, again, 0, decode=True)
+        torch.cuda.synchronize()
+        assert torch.equal(again, out)
+        rig.check(st, view, k_pool, v_pool, q, 0, out=out, what="given PTX")
+    finally:
+        rig.close()
+
+
 def test_tensor_core_graph_replays_a_mixed_step():
     """Work list + attention + merge of a 2048-row mixed step captured once, replayed over
     another step of the same padded rows (different runs, lengths and width)."""
