@@ -492,16 +492,27 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     const unsigned char* __restrict__ kp8 = static_cast<const unsigned char*>(a.k_pool) + kvh * D;
     const unsigned char* __restrict__ vp8 = static_cast<const unsigned char*>(a.v_pool) + kvh * D;
     const cc_u32 rbytes8 = (cc_u32)(n_kvh * D);
+    // (a thread's cells first, then its copies: as for the 16-bit tiles above)
+    constexpr int NI8 = (KT * F8_CH + TC_THREADS - 1) / TC_THREADS;
     auto issue8 = [&](int j, bool from_smem) {
         if (j >= n_tiles) return;
         const cc_u32 buf = a_f8 + (j % ST) * 2 * KT * D;
         const int* cells = s_cells[j & 1];
-        for (int c = tid; c < KT * F8_CH; c += TC_THREADS) {
-            const int row = c / F8_CH, col = c - row * F8_CH;
-            const int cell = from_smem ? cells[row] : cell_of(j, row);
-            const cc_u64 off = (cc_u64)(cc_u32)max(cell, 0) * rbytes8 + 16 * col;
-            cp_async16_cell(buf + row * D + 16 * col, kp8 + off, cell);
-            cp_async16_cell(buf + (KT + row) * D + 16 * col, vp8 + off, cell);
+        int cl[NI8];
+#pragma unroll
+        for (int i = 0; i < NI8; ++i) {
+            const int c = tid + i * TC_THREADS, row = c / F8_CH;
+            cl[i] = c >= KT * F8_CH ? -1 : from_smem ? cells[row] : cell_of(j, row);
+        }
+#pragma unroll
+        for (int i = 0; i < NI8; ++i) {
+            const int c = tid + i * TC_THREADS;
+            if (c < KT * F8_CH) {
+                const int row = c / F8_CH, col = c - row * F8_CH;
+                const cc_u64 off = (cc_u64)(cc_u32)max(cl[i], 0) * rbytes8 + 16 * col;
+                cp_async16_cell(buf + row * D + 16 * col, kp8 + off, cl[i]);
+                cp_async16_cell(buf + (KT + row) * D + 16 * col, vp8 + off, cl[i]);
+            }
         }
     };
     // Q: T -> f16 in place (KV8; every thread its own chunks); its scale goes into sl2 (f32):
