@@ -498,6 +498,16 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
         if (j >= n_tiles) return;
         const cc_u32 buf = a_f8 + (j % ST) * 2 * KT * D;
         const int* cells = s_cells[j & 1];
+        if constexpr (NI8 == 1) {                      // one read a tile: nothing to hoist
+            for (int c = tid; c < KT * F8_CH; c += TC_THREADS) {
+                const int row = c / F8_CH, col = c - row * F8_CH;
+                const int cell = from_smem ? cells[row] : cell_of(j, row);
+                const cc_u64 off = (cc_u64)(cc_u32)max(cell, 0) * rbytes8 + 16 * col;
+                cp_async16_cell(buf + row * D + 16 * col, kp8 + off, cell);
+                cp_async16_cell(buf + (KT + row) * D + 16 * col, vp8 + off, cell);
+            }
+            return;
+        }
         int cl[NI8];
 #pragma unroll
         for (int i = 0; i < NI8; ++i) {
@@ -701,8 +711,12 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
             widen(s_f8 + (j % ST) * 2 * KT * D, KT, 0, tid, TC_THREADS);   // tile j into the f16 tile
             __syncthreads();
         } else if constexpr (ONEBAR) {                        // into tile j - 1's buffer: every warp is done with it
-            issue(kp, a_k, j + ST - 1, true);
-            issue(vp, a_v, j + ST - 1, true);
+            if (j + ST - 1 < n_tiles) {                 // K and V from one read of the cells
+                int cl[NP];
+                cells_of(j + ST - 1, true, cl);
+                issue_cells(kp, a_k, j + ST - 1, cl);
+                issue_cells(vp, a_v, j + ST - 1, cl);
+            }
             cp_async_commit();
         }
         const int st = KV8 ? 0 : j % ST, t0 = r0 + j * KT;
