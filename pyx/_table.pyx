@@ -76,7 +76,9 @@ cdef inline uint64_t bits_upto(int64_t i) noexcept nogil:
 
 
 cdef inline bint _is_exact_int64_vector(object a):
-    return type(a) is _np_ndarray and a.ndim == 1 and a.dtype == _np_int64
+    # (contiguous too: the fast path reads it as a typed contiguous view; a strided or
+    # broadcast array goes the general way)
+    return type(a) is _np_ndarray and a.ndim == 1 and a.dtype == _np_int64 and a.flags.c_contiguous
 
 
 cdef class CellTable:
@@ -749,11 +751,15 @@ cdef class CellTable:
         :meth:`undo_place`.
         """
         cdef int64_t[::1] c_view, p_view, s_view
-        cdef Py_ssize_t n = self.step_width
+        cdef Py_ssize_t n
         c_view = _out_vector(cells, "cells")
         p_view = _out_vector(positions, "positions")
         if seq_ids is not None:
             s_view = _out_vector(seq_ids, "seq_ids")
+        # the declaration is read only now: resolving the outputs can run the caller's code
+        # (an ndarray subclass's properties, another thread taking the GIL) that declares
+        # another step, and a width read before it would place past the outputs' end
+        n = self.step_width
         if not self.has_step:
             raise InvalidState("no step is declared; call declare_step() first")
         if c_view.shape[0] < n or p_view.shape[0] < n or (

@@ -280,6 +280,49 @@ def test_place_into_refusals():
     assert snapshot(t) == before
 
 
+def test_place_into_reads_the_declaration_after_the_outputs_resolve():
+    """An output whose resolution runs caller code (an ndarray subclass's property) that
+    declares a wider step: the width is the one declared when placement starts, so the
+    wider step is refused as too wide for the outputs, nothing placed (it used to place 8
+    entries into a 1-entry array and crash the interpreter later)."""
+    width = 8
+    t = CellTable(width, max_seqs=4, max_write=width)
+    a = t.seq_new()
+    assert t.declare_step([a])
+
+    class Redeclares(np.ndarray):
+        fired = False
+
+        @property
+        def dtype(self):
+            if not Redeclares.fired:
+                Redeclares.fired = True
+                assert t.declare_step([a] * width)
+            return np.ndarray.dtype.__get__(self)
+
+    cells = np.zeros(1, np.int64).view(Redeclares)
+    before = snapshot(t)
+    before["declared"] = [a] * width            # what the callback declared
+    with pytest.raises(InvalidArgument, match="fewer entries than the declared step's 8"):
+        t.place_into(cells, np.zeros(1, np.int64))
+    assert Redeclares.fired and snapshot(t) == before
+    assert t.place_into(np.zeros(width, np.int64), np.zeros(width, np.int64)) == width
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda c: c.__name__)
+def test_declare_step_takes_strided_and_broadcast_int64_arrays(table):
+    """A non-contiguous int64 vector is a sequence of ids like any other (the Cython table's
+    fast path used to raise numpy's ValueError for it)."""
+    t = make(table, 16, max_seqs=4, max_write=8)
+    a, b = t.seq_new(), t.seq_new()
+    assert t.declare_step(np.array([a, 9, b, 9], np.int64)[::2])
+    assert t.declared == [a, b]
+    assert t.declare_step(np.broadcast_to(np.int64(a), (3,)))
+    assert t.declared == [a, a, a]
+    with pytest.raises(InvalidArgument, match="outside"):
+        t.declare_step(np.array([a, 0, 7, 0], np.int64)[::2])
+
+
 def test_cell_address_refusals():
     t = CellTable(8, 4)
     for c, match in [(8, "cell=8 is outside"), (-1, "cell=-1 is outside"),
