@@ -297,6 +297,27 @@ def test_min_new_tokens_and_ignore_eos(model, ref):
                                                                     ignore_eos=True), 8)
 
 
+def test_ids_past_the_vocabulary_in_stop_and_eos(model, ref):
+    """A stop id outside the vocabulary is refused at add() (as a logit_bias id is), nothing
+    added; an end-of-sequence id the logits do not reach (a generation config's, say) is
+    never drawn, so min_new_tokens has nothing to mask for it: the request runs as without
+    it (its mask used to raise IndexError at every later step, holding up every request)."""
+    from cellcache.errors import InvalidArgument
+
+    V = model.config.vocab_size
+    prompt = [3, 17, 99, 17, 5, 8]
+    gen = make(model, eos=[V, 2**70])
+    for stop in ([V], [2**70]):
+        with pytest.raises(InvalidArgument, match="stop holds token id"):
+            gen.add(prompt, Sampling(max_new_tokens=4, min_new_tokens=1, stop=stop))
+    assert not gen.waiting and not gen.running
+    held = gen.add(prompt, Sampling(max_new_tokens=4, min_new_tokens=2))
+    other = gen.add(prompt, Sampling(max_new_tokens=4))
+    gen.run()
+    want = greedy_loop(ref, prompt, Sampling(), 4)
+    assert held.outputs[0] == want and other.outputs[0] == want
+
+
 def test_greedy_outputs_without_knobs_are_unchanged_beside_requests_with_them(model):
     prompts = [[5, 6, 7, 8], [9, 10, 11], [40, 41, 42, 43, 44]]
     alone = make(model)

@@ -81,7 +81,7 @@ def encode_prompt(tokenizer: Any, prompt: Any, vocab: int | None) -> list[int]:
 def check_text_options(tokenizer: Any, sampling: Sampling, on_text: Any, vocab: int,
                        sharded: bool) -> None:
     """What a request's text and sampling need of its generator: a tokenizer for
-    ``on_text`` and ``stop_strings``, ``logit_bias`` ids in the vocabulary, no stop strings
+    ``on_text`` and ``stop_strings``, ``logit_bias`` and ``stop`` ids in the vocabulary, no stop strings
     under tensor parallelism (a text match on rank 0 would end a continuation there
     alone). InvalidArgument otherwise."""
     if tokenizer is None and (on_text is not None or sampling.stop_strings):
@@ -91,10 +91,11 @@ def check_text_options(tokenizer: Any, sampling: Sampling, on_text: Any, vocab: 
     if sharded and sampling.stop_strings:
         raise InvalidArgument("stop_strings under tensor parallelism are not supported; use stop "
                               "token ids")
-    bad = [t for t in sampling.logit_bias if t >= vocab]
-    if bad:
-        raise InvalidArgument(f"logit_bias holds token id {bad[0]}, outside the model's vocabulary "
-                              f"[0, {vocab})")
+    for what, ids in (("logit_bias", sampling.logit_bias), ("stop", sampling.stop)):
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise InvalidArgument(f"{what} holds token id {bad[0]}, outside the model's vocabulary "
+                                  f"[0, {vocab})")
 
 
 #: The files one of which every tokenizer transformers loads from a directory has.

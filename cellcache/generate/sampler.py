@@ -316,9 +316,12 @@ class Sampler:
                 bias_s.append(np.full(n, e.slot))
                 bias_i.append(np.fromiter(sp.logit_bias.keys(), np.int64, n))
                 bias_v.append(np.fromiter(sp.logit_bias.values(), np.float64, n))
-            if e.banned:
-                ban_s.append(np.full(len(e.banned), e.slot))
-                ban_i.append(np.asarray(e.banned, dtype=np.int64))
+            # (an id past the logits' ids is never drawn, so there is nothing to mask: an
+            # end-of-sequence id the model's logits do not reach, say)
+            banned = [t for t in e.banned if 0 <= t < V]
+            if banned:
+                ban_s.append(np.full(len(banned), e.slot))
+                ban_i.append(np.asarray(banned, dtype=np.int64))
             if e.tokens is not None:
                 j = len(pen)
                 pen.append(e)
