@@ -318,6 +318,23 @@ def test_result_and_iterators_with_a_stepping_thread(model, tok):
     assert list(req.iter_tokens(timeout=0)) == req.outputs[0]
 
 
+def test_a_timeout_past_the_platform_s_longest_wait_is_no_limit():
+    """A wait longer than ``threading.TIMEOUT_MAX`` (~292 years) is taken as no limit: the
+    locks refuse such a timeout with OverflowError, which a result() or iterator of a
+    pending request raised for ``timeout=1e10``."""
+    import threading
+
+    from cellcache.generate.requests import _timeout
+
+    with pytest.raises(OverflowError):
+        threading.Event().wait(threading.TIMEOUT_MAX * 2)
+    assert _timeout(threading.TIMEOUT_MAX * 2) is None and _timeout(1e10) is None and _timeout(2**80) is None
+    assert _timeout(0) == 0 and _timeout(2.5) == 2.5 and _timeout(None) is None
+    for bad in (-1, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(InvalidArgument, match="timeout"):
+            _timeout(bad)
+
+
 def test_cancel_flushes_the_text_and_wakes_the_waiters(model, tok):
     gen = make(model, tok)
     calls = []

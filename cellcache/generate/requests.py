@@ -271,13 +271,15 @@ class Sampling:
 
 
 def _timeout(timeout: object) -> float | None:
-    """A wait's ``timeout``: None (no limit) or seconds >= 0; InvalidArgument otherwise."""
+    """A wait's ``timeout``: None (no limit) or seconds >= 0; InvalidArgument otherwise.
+    One past the longest wait the platform's locks take (``threading.TIMEOUT_MAX``, ~292
+    years) is no limit (the lock would raise OverflowError)."""
     if timeout is None:
         return None
     t = real_number(timeout, "timeout")
     if t < 0:
         raise InvalidArgument(f"timeout={t} is negative; give None or seconds >= 0")
-    return t
+    return None if t >= threading.TIMEOUT_MAX else t
 
 
 @dataclass(frozen=True)
