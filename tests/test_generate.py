@@ -172,6 +172,35 @@ def test_invalid_draft_ends_its_request_and_is_never_fed(model, prompts, proposa
     assert [r.outputs[0] for r in reqs[1:]] == clean(model, prompts[1:3])
 
 
+def test_endless_iterators_as_prompts_and_drafts(model, prompts):
+    """A prompt from an iterator is read for at most the cache's capacity (one that yields
+    more is refused, nothing queued; an endless one used to fill memory); a draft from an
+    iterator is read for the k ids asked (the request runs as with a list draft)."""
+    import itertools
+
+    gen = make(model)
+    for endless in (iter(int, 1), itertools.count(1)):
+        with pytest.raises(InvalidArgument, match="prompt yields more than 256 token ids"):
+            gen.add(endless, Sampling(max_new_tokens=2))
+    assert not gen.waiting and not gen.running
+    assert gen.encode(iter(prompts[0])) == prompts[0]
+
+    def endless_draft(tokens, k):
+        return itertools.repeat((tokens[-1] * 7 + 1) % VOCAB)
+
+    def list_draft(tokens, k):
+        return [(tokens[-1] * 7 + 1) % VOCAB] * k
+
+    outs = []
+    for draft in (endless_draft, list_draft):
+        g = make(model)
+        req = g.add(prompts[1], Sampling(max_new_tokens=N_NEW), draft=draft, draft_k=3)
+        g.run()
+        outs.append((req.outputs[0], req.finish_reasons, g.stats["drafted"]))
+    assert outs[0] == outs[1] and outs[0][1] == ["length"] and outs[0][2] > 0
+    assert outs[0][0] == clean(model, [prompts[1]])[0]
+
+
 def _mixed(gen, prompts):
     """Greedy requests with chunked prefill, a fork (n=2) and a drafting request."""
     def draft(tokens, k):

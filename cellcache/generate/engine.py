@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -602,10 +603,12 @@ class Generator:
         add_generation_prompt=True)``. InvalidArgument for text without a tokenizer,
         messages with a tokenizer that has no chat template, a tokenizer that fails, and ids
         outside the model's vocabulary."""
+        # (an iterator is read for at most the cache's capacity: no longer prompt can run)
+        limit = self.cache.config.capacity
         if self._encoder is None or not isinstance(prompt, (str, list, tuple)):
-            return encode_prompt(self._encoder, prompt, self.vocab)
+            return encode_prompt(self._encoder, prompt, self.vocab, limit)
         with self._encode_lock:
-            return encode_prompt(self._encoder, prompt, self.vocab)
+            return encode_prompt(self._encoder, prompt, self.vocab, limit)
 
     def cancel(self, request: Request) -> bool:
         """Ends ``request`` (a client disconnecting): its cells are freed, its continuations
@@ -1003,6 +1006,8 @@ class Generator:
                 continue
             try:
                 proposed = r.draft(list(s.tokens), k)
+                if isinstance(proposed, Iterator):      # (it may never end: k are used)
+                    proposed = list(itertools.islice(proposed, k))
                 drafts = token_ids(proposed, f"the draft of request {r.id}", self.vocab, allow_empty=True)
             except BaseException as e:                # the request's own code
                 self._fail(job, e, s.index, errors)

@@ -46,9 +46,10 @@ def _ids_of(out: Any) -> Any:
     return out
 
 
-def encode_prompt(tokenizer: Any, prompt: Any, vocab: int | None) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: Any, vocab: int | None, limit: int | None = None) -> list[int]:
     """``prompt`` (token ids, a ``str``, or chat messages) as checked token ids in
-    ``[0, vocab)`` (``Generator.encode`` states the contract)."""
+    ``[0, vocab)`` (``Generator.encode`` states the contract); token ids from an iterator
+    are read for at most ``limit`` (:func:`token_ids`)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidArgument("prompt is text and the Generator has no tokenizer; give token ids, "
@@ -75,7 +76,7 @@ def encode_prompt(tokenizer: Any, prompt: Any, vocab: int | None) -> list[int]:
         except Exception as e:                        # a template that fails on these messages
             raise InvalidArgument(f"the chat template failed on the messages: {e}") from e
         return token_ids(ids, "the chat prompt", vocab)
-    return token_ids(prompt, "prompt", vocab)
+    return token_ids(prompt, "prompt", vocab, limit=limit)
 
 
 def check_text_options(tokenizer: Any, sampling: Sampling, on_text: Any, vocab: int,

@@ -5,6 +5,7 @@ the token-id checks every entry point shares, and the latency summary (TTFT, ITL
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import numbers
 import operator
@@ -52,10 +53,12 @@ def real_number(value: object, name: str) -> float:
     return v
 
 
-def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool = False) -> list[int]:
+def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool = False,
+              limit: int | None = None) -> list[int]:
     """Token ids given as a sequence of ints, a 1-D integer array or tensor, or a ``[1, T]``
     one (what a tokenizer returns with ``return_tensors``), as a list of ints in
-    ``[0, vocab)``; InvalidArgument for anything else."""
+    ``[0, vocab)``; InvalidArgument for anything else. ``limit``: an iterator (a generator,
+    say: it may never end) is read for at most ``limit`` ids, and one with more is refused."""
     shape_hint = "give a list of ints, or a 1-D or [1, T] integer array or tensor"
     # a torch tensor can only be given once torch is imported: this module needs no torch
     torch: Any = sys.modules.get("torch")
@@ -82,6 +85,10 @@ def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool 
     elif isinstance(value, _NOT_IDS) or not isinstance(value, Iterable) or isinstance(value, Set):
         raise InvalidArgument(f"{what} of type {type(value).__name__} is not a sequence of token ids; "
                               f"{shape_hint}")
+    elif limit is not None and isinstance(value, Iterator):
+        items = list(itertools.islice(value, limit + 1))
+        if len(items) > limit:
+            raise InvalidArgument(f"{what} yields more than {limit} token ids")
     else:
         items = list(value)
     ids = []
