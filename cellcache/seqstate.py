@@ -64,7 +64,7 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
     ids = None
     if tokens is not None:
         try:
-            ids = torch.tensor([check_int(t, "token id", 0) for t in tokens], dtype=torch.int64)
+            ids = torch.tensor([check_int(t, "token id", 0, 2**63 - 1) for t in tokens], dtype=torch.int64)
         except TypeError:
             raise InvalidArgument(f"tokens of type {type(tokens).__name__} are not a sequence of token "
                                   "ids") from None
@@ -72,7 +72,12 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
     if ids is not None:
         tensors["tokens"] = ids
     header = {"format": FORMAT, "version": str(VERSION), "layers": json.dumps(shape_of(cache))}
-    save_file(tensors, os.fspath(path), metadata=header)
+    from safetensors import SafetensorError
+
+    try:
+        save_file(tensors, os.fspath(path), metadata=header)
+    except (OSError, SafetensorError) as e:          # no such folder, no permission, a full disk
+        raise InvalidArgument(f"cannot write the sequence to {os.fspath(path)!r}: {e}") from None
     return int(tensors["positions"].numel())
 
 
@@ -149,6 +154,10 @@ def _check_file(cache: CellCache, path: Any, meta: dict[str, str],
 def _check_tensors(cache: CellCache, tensors: dict[str, torch.Tensor], where: str) -> torch.Tensor:
     """The positions of ``tensors``, once they have every layer's K/V in ``cache``'s shape."""
     ours = shape_of(cache)
+    for name, t in tensors.items():                  # values to read: dense, on a real device
+        if isinstance(t, torch.Tensor) and (t.layout != torch.strided or t.device.type == "meta"):
+            kind = "meta" if t.device.type == "meta" else str(t.layout).removeprefix("torch.")
+            raise InvalidArgument(f"{where}: {name} is a {kind} tensor; give dense tensors")
     pos = tensors.get("positions")
     if not isinstance(pos, torch.Tensor) or pos.dim() != 1 or pos.dtype != torch.int64:
         raise InvalidArgument(f"{where} holds no positions")

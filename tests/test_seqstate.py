@@ -180,10 +180,28 @@ def test_refusals_are_the_library_errors_and_change_nothing(tmp_path):
         with pytest.raises(exc):
             save_sequence(a, bad, tmp_path / "x.kv")
     fresh = b.seq_new()
-    for bad in (["a"], [1, 2.5], [-1], 7):
+    for bad in (["a"], [1, 2.5], [-1], 7, [2**63], [2**70]):
         with pytest.raises(InvalidArgument, match="token"):
             save_sequence(b, fresh, tmp_path / "x.kv", tokens=bad)
     assert not (tmp_path / "x.kv").exists()
+    # a path that cannot be written: the library's error, no file
+    for where in (tmp_path / "no-such-folder" / "x.kv", tmp_path):
+        with pytest.raises(InvalidArgument, match="cannot write the sequence"):
+            save_sequence(b, fresh, where)
+    assert not (tmp_path / "no-such-folder").exists()
+    # tensors to write that hold no values to read: refused before anything is placed
+    src = make()
+    s2 = src.seq_new()
+    feed(src, s2, 10, seed=1)
+    tensors = read_sequence(src, s2)
+    before = state(b)
+    for name, make_odd in [("positions", lambda t: t.to_sparse()), ("k.0", lambda t: t.to_sparse()),
+                           ("positions", lambda t: t.to("meta")), ("v.1", lambda t: t.to("meta"))]:
+        odd = dict(tensors)
+        odd[name] = make_odd(odd[name])
+        with pytest.raises(InvalidArgument, match=f"{name} is a (sparse_coo|meta) tensor"):
+            write_sequence(b, odd)
+    assert state(b) == before
 
 
 def test_a_growth_that_fails_part_way_leaves_nothing_behind(tmp_path):
