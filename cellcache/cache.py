@@ -101,7 +101,8 @@ def stream_handle(stream: object) -> int:
             value = getattr(stream, attr)
             break
     handle = None
-    if not isinstance(value, (bool, float, str, bytes)):
+    # (numpy's floats and bools are no ints either, though int() takes them)
+    if not isinstance(value, (bool, np.bool_, float, np.floating, complex, np.complexfloating, str, bytes)):
         try:
             handle = operator.index(value)
         except TypeError:

@@ -58,6 +58,10 @@ def test_token_times_ttft_and_itl_with_a_step_clock(model):
     assert lat["requests"] == 2 and lat["gaps"] == 9
     assert lat["ttft_ms_p50"] == 2000.0 and lat["itl_ms_p50"] == lat["itl_ms_p99"] == 1000.0
     assert latency_summary([])["ttft_ms_p50"] is None
+    for bad, said in ((5, "requests of type int"), ("ab", "requests of type str"), ([None], "holds NoneType"),
+                      ([a, 3], "holds int")):
+        with pytest.raises(InvalidArgument, match=said):
+            gen.latency(bad)
 
 
 def test_accepted_drafts_share_their_step_time(model):

@@ -32,7 +32,9 @@ def test_prepare_step_checks_in_order():
     for bad, match in [("default", "stream of type str"), (1.5, "stream of type float"),
                        ("7", "stream of type str"), (float("inf"), "stream of type float"),
                        (-1, "stream handle -1 is outside"), (2**64, "is outside \\[0, 2\\*\\*64\\)"),
-                       (True, "stream of type bool")]:
+                       (True, "stream of type bool"), (np.float32(0.5), "stream of type float32"),
+                       (np.float64(0), "stream of type float64"), (np.bool_(False), "stream of type bool"),
+                       (1j, "stream of type complex")]:
         with pytest.raises(InvalidArgument, match=match):
             cache.prepare_step(stream=bad)
     for pad, match in [(1, "pad_to=1 is outside \\[width=2, max_write=9\\]"),

@@ -739,7 +739,13 @@ def latency_summary(requests: Iterable[Request]) -> dict[str, float | int | None
     ``ttft_ms_p99``, ``ttft_ms_mean`` over the requests that got a first token,
     ``itl_ms_p50/p99/mean`` over every gap of every continuation; ``requests`` and
     ``gaps`` count what went in. A statistic with nothing to summarize is None."""
+    if not isinstance(requests, Iterable) or isinstance(requests, (str, bytes)):
+        raise InvalidArgument(f"requests of type {type(requests).__name__} is not a sequence of "
+                              "requests")
     reqs = list(requests)
+    for r in reqs:
+        if not isinstance(r, Request):
+            raise InvalidArgument(f"requests holds {type(r).__name__}, not a Request")
     ttft = [r.ttft for r in reqs if r.ttft is not None]
     gaps = [g for r in reqs for g in r.itl()]
     return {"requests": len(ttft), "gaps": len(gaps), **_percentiles(ttft, "ttft_ms"),
