@@ -133,6 +133,8 @@ def test_completion_prompts_logprobs_and_echo():
     ({"logit_bias": {"1_0": 1}}, "not a token id"),
     ({"logit_bias": {"\u0665": 1}}, "not a token id"),            # an Arabic-Indic 5
     ({"logit_bias": {"-1": 1}}, "not a token id"),
+    ({"logit_bias": {"9" * 20: 1}}, "not a token id"),
+    ({"logit_bias": {"9" * 5000: 1}}, "not a token id"),          # int() refuses past 4300 digits
     ({"logit_bias": {"1": 101}}, "outside [-100, 100]"),
 ])
 def test_what_the_wire_allows_and_the_library_cannot_take(patch, message):

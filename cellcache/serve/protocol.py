@@ -258,8 +258,10 @@ def sampling_fields(req: _Common) -> dict[str, Any]:
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
         # a token id's decimal digits only: int() would also take " 5", "1_0" and non-ASCII digits
-        if not (key.isascii() and key.isdigit()):
-            raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias")
+        # (and few of them: no vocabulary reaches 19 digits, and int() refuses past 4300)
+        if not (key.isascii() and key.isdigit()) or len(key) > 19:
+            shown = key if len(key) <= 40 else key[:37] + "..."
+            raise APIError(400, f"logit_bias key {shown!r} is not a token id", param="logit_bias")
         tok = int(key)
         if not -100 <= value <= 100:
             raise APIError(400, f"logit_bias[{key}]={value} is outside [-100, 100]", param="logit_bias")
