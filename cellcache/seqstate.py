@@ -154,10 +154,10 @@ def _check_file(cache: CellCache, path: Any, meta: dict[str, str],
 def _check_tensors(cache: CellCache, tensors: dict[str, torch.Tensor], where: str) -> torch.Tensor:
     """The positions of ``tensors``, once they have every layer's K/V in ``cache``'s shape."""
     ours = shape_of(cache)
-    for name, t in tensors.items():                  # values to read: dense, on a real device
-        if isinstance(t, torch.Tensor) and (t.layout != torch.strided or t.device.type == "meta"):
-            kind = "meta" if t.device.type == "meta" else str(t.layout).removeprefix("torch.")
-            raise InvalidArgument(f"{where}: {name} is a {kind} tensor; give dense tensors")
+    for key, value in tensors.items():              # values to read: dense, on a real device
+        if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.device.type == "meta"):
+            kind = "meta" if value.device.type == "meta" else str(value.layout).removeprefix("torch.")
+            raise InvalidArgument(f"{where}: {key} is a {kind} tensor; give dense tensors")
     pos = tensors.get("positions")
     if not isinstance(pos, torch.Tensor) or pos.dim() != 1 or pos.dtype != torch.int64:
         raise InvalidArgument(f"{where} holds no positions")
