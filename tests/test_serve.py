@@ -171,9 +171,20 @@ def test_logprobs(client, local):
     assert len(content) == r.usage.completion_tokens == 6
     for entry in content:
         assert len(entry.top_logprobs) == 3
-        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+        assert entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode()) or "\ufffd" in entry.token   # (part of a character)
         # greedy: the sampled token is the most probable one
         assert abs(entry.logprob - max(t.logprob for t in entry.top_logprobs)) < 1e-4
+    # tokens holding part of a character: their own bytes (not U+FFFD's), which joined give
+    # the message back (the byte-level tokenizer decodes bytes with errors replaced)
+    words = [{"role": "user", "content": "café crème brûlée"}]
+    r = client.chat.completions.create(model="tiny", messages=words, max_tokens=12, temperature=1, seed=0,
+                                       logprobs=True, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    partial = [e for e in content if "\ufffd" in e.token]
+    assert partial and all(e.bytes != list("\ufffd".encode()) for e in partial)
+    joined = bytes(b for e in content for b in e.bytes)
+    assert joined.decode("utf-8", "replace") == r.choices[0].message.content
     c = client.completions.create(model="tiny", prompt="hello world", max_tokens=4, temperature=0, logprobs=2,
                                   echo=True, extra_body={"ignore_eos": True, "return_token_ids": True})
     lp = c.choices[0].logprobs

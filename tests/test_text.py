@@ -17,7 +17,7 @@ pytest.importorskip("tokenizers")
 
 from cellcache import InvalidArgument  # noqa: E402
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
-from cellcache.generate.text import CONTEXT, Detokenizer, TextStream, decode, decoder  # noqa: E402
+from cellcache.generate.text import CONTEXT, Detokenizer, TextStream, decode, decoder, token_bytes  # noqa: E402
 
 from .helpers_text import KINDS, MULTIBYTE, make_tokenizer, save_model_and_tokenizer  # noqa: E402
 
@@ -316,6 +316,26 @@ def test_result_and_iterators_with_a_stepping_thread(model, tok):
             req.iter_tokens(timeout=bad)
     assert (req.outputs[0], req.text, req.finish_reasons) == before
     assert list(req.iter_tokens(timeout=0)) == req.outputs[0]
+
+
+def test_token_bytes_are_a_token_s_own_bytes(tok):
+    """Each token's own bytes (a byte-level token through its alphabet, a byte-fallback
+    ``<0xXX>`` as that byte, ``▁`` as a space), so that a text's tokens joined give its UTF-8
+    back even where a token holds part of a character; a tokenizer without those decoders
+    gives each token's text decoded alone."""
+    own = token_bytes(tok)
+    for text in (MULTIBYTE, "café crème brûlée", "plain words"):
+        ids = tok.encode(text, add_special_tokens=False)
+        joined = b"".join(own(t) for t in ids)
+        assert joined.lstrip(b" ") == text.encode("utf-8"), (text, ids)
+    parts = [t for t in tok.encode(MULTIBYTE, add_special_tokens=False) if "\ufffd" in tok.decode([t])]
+    assert parts and all(own(t) != "\ufffd".encode() for t in parts)      # parts of characters
+
+    class Plain:                                        # no fast tokenizer's decoders
+        def decode(self, ids):
+            return "".join(chr(65 + i) for i in ids)
+
+    assert token_bytes(Plain())(3) == b"D"
 
 
 def test_a_timeout_past_the_platform_s_longest_wait_is_no_limit():

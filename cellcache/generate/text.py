@@ -28,10 +28,12 @@ skip_special_tokens=..., clean_up_tokenization_spaces=...)`` (Hugging Face's).
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["CONTEXT", "Detokenizer", "TextStream", "decode", "decoder", "special_ids"]
+__all__ = ["CONTEXT", "Detokenizer", "TextStream", "decode", "decoder", "special_ids", "token_bytes"]
 
 #: Prompt ids kept in front of a continuation's first token as decoding context.
 CONTEXT = 5
@@ -58,6 +60,75 @@ def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     def slow(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     return slow
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): the printable character that stands for each
+    byte in a token's string, inverted."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
+    chars: dict[str, int] = {}
+    extra = 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_chars()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kinds(tokenizer: Any) -> set[str]:
+    """The types of a fast tokenizer's decoders (``ByteLevel``, ``ByteFallback``, ``Replace``,
+    ...; a ``Sequence``'s members); empty for other tokenizers."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        spec = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return set()
+    kinds: set[str] = set()
+    todo = [spec]
+    while todo:
+        d = todo.pop()
+        if isinstance(d, dict):
+            kinds.add(str(d.get("type")))
+            todo.extend(d.get("decoders") or ())
+    return kinds
+
+
+def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
+    """A function giving a token's own bytes, which may be part of a character (the
+    ``bytes`` of OpenAI's chat log-probabilities: a client joins them to rebuild a character
+    split over tokens): a byte-level BPE's token string mapped back through its alphabet
+    (GPT-2, Llama 3, Qwen), a byte-fallback token ``<0xXX>`` as that byte and ``▁`` as a
+    space (SentencePiece: Llama 2, Mistral, Gemma); otherwise, and for a token whose string
+    those rules do not cover (an added token), the UTF-8 of the token decoded alone."""
+    kinds = _decoder_kinds(tokenizer)
+    to_piece = getattr(tokenizer, "convert_ids_to_tokens", None)
+
+    def alone(token: int) -> bytes:
+        return str(tokenizer.decode([token])).encode("utf-8")
+
+    if to_piece is None or not ({"ByteLevel", "ByteFallback"} & kinds):
+        return alone
+
+    def own(token: int) -> bytes:
+        piece = to_piece(token)
+        if not isinstance(piece, str) or not piece:
+            return alone(token)
+        if "ByteLevel" in kinds:
+            if all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+            return alone(token)
+        m = _BYTE_PIECE.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+    return own
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:

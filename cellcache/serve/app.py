@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import InvalidArgument, InvalidState
 from ..generate import Request, Sampling
-from ..generate.text import decode
+from ..generate.text import decode, token_bytes
 from .engine import Engine, Event, Refused, Stream
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
@@ -124,6 +124,8 @@ class _Server:
     def __init__(self, engine: Engine, model_name: str, limits: ServeLimits, metrics: Metrics):
         self.engine, self.model_name, self.limits, self.metrics = engine, model_name, limits, metrics
         self._pieces: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
+        self._token_bytes: tuple[Any, Callable[[int], bytes]] | None = None   # (tokenizer, its map)
 
     # -- tokens as text ------------------------------------------------------------------------------
     def piece(self, token: int) -> str:
@@ -135,6 +137,22 @@ class _Server:
             if len(self._pieces) < 1 << 20:
                 self._pieces[token] = s
         return s
+
+    def piece_bytes(self, token: int) -> bytes:
+        """A token's own bytes, maybe part of a character (:func:`token_bytes`; the UTF-8 of
+        ``token_id:N`` without a tokenizer); remembered."""
+        b = self._bytes.get(token)
+        if b is None:
+            tok = self.engine.tokenizer
+            if tok is None:
+                b = self.piece(token).encode("utf-8")
+            else:
+                if self._token_bytes is None or self._token_bytes[0] is not tok:
+                    self._token_bytes = (tok, token_bytes(tok))
+                b = self._token_bytes[1](token)
+            if len(self._bytes) < 1 << 20:
+                self._bytes[token] = b
+        return b
 
     def decode(self, ids: list[int]) -> str:
         """Token ids as the library's texts have them (special tokens skipped); "" without a
@@ -234,8 +252,7 @@ class _Server:
     # -- log-probabilities ---------------------------------------------------------------------------
     def chat_logprobs(self, entries: list[Any]) -> dict[str, Any]:
         def item(token: int, lp: float) -> dict[str, Any]:
-            s = self.piece(token)
-            return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode("utf-8"))}
+            return {"token": self.piece(token), "logprob": _lp(lp), "bytes": list(self.piece_bytes(token))}
         return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
                             for e in entries]}
 
