@@ -85,9 +85,9 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 def _decoder_kinds(tokenizer: Any) -> set[str]:
     """The types of a fast tokenizer's decoders (``ByteLevel``, ``ByteFallback``, ``Replace``,
     ...; a ``Sequence``'s members); empty for other tokenizers."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # (the decoder's own state, not the whole tokenizer's JSON: a large vocabulary's is MBs)
     try:
-        spec = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+        spec = json.loads(tokenizer.backend_tokenizer.decoder.__getstate__())
     except (AttributeError, TypeError, ValueError):
         return set()
     kinds: set[str] = set()
