@@ -338,6 +338,27 @@ def test_token_bytes_are_a_token_s_own_bytes(tok):
     assert token_bytes(Plain())(3) == b"D"
 
 
+def test_a_stop_string_the_last_flush_completes_ends_with_stop():
+    """A stop string ending in U+FFFD matches only when the continuation's last, unfinished
+    character is flushed as U+FFFD: the text is cut before it and the continuation's reason
+    is "stop" (it said "length" though its text was cut)."""
+    from cellcache.generate.requests import Request
+
+    tok = make_tokenizer("bytelevel")
+    own = token_bytes(tok)
+    lead = next(t for t in range(len(tok)) if own(t) == b"\xc3")          # a character's first byte
+    ab = tok.encode("ab", add_special_tokens=False)
+    for stops, reason, text in ((["b\ufffd"], "stop", "a"), (["zz"], "length", "ab\ufffd")):
+        req = Request(0, [5], Sampling(max_new_tokens=8, stop_strings=stops), None, None, 0, outputs=[[]],
+                      arrived=0.0, finish_reasons=[None], token_times=[[]], on_text=lambda *a: None,
+                      tokenizer=tok)
+        released = "".join(req.push_text(0, t)[0] for t in [*ab, lead])
+        assert not req.text_stopped(0)
+        req.finish_reasons[0] = "length"              # max_new_tokens ran out
+        released += req.close_text(0)
+        assert (released, req.texts[0], req.finish_reasons) == (text, text, [reason])
+
+
 def test_a_timeout_past_the_platform_s_longest_wait_is_no_limit():
     """A wait longer than ``threading.TIMEOUT_MAX`` (~292 years) is taken as no limit: the
     locks refuse such a timeout with OverflowError, which a result() or iterator of a

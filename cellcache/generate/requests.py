@@ -527,7 +527,12 @@ class Request:
         streams = self._streams
         if streams is None or streams[k].closed:
             return None
-        return streams[k].close()
+        out = streams[k].close()
+        # a stop string that only the flush completes (one ending in the U+FFFD of a last,
+        # unfinished character): the text was cut there, so it ended on the stop string
+        if streams[k].stopped and self.finish_reasons[k] == "length":
+            self.finish_reasons[k] = "stop"
+        return out
 
     def texts_to_close(self, all_ended: bool = False) -> list[int]:
         """The continuations that ended and whose text stream is open: with ``all_ended``
