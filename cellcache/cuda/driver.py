@@ -142,8 +142,11 @@ def manifest() -> dict:
     return json.loads(resources.files("cellcache").joinpath("ptx/manifest.json").read_text())
 
 
+# what cuModuleLoadData answers for PTX this driver cannot take (INVALID_IMAGE: bytes that are
+# neither PTX nor a cubin, INVALID_SOURCE: PTX the JIT rejects)
 _LOAD_ERRORS = ("CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "CUDA_ERROR_INVALID_PTX",
-                "CUDA_ERROR_NO_BINARY_FOR_GPU", "CUDA_ERROR_JIT_COMPILER_NOT_FOUND")
+                "CUDA_ERROR_NO_BINARY_FOR_GPU", "CUDA_ERROR_JIT_COMPILER_NOT_FOUND",
+                "CUDA_ERROR_INVALID_IMAGE", "CUDA_ERROR_INVALID_SOURCE")
 
 
 def load_module(name: str, ptx: bytes | None = None) -> Any:
