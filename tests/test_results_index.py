@@ -59,7 +59,7 @@ def test_every_result_says_what_ran_it_and_is_named_after_its_benchmark(ri):
 
 def test_the_record_stays_small_and_holds_no_scripts():
     files = [p for p in (ROOT / "benchmarks").rglob("*") if p.is_file()]
-    assert len(files) <= 30, len(files)
+    assert len(files) <= 32, len(files)       # one file a benchmark (its workload x model), no history
     assert not [p.name for p in files if p.suffix in (".py", ".sh", ".cu", ".patch")]
 
 
