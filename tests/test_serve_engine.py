@@ -88,6 +88,14 @@ def test_a_generator_that_keeps_failing_fails_its_requests(served, monkeypatch):
     h = get(app, "/health")
     assert h.status_code == 500 and h.json()["status"] == "failed"
     assert engine.live == 0 and engine.waiting == 0
+    # once steps produce tokens again the engine is healthy again (a load balancer that
+    # took it out of rotation takes it back)
+    monkeypatch.undo()
+    assert get(app, "/health").status_code == 500                 # nothing has stepped yet
+    r = post(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    h = get(app, "/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok", h.text
 
 
 BAD_BODIES = [b"", b"[]", b"null", b"\xff\xfe", b'{"prompt": null}', b'{"prompt": [[]]}',

@@ -450,6 +450,10 @@ class Engine:
             try:
                 gen.step()
                 failures[0] = 0
+                if self.failed is not None and gen.stats["tokens_out"] > out:
+                    # it serves again (the failure was a request's or passed): /health with it
+                    log.warning("the engine produces tokens again after: %s", self.failed)
+                    self.failed = None
             except Exception as e:          # a request's own code, or the step itself
                 log.exception("a generator step failed")
                 failures[0] = failures[0] + 1 if gen.stats["tokens_out"] == out else 0
