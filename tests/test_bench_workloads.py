@@ -70,6 +70,40 @@ def test_a_quick_run_with_poisson_arrivals_and_the_agreement_check(bw, tmp_path,
     assert "agreement: PASS" in printed
 
 
+def test_the_reference_copies_wait_on_the_host_and_the_check_runs_with_the_cache_asleep(monkeypatch):
+    """bench_workloads keeps HF's reference copies off the GPU through the timed runs (the
+    cache is sized after them) and compares with the served cache asleep, its memory given
+    back; the generator serves again after the check, with its models back home."""
+    import torch
+
+    import cellcache.generate.agreement as agreement
+    from cellcache.generate import Generator, Sampling, random_model
+
+    bs = load_tool("bench_serve")
+    model = random_model("llama-tiny", torch.float32, "cpu", 3)
+    ref, floor = agreement.reference_models(model, device="cpu")
+    assert floor is None and ref is not model
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in ref.parameters())
+    gen = Generator(model, capacity=256, max_seqs=4, eos=[])
+    seen = []
+    real = agreement.compare
+
+    def compare(rows, *models):
+        seen.append((gen.asleep, next(models[0].parameters()).device))
+        return real(rows, *models)
+
+    monkeypatch.setattr(agreement, "compare", compare)
+    sps = [Sampling(max_new_tokens=3)] * 3
+    out = bs.tapped_run(gen, [[1, 2, 3], [4, 5], [6]], sps, (ref, floor), 2, 0, park=True)
+    assert out["passed"] and out["requests"] == 2
+    assert seen == [(1, torch.device("cpu"))]
+    assert not gen.asleep and next(ref.parameters()).device.type == "cpu"
+    again = gen.add([1, 2, 3], Sampling(max_new_tokens=3))
+    gen.run()
+    assert len(again.outputs[0]) == 3
+    gen.cache.close()
+
+
 def test_kv_dtype_serves_8bit_kv_and_names_the_record(bw, tmp_path, capsys):
     out = tmp_path / "k.json"
     assert bw.main(["--device", "cpu", "--model", "tiny", "--quick", "--workload", "trt-128",

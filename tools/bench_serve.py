@@ -573,11 +573,17 @@ def not_checked() -> dict:
     return {"passed": None, "summary": "not checked (--no-check): the figures do not count"}
 
 
-def tapped_run(gen, prompts: list, samplings: list, models: tuple, sample: int, seed: int) -> dict:
+def tapped_run(gen, prompts: list, samplings: list, models: tuple, sample: int, seed: int,
+               park: bool = False) -> dict:
     """Every prompt served on ``gen`` all together (the batch shapes of the run timed), the
     logits of ``sample`` requests chosen at random recorded at every row they were sampled
     at, then compared with HF's own forward of the same weights over the same tokens
-    (float32: the reference; the served dtype: the noise floor)."""
+    (float32: the reference; the served dtype: the noise floor). ``park``: the models were
+    kept on the host (``reference_models(..., device="cpu")``) so that the cache had the
+    GPU's memory; for the comparison ``gen`` sleeps (level 1: its K/V memory given back),
+    the models move to its device, and after it they go back and ``gen`` wakes."""
+    import torch
+
     from cellcache.generate.agreement import LogitsTap, compare
 
     rng = np.random.default_rng(seed)
@@ -589,7 +595,23 @@ def tapped_run(gen, prompts: list, samplings: list, models: tuple, sample: int, 
             if i in chosen:
                 ids.add(req.id)
         gen.run()
-    out = compare(tap.rows(), *models).as_dict()
+    if not park:
+        out = compare(tap.rows(), *models).as_dict()
+    else:
+        home = next(models[0].parameters()).device
+        gen.sleep(1)
+        try:
+            for m in models:
+                if m is not None:
+                    m.to(gen.runner.device)
+            out = compare(tap.rows(), *models).as_dict()
+        finally:
+            for m in models:
+                if m is not None:
+                    m.to(home)
+            if gen.runner.device.type == "cuda":
+                torch.cuda.empty_cache()
+            gen.wake()
     out["requests"] = len(chosen)
     return out
 

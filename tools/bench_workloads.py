@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_check:
         from cellcache.generate.agreement import reference_models
 
-        models = reference_models(model)
+        # on the host until the check: the cache sized after them gets the GPU's memory (an
+        # 8B model's float32 and bf16 copies would hold 48 GB of it through the timed runs)
+        models = reference_models(model, device="cpu")
     prompts, lengths = build_workload(args.workload, n, model.config.vocab_size, args.seed)
     if args.quick:
         prompts = [q[:max(2, len(q) // 16)] for q in prompts]
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if models is not None:
         log(f"[workloads] agreement check: {args.check_requests} requests against HF's forward")
         sps = [Sampling(max_new_tokens=k, temperature=temperature, seed=i) for i, k in enumerate(lengths)]
-        res["agreement"] = tapped_run(gen, prompts, sps, models, args.check_requests, args.seed)
+        res["agreement"] = tapped_run(gen, prompts, sps, models, args.check_requests, args.seed, park=True)
     else:
         res["agreement"] = not_checked()
     gen.cache.close()

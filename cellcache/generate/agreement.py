@@ -147,18 +147,29 @@ class LogitsTap:
         return out
 
 
-def reference_models(model: Any, dtype: torch.dtype | None = None) -> tuple[Any, Any | None]:
+def reference_models(model: Any, dtype: torch.dtype | None = None,
+                     device: str | torch.device | None = None) -> tuple[Any, Any | None]:
     """Two copies of ``model`` for :func:`compare`, made before a Generator attaches to it
     (which switches its attention): the reference in float32 and the noise floor in
     ``dtype`` (default the model's own; None when that is float32), both with HF's SDPA
-    attention and in eval mode."""
+    attention and in eval mode, on ``device`` (default the model's). ``device="cpu"``
+    keeps them out of the GPU's memory until the comparison (an 8B model's two copies
+    take 48 GB): move them to the rows' device for :func:`compare`."""
     dtype = dtype or next(model.parameters()).dtype
-    ref = copy.deepcopy(model).float().eval()
-    ref.set_attn_implementation("sdpa")
-    floor = None
-    if dtype != torch.float32:
-        floor = copy.deepcopy(model).to(dtype).eval()
-        floor.set_attn_implementation("sdpa")
+    elsewhere = device is not None and torch.device(device) != next(model.parameters()).device
+
+    def copy_in(to: torch.dtype) -> Any:
+        m = copy.deepcopy(model)
+        if elsewhere:
+            m = m.to(device)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()       # the copy's blocks, freed on the GPU: to the driver
+        m = m.to(to).eval()
+        m.set_attn_implementation("sdpa")
+        return m
+
+    ref = copy_in(torch.float32)
+    floor = copy_in(dtype) if dtype != torch.float32 else None
     return ref, floor
 
 
