@@ -448,3 +448,44 @@ def test_penalties_count_the_tokens_fed_on_the_device():
         want = int(torch.argmax(x)) if sp.temperature == 0 else ref_draw(x, sp, sp.seed, 0, 4)
         assert int(out.ids[i]) == want
     assert out.ids.tolist() != [int(f) for f in fed]
+
+
+def test_the_extreme_repetition_penalties_draw_seen_tokens_and_past_them_are_refused():
+    """At the smallest penalty allowed a seen token with a positive logit dominates: every
+    seed draws one (the float32 logits stay finite); below it the request is refused with
+    nothing queued (1e-300 was 0 in float32: inf logits, a NaN draw, the vocabulary's last id)."""
+    from cellcache.errors import InvalidArgument
+    from cellcache.generate import Generator, Sampling, random_model
+    from cellcache.generate.requests import REPETITION_MAX
+
+    model = random_model("llama-tiny", torch.float32, "cpu", 0)
+    prompt = [483, 320, 350, 459, 296]
+    gen = Generator(model, capacity=256, eos=[])
+    reqs = [gen.add(prompt, Sampling(max_new_tokens=3, repetition_penalty=1 / REPETITION_MAX,
+                                     temperature=1.0, seed=s)) for s in range(3)]
+    gen.run()
+    for r in reqs:
+        out = r.outputs[0]
+        assert all(t in prompt + out[:i] for i, t in enumerate(out)), out
+    sp = Sampling(max_new_tokens=3)
+    sp.repetition_penalty = 1e-300                  # changed after construction: add() checks
+    with pytest.raises(InvalidArgument, match="repetition_penalty"):
+        gen.add(prompt, sp)
+    assert not gen.waiting and not gen.busy
+
+
+def test_min_new_tokens_with_every_id_a_stop_id_is_refused():
+    from cellcache.errors import InvalidArgument
+    from cellcache.generate import Generator, Sampling, random_model
+
+    model = random_model("llama-tiny", torch.float32, "cpu", 0)
+    gen = Generator(model, capacity=256, eos=[511])
+    with pytest.raises(InvalidArgument, match="no token could be drawn"):
+        gen.add([1, 2], Sampling(max_new_tokens=4, min_new_tokens=3, stop=list(range(512))))
+    with pytest.raises(InvalidArgument, match="no token could be drawn"):
+        gen.add([1, 2], Sampling(max_new_tokens=4, min_new_tokens=3, stop=list(range(511))))
+    assert not gen.waiting and not gen.requests
+    ok = gen.add([1, 2], Sampling(max_new_tokens=4, min_new_tokens=3, stop=list(range(511)),
+                                  ignore_eos=True))
+    gen.run()
+    assert ok.outputs[0][:3] == [511] * 3            # the one id not masked

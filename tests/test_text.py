@@ -462,6 +462,7 @@ def test_refusals_queue_nothing(model, tok):
     ("min_p", 1.5, "min_p"), ("min_p", float("nan"), "min_p"),
     ("presence_penalty", 2.5, "presence_penalty"), ("frequency_penalty", -3, "frequency_penalty"),
     ("repetition_penalty", 0.0, "repetition_penalty"), ("repetition_penalty", "x", "repetition_penalty"),
+    ("repetition_penalty", 1e-300, "outside"), ("repetition_penalty", 2e6, "outside"),
     ("logit_bias", [1, 2], "mapping"), ("logit_bias", {"3": 1.0}, "key"),
     ("logit_bias", {-1: 1.0}, "logit_bias"), ("logit_bias", {3: 101.0}, "logit_bias"),
     ("logit_bias", {True: 1.0}, "logit_bias"), ("logprobs", 21, "logprobs"),

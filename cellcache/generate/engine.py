@@ -561,6 +561,11 @@ class Generator:
             if fn is not None and not callable(fn):
                 raise InvalidArgument(f"{name} of type {type(fn).__name__} is not callable or None")
         check_text_options(self.tokenizer, sampling, on_text, self.vocab, self.tp is not None)
+        if sampling.min_new_tokens and len(set(sampling.stop) | (set() if sampling.ignore_eos else {
+                t for t in self.eos if t < self.vocab})) >= self.vocab:
+            raise InvalidArgument(f"min_new_tokens={sampling.min_new_tokens} with every id of the "
+                                  f"vocabulary ({self.vocab}) a stop or end-of-sequence id: no token "
+                                  "could be drawn before min_new_tokens")
         if self.tp is not None:                        # rank 0 only, no drafts; guarded callback
             on_token = self.tp.adding(on_token, draft)
         draft_k = check_int(draft_k, "draft_k", 0, 1 << 20)

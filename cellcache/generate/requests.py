@@ -36,6 +36,10 @@ MAX_LOGPROBS = 20
 #: ``logit_bias`` values in [-BIAS_MAX, BIAS_MAX] (OpenAI's ranges).
 PENALTY_MAX = 2.0
 BIAS_MAX = 100.0
+#: ``repetition_penalty`` lies in [1 / REPETITION_MAX, REPETITION_MAX]: past it the float32
+#: logits it divides or multiplies overflow (a penalty of 1e-300 is 0 in float32: the seen
+#: tokens' logits became inf, the draw NaN)
+REPETITION_MAX = 1e6
 _NOT_IDS = (str, bytes, bytearray, memoryview, Mapping)
 
 
@@ -156,8 +160,9 @@ class Sampling:
     - ``presence_penalty``, ``frequency_penalty`` in [-2, 2] (OpenAI's): each token's
       logit less ``frequency_penalty * count + presence_penalty * (count > 0)``, counting
       the continuation's own output tokens.
-    - ``repetition_penalty`` > 0 (Hugging Face's, CTRL's): a token already in the prompt
-      or the output has its logit divided by it when positive, multiplied when negative.
+    - ``repetition_penalty`` in [1e-6, 1e6] (Hugging Face's, CTRL's): a token already in
+      the prompt or the output has its logit divided by it when positive, multiplied when
+      negative.
     - ``logit_bias``: a mapping of token id (an int >= 0, below the vocabulary at
       :meth:`Generator.add`) to a number in [-100, 100] added to its logit (kept as a dict).
     - ``logprobs``: None (none), 0 (the log-probability of each output token) or 1..20
@@ -237,9 +242,10 @@ class Sampling:
         self.frequency_penalty = _in_range(self.frequency_penalty, "frequency_penalty",
                                            -PENALTY_MAX, PENALTY_MAX)
         self.repetition_penalty = real_number(self.repetition_penalty, "repetition_penalty")
-        if self.repetition_penalty <= 0:
-            raise InvalidArgument(f"repetition_penalty={self.repetition_penalty} is not > 0 "
-                                  "(1 leaves the logits as they are)")
+        if not 1 / REPETITION_MAX <= self.repetition_penalty <= REPETITION_MAX:
+            raise InvalidArgument(f"repetition_penalty={self.repetition_penalty} is outside "
+                                  f"[{1 / REPETITION_MAX:g}, {REPETITION_MAX:g}] (1 leaves the logits as "
+                                  "they are)")
         bias = self.logit_bias
         if not isinstance(bias, Mapping):
             raise InvalidArgument(f"logit_bias of type {type(bias).__name__} is not a mapping of "
