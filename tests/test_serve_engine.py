@@ -595,3 +595,73 @@ def test_a_cancel_made_during_a_step_ends_its_stream_at_the_next_one(monkeypatch
         turns += 1
     assert fired and "done" in kinds and turns == 2
     assert stream.request.finish_reasons == ["cancelled"]
+
+
+@pytest.fixture(params=["bytelevel", "sentencepiece"])
+def texted(request):
+    """(app, engine) over a tiny random model with a tokenizer of each kind."""
+    pytest.importorskip("tokenizers")
+    from tests.helpers_text import make_tokenizer
+
+    tok = make_tokenizer(request.param)
+    gen = Generator(random_model("llama-tiny"), capacity=1024, eos=[], tokenizer=tok)
+    engine = Engine(gen, max_waiting=8)
+    app = build_app(engine, model_name="tiny", limits=ServeLimits(capacity=1024, default_max_tokens=8))
+    engine.start()
+    yield app, engine
+    engine.stop(5)
+
+
+def test_logprob_tokens_are_their_own_text_and_streamed_offsets_are_the_whole_answers(texted):
+    """A token's string is its own bytes where they are whole characters (a SentencePiece
+    token keeps its leading space: its string and its bytes agree, and the completion's
+    tokens join to its text); a streamed completion's text offsets are the unstreamed
+    answer's, with and without echo."""
+    app, engine = texted
+    # the output held to whole words (a random model's own draws are mostly parts of characters)
+    words = engine.gen.tokenizer.encode(" hello world there", add_special_tokens=False)
+    body = {"prompt": "hello world, hello there", "max_tokens": 12, "temperature": 0, "logprobs": 0,
+            "ignore_eos": True, "logit_bias": {str(t): 100 for t in words}}
+    free = {k: v for k, v in body.items() if k != "logit_bias"}     # parts of characters too
+    for held, echo in ((True, False), (True, True), (False, False), (False, True)):
+        sent = {**(body if held else free), "echo": echo}
+        whole = post(app, "/v1/completions", sent)
+        assert whole.status_code == 200, whole.text
+        choice = whole.json()["choices"][0]
+        lp = choice["logprobs"]
+        streamed = post(app, "/v1/completions", {**sent, "stream": True})
+        chunks = [json.loads(e) for e in events(streamed)[:-1]]
+        got = [o for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+               for o in c["choices"][0]["logprobs"]["text_offset"]]
+        assert got == lp["text_offset"], (held, echo, got, lp["text_offset"])
+        assert got == sorted(got)
+        if held:
+            n = len(lp["tokens"]) - 12
+            assert all(" " not in t[1:] for t in lp["tokens"][n:]) and "".join(lp["tokens"][n:]).strip()
+        if held and not echo:   # (an echoed prompt's BOS and first space are not in its text)
+            assert "".join(lp["tokens"]) == choice["text"], (lp["tokens"], choice["text"])
+    r = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}],
+                                           "max_tokens": 12, "temperature": 0, "logprobs": True,
+                                           "top_logprobs": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    whole_chars = [e for e in content if "\ufffd" not in e["token"]]
+    assert whole_chars and all(e["bytes"] == list(e["token"].encode()) for e in whole_chars)
+
+
+def test_null_takes_the_default_as_openais_api_reads_it(texted):
+    app, _ = texted
+    nulls = {"temperature": None, "top_p": None, "n": None, "presence_penalty": None,
+             "frequency_penalty": None, "stream": None, "seed": None, "stop": None, "top_k": None}
+    plain = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "seed": 3}
+    a = post(app, "/v1/completions", {**plain, **nulls, "echo": None, "logprobs": None, "seed": 3})
+    b = post(app, "/v1/completions", plain)
+    assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    c = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                           **nulls, "logprobs": None, "top_logprobs": None})
+    assert c.status_code == 200, c.text
+    for body in ({"prompt": None}, {"messages": None}):     # a required field stays required
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        r = post(app, path, {**body, "max_tokens": 2})
+        assert r.status_code == 400, r.text

@@ -129,11 +129,20 @@ class _Server:
 
     # -- tokens as text ------------------------------------------------------------------------------
     def piece(self, token: int) -> str:
-        """A token alone as text (``token_id:N`` without a tokenizer); remembered."""
+        """A token alone as text: its own bytes (:meth:`piece_bytes`, so a SentencePiece
+        token keeps its leading space and the pieces join to the text), or, for part of a
+        character, the token decoded alone (U+FFFD); ``token_id:N`` without a tokenizer.
+        Remembered."""
         s = self._pieces.get(token)
         if s is None:
             tok = self.engine.tokenizer
-            s = f"token_id:{token}" if tok is None else tok.decode([token])
+            if tok is None:
+                s = f"token_id:{token}"
+            else:
+                try:
+                    s = self.piece_bytes(token).decode("utf-8")
+                except UnicodeDecodeError:
+                    s = str(tok.decode([token]))
             if len(self._pieces) < 1 << 20:
                 self._pieces[token] = s
         return s
@@ -275,6 +284,12 @@ class _Server:
             top.setdefault(s, _lp(e.logprob))
             out["top_logprobs"].append(top)
         return out
+
+
+def _end_offset(lp: dict[str, Any], offset: int) -> int:
+    """The text offset after the tokens of :meth:`_Server.completion_logprobs`' answer
+    ``lp`` (``offset`` when it holds none)."""
+    return lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offset
 
 
 def _wants_tokens(body: Any) -> bool:
@@ -595,7 +610,8 @@ async def _completion_chunks(srv: _Server, body: CompletionRequest, choices: _Ch
                 if body.logprobs is not None:
                     plp = list(choices.request(tag).prompt_logprobs or [None] * len(ids))
                     lp = srv.completion_logprobs(ids, plp, 0)
-                offsets[tag * n + kk] = len(prompt_texts[tag])
+                    # the output's offsets go on from the prompt's tokens, as in a whole answer
+                    offsets[tag * n + kk] = _end_offset(lp, 0)
                 yield _sse({**head, "choices": [{"index": tag * n + kk, "text": prompt_texts[tag],
                                                  "logprobs": lp, "finish_reason": None}], **extra})
         toks, lps = _pending(srv, choices, tag, k)
@@ -603,8 +619,8 @@ async def _completion_chunks(srv: _Server, body: CompletionRequest, choices: _Ch
             continue
         item: dict[str, Any] = {"index": i, "text": delta, "logprobs": None, "finish_reason": finish}
         if body.logprobs is not None:
-            item["logprobs"] = srv.completion_logprobs(toks, lps, offsets[i])
-        offsets[i] += len(delta)
+            item["logprobs"] = lp = srv.completion_logprobs(toks, lps, offsets[i])
+            offsets[i] = _end_offset(lp, offsets[i])     # (by the tokens' text, not the text sent)
         if body.return_token_ids:
             item["token_ids"] = toks
         yield _sse({**head, "choices": [item], **extra})

@@ -25,7 +25,16 @@ import uuid
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "FINISH", "ServeLimits", "error_body",
            "finish_reason", "from_validation_error", "sampling_fields", "usage"]
@@ -97,6 +106,15 @@ class _Common(BaseModel):
     """The sampling fields both endpoints share (OpenAI's ranges; extensions: vLLM's)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A field given as JSON ``null`` takes its default, as OpenAI's API reads it
+        ("number or null"; its client sends ``null`` for an argument passed as None)."""
+        if isinstance(data, Mapping):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
