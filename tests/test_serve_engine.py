@@ -665,3 +665,22 @@ def test_null_takes_the_default_as_openais_api_reads_it(texted):
         path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
         r = post(app, path, {**body, "max_tokens": 2})
         assert r.status_code == 400, r.text
+
+
+def test_stop_token_ids_end_the_text_before_their_token(texted):
+    app, engine = texted
+    word = engine.gen.tokenizer.encode(" hello", add_special_tokens=False)[-1]
+    body = {"prompt": "a b c", "max_tokens": 6, "temperature": 0, "stop_token_ids": [word], "min_tokens": 2,
+            "logit_bias": {str(word): 100}, "return_token_ids": True}
+    r = post(app, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ids = choice["token_ids"]
+    assert len(ids) == 3 and ids[-1] == word and choice["finish_reason"] == "stop"
+    head = post(app, "/v1/completions", {**body, "max_tokens": 2, "stop_token_ids": None, "min_tokens": 0,
+                                         "logit_bias": {str(word): -100}})     # (as the mask)
+    assert head.json()["choices"][0]["token_ids"] == ids[:2]
+    assert choice["text"] == head.json()["choices"][0]["text"]        # the text of the two before it
+    s = post(app, "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(e) for e in events(s)[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]

@@ -603,3 +603,26 @@ def test_a_stop_string_in_a_verify_run_keeps_no_token_after_the_one_completing_i
         assert req.outputs[0] == outs[:n] and seen == outs[:n], draft
         assert len(req.token_times[0]) == n and [e.token for e in req.logprobs[0]] == outs[:n]
         assert "".join(calls) == req.text
+
+
+def test_a_stop_token_ends_the_text_before_it(model, tok):
+    """A continuation ended by a stop id (or a non-special end-of-sequence id) keeps the token
+    in its outputs but not in its text, streamed or read after, as a stop string is cut (and
+    as vLLM has it): the text is the text of the tokens before it."""
+    word = tok.encode(" hello", add_special_tokens=False)[-1]
+    prompt = tok.encode("a b c")
+    gen = make(model, tok, eos=[])
+    streamed: list[str] = []
+    sp = Sampling(max_new_tokens=6, stop=[word], min_new_tokens=2, logit_bias={word: 100.0})
+    on = gen.add(prompt, sp, on_text=lambda r, k, d: streamed.append(d))
+    read = gen.add(prompt, sp)
+    eos_gen = make(model, tok, eos=[word])              # the same id as end-of-sequence
+    as_eos = eos_gen.add(prompt, Sampling(max_new_tokens=6, min_new_tokens=2, logit_bias={word: 100.0}))
+    gen.run()
+    eos_gen.run()
+    for r in (on, read, as_eos):
+        out = r.outputs[0]
+        assert len(out) == 3 and out[-1] == word and word not in out[:2], out
+        assert r.finish_reasons == ["stop"]
+        assert r.text == expected_text(tok, prompt, out[:2]) != expected_text(tok, prompt, out), r.text
+    assert "".join(streamed) == on.text

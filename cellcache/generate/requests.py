@@ -468,7 +468,9 @@ class Request:
                     continue
                 ended = self.finish_reasons[k] is not None
                 out = self.outputs[k]
-                for tok in out[st.fed:]:
+                # (one that ended "stop" ended on a stop or end-of-sequence id here, no stop
+                # string: that token is not in the text, as push_text has it)
+                for tok in out[st.fed:len(out) - (self.finish_reasons[k] == "stop")]:
                     st.push(tok)
                 if ended:
                     st.close()
@@ -501,6 +503,11 @@ class Request:
             return "", False
         st = streams[k]
         if st.stopped or st.closed:
+            st.fed += 1
+            return "", False
+        if self.finish_reasons[k] == "stop" and st.fed + 1 == len(self.outputs[k]):
+            # the token that ended it by its id (a stop id, end-of-sequence): kept in the
+            # outputs, not in the text, as a stop string is not (vLLM's default)
             st.fed += 1
             return "", False
         delta = st.push(token)
