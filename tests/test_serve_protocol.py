@@ -45,6 +45,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),
     ({"min_p": 1.5}, "min_p"),
     ({"seed": -1}, "seed"),
     ({"stream": "yes"}, "stream"),
@@ -163,6 +164,15 @@ def test_max_tokens_against_the_cache_and_the_context():
     with pytest.raises(APIError) as e:
         max_new_tokens(parse(ChatRequest, {**CHAT, "max_completion_tokens": 92}), 10, no_ctx)
     assert e.value.param == "max_completion_tokens"
+    # min_tokens: named as the request names it; without max_tokens the default cap makes room for it
+    with pytest.raises(APIError) as e:
+        max_new_tokens(parse(CompletionRequest, {"prompt": "a", "max_tokens": 4, "min_tokens": 5}), 10,
+                       limits)
+    assert e.value.param == "min_tokens" and "more than max_tokens=4" in e.value.message
+    assert max_new_tokens(parse(CompletionRequest, {"prompt": "a", "min_tokens": 40}), 10, limits) == 40
+    with pytest.raises(APIError) as e:
+        max_new_tokens(parse(CompletionRequest, {"prompt": "a", "min_tokens": 71}), 10, limits)
+    assert e.value.param == "min_tokens" and e.value.code == "context_length_exceeded"
 
 
 def test_finish_reasons_and_usage():

@@ -132,7 +132,7 @@ class _Common(BaseModel):
     # extensions (vLLM's names)
     top_k: StrictInt = Field(0, ge=-1)
     min_p: Float = Field(0.0, ge=0, le=1)
-    repetition_penalty: Float = Field(1.0, gt=0)
+    repetition_penalty: Float = Field(1.0, ge=1e-6, le=1e6)     # (Sampling's range)
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
@@ -253,7 +253,14 @@ def max_new_tokens(req: _Common, prompt_len: int, limits: ServeLimits) -> int:
                        + ")", param="messages" if isinstance(req, ChatRequest) else "prompt",
                        code="context_length_exceeded")
     if asked is None:
-        return min(room, limits.default_max_tokens)
+        got = min(room, max(limits.default_max_tokens, req.min_tokens))
+        if req.min_tokens > got:
+            raise APIError(400, f"min_tokens={req.min_tokens} with a prompt of {prompt_len} tokens does "
+                           f"not fit: at most {room} new tokens", param="min_tokens",
+                           code="context_length_exceeded")
+        return got
+    if req.min_tokens > asked:
+        raise APIError(400, f"min_tokens={req.min_tokens} is more than {param}={asked}", param="min_tokens")
     if asked > room:
         raise APIError(400, f"{param}={asked} with a prompt of {prompt_len} tokens does not fit: "
                        f"at most {room} new tokens (cache capacity {limits.capacity}"
