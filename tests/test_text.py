@@ -618,7 +618,20 @@ def test_a_stop_token_ends_the_text_before_it(model, tok):
     read = gen.add(prompt, sp)
     eos_gen = make(model, tok, eos=[word])              # the same id as end-of-sequence
     as_eos = eos_gen.add(prompt, Sampling(max_new_tokens=6, min_new_tokens=2, logit_bias={word: 100.0}))
-    gen.run()
+    stop = threading.Event()
+    seen: list[str] = []
+
+    def reader() -> None:                               # texts read while it runs, as a client may
+        while not stop.is_set():
+            seen.append(read.texts[0])
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        gen.run()
+    finally:
+        stop.set()
+        t.join()
     eos_gen.run()
     for r in (on, read, as_eos):
         out = r.outputs[0]
@@ -626,3 +639,4 @@ def test_a_stop_token_ends_the_text_before_it(model, tok):
         assert r.finish_reasons == ["stop"]
         assert r.text == expected_text(tok, prompt, out[:2]) != expected_text(tok, prompt, out), r.text
     assert "".join(streamed) == on.text
+    assert seen and all(read.text.startswith(x) for x in seen)     # never past the final text

@@ -449,9 +449,10 @@ class Request:
     @property
     def texts(self) -> list[str]:
         """Continuation k's output as text so far: what :meth:`Generator.add`'s ``on_text``
-        was given (deltas concatenated), cut before a stop string; text that may still be
-        half a character or the start of a stop string is not in it until the continuation
-        ends. Empty strings without a tokenizer. Safe from any thread (a request with no
+        was given (deltas concatenated), cut before a stop string and before a stop token;
+        text that may still be half a character or the start of a stop string (and, read
+        without ``on_text`` or stop strings, the last token's) is not in it until the
+        continuation ends. Empty strings without a tokenizer. Safe from any thread (a request with no
         text stream is decoded here, incrementally, as it is read)."""
         n = self.sampling.n
         if self.tokenizer is None:
@@ -468,9 +469,11 @@ class Request:
                     continue
                 ended = self.finish_reasons[k] is not None
                 out = self.outputs[k]
-                # (one that ended "stop" ended on a stop or end-of-sequence id here, no stop
-                # string: that token is not in the text, as push_text has it)
-                for tok in out[st.fed:len(out) - (self.finish_reasons[k] == "stop")]:
+                # the last token waits for the end: one that ends "stop" ends on a stop or
+                # end-of-sequence id here (no stop string), and that token is not in the text,
+                # as push_text has it (read before its reason is set, it would have been)
+                last = len(out) if ended and self.finish_reasons[k] != "stop" else len(out) - 1
+                for tok in out[st.fed:last]:
                     st.push(tok)
                 if ended:
                     st.close()
