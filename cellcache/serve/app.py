@@ -235,6 +235,12 @@ class _Server:
             choices.record(ev)
             yield ev
 
+    def gone(self) -> Response:
+        """The answer to a client that left before its result (nobody reads it), counted with
+        the other error responses (a client gone mid-upload is too)."""
+        self.metrics.errors.labels(status="499").inc()
+        return Response(status_code=499)
+
     async def collect(self, http: HTTPRequest, choices: _Choices, queue: asyncio.Queue) -> bool:
         """Waits until every request is done; False (all cancelled) when the client left first."""
         async def drain() -> None:
@@ -456,7 +462,7 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
             chunks = _completion_chunks(srv, body, choices, queue, ids_list, prompt_texts, rid, created, t0)
             return EventStream(chunks, partial(srv.cancel_all, streams))
         if not await srv.collect(http, choices, queue):
-            return Response(status_code=499)
+            return srv.gone()
         _final_outputs(choices)
         if choices.error is not None:
             raise APIError(500, choices.error, type="server_error")
@@ -498,7 +504,7 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
             chunks = _chat_chunks(srv, body, choices, queue, ids_list, rid, created, t0)
             return EventStream(chunks, partial(srv.cancel_all, streams))
         if not await srv.collect(http, choices, queue):
-            return Response(status_code=499)
+            return srv.gone()
         _final_outputs(choices)
         if choices.error is not None:
             raise APIError(500, choices.error, type="server_error")
