@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +29,30 @@ def load_tool(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def run_watched(gen: Any, look: Callable[[], Any], pause: float = 0.0) -> None:
+    """``gen.run()`` while another thread calls ``look()`` over and over (``pause`` seconds
+    apart), as a client reads its requests while they run; what ``look`` raised is raised."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def watch() -> None:
+        try:
+            while not stop.wait(pause):
+                look()
+        except BaseException as e:                # pragma: no cover - raised below
+            errors.append(e)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        gen.run()
+    finally:
+        stop.set()
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def make(table_cls, capacity, max_seqs=64, max_write=None):

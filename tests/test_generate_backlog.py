@@ -26,6 +26,7 @@ from cellcache.generate.plan import Job, Seq, StoredRow, TokenStore  # noqa: E40
 from cellcache.generate.requests import Request  # noqa: E402
 
 from .helpers import random_prompts as prompts  # noqa: E402
+from .helpers import run_watched  # noqa: E402
 
 STORE_STEPS = 8                 # a new store's room in these tests (it doubles past it)
 NEW = 72                        # long enough for the store to grow three times
@@ -225,25 +226,12 @@ def test_outputs_read_from_another_thread_are_always_a_prefix_of_the_result(mode
     want, gen, reqs = started(model, 6, 4)
     snaps: list[list[list[int]]] = []
     times: list[list[int]] = []
-    stop = threading.Event()
-    errors: list[BaseException] = []
 
-    def reader():
-        try:
-            while not stop.wait(0.0002):        # (a short wait: the stepping thread runs)
-                snaps.append([list(r.outputs[0]) for r in reqs])
-                times.append([len(r.token_times[0]) for r in reqs])
-        except BaseException as e:            # pragma: no cover - reported below
-            errors.append(e)
+    def look() -> None:
+        snaps.append([list(r.outputs[0]) for r in reqs])
+        times.append([len(r.token_times[0]) for r in reqs])
 
-    t = threading.Thread(target=reader)
-    t.start()
-    try:
-        gen.run()
-    finally:
-        stop.set()
-        t.join()
-    assert not errors
+    run_watched(gen, look, pause=0.0002)      # (a short wait: the stepping thread runs)
     assert [r.outputs for r in reqs] == want
     # the reader ran while tokens came in (it saw more than one state)
     assert len({tuple(len(o) for o in snap) for snap in snaps}) > 1

@@ -19,6 +19,7 @@ from cellcache import InvalidArgument  # noqa: E402
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
 from cellcache.generate.text import CONTEXT, Detokenizer, TextStream, decode, decoder, token_bytes  # noqa: E402
 
+from .helpers import run_watched  # noqa: E402
 from .helpers_text import KINDS, MULTIBYTE, make_tokenizer, save_model_and_tokenizer  # noqa: E402
 
 WAIT = 60          # seconds: a fail-safe on joins and waits only, never a timing assertion
@@ -618,20 +619,8 @@ def test_a_stop_token_ends_the_text_before_it(model, tok):
     read = gen.add(prompt, sp)
     eos_gen = make(model, tok, eos=[word])              # the same id as end-of-sequence
     as_eos = eos_gen.add(prompt, Sampling(max_new_tokens=6, min_new_tokens=2, logit_bias={word: 100.0}))
-    stop = threading.Event()
     seen: list[str] = []
-
-    def reader() -> None:                               # texts read while it runs, as a client may
-        while not stop.is_set():
-            seen.append(read.texts[0])
-
-    t = threading.Thread(target=reader)
-    t.start()
-    try:
-        gen.run()
-    finally:
-        stop.set()
-        t.join()
+    run_watched(gen, lambda: seen.append(read.texts[0]))     # read while it runs, as a client may
     eos_gen.run()
     for r in (on, read, as_eos):
         out = r.outputs[0]
