@@ -654,7 +654,7 @@ def test_logprob_tokens_are_their_own_text_and_streamed_offsets_are_the_whole_an
 
 
 def test_null_takes_the_default_as_openais_api_reads_it(texted):
-    app, _ = texted
+    app, engine = texted
     nulls = {"temperature": None, "top_p": None, "n": None, "presence_penalty": None,
              "frequency_penalty": None, "stream": None, "seed": None, "stop": None, "top_k": None}
     plain = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "seed": 3}
@@ -669,6 +669,7 @@ def test_null_takes_the_default_as_openais_api_reads_it(texted):
         path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
         r = post(app, path, {**body, "max_tokens": 2})
         assert r.status_code == 400, r.text
+    assert engine.live == 0 and engine.waiting == 0 and not engine.gen.busy
 
 
 def test_stop_token_ids_end_the_text_before_their_token(texted):

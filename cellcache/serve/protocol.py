@@ -36,6 +36,8 @@ from pydantic import (
     model_validator,
 )
 
+from ..generate.requests import REPETITION_MAX
+
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "FINISH", "ServeLimits", "error_body",
            "finish_reason", "from_validation_error", "sampling_fields", "usage"]
 
@@ -132,7 +134,7 @@ class _Common(BaseModel):
     # extensions (vLLM's names)
     top_k: StrictInt = Field(0, ge=-1)
     min_p: Float = Field(0.0, ge=0, le=1)
-    repetition_penalty: Float = Field(1.0, ge=1e-6, le=1e6)     # (Sampling's range)
+    repetition_penalty: Float = Field(1.0, ge=1 / REPETITION_MAX, le=REPETITION_MAX)
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
