@@ -91,6 +91,16 @@ def test_unknown_fields_are_ignored_and_known_unsupported_ones_refused():
         assert e.value.param == param
 
 
+def test_text_parts_are_joined_by_newlines_and_roles_mapped():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b c"}, {"type": "text", "text": ""}]
+    req = parse(ChatRequest, {**CHAT, "messages": [{"role": "developer", "content": parts},
+                                                  {"role": "user", "content": None},
+                                                  {"role": "assistant", "content": [parts[0]]}]})
+    assert [m.as_dict() for m in req.messages] == [{"role": "system", "content": "a\nb c\n"},
+                                                   {"role": "user", "content": ""},
+                                                   {"role": "assistant", "content": "a"}]
+
+
 def test_chat_fields_map_onto_sampling():
     req = parse(ChatRequest, {**CHAT, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 7,
                               "stop": "END", "presence_penalty": 0.5, "frequency_penalty": -0.5,

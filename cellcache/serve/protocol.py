@@ -173,7 +173,8 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
-    """A chat message: its role and its content (a string, or text parts joined)."""
+    """A chat message: its role and its content (a string, or text parts joined by newlines,
+    as vLLM and TensorRT-LLM join them, so a template sees the same prompt)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
@@ -183,7 +184,7 @@ class Message(BaseModel):
     def as_dict(self) -> dict[str, str]:
         """What the chat template reads: ``{"role", "content"}`` (``developer`` as ``system``)."""
         c = self.content
-        text = "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
+        text = "" if c is None else c if isinstance(c, str) else "\n".join(p.text for p in c)
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
