@@ -912,7 +912,7 @@ class BaseScheduler:
                 accepted += 1
                 if s.end_reason(n_out + len(toks), tok, self.eos):
                     break
-            return Outcome(s, feed, before + 1 + accepted, toks, accepted)
+            return Outcome(s, feed, before + 1 + accepted, toks, accepted, len(feed) - 1)
         out = Outcome(s, feed, before + len(feed), [take(s, first)])
         for j, child in enumerate(plan.children.get(id(s), ()), 1):
             out.forks.append((child, take(child, first + j)))
@@ -944,6 +944,7 @@ class BaseScheduler:
                 req.first_token = now
             st["tokens_out"] += len(o.tokens)
             st["accepted"] += o.accepted
+            st["drafted"] += o.drafted
             if reason is None and o.keep < s.in_cache + len(o.feed):
                 self._rewind(s, o.keep)               # the rejected drafts
             else:

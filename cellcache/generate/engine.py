@@ -176,7 +176,9 @@ class Generator:
     a sequence past the budget is read again. Not under tensor parallelism.
 
     ``stats``: ``steps``, ``tokens_in`` (every row fed), ``tokens_out``, ``preempted``,
-    ``forks``, ``drafted``, ``accepted``, ``graph_steps``, and for prompts ``prompt_tokens``
+    ``forks``, ``drafted`` (draft tokens fed to verify runs: proposals the step had no room
+    for are not counted), ``accepted`` (those of them kept), ``graph_steps``, and for prompts
+    ``prompt_tokens``
     (each request's prompt, counted at its first admission), ``cached_tokens`` (tokens an
     admission found in the prefix cache) and ``computed_tokens`` (tokens fed as prompt
     chunks, recomputes after preemption included), ``restored_tokens`` (positions the host
@@ -1020,7 +1022,6 @@ class Generator:
             if job.closed or s.sid is None:           # the callback cancelled its request
                 continue
             s.drafts = drafts[:k]
-            self.stats["drafted"] += len(s.drafts)
 
     def _tick(self, phase: str, t: float) -> float:
         """Adds the time since ``t`` to ``phase`` of this step's profile; returns now."""

@@ -253,6 +253,7 @@ class Outcome:
     keep: int                         # the sequence's in_cache after the step
     tokens: list[int] = field(default_factory=list)           # emitted, in order
     accepted: int = 0
+    drafted: int = 0                  # draft tokens the verify row fed
     forks: list[tuple[Seq, int]] = field(default_factory=list)  # new continuations, first token
 
 
