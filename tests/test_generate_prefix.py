@@ -573,10 +573,11 @@ def test_prompts_are_lent_to_the_tree_while_their_requests_run(llama):
     assert m["lent"] == 0 and m["reclaims"] == 0 and len(pc.owned_seqs()) == m["leaves"] == 5
 
 
-def test_a_lent_prompt_holds_no_pin_and_a_cached_one_is_pinned(llama):
+def test_a_lent_prompt_holds_no_pin_and_a_cached_one_only_its_hit(llama):
     """A prompt its request lends needs no pin (a lent leaf is never evicted): a running
     request holds only its hit's pin. A prompt the tree held already (a repeat of one still
-    running) is not lent: that request pins it, and the pin goes when it ends."""
+    running) is not lent: that request keeps its hit's pin (all but the last token, which
+    it computes into a cell of its own), and the pin goes when it ends."""
     model, ref = llama
     _, ps = shared_prompts(33, 4, dup=True)   # ps[4] repeats ps[3]
     gen = make(model, prefill_chunk=64, max_batch_tokens=256)
@@ -592,12 +593,35 @@ def test_a_lent_prompt_holds_no_pin_and_a_cached_one_is_pinned(llama):
         assert gen.step()
         check(gen)
     s = next(s for s in gen.running if s.req is dup)
-    assert s.sid not in pc.lent_seqs() and len(ps[4]) in [n for _, n in s.pins]
+    assert s.sid not in pc.lent_seqs() and [n for _, n in s.pins] == [len(ps[4]) - 1]
     reqs.append(dup)
     while gen.step():
         check(gen)
     assert pc.metrics()["pins"] == 0
     assert outputs(reqs) == [[ref.generate(p, 4 * N_NEW)] for p in ps[:4]] + [[ref.generate(ps[4])]]
+
+
+@pytest.mark.parametrize("prompt_len", [3, 40])
+def test_a_repeated_prompt_alone_gets_every_token_that_fits(llama, prompt_len):
+    """A request whose whole prompt the tree holds, alone in a cache sized for it exactly
+    (``capacity - prompt + 1`` new tokens), gets them all as the first one did: the tree's
+    copy of the prompt's last token, which the request computes again, is not held from
+    eviction for it."""
+    model, ref = llama
+    cap = 96
+    gen = make(model, capacity=cap, max_seqs=4, max_batch_tokens=64, prefill_chunk=64)
+    prompt = np.random.default_rng(prompt_len).integers(0, VOCAB, size=prompt_len).tolist()
+    want = cap - prompt_len + 1
+    first = gen.add(prompt, Sampling(max_new_tokens=want))
+    gen.run()
+    again = gen.add(prompt, Sampling(max_new_tokens=want))
+    gen.run()
+    assert again.cached_tokens == prompt_len - 1
+    for r in (first, again):
+        assert len(r.outputs[0]) == want and r.finish_reasons == ["length"]
+    assert again.outputs == first.outputs == [ref.generate(prompt, want)]
+    assert gen.prefix.metrics()["pins"] == 0
+    check(gen)
 
 
 def test_a_preempted_request_keeps_the_prompt_it_lent_cached(llama):

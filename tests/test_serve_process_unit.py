@@ -107,10 +107,21 @@ def test_an_engine_quiet_with_requests_live_fails_health(caplog, monkeypatch):
     engine._last_message = time.monotonic()
     engine._watch()
     assert engine.failed is None                                   # it spoke again
-    engine._streams.clear()
     engine._last_message = time.monotonic() - process.STALL_WARNING - 1
     engine._watch()
+    assert "no step" in engine.failed
+    engine._streams.clear()
+    assert engine.failed is None              # nothing live: /health recovers at once
+    engine._watch()
     assert engine.failed is None                                   # idle is not a stall
+    # a request after an idle spell longer than STALL_WARNING: its first step is not late
+    s = Stream(None, asyncio.Queue(), 0)                           # type: ignore[arg-type]
+    s.request = RemoteRequest(9, Sampling(max_new_tokens=4))
+    engine._track(9, s)
+    with caplog.at_level(logging.WARNING, logger="cellcache.serve"):
+        engine._watch()
+    assert engine.failed is None and caplog.text.count("has sent no step") == 2
+    assert engine._streams == {9: s} and engine.waiting == 2
 
 
 def test_the_engine_looks_for_started_requests_among_the_oldest_only(monkeypatch):

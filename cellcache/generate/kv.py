@@ -240,16 +240,14 @@ class KVManager:
         prefix cache and kept there while s runs. s lends it (no clone: no cell changes
         owner); ending s gives the tree s itself, and freeing it otherwise (preempted,
         cancelled) reclaims the prompt first. A prompt s lends needs no pin (a lent leaf is
-        never evicted, nor the path above it); one the tree held already is pinned, as a
-        hit is."""
+        never evicted, nor the path above it). Of a prompt the tree held already, s shares
+        only its hit (pinned since its admission); the tree's copy of the rest, which s
+        computed again, stays evictable: pinned, it held cells s never reads, and a request
+        that fitted alone ended short with ``capacity``."""
         pc = self.prefix
         if pc is None or s.stored or s.sid is None or s.in_cache < len(s.req.prompt):
             return
-        p = s.tokens_array()[:len(s.req.prompt)]
-        if not self._pcall(0, pc.lend, s.sid, p):
-            n = pc.pin(p)
-            if n:
-                s.pins.append((p, n))
+        self._pcall(0, pc.lend, s.sid, s.tokens_array()[:len(s.req.prompt)])
         s.stored = True
         self.done_reading(s)
 

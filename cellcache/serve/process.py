@@ -568,7 +568,9 @@ class EngineClient:
 
     def _watch(self) -> None:
         """Says (once a stall) when the engine has sent nothing for STALL_WARNING seconds
-        while requests are live: the log then tells an operator where to look."""
+        while requests are live (counted from its last step, or from the first request
+        after an idle spell: an idle engine sends nothing): the log then tells an operator
+        where to look."""
         if self._lost is not None or self._stopping or self._loop is None:
             return
         quiet = time.monotonic() - self._last_message
@@ -841,7 +843,7 @@ class EngineClient:
     def failed(self) -> str | None:
         """Why the engine cannot serve (``/health`` answers 500): it exited, it failed, or it
         has sent no step for STALL_WARNING seconds while requests are live."""
-        if self._stalled:
+        if self._stalled and self._streams:
             return (f"the engine process has sent no step for {STALL_WARNING:.0f} s or more with "
                     f"{len(self._streams)} requests live")
         return self._lost or self._snapshot.get("failed")
@@ -868,6 +870,14 @@ class EngineClient:
             raise Refused(429, f"{self._waiting} requests are waiting (the server's bound is "
                           f"--max-waiting {self.max_waiting}); retry later")
 
+    def _track(self, rid: int, stream: Stream) -> None:
+        """A new request's stream, live and waiting from now on. After an idle spell (no
+        stream live: an idle engine sends nothing) a stall counts from here."""
+        if not self._streams:
+            self._last_message = time.monotonic()
+        self._streams[rid] = stream
+        self._waiting += 1
+
     async def submit(self, ids: list[int], sampling: Sampling, queue: asyncio.Queue, tag: int = 0,
                      tokens: bool = False) -> Stream:
         """As :meth:`Engine.submit`: the request queued in the engine process (its answer
@@ -876,8 +886,7 @@ class EngineClient:
         rid = next(self._ids)
         stream = Stream(asyncio.get_running_loop(), queue, tag)
         stream.request = RemoteRequest(rid, sampling)
-        self._streams[rid] = stream
-        self._waiting += 1
+        self._track(rid, stream)
         fut = asyncio.get_running_loop().create_future()
         self._acks[rid] = fut
         try:
