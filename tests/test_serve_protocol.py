@@ -101,6 +101,16 @@ def test_text_parts_are_joined_by_newlines_and_roles_mapped():
                                                    {"role": "assistant", "content": "a"}]
 
 
+def test_null_in_stream_options_is_its_default_too():
+    req = parse(ChatRequest, {**CHAT, "stream": True, "stream_options": {"include_usage": None}})
+    assert req.stream_options is not None and req.stream_options.include_usage is False
+    assert parse(CompletionRequest, {"prompt": "x", "stream": True,
+                                     "stream_options": {"include_usage": True}}).stream_options.include_usage
+    with pytest.raises(APIError) as e:
+        parse(ChatRequest, {**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}})
+    assert e.value.param == "stream_options.include_usage"
+
+
 def test_chat_fields_map_onto_sampling():
     req = parse(ChatRequest, {**CHAT, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 7,
                               "stop": "END", "presence_penalty": 0.5, "frequency_penalty": -0.5,

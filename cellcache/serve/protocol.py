@@ -97,15 +97,8 @@ def _union_tag(part: object) -> bool:
                                       or part.startswith("function-"))
 
 
-class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-    include_usage: StrictBool = False
-
-
-class _Common(BaseModel):
-    """The sampling fields both endpoints share (OpenAI's ranges; extensions: vLLM's)."""
+class _NullIsDefault(BaseModel):
+    """A body object whose fields given as JSON ``null`` take their defaults."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -117,6 +110,16 @@ class _Common(BaseModel):
         if isinstance(data, Mapping):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+
+class StreamOptions(_NullIsDefault):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    include_usage: StrictBool = False
+
+
+class _Common(_NullIsDefault):
+    """The sampling fields both endpoints share (OpenAI's ranges; extensions: vLLM's)."""
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
