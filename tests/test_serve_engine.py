@@ -37,10 +37,10 @@ def post(app, path: str, body: dict) -> httpx.Response:
     return asyncio.run(go())
 
 
-def get(app, path: str) -> httpx.Response:
+def get(app, path: str, method: str = "GET") -> httpx.Response:
     async def go() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.get(path, timeout=60)
+            return await c.request(method, path, timeout=60)
     return asyncio.run(go())
 
 
@@ -168,9 +168,12 @@ def test_a_failure_in_the_engines_own_work_fails_the_requests_not_the_thread(ser
 
 def test_health_is_500_when_the_engine_thread_is_gone(served, monkeypatch):
     app, engine = served
+    ok = get(app, "/health", "HEAD")
+    assert ok.status_code == 200 and ok.content == b""
     engine.stop(5)                                     # the thread ends; nothing steps any more
     h = get(app, "/health")
     assert h.status_code == 500 and h.json()["status"] == "failed"
+    assert get(app, "/health", "HEAD").status_code == 500
     # a request now would wait forever: refused instead, with nothing queued
     r = post_within(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
     assert r.status_code == 503 and "retry-after" in r.headers, r.text

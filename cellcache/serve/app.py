@@ -386,7 +386,7 @@ def build_app(engine: Engine, *, model_name: str, limits: ServeLimits, metrics: 
     async def internal(_: HTTPRequest, e: Exception) -> JSONResponse:
         return error_response(500, error_body(f"{type(e).__name__}: {e}", "server_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # (HEAD: what some load balancers probe)
     async def health() -> JSONResponse:
         if engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "1"})
