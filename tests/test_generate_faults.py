@@ -45,12 +45,16 @@ class Fault(Exception):
     """What the failing callable raises."""
 
 
-class Countdown:
-    """Raises Fault at call number ``at`` (0-based) of every callable it guards, counted
-    together; ``None``: never."""
+class Interrupt(KeyboardInterrupt):
+    """What a failing callable raises that is no Exception (a Ctrl-C in user code)."""
 
-    def __init__(self, at: int | None):
-        self.at = at
+
+class Countdown:
+    """Raises ``exc`` (Fault) at call number ``at`` (0-based) of every callable it guards,
+    counted together; ``None``: never."""
+
+    def __init__(self, at: int | None, exc: type[BaseException] = Fault):
+        self.at, self.exc = at, exc
         self.calls = 0
         self.raised = 0
 
@@ -59,7 +63,7 @@ class Countdown:
         self.calls += 1
         if n == self.at:
             self.raised += 1
-            raise Fault(f"call {n}")
+            raise self.exc(f"call {n}")
 
 
 KINDS = ("clock", "on_token", "draft", "on_event", "policy")   # the user callables
@@ -75,11 +79,12 @@ WORK = [  # (prompt length, max_new_tokens, n, temperature, seed, drafts?, strea
 ]
 
 
-def serve(model, kind: str, at: int | None, async_steps: bool, prefix_cache: bool = True):
-    """Serves WORK with the callables of ``kind`` failing at call ``at``; returns the
-    requests (by WORK index), the exceptions the caller saw, the countdown and the
+def serve(model, kind: str, at: int | None, async_steps: bool, prefix_cache: bool = True,
+          exc: type[BaseException] = Fault):
+    """Serves WORK with the callables of ``kind`` raising ``exc`` at call ``at``; returns
+    the requests (by WORK index), the exceptions the caller saw, the countdown and the
     generator (drained)."""
-    cd = Countdown(at)
+    cd = Countdown(at, exc)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, VOCAB, size=n).tolist() for n, *_ in WORK]
     shared = prompts[1][:8]
@@ -123,20 +128,20 @@ def serve(model, kind: str, at: int | None, async_steps: bool, prefix_cache: boo
                 reqs.append(gen.add(p, sampling, on_token=on_token if streams else None,
                                     draft=draft if drafts else None, draft_k=3))
                 break
-            except Fault as e:                           # refused: nothing queued
+            except (Fault, Interrupt) as e:              # refused: nothing queued
                 seen.append(e)
                 assert gen.requests == before
         if len(reqs) == 3:                               # the rest arrive while it runs
             for _ in range(2):
                 try:
                     gen.step()
-                except Fault as e:
+                except (Fault, Interrupt) as e:
                     seen.append(e)
     for _ in range(STEPS):
         try:
             if not gen.step():
                 break
-        except Fault as e:
+        except (Fault, Interrupt) as e:
             seen.append(e)
     else:
         raise AssertionError(f"the generator did not drain in {STEPS} steps")
@@ -294,3 +299,21 @@ def test_finished_requests_are_let_go_over_tens_of_thousands(model, async_steps,
         assert _rss() - rss < max(8 << 20, 1024 * 200 * waves)
     assert gen.requests == [] and not gen.busy
     assert gen.cache.live_seqs() == sorted(gen.prefix.owned_seqs())
+
+
+@pytest.mark.parametrize("async_steps", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("kind", ["clock", "on_event", "policy"])
+def test_a_keyboard_interrupt_from_the_bookkeepings_callables_leaves_every_request_whole(
+        model, clean, kind, async_steps):
+    """The clock, a prefix cache's ``on_event`` and its eviction ``policy`` run in the
+    middle of the bookkeeping: a KeyboardInterrupt from one at any call reaches the caller
+    once the step is whole, and every request still emits the clean run's tokens (an
+    ``on_event`` interrupt stopped a step's apply half-way: a sequence whose prompt the
+    step placed was left at none, and read its prompt again after itself)."""
+    want, calls = clean[kind, async_steps]
+    for at in points(calls):
+        reqs, seen, cd, gen, _ = serve(model, kind, at, async_steps, exc=Interrupt)
+        assert cd.raised == 1 and len(seen) == 1 and str(seen[0]) == f"call {at}", (kind, at)
+        assert isinstance(seen[0], Interrupt)
+        drained(gen)
+        assert [r.outputs for r in reqs] == want and all(r.error is None for r in reqs), (kind, at)

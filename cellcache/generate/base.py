@@ -252,6 +252,15 @@ class BaseScheduler:
         if reasons[index] is not None:
             reasons[index] = reason
 
+    def raise_interrupt(self) -> None:
+        """Raises (and forgets) the first KeyboardInterrupt or SystemExit that user code
+        raised into ``later`` during a call outside a step (``cancel()``: no step end to
+        raise it at); Exceptions stay for the next step, as they would within one."""
+        for i, e in enumerate(self.later):
+            if not isinstance(e, Exception):
+                del self.later[i]
+                raise e
+
     def _free_all(self, seqs: list[Seq]) -> None:
         """Frees (and stores) every sequence of ``seqs``, even when one free raises (a
         BaseException from a user's ``on_event``); the first such exception propagates

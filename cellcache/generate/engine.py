@@ -650,6 +650,7 @@ class Generator:
                 self._release()
             finally:
                 self._state_lock.release()
+            self.scheduler.raise_interrupt()           # a Ctrl-C in on_event while freeing
             return True
         with self._queue_lock:
             self._cancels.append(job)

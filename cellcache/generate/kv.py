@@ -99,11 +99,13 @@ class KVManager:
     # -- room for a step -----------------------------------------------------------------------
     def _pcall(self, default: Any, fn: Callable, *args: Any, **kw: Any) -> Any:
         """A prefix-cache operation that changes it. An exception (from a user's ``on_event``:
-        the prefix cache is consistent when it propagates) is kept in ``later``; ``default``
-        stands for the lost result."""
+        the prefix cache is consistent when it propagates), KeyboardInterrupt and SystemExit
+        too, is kept in ``later`` (raised once the step is whole: raised here, it stopped a
+        step's apply half-way, its later rows placed in the cache but not advanced);
+        ``default`` stands for the lost result."""
         try:
             return fn(*args, **kw)
-        except Exception as e:
+        except BaseException as e:
             self.later.append(e)
             return default
 
@@ -255,8 +257,8 @@ class KVManager:
     def release(self, s: Seq, store: bool) -> None:
         """Gives back s's cache id and cells; s is then a sequence to be read from scratch.
         ``store``: s ends, its tokens in the cache go to the prefix cache first. An
-        Exception from a user's ``on_event`` is kept in ``later``; a BaseException
-        propagates once s is freed."""
+        exception from a user's ``on_event`` (KeyboardInterrupt too) is kept in ``later``,
+        s freed all the same."""
         self.done_reading(s)
         if store:                             # it ends: a host copy has no use
             self.drop_spill(s)
@@ -276,9 +278,9 @@ class KVManager:
                     # a refusal changed nothing; an on_event callback raises after the store
                     mine = owned or (sid in self.cache.live_seqs() and not pc.owns(sid))
                     raise
-        except Exception as e:
+        except BaseException as e:        # (raised by the step once it is whole)
             self.later.append(e)
-        finally:            # a BaseException from a user's on_event (Ctrl-C) still frees s
+        finally:
             self.let_go(s, mine)
 
     def lends(self, s: Seq) -> bool:

@@ -331,8 +331,8 @@ class Scheduler(BaseScheduler):
         it goes on with others (no sync). The prefix cache takes the rows whose prompt they
         lend in one call (:meth:`KVManager.give_lent`, given each row's tokens past its
         prompt); the others are freed one by one. An exception from it (a user's
-        ``on_event``) is raised once every row is ended, as :meth:`free` does (an
-        Exception: when the step is complete)."""
+        ``on_event``, KeyboardInterrupt too) is kept in ``later``: the step raises it once
+        it is complete."""
         kv = self.kv
         done = [False] * len(ended)
         error: BaseException | None = None
@@ -351,7 +351,5 @@ class Scheduler(BaseScheduler):
             else:
                 kv.release(s, True)
             self._ended(s, "length")
-        if isinstance(error, Exception):
+        if error is not None:
             self.later.append(error)
-        elif error is not None:
-            raise error
