@@ -616,6 +616,33 @@ def test_ctrl_c_in_on_event_while_cancelling_still_ends_the_request():
     gen.cache.check_invariants()
 
 
+def test_a_ctrl_c_in_on_event_is_raised_before_a_requests_error_of_the_same_step():
+    """A step where a request's on_token raises ValueError and the prefix cache's on_event
+    raises KeyboardInterrupt raises the interrupt (the request's error stays its own)."""
+    m = random_model("llama-tiny", seed=3)
+    fired = []
+
+    def on_event(ev):
+        if ev.kind == "stored" and "event" not in fired:
+            fired.append("event")
+            raise KeyboardInterrupt
+
+    def on_token(req, k, tok):
+        if "token" not in fired:                 # the first token: the step storing the prompt
+            fired.append("token")
+            raise ValueError("the request's own")
+
+    gen = _small(m, False, prefix_cache={"on_event": on_event})
+    r = gen.add([1, 2, 3, 4], Sampling(max_new_tokens=8), on_token=on_token)
+    with pytest.raises(KeyboardInterrupt):
+        while gen.step():
+            pass
+    assert fired == ["event", "token"]               # one step: both raised in it
+    gen.run()
+    assert r.done and isinstance(r.error, ValueError) and "error" in r.finish_reasons
+    gen.cache.check_invariants()
+
+
 def test_warmup_runs_one_step_per_bucket_and_leaves_the_cache_as_it_was(model, monkeypatch):
     """``warmup()`` (the graphs captured before serving; tests/gpu checks the graphs
     themselves): on the CPU it captures nothing; with graphs (forced here, the forward

@@ -262,9 +262,9 @@ class BaseScheduler:
                 raise e
 
     def _free_all(self, seqs: list[Seq]) -> None:
-        """Frees (and stores) every sequence of ``seqs``, even when one free raises (a
-        BaseException from a user's ``on_event``); the first such exception propagates
-        once all are freed."""
+        """Frees (and stores) every sequence of ``seqs``, even when one free raises (what a
+        user's ``on_event`` raises is kept in ``later`` instead); the first such exception
+        propagates once all are freed."""
         first: BaseException | None = None
         for s in seqs:
             try:

@@ -177,10 +177,10 @@ class Generator:
 
     ``stats``: ``steps``, ``tokens_in`` (every row fed), ``tokens_out``, ``preempted``,
     ``forks``, ``drafted`` (draft tokens fed to verify runs: proposals the step had no room
-    for are not counted), ``accepted`` (those of them kept), ``graph_steps``, and for prompts
-    ``prompt_tokens``
-    (each request's prompt, counted at its first admission), ``cached_tokens`` (tokens an
-    admission found in the prefix cache) and ``computed_tokens`` (tokens fed as prompt
+    for are not counted), ``accepted`` (those of them kept), ``graph_steps``, and for
+    prompts ``prompt_tokens`` (each request's prompt, counted at its first admission),
+    ``cached_tokens`` (tokens an admission found in the prefix cache) and
+    ``computed_tokens`` (tokens fed as prompt
     chunks, recomputes after preemption included), ``restored_tokens`` (positions the host
     tier placed instead: preempted sequences', prefixes the prefix cache evicted) and
     ``l2_found`` (admissions served by the prefix cache's host level): when every prompt is
@@ -974,8 +974,8 @@ class Generator:
         if later:                                     # a prefix-cache on_event callback raised
             errors += later
             later.clear()
-        if errors:
-            raise errors[0]
+        if errors:              # a Ctrl-C (or SystemExit) first: another error must not hide it
+            raise next((e for e in errors if not isinstance(e, Exception)), errors[0])
         if plan is not None or self._flight is not None or self.busy:
             return True
         self.scheduler.sync()                         # done: the lists whole, the requests let go
