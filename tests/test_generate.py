@@ -23,6 +23,7 @@ from cellcache import HostCellCache, InvalidArgument, InvalidState, OutOfMemory 
 from cellcache import generate as cgen  # noqa: E402
 from cellcache import hf as cchf  # noqa: E402
 from cellcache.generate import FINISH_REASONS, Generator, Sampling, main, random_model  # noqa: E402
+from cellcache.generate.requests import MAX_STOPS  # noqa: E402
 
 VOCAB = 512
 N_NEW = 10
@@ -149,9 +150,11 @@ def test_draft_that_raises_ends_only_its_request(model, prompts):
 
 
 @pytest.mark.parametrize("proposal", [[1.5], ["7"], [True], [VOCAB], [-1], 5, None, [[1, 2]],
-                                      torch.tensor([0.5]), np.array([VOCAB + 3])],
+                                      torch.tensor([0.5]), np.array([VOCAB + 3]), range(10**18),
+                                      range(2**70), np.broadcast_to(np.int64(1), (10**18,))],
                          ids=["float", "str", "bool", "vocab", "negative", "int", "none", "nested",
-                              "float-tensor", "array-out-of-vocab"])
+                              "float-tensor", "array-out-of-vocab", "range-1e18", "range-2**70",
+                              "broadcast-1e18"])
 def test_invalid_draft_ends_its_request_and_is_never_fed(model, prompts, proposal):
     fed_max = []
 
@@ -199,6 +202,42 @@ def test_endless_iterators_as_prompts_and_drafts(model, prompts):
         outs.append((req.outputs[0], req.finish_reasons, g.stats["drafted"]))
     assert outs[0] == outs[1] and outs[0][1] == ["length"] and outs[0][2] > 0
     assert outs[0][0] == clean(model, [prompts[1]])[0]
+
+
+# huge lazy sequences: no memory holds 10**18 ids (list() raised a bare MemoryError) and
+# len(range(2**70)) is past sys.maxsize (list() raised OverflowError)
+HUGE = [range(10**18), range(2**70), np.broadcast_to(np.int64(1), (10**18,)),
+        torch.ones(1, dtype=torch.long).expand(10**18)]
+
+
+@pytest.mark.parametrize("what", ["prompt", "stop", "stop_strings", "eos"])
+@pytest.mark.parametrize("huge", HUGE, ids=["range-1e18", "range-2**70", "broadcast-1e18", "expand-1e18"])
+def test_huge_lazy_sequences_are_refused_unread(model, what, huge):
+    """A prompt, stop ids, stop strings or end-of-sequence ids given as a huge lazy sequence
+    are refused by their length before they are read (InvalidArgument, nothing queued or
+    built): a prompt past the cache's capacity, the others past MAX_STOPS. (Drafts:
+    test_invalid_draft_ends_its_request_and_is_never_fed.)"""
+    gen = make(model)
+    gen.add([1, 2, 3])
+    before = snapshot(gen)
+    attn = model.config._attn_implementation
+    if what == "prompt":
+        with pytest.raises(InvalidArgument, match="prompt holds more than 256 token ids"):
+            gen.add(huge)
+        with pytest.raises(InvalidArgument, match="prompt holds more than 256 token ids"):
+            gen.encode(huge)
+    elif what == "eos":
+        with pytest.raises(InvalidArgument, match=f"eos holds more than {MAX_STOPS} "):
+            Generator(model, gen.cache, eos=huge)
+    else:
+        match = f"{what} holds more than {MAX_STOPS} "
+        with pytest.raises(InvalidArgument, match=match):
+            Sampling(**{what: huge})
+        sp = Sampling()
+        setattr(sp, what, huge)                       # set after construction: add checks it again
+        with pytest.raises(InvalidArgument, match=match):
+            gen.add([1, 2, 3], sp)
+    assert snapshot(gen) == before and model.config._attn_implementation == attn
 
 
 def _mixed(gen, prompts):

@@ -87,3 +87,17 @@ def test_refusals_change_nothing(model, tmp_path):
     with pytest.raises(InvalidArgument, match="another model|attention layers"):
         load_prefix(wide, tmp_path / "h.kv")
     assert state(target) == before and state(wide) == before_wide
+
+
+@pytest.mark.parametrize("huge", [range(10**18), range(2**70)], ids=["range-1e18", "range-2**70"])
+def test_save_prefix_refuses_a_huge_lazy_sequence_unread(model, tmp_path, huge):
+    """Tokens past the cache's capacity (which the prefix cache never holds) given lazily are
+    refused by their length: list(range(10**18)) raised a bare MemoryError, range(2**70) an
+    OverflowError."""
+    gen = make(model)
+    gen.add([1, 2, 3, 4, 5], Sampling(max_new_tokens=3))
+    gen.run()
+    before = state(gen)
+    with pytest.raises(InvalidArgument, match="tokens holds more than 1024 token ids"):
+        save_prefix(gen, huge, tmp_path / "x.kv")
+    assert state(gen) == before and not (tmp_path / "x.kv").exists()

@@ -115,7 +115,8 @@ class Generator:
     the CPU; with a ``cache`` given it is the cache's ``max_write``. ``prefill_chunk``
     bounds the prompt tokens one sequence reads per step (default 2048 on a GPU, 256 on the
     CPU, at most the budget). ``eos``: end-of-sequence ids (default: the model's generation
-    config). ``clock``: what times requests (default ``time.perf_counter``).
+    config; given lazily, at most :data:`~.requests.MAX_STOPS`). ``clock``: what times
+    requests (default ``time.perf_counter``).
 
     ``reserve`` (0 to 1, default 1) is the share of the running continuations' remaining
     tokens (up to ``max_new_tokens`` each, ``n`` continuations for ``n > 1``) that
@@ -610,7 +611,8 @@ class Generator:
         add_generation_prompt=True)``. InvalidArgument for text without a tokenizer,
         messages with a tokenizer that has no chat template, a tokenizer that fails, and ids
         outside the model's vocabulary."""
-        # (an iterator is read for at most the cache's capacity: no longer prompt can run)
+        # (ids but a list or tuple, an iterator or a range(10**18), are refused past the
+        # cache's capacity before they are read whole: no longer prompt can run)
         limit = self.cache.config.capacity
         if self._encoder is None or not isinstance(prompt, (str, list, tuple)):
             return encode_prompt(self._encoder, prompt, self.vocab, limit)
@@ -1016,7 +1018,9 @@ class Generator:
                 proposed = r.draft(list(s.tokens), k)
                 if isinstance(proposed, Iterator):      # (it may never end: k are used)
                     proposed = list(itertools.islice(proposed, k))
-                drafts = token_ids(proposed, f"the draft of request {r.id}", self.vocab, allow_empty=True)
+                # (a sized one past the cache's capacity, a range(10**18), is refused unread)
+                drafts = token_ids(proposed, f"the draft of request {r.id}", self.vocab, allow_empty=True,
+                                   limit=self.cache.config.capacity)
             except BaseException as e:                # the request's own code
                 self._fail(job, e, s.index, errors)
                 continue

@@ -32,7 +32,7 @@ from ..registry import build
 from ..tp import TPCache, shard_model
 from ..tp import build as tp_build
 from .distributed import is_sharded, tp_world
-from .requests import real_number, token_ids
+from .requests import MAX_STOPS, real_number, token_ids
 from .scheduler import ADMISSION_POLICIES
 
 __all__ = ["CPU_BATCH_TOKENS", "CPU_PREFILL_CHUNK", "CUDA_BATCH_TOKENS", "CUDA_PREFILL_CHUNK",
@@ -72,7 +72,8 @@ def settings(model: Any, capacity: Any, max_batch_tokens: int | None, prefill_ch
     if eos is None:
         eos_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = [eos_id] if isinstance(eos_id, int) else list(eos_id or [])
-    return max_batch_tokens, prefill_chunk, reserve, token_ids(eos, "eos", None, allow_empty=True)
+    return max_batch_tokens, prefill_chunk, reserve, token_ids(eos, "eos", None, allow_empty=True,
+                                                               limit=MAX_STOPS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import numbers
 import operator
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from .._checks import check_int
 from ..errors import InvalidArgument
 from .text import TextStream
 
-__all__ = ["FINISH_REASONS", "MAX_LOGPROBS", "Progress", "Request", "Sampling", "TokenLogprob",
+__all__ = ["FINISH_REASONS", "MAX_LOGPROBS", "MAX_STOPS", "Progress", "Request", "Sampling", "TokenLogprob",
            "latency_summary", "real_number", "token_ids"]
 
 #: Why a continuation ended: a stop or end-of-sequence token, its ``max_new_tokens``, the
@@ -40,6 +40,11 @@ BIAS_MAX = 100.0
 #: logits it divides or multiplies overflow (a penalty of 1e-300 is 0 in float32: the seen
 #: tokens' logits became inf, the draw NaN)
 REPETITION_MAX = 1e6
+#: The most ``stop`` ids, ``stop_strings`` or end-of-sequence ids (``Generator(eos=...)``)
+#: given as anything but a list or tuple (an iterator, a range, an array): more ids than any
+#: vocabulary holds, so a longer one (an endless generator, a ``range(10**18)``) is refused
+#: before it is read whole.
+MAX_STOPS = 1 << 20
 _NOT_IDS = (str, bytes, bytearray, memoryview, Mapping)
 
 
@@ -57,12 +62,39 @@ def real_number(value: object, name: str) -> float:
     return v
 
 
+def _longer(value: Sized, limit: int) -> bool:
+    """Whether ``value`` holds more than ``limit`` items, asked lazily: a length past
+    ``sys.maxsize`` (a ``range(2**70)``'s, whose len() raises OverflowError) is more."""
+    try:
+        return len(value) > limit
+    except OverflowError:
+        return True
+
+
+def _bounded(value: Iterable, what: str, items: str, limit: int | None) -> list:
+    """``value``'s items as a list; with ``limit``, InvalidArgument instead when it holds
+    more: a list or tuple is taken whole, anything else is asked its length first when it
+    has one, and is read for at most ``limit + 1`` items (an iterator may never end)."""
+    if limit is None or isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, Sized) and _longer(value, limit):
+        raise InvalidArgument(f"{what} holds more than {limit} {items}")
+    # (an iterator, or an iterable of no length, may never end: read one past the limit)
+    out = list(itertools.islice(value, limit + 1))
+    if len(out) > limit:
+        raise InvalidArgument(f"{what} yields more than {limit} {items}")
+    return out
+
+
 def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool = False,
               limit: int | None = None) -> list[int]:
     """Token ids given as a sequence of ints, a 1-D integer array or tensor, or a ``[1, T]``
     one (what a tokenizer returns with ``return_tensors``), as a list of ints in
-    ``[0, vocab)``; InvalidArgument for anything else. ``limit``: an iterator (a generator,
-    say: it may never end) is read for at most ``limit`` ids, and one with more is refused."""
+    ``[0, vocab)``; InvalidArgument for anything else. ``limit``: ids given as anything but
+    a list or tuple (already whole: their callers check their length) are refused when
+    there are more, before they are read whole: an iterator (a generator, say: it may never
+    end) is read for at most ``limit + 1`` ids, a sized one (an array, a ``range(10**18)``)
+    is asked its length first."""
     shape_hint = "give a list of ints, or a 1-D or [1, T] integer array or tensor"
     # a torch tensor can only be given once torch is imported: this module needs no torch
     torch: Any = sys.modules.get("torch")
@@ -85,16 +117,14 @@ def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool 
             t = t[0]
         elif len(shape) != 1:
             raise InvalidArgument(f"{what} has shape {list(shape)}; {shape_hint}")
+        if limit is not None and shape[-1] > limit:     # (a broadcast view holds no memory)
+            raise InvalidArgument(f"{what} holds more than {limit} token ids")
         items: list = t.tolist()
     elif isinstance(value, _NOT_IDS) or not isinstance(value, Iterable) or isinstance(value, Set):
         raise InvalidArgument(f"{what} of type {type(value).__name__} is not a sequence of token ids; "
                               f"{shape_hint}")
-    elif limit is not None and isinstance(value, Iterator):
-        items = list(itertools.islice(value, limit + 1))
-        if len(items) > limit:
-            raise InvalidArgument(f"{what} yields more than {limit} token ids")
     else:
-        items = list(value)
+        items = _bounded(value, what, "token ids", limit)
     ids = []
     for t in items:
         try:
@@ -130,12 +160,13 @@ class Sampling:
     Every field is checked on construction (and again by :meth:`Generator.add`):
     ``max_new_tokens`` an int >= 1, ``n`` an int in [1, 65536], ``top_k`` an int >= 0,
     ``seed`` None or an int in [0, 2**63), ``temperature`` a finite number >= 0, ``top_p``
-    a finite number in (0, 1], ``stop`` a sequence of ints (kept as a tuple). Bools and
-    floats are not ints. A bad field raises InvalidArgument. Every accepted value samples
-    well-defined tokens: a temperature below 2**-64 draws as its limit (the top logit,
-    tied ones evenly), one above 2**64 as its limit (uniform over what top-k and top-p
-    keep), a top_p below 2**-64 keeps the most probable token alone
-    (:mod:`cellcache.generate.sampler` says why those thresholds).
+    a finite number in (0, 1], ``stop`` a sequence of ints (kept as a tuple; given as
+    anything but a list or tuple, an iterator or a range, at most :data:`MAX_STOPS` of them,
+    as ``stop_strings``). Bools and floats are not ints. A bad field raises
+    InvalidArgument. Every accepted value samples well-defined tokens: a temperature below
+    2**-64 draws as its limit (the top logit, tied ones evenly), one above 2**64 as its
+    limit (uniform over what top-k and top-p keep), a top_p below 2**-64 keeps the most
+    probable token alone (:mod:`cellcache.generate.sampler` says why those thresholds).
 
     Seeded sampling is counter-based: continuation k's token number t is drawn with a
     uniform hashed from ``(seed, k, t)`` (``seed`` None: the request's id), so a request's
@@ -218,13 +249,14 @@ class Sampling:
         if getattr(stop, "ndim", 1) == 0 or isinstance(stop, _NOT_IDS) or not isinstance(stop, Iterable):
             raise InvalidArgument(f"stop of type {type(stop).__name__} is not a sequence of token "
                                   "ids; give a list of ints, e.g. stop=[2]")
-        self.stop = tuple(token_ids(list(stop) if isinstance(stop, Set) else stop, "stop", None,
-                                    allow_empty=True))
+        # (a set is read as an iterator: token_ids refuses sets, whose order is arbitrary)
+        self.stop = tuple(token_ids(iter(stop) if isinstance(stop, Set) else stop, "stop", None,
+                                    allow_empty=True, limit=MAX_STOPS))
         strings = self.stop_strings
         if isinstance(strings, (str, bytes, Mapping)) or not isinstance(strings, Iterable):
             raise InvalidArgument(f"stop_strings of type {type(strings).__name__} is not a sequence "
                                   "of strings; give a list, e.g. stop_strings=['\\n\\n']")
-        strings = tuple(strings)
+        strings = tuple(_bounded(strings, "stop_strings", "strings", MAX_STOPS))
         for x in strings:
             if not isinstance(x, str) or not x:
                 raise InvalidArgument(f"stop_strings holds {x!r}; each must be a non-empty str")

@@ -44,7 +44,8 @@ def save_prefix(gen: Any, tokens: Any, path: Any) -> int:
     path. A refusal changes nothing; a save counts as a use of the prefix (a hit in the
     prefix cache's metrics, its eviction order refreshed)."""
     prefix = _idle_prefix(gen, "save_prefix")
-    ids = token_ids(tokens, "tokens", gen.vocab)
+    # (ids but a list or tuple past the cache's capacity, which it never holds, are refused unread)
+    ids = token_ids(tokens, "tokens", gen.vocab, limit=gen.cache.config.capacity)
     held = prefix.peek(ids)
     if held < len(ids):
         raise InvalidState(f"the prefix cache holds {held} of the {len(ids)} tokens; only a prefix it "
