@@ -592,7 +592,7 @@ def test_preemption_takes_the_newest_and_never_readmits_it_in_the_same_step(mode
     dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan")), dict(top_p="1"),
     dict(top_k=1.5), dict(top_k=True), dict(top_k=-1), dict(top_k="3"),
     dict(n=0), dict(n=2.0), dict(n=True), dict(n=None),
-    dict(max_new_tokens=0), dict(max_new_tokens=1.0), dict(max_new_tokens=False), dict(max_new_tokens="3"),
+    dict(max_new_tokens=-1), dict(max_new_tokens=1.0), dict(max_new_tokens=False), dict(max_new_tokens="3"),
     dict(seed=-1), dict(seed=1.5), dict(seed=True), dict(seed=2**63), dict(seed="1"),
     dict(temperature=10 ** 400), dict(top_p=-10 ** 400),
     dict(stop=5), dict(stop="ab"), dict(stop=b"ab"), dict(stop=[1.5]), dict(stop=[True]), dict(stop=[-1]),

@@ -1127,3 +1127,36 @@ def test_computed_tokens_of_a_step_carrying_a_cancelled_row(model):
     for async_steps in (False, True):
         _, _, st, _ = serve(model, async_steps, work, kw=MIXED, each_step=each_step)
         assert st["prompt_tokens"] == st["cached_tokens"] + st["computed_tokens"], st
+
+
+@pytest.mark.parametrize("max_seqs", [16, 3])
+def test_requests_that_draw_nothing_are_read_ahead_with_the_synchronous_outcome(model, max_seqs):
+    """Requests with max_new_tokens 0 (some with prompt log-probabilities) among requests
+    that draw, arriving while others decode: their chunks go in steps launched ahead, each
+    ends with "length" and no tokens when the step that completes its prompt lands, and
+    outputs, streams, counters and prompt log-probabilities are the synchronous run's. With
+    few sequences at once (``max_seqs``), a step planned ahead admits into the place of a
+    request whose prompt the step in flight completes, as the synchronous step does."""
+    def sampling(i):
+        return Sampling(max_new_tokens=0 if i % 3 == 0 else 6, prompt_logprobs=1 if i % 2 == 0 else None)
+    ra, rb, gen = same_mixed(model, sampling, arrivals=True, kw=dict(max_seqs=max_seqs))
+    zero = [(x, y) for x, y in zip(ra, rb) if x.sampling.max_new_tokens == 0]
+    assert len(zero) == 5
+    for x, y in zero:
+        assert x.outputs == y.outputs == [[]] and y.finish_reasons == ["length"] and y.first_token is None
+        if x.sampling.prompt_logprobs is not None:
+            for e, f in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):   # (rows in another order)
+                assert e.token == f.token and e.logprob == pytest.approx(f.logprob, abs=1e-5)
+    assert gen.stats["tokens_out"] == sum(len(r.outputs[0]) for r in rb) == 6 * 9
+
+
+def test_preemption_with_requests_that_draw_nothing(model):
+    """Preemption among requests that draw nothing and requests that do (reserve 0, a small
+    cache): the same outcome with asynchronous steps as without."""
+    kw = dict(capacity=120, max_batch_tokens=16, prefill_chunk=7, reserve=0.0)
+    reqs, gen = same(model, adder(prompts(7, 8, 5, 25), lambda i: Sampling(max_new_tokens=0 if i % 2 else 24,
+                                                                          prompt_logprobs=0)), kw=kw)
+    assert gen.stats["preempted"] > 0
+    assert [r.finish_reasons for r in reqs] == [["length"]] * 8
+    assert [len(r.outputs[0]) for r in reqs] == [24, 0] * 4
+    assert all(None not in r.prompt_logprobs[1:] for r in reqs)

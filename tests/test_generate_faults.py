@@ -76,6 +76,7 @@ WORK = [  # (prompt length, max_new_tokens, n, temperature, seed, drafts?, strea
     (31, 6, 1, 0.0, None, False, False),
     (7, 9, 3, 0.8, 5, False, True),
     (14, 8, 1, 0.0, None, True, False),
+    (20, 0, 2, 0.0, None, False, True),                  # scores its prompt: draws nothing
 ]
 
 
@@ -201,7 +202,7 @@ def test_a_user_callable_raising_at_any_call_ends_only_its_own_request(model, cl
                 assert r.outputs == want[i] and set(r.finish_reasons) == {"length"}, (kind, at, i)
                 if r.on_token is not None:               # every token streamed, in order
                     for k, out in enumerate(r.outputs):
-                        assert [t for j, t in streamed[r.id] if j == k] == out
+                        assert [t for j, t in streamed.get(r.id, ()) if j == k] == out
 
 
 @pytest.mark.parametrize("bad", ["noon", float("nan"), float("inf"), None, True, 10 ** 400],

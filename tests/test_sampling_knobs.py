@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from cellcache import InvalidArgument  # noqa: E402
 from cellcache.generate import Generator, Sampler, SampleSpec, Sampling, random_model  # noqa: E402
 from cellcache.generate.plan import SlotExtra  # noqa: E402
 from cellcache.generate.sampler import uniforms  # noqa: E402
@@ -239,6 +240,188 @@ def test_prompt_logprobs_are_computed_even_when_the_prefix_is_cached(model):
     gen.run()
     assert wants.cached_tokens == 0 and None not in wants.prompt_logprobs[1:]
     assert wants.outputs == first.outputs
+
+
+# -- prompt scoring: max_new_tokens 0 (OpenAI's max_tokens 0 with echo) -----------------------------
+#: 20 tokens: read in three chunks of make()'s prefill_chunk 8
+SCORED = [5, 9, 33, 2, 100, 7, 41, 8, 19, 300, 4, 6, 7, 8, 9, 10, 11, 12, 200, 3]
+
+
+def same_prompt_logprobs(a, b, tol=1e-5):
+    """Two requests' prompt log-probabilities agree: the tokens, their alternatives' ids,
+    the values up to ``tol`` (a logits row computed beside other rows: float32 ulps)."""
+    assert len(a) == len(b) and a[0] is None and b[0] is None
+    for e, f in zip(a[1:], b[1:]):
+        assert e.token == f.token and [t for t, _ in e.top] == [t for t, _ in f.top]
+        assert e.logprob == pytest.approx(f.logprob, abs=tol)
+        np.testing.assert_allclose([v for _, v in e.top], [v for _, v in f.top], atol=tol)
+
+
+def scored_alone(model, max_new_tokens, prompt=SCORED, **kw):
+    """``prompt`` alone in a fresh generator without a prefix cache, prompt
+    log-probabilities with 3 alternatives: (request, generator)."""
+    gen = make(model, prefix_cache=False, **kw)
+    req = gen.add(prompt, Sampling(max_new_tokens=max_new_tokens, prompt_logprobs=3))
+    gen.run()
+    return req, gen
+
+
+@pytest.mark.parametrize("length", [20, 17])
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_a_request_that_draws_nothing_scores_its_prompt(model, ref, async_steps, length):
+    """max_new_tokens 0 with prompt log-probabilities: the prompt is read (three chunks;
+    at 17 tokens the last one is its last token alone, a step of one row that a decode
+    step would otherwise take),
+    its log-probabilities are those of the same prompt asked with max_new_tokens 1 (the
+    same steps, one logits row fewer) and HF's forward's, nothing is drawn or delivered, it ends
+    with "length", the counters count its prompt and no output, and every cell it took is
+    free again."""
+    prompt = SCORED[:length]
+    one, _ = scored_alone(model, 1, prompt, async_steps=async_steps)
+    assert len(one.outputs[0]) == 1
+    gen = make(model, prefix_cache=False, async_steps=async_steps)
+    free = gen.cache.metrics()["free_cells"]
+    delivered = []
+    req = gen.add(prompt, Sampling(max_new_tokens=0, prompt_logprobs=3),
+                  on_token=lambda *a: delivered.append(a))
+    gen.run()
+    assert req.outputs == [[]] and req.finish_reasons == ["length"] and req.done and req.complete
+    assert req.logprobs is None and req.first_token is None and req.token_times == [[]]
+    assert delivered == [] and list(req.iter_tokens()) == []
+    same_prompt_logprobs(req.prompt_logprobs, one.prompt_logprobs)
+    lsm = hf_logprobs(ref, prompt)
+    for i in range(1, length):
+        e = req.prompt_logprobs[i]
+        assert e.token == prompt[i] and len(e.top) == 3
+        assert e.logprob == pytest.approx(float(lsm[i - 1, prompt[i]]), abs=1e-4)
+    st = gen.stats
+    counts = (st["steps"], st["tokens_out"], st["prompt_tokens"], st["computed_tokens"])
+    assert counts == (3, 0, length, length)
+    assert gen.cache.metrics()["free_cells"] == free and gen.cache.live_seqs() == []
+    assert not gen.running and not gen.waiting and not gen.requests and not gen.busy
+
+
+def test_scoring_beside_other_requests_changes_none_of_their_tokens(model):
+    """A request that draws nothing, its chunks in the steps of greedy, seeded and n > 1
+    requests: theirs are the tokens, streams and log-probabilities of a run without it,
+    and its prompt log-probabilities are those it gets alone (float32 sums in another
+    batch: ulps)."""
+    others = [([1, 2, 3], Sampling(max_new_tokens=9)),
+              ([4, 5, 6, 7, 8, 9, 10, 11, 12, 13], Sampling(max_new_tokens=7, temperature=0.8, seed=5,
+                                                          logprobs=2)),
+              ([40, 41], Sampling(max_new_tokens=5, temperature=1.0, seed=1, n=2))]
+    alone, _ = scored_alone(model, 0)
+    runs = []
+    for scoring in (False, True):
+        gen = make(model)
+        streamed: list = []
+
+        def on_token(r, k, t, streamed=streamed):
+            streamed.append((r.id, k, t))
+
+        reqs = [gen.add(p, sp, on_token=on_token) for p, sp in others[:2]]
+        score = gen.add(SCORED, Sampling(max_new_tokens=0, prompt_logprobs=3)) if scoring else None
+        reqs.append(gen.add(*others[2]))
+        gen.run()
+        runs.append((reqs, score, streamed, dict(gen.stats)))
+    (plain, _, s0, st0), (mixed, score, s1, st1) = runs
+    assert [r.outputs for r in mixed] == [r.outputs for r in plain]
+    assert [r.finish_reasons for r in mixed] == [r.finish_reasons for r in plain] == [["length"]] * 2 + [
+        ["length"] * 2]
+    assert [(k, t) for _, k, t in s1] == [(k, t) for _, k, t in s0]
+    for e, f in zip(plain[1].logprobs[0], mixed[1].logprobs[0]):
+        assert e.token == f.token and e.logprob == pytest.approx(f.logprob, abs=1e-5)
+    assert score.outputs == [[]] and score.finish_reasons == ["length"]
+    same_prompt_logprobs(score.prompt_logprobs, alone.prompt_logprobs)
+    assert st1["tokens_out"] == st0["tokens_out"] and st1["prompt_tokens"] == st0["prompt_tokens"] + 20
+
+
+def test_scoring_through_the_prefix_cache(model):
+    """A request that draws nothing is read through the prefix cache as any other: without
+    prompt log-probabilities it takes the cached prefix and computes the last token alone;
+    with them it reads its prompt whole (a hit's tokens are never computed), as a request
+    that draws does; either way its prompt is stored for the requests after it."""
+    gen = make(model)
+    first = gen.add(SCORED, Sampling(max_new_tokens=0))
+    gen.run()
+    assert first.cached_tokens == 0 and first.finish_reasons == ["length"] and first.prompt_logprobs is None
+    computed = gen.stats["computed_tokens"]
+    hit = gen.add(SCORED, Sampling(max_new_tokens=0))
+    gen.run()
+    assert hit.cached_tokens == len(SCORED) - 1 and gen.stats["computed_tokens"] - computed == 1
+    assert hit.outputs == [[]] and hit.finish_reasons == ["length"]
+    scored = gen.add(SCORED, Sampling(max_new_tokens=0, prompt_logprobs=3))
+    gen.run()
+    alone, _ = scored_alone(model, 0)
+    assert scored.cached_tokens == 0
+    same_prompt_logprobs(scored.prompt_logprobs, alone.prompt_logprobs)
+    longer = gen.add(SCORED + [1, 2], Sampling(max_new_tokens=3))
+    gen.run()
+    assert longer.cached_tokens == len(SCORED) and len(longer.outputs[0]) == 3
+    gen.prefix.clear()
+    assert gen.cache.live_seqs() == [] and gen.cache.metrics()["free_cells"] == gen.cache.config.capacity
+
+
+def test_scoring_with_n_continuations_forks_nothing(model):
+    """n > 1 with nothing to draw: the prompt is read once and every continuation ends with
+    "length" and no tokens (no fork: forks happen at the first token)."""
+    gen = make(model)
+    req = gen.add(SCORED, Sampling(max_new_tokens=0, n=3, prompt_logprobs=0, logprobs=1))
+    assert gen.waiting[0].claim(0) == 20              # its prompt; nothing for continuations
+    gen.run()
+    assert req.outputs == [[], [], []] and req.finish_reasons == ["length"] * 3
+    assert req.logprobs == [[], [], []] and None not in req.prompt_logprobs[1:]
+    assert gen.stats["forks"] == 0 and gen.stats["tokens_out"] == 0 and gen.stats["computed_tokens"] == 20
+
+
+def test_a_preempted_scoring_request_reads_its_prompt_again(model):
+    """A cache too small for everything at once (reserve 0): the request that draws
+    nothing, admitted last, is preempted while its prompt is read and read again later;
+    its prompt log-probabilities and the others' tokens are those of a run with room."""
+    runs = []
+    for capacity in (56, 512):
+        gen = make(model, capacity=capacity, reserve=0.0, prefix_cache=False)
+        reqs = [gen.add(list(range(10 + 20 * i, 20 + 20 * i)), Sampling(max_new_tokens=20)) for i in range(2)]
+        reqs.append(gen.add(SCORED, Sampling(max_new_tokens=0, prompt_logprobs=3)))
+        gen.run()
+        runs.append((reqs, gen.stats["preempted"], gen.cache.metrics()["free_cells"] == capacity))
+    (short, preempted, freed), (roomy, none, _) = runs
+    assert preempted > 0 and none == 0 and freed
+    assert [r.outputs for r in short] == [r.outputs for r in roomy]
+    assert short[2].finish_reasons == ["length"] and short[2].outputs == [[]]
+    same_prompt_logprobs(short[2].prompt_logprobs, roomy[2].prompt_logprobs)
+
+
+def test_scoring_closes_each_continuations_text(model):
+    """With a tokenizer, each continuation's text closes with one on_text call ("" and its
+    finish reason set), as a continuation that ends does."""
+    pytest.importorskip("tokenizers")
+    from tests.helpers_text import make_tokenizer
+
+    gen = make(model, tokenizer=make_tokenizer())
+    calls = []
+    req = gen.add("hello world, hello there", Sampling(max_new_tokens=0, n=2),
+                  on_text=lambda r, k, delta: calls.append((k, delta, r.finish_reasons[k])))
+    gen.run()
+    assert sorted(calls) == [(0, "", "length"), (1, "", "length")]
+    assert req.texts == ["", ""] and list(req.iter_text(1)) == []
+
+
+def test_nothing_to_draw_needs_its_prompt_alone_and_less_is_refused(model):
+    """max_new_tokens 0 claims its prompt's cells (not one fewer, as the rule for a drawn
+    last token would give): a prompt of the whole capacity runs, one more is refused at
+    add() with nothing queued; a negative count, or min_new_tokens above 0, is refused."""
+    for kw in (dict(max_new_tokens=-1), dict(max_new_tokens=0, min_new_tokens=1)):
+        with pytest.raises(InvalidArgument):
+            Sampling(**kw)
+    assert Sampling(max_new_tokens=0).cells_needed(10) == Sampling(max_new_tokens=1).cells_needed(10) == 10
+    gen = make(model, capacity=64, prefix_cache=False)
+    with pytest.raises(InvalidArgument, match="needs 65 cells"):
+        gen.add(list(range(65)), Sampling(max_new_tokens=0))
+    assert not gen.waiting and not gen.requests
+    req = gen.add(list(range(64)), Sampling(max_new_tokens=0, prompt_logprobs=0))
+    gen.run()
+    assert req.finish_reasons == ["length"] and None not in req.prompt_logprobs[1:]
 
 
 def greedy_loop(ref, prompt, sp, n, eos=()):

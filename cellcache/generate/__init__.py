@@ -54,7 +54,8 @@ sequence's next token and chunks of prompts still being read, in one forward. Ar
 - the server knobs of :class:`Sampling` (``min_new_tokens``, ``ignore_eos``, ``min_p``,
   presence/frequency/repetition penalties, ``logit_bias``) and log-probabilities of the
   model's own distribution (``logprobs``, ``prompt_logprobs``: :class:`TokenLogprob`), on
-  the device in the step's sampler call, back in its one copy;
+  the device in the step's sampler call, back in its one copy; ``max_new_tokens=0`` reads
+  a prompt and draws nothing (with ``prompt_logprobs``: the prompt scored);
 - ``Generator.on_logits``: every forward's logits rows with the context each row saw.
 
 Modules, by concern (each testable alone): ``text`` (incremental detokenization, stop

@@ -384,7 +384,10 @@ class BaseScheduler:
             in_cache = s.in_cache + len(feed)
             if slot is None:                          # a prompt chunk: the next one goes on
                 shift[id(s)] = (in_cache, 0)
-                chunks.append(s)
+                if in_cache < len(s.tokens):
+                    chunks.append(s)
+                # (else a prompt read whole that draws nothing, max_new_tokens 0: it ends
+                # by length in `after`)
                 continue
             shift[id(s)] = (in_cache, 1)
             if s.draws_left() <= 1:
@@ -604,7 +607,8 @@ class BaseScheduler:
     def _layout(self, plan: StepPlan) -> None:
         """The declared plan's input ids, logit rows and sample slots: each sequence's last
         fed token draws when it reaches the end of what the sequence knows (its continuations
-        too, at a request's first token with ``n > 1``); a verify run draws at every row.
+        too, at a request's first token with ``n > 1``), unless it may draw nothing
+        (``max_new_tokens`` 0); a verify run draws at every row.
         A request that asks for prompt log-probabilities gets a logit row for every prompt
         token it feeds (but its last) while some are missing; a slot whose request uses the
         server knobs (:meth:`Sampling.processed`) gets a :class:`~.plan.SlotExtra`."""
@@ -620,7 +624,8 @@ class BaseScheduler:
             if req.prompt_logprobs is not None and in_cache < len(req.prompt) - 1 \
                     and req.prompt_logprobs_missing():
                 self._prompt_rows(plan, s, feed, row, in_cache)
-            if len(s.tokens) + drawn - in_cache > len(feed):   # a prompt chunk: nothing drawn
+            # a prompt chunk, or the prompt of a request that draws nothing: nothing drawn
+            if len(s.tokens) + drawn - in_cache > len(feed) or s.draws_left() <= drawn:
                 plan.owners.append((s, feed, None, -1))
                 row = end
                 continue
@@ -726,8 +731,9 @@ class BaseScheduler:
     # -- the lean decode step ---------------------------------------------------------------------
     def schedule_decode(self, after: StepPlan | None = None) -> StepPlan | None:
         """The common step without the general planner: every running sequence feeds its
-        next token, nothing waits, no drafts or forks, and the free cells, the budget and
-        ``max_kv`` hold every row (so no eviction, preemption or admission would happen).
+        next token and draws one, nothing waits, no drafts or forks, and the free cells, the
+        budget and ``max_kv`` hold every row (so no eviction, preemption or admission would
+        happen).
         Returns the declared lean plan, exactly what :meth:`schedule` would plan, or None
         when the general path is needed (nothing declared).
 
@@ -771,6 +777,8 @@ class BaseScheduler:
                 if s.to_feed != 1 or s.drafts or s.forks_next():
                     return None
                 if len(s.tokens) == len(req.prompt):
+                    if not sp.max_new_tokens:
+                        return None            # its prompt's last token draws nothing
                     last += 1
                 tokens.append(s.tokens[-1])
             else:
@@ -959,6 +967,8 @@ class BaseScheduler:
             else:
                 s.in_cache = o.keep
             kv.placed(s)                              # its prompt may be whole in the cache now
+            if not o.tokens and s.in_cache == len(s.tokens) and s.draws_left() < 1:
+                reason = "length"                     # max_new_tokens 0: its prompt is read
             if o.forks:
                 s.job.forked = True
             for child, tok in o.forks:                # clones share the prompt's cells

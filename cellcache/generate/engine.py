@@ -550,8 +550,8 @@ class Generator:
 
         Everything is checked first; a refusal raises InvalidArgument with nothing queued.
         A request that could never fit is refused: a continuation holds its prompt and every
-        output token but the last, ``len(prompt) + max_new_tokens - 1`` cells (and as many
-        paged-view entries, ``max_kv``).
+        output token but the last, ``len(prompt) + max_new_tokens - 1`` cells (its prompt
+        alone with ``max_new_tokens`` 0; and as many paged-view entries, ``max_kv``).
         """
         ids = self.encode(prompt)
         if sampling is None:

@@ -181,7 +181,8 @@ class Seq:
         return len(self.tokens) - self.in_cache
 
     def draws_left(self) -> int:
-        """The tokens it may still draw before it ends by length."""
+        """The tokens it may still draw before it ends by length (0 from the start for a
+        request that draws nothing, ``max_new_tokens`` 0: it ends once its prompt is read)."""
         req = self.job.req
         return req.sampling.max_new_tokens - len(req.outputs[self.index])
 
@@ -198,7 +199,7 @@ class Seq:
         sp = req.sampling
         more = max(0, sp.cells_needed(len(req.prompt)) - have)
         if self.forks_next():
-            more += (sp.n - 1) * (sp.max_new_tokens - 1)
+            more += (sp.n - 1) * max(0, sp.max_new_tokens - 1)
         return more
 
     def end_reason(self, n_out: int, tok: int, eos: set[int]) -> str | None:

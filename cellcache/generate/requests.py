@@ -158,7 +158,7 @@ class Sampling:
     token is kept); ``n`` continuations share the prompt.
 
     Every field is checked on construction (and again by :meth:`Generator.add`):
-    ``max_new_tokens`` an int >= 1, ``n`` an int in [1, 65536], ``top_k`` an int >= 0,
+    ``max_new_tokens`` an int >= 0, ``n`` an int in [1, 65536], ``top_k`` an int >= 0,
     ``seed`` None or an int in [0, 2**63), ``temperature`` a finite number >= 0, ``top_p``
     a finite number in (0, 1], ``stop`` a sequence of ints (kept as a tuple; given as
     anything but a list or tuple, an iterator or a range, at most :data:`MAX_STOPS` of them,
@@ -167,6 +167,11 @@ class Sampling:
     2**-64 draws as its limit (the top logit, tied ones evenly), one above 2**64 as its
     limit (uniform over what top-k and top-p keep), a top_p below 2**-64 keeps the most
     probable token alone (:mod:`cellcache.generate.sampler` says why those thresholds).
+
+    ``max_new_tokens=0`` draws nothing: the prompt is read (through the prefix cache, as
+    any prompt), its log-probabilities computed when ``prompt_logprobs`` asks, and every
+    continuation ends with ``"length"`` and no tokens once the prompt is in the cache
+    (scoring a text, as OpenAI's ``max_tokens: 0, echo: true``).
 
     Seeded sampling is counter-based: continuation k's token number t is drawn with a
     uniform hashed from ``(seed, k, t)`` (``seed`` None: the request's id), so a request's
@@ -234,7 +239,7 @@ class Sampling:
     server_knobs: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        self.max_new_tokens = check_int(self.max_new_tokens, "max_new_tokens", 1, 1 << 40)
+        self.max_new_tokens = check_int(self.max_new_tokens, "max_new_tokens", 0, 1 << 40)
         self.n = check_int(self.n, "n", 1, 1 << 16)
         self.top_k = check_int(self.top_k, "top_k", 0, 1 << 40)
         if self.seed is not None:
@@ -311,8 +316,9 @@ class Sampling:
 
     def cells_needed(self, prompt_len: int) -> int:
         """Cells one continuation of a prompt of ``prompt_len`` tokens holds at most: its
-        prompt and every output token but the last (which is drawn, never fed)."""
-        return prompt_len + self.max_new_tokens - 1
+        prompt and every output token but the last (which is drawn, never fed); its prompt
+        alone when it draws nothing (``max_new_tokens`` 0)."""
+        return prompt_len + max(self.max_new_tokens, 1) - 1
 
 
 def _timeout(timeout: object) -> float | None:
