@@ -692,3 +692,31 @@ def test_stop_token_ids_end_the_text_before_their_token(texted):
     s = post(app, "/v1/completions", {**body, "stream": True})
     chunks = [json.loads(e) for e in events(s)[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
+
+
+def test_a_request_that_draws_nothing_ends_its_stream_at_the_step_that_reads_its_prompt():
+    """Without a tokenizer a request that draws nothing gets no callback at all (no token,
+    no text), and its end is seen by looking at it: after the step that read its prompt,
+    while another request keeps the generator busy, not at the full sweep 64 steps later."""
+    from cellcache.serve.engine import Stream
+
+    gen = Generator(random_model("llama-tiny"), capacity=512, eos=[])
+    engine = Engine(gen)
+    kinds: list = []
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, batch):
+            kinds.extend(e.kind for _, e in batch)
+
+    gen.add([9, 10, 11], Sampling(max_new_tokens=200))   # (keeps the generator busy)
+    stream = Stream(Loop(), None, 0)                     # type: ignore[arg-type]
+    engine._queue(stream, [5, 6, 7], Sampling(max_new_tokens=0, prompt_logprobs=0), True)
+    assert engine.waiting == 1
+    failures = [0]
+    turns = 0
+    while "done" not in kinds and turns < 100:
+        engine._iterate(failures)
+        turns += 1
+    assert kinds == ["done"] and turns == 1 and gen.busy
+    assert stream.request.finish_reasons == ["length"] and None not in stream.request.prompt_logprobs[1:]
+    assert engine.live == 0 and engine.waiting == 0 and not engine._silent

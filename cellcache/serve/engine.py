@@ -134,6 +134,9 @@ class Engine:
         self._stop = False
         self._ended = False                     # a callback saw a request end
         self._cancelled: set[int] = set()       # requests cancelled and not swept yet (ids)
+        # live requests that end with no callback (ids): they draw nothing (max_new_tokens 0)
+        # and stream no text (no tokenizer), so only a look at them after a step sees the end
+        self._silent: set[int] = set()
         self._unswept = 0                       # steps since the last full sweep
         self._thread: threading.Thread | None = None
         # work the loop asks of the engine thread between steps (sleep, wake), with its future
@@ -239,6 +242,8 @@ class Engine:
         stream.request = req
         with self._lock:
             self._live[req.id] = stream
+            if sampling.max_new_tokens == 0 and on_text is None:
+                self._silent.add(req.id)
         with self._cond:
             self._submitted = True
             self._cond.notify()
@@ -461,6 +466,8 @@ class Engine:
                     failures[0] = 0
                     self._fail_all(e)
         # a sweep reads every live request: only when one may have ended
+        if self._silent and not self._ended:
+            self._ended = self._silent_ended()
         self._unswept += 1
         if self._ended or self._cancelled or self._unswept >= FULL_SWEEP_STEPS or not gen.busy:
             self._ended = False
@@ -471,6 +478,13 @@ class Engine:
         self._refresh()
         self._hand_over()
         return True
+
+    def _silent_ended(self) -> bool:
+        """Whether a request that ends with no callback (``_silent``) is complete, or gone
+        from the live ones (engine thread): O(those requests), not O(live)."""
+        with self._lock:
+            streams = [self._live.get(rid) for rid in self._silent]
+        return any(s is None or (s.request is not None and s.request.complete) for s in streams)
 
     def _sweep(self) -> None:
         """Ends the streams of the requests that are done (engine thread)."""
@@ -486,6 +500,8 @@ class Engine:
                     self._waiting -= 1
             if self._cancelled:                 # (one that ended before it was counted too)
                 self._cancelled.intersection_update(self._live)
+            if self._silent:
+                self._silent.intersection_update(self._live)
         for _, s in ended:
             req = s.request
             assert req is not None
@@ -506,6 +522,7 @@ class Engine:
             rest = list(self._live.items())
             self._live.clear()
             self._cancelled.clear()
+            self._silent.clear()
         for _, s in rest:
             if s.request is not None and not s.request.done:
                 try:
