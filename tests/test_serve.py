@@ -195,6 +195,44 @@ def test_logprobs(client, local):
     assert c.choices[0].text.startswith("hello world")
 
 
+def test_max_tokens_zero_with_echo_scores_the_prompt(client, local):
+    """The openai client's loglikelihood request (``max_tokens=0, echo=True, logprobs=1``):
+    the prompt back with the library's prompt log-probabilities (HF's forward's too), the
+    first None, no token, finish "length", no completion tokens; streamed alike, the usage
+    chunk included; without echo a 400."""
+    gen, hf = local
+    prompt = "the lazy dog sat on the mat"
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                  extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    ids = gen.encode(prompt)
+    assert choice.text == prompt and choice.finish_reason == "length" and choice.token_ids == []
+    assert r.usage.prompt_tokens == len(ids) == r.usage.total_tokens and r.usage.completion_tokens == 0
+    assert r.prompt_token_ids == ids
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    mine = run_local(gen, prompt, max_new_tokens=0, prompt_logprobs=1)
+    assert mine.outputs == [[]] and mine.finish_reasons == ["length"]
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in mine.prompt_logprobs[1:]], abs=1e-5)
+    with torch.no_grad():
+        lsm = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    assert lp.token_logprobs[1:] == pytest.approx([float(lsm[i - 1, ids[i]]) for i in range(1, len(ids))],
+                                                  abs=1e-4)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True, stream_options={"include_usage": True}))
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in parts) == prompt
+    assert [p.finish_reason for p in parts if p.finish_reason] == ["length"]
+    streamed = [v for p in parts if p.logprobs for v in p.logprobs.token_logprobs]
+    # (read again into other cells, the first copy held by the prefix cache: sums over a
+    # longer masked row, ulps)
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert chunks[-1].usage.completion_tokens == 0 and chunks[-1].usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=0, logprobs=1)
+    assert e.value.param == "max_tokens"
+
+
 def test_refusals_are_openai_errors_and_queue_nothing(server, client):
     before = server.metrics()
     bad = [
@@ -202,6 +240,7 @@ def test_refusals_are_openai_errors_and_queue_nothing(server, client):
         ({"model": "tiny", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "x", "temperature": 3}, 400, "temperature"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),       # (echo only)
         ({"model": "tiny", "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
         ({"model": "tiny", "prompt": "x", "logit_bias": {"100000": 1}}, 400, None),
         ({"model": "tiny", "prompt": [1, 100000]}, 400, None),
@@ -218,11 +257,15 @@ def test_refusals_are_openai_errors_and_queue_nothing(server, client):
     assert got == 404 and "error" in answer
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=0)
+    assert e.value.param == "max_tokens"
     after = server.metrics()
     for key in ("cellcache_prompt_tokens_total", "cellcache_requests_live", "cellcache_kv_cells_free"):
         assert after[key] == before[key], key
     assert after['cellcache_http_errors_total{status="400"}'] >= before.get(
-        'cellcache_http_errors_total{status="400"}', 0) + 7
+        'cellcache_http_errors_total{status="400"}', 0) + 9
 
 
 def test_curl_streams_server_sent_events(server):

@@ -694,6 +694,85 @@ def test_stop_token_ids_end_the_text_before_their_token(texted):
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
 
 
+def test_max_tokens_zero_with_echo_scores_the_prompt(texted):
+    """``max_tokens: 0`` with ``echo`` (a loglikelihood request of lm-eval-harness): the
+    prompt echoed with its log-probabilities (the first null), those a ``max_tokens: 1``
+    request echoes for its prompt, no token, finish "length", no completion tokens in the
+    usage; streamed, the same text, tokens and values, then the end and the usage; a batch
+    with n > 1 echoes each prompt in each choice; without echo it is a 400 that queues
+    nothing."""
+    app, engine = texted
+    body = {"prompt": "hello world, hello there", "max_tokens": 0, "echo": True, "logprobs": 2,
+            "temperature": 0}
+    r = post(app, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    usage = r.json()["usage"]
+    n = usage["prompt_tokens"]
+    assert choice["text"] == body["prompt"] and choice["finish_reason"] == "length"
+    assert usage["completion_tokens"] == 0 and usage["total_tokens"] == n
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == n and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and all(len(t) >= 2 for t in lp["top_logprobs"][1:])
+    one = post(app, "/v1/completions", {**body, "max_tokens": 1}).json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == one["tokens"][:n] and lp["text_offset"] == one["text_offset"][:n]
+    assert lp["token_logprobs"][1:] == pytest.approx(one["token_logprobs"][1:n], abs=1e-5)
+    for mine, theirs in zip(lp["top_logprobs"][1:], one["top_logprobs"][1:n]):
+        assert mine.keys() == theirs.keys()
+        assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-5)
+
+    s = post(app, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events(s)[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events(s)[:-1]]
+    parts = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(p["text"] for p in parts) == choice["text"]
+    assert [p["finish_reason"] for p in parts if p["finish_reason"]] == ["length"]
+    streamed = [p["logprobs"] for p in parts if p["logprobs"] and p["logprobs"]["tokens"]]
+    assert [t for x in streamed for t in x["tokens"]] == lp["tokens"]
+    values = [v for x in streamed for v in x["token_logprobs"]]       # (read again into other cells)
+    assert values[0] is None and values[1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 0
+    assert chunks[-1]["usage"]["prompt_tokens"] == n
+
+    batch = post(app, "/v1/completions", {"prompt": ["hello there", "a b c"], "max_tokens": 0, "echo": True,
+                                          "n": 2, "return_token_ids": True})
+    assert batch.status_code == 200, batch.text
+    got = batch.json()
+    assert [c["text"] for c in got["choices"]] == ["hello there"] * 2 + ["a b c"] * 2
+    assert all(c["finish_reason"] == "length" and c["token_ids"] == [] and c["logprobs"] is None
+               for c in got["choices"])
+    assert got["usage"]["completion_tokens"] == 0
+    assert got["usage"]["prompt_tokens"] == sum(len(ids) for ids in got["prompt_token_ids"])
+
+    for path, refused in (("/v1/completions", {k: v for k, v in body.items() if k != "echo"}),
+                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 0})):
+        r = post(app, path, refused)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert engine.live == 0 and engine.waiting == 0 and not engine.gen.busy
+
+
+def test_max_tokens_zero_without_a_tokenizer(served):
+    """A server without a tokenizer scores token ids too: streamed and not, the prompt's
+    log-probabilities come back (its text empty) with no token."""
+    app, engine = served
+    body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 0, "echo": True, "logprobs": 0, "return_token_ids": True}
+    r = post(app, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == [] and choice["finish_reason"] == "length" and choice["text"] == ""
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in body["prompt"]] and lp["token_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    s = post(app, "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(e) for e in events(s)[:-1]]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    values = [v for x in streamed for v in x["token_logprobs"]]       # (read again into other cells)
+    assert values[0] is None and values[1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-5)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert engine.live == 0 and engine.waiting == 0
+
+
 def test_a_request_that_draws_nothing_ends_its_stream_at_the_step_that_reads_its_prompt():
     """Without a tokenizer a request that draws nothing gets no callback at all (no token,
     no text), and its end is seen by looking at it: after the step that read its prompt,

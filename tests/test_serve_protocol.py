@@ -146,6 +146,37 @@ def test_completion_prompts_logprobs_and_echo():
     assert f["logprobs"] == 0 and f["prompt_logprobs"] is None
 
 
+def test_max_tokens_zero_scores_a_completions_prompt_only_with_echo():
+    """``max_tokens: 0`` with ``echo`` (vLLM's and OpenAI's legacy completions: the prompt
+    scored, nothing drawn) maps onto max_new_tokens 0 with the prompt's log-probabilities;
+    without echo it stays a 400 naming max_tokens (there would be nothing to return), as
+    does a negative count and chat's 0 (``max_tokens`` or ``max_completion_tokens``)."""
+    limits = ServeLimits(capacity=100, max_positions=80, default_max_tokens=16)
+    req = parse(CompletionRequest, {"prompt": [1, 2, 3], "max_tokens": 0, "echo": True, "logprobs": 2})
+    f = sampling_fields(req)
+    assert f["prompt_logprobs"] == 2 and f["logprobs"] == 2 and max_new_tokens(req, 3, limits) == 0
+    plain = parse(CompletionRequest, {"prompt": "a", "max_tokens": 0, "echo": True})
+    assert sampling_fields(plain)["prompt_logprobs"] is None and max_new_tokens(plain, 79, limits) == 0
+    with pytest.raises(APIError) as e:                              # (the prompt alone must fit)
+        max_new_tokens(plain, 80, limits)
+    assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
+    with pytest.raises(APIError) as e:
+        max_new_tokens(parse(CompletionRequest, {"prompt": "a", "max_tokens": 0, "echo": True,
+                                                 "min_tokens": 1}), 3, limits)
+    assert e.value.param == "min_tokens"
+    for body in ({"prompt": "a", "max_tokens": 0},
+                 {"prompt": "a", "max_tokens": 0, "echo": False, "logprobs": 1}):
+        with pytest.raises(APIError) as e:
+            sampling_fields(parse(CompletionRequest, body))
+        assert e.value.status == 400 and e.value.param == "max_tokens" and "echo" in e.value.message
+    for model, body in ((CompletionRequest, {"prompt": "a", "max_tokens": -1, "echo": True}),
+                        (ChatRequest, {**CHAT, "max_tokens": 0}),
+                        (ChatRequest, {**CHAT, "max_completion_tokens": 0})):
+        with pytest.raises(APIError) as e:
+            parse(model, body)
+        assert e.value.status == 400 and e.value.param in ("max_tokens", "max_completion_tokens")
+
+
 @pytest.mark.parametrize("patch,message", [
     ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
     ({"stop": [""]}, "empty"),

@@ -12,6 +12,12 @@ Decisions where OpenAI's reference is silent or the library differs:
 - **Extensions** (vLLM's names): ``top_k``, ``min_p``, ``repetition_penalty``,
   ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``return_token_ids`` (each choice
   carries ``token_ids``, the response ``prompt_token_ids``).
+- **Scoring a prompt.** Completions take ``max_tokens: 0`` with ``echo: true`` (OpenAI's
+  legacy spec, vLLM, what lm-eval-harness sends): the prompt is read and echoed, with its
+  log-probabilities when ``logprobs`` is set (the first token's ``null``), no token is
+  drawn, ``finish_reason`` is ``"length"`` and ``completion_tokens`` 0. ``max_tokens: 0``
+  without ``echo`` is a 400, as vLLM answers (there would be nothing to return); chat
+  completions keep ``max_tokens`` >= 1.
 - **Finish reasons.** The library's ``"capacity"`` (the cache could not hold the
   continuation) is reported as ``"length"``; ``"cancelled"`` (the server shutting down) as
   ``"abort"``, vLLM's word; ``"error"`` fails the request (500, or an ``error`` event on a
@@ -146,9 +152,12 @@ class _Common(_NullIsDefault):
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``. ``prompt``: a string, token ids, or a list of either (a
-    batch: prompt i's continuation k is choice ``i * n + k``)."""
+    batch: prompt i's continuation k is choice ``i * n + k``). ``max_tokens`` 0 with
+    ``echo`` scores the prompt (module docstring)."""
 
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    # 0 only with echo (_refuse_unsupported): the prompt scored, nothing drawn
+    max_tokens: StrictInt | None = Field(None, ge=0)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: StrictBool = False
     suffix: StrictStr | None = None
@@ -221,6 +230,9 @@ class ServeLimits(BaseModel):
 def _refuse_unsupported(req: _Common) -> None:
     """400 for fields this server knows and cannot honour (module docstring)."""
     if isinstance(req, CompletionRequest):
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens: Input should be greater than or equal to 1 (0 only with "
+                           "echo: true, which returns the prompt and draws nothing)", param="max_tokens")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -241,7 +253,8 @@ def _refuse_unsupported(req: _Common) -> None:
 
 
 def max_new_tokens(req: _Common, prompt_len: int, limits: ServeLimits) -> int:
-    """The request's ``max_tokens`` (chat: ``max_completion_tokens`` first), checked against
+    """The request's ``max_tokens`` (chat: ``max_completion_tokens`` first; 0 for a
+    completion that scores its prompt), checked against
     what the cache and the model's context can hold for a prompt of ``prompt_len`` tokens;
     without one, what fits, at most ``limits.default_max_tokens``. A prompt or a
     ``max_tokens`` that can never fit is a 400 (``context_length_exceeded``)."""
