@@ -410,6 +410,39 @@ def test_step_from_a_callback_is_refused_and_changes_nothing(model, prompts):
     assert [r.outputs[0] for r in reqs] == clean(model, prompts[:3])
 
 
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_a_step_another_user_of_the_cache_declared_is_not_dropped(model, prompts, async_steps):
+    """A generator over a cache that another user has declared (or prepared) a step on
+    refuses to step, changing nothing: its own declaration would have dropped the other's
+    (it did, silently). Once the other user's step is committed, the generator goes on
+    and its tokens are those of a clean run; its step in flight (asynchronous) is kept."""
+    gen = make(model, async_steps=async_steps, prefix_cache=False)
+    cache = gen.cache
+    reqs = [gen.add(p, Sampling(max_new_tokens=N_NEW)) for p in prompts[:3]]
+    for _ in range(3):
+        gen.step()
+    other = cache.seq_new()
+    for prepare in (False, True):
+        assert cache.declare_step([other, other])
+        if prepare:
+            cache.prepare_step()
+        before = snapshot(gen)
+        for verb in (gen.step, gen.run):
+            with pytest.raises(InvalidState, match="another user"):
+                verb()
+        assert snapshot(gen) == before
+        # (a prepared step is no longer a declared one)
+        assert cache.table.declared_width == (0 if prepare else 2)
+        assert (cache.prepared_step is not None) == prepare
+        if prepare:
+            cache.commit_step()
+        else:
+            cache.undeclare()
+    gen.run()
+    assert [r.outputs[0] for r in reqs] == clean(model, prompts[:3])
+    assert cache.live_seqs() == [other]
+
+
 def test_a_callback_that_steps_without_catching_ends_its_request(model, prompts):
     gen = make(model)
     def step_again(req, k, tok):

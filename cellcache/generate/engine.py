@@ -875,8 +875,10 @@ class Generator:
         the next step or landing the previous one rolls both back (every sequence back to
         its applied tokens) and propagates.
 
-        Raises InvalidState, changing nothing, when called from inside a callback of a step
-        or while another thread is stepping this generator.
+        Raises InvalidState, changing nothing, when called from inside a callback of a step,
+        while another thread is stepping this generator, or while another user of its cache
+        has a step declared or prepared there (the generator's own declaration would drop it;
+        the generator itself holds none between calls).
         """
         me = threading.get_ident()
         if not self._step_lock.acquire(blocking=False):
@@ -890,6 +892,10 @@ class Generator:
                 if self._sleep_level:
                     raise InvalidState(f"the generator is asleep (level {self._sleep_level}); "
                                        "call wake() before stepping")
+                local = self.runner.cache
+                if local.prepared_step is not None or local.table.declared_width:
+                    raise InvalidState("another user of the generator's cache has a step declared or "
+                                       "prepared: run or undeclare it before stepping the generator")
                 self._stepping = me
                 try:
                     return self._step()

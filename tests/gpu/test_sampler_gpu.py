@@ -384,3 +384,44 @@ def test_generator_knobs_text_and_logprobs_on_cuda_with_graphs_and_async_steps()
     gen.run()
     assert req.finish_reasons == ["stop"] and req.text == text[:text.index(stop)]
     assert "".join(deltas) == req.text
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["modules", "native"])
+def test_scoring_requests_on_cuda_with_graphs_and_async_steps(native):
+    """Requests that draw nothing (``max_new_tokens=0``, the server's ``max_tokens: 0`` with
+    ``echo``) on CUDA with graphs and asynchronous steps: alone (a step whose one row draws
+    nothing, no logits row to sample) and beside greedy requests. Their prompt
+    log-probabilities equal HF's log_softmax over the prompt (read in chunks), they end ``length`` with no
+    tokens, the greedy requests' tokens are those of a run without them, the cells all
+    come back."""
+    pytest.importorskip("transformers")
+    from cellcache.generate import Generator, Sampling, random_model
+
+    model = random_model("llama-tiny", torch.float32, "cuda", seed=3)
+    hf = copy.deepcopy(model)
+    # (chunks of 16: the 33-token prompt's last chunk is its last token alone)
+    gen = Generator(model, capacity=1024, max_seqs=16, eos=[], native=native, prefill_chunk=16,
+                    prefix_cache=False)
+    assert gen.async_steps
+    prompts = [[5, 9, 33, 2, 100, 7], [1, 2, 3, 4], [300, 301, 7, 8, 9]]
+    scored = [list(range(40, 73)), [11, 12]]
+    free = gen.cache.metrics()["free_cells"]
+    alone = gen.add(scored[0], Sampling(max_new_tokens=0, prompt_logprobs=2))
+    gen.run()
+    plain = [gen.add(p, Sampling(max_new_tokens=12)) for p in prompts]
+    gen.run()
+    mixed = [gen.add(p, Sampling(max_new_tokens=12)) for p in prompts[:2]]
+    side = [gen.add(s, Sampling(max_new_tokens=0, prompt_logprobs=0)) for s in scored]
+    mixed.append(gen.add(prompts[2], Sampling(max_new_tokens=12)))
+    gen.run()
+    assert [r.outputs for r in mixed] == [r.outputs for r in plain]
+    assert all(len(r.outputs[0]) == 12 for r in plain)
+    for r in [alone, *side]:
+        assert r.outputs == [[]] and r.finish_reasons == ["length"]
+        with torch.no_grad():
+            lsm = torch.log_softmax(hf(torch.tensor([r.prompt], device="cuda")).logits[0].float(), -1).cpu()
+        assert r.prompt_logprobs[0] is None
+        for i in range(1, len(r.prompt)):
+            assert r.prompt_logprobs[i].logprob == pytest.approx(float(lsm[i - 1, r.prompt[i]]), abs=1e-3)
+    assert len(alone.prompt_logprobs[5].top) == 2
+    assert gen.cache.live_seqs() == [] and gen.cache.metrics()["free_cells"] == free
