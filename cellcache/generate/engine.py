@@ -937,9 +937,8 @@ class Generator:
                 if plan is not None:
                     self.scheduler.rollback(plan, False)
                 raise KeyboardInterrupt
-            t = self._tick("schedule", t)
             if plan is not None:
-                flight = self._launch(plan)
+                flight = self._launch(plan, scheduled=t)
                 if self.async_steps and plan.flies:   # left in flight: applied next step
                     self._flight = flight
                 else:
@@ -1078,9 +1077,8 @@ class Generator:
                     raise KeyboardInterrupt
             else:
                 self._prof = dict.fromkeys(PHASES, 0.0)   # the next step's phases from here
-                t = self._tick("schedule", t)
                 try:
-                    nxt = self._launch(plan, flight)
+                    nxt = self._launch(plan, flight, scheduled=t)
                 except BaseException:                 # the step in flight goes back too
                     self._flight = None
                     sched.rollback(flight.plan, False)
@@ -1097,20 +1095,23 @@ class Generator:
             sched.drop_ended(nxt.plan)                # sequences that ended in `flight`
         return events, interrupted
 
-    def _launch(self, plan: StepPlan, after: _Flight | None = None) -> _Flight:
+    def _launch(self, plan: StepPlan, after: _Flight | None = None, *,
+                scheduled: float | None = None) -> _Flight:
         """Prepares, runs and samples the declared step without waiting for its ids;
-        rolls the step back and re-raises if anything fails. ``after``: the step in flight
-        whose ids (on the device) this one feeds."""
+        rolls the step back and re-raises if anything fails (a Ctrl-C at its first line
+        too: the declared step must not outlive the call). ``after``: the step in flight
+        whose ids (on the device) this one feeds; ``scheduled``: when its scheduling began
+        (the profile's ``schedule`` phase ends here)."""
         prof = self._prof
-        t = time.perf_counter()
         runner = self.runner
-        if plan.lean:                                 # every row one token, every row sampled
-            width = logit_rows = len(plan.rows)
-        else:
-            width, logit_rows = len(plan.tokens), len(plan.logit_rows)
-        pad_to, decode = runner.padding(plan.decode_only, len(plan.rows), width, logit_rows)
         prepared = committed = False
         try:
+            t = time.perf_counter() if scheduled is None else self._tick("schedule", scheduled)
+            if plan.lean:                             # every row one token, every row sampled
+                width = logit_rows = len(plan.rows)
+            else:
+                width, logit_rows = len(plan.tokens), len(plan.logit_rows)
+            pad_to, decode = runner.padding(plan.decode_only, len(plan.rows), width, logit_rows)
             step = self.cache.prepare_step(stream=runner.stream_handle, pad_to=pad_to)
             prepared = True
             t = self._tick("prepare", t)
