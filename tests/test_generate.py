@@ -9,6 +9,7 @@ so a clean run of the other requests is the reference."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import threading
@@ -238,6 +239,77 @@ def test_huge_lazy_sequences_are_refused_unread(model, what, huge):
         with pytest.raises(InvalidArgument, match=match):
             gen.add([1, 2, 3], sp)
     assert snapshot(gen) == before and model.config._attn_implementation == attn
+
+
+class _OddLen:
+    """Items (``endless``: the first repeated forever) behind a ``__len__`` that raises or
+    answers what ``len()`` refuses (TypeError for a float, ValueError below 0), or lies."""
+
+    def __init__(self, items, length, endless=False):
+        self.items, self.length, self.endless = items, length, endless
+
+    def __len__(self):
+        if isinstance(self.length, BaseException):
+            raise self.length
+        return self.length
+
+    def __iter__(self):
+        return itertools.repeat(self.items[0]) if self.endless else iter(self.items)
+
+
+class _EndlessList(list):
+    def __iter__(self):
+        return itertools.repeat(self[0])
+
+
+class _EndlessTuple(tuple):
+    def __iter__(self):
+        return itertools.repeat(self[0])
+
+
+@pytest.mark.parametrize("what", ["prompt", "stop", "stop_strings", "eos"])
+@pytest.mark.parametrize("odd", ["len-typeerror", "len-valueerror", "len-float", "len-negative",
+                                 "len-lies-endless", "list-subclass-endless", "tuple-subclass-endless"])
+def test_sequences_whose_len_fails_or_lies_are_read_bounded(model, what, odd):
+    """Ids (or stop strings) whose ``__len__`` raises or answers no length are read as an
+    iterable of no length, at most the limit and one: whole, they are taken (list() took
+    them too: it drops a len() TypeError), endless, refused with InvalidArgument and nothing
+    changed; a bare TypeError or ValueError escaped from the length check. A list or
+    tuple subclass whose iterator never ends is read bounded too (list() read it until
+    memory ran out: MemoryError)."""
+    items = ["a", "b", "c"] if what == "stop_strings" else [1, 2, 3]
+    value = {"len-typeerror": lambda: _OddLen(items, TypeError("no length")),
+             "len-valueerror": lambda: _OddLen(items, ValueError("no length")),
+             "len-float": lambda: _OddLen(items, 3.0),
+             "len-negative": lambda: _OddLen(items, -1),
+             "len-lies-endless": lambda: _OddLen(items, 3, endless=True),
+             "list-subclass-endless": lambda: _EndlessList(items),
+             "tuple-subclass-endless": lambda: _EndlessTuple(items)}[odd]
+    endless = odd.endswith("endless")
+    gen = make(model)
+    gen.add([1, 2, 3])
+    before = snapshot(gen)
+    limit = 256 if what == "prompt" else MAX_STOPS
+    refused = pytest.raises(InvalidArgument, match=f"{what} yields more than {limit} ")
+    if what == "prompt":
+        if endless:
+            with refused:
+                gen.add(value())
+        else:
+            assert gen.encode(value()) == items
+    elif what == "eos":
+        if endless:
+            with refused:
+                Generator(model, gen.cache, eos=value())
+        else:
+            assert Generator(model, capacity=64, eos=value()).eos == set(items)
+    else:
+        if endless:
+            with refused:
+                Sampling(**{what: value()})
+        else:
+            assert getattr(Sampling(**{what: value()}), what) == tuple(items)
+    assert snapshot(gen) == before
 
 
 def _mixed(gen, prompts):

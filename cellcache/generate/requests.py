@@ -64,18 +64,24 @@ def real_number(value: object, name: str) -> float:
 
 def _longer(value: Sized, limit: int) -> bool:
     """Whether ``value`` holds more than ``limit`` items, asked lazily: a length past
-    ``sys.maxsize`` (a ``range(2**70)``'s, whose len() raises OverflowError) is more."""
+    ``sys.maxsize`` (a ``range(2**70)``'s, whose len() raises OverflowError) is more; a
+    ``__len__`` that raises or answers no length (a float, a negative) tells nothing (False:
+    the caller counts what it reads, as for an iterable of no length; list() too ignores
+    a len() TypeError)."""
     try:
         return len(value) > limit
     except OverflowError:
         return True
+    except Exception:
+        return False
 
 
 def _bounded(value: Iterable, what: str, items: str, limit: int | None) -> list:
     """``value``'s items as a list; with ``limit``, InvalidArgument instead when it holds
     more: a list or tuple is taken whole, anything else is asked its length first when it
-    has one, and is read for at most ``limit + 1`` items (an iterator may never end)."""
-    if limit is None or isinstance(value, (list, tuple)):
+    has one, and is read for at most ``limit + 1`` items (an iterator may never end; so may
+    a subclass of list or tuple's own ``__iter__``)."""
+    if limit is None or type(value) in (list, tuple):
         return list(value)
     if isinstance(value, Sized) and _longer(value, limit):
         raise InvalidArgument(f"{what} holds more than {limit} {items}")
@@ -91,10 +97,10 @@ def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool 
     """Token ids given as a sequence of ints, a 1-D integer array or tensor, or a ``[1, T]``
     one (what a tokenizer returns with ``return_tensors``), as a list of ints in
     ``[0, vocab)``; InvalidArgument for anything else. ``limit``: ids given as anything but
-    a list or tuple (already whole: their callers check their length) are refused when
-    there are more, before they are read whole: an iterator (a generator, say: it may never
-    end) is read for at most ``limit + 1`` ids, a sized one (an array, a ``range(10**18)``)
-    is asked its length first."""
+    a list or tuple (already whole: their callers check their length; a subclass may not
+    be) are refused when there are more, before they are read whole: an iterator (a
+    generator, say: it may never end) is read for at most ``limit + 1`` ids, a sized one
+    (an array, a ``range(10**18)``) is asked its length first."""
     shape_hint = "give a list of ints, or a 1-D or [1, T] integer array or tensor"
     # a torch tensor can only be given once torch is imported: this module needs no torch
     torch: Any = sys.modules.get("torch")
