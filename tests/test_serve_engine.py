@@ -98,6 +98,29 @@ def test_a_generator_that_keeps_failing_fails_its_requests(served, monkeypatch):
     assert h.status_code == 200 and h.json()["status"] == "ok", h.text
 
 
+def test_scoring_requests_alone_make_a_failed_engine_healthy_again(served, monkeypatch):
+    """After the steps that failed every request, a server that scores prompts alone
+    (``max_tokens: 0`` with ``echo``, lm-eval-harness's loglikelihood requests) draws no
+    token, yet its steps run: /health says ok again (it said "failed" until a token was
+    drawn, and a load balancer kept it out of rotation while it served)."""
+    app, engine = served
+
+    def broken() -> bool:
+        raise RuntimeError("the forward broke")
+
+    monkeypatch.setattr(engine.gen, "step", broken)
+    assert post(app, "/v1/completions", {"prompt": [5, 6], "max_tokens": 4}).status_code == 500
+    assert get(app, "/health").status_code == 500
+    monkeypatch.undo()
+    out = engine.gen.stats["tokens_out"]
+    r = post(app, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length" and engine.gen.stats["tokens_out"] == out
+    h = get(app, "/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok", h.text
+    assert engine.failed is None and engine.live == 0 and engine.waiting == 0
+
+
 BAD_BODIES = [b"", b"[]", b"null", b"\xff\xfe", b'{"prompt": null}', b'{"prompt": [[]]}',
               b'{"prompt": [1], "n": 1000000000000000000000000000000}',
               b'{"prompt": [1], "max_tokens": 1e309}',

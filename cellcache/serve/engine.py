@@ -55,7 +55,7 @@ log = logging.getLogger("cellcache.serve")
 #: it goes idle.
 FULL_SWEEP_STEPS = 64
 
-#: Consecutive failed steps with no token produced after which every live request is failed
+#: Consecutive failed steps with no step applied after which every live request is failed
 #: (a forward that keeps raising would otherwise be retried forever).
 MAX_FAILED_STEPS = 3
 
@@ -451,17 +451,19 @@ class Engine:
         if self._controls:
             self._run_controls()
         if (gen.busy or tick) and not gen.asleep:
-            out = gen.stats["tokens_out"]
+            # (progress is a step applied, not a token drawn: a request that scores its prompt
+            # draws none, and a server that scores alone would never be seen to serve again)
+            applied = gen.stats["steps"]
             try:
                 gen.step()
                 failures[0] = 0
-                if self.failed is not None and gen.stats["tokens_out"] > out:
+                if self.failed is not None and gen.stats["steps"] > applied:
                     # it serves again (the failure was a request's or passed): /health with it
-                    log.warning("the engine produces tokens again after: %s", self.failed)
+                    log.warning("the engine steps again after: %s", self.failed)
                     self.failed = None
             except Exception as e:          # a request's own code, or the step itself
                 log.exception("a generator step failed")
-                failures[0] = failures[0] + 1 if gen.stats["tokens_out"] == out else 0
+                failures[0] = failures[0] + 1 if gen.stats["steps"] == applied else 0
                 if failures[0] >= MAX_FAILED_STEPS:
                     failures[0] = 0
                     self._fail_all(e)
