@@ -1104,7 +1104,6 @@ class Generator:
         (the profile's ``schedule`` phase ends here)."""
         prof = self._prof
         runner = self.runner
-        prepared = committed = False
         try:
             t = time.perf_counter() if scheduled is None else self._tick("schedule", scheduled)
             if plan.lean:                             # every row one token, every row sampled
@@ -1113,7 +1112,6 @@ class Generator:
                 width, logit_rows = len(plan.tokens), len(plan.logit_rows)
             pad_to, decode = runner.padding(plan.decode_only, len(plan.rows), width, logit_rows)
             step = self.cache.prepare_step(stream=runner.stream_handle, pad_to=pad_to)
-            prepared = True
             t = self._tick("prepare", t)
             rows = None if plan.lean else plan.logit_rows   # lean: every real row, in order
             if after is None:
@@ -1132,7 +1130,6 @@ class Generator:
                     plan.spec.fed = fed
                 logits = self.runner.forward(step, None, rows, decode=decode, device_tokens=fed)
             self.cache.commit_step()
-            committed = True
             t = self._tick("forward", t)
             if self._on_logits is not None:
                 self._on_logits(plan.logit_contexts(), logits)
@@ -1143,7 +1140,9 @@ class Generator:
                 draw = self.sampler.launch(logits, plan.spec, greedy)
             self._tick("sample", t)
         except BaseException:
-            self.scheduler.rollback(plan, prepared and not committed)
+            # a step prepared and not committed yet, asked of the cache (no one else prepares
+            # while the generator steps): an interrupt may come between a call and a flag
+            self.scheduler.rollback(plan, self.cache.prepared_step is not None)
             raise
         return _Flight(plan, draw, runner.replayed, prof)
 
