@@ -16,9 +16,10 @@ masks and the paged view see them as any other cells.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Set, Sized
 from typing import Any
 
 import numpy as np
@@ -52,7 +53,9 @@ def _sync(view: TorchView) -> None:
 def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> int:
     """Writes sequence ``seq``'s positions and every layer's K/V at them to ``path``, with
     ``tokens`` (the sequence's token ids, optional) beside them; returns the positions
-    written. InvalidArgument for a bad id, path or tokens; InvalidState for a closed cache,
+    written. InvalidArgument for a bad id, path or tokens (ids given lazily, a ``range`` or a
+    generator, are refused past the cache's capacity before they are read whole; a set or a
+    mapping has no order and is refused); InvalidState for a closed cache,
     a sequence that is not live, or one in a prepared step whose forward may not have run."""
     from safetensors.torch import save_file
 
@@ -61,13 +64,7 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
     seq = check_seq_id(seq, cache.max_seqs)
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgument(f"path of type {type(path).__name__} is not a file path")
-    ids = None
-    if tokens is not None:
-        try:
-            ids = torch.tensor([check_int(t, "token id", 0, 2**63 - 1) for t in tokens], dtype=torch.int64)
-        except TypeError:
-            raise InvalidArgument(f"tokens of type {type(tokens).__name__} are not a sequence of token "
-                                  "ids") from None
+    ids = None if tokens is None else _token_tensor(tokens, cache.config.capacity)
     tensors = read_sequence(cache, seq)
     if ids is not None:
         tensors["tokens"] = ids
@@ -79,6 +76,33 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
     except (OSError, SafetensorError) as e:          # no such folder, no permission, a full disk
         raise InvalidArgument(f"cannot write the sequence to {os.fspath(path)!r}: {e}") from None
     return int(tensors["positions"].numel())
+
+
+def _token_tensor(tokens: Any, limit: int) -> torch.Tensor:
+    """``tokens`` as an int64 tensor of ids >= 0. A list or tuple is whole and taken as it
+    is; anything else holding more than ``limit`` ids (the cache's capacity: no sequence has
+    more positions) is refused before it is read whole (``range(10**18)``, an endless
+    generator). Sets and mappings have no order and are refused."""
+    what = f"tokens of type {type(tokens).__name__}"
+    if isinstance(tokens, (str, bytes, bytearray, Set, Mapping)) or not isinstance(tokens, Iterable):
+        raise InvalidArgument(f"{what} are not a sequence of token ids; give a list of ints")
+    if isinstance(tokens, (list, tuple)):
+        items = list(tokens)
+    else:
+        if isinstance(tokens, Sized):
+            try:
+                longer = len(tokens) > limit
+            except OverflowError:                    # (a length past sys.maxsize)
+                longer = True
+            except TypeError:                        # (a 0-d array or tensor: one id, no sequence)
+                raise InvalidArgument(f"{what} are not a sequence of token ids; give a list of "
+                                      "ints") from None
+            if longer:
+                raise InvalidArgument(f"{what} hold more than {limit} token ids (the cache's capacity)")
+        items = list(itertools.islice(tokens, limit + 1))
+        if len(items) > limit:
+            raise InvalidArgument(f"{what} yield more than {limit} token ids (the cache's capacity)")
+    return torch.tensor([check_int(t, "token id", 0, 2**63 - 1) for t in items], dtype=torch.int64)
 
 
 def read_sequence(cache: CellCache, seq: Any) -> dict[str, torch.Tensor]:
@@ -112,7 +136,10 @@ def read_sequence(cache: CellCache, seq: Any) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _read(path: Any) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+def _read(cache: CellCache, path: Any) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The header and tensors of sequence file ``path``, once its header matches ``cache``
+    (checked before any tensor is read: a file of another kind, a model's weights say, is
+    refused without reading its gigabytes)."""
     from safetensors import SafetensorError, safe_open
 
     if not isinstance(path, (str, os.PathLike)):
@@ -120,15 +147,15 @@ def _read(path: Any) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     try:
         with safe_open(os.fspath(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
+            _check_header(cache, path, meta)
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (OSError, SafetensorError) as e:
         raise InvalidArgument(f"{os.fspath(path)!r} is not a readable sequence file: {e}") from None
     return meta, tensors
 
 
-def _check_file(cache: CellCache, path: Any, meta: dict[str, str],
-                tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The file's positions, once its header and tensors match ``cache``."""
+def _check_header(cache: CellCache, path: Any, meta: dict[str, str]) -> None:
+    """Refuses (InvalidArgument) a header of another format, version or model shape."""
     where = os.fspath(path)
     if meta.get("format") != FORMAT:
         raise InvalidArgument(f"{where!r} is not a cellcache sequence file (format {meta.get('format')!r})")
@@ -137,7 +164,7 @@ def _check_file(cache: CellCache, path: Any, meta: dict[str, str],
                               f"cellcache reads version {VERSION}")
     try:
         theirs = json.loads(meta.get("layers", ""))
-    except ValueError:
+    except (ValueError, RecursionError):            # (RecursionError: arrays nested past the stack)
         raise InvalidArgument(f"{where!r} has no readable layer shapes in its header") from None
     ours = shape_of(cache)
     if not isinstance(theirs, list) or len(theirs) != len(ours):
@@ -148,7 +175,20 @@ def _check_file(cache: CellCache, path: Any, meta: dict[str, str],
         if a != b:
             raise InvalidArgument(f"{where!r} was saved from another model shape: layer {i} there is {a}, "
                                   f"here {b}")
-    return _check_tensors(cache, tensors, repr(where))
+
+
+def _check_tokens(tokens: Any, where: str) -> list[int] | None:
+    """The file's tokens as ids, or None when it holds none; InvalidArgument for tokens that
+    are not a 1-D integer tensor of ids >= 0 (what :func:`save_sequence` writes)."""
+    if tokens is None:
+        return None
+    if (not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype == torch.bool
+            or tokens.is_floating_point() or tokens.is_complex()
+            or (tokens.numel() and int(tokens.min()) < 0)):
+        shown = f"a {tokens.dtype} tensor of shape {list(tokens.shape)}" if isinstance(tokens, torch.Tensor) \
+            else type(tokens).__name__
+        raise InvalidArgument(f"{where!r}: its tokens are {shown}, not a 1-D tensor of token ids >= 0")
+    return [int(t) for t in tokens.tolist()]
 
 
 def _check_tensors(cache: CellCache, tensors: dict[str, torch.Tensor], where: str) -> torch.Tensor:
@@ -180,16 +220,17 @@ def load_sequence(cache: CellCache, path: Any) -> tuple[int, list[int] | None]:
     the tokens saved with it or None). Positions the file lacks below its last one (cells a
     window had let go) are placed with zero K/V, which no attention of theirs reads.
 
-    InvalidArgument for a file that is not a sequence file, of another version or another
-    model shape; InvalidState for a closed cache or a step declared or prepared and not
-    committed; OutOfMemory when no sequence id or not enough cells are free. Every refusal
+    InvalidArgument for a file that is not a sequence file (its header is checked before any
+    tensor is read), of another version or another model shape, or whose tokens are not a
+    1-D integer tensor of ids >= 0; InvalidState for a closed cache or a step declared or
+    prepared and not committed; OutOfMemory when no sequence id or not enough cells are free. Every refusal
     changes nothing."""
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
-    meta, tensors = _read(path)
-    pos = _check_file(cache, path, meta, tensors)
-    tokens = tensors.get("tokens")
-    return _write(cache, tensors, pos), (None if tokens is None else tokens.tolist())
+    _, tensors = _read(cache, path)
+    pos = _check_tensors(cache, tensors, repr(os.fspath(path)))
+    tokens = _check_tokens(tensors.get("tokens"), os.fspath(path))
+    return _write(cache, tensors, pos), tokens
 
 
 def write_sequence(cache: CellCache, tensors: dict[str, torch.Tensor]) -> int:

@@ -249,3 +249,90 @@ def test_in_memory_the_same_tensors_a_host_copy_to_spill_to():
     with pytest.raises(InvalidArgument, match="dict"):
         write_sequence(a, [held])
     assert state(a) == before
+
+
+def _file(path, meta_layers: str, tokens=None, n: int = 3) -> None:
+    """A sequence file of ``n`` positions in make()'s shape, its header's layers ``meta_layers``."""
+    tensors = {"positions": torch.arange(n)}
+    for i, sh in enumerate(shape_of(make())):
+        for name in "kv":
+            tensors[f"{name}.{i}"] = torch.ones((n, sh["n_kv_heads"], sh["head_dim"]))
+    if tokens is not None:
+        tensors["tokens"] = tokens
+    save_file(tensors, str(path), metadata={"format": FORMAT, "version": "1", "layers": meta_layers})
+
+
+def test_a_file_with_odd_tokens_or_a_header_nested_past_the_stack_is_refused_unplaced(tmp_path):
+    """A header whose layer shapes nest deeper than Python's stack raised a bare
+    RecursionError from json; tokens that are not a 1-D tensor of ids >= 0 (floats, [1, T],
+    negative, bool) were handed back as they were (floats, nested lists) with the sequence
+    placed."""
+    import json
+
+    b = make()
+    before = state(b)
+    _file(tmp_path / "deep.kv", "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(InvalidArgument, match="no readable layer shapes"):
+        load_sequence(b, tmp_path / "deep.kv")
+    layers = json.dumps(shape_of(b))
+    for i, tokens in enumerate([torch.tensor([1.5, 2.0, 3.0]), torch.tensor([[1, 2, 3]]),
+                                torch.tensor([-5, 1, 2]), torch.tensor([True, False, True]),
+                                torch.zeros(0)]):
+        _file(tmp_path / f"t{i}.kv", layers, tokens=tokens)
+        with pytest.raises(InvalidArgument, match="not a 1-D tensor of token ids"):
+            load_sequence(b, tmp_path / f"t{i}.kv")
+    assert state(b) == before
+    _file(tmp_path / "ok.kv", layers, tokens=torch.tensor([4, 5, 6], dtype=torch.int32))
+    seq, tokens = load_sequence(b, tmp_path / "ok.kv")
+    assert tokens == [4, 5, 6] and all(type(t) is int for t in tokens) and b.pos(seq) == 3
+
+
+def test_a_file_of_another_kind_is_refused_before_its_tensors_are_read(tmp_path, monkeypatch):
+    """Pointed at a model's weights (gigabytes of tensors), a load read every tensor into
+    memory before it looked at the header."""
+    import safetensors
+
+    save_file({"w": torch.ones(64, 64)}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    real = safetensors.safe_open
+    read: list[str] = []
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self.f = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    b = make()
+    before = state(b)
+    with pytest.raises(InvalidArgument, match="not a cellcache sequence file"):
+        load_sequence(b, tmp_path / "model.safetensors")
+    assert read == [] and state(b) == before
+
+
+@pytest.mark.parametrize("tokens", [range(10**18), range(2**70), "abc", {1, 2, 3}, {1: 2}, torch.tensor(3),
+                                    (t for t in iter(int, 1))],
+                         ids=["range-1e18", "range-2**70", "str", "set", "dict", "0-d", "endless"])
+def test_save_refuses_tokens_that_are_no_sequence_or_too_many_unread(tmp_path, tokens):
+    """range(10**18) or an endless generator was read until memory ran out; a set or dict
+    (no order) was saved in whatever order it iterates, a 0-d tensor raised a bare TypeError."""
+    a = make()
+    s = a.seq_new()
+    feed(a, s, 5, seed=1)
+    with pytest.raises(InvalidArgument, match="tokens of type"):
+        save_sequence(a, s, tmp_path / "x.kv", tokens=tokens)
+    assert not (tmp_path / "x.kv").exists()
+    assert save_sequence(a, s, tmp_path / "x.kv", tokens=iter(range(7))) == 5
+    assert load_sequence(make(), tmp_path / "x.kv")[1] == list(range(7))
