@@ -101,3 +101,52 @@ def test_save_prefix_refuses_a_huge_lazy_sequence_unread(model, tmp_path, huge):
     with pytest.raises(InvalidArgument, match="tokens holds more than 1024 token ids"):
         save_prefix(gen, huge, tmp_path / "x.kv")
     assert state(gen) == before and not (tmp_path / "x.kv").exists()
+
+
+@pytest.mark.parametrize("where", ["callback", "thread"])
+def test_save_and_load_are_refused_while_a_step_runs(model, tmp_path, where):
+    """From the on_token callback of a request's last token (or another thread while that
+    callback holds the step) the generator looked idle, no request left running, and both
+    verbs went through in the middle of the step; they are refused as sleep() and
+    reset_prefix_cache() are, the file unwritten and the prefix cache as it was."""
+    import threading
+
+    gen = make(model)
+    req = gen.add([5, 9, 33, 2, 100, 7, 8], Sampling(max_new_tokens=6))
+    gen.run()
+    history = req.prompt + req.outputs[0][:-1]
+    save_prefix(gen, history, tmp_path / "h.kv")
+    other = make(model)
+    extra = other.add([40, 41, 42, 43], Sampling(max_new_tokens=3))
+    other.run()
+    save_prefix(other, extra.prompt + extra.outputs[0][:-1], tmp_path / "new.kv")
+    seen: list[object] = []
+
+    def attempt() -> None:
+        for verb in (lambda: save_prefix(gen, history, tmp_path / "x.kv"),
+                     lambda: load_prefix(gen, tmp_path / "new.kv")):
+            try:
+                seen.append(verb())
+            except InvalidState as e:
+                seen.append(e)
+
+    def on_token(r, token, *rest):
+        if len(r.outputs[0]) < 3:           # (its last token: nothing left running)
+            return
+        before = state(gen)
+        if where == "callback":
+            attempt()
+        else:
+            t = threading.Thread(target=attempt)
+            t.start()
+            t.join()
+        seen.append(state(gen) == before)
+
+    gen.add([1, 2, 3], Sampling(max_new_tokens=3), on_token=on_token)
+    gen.run()
+    assert len(seen) == 3 and seen[2] is True
+    assert all(isinstance(e, InvalidState) and "a step is running" in str(e) for e in seen[:2])
+    assert not (tmp_path / "x.kv").exists()
+    assert load_prefix(gen, tmp_path / "new.kv") > 0        # idle again: both go through
+    assert save_prefix(gen, history, tmp_path / "x.kv") == len(history)
+    gen.cache.check_invariants()

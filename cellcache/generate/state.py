@@ -12,13 +12,16 @@ Example
 >>> save_prefix(gen, req.prompt + req.outputs[0][:-1], "chat.kv")           # doctest: +SKIP
 >>> load_prefix(other_gen, "chat.kv")       # in a new process, same model  # doctest: +SKIP
 
-Both run while the generator is idle (no request waiting or running): the stepping thread
-owns the cache while it serves. The file format and its checks are
+Both run while the generator is idle (no request waiting or running, no step running: not
+from a callback of a step, nor from another thread while one runs): the stepping thread owns
+the cache while it serves. The file format and its checks are
 :mod:`cellcache.seqstate`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import InvalidArgument, InvalidState
@@ -28,22 +31,40 @@ from .requests import token_ids
 __all__ = ["load_prefix", "save_prefix"]
 
 
-def _idle_prefix(gen: Any, verb: str) -> Any:
+@contextlib.contextmanager
+def _idle_prefix(gen: Any, verb: str) -> Iterator[Any]:
+    """The generator's prefix cache, held for ``verb`` as sleep() and reset_prefix_cache()
+    hold the generator: its step lock (refused from inside a step, a callback of its, or
+    while another thread steps) and its state lock (no step starts meanwhile: the idle check
+    stays true until ``verb`` is done)."""
     prefix = getattr(gen, "prefix", None)
     if prefix is None:
         raise InvalidState(f"{verb} needs the generator's prefix cache (prefix_cache=True)")
-    if gen.busy:
-        raise InvalidState(f"{verb} runs while the generator is idle: requests are waiting or running")
-    return prefix
+    if not gen._step_lock.acquire(blocking=False):
+        raise InvalidState(f"{verb} runs while the generator is idle: a step is running (this is one "
+                           "of its callbacks, or another thread steps it)")
+    try:
+        with gen._state_lock:
+            if gen.busy:
+                raise InvalidState(f"{verb} runs while the generator is idle: requests are waiting or "
+                                   "running")
+            yield prefix
+    finally:
+        gen._step_lock.release()
 
 
 def save_prefix(gen: Any, tokens: Any, path: Any) -> int:
     """Writes the cached K/V of ``tokens`` (and the tokens) to ``path``; returns how many.
     InvalidState when the prefix cache does not hold all of ``tokens`` (it says how many it
-    holds), the generator is busy or has no prefix cache; InvalidArgument for bad tokens or
+    holds), the generator is busy (requests waiting or running, or a step running: called
+    from one of its callbacks or another thread) or has no prefix cache; InvalidArgument for bad tokens or
     path. A refusal changes nothing; a save counts as a use of the prefix (a hit in the
     prefix cache's metrics, its eviction order refreshed)."""
-    prefix = _idle_prefix(gen, "save_prefix")
+    with _idle_prefix(gen, "save_prefix") as prefix:
+        return _save(gen, prefix, tokens, path)
+
+
+def _save(gen: Any, prefix: Any, tokens: Any, path: Any) -> int:
     # (ids but a list or tuple past the cache's capacity, which it never holds, are refused unread)
     ids = token_ids(tokens, "tokens", gen.vocab, limit=gen.cache.config.capacity)
     held = prefix.peek(ids)
@@ -65,9 +86,13 @@ def load_prefix(gen: Any, path: Any) -> int:
     """Puts the prefix saved in ``path`` into the generator's prefix cache; returns the tokens
     newly cached (0 when it held them already). Refuses (nothing changed) a file without
     tokens, from another model shape or format version (InvalidArgument), tokens outside the
-    model's vocabulary (InvalidArgument), a busy generator or one without a prefix cache
-    (InvalidState), no room (OutOfMemory)."""
-    prefix = _idle_prefix(gen, "load_prefix")
+    model's vocabulary (InvalidArgument), a busy generator (as for :func:`save_prefix`) or
+    one without a prefix cache (InvalidState), no room (OutOfMemory)."""
+    with _idle_prefix(gen, "load_prefix") as prefix:
+        return _load(gen, prefix, path)
+
+
+def _load(gen: Any, prefix: Any, path: Any) -> int:
     seq, tokens = load_sequence(gen.cache, path)
     try:
         if tokens is None:
