@@ -16,9 +16,11 @@ masks and the paged view see them as any other cells.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping, Set, Sized
 from typing import Any
 
@@ -55,8 +57,10 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
     ``tokens`` (the sequence's token ids, optional) beside them; returns the positions
     written. InvalidArgument for a bad id, path or tokens (ids given lazily, a ``range`` or a
     generator, are refused past the cache's capacity before they are read whole; a set or a
-    mapping has no order and is refused); InvalidState for a closed cache,
-    a sequence that is not live, or one in a prepared step whose forward may not have run."""
+    mapping has no order and is refused; a path that is a folder, a device or a pipe);
+    InvalidState for a closed cache, a sequence that is not live, or one in a prepared step
+    whose forward may not have run. The file is written whole or not at all: a failed save
+    leaves what was at ``path`` as it was."""
     from safetensors.torch import save_file
 
     if not isinstance(cache, CellCache):
@@ -69,13 +73,33 @@ def save_sequence(cache: CellCache, seq: Any, path: Any, tokens: Any = None) -> 
     if ids is not None:
         tensors["tokens"] = ids
     header = {"format": FORMAT, "version": str(VERSION), "layers": json.dumps(shape_of(cache))}
+    _write_file(tensors, path, header, save_file)
+    return int(tensors["positions"].numel())
+
+
+def _write_file(tensors: dict[str, torch.Tensor], path: Any, header: dict[str, str],
+                save_file: Callable[..., None]) -> None:
+    """Writes ``tensors`` to ``path`` whole or not at all: into a new file beside it, renamed
+    over it once complete (a failure part way, a full disk say, leaves what was there and no
+    partial file). A link is written through (its target replaced, the link kept); a path
+    that exists and is no regular file (a folder, a device, a pipe) is refused, never
+    replaced."""
     from safetensors import SafetensorError
 
+    where = os.fspath(path)
+    target = os.path.realpath(where)
+    if os.path.exists(target) and not os.path.isfile(target):
+        raise InvalidArgument(f"cannot write the sequence to {where!r}: it exists and is not a regular file")
+    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{os.getpid()}."
+                       f"{threading.get_ident()}.tmp")
     try:
-        save_file(tensors, os.fspath(path), metadata=header)
+        save_file(tensors, tmp, metadata=header)
+        os.replace(tmp, target)
     except (OSError, SafetensorError) as e:          # no such folder, no permission, a full disk
-        raise InvalidArgument(f"cannot write the sequence to {os.fspath(path)!r}: {e}") from None
-    return int(tensors["positions"].numel())
+        raise InvalidArgument(f"cannot write the sequence to {where!r}: {e}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def _token_tensor(tokens: Any, limit: int) -> torch.Tensor:

@@ -336,3 +336,45 @@ def test_save_refuses_tokens_that_are_no_sequence_or_too_many_unread(tmp_path, t
     assert not (tmp_path / "x.kv").exists()
     assert save_sequence(a, s, tmp_path / "x.kv", tokens=iter(range(7))) == 5
     assert load_sequence(make(), tmp_path / "x.kv")[1] == list(range(7))
+
+
+def test_a_save_is_whole_or_nothing_writes_through_a_link_and_never_replaces_a_special_file(
+        tmp_path, monkeypatch):
+    """A save failing part way (a full disk) left the file it had begun at the path, over
+    what was there, unless the installed safetensors happened to write through a temporary
+    of its own; safetensors 0.8's does, and renames it over the path whatever that is: a
+    link was replaced by a file (its target left stale) and, as root, /dev/null by a file."""
+    import os
+
+    import safetensors.torch
+
+    a = make()
+    s = a.seq_new()
+    feed(a, s, 12, seed=2)
+    path = tmp_path / "s.kv"
+    path.write_bytes(b"the previous save")
+    real = safetensors.torch.save_file
+
+    def half(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half)
+    with pytest.raises(InvalidArgument, match="cannot write the sequence.*No space left"):
+        save_sequence(a, s, path)
+    assert path.read_bytes() == b"the previous save" and os.listdir(tmp_path) == ["s.kv"]
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    # through a link: the target gets the sequence, the link stays
+    target, link = tmp_path / "target.kv", tmp_path / "link.kv"
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    assert save_sequence(a, s, link) == 12
+    assert link.is_symlink() and load_sequence(make(), target)[0] == 0
+    # a pipe (or a device) at the path is refused and left as it is
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(InvalidArgument, match="not a regular file"):
+        save_sequence(a, s, fifo)
+    assert fifo.is_fifo()
+    assert sorted(os.listdir(tmp_path)) == ["link.kv", "pipe", "s.kv", "target.kv"]
