@@ -586,14 +586,9 @@ def test_a_cancel_on_another_thread_ends_its_stream_after_its_last_text(monkeypa
     assert delivered.count(("done", None)) == 1
 
 
-def test_a_cancel_made_during_a_step_ends_its_stream_at_the_next_one(monkeypatch):
-    """A cancel from another thread after a step's last look at its cancels is applied at
-    the next step: the sweep after this one finds the request still running, and the one
-    after must still look (not wait for the periodic full sweep, 64 steps later)."""
-    import threading
-
-    from cellcache.serve.engine import Stream
-
+def _engine_seeing_kinds():
+    """An Engine over a tiny generator and a stand-in for the event loop that records the
+    kinds of the events handed to it: (generator, engine, kinds, loop class)."""
     gen = Generator(random_model("llama-tiny"), capacity=512, eos=[])
     engine = Engine(gen)
     kinds: list = []
@@ -602,6 +597,18 @@ def test_a_cancel_made_during_a_step_ends_its_stream_at_the_next_one(monkeypatch
         def call_soon_threadsafe(self, fn, batch):
             kinds.extend(e.kind for _, e in batch)
 
+    return gen, engine, kinds, Loop
+
+
+def test_a_cancel_made_during_a_step_ends_its_stream_at_the_next_one(monkeypatch):
+    """A cancel from another thread after a step's last look at its cancels is applied at
+    the next step: the sweep after this one finds the request still running, and the one
+    after must still look (not wait for the periodic full sweep, 64 steps later)."""
+    import threading
+
+    from cellcache.serve.engine import Stream
+
+    gen, engine, kinds, Loop = _engine_seeing_kinds()
     stream = Stream(Loop(), None, 0)                     # type: ignore[arg-type]
     engine._queue(stream, [5, 6, 7], Sampling(max_new_tokens=200), True)
     gen.add([9, 10, 11], Sampling(max_new_tokens=200))   # (keeps the generator busy)
@@ -802,14 +809,7 @@ def test_a_request_that_draws_nothing_ends_its_stream_at_the_step_that_reads_its
     while another request keeps the generator busy, not at the full sweep 64 steps later."""
     from cellcache.serve.engine import Stream
 
-    gen = Generator(random_model("llama-tiny"), capacity=512, eos=[])
-    engine = Engine(gen)
-    kinds: list = []
-
-    class Loop:
-        def call_soon_threadsafe(self, fn, batch):
-            kinds.extend(e.kind for _, e in batch)
-
+    gen, engine, kinds, Loop = _engine_seeing_kinds()
     gen.add([9, 10, 11], Sampling(max_new_tokens=200))   # (keeps the generator busy)
     stream = Stream(Loop(), None, 0)                     # type: ignore[arg-type]
     engine._queue(stream, [5, 6, 7], Sampling(max_new_tokens=0, prompt_logprobs=0), True)
