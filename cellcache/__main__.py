@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+from ._cli import run_main
 from .errors import CellCacheError
 
 USAGE = """usage: cellcache COMMAND [options]
@@ -74,19 +75,24 @@ def main(argv: list[str] | None = None) -> int:
     if command not in ("demo", "generate", "serve"):
         print(f"cellcache: error: unknown command {command!r} (see --help)", file=sys.stderr)
         return 2
-    try:
-        if command == "demo":
-            from .demo import main as demo_main
 
-            return demo_main(rest)
-        if command == "serve":
-            return _serve(rest)
-        return _generate(rest)
-    except CellCacheError as e:
-        # whatever a command did not catch itself (--device cuda without a driver, a refused
-        # model, a cache that does not fit) is one line and exit code 2, never a traceback
-        print(f"cellcache {command}: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    def run() -> int:
+        try:
+            if command == "demo":
+                from .demo import main as demo_main
+
+                return demo_main(rest)
+            if command == "serve":
+                return _serve(rest)
+            return _generate(rest)
+        except CellCacheError as e:
+            # whatever a command did not catch itself (--device cuda without a driver, a refused
+            # model, a cache that does not fit) is one line and exit code 2, never a traceback
+            print(f"cellcache {command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+
+    # Ctrl-C (while a model loads, or in demo) and `| head` on stdout: one line or none, no traceback
+    return run_main(f"cellcache {command}", run)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """What every command line of the project shares: usage errors as one line and exit code 2,
+Ctrl-C as one line and exit code 130, a closed pipe on stdout as a quiet exit code 141,
 every thread's stack on SIGUSR1."""
 
 from __future__ import annotations
@@ -6,11 +7,20 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import io
+import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["Parser", "at_least", "in_range", "stacks_on_sigusr1"]
+__all__ = ["INTERRUPTED_EXIT", "PIPE_CLOSED_EXIT", "Parser", "at_least", "in_range", "run_main",
+           "stacks_on_sigusr1"]
+
+#: Exit code after Ctrl-C: 128 + SIGINT, what a shell reports for a process SIGINT ended.
+INTERRUPTED_EXIT = 130
+
+#: Exit code when whoever read stdout went away (``| head``): 128 + SIGPIPE, as ``yes | head``.
+PIPE_CLOSED_EXIT = 141
 
 
 class Parser(argparse.ArgumentParser):
@@ -51,3 +61,23 @@ def stacks_on_sigusr1() -> bool:
     except (AttributeError, ValueError, RuntimeError, io.UnsupportedOperation):
         return False
     return True
+
+
+def run_main(prog: str, main: Callable[[], int]) -> int:
+    """``main()``'s exit code; a Ctrl-C that ``main`` did not catch is one line on stderr and
+    :data:`INTERRUPTED_EXIT` instead of a traceback, and a reader of stdout that went away
+    (``| head -c1``) is :data:`PIPE_CLOSED_EXIT`, silently (a closed pipe is the reader's
+    choice, as for any Unix filter), with stdout pointed at /dev/null so that the
+    interpreter's last flush does not raise again on the way out."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    except BrokenPipeError:
+        if sys.stdout is not None:
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError, io.UnsupportedOperation):   # captured, no descriptor
+                pass
+        return PIPE_CLOSED_EXIT

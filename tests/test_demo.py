@@ -143,3 +143,28 @@ def test_cli_turns_an_uncaught_cache_error_into_one_line_and_exit_2(monkeypatch,
     out, err = capsys.readouterr()
     assert out == "" and err == (f"cellcache {command}: error: CudaError: the CUDA backend is not "
                                  "usable here: no CUDA device\n")
+
+
+@pytest.mark.parametrize("command", ["demo", "generate"])
+def test_cli_turns_ctrl_c_into_one_line_and_exit_130(monkeypatch, capsys, command):
+    """Ctrl-C where a command does not catch it itself (demo's run, generate loading its model)
+    is one line and exit code 130, never a traceback."""
+    import types
+
+    def main(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, f"cellcache.{command}", types.SimpleNamespace(main=main))
+    assert cli_main([command]) == 130
+    assert capsys.readouterr() == ("", f"cellcache {command}: interrupted\n")
+
+
+def test_demo_into_a_closed_pipe_exits_141_without_a_traceback():
+    """``cellcache demo --json | head -c1``: the reader is gone before the summary is out."""
+    proc = subprocess.Popen([sys.executable, "-m", "cellcache", "demo", "--backend", "host", "--steps", "3",
+                             "--seqs", "2", "--json", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    err = proc.stderr.read() if proc.stderr is not None else ""
+    assert proc.wait(timeout=60) == 141 and err == ""

@@ -437,3 +437,11 @@ def test_deterministic_serves_each_prompt_as_it_would_be_alone(monkeypatch, caps
     code, out, err = run_main([*base, "5 6 7 8"], capsys)
     assert code == 0, err
     assert made == [True, True, False]
+
+
+def test_a_closed_stdout_is_not_a_traceback(monkeypatch, capsys):
+    """Started with stdout closed (``>&-``) Python's sys.stdout is None: print() writes
+    nothing, and the report's last flush must not raise on it."""
+    monkeypatch.setattr(sys, "stdout", None)
+    assert cli.main(["--random", "tiny", "--device", "cpu", "--quiet", "--max-new-tokens", "2", "1 2 3"]) == 0
+    assert capsys.readouterr().err == ""

@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 from _common import RESULTS, log, run_record
 
+from cellcache._cli import run_main
+
 
 def median_ns(fn, reps: int, setup=None) -> float:
     """Median wall time of ``fn()`` in ns over ``reps`` runs; ``setup()`` runs untimed before each."""
@@ -471,4 +473,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("bench", main))

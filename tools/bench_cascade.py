@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, run_main
 
 #: (name, families, forks a family, shared tokens, own tokens (lo, hi), q heads, kv heads, head_dim)
 CASES = (
@@ -171,4 +171,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("bench_cascade", main))

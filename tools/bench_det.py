@@ -45,7 +45,7 @@ from bench_serve import (
     tapped_run,
 )
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, run_main
 
 #: SGLang's published throughput cost of its deterministic mode (its blog post on
 #: deterministic inference, 2025), printed beside ours.
@@ -234,4 +234,4 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("bench_det", main))

@@ -52,7 +52,7 @@ from typing import Any
 from _common import ROOT, log, run_record
 from _http_client import CLIENTS, run_client
 
-from cellcache._cli import Parser, in_range, stacks_on_sigusr1
+from cellcache._cli import Parser, in_range, run_main, stacks_on_sigusr1
 
 TARGET_SATURATION = 0.9
 #: Requests of a short warm-up round before the measured runs, in process and over HTTP.
@@ -607,4 +607,4 @@ def report(result: dict[str, Any], loads: list[float]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("bench_http", main))

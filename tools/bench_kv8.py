@@ -44,7 +44,7 @@ import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
 from bench_workloads import WORKLOADS, build_workload, load_model, serve
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, run_main
 
 TARGET_CELLS = 2.0
 TARGET_DECODE = 1.7
@@ -418,4 +418,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("bench_kv8", main))

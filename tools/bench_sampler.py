@@ -35,7 +35,7 @@ from typing import Any
 
 from _common import RESULTS, log, require_gpu, run_record
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, run_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,4 +147,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("bench_sampler", main))

@@ -85,7 +85,7 @@ from typing import Any
 import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, run_main
 
 WORKLOADS = {
     #            requests, prompt_len, new_tokens, shared_len, turns, message_len
@@ -1771,4 +1771,4 @@ def disagreement(agree: dict, prog: str = "bench_serve") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("bench_serve", main))

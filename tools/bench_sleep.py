@@ -34,7 +34,7 @@ from typing import Any
 
 from _common import RESULTS, log, require_gpu, run_record
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, run_main
 
 #: Issue 44's targets.
 TARGET_ASLEEP_SHARE = 0.01
@@ -206,4 +206,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("bench_sleep", main))

@@ -36,7 +36,7 @@ from _common import RESULTS, log, require_gpu, run_record
 from bench_serve import not_checked, tapped_run
 from bench_workloads import WORKLOADS, build_workload, load_model, serve
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, run_main
 
 TARGET_SPEEDUP = 1.5
 TARGET_BANDWIDTH_SHARE = 0.85
@@ -189,4 +189,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("bench_spill", main))

@@ -48,7 +48,7 @@ import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
 from bench_serve import not_checked, tapped_run
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, run_main
 
 #: name -> requests, and how prompt and output lengths are drawn
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -303,4 +303,4 @@ def report(res: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("bench_workloads", main))

@@ -31,7 +31,7 @@ import time
 import numpy as np
 from _common import NO_GPU_EXIT, cuda_usable, require_gpu
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, run_main
 from cellcache.buckets import check_buckets, default_buckets
 from cellcache.config import CacheConfig, LayerConfig, storage_dtype
 from cellcache.session import Session, SessionConfig
@@ -321,4 +321,4 @@ def main(argv: list[str] | None = None, probe=cuda_usable) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("capture_graph", main))

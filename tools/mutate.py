@@ -28,7 +28,7 @@ from pathlib import Path
 
 from _common import RESULTS, ROOT, run_record
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, run_main
 
 TESTS = ["tests/test_table_machine.py", "tests/test_rules.py", "tests/test_refusals.py",
          "tests/test_cache_machine.py", "tests/test_host_growth.py", "tests/test_step_protocol.py",
@@ -195,4 +195,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("mutate", main))

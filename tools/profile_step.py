@@ -19,7 +19,7 @@ import sys
 import numpy as np
 from _common import NO_GPU_EXIT, require_gpu
 
-from cellcache._cli import Parser, in_range
+from cellcache._cli import Parser, in_range, run_main
 
 __all__ = ["NO_GPU_EXIT", "main"]
 
@@ -117,4 +117,4 @@ def decode(args, rng) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("profile_step", main))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from _common import RESULTS
 
-from cellcache._cli import Parser
+from cellcache._cli import Parser, run_main
 
 INDEX = "README.md"
 UNKNOWN = "unknown"
@@ -410,4 +410,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("results_index", main))

@@ -442,7 +442,8 @@ def _report(args: Any, gen: Generator, reqs: list[Request], tokenizer: Any, devi
             f"; inter-token p50 {lat['itl_ms_p50']:.2f} ms, p99 {lat['itl_ms_p99']:.2f} ms"
         print(f"generate: time to first token p50 {lat['ttft_ms_p50']:.1f} ms, "
               f"p99 {lat['ttft_ms_p99']:.1f} ms{itl}")
-    sys.stdout.flush()
+    if sys.stdout is not None:                    # None: started with stdout closed (>&-)
+        sys.stdout.flush()
 
 
 def _serve(p: Parser, args: Any, texts: list[str], device: str, place: Any, dtype: torch.dtype,
