@@ -1,6 +1,6 @@
 """What every command line of the project shares: usage errors as one line and exit code 2,
-Ctrl-C as one line and exit code 130, a closed pipe on stdout as a quiet exit code 141,
-every thread's stack on SIGUSR1."""
+Ctrl-C as one line and exit code 130, a closed pipe on stdout as a quiet exit code 141, a file
+to write at the end of a run checked before the run starts, every thread's stack on SIGUSR1."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import io
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["INTERRUPTED_EXIT", "PIPE_CLOSED_EXIT", "Parser", "at_least", "in_range", "run_main",
-           "stacks_on_sigusr1"]
+__all__ = ["INTERRUPTED_EXIT", "PIPE_CLOSED_EXIT", "Parser", "at_least", "in_range", "output_file",
+           "run_main", "stacks_on_sigusr1"]
 
 #: Exit code after Ctrl-C: 128 + SIGINT, what a shell reports for a process SIGINT ended.
 INTERRUPTED_EXIT = 130
@@ -49,6 +51,32 @@ def in_range(lo: int, hi: int):
 def at_least(lo: int):
     """An argparse type: an int >= lo."""
     return in_range(lo, 2**62)
+
+
+def output_file(text: str) -> Path:
+    """An argparse type: a file to write at the end of a run (a benchmark's ``--json``), checked
+    when the arguments are read so that an hour's run does not end in a traceback and lose its
+    result: not a directory, under a directory where this process can create a file (folders
+    still missing are made when it is written), and writable where it exists already."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    folder = path.absolute().parent
+    while not folder.exists():                 # the nearest folder there is: the others get made
+        folder = folder.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {folder} is not a directory")
+    try:                                       # a file made and gone (/proc says yes to access())
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: cannot create a file in {folder} "
+                                         f"({e.strerror or e})") from None
+    return path
 
 
 def stacks_on_sigusr1() -> bool:

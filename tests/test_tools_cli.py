@@ -1,9 +1,17 @@
 """What the command lines share (cellcache._cli), seen through the tools: a Ctrl-C is one
-line and exit code 130, a reader of stdout that went away (``| head``) a quiet exit code 141."""
+line and exit code 130, a reader of stdout that went away (``| head``) a quiet exit code 141,
+and a file to write at the end of a run (``--json``) is checked before the run starts."""
 
 from __future__ import annotations
 
-from cellcache._cli import INTERRUPTED_EXIT, PIPE_CLOSED_EXIT, run_main
+import argparse
+import os
+
+import pytest
+
+from cellcache._cli import INTERRUPTED_EXIT, PIPE_CLOSED_EXIT, Parser, output_file, run_main
+
+from .helpers import load_tool
 
 
 def test_ctrl_c_is_one_line_and_exit_130(capsys):
@@ -24,6 +32,52 @@ def test_a_closed_stdout_is_a_quiet_exit_141(capsys):
 
 def test_the_exit_code_of_main_is_kept():
     assert run_main("bench", lambda: 3) == 3
+
+
+def parse_json(*argv: str) -> argparse.Namespace:
+    p = Parser(prog="bench")
+    p.add_argument("--json", type=output_file)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("where, says", [
+    ("", "an empty path"),
+    ("{tmp}", "is a directory"),
+    ("{tmp}/a-file/result.json", "a-file is not a directory"),
+    ("/proc/cellcache-result.json", "cannot create a file in /proc"),
+    ("/proc/no-such-folder/result.json", "cannot create a file in /proc"),
+])
+def test_a_json_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys, where, says):
+    (tmp_path / "a-file").write_text("")
+    if where.startswith("/proc") and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    with pytest.raises(SystemExit) as e:
+        parse_json("--json", where.format(tmp=tmp_path))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+    assert err[0].startswith("bench: error: argument --json:")
+
+
+def test_a_json_in_folders_still_missing_is_taken_and_nothing_is_made(tmp_path):
+    path = tmp_path / "new" / "folders" / "result.json"
+    assert parse_json("--json", str(path)).json == path
+    assert not (tmp_path / "new").exists()                       # made when it is written
+    (tmp_path / "old.json").write_text("{}")
+    assert parse_json("--json", str(tmp_path / "old.json")).json == tmp_path / "old.json"
+
+
+@pytest.mark.parametrize("tool, argv", [
+    ("mutate", ["--only", "clone-one-short", "--json", "/proc/mutate.json"]),
+    ("bench_sampler", ["--device", "cpu", "--json", "{tmp}"]),
+])
+def test_tools_refuse_a_json_they_could_not_write_before_they_run(tmp_path, capsys, tool, argv):
+    if "/proc/mutate.json" in argv and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    mod = load_tool(tool)
+    with pytest.raises(SystemExit) as e:
+        mod.main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"{tool}: error: argument --json:"), err
 
 
 def test_tools_exit_through_run_main():

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from _common import RESULTS, log, run_record
 
-from cellcache._cli import run_main
+from cellcache._cli import output_file, run_main
 
 
 def median_ns(fn, reps: int, setup=None) -> float:
@@ -435,7 +435,7 @@ def main(argv=None) -> int:
                    help="attention section: also time the table's choice from this tc_attention.ptx (built "
                         "from other sources, e.g. git show HEAD~1:cellcache/ptx/tc_attention.ptx) on the "
                         "same buffers, and print the ratio")
-    p.add_argument("--json", type=Path, default=None,
+    p.add_argument("--json", type=output_file, default=None,
                    help="where to write the JSON (default: its canonical file, benchmarks/results/"
                         "<benchmark>.json: the section's name, gpu-masks for gpu, gpu-all for all-gpu)")
     args = p.parse_args(argv)

@@ -26,12 +26,11 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
 
-from cellcache._cli import Parser, in_range, run_main
+from cellcache._cli import Parser, in_range, output_file, run_main
 
 #: (name, families, forks a family, shared tokens, own tokens (lo, hi), q heads, kv heads, head_dim)
 CASES = (
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=in_range(1, 128), default=24, help="attention launches a graph (a step)")
     p.add_argument("--reps", type=in_range(3, 500), default=20, help="timed replays a side (median)")
     p.add_argument("--only", default="", help="comma-separated case numbers (1-based) to run")
-    p.add_argument("--json", type=Path, default=None, help="default benchmarks/results/cascade.json")
+    p.add_argument("--json", type=output_file, default=None, help="default benchmarks/results/cascade.json")
     args = p.parse_args(argv)
     words = [x for x in args.only.split(",") if x]
     if not all(x.isdigit() and 1 <= int(x) <= len(CASES) for x in words):

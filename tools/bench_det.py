@@ -29,7 +29,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from _common import log, require_gpu, run_record
@@ -45,7 +44,7 @@ from bench_serve import (
     tapped_run,
 )
 
-from cellcache._cli import Parser, in_range, run_main
+from cellcache._cli import Parser, in_range, output_file, run_main
 
 #: SGLang's published throughput cost of its deterministic mode (its blog post on
 #: deterministic inference, 2025), printed beside ours.
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests whose every sampled row is checked against HF's forward, a mode")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
-    p.add_argument("--json", type=Path, default=None, help="write the result here")
+    p.add_argument("--json", type=output_file, default=None, help="write the result here")
     args = p.parse_args(argv)
     if args.device == "cuda":
         code = require_gpu("bench_det")
@@ -228,6 +227,7 @@ def _bench(p: Any, args: Any, argv: list[str] | None, random_model: Any, RANDOM_
     for mode, a in agreement.items():
         print(f"end-to-end agreement with HF's forward, {mode}: {a['summary']}")
     if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     failed = [disagreement(a, f"bench_det ({mode})") for mode, a in agreement.items()]
     return 1 if reproducible is False or any(failed) else 0

@@ -52,7 +52,7 @@ from typing import Any
 from _common import ROOT, log, run_record
 from _http_client import CLIENTS, run_client
 
-from cellcache._cli import Parser, in_range, run_main, stacks_on_sigusr1
+from cellcache._cli import Parser, in_range, output_file, run_main, stacks_on_sigusr1
 
 TARGET_SATURATION = 0.9
 #: Requests of a short warm-up round before the measured runs, in process and over HTTP.
@@ -77,7 +77,7 @@ def build_parser() -> Parser:
                    help="the server's --stream-interval (tokens a chunk gathers; default 1)")
     p.add_argument("--max-batch-tokens", type=in_range(1, 1 << 16), default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--server-log", type=Path, default=None,
+    p.add_argument("--server-log", type=output_file, default=None,
                    help="keep the server's output in this file (written as it runs)")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for `cellcache serve` (repeatable; "
@@ -103,8 +103,9 @@ def build_parser() -> Parser:
     p.add_argument("--rate", type=float, default=None, help="soak: requests a second (no saturation run)")
     p.add_argument("--disconnect", type=float, default=0.05, help="soak: share of clients that leave early")
     p.add_argument("--sample-every", type=float, default=10.0, help="soak: seconds between memory samples")
-    p.add_argument("--json", type=Path, default=None, help="write the results here")
-    p.add_argument("--plot", type=Path, default=None, help="soak: the memory curve as a PNG (matplotlib)")
+    p.add_argument("--json", type=output_file, default=None, help="write the results here")
+    p.add_argument("--plot", type=output_file, default=None,
+                   help="soak: the memory curve as a PNG (matplotlib)")
     return p
 
 
@@ -128,6 +129,9 @@ def check(p: Parser, args: Any) -> list[float]:
         p.error("--sample-every must be > 0")
     if args.model is not None and not os.path.isdir(args.model):
         p.error(f"--model {args.model}: not a directory")
+    for path in (args.json, args.plot, args.server_log):    # their folders, as the other tools do
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
     if args.random is not None:
         from cellcache.generate import RANDOM_MODELS
 

@@ -44,7 +44,7 @@ import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
 from bench_workloads import WORKLOADS, build_workload, load_model, serve
 
-from cellcache._cli import Parser, in_range, run_main
+from cellcache._cli import Parser, in_range, output_file, run_main
 
 TARGET_CELLS = 2.0
 TARGET_DECODE = 1.7
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-check", action="store_true", help="skip the agreement check (figures do not count)")
     p.add_argument("--quick", action="store_true", help="lengths divided by 16: a smoke run")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
-    p.add_argument("--json", type=Path, default=None, help="default benchmarks/results/kv8.json")
+    p.add_argument("--json", type=output_file, default=None, help="default benchmarks/results/kv8.json")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     if skip - {"attention", "serve"}:

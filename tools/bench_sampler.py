@@ -30,12 +30,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from _common import RESULTS, log, require_gpu, run_record
 
-from cellcache._cli import Parser, in_range, run_main
+from cellcache._cli import Parser, in_range, output_file, run_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.6, help="of the random slots (default 0.6)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
     if not 0 < args.temperature < float("inf"):
         p.error(f"--temperature {args.temperature} must be a positive number")

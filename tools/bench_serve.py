@@ -85,7 +85,7 @@ from typing import Any
 import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
 
-from cellcache._cli import Parser, in_range, run_main
+from cellcache._cli import Parser, in_range, output_file, run_main
 
 WORKLOADS = {
     #            requests, prompt_len, new_tokens, shared_len, turns, message_len
@@ -1326,7 +1326,7 @@ def main(argv=None) -> int:
     p.add_argument("--spill-prefixes", action="store_true",
                    help="the prefix cache's evictions go to the host tier too (needs --spill-gib)")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
-    p.add_argument("--json", type=Path, default=None,
+    p.add_argument("--json", type=output_file, default=None,
                    help="where to write the JSON (default: its canonical file, benchmarks/results/"
                         "<benchmark>.json, the benchmark named by result_name(): serve-<workload>, "
                         "then -compile, -flashinfer, -poisson, the model, -cpu, -quick where they "

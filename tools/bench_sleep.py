@@ -29,12 +29,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from _common import RESULTS, log, require_gpu, run_record
 
-from cellcache._cli import Parser, in_range, run_main
+from cellcache._cli import Parser, in_range, output_file, run_main
 
 #: Issue 44's targets.
 TARGET_ASLEEP_SHARE = 0.01
@@ -167,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="part 2's cache cells (default 262144)")
     p.add_argument("--requests", type=in_range(1, 4096), default=32)
     p.add_argument("--new-tokens", type=in_range(1, 4096), default=64)
-    p.add_argument("--json", type=Path, default=RESULTS / "sleep.json", help="where the result goes")
+    p.add_argument("--json", type=output_file, default=RESULTS / "sleep.json", help="where the result goes")
     args = p.parse_args(argv)
     if not 0 < args.gib <= 1024:
         p.error(f"--gib {args.gib} is outside (0, 1024]")

@@ -36,7 +36,7 @@ from _common import RESULTS, log, require_gpu, run_record
 from bench_serve import not_checked, tapped_run
 from bench_workloads import WORKLOADS, build_workload, load_model, serve
 
-from cellcache._cli import Parser, in_range, run_main
+from cellcache._cli import Parser, in_range, output_file, run_main
 
 TARGET_SPEEDUP = 1.5
 TARGET_BANDWIDTH_SHARE = 0.85
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-check", action="store_true", help="skip the agreement check (figures do not count)")
     p.add_argument("--quick", action="store_true", help="lengths divided by 16: a smoke run")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
-    p.add_argument("--json", type=Path, default=None, help="default benchmarks/results/spill-<model>.json")
+    p.add_argument("--json", type=output_file, default=None,
+                   help="default benchmarks/results/spill-<model>.json")
     args = p.parse_args(argv)
     if not 0 < args.share <= 1:
         p.error(f"--share {args.share} is outside (0, 1]")

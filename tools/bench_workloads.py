@@ -41,14 +41,13 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from _common import RESULTS, log, require_gpu, run_record
 from bench_serve import not_checked, tapped_run
 
-from cellcache._cli import Parser, in_range, run_main
+from cellcache._cli import Parser, in_range, output_file, run_main
 
 #: name -> requests, and how prompt and output lengths are drawn
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -170,7 +169,7 @@ def build_parser() -> Parser:
     p.add_argument("--check-requests", type=in_range(1, 1 << 16), default=4)
     p.add_argument("--quick", action="store_true", help="16 requests, lengths divided by 16: a smoke run")
     p.add_argument("--seed", type=in_range(0, 2**31 - 1), default=0)
-    p.add_argument("--json", type=Path, default=None,
+    p.add_argument("--json", type=output_file, default=None,
                    help="where the result goes (default benchmarks/results/workload-<workload>-<model>.json)")
     return p
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from _common import RESULTS, ROOT, run_record
 
-from cellcache._cli import Parser, in_range, run_main
+from cellcache._cli import Parser, in_range, output_file, run_main
 
 TESTS = ["tests/test_table_machine.py", "tests/test_rules.py", "tests/test_refusals.py",
          "tests/test_cache_machine.py", "tests/test_host_growth.py", "tests/test_step_protocol.py",
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--examples", type=in_range(10, 100000), default=300,
                    help="state machine examples per run (default 300)")
     p.add_argument("--only", nargs="*", choices=sorted(MUTANTS), help="run only these mutants")
-    p.add_argument("--json", type=Path, default=None,
+    p.add_argument("--json", type=output_file, default=None,
                    help="where to write the JSON (default: benchmarks/results/mutate.json when every "
                         "mutant runs; none with --only)")
     args = p.parse_args(argv)
