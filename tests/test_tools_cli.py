@@ -68,6 +68,7 @@ def test_a_json_in_folders_still_missing_is_taken_and_nothing_is_made(tmp_path):
 
 @pytest.mark.parametrize("tool, argv", [
     ("mutate", ["--only", "clone-one-short", "--json", "/proc/mutate.json"]),
+    ("profile_serve", ["--steps", "3", "--json", "{tmp}"]),
     ("bench_sampler", ["--device", "cpu", "--json", "{tmp}"]),
 ])
 def test_tools_refuse_a_json_they_could_not_write_before_they_run(tmp_path, capsys, tool, argv):
@@ -80,6 +81,38 @@ def test_tools_refuse_a_json_they_could_not_write_before_they_run(tmp_path, caps
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"{tool}: error: argument --json:"), err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--rows", "0"], "argument --rows: 0 is outside [1, 4096]"),
+    (["--steps", "nan"], "argument --steps: 'nan' is not an int"),
+    (["--prompt-len", str(10**30)], "argument --prompt-len"),
+    (["--cprofile", "-1"], "argument --cprofile: -1 is outside"),
+    (["--model", "nope"], "--model 'nope': one of"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_profile_serve_usage_errors_are_one_line_and_exit_2(capsys, argv, says):
+    mod = load_tool("profile_serve")
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+    assert err[0].startswith("profile_serve: error:")
+
+
+def test_profile_serve_turns_a_cache_too_large_into_one_line(monkeypatch, capsys):
+    from cellcache.errors import OutOfMemory
+
+    mod = load_tool("profile_serve")
+
+    def too_large(*args, **kwargs):
+        raise OutOfMemory("could not allocate 230457876480 bytes for the cell table's owner bitsets")
+
+    monkeypatch.setattr(mod, "profile", too_large)
+    assert mod.main(["--rows", "4096", "--steps", "100000", "--prompt-len", "8192"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("profile_serve: error: OutOfMemory:")
+    assert "lower --rows, --steps or --prompt-len" in err
+
+
 def test_tools_exit_through_run_main():
     """Each tool's ``__main__`` goes through run_main (Ctrl-C and ``| head`` without a
     traceback); not build_ptx, which runs before the package is built (no cellcache to import)."""
@@ -87,6 +120,6 @@ def test_tools_exit_through_run_main():
 
     for path in sorted(TOOLS.glob("*.py")):
         text = path.read_text()
-        if 'if __name__ == "__main__":' not in text or path.stem in ("build_ptx", "profile_serve"):
+        if 'if __name__ == "__main__":' not in text or path.stem in ("build_ptx",):
             continue
         assert f'sys.exit(run_main("{path.stem}", main))' in text, path.name

@@ -34,6 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cellcache._cli import Parser, in_range, output_file, run_main  # noqa: E402 - after the checkout is on sys.path
+from cellcache.errors import CellCacheError  # noqa: E402
+
 
 def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: str,
           device: str = "cpu", compile: bool = False, stream: bool = False, native: bool = False):
@@ -118,34 +121,37 @@ def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="profile_serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=256, help="decode rows a step (default 256)")
-    p.add_argument("--steps", type=int, default=200, help="decode steps timed (default 200)")
+    p = Parser(prog="profile_serve", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=in_range(1, 4096), default=256, help="decode rows a step (default 256)")
+    p.add_argument("--steps", type=in_range(1, 100_000), default=200, help="decode steps timed (default 200)")
     p.add_argument("--mode", choices=["sync", "async", "both"], default="both")
     p.add_argument("--model", default=None,
                    help="built-in random model (default llama-tiny; qwen2-0.5b with --device cuda)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu (default): the forward stubbed out; cuda: the real bf16 model, "
                         "graphs and all, so 'forward' and 'wait' are the GPU's")
-    p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens a row (default 8)")
+    p.add_argument("--prompt-len", type=in_range(1, 8192), default=8,
+                   help="prompt tokens a row (default 8)")
     p.add_argument("--compile", action="store_true",
                    help="with --device cuda: the model through torch.compile (Generator(compile=True))")
     p.add_argument("--native", action="store_true",
                    help="with --device cuda: cellcache's own forward of the model (Generator(native=True))")
-    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+    p.add_argument("--cprofile", type=in_range(0, 1 << 20), default=0, metavar="N",
                    help="also print cProfile's N costliest functions (by own time)")
     p.add_argument("--stream", action="store_true",
                    help="every request streams: an on_token callback per token, as the HTTP server's")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
-    if args.rows < 1 or args.steps < 1 or args.prompt_len < 1:
-        p.error("--rows, --steps and --prompt-len must be >= 1")
     if args.compile and args.device != "cuda":
         p.error("--compile needs --device cuda")
     if args.native and args.device != "cuda":
         p.error("--native needs --device cuda (on the CPU the forward is stubbed out)")
     model = args.model or ("qwen2-0.5b" if args.device == "cuda" else "llama-tiny")
+    from cellcache.generate import RANDOM_MODELS
+
+    if model not in RANDOM_MODELS:
+        p.error(f"--model {model!r}: one of {', '.join(sorted(RANDOM_MODELS))}")
     if args.device == "cuda":
         from tools._common import require_gpu
         if (code := require_gpu("profile_serve")) is not None:
@@ -153,16 +159,22 @@ def main(argv=None) -> int:
     modes = ["sync", "async"] if args.mode == "both" else [args.mode]
     out = []
     for mode in modes:
-        r = profile(args.rows, args.steps, mode, model, args.cprofile, args.device, args.prompt_len,
-                    args.compile, args.stream, args.native)
+        try:
+            r = profile(args.rows, args.steps, mode, model, args.cprofile, args.device, args.prompt_len,
+                        args.compile, args.stream, args.native)
+        except CellCacheError as e:         # a cache too large for this machine: which flag to lower
+            print(f"profile_serve: error: {type(e).__name__}: {e} (lower --rows, --steps or --prompt-len)",
+                  file=sys.stderr)
+            return 2
         out.append(r)
         parts = ", ".join(f"{k} {v:.1f}" for k, v in r["us_per_step"].items())
         print(f"{mode}: {r['rows']} rows, host {r['host_us_per_step']:.1f} us/decode step "
               f"(wall {r['wall_us_per_step']:.1f}): {parts}")
     if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("profile_serve", main))
