@@ -123,3 +123,19 @@ def test_tools_exit_through_run_main():
         if 'if __name__ == "__main__":' not in text or path.stem in ("build_ptx",):
             continue
         assert f'sys.exit(run_main("{path.stem}", main))' in text, path.name
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--nvrtc", "{tmp}"], "--nvrtc {tmp}: cannot load it"),
+    (["--nvrtc", "{tmp}/libnvrtc.so.12"], "--nvrtc {tmp}/libnvrtc.so.12: cannot load it"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_build_ptx_usage_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, says):
+    """build_ptx keeps a parser of its own (no cellcache to import where it runs); an --nvrtc
+    that is not a library was an OSError traceback from ctypes."""
+    mod = load_tool("build_ptx")
+    with pytest.raises(SystemExit) as e:
+        mod.main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says.format(tmp=tmp_path) in err[0], err
+    assert err[0].startswith("build_ptx: error:")

@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "cuda"
@@ -248,8 +249,17 @@ def check(nvrtc: Nvrtc | None, only: set[str] | None = None) -> list[str]:
     return problems
 
 
+class Parser(argparse.ArgumentParser):
+    """cellcache._cli.Parser's one-line usage errors (exit code 2), kept here: this tool runs
+    where the package's extensions are not built yet, and ``import cellcache`` needs them."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="build_ptx", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="verify the shipped PTX against cuda/*")
     p.add_argument("--nvrtc", type=Path, default=None,
                    help="libnvrtc.so.12 to use (default: the nvidia-cuda-nvrtc-cu12 wheel)")
@@ -260,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-one", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     lib = args.nvrtc or find_nvrtc()
-    nvrtc = Nvrtc(lib) if lib else None
+    try:
+        nvrtc = Nvrtc(lib) if lib else None
+    except OSError as e:                      # not a library, not there, not this machine's
+        p.error(f"--nvrtc {lib}: cannot load it ({e})" if args.nvrtc else f"cannot load {lib}: {e}")
     if args.compile_one:
         assert nvrtc is not None
         sys.stdout.buffer.write(nvrtc.compile(args.compile_one))
