@@ -79,6 +79,8 @@ def test_the_lean_client_reads_the_same_streams(model_dir, tmp_path):
     (["--model", "/nonexistent"], "--model"),
     (["--random", "tiny", "--soak", "-1"], "--soak"),
     (["--random", "tiny", "--disconnect", "2"], "--disconnect"),
+    (["--random", "tiny", "--sample-every", "inf"], "--sample-every"),   # the sampler thread died
+    (["--random", "tiny", "--sample-every", "nan"], "--sample-every"),
     (["--requests", "4"], "--model"),
     (["--random", "tiny", "--client", "curl"], "--client"),
 ])

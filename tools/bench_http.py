@@ -125,8 +125,8 @@ def check(p: Parser, args: Any) -> list[float]:
         p.error(f"--rate {args.rate} must be a positive number")
     if not 0 <= args.disconnect <= 1:
         p.error(f"--disconnect {args.disconnect} must be in [0, 1]")
-    if not args.sample_every > 0:
-        p.error("--sample-every must be > 0")
+    if not 0 < args.sample_every <= 86400:           # inf: Event.wait() raises OverflowError
+        p.error(f"--sample-every {args.sample_every} must be a number of seconds in (0, 86400]")
     if args.model is not None and not os.path.isdir(args.model):
         p.error(f"--model {args.model}: not a directory")
     for path in (args.json, args.plot, args.server_log):    # their folders, as the other tools do
