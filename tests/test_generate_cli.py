@@ -445,3 +445,12 @@ def test_a_closed_stdout_is_not_a_traceback(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdout", None)
     assert cli.main(["--random", "tiny", "--device", "cpu", "--quiet", "--max-new-tokens", "2", "1 2 3"]) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("prompt", ["", "  "])
+def test_an_empty_prompt_is_called_empty(capsys, prompt):
+    """It was "token ids must lie in [0, 512)", about ids it does not have."""
+    code, out, err = run_main(["--random", "tiny", "--device", "cpu", "--quiet", prompt], capsys)
+    assert code == 2 and out == ""
+    assert err == (f"cellcache generate: error: prompt {prompt!r} is empty: give at least one token id "
+                   "(see --help)\n")

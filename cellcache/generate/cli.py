@@ -466,7 +466,9 @@ def _serve(p: Parser, args: Any, texts: list[str], device: str, place: Any, dtyp
                 ids = [int(x) for x in t.split()]
             except ValueError:
                 p.error(f"prompt {t!r} is not token ids (this model has no tokenizer)")
-            if not ids or min(ids) < 0 or max(ids) >= vocab:
+            if not ids:
+                p.error(f"prompt {t!r} is empty: give at least one token id")
+            if min(ids) < 0 or max(ids) >= vocab:
                 p.error(f"prompt {t!r}: token ids must lie in [0, {vocab})")
             prompts.append(ids)
     rng = np.random.default_rng(args.seed)
