@@ -139,3 +139,12 @@ def test_build_ptx_usage_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, 
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and says.format(tmp=tmp_path) in err[0], err
     assert err[0].startswith("build_ptx: error:")
+
+
+@pytest.mark.parametrize("section", ["gpu", "growth", "attention", "all-gpu"])
+def test_bench_gpu_sections_without_a_gpu_say_so_and_exit_3(capsys, section):
+    """They imported the CUDA backend regardless: a DynamicLibNotFoundError traceback, exit 1."""
+    mod = load_tool("bench")
+    assert mod.main(["--section", section], probe=lambda: (False, "no CUDA driver")) == 3
+    out, err = capsys.readouterr()
+    assert out == "bench: no CUDA driver; this tool needs a GPU (exit 3)\n" and err == ""

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import RESULTS, log, run_record
+from _common import RESULTS, log, require_gpu, run_record
 
 from cellcache._cli import output_file, run_main
 
@@ -418,7 +418,7 @@ def result_name(section: str, case: str = "") -> str:
     return f"{name}-some" if case else name
 
 
-def main(argv=None) -> int:
+def main(argv=None, probe=None) -> int:
     from cellcache._cli import Parser, in_range
 
     p = Parser(prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -449,6 +449,8 @@ def main(argv=None) -> int:
         except OSError as e:
             p.error(f"--baseline-ptx: cannot read {args.baseline_ptx}: {e.strerror}")
     sections = GPU_SECTIONS if args.section == "all-gpu" else (args.section,)
+    if set(sections) & set(GPU_SECTIONS) and (code := require_gpu("bench", probe)) is not None:
+        return code                            # (bench_gpu imports the CUDA backend: a traceback)
     words = ["python3", "tools/bench.py", *(argv if argv is not None else sys.argv[1:])]
     result = run_record(result_name(args.section, args.case), words,
                         "cuda" if set(sections) <= set(GPU_SECTIONS) else "cpu")
