@@ -35,6 +35,7 @@ call overlaps the host with it::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -703,6 +704,24 @@ class Generator:
     def asleep(self) -> int:
         """0 when awake, else the level of the :meth:`sleep` in effect."""
         return self._sleep_level
+
+    @contextlib.contextmanager
+    def held_idle(self, what: str) -> Iterator[None]:
+        """Holds the generator between steps for ``what`` (another module's verb on its
+        state: ``save_prefix``, ``load_prefix``), as :meth:`sleep` holds it: InvalidState
+        from inside a step (one of its callbacks), while another thread steps it, or while
+        requests are waiting or running; no step starts until the block ends."""
+        if not self._step_lock.acquire(blocking=False):
+            raise InvalidState(f"{what} runs while the generator is idle: a step is running (this is "
+                               "one of its callbacks, or another thread steps it)")
+        try:
+            with self._state_lock:
+                if self.busy:
+                    raise InvalidState(f"{what} runs while the generator is idle: requests are waiting "
+                                       "or running")
+                yield
+        finally:
+            self._step_lock.release()
 
     def _idle(self, what: str) -> None:
         """Refuses (InvalidState) ``what`` while requests are queued, running or in flight."""

@@ -33,24 +33,14 @@ __all__ = ["load_prefix", "save_prefix"]
 
 @contextlib.contextmanager
 def _idle_prefix(gen: Any, verb: str) -> Iterator[Any]:
-    """The generator's prefix cache, held for ``verb`` as sleep() and reset_prefix_cache()
-    hold the generator: its step lock (refused from inside a step, a callback of its, or
-    while another thread steps) and its state lock (no step starts meanwhile: the idle check
-    stays true until ``verb`` is done)."""
+    """The generator's prefix cache, the generator held idle for ``verb``
+    (:meth:`Generator.held_idle`: refused from inside a step, a callback of its, or while
+    another thread steps; no step starts until ``verb`` is done)."""
     prefix = getattr(gen, "prefix", None)
     if prefix is None:
         raise InvalidState(f"{verb} needs the generator's prefix cache (prefix_cache=True)")
-    if not gen._step_lock.acquire(blocking=False):
-        raise InvalidState(f"{verb} runs while the generator is idle: a step is running (this is one "
-                           "of its callbacks, or another thread steps it)")
-    try:
-        with gen._state_lock:
-            if gen.busy:
-                raise InvalidState(f"{verb} runs while the generator is idle: requests are waiting or "
-                                   "running")
-            yield prefix
-    finally:
-        gen._step_lock.release()
+    with gen.held_idle(verb):
+        yield prefix
 
 
 def save_prefix(gen: Any, tokens: Any, path: Any) -> int:
