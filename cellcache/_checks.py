@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Iterable, Mapping, Set, Sized
 
 import numpy as np
 
@@ -109,3 +109,33 @@ def step_ids(seq_ids: object, max_write: int, max_seqs: int) -> list[int]:
         wide = f"{n} tokens" if n is not None else f"more than {max_write} tokens"
         raise InvalidArgument(f"a step of {wide} is wider than max_write={max_write}")
     return [check_seq_id(s, max_seqs) for s in items]
+
+
+def _longer(value: Sized, limit: int) -> bool:
+    """Whether ``value`` holds more than ``limit`` items, asked lazily: a length past
+    ``sys.maxsize`` (a ``range(2**70)``'s, whose len() raises OverflowError) is more; a
+    ``__len__`` that raises or answers no length (a float, a negative) tells nothing (False:
+    the caller counts what it reads, as for an iterable of no length; list() too ignores
+    a len() TypeError)."""
+    try:
+        return len(value) > limit
+    except OverflowError:
+        return True
+    except Exception:
+        return False
+
+
+def bounded_list(value: Iterable, what: str, items: str, limit: int | None) -> list:
+    """``value``'s items as a list; with ``limit``, InvalidArgument instead when it holds
+    more: a list or tuple is taken whole, anything else is asked its length first when it
+    has one, and is read for at most ``limit + 1`` items (an iterator may never end; so may
+    a subclass of list or tuple's own ``__iter__``)."""
+    if limit is None or type(value) in (list, tuple):
+        return list(value)
+    if isinstance(value, Sized) and _longer(value, limit):
+        raise InvalidArgument(f"{what} holds more than {limit} {items}")
+    # (an iterator, or an iterable of no length, may never end: read one past the limit)
+    out = list(itertools.islice(value, limit + 1))
+    if len(out) > limit:
+        raise InvalidArgument(f"{what} yields more than {limit} {items}")
+    return out

@@ -17,17 +17,16 @@ masks and the paged view see them as any other cells.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Set, Sized
+from collections.abc import Callable, Iterable, Mapping, Set
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._checks import check_int, check_seq_id
+from ._checks import bounded_list, check_int, check_seq_id
 from .cache import CellCache
 from .errors import InvalidArgument, InvalidState, OutOfMemory
 from .torch import TorchView, torch_dtype
@@ -106,26 +105,15 @@ def _token_tensor(tokens: Any, limit: int) -> torch.Tensor:
     """``tokens`` as an int64 tensor of ids >= 0. A list or tuple is whole and taken as it
     is; anything else holding more than ``limit`` ids (the cache's capacity: no sequence has
     more positions) is refused before it is read whole (``range(10**18)``, an endless
-    generator). Sets and mappings have no order and are refused."""
+    generator; :func:`~cellcache._checks.bounded_list`). Sets and mappings have no order and
+    are refused."""
     what = f"tokens of type {type(tokens).__name__}"
     if isinstance(tokens, (str, bytes, bytearray, Set, Mapping)) or not isinstance(tokens, Iterable):
         raise InvalidArgument(f"{what} are not a sequence of token ids; give a list of ints")
-    if isinstance(tokens, (list, tuple)):
-        items = list(tokens)
-    else:
-        if isinstance(tokens, Sized):
-            try:
-                longer = len(tokens) > limit
-            except OverflowError:                    # (a length past sys.maxsize)
-                longer = True
-            except TypeError:                        # (a 0-d array or tensor: one id, no sequence)
-                raise InvalidArgument(f"{what} are not a sequence of token ids; give a list of "
-                                      "ints") from None
-            if longer:
-                raise InvalidArgument(f"{what} hold more than {limit} token ids (the cache's capacity)")
-        items = list(itertools.islice(tokens, limit + 1))
-        if len(items) > limit:
-            raise InvalidArgument(f"{what} yield more than {limit} token ids (the cache's capacity)")
+    try:                                            # (a 0-d array or tensor: no sequence)
+        items = bounded_list(tokens, what, "token ids", limit)
+    except TypeError:
+        raise InvalidArgument(f"{what} are not a sequence of token ids; give a list of ints") from None
     return torch.tensor([check_int(t, "token id", 0, 2**63 - 1) for t in items], dtype=torch.int64)
 
 

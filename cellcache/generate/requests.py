@@ -5,19 +5,18 @@ the token-id checks every entry point shares, and the latency summary (TTFT, ITL
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import numbers
 import operator
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .._checks import check_int
+from .._checks import bounded_list, check_int
 from ..errors import InvalidArgument
 from .text import TextStream
 
@@ -62,36 +61,6 @@ def real_number(value: object, name: str) -> float:
     return v
 
 
-def _longer(value: Sized, limit: int) -> bool:
-    """Whether ``value`` holds more than ``limit`` items, asked lazily: a length past
-    ``sys.maxsize`` (a ``range(2**70)``'s, whose len() raises OverflowError) is more; a
-    ``__len__`` that raises or answers no length (a float, a negative) tells nothing (False:
-    the caller counts what it reads, as for an iterable of no length; list() too ignores
-    a len() TypeError)."""
-    try:
-        return len(value) > limit
-    except OverflowError:
-        return True
-    except Exception:
-        return False
-
-
-def _bounded(value: Iterable, what: str, items: str, limit: int | None) -> list:
-    """``value``'s items as a list; with ``limit``, InvalidArgument instead when it holds
-    more: a list or tuple is taken whole, anything else is asked its length first when it
-    has one, and is read for at most ``limit + 1`` items (an iterator may never end; so may
-    a subclass of list or tuple's own ``__iter__``)."""
-    if limit is None or type(value) in (list, tuple):
-        return list(value)
-    if isinstance(value, Sized) and _longer(value, limit):
-        raise InvalidArgument(f"{what} holds more than {limit} {items}")
-    # (an iterator, or an iterable of no length, may never end: read one past the limit)
-    out = list(itertools.islice(value, limit + 1))
-    if len(out) > limit:
-        raise InvalidArgument(f"{what} yields more than {limit} {items}")
-    return out
-
-
 def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool = False,
               limit: int | None = None) -> list[int]:
     """Token ids given as a sequence of ints, a 1-D integer array or tensor, or a ``[1, T]``
@@ -130,7 +99,7 @@ def token_ids(value: object, what: str, vocab: int | None, *, allow_empty: bool 
         raise InvalidArgument(f"{what} of type {type(value).__name__} is not a sequence of token ids; "
                               f"{shape_hint}")
     else:
-        items = _bounded(value, what, "token ids", limit)
+        items = bounded_list(value, what, "token ids", limit)
     ids = []
     for t in items:
         try:
@@ -267,7 +236,7 @@ class Sampling:
         if isinstance(strings, (str, bytes, Mapping)) or not isinstance(strings, Iterable):
             raise InvalidArgument(f"stop_strings of type {type(strings).__name__} is not a sequence "
                                   "of strings; give a list, e.g. stop_strings=['\\n\\n']")
-        strings = tuple(_bounded(strings, "stop_strings", "strings", MAX_STOPS))
+        strings = tuple(bounded_list(strings, "stop_strings", "strings", MAX_STOPS))
         for x in strings:
             if not isinstance(x, str) or not x:
                 raise InvalidArgument(f"stop_strings holds {x!r}; each must be a non-empty str")
