@@ -31,8 +31,8 @@ from .cache import CellCache
 from .errors import InvalidArgument, InvalidState, OutOfMemory
 from .torch import TorchView, torch_dtype
 
-__all__ = ["FORMAT", "VERSION", "cells_by_position", "load_sequence", "place_positions",
-           "read_sequence", "save_sequence", "shape_of", "write_sequence"]
+__all__ = ["FORMAT", "VERSION", "cells_by_position", "load_sequence", "open_sequence", "place_file",
+           "place_positions", "read_sequence", "save_sequence", "shape_of", "write_sequence"]
 
 #: What the header's ``format`` says, and the version this module writes and reads.
 FORMAT = "cellcache.sequence"
@@ -237,12 +237,33 @@ def load_sequence(cache: CellCache, path: Any) -> tuple[int, list[int] | None]:
     1-D integer tensor of ids >= 0; InvalidState for a closed cache or a step declared or
     prepared and not committed; OutOfMemory when no sequence id or not enough cells are free. Every refusal
     changes nothing."""
+    tensors, tokens = open_sequence(cache, path)
+    return _write(cache, tensors, tensors["positions"]), tokens
+
+
+def open_sequence(cache: CellCache, path: Any) -> tuple[dict[str, torch.Tensor], list[int] | None]:
+    """The tensors of sequence file ``path`` (``positions``, then ``k.<layer>`` and
+    ``v.<layer>`` at them) and the tokens saved with it (or None), every check of
+    :func:`load_sequence` passed and nothing placed: what a caller that makes room first
+    (:func:`cellcache.generate.load_prefix`) reads before it changes anything."""
     if not isinstance(cache, CellCache):
         raise InvalidArgument(f"cache of type {type(cache).__name__} is not a cellcache cache")
     _, tensors = _read(cache, path)
-    pos = _check_tensors(cache, tensors, repr(os.fspath(path)))
-    tokens = _check_tokens(tensors.get("tokens"), os.fspath(path))
-    return _write(cache, tensors, pos), tokens
+    _check_tensors(cache, tensors, repr(os.fspath(path)))
+    return tensors, _check_tokens(tensors.get("tokens"), os.fspath(path))
+
+
+def place_file(cache: CellCache, seq: int, tensors: dict[str, torch.Tensor], start: int) -> None:
+    """Positions ``[start, length)`` of ``tensors`` (as :func:`open_sequence` returns them) on
+    live sequence ``seq``, which holds ``[0, start)`` already (a prefix cache's clone of the
+    part it holds), as :func:`place_positions` places them: a failure leaves ``seq`` with
+    the steps committed before it (the caller removes ``seq``)."""
+    pos = tensors["positions"]
+    length = int(pos[-1]) + 1 if pos.numel() else 0
+    with cache.lock:
+        if cache.table.declared_width or cache.prepared_step is not None:
+            raise InvalidState("a step is declared or prepared: load a sequence between steps")
+        _place(cache, seq, pos, tensors, length, start)
 
 
 def write_sequence(cache: CellCache, tensors: dict[str, torch.Tensor]) -> int:
@@ -314,8 +335,8 @@ def place_positions(cache: CellCache, seq: int, start: int, length: int,
 
 
 def _place(cache: CellCache, seq: int, pos: torch.Tensor, tensors: dict[str, torch.Tensor],
-           length: int) -> None:
-    """Positions ``[0, length)`` of ``seq`` given the file's K/V (zeros where it has none)."""
+           length: int, start: int = 0) -> None:
+    """Positions ``[start, length)`` of ``seq`` given the file's K/V (zeros where it has none)."""
     view = TorchView(cache)
     have = torch.full((length,), -1, dtype=torch.int64)
     have[pos] = torch.arange(pos.numel())
@@ -336,4 +357,4 @@ def _place(cache: CellCache, seq: int, pos: torch.Tensor, tensors: dict[str, tor
             view.write_rows(i, cells, blocks[0], blocks[1])   # (8-bit pools: scaled as a forward's write)
         _sync(view)
 
-    place_positions(cache, seq, 0, length, write)
+    place_positions(cache, seq, start, length, write)

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from cellcache import InvalidArgument, InvalidState  # noqa: E402
+from cellcache import InvalidArgument, InvalidState, OutOfMemory  # noqa: E402
 from cellcache.generate import Generator, Sampling, load_prefix, random_model, save_prefix  # noqa: E402
 from cellcache.seqstate import save_sequence  # noqa: E402
 
@@ -149,4 +149,79 @@ def test_save_and_load_are_refused_while_a_step_runs(model, tmp_path, where):
     assert not (tmp_path / "x.kv").exists()
     assert load_prefix(gen, tmp_path / "new.kv") > 0        # idle again: both go through
     assert save_prefix(gen, history, tmp_path / "x.kv") == len(history)
+    gen.cache.check_invariants()
+
+
+def _history(gen, prompt, n=6) -> list[int]:
+    req = gen.add(prompt, Sampling(max_new_tokens=n))
+    gen.run()
+    return req.prompt + req.outputs[0][:-1]
+
+
+def test_load_into_a_full_cache_evicts_as_an_admission_does(model, tmp_path):
+    """A server's prefix cache fills every free cell: a load then refused with OutOfMemory
+    however much the prefix cache could give back. It evicts (the policy's order) instead,
+    and the loaded prefix serves as a hit."""
+    src = make(model)
+    history = _history(src, list(range(1, 60)), n=40)          # 98 tokens
+    save_prefix(src, history, tmp_path / "h.kv")
+    gen = Generator(model, capacity=256, max_seqs=8, eos=[])
+    fills = [_history(gen, [200 + 7 * i + j for j in range(30)], n=40) for i in range(4)]
+    assert gen.cache.free_cells < len(history) <= gen.cache.free_cells + gen.prefix.evictable_tokens()
+    assert load_prefix(gen, tmp_path / "h.kv") == len(history)
+    assert gen.prefix.peek(history) == len(history)
+    assert gen.prefix.peek(fills[0]) < len(fills[0])            # the oldest went first (LRU)
+    hit = gen.add(history + [3, 4], Sampling(max_new_tokens=3))
+    gen.run()
+    assert hit.cached_tokens == len(history)
+    gen.cache.check_invariants()
+    gen.prefix.check_invariants()
+
+
+def test_load_keeps_what_the_prefix_cache_holds_and_places_the_rest(model, tmp_path):
+    src = make(model)
+    history = _history(src, [5, 9, 33, 2, 100, 7, 8, 61, 62, 63], n=12)
+    save_prefix(src, history, tmp_path / "h.kv")
+    gen = make(model)
+    part = _history(gen, history[:8], n=4)          # the first 8 tokens + 3 of its own
+    assert gen.prefix.peek(history) == 8 and part[:8] == history[:8]
+    free = gen.cache.free_cells
+    assert load_prefix(gen, tmp_path / "h.kv") == len(history) - 8
+    assert gen.cache.free_cells == free - (len(history) - 8)    # the held 8 cells shared, not copied
+    assert gen.prefix.peek(history) == len(history) and gen.prefix.peek(part) == len(part)
+    nxt = history + [44]
+    ref = make(model)
+    want = ref.add(nxt, Sampling(max_new_tokens=4))
+    ref.run()
+    got = gen.add(nxt, Sampling(max_new_tokens=4))
+    gen.run()
+    assert got.cached_tokens == len(history) and got.outputs == want.outputs
+    gen.cache.check_invariants()
+    gen.prefix.check_invariants()
+    assert gen.prefix.metrics()["pins"] == 0                    # the held part's pin taken back
+
+
+def test_a_load_larger_than_the_room_is_refused_with_nothing_evicted(model, tmp_path):
+    src = Generator(model, capacity=512, max_seqs=8, eos=[])
+    history = _history(src, list(range(1, 150)), n=60)           # 208 tokens
+    save_prefix(src, history, tmp_path / "h.kv")
+    small = Generator(model, capacity=192, max_seqs=8, eos=[])
+    _history(small, list(range(300, 330)), n=20)
+    before = state(small), small.prefix.prefixes()
+    with pytest.raises(OutOfMemory, match="the prefix needs 208 cells"):
+        load_prefix(small, tmp_path / "h.kv")
+    assert (state(small), small.prefix.prefixes()) == before
+    small.cache.check_invariants()
+
+
+def test_load_evicts_for_a_sequence_id_when_the_prefix_cache_holds_them_all(model, tmp_path):
+    src = make(model)
+    history = _history(src, [70, 71, 72, 73, 74], n=4)
+    save_prefix(src, history, tmp_path / "h.kv")
+    gen = Generator(model, capacity=1024, max_seqs=3, eos=[])
+    for i in range(4):
+        _history(gen, [100 + 10 * i + j for j in range(6)], n=3)
+    assert len(gen.cache.live_seqs()) == 3                      # every id a cached leaf's
+    assert load_prefix(gen, tmp_path / "h.kv") == len(history)
+    assert gen.prefix.peek(history) == len(history)
     gen.cache.check_invariants()

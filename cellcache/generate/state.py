@@ -3,8 +3,9 @@ kept across restarts (llama.cpp's slot save / restore, as a prefix cache entry).
 
 ``save_prefix(gen, tokens, path)`` writes the K/V of ``tokens`` (which the prefix cache must
 hold whole: a finished request's prompt and output are stored there when it ends);
-``load_prefix(gen, path)`` puts a saved prefix back into the prefix cache, so the next request
-that starts with those tokens reads only what follows them.
+``load_prefix(gen, path)`` puts a saved prefix back into the prefix cache (evicting for it when
+the cache is full, as an admission does), so the next request that starts with those tokens
+reads only what follows them.
 
 Example
 -------
@@ -24,8 +25,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import InvalidArgument, InvalidState
-from ..seqstate import load_sequence, save_sequence
+from ..errors import InvalidArgument, InvalidState, OutOfMemory
+from ..seqstate import open_sequence, place_file, save_sequence
 from .requests import token_ids
 
 __all__ = ["load_prefix", "save_prefix"]
@@ -74,25 +75,70 @@ def _save(gen: Any, prefix: Any, tokens: Any, path: Any) -> int:
 
 def load_prefix(gen: Any, path: Any) -> int:
     """Puts the prefix saved in ``path`` into the generator's prefix cache; returns the tokens
-    newly cached (0 when it held them already). Refuses (nothing changed) a file without
-    tokens, from another model shape or format version (InvalidArgument), tokens outside the
-    model's vocabulary (InvalidArgument), a busy generator (as for :func:`save_prefix`) or
-    one without a prefix cache (InvalidState), no room (OutOfMemory)."""
+    newly cached (0 when it held them already). What the prefix cache holds of them already
+    is kept and only the rest is placed; when free cells run short the prefix cache evicts
+    for it, as it does for an admission (its policy's order, the held part pinned). Refuses
+    (nothing changed) a file without tokens, from another model shape or format version
+    (InvalidArgument), tokens outside the model's vocabulary (InvalidArgument), a busy
+    generator (as for :func:`save_prefix`) or one without a prefix cache (InvalidState), and
+    a prefix larger than the free cells and what the prefix cache can evict together
+    (OutOfMemory)."""
     with _idle_prefix(gen, "load_prefix") as prefix:
         return _load(gen, prefix, path)
 
 
 def _load(gen: Any, prefix: Any, path: Any) -> int:
-    seq, tokens = load_sequence(gen.cache, path)
+    cache = gen.cache
+    tensors, tokens = open_sequence(cache, path)      # every check of the file: nothing placed yet
+    if tokens is None:
+        raise InvalidArgument(f"{path!s} holds no tokens: save it with save_prefix (or "
+                              "save_sequence(..., tokens=...))")
+    ids = token_ids(tokens, "the file's tokens", gen.vocab)
+    pos = tensors["positions"]
+    length = int(pos[-1]) + 1 if pos.numel() else 0
+    if len(ids) != length:
+        raise InvalidArgument(f"{path!s} holds {len(ids)} tokens for {length} positions")
+    if cache.table.declared_width or cache.prepared_step is not None:
+        raise InvalidState("a step is declared or prepared: load a prefix between steps")
+    held = prefix.pin(ids)                            # (kept while room is made for the rest)
     try:
-        if tokens is None:
-            raise InvalidArgument(f"{path!s} holds no tokens: save it with save_prefix (or "
-                                  "save_sequence(..., tokens=...))")
-        ids = token_ids(tokens, "the file's tokens", gen.vocab)
-        if len(ids) != gen.cache.pos(seq):
-            raise InvalidArgument(f"{path!s} holds {len(ids)} tokens for {gen.cache.pos(seq)} positions")
-        return prefix.give(seq, ids)           # (the tree takes seq, or removes it)
-    except BaseException:
-        if seq in gen.cache.live_seqs() and not prefix.owns(seq):
-            gen.cache.seq_rm(seq)
-        raise
+        if held == length:
+            return 0
+        seq = _room(cache, prefix, ids, held, length - held)
+        try:
+            place_file(cache, seq, tensors, held)
+            return prefix.give(seq, ids)              # (the tree takes seq, or removes it)
+        except BaseException:
+            if seq in cache.live_seqs() and not prefix.owns(seq):
+                cache.seq_rm(seq)
+            raise
+    finally:
+        if held:
+            with contextlib.suppress(InvalidState):   # (an invalidation meanwhile dropped every pin)
+                prefix.unpin(ids, held)
+
+
+def _room(cache: Any, prefix: Any, ids: list[int], held: int, need: int) -> int:
+    """A sequence holding the first ``held`` of ``ids`` (a clone of the prefix cache's, or a
+    new one when ``held`` is 0) with ``need`` free cells beside it, the prefix cache evicting
+    for both; OutOfMemory, nothing evicted, when the free cells and what it can evict fall
+    short (its count of evictable tokens: cells of its own, the pinned held part excluded)."""
+    short = need - cache.free_cells
+    if short > 0:
+        can = prefix.evictable_tokens(short)
+        if can < short:
+            raise OutOfMemory(f"the prefix needs {need} cells: {cache.free_cells} are free and the "
+                              f"prefix cache can evict {can}")
+        prefix.evict(short)
+    for attempt in range(2):
+        seq = prefix.match(ids, max_len=held)[0] if held else cache.seq_new()
+        if seq is not None:
+            break
+        if attempt == 0:
+            prefix.evict(n_ids=1)
+    else:
+        raise OutOfMemory("no sequence id is free for the prefix")
+    if cache.free_cells < need:                     # (cells a leaf shared with another: kept)
+        cache.seq_rm(seq)
+        raise OutOfMemory(f"the prefix needs {need} cells; {cache.free_cells} are free after eviction")
+    return seq
