@@ -4,6 +4,7 @@ hit with the same tokens; every refusal is the library's error with nothing chan
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -225,3 +226,46 @@ def test_load_evicts_for_a_sequence_id_when_the_prefix_cache_holds_them_all(mode
     assert load_prefix(gen, tmp_path / "h.kv") == len(history)
     assert gen.prefix.peek(history) == len(history)
     gen.cache.check_invariants()
+
+
+@pytest.mark.parametrize("part", ["whole", "first-40"])
+def test_save_brings_a_prefix_back_from_the_host_level(model, tmp_path, part):
+    """A chat's history that the prefix cache evicted to its host level (spill_prefixes=True)
+    was refused by save_prefix ("holds 0 of the tokens"): a server saves a conversation
+    after it has gone quiet, when it is most likely to have been evicted. It is restored
+    first (all of it, or the first tokens of a longer kept history), then saved."""
+    gen = Generator(model, capacity=320, max_seqs=4, eos=[], spill_bytes=1 << 30, spill_prefixes=True)
+    rng = np.random.default_rng(3)
+    first = _history(gen, rng.integers(1, 500, size=60).tolist(), n=12)
+    for _ in range(5):                                   # the others push it out to the host
+        _history(gen, rng.integers(1, 500, size=60).tolist(), n=12)
+    tier = gen.scheduler.kv.l2
+    want = first if part == "whole" else first[:40]
+    assert gen.prefix.peek(want) < len(want) and first[:60] in [list(np.frombuffer(k, np.int32))[:60]
+                                                                for k in tier.entries]
+    assert save_prefix(gen, want, tmp_path / "h.kv") == len(want)
+    assert gen.prefix.peek(want) == len(want)
+    gen.cache.check_invariants()
+    gen.prefix.check_invariants()
+    nxt = want + [17, 18]
+    ref = make(model)
+    expect = ref.add(nxt, Sampling(max_new_tokens=4))
+    ref.run()
+    other = make(model)
+    assert load_prefix(other, tmp_path / "h.kv") == len(want)
+    got = other.add(nxt, Sampling(max_new_tokens=4))
+    other.run()
+    assert got.cached_tokens == len(want) and got.outputs == expect.outputs
+
+
+def test_save_of_what_neither_level_holds_is_refused_with_the_host_level_kept(model, tmp_path):
+    gen = Generator(model, capacity=320, max_seqs=4, eos=[], spill_bytes=1 << 30, spill_prefixes=True)
+    rng = np.random.default_rng(4)
+    for _ in range(6):
+        _history(gen, rng.integers(1, 500, size=60).tolist(), n=12)
+    tier = gen.scheduler.kv.l2
+    before = state(gen), dict(tier.entries), gen.scheduler.kv.spiller.held
+    with pytest.raises(InvalidState, match="holds 0 of the 3 tokens"):
+        save_prefix(gen, [501, 502, 503], tmp_path / "x.kv")
+    assert (state(gen), dict(tier.entries), gen.scheduler.kv.spiller.held) == before
+    assert not (tmp_path / "x.kv").exists()

@@ -506,6 +506,31 @@ class PrefixTier:
                 return self._forget(exact)
         return None
 
+    def take_whole(self, tokens: np.ndarray) -> tuple[bytes, Spill] | None:
+        """The kept prefix that holds all of ``tokens`` (its key ``tokens`` itself, else the
+        most recent that runs on past them, then restored up to their end), taken out of the
+        tier with its key (:meth:`put_back` returns it); None when none does. What
+        ``save_prefix`` brings back to the prefix cache."""
+        arr = np.ascontiguousarray(tokens, dtype=np.int32)
+        want = arr.tobytes()
+        with self.lock:
+            key = want if want in self.entries else next(
+                (k for k in reversed(self.entries) if len(k) > len(want) and k.startswith(want)), None)
+            if key is None:
+                return None
+            spill = self._forget(key)
+            if len(key) > len(want):
+                spill.stop = len(arr)
+            return key, spill
+
+    def put_back(self, key: bytes, spill: Spill) -> None:
+        """A prefix :meth:`take_whole` took, kept again (the most recent) as it was."""
+        with self.lock:
+            spill.stop = None
+            self.entries[key] = spill
+            self.lengths[spill.length] = self.lengths.get(spill.length, 0) + 1
+            self.nbytes += spill.nbytes
+
     def drop_oldest(self) -> bool:
         """Lets the least recently stored prefix go (room for a preempted sequence); False
         when none is kept."""

@@ -25,6 +25,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from ..errors import InvalidArgument, InvalidState, OutOfMemory
 from ..seqstate import open_sequence, place_file, save_sequence
 from .requests import token_ids
@@ -46,8 +48,10 @@ def _idle_prefix(gen: Any, verb: str) -> Iterator[Any]:
 
 def save_prefix(gen: Any, tokens: Any, path: Any) -> int:
     """Writes the cached K/V of ``tokens`` (and the tokens) to ``path``; returns how many.
-    InvalidState when the prefix cache does not hold all of ``tokens`` (it says how many it
-    holds), the generator is busy (requests waiting or running, or a step running: called
+    A prefix the prefix cache evicted to its host level (``spill_prefixes=True``) is brought
+    back to it first (evicting for the cells when the cache is full, as an admission's hit
+    there does). InvalidState when neither holds all of ``tokens`` (it says how many the
+    prefix cache holds), the generator is busy (requests waiting or running, or a step running: called
     from one of its callbacks or another thread) or has no prefix cache; InvalidArgument for bad tokens or
     path. A refusal changes nothing; a save counts as a use of the prefix (a hit in the
     prefix cache's metrics, its eviction order refreshed)."""
@@ -60,6 +64,8 @@ def _save(gen: Any, prefix: Any, tokens: Any, path: Any) -> int:
     ids = token_ids(tokens, "tokens", gen.vocab, limit=gen.cache.config.capacity)
     held = prefix.peek(ids)
     if held < len(ids):
+        held = _from_host(gen, prefix, ids, held)
+    if held < len(ids):
         raise InvalidState(f"the prefix cache holds {held} of the {len(ids)} tokens; only a prefix it "
                            "holds whole can be saved")
     seq, n = prefix.match(ids)
@@ -71,6 +77,42 @@ def _save(gen: Any, prefix: Any, tokens: Any, path: Any) -> int:
         return save_sequence(gen.cache, seq, path, tokens=ids)
     finally:
         gen.cache.seq_rm(seq)
+
+
+def _from_host(gen: Any, prefix: Any, ids: list[int], held: int) -> int:
+    """Brings ``ids`` back from the prefix cache's host level (``spill_prefixes=True``) when
+    it keeps them whole, as an admission's hit there does: restored past the ``held`` tokens
+    the prefix cache holds, onto a clone of them, and given to the prefix cache. Returns
+    what the prefix cache then holds of ``ids`` (``held`` when the host level keeps no
+    whole copy, or the cells for it cannot be had: the copy stays kept)."""
+    kv = gen.scheduler.kv
+    tier = kv.l2
+    if tier is None:
+        return held
+    cache = gen.cache
+    pinned = prefix.pin(ids) if held else 0
+    try:
+        taken = tier.take_whole(np.asarray(ids, dtype=np.int32))
+        if taken is None:
+            return held
+        key, spill = taken
+        try:
+            seq = _room(cache, prefix, ids, held, len(ids) - held)
+        except OutOfMemory:
+            tier.put_back(key, spill)
+            return held
+        try:
+            kv.spiller.give(spill, seq, held)       # (the copy is dropped either way)
+            prefix.give(seq, ids)
+        except BaseException:
+            if seq in cache.live_seqs() and not prefix.owns(seq):
+                cache.seq_rm(seq)
+            raise
+        return prefix.peek(ids)
+    finally:
+        if pinned:
+            with contextlib.suppress(InvalidState):
+                prefix.unpin(ids, pinned)
 
 
 def load_prefix(gen: Any, path: Any) -> int:
