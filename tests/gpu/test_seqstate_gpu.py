@@ -42,3 +42,43 @@ def test_sequence_files_cross_backends(tmp_path):
         ref = kv_at(host, h)
         assert all(torch.equal(x, y) for p in ref for x, y in zip(ref[p], back[p]))
         dev.check_invariants()
+
+
+def test_a_prefix_saved_from_the_host_level_loads_into_a_full_cache(tmp_path):
+    """On the device with graphs (float32): a history the prefix cache evicted to its host
+    level is brought back and saved; loaded into another Generator whose prefix cache fills
+    its free cells, it evicts for room and its next turn is a hit with the tokens of reading
+    it again."""
+    import numpy as np
+
+    from cellcache.generate import Generator, Sampling, load_prefix, random_model, save_prefix
+
+    model = random_model("llama-tiny", torch.float32, "cuda", seed=5)
+    rng = np.random.default_rng(3)
+
+    def history(gen):
+        req = gen.add(rng.integers(1, 500, size=60).tolist(), Sampling(max_new_tokens=12))
+        gen.run()
+        return req.prompt + req.outputs[0][:-1]
+
+    gen = Generator(model, capacity=320, max_seqs=4, eos=[], spill_bytes=1 << 28, spill_prefixes=True)
+    assert gen.runner.graphs_enabled
+    first = history(gen)
+    for _ in range(5):
+        history(gen)
+    assert gen.prefix.peek(first) < len(first)
+    assert save_prefix(gen, first, tmp_path / "h.kv") == len(first)
+    gen.cache.check_invariants()
+    full = Generator(model, capacity=320, max_seqs=4, eos=[])
+    for _ in range(4):
+        history(full)
+    assert full.cache.free_cells < len(first)
+    assert load_prefix(full, tmp_path / "h.kv") == len(first)
+    full.cache.check_invariants()
+    nxt = first + [17, 18]
+    ref = Generator(model, capacity=320, max_seqs=4, eos=[])
+    want = ref.add(nxt, Sampling(max_new_tokens=6))
+    ref.run()
+    got = full.add(nxt, Sampling(max_new_tokens=6))
+    full.run()
+    assert got.cached_tokens == len(first) and got.outputs == want.outputs
