@@ -13,6 +13,7 @@ import itertools
 import json
 import signal
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -239,6 +240,40 @@ def test_huge_lazy_sequences_are_refused_unread(model, what, huge):
         with pytest.raises(InvalidArgument, match=match):
             gen.add([1, 2, 3], sp)
     assert snapshot(gen) == before and model.config._attn_implementation == attn
+
+
+class _HugeMapping(Mapping):
+    """10**18 logit biases, made on read: ``lies`` says it holds 3."""
+
+    def __init__(self, lies: bool = False):
+        self.lies = lies
+
+    def __getitem__(self, key):
+        return 1.0
+
+    def __iter__(self):
+        return iter(itertools.count())
+
+    def __len__(self):
+        return 3 if self.lies else 10**18
+
+
+@pytest.mark.parametrize("lies", [False, True], ids=["huge", "lying-len"])
+def test_a_huge_lazy_logit_bias_is_refused_unread(model, lies):
+    """A logit_bias mapping of 10**18 made-up entries was read to the end (forever); it is
+    refused by its length, and one whose length lies is read no further than the bound."""
+    from cellcache.generate.requests import BIAS_ENTRIES
+
+    gen = make(model)
+    before = snapshot(gen)
+    with pytest.raises(InvalidArgument, match=f"logit_bias holds more than {BIAS_ENTRIES} entries"):
+        Sampling(logit_bias=_HugeMapping(lies))
+    if not lies:                                     # (a million reads a try: once is enough)
+        sp = Sampling()
+        sp.logit_bias = _HugeMapping(lies)           # set after construction: add checks it again
+        with pytest.raises(InvalidArgument, match="logit_bias holds more than"):
+            gen.add([1, 2, 3], sp)
+    assert snapshot(gen) == before
 
 
 class _OddLen:

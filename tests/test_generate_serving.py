@@ -6,6 +6,7 @@ budget default, the arrivals driver, and ``--json``'s latency summary."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -59,7 +60,8 @@ def test_token_times_ttft_and_itl_with_a_step_clock(model):
     assert lat["ttft_ms_p50"] == 2000.0 and lat["itl_ms_p50"] == lat["itl_ms_p99"] == 1000.0
     assert latency_summary([])["ttft_ms_p50"] is None
     for bad, said in ((5, "requests of type int"), ("ab", "requests of type str"), ([None], "holds NoneType"),
-                      ([a, 3], "holds int")):
+                      ([a, 3], "holds int"), (range(10**18), "holds int"),
+                      (itertools.chain([a], itertools.repeat(None)), "holds NoneType")):
         with pytest.raises(InvalidArgument, match=said):
             gen.latency(bad)
 

@@ -35,6 +35,8 @@ MAX_LOGPROBS = 20
 #: ``logit_bias`` values in [-BIAS_MAX, BIAS_MAX] (OpenAI's ranges).
 PENALTY_MAX = 2.0
 BIAS_MAX = 100.0
+#: The most ``logit_bias`` entries: more than any model's vocabulary has tokens.
+BIAS_ENTRIES = 1 << 20
 #: ``repetition_penalty`` lies in [1 / REPETITION_MAX, REPETITION_MAX]: past it the float32
 #: logits it divides or multiplies overflow (a penalty of 1e-300 is 0 in float32: the seen
 #: tokens' logits became inf, the draw NaN)
@@ -263,7 +265,16 @@ class Sampling:
             raise InvalidArgument(f"logit_bias of type {type(bias).__name__} is not a mapping of "
                                   "token id to a number")
         checked: dict[int, float] = {}
-        for key, value in bias.items():
+        try:
+            huge = len(bias) > BIAS_ENTRIES
+        except Exception:                    # noqa: BLE001 - the caller's mapping
+            huge = True
+        if huge:
+            raise InvalidArgument(f"logit_bias holds more than {BIAS_ENTRIES} entries (or no length); "
+                                  "its keys are token ids, one entry a token")
+        for i, (key, value) in enumerate(bias.items()):
+            if i >= BIAS_ENTRIES:            # (a __len__ that lies: read no further)
+                raise InvalidArgument(f"logit_bias holds more than {BIAS_ENTRIES} entries")
             tid = token_ids([key], "logit_bias", None)[0] if not isinstance(key, (str, bytes)) \
                 else None
             if tid is None:
@@ -776,10 +787,11 @@ def latency_summary(requests: Iterable[Request]) -> dict[str, float | int | None
     if not isinstance(requests, Iterable) or isinstance(requests, (str, bytes)):
         raise InvalidArgument(f"requests of type {type(requests).__name__} is not a sequence of "
                               "requests")
-    reqs = list(requests)
-    for r in reqs:
+    reqs = []
+    for r in requests:                  # (checked as read: a range(10**18) is refused at once)
         if not isinstance(r, Request):
             raise InvalidArgument(f"requests holds {type(r).__name__}, not a Request")
+        reqs.append(r)
     ttft = [r.ttft for r in reqs if r.ttft is not None]
     gaps = [g for r in reqs for g in r.itl()]
     return {"requests": len(ttft), "gaps": len(gaps), **_percentiles(ttft, "ttft_ms"),
