@@ -35,6 +35,10 @@ def priority(node: Any) -> Any:
 POLICIES: dict[str, Callable[[Any], Any]] = {"lru": lru, "lfu": lfu, "priority": priority}
 
 
+#: The built-in policies: their keys are reals (or tuples of them), always comparable.
+_COMPARABLE = frozenset(POLICIES.values())
+
+
 def policy_key(policy: object) -> Callable[[Any], Any]:
     """The key function of ``policy``: a name in :data:`POLICIES` or a callable; raises
     InvalidArgument for anything else."""
@@ -69,7 +73,10 @@ class EvictionOrder:
         leaves = list(leaves)
         try:
             heap = [(key(leaf), tie, leaf) for tie, leaf in enumerate(leaves)]
-            heap.sort()                     # (the keys must compare with one another)
+            if key in _COMPARABLE:
+                heapq.heapify(heap)         # (an eviction pops a few of them: O(n), not a sort)
+            else:
+                heap.sort()                 # (a user's keys must compare with one another: all are)
         except Exception as e:              # the user's policy: LRU for this operation
             fail(e)
             self.key = lru
