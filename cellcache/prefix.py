@@ -663,8 +663,11 @@ class PrefixCache:
         if n_cells <= 0 and n_ids <= 0:
             return 0
         cache = self.cache
-        order = EvictionOrder(self._key, [leaf for leaf in self._owned.values()
-                                          if evictable(leaf, protect)], self._op.fail)
+        owned = self._owned.values()
+        # (no pin anywhere and nothing protected: every owned leaf is evictable, unfiltered)
+        leaves = list(owned) if not protect and not self._tree.pins else \
+            [leaf for leaf in owned if evictable(leaf, protect)]
+        order = EvictionOrder(self._key, leaves, self._op.fail)
         freed = ids = 0
         tree = self._tree
         root = tree.root
