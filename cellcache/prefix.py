@@ -657,6 +657,15 @@ class PrefixCache:
             if not (self._tree.pins or self._lent) or lim is not None and lim <= 0:
                 cached = self._tree.tokens
                 return cached if lim is None else min(cached, lim)
+            if lim is not None:
+                # the owned leaves alone count as the whole walk counts them (a leaf is never
+                # blocked by a child): an admission short of a few cells stops after a few
+                # leaves instead of listing every node (144 us at 1,000 leaves)
+                some = 0
+                for leaf in self._owned.values():
+                    some += leaf.end - max(leaf.pins) if leaf.pins else leaf.n_tokens
+                    if some >= lim:
+                        return lim
             return self._tree.evictable_tokens(self._lent, lim)
 
     def _evict_locked(self, n_cells: int, n_ids: int, protect: Any) -> int:

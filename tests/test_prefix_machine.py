@@ -328,6 +328,10 @@ class PrefixMachine(RuleBasedStateMachine):
         # every cached node's cells hold exactly its tokens at its positions
         for path, s in leaves:
             self.world.holds(s, path)
+        # a limit stops the count, it never changes it (the owned leaves are counted first)
+        whole = self.prefix.evictable_tokens()
+        for lim in (1, 3, 10, 40):
+            assert self.prefix.evictable_tokens(lim) == min(whole, lim)
         # every caller sequence still holds its tokens
         for s, toks in self.world.tokens.items():
             assert self.cache.pos(s) == len(toks)
