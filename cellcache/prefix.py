@@ -674,8 +674,10 @@ class PrefixCache:
         cache = self.cache
         owned = self._owned.values()
         # (no pin anywhere and nothing protected: every owned leaf is evictable, unfiltered)
+        # (evictable() inlined: a call a leaf was most of the cost with pins held)
         leaves = list(owned) if not protect and not self._tree.pins else \
-            [leaf for leaf in owned if evictable(leaf, protect)]
+            [leaf for leaf in owned
+             if (not leaf.pins or max(leaf.pins) < leaf.end) and leaf not in protect]
         order = EvictionOrder(self._key, leaves, self._op.fail)
         freed = ids = 0
         tree = self._tree
