@@ -668,6 +668,39 @@ class PrefixCache:
                         return lim
             return self._tree.evictable_tokens(self._lent, lim)
 
+    def storable(self, tokens: Any) -> bool:
+        """Whether :meth:`give` (or :meth:`insert`) of ``tokens`` now would store them:
+        they are cached whole already, their new leaf extends a leaf (no new id), the tree's
+        ``max_seqs`` has an id left, or the eviction those make for one (leaves off the
+        path of ``tokens``, pins kept) would release one. False: the store would be skipped
+        (its eviction of tails that release no id done all the same). O(leaves), nothing
+        changes: what a caller that places ``tokens`` for the tree first asks
+        (:func:`cellcache.generate.load_prefix`). Evictions meanwhile, which release ids
+        or make leaves of nodes, never turn True into False."""
+        arr, qb = self._query(tokens, None)
+        with self._op.lock:
+            node, m = self._tree.walk(qb)
+            if m == len(arr) or (node.seq is not None and m == node.end) \
+                    or len(self._owned) + len(self._lent) < self.max_seqs:
+                return True
+            protect = node.line()
+            root = self._tree.root
+            for leaf in self._owned.values():
+                if leaf.pins or not evictable(leaf, protect):
+                    continue                # (pinned above its end: the part left adopts it)
+                x = leaf
+                while True:                 # up the nodes its sequence passes to as each goes
+                    parent = x.parent
+                    assert parent is not None
+                    if parent is root or len(parent.children) > 1:
+                        return True         # cut under a branch (or the root): its id is released
+                    if parent is node and m == node.end:
+                        return True         # node adopts the sequence: the new leaf extends it
+                    if parent in protect or parent.pins:
+                        break               # the parent keeps the sequence: no id
+                    x = parent
+            return False
+
     def _evict_locked(self, n_cells: int, n_ids: int, protect: Any) -> int:
         if n_cells <= 0 and n_ids <= 0:
             return 0

@@ -269,3 +269,82 @@ def test_save_of_what_neither_level_holds_is_refused_with_the_host_level_kept(mo
         save_prefix(gen, [501, 502, 503], tmp_path / "x.kv")
     assert (state(gen), dict(tier.entries), gen.scheduler.kv.spiller.held) == before
     assert not (tmp_path / "x.kv").exists()
+
+
+def test_a_load_the_prefix_cache_has_no_id_for_is_refused_with_nothing_changed(model, tmp_path):
+    """A prefix cache at its max_seqs whose only leaf shares the file's first tokens (a
+    system prompt) and goes on past them can give no id for the file's branch: give then
+    skipped the store, and the load returned 0 ("held already") having placed the file and
+    evicted the leaf's tail. Refused before anything changes; a file sharing nothing loads."""
+    src = make(model)
+    sysp = list(range(10, 30))
+    history = _history(src, sysp + [100, 101, 102], n=5)
+    save_prefix(src, history, tmp_path / "h.kv")
+    gen = Generator(model, capacity=1024, max_seqs=1, eos=[])      # one prefix kept
+    _history(gen, sysp + [200, 201, 202], n=5)
+    assert gen.prefix.peek(history) == len(sysp)
+    before = state(gen), gen.prefix.prefixes()
+    with pytest.raises(OutOfMemory, match="sequence id"):
+        load_prefix(gen, tmp_path / "h.kv")
+    assert (state(gen), gen.prefix.prefixes()) == before and gen.prefix.metrics()["pins"] == 0
+    gen.prefix.check_invariants()
+    other = Generator(model, capacity=1024, max_seqs=1, eos=[])
+    _history(other, list(range(300, 320)), n=5)
+    assert load_prefix(other, tmp_path / "h.kv") == len(history)
+    assert other.prefix.peek(history) == len(history)
+
+
+def _host_gen(model, seed=3, **kw):
+    gen = Generator(model, capacity=320, max_seqs=4, eos=[], spill_bytes=1 << 30, spill_prefixes=True, **kw)
+    rng = np.random.default_rng(seed)
+    first = _history(gen, rng.integers(1, 500, size=60).tolist(), n=12)
+    for _ in range(5):                                   # the others push it out to the host
+        _history(gen, rng.integers(1, 500, size=60).tolist(), n=12)
+    return gen, first
+
+
+def _kept(gen) -> tuple:
+    tier = gen.scheduler.kv.l2
+    return list(tier.entries), tier.nbytes, gen.scheduler.kv.spiller.held
+
+
+def test_a_save_from_the_host_level_refused_keeps_the_copy(model, tmp_path):
+    """Refusals after the copy left the host level lost it: asleep (the restore's placement
+    refused, the spill dropped), no prefix-cache id for it (given, then skipped); a policy
+    or on_event raising in the eviction for its cells leaked its bytes from the budget."""
+    sysp = list(range(10, 30))
+    gen = Generator(model, capacity=1024, max_seqs=1, eos=[], spill_bytes=1 << 30, spill_prefixes=True)
+    first = _history(gen, sysp + [100, 101, 102], n=5)
+    gen.prefix.evict(1000)                               # to the host level
+    _history(gen, sysp + [200, 201, 202], n=5)           # the one id: a branch of the same prompt
+    before = state(gen), gen.prefix.prefixes(), _kept(gen)
+    with pytest.raises(InvalidState, match="holds 20 of the 27 tokens"):
+        save_prefix(gen, first, tmp_path / "x.kv")
+    assert (state(gen), gen.prefix.prefixes(), _kept(gen)) == before
+
+    gen, first = _host_gen(model)
+    gen.sleep(1, keep_prefixes=True)
+    before = _kept(gen)
+    with pytest.raises(InvalidState, match="wake"):
+        save_prefix(gen, first, tmp_path / "x.kv")
+    assert _kept(gen) == before
+    gen.wake()
+    assert save_prefix(gen, first, tmp_path / "x.kv") == len(first)
+
+    gen, first = _host_gen(model)
+
+    def boom(event):
+        if event.kind == "evicted":
+            raise KeyError("on_event")
+
+    gen.prefix.on_event = boom
+    with pytest.raises(KeyError):
+        save_prefix(gen, first, tmp_path / "y.kv")
+    gen.prefix.on_event = None
+    tier = gen.scheduler.kv.l2
+    assert tier.nbytes == gen.scheduler.kv.spiller.held == sum(s.nbytes for s in tier.entries.values())
+    assert tier.find_whole(np.asarray(first, np.int32)) is not None
+    assert gen.prefix.metrics()["pins"] == 0 and not (tmp_path / "y.kv").exists()
+    assert save_prefix(gen, first, tmp_path / "y.kv") == len(first)
+    gen.cache.check_invariants()
+    gen.prefix.check_invariants()

@@ -246,3 +246,50 @@ def test_a_failing_policy_evicts_by_lru_and_raises_once_the_operation_is_whole(p
     assert [p for p, _ in prefix.prefixes()] == [(2,) * 6, (3,) * 6]      # the oldest went
     prefix.check_invariants()
     assert prefix.match([3] * 6)[1] == 6
+
+
+def test_storable_tells_whether_give_stores_the_tokens():
+    """``storable`` (what load_prefix asks before it places a file's positions for the
+    tree) agrees with what give then does, over random trees at their id budget, pins
+    held: a leaf branching inside the path of the tokens (a shared system prompt) releases
+    no id, one cut under a branch does, a node of the path adopting a sequence makes the
+    new leaf extend it; evictions between the two never turn True into False."""
+    import random
+
+    seen = set()
+    for trial in range(300):
+        rnd = random.Random(trial)
+        cache, prefix, w, _ = setup(tree_seqs=rnd.randint(1, 4), capacity=2048, max_seqs=64)
+
+        def toks(rnd=rnd, top=1 + trial % 3, most=4 + trial % 9):
+            return [rnd.randint(0, top) for _ in range(rnd.randint(1, most))]
+
+        pins = []
+        for _ in range(25):
+            op = rnd.random()
+            if op < 0.5:
+                t = toks()
+                prefix.give(w.new(t), t)
+            elif op < 0.6:
+                t = toks()
+                if n := prefix.pin(t):
+                    pins.append((t, n))
+            elif op < 0.7 and pins:
+                prefix.unpin(*pins.pop(rnd.randrange(len(pins))))
+            else:
+                q = toks()
+                if prefix.peek(q) == len(q):
+                    continue
+                held = prefix.pin(q)
+                told = prefix.storable(q)
+                evicted = rnd.random() < 0.3
+                if evicted:
+                    prefix.evict(rnd.randint(1, 10))
+                prefix.give(w.new(q), q)
+                stored = prefix.peek(q) == len(q)
+                assert stored if told else (evicted or not stored), (trial, told, stored)
+                seen.add((told, stored))
+                if held:
+                    prefix.unpin(q, held)
+            prefix.check_invariants()
+    assert {(True, True), (False, False)} <= seen

@@ -506,27 +506,37 @@ class PrefixTier:
                 return self._forget(exact)
         return None
 
-    def take_whole(self, tokens: np.ndarray) -> tuple[bytes, Spill] | None:
-        """The kept prefix that holds all of ``tokens`` (its key ``tokens`` itself, else the
-        most recent that runs on past them, then restored up to their end), taken out of the
-        tier with its key (:meth:`put_back` returns it); None when none does. What
-        ``save_prefix`` brings back to the prefix cache."""
-        arr = np.ascontiguousarray(tokens, dtype=np.int32)
-        want = arr.tobytes()
+    def find_whole(self, tokens: np.ndarray) -> bytes | None:
+        """The key of the kept prefix that holds all of ``tokens``: ``tokens`` itself, else the
+        most recent that runs on past them; None when none does. Nothing changes."""
+        want = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
         with self.lock:
-            key = want if want in self.entries else next(
+            return want if want in self.entries else next(
                 (k for k in reversed(self.entries) if len(k) > len(want) and k.startswith(want)), None)
+
+    def take_whole(self, tokens: np.ndarray) -> tuple[bytes, Spill] | None:
+        """The kept prefix that holds all of ``tokens`` (:meth:`find_whole`'s, then restored
+        up to their end), taken out of the tier with its key (:meth:`put_back` returns it);
+        None when none does. What ``save_prefix`` brings back to the prefix cache."""
+        n = len(tokens)
+        with self.lock:
+            key = self.find_whole(tokens)
             if key is None:
                 return None
             spill = self._forget(key)
-            if len(key) > len(want):
-                spill.stop = len(arr)
+            if len(key) > 4 * n:
+                spill.stop = n
             return key, spill
 
     def put_back(self, key: bytes, spill: Spill) -> None:
-        """A prefix :meth:`take_whole` took, kept again (the most recent) as it was."""
+        """A prefix :meth:`take_whole` took, kept again (the most recent) as it was; let go
+        instead when the key is kept again meanwhile."""
         with self.lock:
             spill.stop = None
+            if key in self.entries:
+                self.spiller.drop(spill)
+                self.stats["dropped"] += 1
+                return
             self.entries[key] = spill
             self.lengths[spill.length] = self.lengths.get(spill.length, 0) + 1
             self.nbytes += spill.nbytes

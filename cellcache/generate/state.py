@@ -51,10 +51,11 @@ def save_prefix(gen: Any, tokens: Any, path: Any) -> int:
     A prefix the prefix cache evicted to its host level (``spill_prefixes=True``) is brought
     back to it first (evicting for the cells when the cache is full, as an admission's hit
     there does). InvalidState when neither holds all of ``tokens`` (it says how many the
-    prefix cache holds), the generator is busy (requests waiting or running, or a step running: called
-    from one of its callbacks or another thread) or has no prefix cache; InvalidArgument for bad tokens or
-    path. A refusal changes nothing; a save counts as a use of the prefix (a hit in the
-    prefix cache's metrics, its eviction order refreshed)."""
+    prefix cache holds), the host level does but the generator is asleep, the generator is
+    busy (requests waiting or running, or a step running: called from one of its callbacks
+    or another thread) or has no prefix cache; InvalidArgument for bad tokens or path. A
+    refusal changes nothing; a save counts as a use of the prefix (a hit in the prefix
+    cache's metrics, its eviction order refreshed)."""
     with _idle_prefix(gen, "save_prefix") as prefix:
         return _save(gen, prefix, tokens, path)
 
@@ -84,23 +85,36 @@ def _from_host(gen: Any, prefix: Any, ids: list[int], held: int) -> int:
     it keeps them whole, as an admission's hit there does: restored past the ``held`` tokens
     the prefix cache holds, onto a clone of them, and given to the prefix cache. Returns
     what the prefix cache then holds of ``ids`` (``held`` when the host level keeps no
-    whole copy, or the cells for it cannot be had: the copy stays kept)."""
+    whole copy, or the cells or the prefix cache's id for it cannot be had: checked before
+    anything changes, the copy stays kept where it was). InvalidState while the generator
+    sleeps (its cache has no memory to restore into; the copy stays kept)."""
     kv = gen.scheduler.kv
     tier = kv.l2
-    if tier is None:
+    arr = np.asarray(ids, dtype=np.int32)
+    if tier is None or tier.find_whole(arr) is None:
         return held
+    if gen.asleep:
+        raise InvalidState("the prefix is kept in the host level and the generator is asleep: "
+                           "call wake() before save_prefix")
     cache = gen.cache
     pinned = prefix.pin(ids) if held else 0
     try:
-        taken = tier.take_whole(np.asarray(ids, dtype=np.int32))
+        # every refusal before the copy leaves the tier: a spill given (and then dropped) by
+        # a placement the prefix cache skips, or an eviction's hook that drops it for room,
+        # would lose it
+        if not prefix.storable(ids) or _short(cache, prefix, len(ids) - held) is not None:
+            return held
+        taken = tier.take_whole(arr)
         if taken is None:
             return held
         key, spill = taken
         try:
             seq = _room(cache, prefix, ids, held, len(ids) - held)
-        except OutOfMemory:
+        except BaseException as e:              # (a policy key, on_event: user code raising)
             tier.put_back(key, spill)
-            return held
+            if isinstance(e, OutOfMemory):
+                return held
+            raise
         try:
             kv.spiller.give(spill, seq, held)       # (the copy is dropped either way)
             prefix.give(seq, ids)
@@ -123,8 +137,10 @@ def load_prefix(gen: Any, path: Any) -> int:
     (nothing changed) a file without tokens, from another model shape or format version
     (InvalidArgument), tokens outside the model's vocabulary (InvalidArgument), a busy
     generator (as for :func:`save_prefix`) or one without a prefix cache (InvalidState), and
-    a prefix larger than the free cells and what the prefix cache can evict together
-    (OutOfMemory)."""
+    a prefix larger than the free cells and what the prefix cache can evict together, or
+    one the prefix cache has no id for (it holds its ``max_seqs`` prefixes, and can evict
+    none that gives one back: with one id, a leaf that shares the file's first tokens and
+    goes on past them) (OutOfMemory)."""
     with _idle_prefix(gen, "load_prefix") as prefix:
         return _load(gen, prefix, path)
 
@@ -146,6 +162,9 @@ def _load(gen: Any, prefix: Any, path: Any) -> int:
     try:
         if held == length:
             return 0
+        if not prefix.storable(ids):                  # (else give would skip it: a silent 0)
+            raise OutOfMemory(f"the prefix cache holds its {prefix.max_seqs} prefixes and can evict "
+                              "none that gives back a sequence id for this one")
         seq = _room(cache, prefix, ids, held, length - held)
         try:
             place_file(cache, seq, tensors, held)
@@ -165,12 +184,11 @@ def _room(cache: Any, prefix: Any, ids: list[int], held: int, need: int) -> int:
     new one when ``held`` is 0) with ``need`` free cells beside it, the prefix cache evicting
     for both; OutOfMemory, nothing evicted, when the free cells and what it can evict fall
     short (its count of evictable tokens: cells of its own, the pinned held part excluded)."""
+    why = _short(cache, prefix, need)
+    if why is not None:
+        raise OutOfMemory(why)
     short = need - cache.free_cells
     if short > 0:
-        can = prefix.evictable_tokens(short)
-        if can < short:
-            raise OutOfMemory(f"the prefix needs {need} cells: {cache.free_cells} are free and the "
-                              f"prefix cache can evict {can}")
         prefix.evict(short)
     for attempt in range(2):
         seq = prefix.match(ids, max_len=held)[0] if held else cache.seq_new()
@@ -184,3 +202,15 @@ def _room(cache: Any, prefix: Any, ids: list[int], held: int, need: int) -> int:
         cache.seq_rm(seq)
         raise OutOfMemory(f"the prefix needs {need} cells; {cache.free_cells} are free after eviction")
     return seq
+
+
+def _short(cache: Any, prefix: Any, need: int) -> str | None:
+    """Why ``need`` cells cannot be had, the free cells and what the prefix cache can evict
+    together falling short (None: they can); nothing changes."""
+    short = need - cache.free_cells
+    if short > 0:
+        can = prefix.evictable_tokens(short)
+        if can < short:
+            return (f"the prefix needs {need} cells: {cache.free_cells} are free and the prefix "
+                    f"cache can evict {can}")
+    return None
