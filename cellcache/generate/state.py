@@ -1,8 +1,9 @@
 """A Generator's cached prefixes to a file and back: a conversation's history computed once,
 kept across restarts (llama.cpp's slot save / restore, as a prefix cache entry).
 
-``save_prefix(gen, tokens, path)`` writes the K/V of ``tokens`` (which the prefix cache must
-hold whole: a finished request's prompt and output are stored there when it ends);
+``save_prefix(gen, tokens, path)`` writes the K/V of ``tokens`` (which the prefix cache, or its
+host level, must hold whole: a finished request's prompt and output are stored there when it
+ends);
 ``load_prefix(gen, path)`` puts a saved prefix back into the prefix cache (evicting for it when
 the cache is full, as an admission does), so the next request that starts with those tokens
 reads only what follows them.
