@@ -31,8 +31,9 @@ from .cache import CellCache
 from .errors import InvalidArgument, InvalidState, OutOfMemory
 from .torch import TorchView, torch_dtype
 
-__all__ = ["FORMAT", "VERSION", "cells_by_position", "load_sequence", "open_sequence", "place_file",
-           "place_positions", "read_sequence", "save_sequence", "shape_of", "write_sequence"]
+__all__ = ["FORMAT", "VERSION", "between_steps", "cells_by_position", "length_of", "load_sequence",
+           "open_sequence", "place_file", "place_positions", "read_sequence", "save_sequence", "shape_of",
+           "write_sequence"]
 
 #: What the header's ``format`` says, and the version this module writes and reads.
 FORMAT = "cellcache.sequence"
@@ -253,17 +254,27 @@ def open_sequence(cache: CellCache, path: Any) -> tuple[dict[str, torch.Tensor],
     return tensors, _check_tokens(tensors.get("tokens"), os.fspath(path))
 
 
+def length_of(tensors: dict[str, torch.Tensor]) -> int:
+    """The positions a sequence of ``tensors`` spans: its last position + 1 (0 when empty)."""
+    pos = tensors["positions"]
+    return int(pos[-1]) + 1 if pos.numel() else 0
+
+
+def between_steps(cache: CellCache) -> None:
+    """Refuses (InvalidState) while a step is declared or prepared in ``cache``: positions
+    placed now would join it."""
+    if cache.table.declared_width or cache.prepared_step is not None:
+        raise InvalidState("a step is declared or prepared: load a sequence between steps")
+
+
 def place_file(cache: CellCache, seq: int, tensors: dict[str, torch.Tensor], start: int) -> None:
     """Positions ``[start, length)`` of ``tensors`` (as :func:`open_sequence` returns them) on
     live sequence ``seq``, which holds ``[0, start)`` already (a prefix cache's clone of the
     part it holds), as :func:`place_positions` places them: a failure leaves ``seq`` with
     the steps committed before it (the caller removes ``seq``)."""
-    pos = tensors["positions"]
-    length = int(pos[-1]) + 1 if pos.numel() else 0
     with cache.lock:
-        if cache.table.declared_width or cache.prepared_step is not None:
-            raise InvalidState("a step is declared or prepared: load a sequence between steps")
-        _place(cache, seq, pos, tensors, length, start)
+        between_steps(cache)
+        _place(cache, seq, tensors["positions"], tensors, length_of(tensors), start)
 
 
 def write_sequence(cache: CellCache, tensors: dict[str, torch.Tensor]) -> int:
@@ -277,11 +288,9 @@ def write_sequence(cache: CellCache, tensors: dict[str, torch.Tensor]) -> int:
 
 
 def _write(cache: CellCache, tensors: dict[str, torch.Tensor], pos: torch.Tensor) -> int:
-    n = pos.numel()
-    length = int(pos[-1]) + 1 if n else 0
+    length = length_of(tensors)
     with cache.lock:
-        if cache.table.declared_width or cache.prepared_step is not None:
-            raise InvalidState("a step is declared or prepared: load a sequence between steps")
+        between_steps(cache)
         if length > cache.free_cells:
             raise OutOfMemory(f"the sequence needs {length} cells; {cache.free_cells} are free")
         seq = cache.seq_new()

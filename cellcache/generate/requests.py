@@ -265,16 +265,8 @@ class Sampling:
             raise InvalidArgument(f"logit_bias of type {type(bias).__name__} is not a mapping of "
                                   "token id to a number")
         checked: dict[int, float] = {}
-        try:
-            huge = len(bias) > BIAS_ENTRIES
-        except Exception:                    # noqa: BLE001 - the caller's mapping
-            huge = True
-        if huge:
-            raise InvalidArgument(f"logit_bias holds more than {BIAS_ENTRIES} entries (or no length); "
-                                  "its keys are token ids, one entry a token")
-        for i, (key, value) in enumerate(bias.items()):
-            if i >= BIAS_ENTRIES:            # (a __len__ that lies: read no further)
-                raise InvalidArgument(f"logit_bias holds more than {BIAS_ENTRIES} entries")
+        # (a huge lazy mapping is refused by its length, one whose length lies read no further)
+        for key, value in bounded_list(bias.items(), "logit_bias", "entries", BIAS_ENTRIES):
             tid = token_ids([key], "logit_bias", None)[0] if not isinstance(key, (str, bytes)) \
                 else None
             if tid is None:

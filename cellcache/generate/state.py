@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgument, InvalidState, OutOfMemory
-from ..seqstate import open_sequence, place_file, save_sequence
+from ..seqstate import between_steps, length_of, open_sequence, place_file, save_sequence
 from .requests import token_ids
 
 __all__ = ["load_prefix", "save_prefix"]
@@ -153,12 +153,10 @@ def _load(gen: Any, prefix: Any, path: Any) -> int:
         raise InvalidArgument(f"{path!s} holds no tokens: save it with save_prefix (or "
                               "save_sequence(..., tokens=...))")
     ids = token_ids(tokens, "the file's tokens", gen.vocab)
-    pos = tensors["positions"]
-    length = int(pos[-1]) + 1 if pos.numel() else 0
+    length = length_of(tensors)
     if len(ids) != length:
         raise InvalidArgument(f"{path!s} holds {len(ids)} tokens for {length} positions")
-    if cache.table.declared_width or cache.prepared_step is not None:
-        raise InvalidState("a step is declared or prepared: load a prefix between steps")
+    between_steps(cache)                              # (before the pin and any eviction)
     held = prefix.pin(ids)                            # (kept while room is made for the rest)
     try:
         if held == length:
