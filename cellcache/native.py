@@ -102,14 +102,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def logits_out(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor) -> None:
+def logits_out(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor,
+               write: torch.Tensor | None = None) -> None:
     """``out.copy_(x)`` into float32 ``out`` and ``ids`` (int64) = ``x.argmax(-1)`` for a
     ``[rows, vocab]`` ``x``: on CUDA one launch that reads ``x`` once (half the bytes of the
     argmax reading the float32 copy, and one pass less than argmax then copy), elsewhere
     torch's two ops. The ids are torch.argmax's (a NaN above every number, ties to the
-    lowest id). InvalidArgument, nothing written, for rows of no logits."""
+    lowest id). InvalidArgument, nothing written, for rows of no logits.
+
+    ``write``: a one-element int32 tensor on ``x``'s device that the launch reads when it
+    runs: 0 leaves ``out`` unwritten (the ids alone: a third of the bytes at bf16), so a
+    graph captured with it serves steps whose draws read only the ids; the host sets it in
+    stream order. The torch path (no kernel) always writes ``out``."""
     if x.ndim == 2 and x.shape[0] and not x.shape[1]:
         raise InvalidArgument(f"logits of shape {tuple(x.shape)}: rows of no vocabulary have no argmax")
+    flag = 0
+    if write is not None:
+        if not isinstance(write, torch.Tensor) or write.dtype != torch.int32 or write.numel() != 1 \
+                or write.device != x.device:
+            shown = (f"a {tuple(write.shape)} {write.dtype} tensor on {write.device}"
+                     if isinstance(write, torch.Tensor) else f"of type {type(write).__name__}")
+            raise InvalidArgument(f"write is {shown}; give one int32 on {x.device}")
+        flag = write.data_ptr()
     k = _kernels(x)
     if (k is None or not _rows(x) or not _rows(out) or out.dtype != torch.float32
             or out.shape != x.shape or out.device != x.device or ids.dtype != torch.int64
@@ -118,7 +132,7 @@ def logits_out(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor) -> None:
         out.copy_(x)
         return
     k.logits_out(_DTYPES[x.dtype], x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), out.data_ptr(),
-                 out.stride(0), ids.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream)
+                 out.stride(0), ids.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream, flag)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

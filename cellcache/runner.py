@@ -303,6 +303,11 @@ class ModelRunner:
         self._out: torch.Tensor | None = None          # the graphs' float32 logits, shared
         self._greedy: torch.Tensor | None = None       # and the argmax of each of their rows
         self._replayed_greedy: Any = None              # the last replayed graph's part of it
+        # whether the graphs write their float32 logits (an int32 the graphs' logits_out
+        # reads when it runs; forward(logits=False) clears it in stream order) and the
+        # value last queued into it
+        self._write: torch.Tensor | None = None
+        self._writing = True
         # forward's views of a decode graph's first rows: (its logits, the logits' first
         # rows, its greedy ids' first rows) by (id of its logits, width) (_first_rows)
         self._row_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
@@ -439,7 +444,7 @@ class ModelRunner:
                                 self.input_ids[:, :step.pad_to], self._positions(step), rows)
 
     def forward(self, step: Step, tokens: Any = None, logit_rows: Any = None, decode: bool = False, *,
-                device_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                device_tokens: torch.Tensor | None = None, logits: bool = True) -> torch.Tensor:
         """Runs the forward of ``step`` on ``tokens`` (one per real row); returns float32
         logits ``[len(logit_rows), vocab]`` (all real rows when None).
 
@@ -463,6 +468,12 @@ class ModelRunner:
         A replayed step's logits (decode or mixed) are a view of the float32 buffer every
         graph of this runner writes: valid until the next replayed forward, of any width (the
         step's sampling reads them before, in stream order); ``clone()`` them to keep them.
+
+        ``logits=False``: the caller reads only :attr:`greedy` (the draws of greedy rows), so
+        a replayed step leaves the float32 logits unwritten (the graph reads the model's
+        logits once for their argmax: at 256 rows of a 152K vocabulary that is 156 MB not
+        written a step); the tensor returned then holds whatever the buffer held. An eager
+        step writes them either way.
         """
         if not isinstance(step, Step):
             raise InvalidArgument(f"step of type {type(step).__name__} is not a Step")
@@ -497,6 +508,8 @@ class ModelRunner:
         rows = None if logit_rows is None else self._logit_rows(logit_rows, width)
         if not isinstance(decode, (bool, np.bool_)):
             raise InvalidArgument(f"decode of type {type(decode).__name__} is not a bool")
+        if not isinstance(logits, (bool, np.bool_)):
+            raise InvalidArgument(f"logits of type {type(logits).__name__} is not a bool")
         if self.view.stale():                 # a copy growth moved the pools
             self.view.refresh()
         if self._graph_generation != self.view.generation:
@@ -529,26 +542,29 @@ class ModelRunner:
         # (8-bit K/V: eager until every layer's scales are set, by a first write outside a graph)
         graphs = self.graphs_enabled and self.view.kv_scales_ready()
         if graphs and decode and T in self.buckets:
-            logits = self._replay(step)       # (the capture, on first use, in inference mode)
+            # (greedy is handed out for every real row alone: other rows read the logits)
+            self._write_logits(logits or not every)
+            out = self._replay(step)          # (the capture, on first use, in inference mode)
             self.replays += 1
             self.replayed = True
             self._fed_rows = T
             if every:                         # every real row: a slice, no index upload
-                logits, self.greedy = self._first_rows(logits, width)
+                out, self.greedy = self._first_rows(out, width)
                 self._handed = (self.greedy, width)
-                return logits
+                return out
             assert rows is not None
-            return logits[self._index(rows)]
+            return out[self._index(rows)]
         with torch.inference_mode():
             n_rows = width if rows is None else rows.size
             if graphs and not decode and T in self.mixed_buckets \
                     and n_rows <= min(T, self.logit_cap):
-                logits = self._replay_mixed(step, rows, n_rows)
+                self._write_logits(logits)
+                out = self._replay_mixed(step, rows, n_rows)
                 self.replays += 1
                 self.replayed = True
                 self._fed_rows = 0            # its greedy ids overwrote the decode graph's
                 self.greedy = self._replayed_greedy[:n_rows]
-                return logits[:n_rows]
+                return out[:n_rows]
             self.eager += 1
             # "auto": on CUDA with the paged view, the path choose_path gives each layer's
             # shape (cellcache's decode kernel for decode steps, its prefill kernel with the
@@ -618,6 +634,13 @@ class ModelRunner:
         self._replayed_greedy = greedy
         return logits
 
+    def _write_logits(self, on: bool) -> None:
+        """Whether the next replays write their float32 logits: the graphs' flag set in
+        stream order when it changes (before the first capture there is none: they write)."""
+        if self._write is not None and self._writing != on:
+            self._write.fill_(int(on))
+            self._writing = bool(on)
+
     def _shared_out(self, rows: int, width: int) -> torch.Tensor:
         """The one float32 logits buffer every graph writes its output into (graphs replay
         one at a time in stream order, and a step's logits are read before the next replay):
@@ -628,6 +651,9 @@ class ModelRunner:
         if self._out is None or self._out.shape[1] != width or self._out.shape[0] < rows:
             self._out = torch.empty((n, width), dtype=torch.float32, device=self.device)
             self._greedy = torch.zeros(n, dtype=torch.long, device=self.device)
+        if self._write is None:
+            self._write = torch.ones(1, dtype=torch.int32, device=self.device)
+            self._writing = True
         return self._out
 
     def _capture(self, step: Step, index: torch.Tensor | None, rows: int,
@@ -651,7 +677,7 @@ class ModelRunner:
             assert greedy is not None
             # once outside the capture: its first call loads the kernel's module (a module
             # load is no stream work and has no place inside a capture)
-            logits_out(warm, out[:rows], greedy[:rows])
+            logits_out(warm, out[:rows], greedy[:rows], self._write)
             del warm
             graph = torch.cuda.CUDAGraph()
             # float32 logits and their greedy ids out of the graph: no launch after it. Both
@@ -660,7 +686,7 @@ class ModelRunner:
             with torch.cuda.graph(graph, pool=pool):
                 logits = out[:rows]
                 model_logits = self._run(step, "auto", index)
-                logits_out(model_logits, logits, greedy[:rows])
+                logits_out(model_logits, logits, greedy[:rows], self._write)
                 del model_logits
                 if feed:                      # ids in [0, vocab): pad rows' are harmless too
                     self.input_ids[0, :rows].copy_(greedy[:rows])

@@ -30,7 +30,9 @@
 //
 //   logits_out    out = float32(x) by rows, and ids[r] = the argmax of row r in torch.argmax's
 //                 order (a NaN above every number, ties to the lowest id): the float32 copy
-//                 and the greedy ids in one read of the model's logits
+//                 and the greedy ids in one read of the model's logits; the copy only while
+//                 *write != 0 (null: always), a flag set in stream order, so that one captured
+//                 graph serves steps whose draws read the ids alone (a third of the bytes)
 //
 // And the sampler's draw for rows at a temperature alone (cellcache/generate/sampler.py):
 //
@@ -306,8 +308,9 @@ __device__ __forceinline__ bool beats(float v, int i, float bv, int bi)
 
 template <typename T, int VEC>
 __device__ void logits_out(const T* __restrict__ x, cc_i64 sx, float* __restrict__ out, cc_i64 so,
-                           cc_i64* __restrict__ ids, cc_i32 V)
+                           cc_i64* __restrict__ ids, const cc_i32* __restrict__ write, cc_i32 V)
 {
+    const bool copy = write == nullptr || *write != 0;
     __shared__ float s_v[LOGIT_THREADS / 32];
     __shared__ int s_i[LOGIT_THREADS / 32];
     const cc_i64 row = blockIdx.x;
@@ -318,14 +321,14 @@ __device__ void logits_out(const T* __restrict__ x, cc_i64 sx, float* __restrict
     for (cc_i32 i = threadIdx.x * VEC; i < V; i += blockDim.x * VEC) {
         float a[VEC];
         load<T, VEC>(xr + i, a);
-        if (VEC % 4 == 0) {
+        if (copy && VEC % 4 == 0) {
 #pragma unroll
             for (int j = 0; j < VEC; j += 4) {
                 float4 f;
                 f.x = a[j]; f.y = a[j + 1]; f.z = a[j + 2]; f.w = a[j + 3];
                 *reinterpret_cast<float4*>(orow + i + j) = f;
             }
-        } else {
+        } else if (copy) {
 #pragma unroll
             for (int j = 0; j < VEC; ++j) orow[i + j] = a[j];
         }
@@ -359,8 +362,8 @@ __device__ void logits_out(const T* __restrict__ x, cc_i64 sx, float* __restrict
 #define LOGITS_OUT(NAME, T, VEC)                                                               \
     extern "C" __global__ void __launch_bounds__(LOGIT_THREADS)                                \
     logits_out_##NAME##_v##VEC(const T* x, cc_i64 sx, float* out, cc_i64 so, cc_i64* ids,      \
-                               cc_i32 V)                                                       \
-    { logits_out<T, VEC>(x, sx, out, so, ids, V); }
+                               const cc_i32* write, cc_i32 V)                                  \
+    { logits_out<T, VEC>(x, sx, out, so, ids, write, V); }
 
 BY_DTYPE_AND_VEC(LOGITS_OUT)
 

@@ -33,12 +33,12 @@ def make(model, async_steps, **kw):
     gen.mixed_ahead = 0                               # of them, with host ids too (prompts)
     real = gen.runner.forward
 
-    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
+    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None, logits=True):
         if device_tokens is not None:
             gen.ahead += 1
             gen.mixed_ahead += tokens is not None
-            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
-        return real(step, tokens, logit_rows, decode)
+            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens, logits=logits)
+        return real(step, tokens, logit_rows, decode, logits=logits)
 
     gen.runner.forward = forward
     # the steady path (the same rows as the step in flight, applied without per-row checks)
@@ -664,7 +664,7 @@ def test_warmup_runs_one_step_per_bucket_and_leaves_the_cache_as_it_was(model, m
     assert (cache.free_cells, cache.live_seqs(), cache.table.declared_width) == before
     seen = []
 
-    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
+    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None, logits=True):
         seen.append((step.width, step.pad_to, decode, len(cache.live_seqs()),
                      None if logit_rows is None else list(logit_rows)))
         if fail:
@@ -957,7 +957,7 @@ def test_a_failed_mixed_step_ahead_rolls_both_back(model, where):
     real = gen.runner.forward
     fired = []
 
-    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
+    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None, logits=True):
         if not fired and tokens is not None and device_tokens is not None:
             fired.append(1)
             if where == "forward":
@@ -970,7 +970,7 @@ def test_a_failed_mixed_step_ahead_rolls_both_back(model, where):
                 def result(self):
                     raise RuntimeError("the copy failed")
             flight.draw = Failing()
-        return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
+        return real(step, tokens, logit_rows, decode, device_tokens=device_tokens, logits=logits)
 
     gen.runner.forward = forward
     i = 0
@@ -1160,3 +1160,38 @@ def test_preemption_with_requests_that_draw_nothing(model):
     assert [r.finish_reasons for r in reqs] == [["length"]] * 8
     assert [len(r.outputs[0]) for r in reqs] == [24, 0] * 4
     assert all(None not in r.prompt_logprobs[1:] for r in reqs)
+
+
+@pytest.mark.parametrize("async_steps", [False, True])
+def test_the_float32_logits_are_asked_for_only_where_the_draws_read_them(model, async_steps):
+    """A replayed step whose draws are each row's own argmax needs only the graph's greedy
+    ids, so the generator calls ``forward(logits=False)`` then; a step with a sampled row,
+    a server knob or prompt log-probabilities, or with an ``on_logits`` tap, asks for the
+    logits. Greedy requests alone: every step without; the tap: every step with; one
+    sampled request (or one asking for log-probabilities) beside them: at least each of
+    the 20 steps that draw its tokens with."""
+    def run(samplings, tap=False):
+        gen = make(model, async_steps)
+        asked = []
+        real = gen.runner.forward
+
+        def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None, logits=True):
+            asked.append(logits)
+            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens, logits=logits)
+
+        gen.runner.forward = forward
+        if tap:
+            gen.on_logits = lambda rows, logits: None
+        reqs = [gen.add(p, s) for p, s in zip(prompts(7, 5), samplings)]
+        gen.run()
+        return asked, [r.outputs for r in reqs]
+
+    greedy = [Sampling(max_new_tokens=6 + i) for i in range(5)]
+    asked, outs = run(greedy)
+    assert asked and not any(asked)
+    tapped, tapped_outs = run(greedy, tap=True)
+    assert set(tapped) == {True} and tapped_outs == outs
+    for odd in (Sampling(max_new_tokens=20, temperature=0.8, seed=1),
+                Sampling(max_new_tokens=20, logprobs=2)):
+        asked = run(greedy[:4] + [odd])[0]
+        assert sum(asked) >= 20 and not all(asked)            # (prompt chunks without its row)

@@ -121,6 +121,14 @@ def test_logits_out_off_cuda_is_torch_s_copy_and_argmax():
     with pytest.raises(InvalidArgument, match="no vocabulary"):      # refused, nothing written
         ccn.logits_out(x[:, :0], out[:5, :0], ids[:5])
     assert torch.equal(ids[:5], torch.argmax(x, dim=-1))
+    ids.fill_(-1)
+    for bad in (torch.ones(1), torch.ones(2, dtype=torch.int32), 1):  # the write flag: one int32
+        with pytest.raises(InvalidArgument, match="write is"):
+            ccn.logits_out(x, out[:5], ids[:5], bad)
+    assert (ids == -1).all()
+    ccn.logits_out(x, out[:5], ids[:5], torch.zeros(1, dtype=torch.int32))   # off CUDA: written
+    assert torch.equal(out[:5].view(torch.int32), x.float().view(torch.int32))
+    assert torch.equal(ids[:5], torch.argmax(x, dim=-1))
 
 
 def test_custom_ops_compute_what_the_eager_ops_do():

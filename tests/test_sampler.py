@@ -456,3 +456,25 @@ def test_the_same_lists_over_another_vocabulary_are_clamped_for_it():
         assert got.tolist() == Sampler("cpu")(logits, spec).ids.tolist()
         kth = torch.topk(logits, min(40, vocab), dim=-1).values[:, -1]
         assert (logits[torch.arange(16), torch.as_tensor(got)] >= kth).all()
+
+
+def test_a_spec_reads_the_logits_unless_every_slot_is_its_rows_argmax():
+    """``SampleSpec.reads_logits``: False only when every slot draws greedily from its own
+    row with no server knob and no prompt log-probabilities (then a replayed graph's
+    argmax is the whole draw)."""
+    from cellcache.generate import Sampling
+    from cellcache.generate.plan import SlotExtra
+
+    assert not spec_for(4).reads_logits(4)
+    assert spec_for(4).reads_logits(5)                         # a row nobody draws from
+    assert spec_for(3, rows=[0, 0, 1]).reads_logits(3)         # n > 1 continuations share a row
+    assert spec_for(4, temperature=0.7).reads_logits(4)
+    said = spec_for(4)
+    said.random = True                                         # as the caller says, not looked at
+    assert said.reads_logits(4)
+    knob = spec_for(4)
+    knob.extras.append(SlotExtra(1, Sampling(logprobs=1)))
+    assert knob.reads_logits(4)
+    prompt = spec_for(4)
+    prompt.prompt_rows.append((2, 5, 0))
+    assert prompt.reads_logits(4)

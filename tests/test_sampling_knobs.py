@@ -528,9 +528,9 @@ def test_knobs_that_end_run_ahead_again(model, ref):
         real = gen.runner.forward
 
         def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None,
-                    ahead=ahead, real=real):
+                    logits=True, ahead=ahead, real=real):
             ahead.append(device_tokens is not None)
-            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
+            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens, logits=logits)
 
         gen.runner.forward = forward
         req = gen.add(prompt, Sampling(max_new_tokens=12, min_new_tokens=3, prompt_logprobs=1,
@@ -573,9 +573,9 @@ def test_knobs_run_ahead_with_the_synchronous_outputs(model, ending, history):
         real = gen.runner.forward
 
         def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None,
-                    ahead=ahead, real=real):
+                    logits=True, ahead=ahead, real=real):
             ahead.append(device_tokens is not None)
-            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
+            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens, logits=logits)
 
         gen.runner.forward = forward
         reqs = [gen.add(p, sp) for p, sp in zip(prompts, sps)]

@@ -245,9 +245,9 @@ def test_stop_strings_end_the_continuation_and_cut_its_text(model, tok, async_st
     ahead = []
     real = gen.runner.forward
 
-    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
+    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None, logits=True):
         ahead.append(device_tokens is not None)
-        return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
+        return real(step, tokens, logit_rows, decode, device_tokens=device_tokens, logits=logits)
 
     gen.runner.forward = forward
     calls = []

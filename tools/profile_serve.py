@@ -69,9 +69,9 @@ def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: st
     real = gen.runner.forward
     stub_logits: dict[int, torch.Tensor] = {}
 
-    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None):
+    def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None, logits=True):
         if logit_rows is not None and len(logit_rows) != step.width:   # prompt chunks: the model
-            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens)
+            return real(step, tokens, logit_rows, decode, device_tokens=device_tokens, logits=logits)
         n = step.width if logit_rows is None else len(logit_rows)
         if n not in stub_logits:
             stub_logits[n] = torch.zeros((n, vocab), dtype=torch.float32)

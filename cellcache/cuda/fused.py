@@ -177,11 +177,13 @@ class FusedKernels:
         _launch.launch(self.f_sample, (n, 1, 1), SAMPLE_THREADS, smem, stream, args, _SAMPLE_OFFS)
 
     def logits_out(self, dtype: str, rows: int, vocab: int, x: int, sx: int, out: int, so: int,
-                   ids: int, stream: int) -> None:
+                   ids: int, stream: int, write: int = 0) -> None:
         """``out[r, :vocab] = float32(x[r, :vocab])`` and ``ids[r]`` (int64) = the row's
         argmax in ``torch.argmax``'s order (a NaN above every number, ties to the lowest
         id), ``r`` in ``[0, rows)``: rows ``sx`` / ``so`` elements apart, ``dtype`` the
-        elements of ``x``. One block a row. No rows: nothing launched."""
+        elements of ``x``. ``write``: the address of an int32 on the device; while it holds 0
+        when the kernel runs, ``out`` is not written (0, the default: always written). One
+        block a row. No rows: nothing launched."""
         if rows <= 0:
             return
         if not 0 < vocab < 2**31:
@@ -189,7 +191,7 @@ class FusedKernels:
         v = vector_width(DTYPES[dtype], vocab, sx)
         if v > 1 and (x % 16 or out % 16 or so % 4):
             v = 1                            # (the vector loads and stores need 16 bytes)
-        args = struct.pack(FORMATS["logits_out"], x, sx, out, so, ids, vocab)
+        args = struct.pack(FORMATS["logits_out"], x, sx, out, so, ids, write, vocab)
         _launch.launch(self.f_logits[dtype, v], (rows, 1, 1), LOGIT_THREADS, 0, stream, args, _LOGITS_OFFS)
 
     def close(self) -> None:
@@ -212,7 +214,7 @@ def _offsets(fmt: str) -> tuple[int, ...]:
 #: handed to the driver by its own address): a CPU test reads the PTX's parameter lists
 FORMATS = {"add_rms_norm": "=QQQQQiqqqqfi", "silu_mul": "=QQiqq", "rotary_store": "=QQQQQQiiiqqq",
            "rotary": "=QQQiiqqq", "move_rows": "=QQqQQqii", "sample_rows": "=QqQQQQi",
-           "logits_out": "=QqQqQi"}
+           "logits_out": "=QqQqQQi"}
 _NORM_OFFS = _offsets(FORMATS["add_rms_norm"])
 _SILU_OFFS = _offsets(FORMATS["silu_mul"])
 _ROTARY_OFFS = _offsets(FORMATS["rotary"])

@@ -1133,8 +1133,10 @@ class Generator:
             step = self.cache.prepare_step(stream=runner.stream_handle, pad_to=pad_to)
             t = self._tick("prepare", t)
             rows = None if plan.lean else plan.logit_rows   # lean: every real row, in order
+            # a greedy step's draws are the graph's argmax: no float32 logits to write
+            want = self._on_logits is not None or plan.spec.reads_logits(logit_rows)
             if after is None:
-                logits = self.runner.forward(step, plan.tokens, rows, decode=decode)
+                logits = self.runner.forward(step, plan.tokens, rows, decode=decode, logits=want)
             elif not plan.lean:                   # its first rows fed on the device, then the host's
                 n = len(plan.fed_slots)
                 fed = None
@@ -1142,12 +1144,13 @@ class Generator:
                     ids = after.draw.device_ids
                     assert ids is not None
                     fed = self.runner.gather(ids, np.asarray(plan.fed_slots, np.int64))
-                logits = self.runner.forward(step, plan.tokens[n:], rows, decode=decode, device_tokens=fed)
+                logits = self.runner.forward(step, plan.tokens[n:], rows, decode=decode, device_tokens=fed,
+                                             logits=want)
             else:
                 fed = self._fed(plan, after)
                 if plan.spec.extras:              # penalties count the fed tokens on the device
                     plan.spec.fed = fed
-                logits = self.runner.forward(step, None, rows, decode=decode, device_tokens=fed)
+                logits = self.runner.forward(step, None, rows, decode=decode, device_tokens=fed, logits=want)
             self.cache.commit_step()
             t = self._tick("forward", t)
             if self._on_logits is not None:

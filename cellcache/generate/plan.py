@@ -106,6 +106,13 @@ class SampleSpec:
         """Whether some slot samples (temperature > 0)."""
         return self.random if self.random is not None else any(t > 0 for t in self.temperature)
 
+    def reads_logits(self, n_rows: int) -> bool:
+        """Whether drawing this spec from a step's ``n_rows`` logits rows reads the logits
+        rather than only each row's argmax (:attr:`cellcache.runner.ModelRunner.greedy`):
+        some slot samples, uses a server knob (log-probabilities among them) or draws from
+        another row than its own, or prompt log-probabilities are asked for."""
+        return bool(self.extras or self.prompt_rows) or not self.identity(n_rows) or self.any_random()
+
 
 @dataclass(eq=False)
 class SlotExtra:

@@ -171,3 +171,54 @@ def test_graph_greedy_ids_and_fed_inputs_match_the_synchronous_run(shape):
     greedy = [i for i, s in enumerate(samplings) if s.temperature == 0]
     assert [outs[True][i] for i in greedy] == [refs[i] for i in greedy]
     assert any(outs[True][i] != refs[i] for i in range(len(prompts)) if i not in greedy)  # sampled
+
+
+def test_a_replay_without_logits_hands_the_same_ids_and_leaves_the_buffer():
+    """``forward(logits=False)``: a replayed decode step writes its greedy ids and not the
+    float32 logits (the generator asks so where its draws read only the ids), the next
+    replay that asks writes them again, and eager steps write them either way. Three sets
+    of clones of the same histories decode the same tokens, so each step's ids and logits
+    are the same."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from cellcache.generate import Generator, random_model
+
+    model = random_model("llama-tiny", torch.float32, "cuda", seed=5)
+    gen = Generator(model, capacity=512, max_batch_tokens=64, max_seqs=16, eos=[], prefix_cache=False)
+    cache, runner = gen.cache, gen.runner
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 512, size=int(rng.integers(3, 12))).tolist() for _ in range(4)]
+    roots = []
+    for p in prompts:                            # each prompt read eagerly
+        s = cache.seq_new()
+        assert cache.declare_step([s] * len(p))
+        runner.forward(cache.prepare_step(), p, [len(p) - 1])
+        cache.commit_step()
+        roots.append(s)
+    nxt = [int(rng.integers(0, 512)) for _ in prompts]
+    got = []
+    for want in (True, False, True, False):
+        seqs = [cache.seq_clone(s) for s in roots]
+        assert cache.declare_step(seqs)
+        pad_to, decode = runner.padding(True, len(seqs), len(seqs), len(seqs))
+        assert decode
+        replays = runner.replays
+        out = runner.forward(cache.prepare_step(stream=runner.stream_handle, pad_to=pad_to), nxt,
+                             decode=True, logits=want)
+        cache.commit_step()
+        assert runner.replays == replays + 1 and runner.greedy is not None
+        torch.cuda.synchronize()
+        got.append((out.clone(), runner.greedy.clone()))
+        out.fill_(7.0)                           # what a replay without logits leaves
+        for s in seqs:
+            cache.seq_rm(s)
+    (l0, g0), (l1, g1), (l2, g2), (l3, g3) = got
+    assert torch.equal(g0, torch.argmax(l0, -1)) and torch.equal(g1, g0) and torch.equal(g3, g0)
+    assert bool((l1 == 7).all()) and bool((l3 == 7).all()) and torch.equal(l2, l0)
+    seqs = [cache.seq_clone(s) for s in roots]   # eager (no padding): written though not asked
+    assert cache.declare_step(seqs)
+    eager = runner.forward(cache.prepare_step(), nxt, logits=False)
+    cache.commit_step()
+    assert torch.allclose(eager, l0, atol=1e-4, rtol=1e-4)
+    cache.check_invariants()
+    cache.close()

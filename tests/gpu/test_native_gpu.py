@@ -94,6 +94,19 @@ def test_logits_out_is_the_float32_copy_and_torch_s_argmax(dtype, vocab):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(bits(out[:rows]), bits(y)) and torch.equal(ids[:rows], torch.argmax(y, dim=-1))
+    # a graph with the write flag: 0 when it replays leaves the copy alone, the ids still come
+    write = torch.ones(1, dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ccn.logits_out(y, out[:rows], ids[:rows], write)
+    for on in (0, 1, 0):
+        y.copy_(torch.randn(rows, vocab, device="cuda", generator=g).to(dtype))
+        out.fill_(7.0)
+        write.fill_(on)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ids[:rows], torch.argmax(y, dim=-1))
+        assert torch.equal(bits(out[:rows]), bits(y)) if on else bool((out == 7).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
