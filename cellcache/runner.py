@@ -638,7 +638,8 @@ class ModelRunner:
         """Whether the next replays write their float32 logits: the graphs' flag set in
         stream order when it changes (before the first capture there is none: they write)."""
         if self._write is not None and self._writing != on:
-            self._write.fill_(int(on))
+            with torch.inference_mode():      # (made in a capture: an inference tensor)
+                self._write.fill_(int(on))
             self._writing = bool(on)
 
     def _shared_out(self, rows: int, width: int) -> torch.Tensor:

@@ -209,7 +209,8 @@ def test_a_replay_without_logits_hands_the_same_ids_and_leaves_the_buffer():
         assert runner.replays == replays + 1 and runner.greedy is not None
         torch.cuda.synchronize()
         got.append((out.clone(), runner.greedy.clone()))
-        out.fill_(7.0)                           # what a replay without logits leaves
+        with torch.inference_mode():             # (the graphs' buffer: an inference tensor)
+            out.fill_(7.0)                       # what a replay without logits leaves
         for s in seqs:
             cache.seq_rm(s)
     (l0, g0), (l1, g1), (l2, g2), (l3, g3) = got
