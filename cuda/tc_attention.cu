@@ -29,10 +29,9 @@
 //                       (.trans for V, every address a per-lane register plus an immediate),
 //                       online softmax in exp2 with scale * log2(e) folded in (the row sums on
 //                       the tensor cores at d128 m2); masks only on edge tiles.
-//                       The runs' own pass also zeroes the padding rows and folds each split
-//                       row's splits, and each grouped row's own and shared parts, into out
-//                       (the last unit of a q tile to finish folds it, see tc_fold); each
-//                       pass puts its counter back (so a plan serves the step's later layers).
+//   tc_merge_T          the splits of each split row and the own and shared parts of each
+//                       grouped row merged; zeros into the padding rows; the counters reset
+//                       (so a plan serves the step's later layers too).
 //
 // Masks mirror attention.cu: query i of a run of qo_len queries over a list of L entries sees
 // entries (hi - window, hi], hi = L - qo_len + i (window 0: [0, hi]).
@@ -52,10 +51,10 @@
 #define TC_N_UNITS 0
 #define TC_CHUNK 1                 // kv split size (0: no split)
 #define TC_COUNTER 2               // next unit (atomic)
-#define TC_SPLIT 3                 // 1 when some run is split (the fold has work)
+#define TC_SPLIT 3                 // 1 when some run is split (the merge has work)
 #define TC_GUNITS 4                // units of the shared (cascade) pass: group items x kv heads
 #define TC_GCOUNTER 5              // next unit of the shared pass (atomic)
-#define TC_CASCADE 6               // 1 when some rows are grouped (the fold has work)
+#define TC_CASCADE 6               // 1 when some rows are grouped (the merge has work)
 
 #define TC_NSH 4                   // most kv splits of a group's shared keys
 #define TC_CASCADE_ALIGN 128       // a group's shared keys and their splits: multiples of this
@@ -87,7 +86,6 @@ typedef struct {
     cc_i64 gcap;                   // group items the list holds (0: no cascade)
     float* cpart;                  // grouped rows' partials: [row][n_heads][1 + TC_NSH][D + 2]
     const cc_i32* share;           // [rows]: leading kv entries run r shares with run r - 1
-    cc_i32* arrive;                // split runs: units in of each (item, kv head) (0 between launches)
 } TcArgs;
 
 // -- instructions ------------------------------------------------------------------------------
@@ -279,7 +277,7 @@ __device__ __forceinline__ cc_i32* plan_run_ns(const TcArgs& a) { return plan_ru
 __device__ __forceinline__ cc_i32* plan_run_start(const TcArgs& a) { return plan_run_base(a) + 2 * a.rows; }
 __device__ __forceinline__ cc_i32* plan_run_crow(const TcArgs& a) { return plan_run_base(a) + 3 * a.rows; }
 __device__ __forceinline__ cc_i32* plan_run_cs(const TcArgs& a) { return plan_run_base(a) + 4 * a.rows; }
-// by row: 8 x its row in cpart + its partials there (-1: not grouped), for the fold
+// by row: 8 x its row in cpart + its partials there (-1: not grouped), for the merge
 __device__ __forceinline__ cc_i32* plan_row_cr(const TcArgs& a) { return plan_run_base(a) + 5 * a.rows; }
 // groups {first run, runs, shared keys, first cpart row (-1: not run)}: rows / 2 + 1 of them,
 // then the shared pass's items {group, q tile, split, split size}: gcap of them
@@ -1013,156 +1011,20 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     }
 }
 
-// -- the fold: split and grouped rows' partials into out, inside tc_attend ---------------------
-// (The loops are functions of their own, called with plain values: code for each dtype once,
-// not for each variant, and no copy of the kernel's arguments to take their address.)
-
-// One (row, head) of a grouped run into dst: its ns partials (m, l, O) at pp, 2 + D floats
-// apart: slot 0 its own keys' (this unit's), 1.. its group's shared splits' (the shared pass's,
-// launched before); lane s reads slot s's m and l. Partials are read through L2 (__ldcg):
-// other CTAs of this launch wrote some of them.
-template <typename T>
-__device__ __noinline__ void fold_grouped(const float* pp, int ns, T* dst, int D, int lane)
-{
-    const float ms = lane < ns ? __ldcg(pp + lane * (D + 2)) : TC_NEG_INF;
-    const float ls = lane < ns ? __ldcg(pp + lane * (D + 2) + 1) : 0.f;
-    float mx = ms;
-#pragma unroll
-    for (int off = 4; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    mx = __shfl_sync(0xffffffffu, mx, 0);
-    const float base = mx == TC_NEG_INF ? 0.f : mx;
-    const float ws = lane < ns ? ex2(ms - base) : 0.f;
-    float den = ws * ls;
-#pragma unroll
-    for (int off = 4; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
-    den = __shfl_sync(0xffffffffu, den, 0);
-    const float inv = den > 0.f ? 1.f / den : 0.f;
-    float w[1 + TC_NSH];                        // every lane: the weights (all lanes shuffle)
-#pragma unroll
-    for (int s = 0; s < 1 + TC_NSH; ++s) w[s] = __shfl_sync(0xffffffffu, ws, s);
-    for (int d = 2 * lane; d < D; d += 64) {
-        float x0 = 0.f, x1 = 0.f;
-#pragma unroll
-        for (int s = 0; s < 1 + TC_NSH; ++s) {
-            if (s >= ns) break;
-            const float2 v = __ldcg(reinterpret_cast<const float2*>(pp + s * (D + 2) + 2 + d));
-            x0 += w[s] * v.x;
-            x1 += w[s] * v.y;
-        }
-        *reinterpret_cast<cc_u32*>(dst + d) = Mma<T>::pack(x0 * inv, x1 * inv);
-    }
-}
-
-// One (row, head) of a split run into dst: its ns splits' (m, l, O), the first at pp, sstride
-// floats apart: out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s.
-template <typename T>
-__device__ __noinline__ void fold_split(const float* pp, cc_i64 sstride, int ns, T* dst, int D, int lane)
-{
-    float mx = TC_NEG_INF;                      // (a max: the same in any order)
-    for (int s = lane; s < ns; s += 32) mx = fmaxf(mx, __ldcg(pp + s * sstride));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    const float base = mx == TC_NEG_INF ? 0.f : mx;
-    float den = 0.f;
-    for (int s = 0; s < ns; ++s) den += ex2(__ldcg(pp + s * sstride) - base) * __ldcg(pp + s * sstride + 1);
-    const float inv = den > 0.f ? 1.f / den : 0.f;
-    for (int d = 2 * lane; d < D; d += 64) {
-        float x0 = 0.f, x1 = 0.f;
-        for (int s = 0; s < ns; ++s) {
-            const float w = ex2(__ldcg(pp + s * sstride) - base);
-            const float2 v = __ldcg(reinterpret_cast<const float2*>(pp + s * sstride + 2 + d));
-            x0 += w * v.x;
-            x1 += w * v.y;
-        }
-        *reinterpret_cast<cc_u32*>(dst + d) = Mma<T>::pack(x0 * inv, x1 * inv);
-    }
-}
-
-// After unit u of the runs' own pass (every thread back from tc_unit): a grouped run's unit
-// folds its rows at once (the shared pass ran before, in stream order); a split run's unit
-// counts itself in at its (q tile, kv head)'s arrival counter, and the last of the ns to
-// arrive folds the tile's rows and puts the counter back to 0 for the next launch. Each
-// thread fences its partials before the count; the folding CTA fences after it.
-template <typename T, int QROWS>
-__device__ __forceinline__ void tc_fold(const TcArgs& a, int u, int D, int* s_last)
-{
-    const int nkv = (int)a.n_kv_heads, G = (int)a.group;
-    const int item = u / nkv, kvh = u - item * nkv;
-    const int4 it = plan_items(a)[item];
-    const int run = it.x, qt = it.y, ns = it.w;
-    const int crow = a.gcap > 0 ? plan_run_crow(a)[run] : -1;
-    if (ns <= 1 && crow < 0) return;                   // (the same for the whole CTA)
-    const int P = run_qlen(a, run, *a.width) * G;
-    const int p0 = qt * QROWS, p1 = min(P, p0 + QROWS);
-    const cc_i64 item0 = plan_run_base(a)[run] + (cc_i64)((P + QROWS - 1) / QROWS - 1 - qt) * ns;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int last = 1;
-        if (ns > 1) {
-            cc_i32* c = a.arrive + item0 * nkv + kvh;
-            last = atomicAdd(c, 1) == ns - 1;
-            if (last) *c = 0;                          // the tile's ns units are all in
-        }
-        *s_last = last;
-    }
-    __syncthreads();
-    if (!*s_last) return;
-    __threadfence();
-    const int lane = threadIdx.x & 31, q0 = a.qo_indptr[run];
-    const cc_i64 sstride = (cc_i64)nkv * QROWS * (D + 2);
-    for (int p = p0 + (threadIdx.x >> 5); p < p1; p += TC_THREADS / 32) {
-        const int qi = p / G, h = kvh * G + (p - qi * G);
-        T* dst = static_cast<T*>(a.out) + (cc_i64)(q0 + qi) * a.o_s_tok + (cc_i64)h * a.o_s_head;
-        if (crow >= 0) {
-            const int cr = plan_row_cr(a)[q0 + qi];
-            fold_grouped<T>(a.cpart + ((cc_i64)(cr >> 3) * a.n_heads + h) * (1 + TC_NSH) * (D + 2), cr & 7,
-                            dst, D, lane);
-        } else {
-            fold_split<T>(a.part + ((item0 * nkv + kvh) * QROWS + (p - p0)) * (D + 2), sstride, ns, dst, D,
-                          lane);
-        }
-    }
-}
-
-// Padding rows [width, rows) of out: 16-byte zeros (2-byte elements, head_dim % 8 == 0).
-__device__ __noinline__ void zero_padding(void* out, cc_i64 width, cc_i64 rows, int H, int chunks,
-                                          cc_i64 o_s_tok, cc_i64 o_s_head)
-{
-    const cc_i64 n = (rows - width) * H * chunks;
-    for (cc_i64 e = (cc_i64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (cc_i64)gridDim.x * blockDim.x) {
-        const cc_i64 i = width + e / (H * chunks);
-        const int h = (int)(e / chunks % H), c = (int)(e % chunks);
-        unsigned short* dst = static_cast<unsigned short*>(out) + i * o_s_tok + h * o_s_head + 8 * c;
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-    }
-}
-
-// Persistent: each CTA takes units from the counter until the list is done; the take that
-// finds it done last (every CTA makes one such take, so its number is n_units + CTAs - 1)
-// puts the counter back to 0 for the next launch of this plan (the step's next layer). The
-// runs' own pass (mode 0) zeroes the padding rows and folds split and grouped rows' partials
-// into out as their last unit ends (tc_fold): it runs after the shared pass (mode 1).
+// Persistent: each CTA takes units from the counter the plan reset until the list is done.
 template <typename T, bool KV8, int D, int MQ, int WKV, int KT, int ST, int KS = 0>
 __device__ void tc_attend(const TcArgs& a)
 {
     extern __shared__ uint4 smem[];
-    __shared__ int s_unit, s_last;
-    if (a.mode == 0) zero_padding(a.out, *a.width, a.rows, (int)a.n_heads, D / 8, a.o_s_tok, a.o_s_head);
+    __shared__ int s_unit;
     const int n_units = a.plan[a.mode ? TC_GUNITS : TC_N_UNITS];
     if (n_units == 0) return;                          // (a shared pass with no group: at once)
-    cc_i32* counter = a.plan + (a.mode ? TC_GCOUNTER : TC_COUNTER);
     for (;;) {
-        if (threadIdx.x == 0) {
-            const int u = atomicAdd(counter, 1);
-            if (u == n_units + (int)gridDim.x - 1) *counter = 0;
-            s_unit = u;
-        }
+        if (threadIdx.x == 0) s_unit = atomicAdd(a.plan + (a.mode ? TC_GCOUNTER : TC_COUNTER), 1);
         __syncthreads();
         const int u = s_unit;
         if (u >= n_units) break;
         tc_unit<T, KV8, D, MQ, WKV, KT, ST, KS>(a, u, smem);
-        if (a.mode == 0) tc_fold<T, Tile<D, MQ, WKV, KT, ST, KS>::QROWS>(a, u, D, &s_last);
         __syncthreads();                               // s_unit and the buffers free again
     }
 }
@@ -1219,12 +1081,12 @@ __device__ __forceinline__ int block_scan(int x, int* scratch, int* total)
 
 // Block 0: the work list. Every (run, q tile, kv split) has a slot, run by run, a run's q
 // tiles last first, splits innermost: slot run_base[r] + (nt - 1 - qt) * ns + s (the split
-// partials live at their slot, so the fold finds them without the list). The list holds
+// partials live at their slot, so the merge finds them without the list). The list holds
 // the items in the order CTAs take them: order 0 by slot (a run's tiles that see the most
 // keys first, run after run: neighbouring units share K/V in L2); order 1 heaviest first
 // over the whole step (TC_BUCKETS buckets of kv entries, longest first, so the persistent
-// grid ends on the lightest units and has no tail). One block (the runs' own pass zeroes the
-// padding rows). qrows: packed rows a unit; min_chunk: the smallest kv split (a multiple of the tile).
+// grid ends on the lightest units and has no tail). One block (the merge zeroes the padding
+// rows). qrows: packed rows a unit; min_chunk: the smallest kv split (a multiple of the tile).
 #define TC_BUCKETS 256
 // Cascade (cmin > 0, a.gcap > 0): before the runs' own items, runs are grouped. Run r joins
 // run r - 1's group when both are decode runs sharing at least cmin leading kv entries
@@ -1232,7 +1094,7 @@ __device__ __forceinline__ int block_scan(int x, int* scratch, int* total)
 // all its rows (S: the members' least share, down to a multiple of TC_CASCADE_ALIGN) in the
 // shared pass (items {group, q tile, split, split size} for tc_attend in mode 1: gqrows packed
 // rows a unit, split into at most TC_NSH so that the units come near gtarget), and each member
-// its own keys [S, L) in its own item, unsplit; tc_fold folds them. A step with a group
+// its own keys [S, L) in its own item, unsplit; the merge folds them. A step with a group
 // splits no run's own keys.
 // Whether run r joins run r - 1's group: a.share[r] >= cmin, and checked against this step
 // (so a share left from another step can only cost sharing, never results): both are decode
@@ -1458,6 +1320,120 @@ __device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head
     }
 }
 
+// -- the merge -------------------------------------------------------------------------------
+
+// One warp per (row, head) of a split run: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+template <typename T>
+__device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
+{
+    // the attend launches are done: their counters go back to 0 for the next launch that
+    // runs this plan (the next layer's, when the plan is kept for the step)
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        a.plan[TC_COUNTER] = 0;
+        a.plan[TC_GCOUNTER] = 0;
+    }
+    const cc_i64 width = *a.width;
+    const int H = (int)a.n_heads, G = (int)a.group, nkv = (int)a.n_kv_heads, rows = (int)a.rows;
+    {
+        // padding rows [width, rows): 16-byte zeros (2-byte elements, head_dim % 8 == 0)
+        const int chunks = head_dim / 8;
+        const cc_i64 n = (rows - width) * H * chunks;
+        for (cc_i64 e = (cc_i64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (cc_i64)gridDim.x * blockDim.x) {
+            const cc_i64 i = width + e / (H * chunks);
+            const int h = (int)(e / chunks % H), c = (int)(e % chunks);
+            unsigned short* dst = static_cast<unsigned short*>(a.out) + i * a.o_s_tok + h * a.o_s_head + 8 * c;
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+        }
+    }
+    const bool split = a.plan[TC_SPLIT] != 0, cascade = a.gcap > 0 && a.plan[TC_CASCADE] != 0;
+    if (!split && !cascade) return;
+    const int D = head_dim, lane = threadIdx.x & 31;
+    const cc_i32* run_base = plan_run_base(a);
+    const cc_i32* run_ns = plan_run_ns(a);
+    const cc_i64 n_pairs = width * H;
+    const cc_i64 stride = (cc_i64)gridDim.x * (blockDim.x >> 5);
+    for (cc_i64 pair = (cc_i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); pair < n_pairs;
+         pair += stride) {
+        const int i = (int)(pair / H), h = (int)(pair % H);
+        const int cr = cascade ? plan_row_cr(a)[i] : -1;
+        if (cr >= 0) {
+            // a grouped row: its own keys' (m, l, O) and its group's splits', the 2 + D floats
+            // of each apart; lane s reads split s's m and l
+            const int ns = cr & 7;
+            const float* pp = a.cpart + ((cc_i64)(cr >> 3) * H + h) * (1 + TC_NSH) * (D + 2);
+            const float ms = lane < ns ? pp[lane * (D + 2)] : TC_NEG_INF;
+            const float ls = lane < ns ? pp[lane * (D + 2) + 1] : 0.f;
+            float mx = ms;
+#pragma unroll
+            for (int off = 4; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            mx = __shfl_sync(0xffffffffu, mx, 0);
+            const float base = mx == TC_NEG_INF ? 0.f : mx;
+            const float ws = lane < ns ? ex2(ms - base) : 0.f;
+            float den = ws * ls;
+#pragma unroll
+            for (int off = 4; off > 0; off >>= 1) den += __shfl_xor_sync(0xffffffffu, den, off);
+            den = __shfl_sync(0xffffffffu, den, 0);
+            const float inv = den > 0.f ? 1.f / den : 0.f;
+            float w[1 + TC_NSH];                        // every lane: the weights (all lanes shuffle)
+#pragma unroll
+            for (int s = 0; s < 1 + TC_NSH; ++s) w[s] = __shfl_sync(0xffffffffu, ws, s);
+            T* dst = static_cast<T*>(a.out) + (cc_i64)i * a.o_s_tok + (cc_i64)h * a.o_s_head;
+            for (int d = 2 * lane; d < D; d += 64) {
+                float x0 = 0.f, x1 = 0.f;
+#pragma unroll
+                for (int s = 0; s < 1 + TC_NSH; ++s) {
+                    if (s >= ns) break;
+                    const float2 v = *reinterpret_cast<const float2*>(pp + s * (D + 2) + 2 + d);
+                    x0 += w[s] * v.x;
+                    x1 += w[s] * v.y;
+                }
+                *reinterpret_cast<cc_u32*>(dst + d) = Mma<T>::pack(x0 * inv, x1 * inv);
+            }
+            continue;
+        }
+        if (!split) continue;
+        // the run of row i: a 32-way search, every lane probing one point of (lo, hi) at
+        // once (two rounds of loads for 1,024 runs where halving takes ten in a row)
+        int lo = 0, hi = rows;                          // qo[lo] <= i < qo[hi]
+        while (hi - lo > 1) {
+            const int span = hi - lo;                   // probes nondecreasing in lane, in [lo + 1, hi - 1]
+            const int probe = lo + 1 + (int)((cc_i64)(span - 1) * lane / 32);
+            const unsigned below = __ballot_sync(0xffffffffu, a.qo_indptr[probe] <= i);
+            const int k = __popc(below);                // qo is nondecreasing: lanes [0, k) hold
+            if (k < 32) hi = lo + 1 + (int)((cc_i64)(span - 1) * k / 32);
+            if (k > 0) lo = lo + 1 + (int)((cc_i64)(span - 1) * (k - 1) / 32);
+        }
+        const int run = lo, ns = run_ns[run];
+        if (ns <= 1) continue;
+        const int q0 = a.qo_indptr[run], ql = run_qlen(a, run, width);
+        const int nt = (ql * G + qrows - 1) / qrows;
+        const int kvh = h / G, p = (i - q0) * G + (h - kvh * G);
+        const int qt = p / qrows, prow = p - qt * qrows;
+        const cc_i64 item0 = run_base[run] + (cc_i64)(nt - 1 - qt) * ns;
+        const float* pp = a.part + ((item0 * nkv + kvh) * qrows + prow) * (D + 2);
+        const cc_i64 sstride = (cc_i64)nkv * qrows * (D + 2);
+        float mx = TC_NEG_INF;                          // (a max: the same in any order)
+        for (int s = lane; s < ns; s += 32) mx = fmaxf(mx, pp[s * sstride]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        const float base = mx == TC_NEG_INF ? 0.f : mx;
+        float den = 0.f;
+        for (int s = 0; s < ns; ++s) den += ex2(pp[s * sstride] - base) * pp[s * sstride + 1];
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+        T* dst = static_cast<T*>(a.out) + (cc_i64)i * a.o_s_tok + (cc_i64)h * a.o_s_head;
+        for (int d = 2 * lane; d < D; d += 64) {
+            float x0 = 0.f, x1 = 0.f;
+            for (int s = 0; s < ns; ++s) {
+                const float w = ex2(pp[s * sstride] - base);
+                const float2 v = *reinterpret_cast<const float2*>(pp + s * sstride + 2 + d);
+                x0 += w * v.x;
+                x1 += w * v.y;
+            }
+            *reinterpret_cast<cc_u32*>(dst + d) = Mma<T>::pack(x0 * inv, x1 * inv);
+        }
+    }
+}
+
 // -- entry points ----------------------------------------------------------------------------
 
 // The variants, one line each: X(D, MQ, WKV, KT, ST). The host reads this list from the
@@ -1592,3 +1568,11 @@ tc_attend_##SUFFIX##_e4m3_d##D##_m##MQ##w##WKV##k##KT##s##ST(const TcArgs a)    
 #define TC_ATTEND_8_BF16(D, MQ, WKV, KT, ST) TC_ATTEND_8(bfloat16, bf16, D, MQ, WKV, KT, ST)
 TC_VARIANTS_8(TC_ATTEND_8_F16)
 TC_VARIANTS_8(TC_ATTEND_8_BF16)
+
+#define TC_MERGE(SUFFIX, T)                                                                    \
+extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_merge_##SUFFIX(const TcArgs a,     \
+                                                                           cc_i32 head_dim,   \
+                                                                           cc_i32 qrows)      \
+{ tc_merge<T>(a, head_dim, qrows); }
+TC_MERGE(float16, f16)
+TC_MERGE(bfloat16, bf16)

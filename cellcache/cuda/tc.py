@@ -1,6 +1,6 @@
 """Paged attention on tensor cores (``cuda/tc_attention.cu``), launched through the driver API.
 
-One call of :meth:`TensorCoreAttention.run` is up to four launches on the caller's stream,
+One call of :meth:`TensorCoreAttention.run` is up to five launches on the caller's stream,
 whose shapes depend only on the padded row count and the heads, so they can be captured in a
 graph and replayed for any step padded to the same rows::
 
@@ -9,10 +9,10 @@ graph and replayed for any step padded to the same rows::
     tc_plan        qo_indptr, kv_indptr, width (, shares)  ->  work list + kv split size +
                    groups of runs that share leading cells (device; once a step when the
                    caller says the step's later layers plan alike: ``fresh=False``)
+    tc_attend      persistent CTAs take (item, kv head) units from the list (one variant)
     tc_attend      (cascade) the groups' shared keys, once a group, the prefill variant
-    tc_attend      persistent CTAs take (item, kv head) units from the list (one variant);
-                   the last unit of a split q tile folds its splits into out, a grouped
-                   run's unit its own and shared parts; padding rows get zeros
+    tc_merge       combines the kv splits of split runs and the grouped rows' own and shared
+                   parts, zeroes the padding rows, resets the work counters
 
 The kernel file instantiates a few variants per head_dim (rows a warp, warps along the rows
 or along the kv tile, kv tile, ring stages; the module lists them in ``tc_variants``). A run
@@ -50,12 +50,12 @@ DTYPES = ("float16", "bfloat16")
 #: 8-bit K/V storage the kernels read (q and out of a DTYPES dtype; ``..._e4m3_...`` variants)
 KV8_DTYPES = ("float8_e4m3fn",)
 MAX_GROUP = 64          # query heads per kv head (a query's rows may span several units)
-THREADS = 128           # tc_attend blocks (TC_THREADS)
+THREADS = 128           # tc_attend / tc_merge blocks (TC_THREADS)
 PLAN_THREADS = 1024     # tc_plan blocks (TC_PLAN_THREADS)
 _PLAN_HDR = 16          # int32 words of the plan header (TC_HDR)
 _LOG2E = 1.4426950408889634
 #: TcArgs in cuda/tc_attention.cu: every field 8 bytes
-_ARGS = struct.Struct("=8Q4q5q2Q3qdQ2q3Q")
+_ARGS = struct.Struct("=8Q4q5q2Q3qdQ2q2Q")
 #: cascade: the most kv splits of a group's shared keys (TC_NSH), their alignment (TC_CASCADE_ALIGN)
 _NSH = 4
 CASCADE_ALIGN = 128
@@ -156,6 +156,7 @@ class TensorCoreAttention:
         self._live: list[int] = []          # every scratch allocation, freed at close
         try:
             self.f_plan = int(drv.function(self.module, "tc_plan"))
+            self.f_merge = int(drv.function(self.module, f"tc_merge_{dtype}"))
             #: head_dim -> variant name -> {mq, warps_kv, kv_tile, stages, min_blocks, qrows, smem,
             #: ctas, f}
             self.variants: dict[int, dict[str, dict[str, int]]] = {d: {} for d in HEAD_DIMS}
@@ -178,9 +179,8 @@ class TensorCoreAttention:
             self.module = None
             raise
         self.f_share = int(drv.function(self.module, "tc_share"))
-        self._plan = self._part = self._share = self._cpart = self._arrive = 0
+        self._plan = self._part = self._share = self._cpart = 0
         self._plan_bytes = self._part_bytes = self._share_bytes = self._cpart_bytes = 0
-        self._arrive_bytes = 0
         self._plan_key: tuple | None = None    # what the last tc_plan launch planned
 
     def _read_variants(self) -> list[tuple[int, ...]]:
@@ -213,9 +213,8 @@ class TensorCoreAttention:
             check(cu.cuMemFree(ptr), "cuMemFree")
         self._live = []
         self._plan_key = None
-        self._plan = self._part = self._share = self._cpart = self._arrive = 0
+        self._plan = self._part = self._share = self._cpart = 0
         self._plan_bytes = self._part_bytes = self._share_bytes = self._cpart_bytes = 0
-        self._arrive_bytes = 0
         if self.module is not None:
             check(cu.cuModuleUnload(self.module), "cuModuleUnload")
             self.module = None
@@ -224,7 +223,7 @@ class TensorCoreAttention:
     def _sizes(self, rows: int, n_heads: int, n_kv_heads: int, head_dim: int,
                choice: Choice, cascade: bool = False) -> tuple[int, ...]:
         """(list_cap, split_cap units, plan bytes, partial bytes, group items, cascade partial
-        bytes, arrival counter bytes) for a launch of ``rows``."""
+        bytes) for a launch of ``rows``."""
         group = n_heads // n_kv_heads
         v = self.variants[head_dim][choice.variant]
         qrows = v["qrows"]
@@ -239,9 +238,7 @@ class TensorCoreAttention:
         plan_bytes = 4 * (_PLAN_HDR + 4 * list_cap + (6 * rows + 3) // 4 * 4 + 4 * (rows // 2 + 1) + 4 * gcap)
         part_bytes = 4 * split_items * n_kv_heads * qrows * (head_dim + 2)
         cpart_bytes = 4 * rows * n_heads * (1 + _NSH) * (head_dim + 2) if cascade else 0
-        # a split q tile's units counted in (by its first item and kv head)
-        arrive_bytes = 4 * list_cap * n_kv_heads
-        return list_cap, split_cap, plan_bytes, part_bytes, gcap, cpart_bytes, arrive_bytes
+        return list_cap, split_cap, plan_bytes, part_bytes, gcap, cpart_bytes
 
     def reserve(self, rows: int, n_heads: int, n_kv_heads: int, head_dim: int,
                 decode: bool = False, variant: str | None = None, split: int | None = None,
@@ -250,8 +247,8 @@ class TensorCoreAttention:
         outside a capture, with the arguments the captured run will get; ``cascade``: the
         grouped rows' partials too, ``rows * n_heads * 5 * (head_dim + 2)`` floats)."""
         choice = self.choose(head_dim, decode, variant, split)
-        _, _, plan_bytes, part_bytes, _, cpart_bytes, arrive_bytes = self._sizes(
-            rows, n_heads, n_kv_heads, head_dim, choice, cascade)
+        _, _, plan_bytes, part_bytes, _, cpart_bytes = self._sizes(rows, n_heads, n_kv_heads, head_dim,
+                                                                   choice, cascade)
         if plan_bytes > self._plan_bytes:
             self._plan = self._alloc(plan_bytes, "tensor-core work list")
             self._plan_bytes = plan_bytes
@@ -266,11 +263,6 @@ class TensorCoreAttention:
         if cpart_bytes > self._cpart_bytes:
             self._cpart = self._alloc(cpart_bytes, "tensor-core grouped partials")
             self._cpart_bytes = cpart_bytes
-        if arrive_bytes > self._arrive_bytes:
-            # zeros, and zeros again after every launch (the last unit of a tile resets its own)
-            self._arrive = self._alloc(arrive_bytes, "tensor-core split arrivals")
-            check(cu.cuMemsetD32(self._arrive, 0, arrive_bytes // 4), "cuMemsetD32")
-            self._arrive_bytes = arrive_bytes
 
     def _alloc(self, nbytes: int, what: str) -> int:
         ptr = int(check(cu.cuMemAlloc(nbytes), f"cuMemAlloc({what})"))
@@ -302,8 +294,8 @@ class TensorCoreAttention:
         ``cascade`` > 0 (a multiple of :data:`CASCADE_ALIGN`; windowless layers only, else it
         is ignored) groups consecutive decode runs that share at least that many leading kv
         entries: the group's shared keys are read once for all its rows by the table's
-        prefill variant (a second persistent launch, before the runs' own), each row's own
-        keys by its own unit, which then folds the two. ``share=True`` first finds, for this step, how many
+        prefill variant (a second persistent launch), each row's own keys by its own unit,
+        and the merge folds the two. ``share=True`` first finds, for this step, how many
         leading entries each run shares with the one before it (``tc_share``); later calls of
         the same step (the other layers) pass False and reuse it. A share left from another
         step is checked against this step's lists before any group is formed, so it can only
@@ -340,11 +332,10 @@ class TensorCoreAttention:
         if rows < 1:
             return
         cascade = cascade if window == 0 and rows > 1 else 0
-        list_cap, split_cap, plan_bytes, part_bytes, gcap, cpart_bytes, arrive_bytes = self._sizes(
+        list_cap, split_cap, plan_bytes, part_bytes, gcap, cpart_bytes = self._sizes(
             rows, n_heads, n_kv_heads, head_dim, choice, cascade > 0)
         if (plan_bytes > self._plan_bytes or part_bytes > self._part_bytes
-                or cpart_bytes > self._cpart_bytes or arrive_bytes > self._arrive_bytes
-                or (cascade and 4 * rows > self._share_bytes)):
+                or cpart_bytes > self._cpart_bytes or (cascade and 4 * rows > self._share_bytes)):
             capturing = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
             if int(capturing) != int(cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
                 raise InvalidState(
@@ -361,7 +352,7 @@ class TensorCoreAttention:
                               out_strides[1], rows, n_heads, n_kv_heads, group, window, self._plan,
                               self._part, list_cap, split_cap, choice.split * v["ctas"],
                               scale * _LOG2E, kv_scale if self.kv8 else 0, mode, gcap,
-                              self._cpart if cascade else 0, self._share if cascade else 0, self._arrive)
+                              self._cpart if cascade else 0, self._share if cascade else 0)
 
         args = pack(0)
         n = len(args)
@@ -374,16 +365,18 @@ class TensorCoreAttention:
         # what the work list depends on (not q, the pools or out; the partials' addresses
         # are the same while the scratch is)
         key = (args[:32], rows, n_heads, n_kv_heads, window, list_cap, split_cap, gcap,
-               choice.split * v["ctas"], self._plan, self._part, self._cpart, self._share, self._arrive,
-               plan_args)
+               choice.split * v["ctas"], self._plan, self._part, self._cpart, self._share, plan_args)
         if fresh or key != self._plan_key or cascade and share:
             _launch.launch(self.f_plan, (1, 1, 1), PLAN_THREADS, 0, stream, args + plan_args,
                            (0, n, n + 4, n + 8, n + 12, n + 16, n + 20, n + 24))
             self._plan_key = key
-        # the groups' shared keys first: a grouped run's own unit folds them in as it ends
+        _launch.launch(v["f"], (v["ctas"], 1, 1), THREADS, v["smem"], stream, args, (0,))
         if cascade:
             _launch.launch(vg["f"], (vg["ctas"], 1, 1), THREADS, vg["smem"], stream, pack(1), (0,))
-        _launch.launch(v["f"], (v["ctas"], 1, 1), THREADS, v["smem"], stream, args, (0,))
+        # a warp a (row, head) where the rows allow (the merge waits on loads, not on math)
+        merge_ctas = min(16 * self.sm_count, max(4 * self.sm_count, -(-rows * n_heads // (THREADS // 32))))
+        _launch.launch(self.f_merge, (merge_ctas, 1, 1), THREADS, 0, stream,
+                       args + struct.pack("=ii", head_dim, v["qrows"]), (0, n, n + 4))
 
     def plan_header(self) -> dict[str, int]:
         """The last launch's plan as the device left it (waits for the device): units of the
