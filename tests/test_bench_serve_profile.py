@@ -120,10 +120,10 @@ def test_the_breakdown_comes_from_the_profiled_steps():
     assert mod.profiled_breakdown({"error": "no window"}) is None
 
 
-def _check_summary(s: dict, steps: int) -> None:
+def _check_summary(s: dict, steps: int, kinds: dict | None = None) -> None:
     assert "error" not in s, s
     assert s["steps"] == steps and s["activities"] == "cpu"
-    assert s["window"]["kinds"] == {"decode": steps}           # steady decode steps only
+    assert s["window"]["kinds"] == (kinds or {"decode": steps})   # steady decode steps only
     per = s["device_us_per_step"]
     assert set(per) == {"gemm", "collective", "attention", "cellcache_step", "memcpy", "other"}
     assert per["gemm"] > 0 and per["attention"] > 0
@@ -184,3 +184,22 @@ def test_tp2_gloo_profile_every_rank(tmp_path):
     for r in (0, 1):
         assert (tmp_path / f"tp-profile-rank{r}.json").exists()
     assert "rank 0" in stdout and "rank 1" in stdout and "top kernels" in stdout
+
+
+def test_mixed_steps_profile(tmp_path, capsys):
+    """``--profile-kind mixed``: the window opens in the middle of the prompt chunks (steps
+    small enough that the prompts take several) and records mixed steps; without
+    ``--profile-steps`` the option is bad usage."""
+    mod = load_tool("bench_serve")
+    out = tmp_path / "m.json"
+    code = mod.main([*QUICK, "--skip", "off,staggered,hf-batch,hf-static", "--json", str(out),
+                     "--max-batch-tokens", "48", "--prefill-chunk", "16", "--no-check",
+                     "--profile-steps", "2", "--profile-kind", "mixed"])
+    assert code == 0
+    (s,) = json.loads(out.read_text())["profile"]
+    _check_summary(s, 2, kinds={"mixed": 2})
+    assert s["window"]["kind"] == "mixed" and s["window"]["start_after_mixed_steps"] > 0
+    assert "after" in capsys.readouterr().out
+    r = subprocess.run([sys.executable, str(TOOL), *QUICK, "--profile-kind", "mixed"], capture_output=True,
+                       text=True, env=_env())
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--profile-steps" in r.stderr

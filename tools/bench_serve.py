@@ -52,8 +52,9 @@ default workload runs once more with CUDA events around each decode replay: its 
 time and breakdown are the host-time target's denominator, while the host phases come from
 the timed run, which carries no events. ``--profile-steps N`` (with or without ``--tp``)
 serves the first run's requests once more on its generator with ``torch.profiler`` over N
-steady decode steps from the middle of the run, on every rank, and prints where a step's
-time goes (GPU time by kernel category, GPU idle, host time, the top kernels).
+steady decode steps from the middle of the run (``--profile-kind mixed``: N mixed steps, prompt
+chunks beside decode rows, from the middle of those), on every rank, and prints where a
+step's time goes (GPU time by kernel category, GPU idle, host time, the top kernels).
 
 Trust and fairness. A speed figure counts only for a configuration that computes the model
 it serves: after the timed runs the workload is served once more on the same configuration
@@ -219,13 +220,14 @@ def staggered(gen, prompts: list, sampling) -> list:
 
 def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, device: str,
          prefix: bool = True, with_breakdown: bool = False, rate: float = 0.0, seed: int = 0,
-         profile_steps: int = 0, profile_to: tuple[Path, str] | None = None) -> dict:
+         profile_steps: int = 0, profile_to: tuple[Path, str] | None = None,
+         profile_kind: str = "decode") -> dict:
     """Every prompt served: all arriving ``"together"``, ``"staggered"`` (32 every 16 steps)
     or at the times of a seeded Poisson process of ``rate`` requests a second (``"poisson"``:
     added by a client thread while this one steps, as a server would see them).
     ``profile_steps``: then the same prompts once more on the same generator, all together,
-    through :func:`profile_pass` (its summary in ``res["profile"]``, its files written to
-    ``profile_to``: folder, stem)."""
+    through :func:`profile_pass` over steps of ``profile_kind`` (its summary in
+    ``res["profile"]``, its files written to ``profile_to``: folder, stem)."""
     from cellcache.generate import poisson_arrivals, serve_arrivals
 
     gen = make_gen(model, w, prefix, capacity, seqs_of(w, len(prompts)))
@@ -347,8 +349,8 @@ def ours(model, prompts, new_tokens, arrival: str, capacity: int, w: dict, devic
         gen.step, gen.cache.prepare_step = real_step, real_prepare    # the timers off
         if gen.prefix is not None:            # the same cache state as the run it profiles:
             gen.prefix.clear()                # no prompt of its own first pass to hit
-        start = max(0, (gen.profile["decode_steps"] - profile_steps - PROFILE_WARMUP) // 2)
-        summary = profile_pass(gen, prompts, new_tokens, profile_steps, start, device)
+        start = max(0, (gen.profile[f"{profile_kind}_steps"] - profile_steps - PROFILE_WARMUP) // 2)
+        summary = profile_pass(gen, prompts, new_tokens, profile_steps, start, device, kind=profile_kind)
         folder, stem = profile_to or (RESULTS, "serve")
         res["profile"] = save_profile(summary, folder, stem, 0)
     gen.cache.close()
@@ -724,12 +726,13 @@ def _annotate(gen, forward_events: list | None):
 
 
 def profile_pass(gen, prompts: list, new_tokens: int, steps: int, start_after: int, device: str,
-                 add: bool = True) -> dict:
+                 add: bool = True, kind: str = "decode") -> dict:
     """Serves ``prompts`` (all arriving together; ``add``: this rank adds them, rank 0 under
     TP) on ``gen`` (idle, its graphs captured by the timed run) once more, with
     ``torch.profiler`` (CUDA activities on CUDA, the CPU's otherwise) over ``steps``
-    consecutive ``step()`` calls once ``start_after`` decode steps have landed (the middle
-    of the run's decode steps), after :data:`PROFILE_WARMUP` calls the profiler discards.
+    consecutive ``step()`` calls once ``start_after`` steps of ``kind`` (``"decode"`` or
+    ``"mixed"``: prompt chunks) have landed (the middle of the run's steps of that kind),
+    after :data:`PROFILE_WARMUP` calls the profiler discards.
     Every rank runs it (the window is a function of the shared schedule). Returns
     :func:`profile_summary`'s dict for this rank; the pass's own throughput is not reported
     (the profiler's overhead is in it)."""
@@ -754,7 +757,7 @@ def profile_pass(gen, prompts: list, new_tokens: int, steps: int, start_after: i
     walls: list[float] = []
     kinds: list[str] = []
     p_before: dict = {}
-    decode0 = gen.profile["decode_steps"]
+    kind0 = gen.profile[f"{kind}_steps"]
     total = PROFILE_WARMUP + steps
     try:
         while True:
@@ -771,8 +774,7 @@ def profile_pass(gen, prompts: list, new_tokens: int, steps: int, start_after: i
             landed = ("decode" if gen.profile["decode_steps"] > d else
                       "mixed" if gen.profile["mixed_steps"] > m else "none")
             if prof is None:
-                if landed == "decode" and gen.profile["decode_steps"] - decode0 >= start_after \
-                        and busy:
+                if landed == kind and gen.profile[f"{kind}_steps"] - kind0 >= start_after and busy:
                     prof = profile(activities=acts, schedule=schedule(
                         wait=0, warmup=PROFILE_WARMUP, active=steps, repeat=1),
                         on_trace_ready=kept.append)
@@ -795,9 +797,10 @@ def profile_pass(gen, prompts: list, new_tokens: int, steps: int, start_after: i
             prof.stop()                      # the run ended inside the window
         off()
     if prof is None or not walls:
+        more = "--new-tokens" if kind == "decode" else "requests or a smaller --max-batch-tokens"
         return {"error": f"the run ended before a profile window of {steps} steps after "
-                         f"{start_after} decode steps (give fewer --profile-steps or more "
-                         f"--new-tokens)", "steps": 0}
+                         f"{start_after} {kind} steps (give fewer --profile-steps or more {more})",
+                "steps": 0}
     if calls < total:
         p_after = {k: dict(gen.profile[k]) for k in ("host_ms", "decode_host_ms")}
         p_after["steps"], p_after["decode_steps"] = gen.profile["steps"], gen.profile["decode_steps"]
@@ -809,7 +812,7 @@ def profile_pass(gen, prompts: list, new_tokens: int, steps: int, start_after: i
               for k, v in p_after["host_ms"].items()}
     summary = profile_summary(prof, len(walls), cuda)
     summary.update(
-        window={"start_after_decode_steps": start_after, "warmup_calls": PROFILE_WARMUP,
+        window={"kind": kind, f"start_after_{kind}_steps": start_after, "warmup_calls": PROFILE_WARMUP,
                 "kinds": {k: kinds.count(k) for k in sorted(set(kinds))}},
         step_wall_us={"median": round(1e6 * statistics.median(walls), 1),
                       "mean": round(1e6 * sum(walls) / len(walls), 1),
@@ -924,7 +927,7 @@ def profile_summary(prof, steps: int, cuda: bool) -> dict:
 
 
 def profiled_breakdown(summary: dict) -> dict | None:
-    """The decode step's split from a ``--profile-steps`` summary (the served steps mid-run,
+    """The profiled step's split from a ``--profile-steps`` summary (the served steps mid-run,
     per step): all kernels, attention, GEMMs and the rest, in ms; None for a summary without
     device activity (an error, a CPU profile)."""
     dev = summary.get("device_us_per_step")
@@ -950,8 +953,9 @@ def print_profile(summaries: list[dict], title: str) -> None:
     head = "".join(f"{'rank ' + str(r):>12}" for r in ranks)
     w0 = ok[0]
     unit = "GPU" if w0["activities"] == "cuda" else "CPU (operators' self time)"
+    kind = w0["window"].get("kind", "decode")
     print(f"  {w0['steps']} steps recorded (kinds {w0['window']['kinds']}), after "
-          f"{w0['window']['start_after_decode_steps']} decode steps; us per step")
+          f"{w0['window'][f'start_after_{kind}_steps']} {kind} steps; us per step")
     print(f"  {'':<34}{head}")
 
     def line(label: str, get) -> None:
@@ -1122,8 +1126,10 @@ def tp_bench(p, args, argv: list[str]) -> int:
         if profile_steps:
             # after the timed run, on the same generator (graphs captured): the same requests
             # again, the profiler over steps from the middle of their decode steps
-            start = max(0, (prof["decode_steps"] - profile_steps - PROFILE_WARMUP) // 2)
-            summary = profile_pass(gen, batch, new_tokens, profile_steps, start, device, add=rank == 0)
+            kind = args.profile_kind
+            start = max(0, (prof[f"{kind}_steps"] - profile_steps - PROFILE_WARMUP) // 2)
+            summary = profile_pass(gen, batch, new_tokens, profile_steps, start, device, add=rank == 0,
+                                   kind=kind)
             summary["rank"] = rank
             summary = save_profile(summary, path.parent, path.stem, rank)
             every = [summary]
@@ -1349,9 +1355,15 @@ def main(argv=None) -> int:
                         "<json stem>-trace-rank<r>.json.gz beside the JSON. The headline numbers "
                         "come from the run before, which carries no profiler. 0: off (default); "
                         "default and shared workloads")
+    p.add_argument("--profile-kind", choices=("decode", "mixed"), default="decode",
+                   help="the steps --profile-steps records: steady decode steps (default) or mixed "
+                        "steps (prompt chunks beside decode rows), from the middle of the run's "
+                        "steps of that kind")
     args = p.parse_args(argv)
     if args.profile_steps and args.tp is None and args.workload == "chat":
         p.error("--profile-steps profiles the default and shared workloads (not chat)")
+    if args.profile_kind != "decode" and not args.profile_steps:
+        p.error("--profile-kind says which steps --profile-steps N records: give --profile-steps")
     if not 0 < args.capacity_share <= 1:
         p.error(f"--capacity-share {args.capacity_share} is outside (0, 1]")
     if not 0 <= args.spill_gib <= 4096:
@@ -1437,7 +1449,7 @@ def main(argv=None) -> int:
                 return chat(model, work["first"], work["messages"], new, capacity, w, device, prefix)
             return ours(model, work["prompts"], new, arrival, capacity, w, device, prefix, breakdown_,
                         rate=rate, seed=args.seed, profile_steps=profile_steps,
-                        profile_to=(path.parent, path.stem))
+                        profile_to=(path.parent, path.stem), profile_kind=args.profile_kind)
         finally:
             cct.CASCADE_MIN_SHARED = cascade
             w["native"] = was
@@ -1620,7 +1632,8 @@ def main(argv=None) -> int:
                                       f"files {path.parent}/{path.stem}-*-rank0*")
     pb = profiled_breakdown(res["profile"][0]) if "profile" in res else None
     if pb:
-        print(f"decode step as served (profiled mid-run, {pb['steps']} steps): {pb['kernels_ms']:.2f} ms "
+        print(f"{args.profile_kind} step as served (profiled mid-run, {pb['steps']} steps): "
+              f"{pb['kernels_ms']:.2f} ms "
               f"of kernels = attention {pb['attention_ms']:.2f} + GEMMs {pb['gemm_ms']:.2f} + the rest "
               f"{pb['rest_ms']:.2f} ms (the profile's table above)")
     bd = res["cellcache"].get("breakdown", {})
