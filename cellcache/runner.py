@@ -371,7 +371,8 @@ class ModelRunner:
     def graphs(self) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
         """The captured decode graphs by bucket: (``torch.cuda.CUDAGraph``, its logits
         tensor, its greedy ids tensor). A copy: dropping or adding entries changes nothing in
-        the runner."""
+        the runner. A replay writes the logits tensor only while :meth:`write_logits` is on
+        (the last forward's setting)."""
         return dict(self._graphs)
 
     def drop_graphs(self) -> None:
@@ -543,7 +544,7 @@ class ModelRunner:
         graphs = self.graphs_enabled and self.view.kv_scales_ready()
         if graphs and decode and T in self.buckets:
             # (greedy is handed out for every real row alone: other rows read the logits)
-            self._write_logits(logits or not every)
+            self.write_logits(logits or not every)
             out = self._replay(step)          # (the capture, on first use, in inference mode)
             self.replays += 1
             self.replayed = True
@@ -558,7 +559,7 @@ class ModelRunner:
             n_rows = width if rows is None else rows.size
             if graphs and not decode and T in self.mixed_buckets \
                     and n_rows <= min(T, self.logit_cap):
-                self._write_logits(logits)
+                self.write_logits(logits)
                 out = self._replay_mixed(step, rows, n_rows)
                 self.replays += 1
                 self.replayed = True
@@ -634,9 +635,14 @@ class ModelRunner:
         self._replayed_greedy = greedy
         return logits
 
-    def _write_logits(self, on: bool) -> None:
-        """Whether the next replays write their float32 logits: the graphs' flag set in
-        stream order when it changes (before the first capture there is none: they write)."""
+    def write_logits(self, on: bool = True) -> None:
+        """Whether graph replays write their float32 logits from now on (their greedy ids are
+        written either way): the graphs' flag, set on the current stream in stream order
+        when it changes (before the first capture there is none: they write). :meth:`forward`
+        sets it for each replayed step; a caller replaying :attr:`graphs` itself sets it
+        first. InvalidArgument for a value that is not a bool."""
+        if not isinstance(on, (bool, np.bool_)):
+            raise InvalidArgument(f"on of type {type(on).__name__} is not a bool")
         if self._write is not None and self._writing != on:
             with torch.inference_mode():      # (made in a capture: an inference tensor)
                 self._write.fill_(int(on))

@@ -472,7 +472,12 @@ def test_model_runner_takes_device_tokens(model):
                     with pytest.raises(Bad, match="tokens|vocabulary"):
                         runner.forward(step, bad_host, device_tokens=device_tokens)
             assert torch.equal(runner.input_ids, before)
-            out.append(runner.forward(step, host, device_tokens=device_tokens))
+            with pytest.raises(Bad, match="logits of type"):        # a bool, checked first
+                runner.forward(step, host, device_tokens=device_tokens, logits="no")
+            with pytest.raises(Bad, match="on of type"):
+                runner.write_logits(1)
+            assert torch.equal(runner.input_ids, before)
+            out.append(runner.forward(step, host, device_tokens=device_tokens, logits=False))
         cache.commit_step()
         cache.seq_rm(a)
     for o in out[1:]:

@@ -478,3 +478,39 @@ def test_a_spec_reads_the_logits_unless_every_slot_is_its_rows_argmax():
     prompt = spec_for(4)
     prompt.prompt_rows.append((2, 5, 0))
     assert prompt.reads_logits(4)
+
+
+def test_a_spec_that_reads_no_logits_draws_from_the_greedy_ids_alone():
+    """The other side of ``reads_logits``: for random specs (rows shared or not, greedy and
+    sampled slots, the caller's ``dense``/``random`` overrides, verify groups with drafts)
+    whose ``reads_logits`` is False, the draws come from the given greedy ids alone: logits
+    of NaN (whose argmax is id 0) leave them unchanged, and verify groups count their
+    accepted drafts from those ids."""
+    rng = np.random.default_rng(5)
+    checked = 0
+    for _ in range(300):
+        n = int(rng.integers(1, 9))
+        rows = list(range(n)) if rng.random() < 0.7 else sorted(rng.integers(0, n, n).tolist())
+        temps = [0.0 if rng.random() < 0.8 else 0.7 for _ in range(n)]
+        spec = SampleSpec()
+        for i in range(n):
+            spec.add(rows[i], temps[i], 0, 1.0, 1, 0, i, int(rng.integers(-1, 6)))
+        if rng.random() < 0.3:
+            spec.dense = n if rows == list(range(n)) else None
+        if rng.random() < 0.3:
+            spec.random = any(t > 0 for t in temps) or bool(rng.random() < 0.5)
+        if n >= 2 and rng.random() < 0.5:
+            spec.groups.append((0, n - 1))
+            spec.draft[n - 1] = -1
+        if spec.reads_logits(n):
+            continue
+        checked += 1
+        greedy = torch.tensor(rng.integers(1, 6, n), dtype=torch.int64)
+        out = Sampler("cpu").launch(torch.full((n, 6), float("nan")), spec, greedy).result()
+        assert out.ids.tolist() == greedy.tolist()
+        for g, (first, drafts) in enumerate(spec.groups):
+            ok = 0
+            while ok < drafts and spec.draft[first + ok] == int(greedy[first + ok]):
+                ok += 1
+            assert out.accepted[g] == ok
+    assert checked > 50

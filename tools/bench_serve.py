@@ -428,13 +428,15 @@ def _time_replays(gen) -> list:
 
 def breakdown(gen, model) -> dict:
     """Where a 256-row decode step goes: prepare_step (host), the whole forward (graph
-    replay), and the attention kernels alone (24 layers, same shapes and lists)."""
+    replay, without the float32 logits: as the workload's greedy steps replay it), and the
+    attention kernels alone (24 layers, same shapes and lists)."""
     import torch
 
     runner, view = gen.runner, gen.runner.view
     graphs = runner.graphs
     if not graphs:
         return {}
+    runner.write_logits(False)
     T = max(graphs)
     graph = graphs[T][0]               # (graph, its logits, its greedy ids)
     torch.cuda.synchronize()

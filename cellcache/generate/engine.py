@@ -1133,8 +1133,10 @@ class Generator:
             step = self.cache.prepare_step(stream=runner.stream_handle, pad_to=pad_to)
             t = self._tick("prepare", t)
             rows = None if plan.lean else plan.logit_rows   # lean: every real row, in order
-            # a greedy step's draws are the graph's argmax: no float32 logits to write
-            want = self._on_logits is not None or plan.spec.reads_logits(logit_rows)
+            # a greedy step's draws are the graph's argmax: no float32 logits to write (the tap
+            # read once: another thread may set it while this one steps)
+            tap = self._on_logits
+            want = tap is not None or plan.spec.reads_logits(logit_rows)
             if after is None:
                 logits = self.runner.forward(step, plan.tokens, rows, decode=decode, logits=want)
             elif not plan.lean:                   # its first rows fed on the device, then the host's
@@ -1153,8 +1155,8 @@ class Generator:
                 logits = self.runner.forward(step, None, rows, decode=decode, device_tokens=fed, logits=want)
             self.cache.commit_step()
             t = self._tick("forward", t)
-            if self._on_logits is not None:
-                self._on_logits(plan.logit_contexts(), logits)
+            if tap is not None:
+                tap(plan.logit_contexts(), logits)
             greedy = runner.greedy            # the graph's own argmax of each row, or None
             if greedy is None:
                 draw = self.sampler.launch(logits, plan.spec)

@@ -216,6 +216,15 @@ def test_a_replay_without_logits_hands_the_same_ids_and_leaves_the_buffer():
     (l0, g0), (l1, g1), (l2, g2), (l3, g3) = got
     assert torch.equal(g0, torch.argmax(l0, -1)) and torch.equal(g1, g0) and torch.equal(g3, g0)
     assert bool((l1 == 7).all()) and bool((l3 == 7).all()) and torch.equal(l2, l0)
+    # some rows' logits only: no greedy ids handed out, so the replay writes them anyway
+    seqs = [cache.seq_clone(s) for s in roots]
+    assert cache.declare_step(seqs)
+    part = runner.forward(cache.prepare_step(stream=runner.stream_handle, pad_to=pad_to), nxt, [0, 2],
+                          decode=True, logits=False)
+    cache.commit_step()
+    assert runner.replayed and runner.greedy is None and torch.equal(part, l0[[0, 2]])
+    for s in seqs:
+        cache.seq_rm(s)
     seqs = [cache.seq_clone(s) for s in roots]   # eager (no padding): written though not asked
     assert cache.declare_step(seqs)
     eager = runner.forward(cache.prepare_step(), nxt, logits=False)
