@@ -524,7 +524,7 @@ class PrefixTier:
             if key is None:
                 return None
             spill = self._forget(key)
-            if len(key) > 4 * n:
+            if len(key) // 4 > n:                  # (keys: int32 tokens' bytes) longer: cut
                 spill.stop = n
             return key, spill
 
