@@ -10,7 +10,8 @@
 //                       with cascade, groups decode runs that share leading cells (tc_share
 //                       finds the shares once a step) into the shared pass's list.
 //   tc_attend_T_dD_V    persistent CTAs: each takes the next unit (item x kv head) from the
-//                       counter until the list is exhausted. A unit is QROWS packed rows of
+//                       counter until the list is exhausted, reading the next unit's set-up
+//                       while the current one's first tiles land. A unit is QROWS packed rows of
 //                       one run, row p = (query p / G, head p % G) of the kv head's group, so
 //                       a group shares every K/V tile. Variant V = m<MQ>w<WKV>k<KT>s<ST>: 4
 //                       warps of 16 x MQ rows, either along the rows (w1: QROWS = 64 MQ) or
@@ -309,13 +310,56 @@ __device__ __forceinline__ void unit_keys(int shift, int p0, int p1, int G, int 
     }
 }
 
+// A unit's set-up, read by one thread into shared memory (TC_DESC words): the unit, its
+// plan item and its run's offsets. tc_attend has the next unit's read while the current
+// unit's first tiles are in flight, so a unit starts from shared memory instead of a chain
+// of dependent global loads (counter, item, offsets: ncu put half the decode kernel's stall
+// samples in a unit's set-up at 256 x 640 d64). desc[0] >= the unit count: no unit.
+#define TC_DESC 16
+enum { D_UNIT, D_IT, D_Q0 = 5, D_QLEN, D_K0, D_L, D_SHIFT, D_CROW, D_START, D_CHUNK, D_BASE };
+__device__ __forceinline__ void unit_desc(const TcArgs& a, int u, int n_units, int* desc)
+{
+    desc[D_UNIT] = u;
+    if (u >= n_units) return;
+    const int n_kvh = (int)a.n_kv_heads, item = u / n_kvh;
+    const int4 it = a.mode ? plan_gitems(a)[item] : plan_items(a)[item];
+    int run, q0, qlen, k0, L, shift, crow, start = 0, chunk = 0, base = 0;
+    if (a.mode) {
+        const int4 gd = plan_groups(a)[it.x];
+        run = gd.x; qlen = gd.y; L = gd.z; crow = gd.w;
+        q0 = a.qo_indptr[run];
+        k0 = a.kv_indptr[run];
+        shift = L;
+    } else {
+        // every load below depends on the item only: they go out together
+        run = it.x;
+        const cc_i64 width = *a.width;
+        q0 = a.qo_indptr[run];
+        const int q1 = a.qo_indptr[run + 1];
+        k0 = a.kv_indptr[run];
+        L = a.kv_indptr[run + 1] - k0;
+        crow = a.gcap > 0 ? plan_run_crow(a)[run] : -1;
+        start = a.gcap > 0 ? plan_run_start(a)[run] : 0;   // read when crow >= 0 only
+        chunk = a.plan[TC_CHUNK];
+        base = plan_run_base(a)[run];
+        const cc_i64 qe = min((cc_i64)q1, width);
+        qlen = qe > q0 ? (int)(qe - q0) : 0;
+        shift = L - (q1 - q0);                          // hi(q) = shift + q
+    }
+    desc[D_IT] = it.x; desc[D_IT + 1] = it.y; desc[D_IT + 2] = it.z; desc[D_IT + 3] = it.w;
+    desc[D_Q0] = q0; desc[D_QLEN] = qlen; desc[D_K0] = k0; desc[D_L] = L; desc[D_SHIFT] = shift;
+    desc[D_CROW] = crow; desc[D_START] = start; desc[D_CHUNK] = chunk; desc[D_BASE] = base;
+}
+
 // KV8: the pools hold float8 e4m3 (scaled per kv head, a.kv_scale), widened to f16 x 2^-8:
 // in registers straight from the 8-bit ring (R8: warps along the kv tile, D % 32 == 0) or
 // through an f16 tile in shared memory (the others). Q is converted to f16 once a unit, so S
 // and P V run on f16 tensor cores for either T; K's scale x 2^8 joins the scores' scale
 // (sl2) and V's x 2^8 scales O when written.
-template <typename T, bool KV8, int D, int MQ, int WKV, int KT, int ST, int KS>
-__device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
+// One unit from its set-up (desc, shared memory); pre() runs once every thread has issued the
+// unit's first copies (every thread calls it, with no barrier after it).
+template <typename T, bool KV8, int D, int MQ, int WKV, int KT, int ST, int KS, typename Pre>
+__device__ void tc_unit(const TcArgs& a, const int* desc, uint4* smem, Pre&& pre)
 {
     using C = Tile<D, MQ, WKV, KT, ST, KS>;
     using M = typename Sel<KV8, Mma<f16>, Mma<T>>::type;   // the operands' type on the tensor cores
@@ -325,38 +369,26 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     const int wq = warp / WKV, wk = warp - wq * WKV;    // the warp's row block and key slice
     const int g = lane >> 2, tg = lane & 3;
     const int n_kvh = (int)a.n_kv_heads, G = (int)a.group, W = (int)a.window;
-    const int item = u / n_kvh, kvh = u - item * n_kvh;
+    const int u = desc[D_UNIT], kvh = u - (u / n_kvh) * n_kvh;
     // mode 1 (cascade): a group's shared keys [0, S) for all its rows (consecutive decode
     // runs, one row each: the group's rows are q0, q0 + 1, ...), split s of size it.w; every
     // key precedes every query (shift S). Mode 0: a run's own tile; a grouped run's keys
     // start past its group's shared ones.
     const bool grp = a.mode != 0;
-    const int4 it = grp ? plan_gitems(a)[item] : plan_items(a)[item];
-    const cc_i64 width = *a.width;
-    int run, qt = it.y, split = it.z, ns, q0, qlen, k0, L, shift, crow, r0, r1;
+    const int qt = desc[D_IT + 1], split = desc[D_IT + 2], ns = grp ? 1 : desc[D_IT + 3];
+    const int q0 = desc[D_Q0], qlen = desc[D_QLEN], k0 = desc[D_K0], L = desc[D_L];
+    const int shift = desc[D_SHIFT], crow = desc[D_CROW];
+    int r0, r1;
     if (grp) {
-        const int4 gd = plan_groups(a)[it.x];
-        run = gd.x; ns = 1; qlen = gd.y; L = gd.z; crow = gd.w;
-        q0 = a.qo_indptr[run];
-        k0 = a.kv_indptr[run];
-        shift = L;
-        r0 = split * it.w;
-        r1 = min(L, r0 + it.w) - 1;
-    } else {
-        run = it.x; ns = it.w;
-        q0 = a.qo_indptr[run];
-        qlen = run_qlen(a, run, width);
-        k0 = a.kv_indptr[run];
-        L = a.kv_indptr[run + 1] - k0;
-        shift = L - (a.qo_indptr[run + 1] - q0);        // hi(q) = shift + q
-        crow = a.gcap > 0 ? plan_run_crow(a)[run] : -1;
+        r0 = split * desc[D_IT + 3];
+        r1 = min(L, r0 + desc[D_IT + 3]) - 1;
     }
     const int P = qlen * G;
     const int p0 = qt * QROWS, p1 = min(P, p0 + QROWS);
     const int qa = p0 / G, qb = (p1 - 1) / G;           // the unit's first and last query
     if (!grp) {
-        unit_keys(shift, p0, p1, G, W, split, ns, ns > 1 ? a.plan[TC_CHUNK] : 0, r0, r1);
-        if (crow >= 0) r0 = max(r0, plan_run_start(a)[run]);   // a multiple of TC_CASCADE_ALIGN
+        unit_keys(shift, p0, p1, G, W, split, ns, desc[D_CHUNK], r0, r1);
+        if (crow >= 0) r0 = max(r0, desc[D_START]);    // a multiple of TC_CASCADE_ALIGN
     }
     // a windowed unit's tiles start at a multiple of KT of the run's list (the keys below its
     // first query's window land in the first tile, an edge tile, which masks them), so a
@@ -641,6 +673,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
         }
         if (tid < KT) s_cells[PRE & 1][cell_slot(tid)] = next;   // read after the (loop's) first barrier
     }
+    pre();                                              // the next unit's set-up, while these land
 
     // this thread's rows: g and g + 8 of each of the warp's MQ 16-row blocks
     const int wp0 = p0 + wq * WROWS;
@@ -962,7 +995,7 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
     }
     // grouped rows (crow >= 0) leave (m, l, O) in cpart: slot 0 the own keys, 1 + s split s
     // of the shared ones; split runs in part at their slot; others write out
-    const int slot = plan_run_base(a)[run] + ((P + QROWS - 1) / QROWS - 1 - qt) * ns + split;
+    const int slot = desc[D_BASE] + ((P + QROWS - 1) / QROWS - 1 - qt) * ns + split;
     const int cslot = grp ? 1 + split : 0;
     const float vs = KV8 ? a.kv_scale[n_kvh + kvh] * 256.f : 1.f;   // 8-bit V's scale (2^8: the widening)
 #pragma unroll
@@ -1012,20 +1045,27 @@ __device__ void tc_unit(const TcArgs& a, int u, uint4* smem)
 }
 
 // Persistent: each CTA takes units from the counter the plan reset until the list is done.
+// Thread 0 takes the next unit from the counter as a unit starts and reads its set-up into
+// the other descriptor once the unit's first copies are out (unit_desc), so the chain of
+// dependent loads of a unit's start overlaps the previous unit's tiles.
 template <typename T, bool KV8, int D, int MQ, int WKV, int KT, int ST, int KS = 0>
 __device__ void tc_attend(const TcArgs& a)
 {
     extern __shared__ uint4 smem[];
-    __shared__ int s_unit;
+    __shared__ int s_desc[2][TC_DESC];
     const int n_units = a.plan[a.mode ? TC_GUNITS : TC_N_UNITS];
     if (n_units == 0) return;                          // (a shared pass with no group: at once)
-    for (;;) {
-        if (threadIdx.x == 0) s_unit = atomicAdd(a.plan + (a.mode ? TC_GCOUNTER : TC_COUNTER), 1);
-        __syncthreads();
-        const int u = s_unit;
-        if (u >= n_units) break;
-        tc_unit<T, KV8, D, MQ, WKV, KT, ST, KS>(a, u, smem);
-        __syncthreads();                               // s_unit and the buffers free again
+    cc_i32* counter = a.plan + (a.mode ? TC_GCOUNTER : TC_COUNTER);
+    if (threadIdx.x == 0) unit_desc(a, atomicAdd(counter, 1), n_units, s_desc[0]);
+    __syncthreads();
+    for (int b = 0; s_desc[b][D_UNIT] < n_units; b ^= 1) {
+        int next = 0;
+        if (threadIdx.x == 0) next = atomicAdd(counter, 1);   // in flight while the unit starts
+        int* nd = s_desc[b ^ 1];                        // read by the unit before last: free
+        tc_unit<T, KV8, D, MQ, WKV, KT, ST, KS>(a, s_desc[b], smem, [&]() {
+            if (threadIdx.x == 0) unit_desc(a, next, n_units, nd);
+        });
+        __syncthreads();                               // the next set-up visible; the buffers free
     }
 }
 
