@@ -1061,7 +1061,7 @@ __device__ void tc_attend(const TcArgs& a)
     for (int b = 0; s_desc[b][D_UNIT] < n_units; b ^= 1) {
         int next = 0;
         if (threadIdx.x == 0) next = atomicAdd(counter, 1);   // in flight while the unit starts
-        int* nd = s_desc[b ^ 1];                        // read by the unit before last: free
+        int* nd = s_desc[b ^ 1];                        // the previous unit's, free since its barrier
         tc_unit<T, KV8, D, MQ, WKV, KT, ST, KS>(a, s_desc[b], smem, [&]() {
             if (threadIdx.x == 0) unit_desc(a, next, n_units, nd);
         });
