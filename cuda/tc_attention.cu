@@ -342,7 +342,7 @@ __device__ __forceinline__ void unit_desc(const TcArgs& a, int u, int n_units, i
         start = a.gcap > 0 ? plan_run_start(a)[run] : 0;   // read when crow >= 0 only
         chunk = a.plan[TC_CHUNK];
         base = plan_run_base(a)[run];
-        const cc_i64 qe = min((cc_i64)q1, width);
+        const cc_i64 qe = min((cc_i64)q1, width);      // run_qlen, its q1 read once for shift too
         qlen = qe > q0 ? (int)(qe - q0) : 0;
         shift = L - (q1 - q0);                          // hi(q) = shift + q
     }

@@ -216,6 +216,15 @@ def test_a_replay_without_logits_hands_the_same_ids_and_leaves_the_buffer():
     (l0, g0), (l1, g1), (l2, g2), (l3, g3) = got
     assert torch.equal(g0, torch.argmax(l0, -1)) and torch.equal(g1, g0) and torch.equal(g3, g0)
     assert bool((l1 == 7).all()) and bool((l3 == 7).all()) and torch.equal(l2, l0)
+    # a refused flag (not a bool) leaves the graphs' flag as the last replay set it (off)
+    from cellcache.errors import InvalidArgument
+    torch.cuda.synchronize()
+    flag = runner._write.clone()
+    assert int(flag) == 0 and runner._writing is False
+    with pytest.raises(InvalidArgument, match="on of type"):
+        runner.write_logits(1)
+    torch.cuda.synchronize()
+    assert torch.equal(runner._write, flag) and runner._writing is False
     # some rows' logits only: no greedy ids handed out, so the replay writes them anyway
     seqs = [cache.seq_clone(s) for s in roots]
     assert cache.declare_step(seqs)
