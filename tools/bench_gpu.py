@@ -387,7 +387,8 @@ def _flashinfer():
     return flashinfer
 
 
-#: (name, sequences, history tokens, new tokens a sequence, q heads, kv heads, head_dim)
+#: (name, sequences, history tokens (or (low, high): each sequence's drawn uniformly in
+#: [low, high]), new tokens a sequence, q heads, kv heads, head_dim)
 ATTENTION_CASES = (
     ("prefill 16 x 2048 over 8K, 32q/8kv d128", 16, 8192, 2048, 32, 8, 128),
     ("prefill 16 x 2048 causal, 14q/2kv d64 (Qwen2-0.5B)", 16, 0, 2048, 14, 2, 64),
@@ -396,7 +397,12 @@ ATTENTION_CASES = (
     # the default serving workload's decode step mid-run (512 + 128 of 256 tokens): the
     # served kernel is at ~55% of the bandwidth there (docs/design/serving.md)
     ("decode 256 x 640, 14q/2kv d64 (default workload mid-run)", 256, 639, 1, 14, 2, 64),
+    # served decode shapes (issue 42): a batch whose contexts differ, 100 to 2000 keys
+    ("decode 256 x 100-2000 ragged, 32q/8kv d128", 256, (99, 1999), 1, 32, 8, 128),
+    ("decode 256 x 100-2000 ragged, 14q/2kv d64 (Qwen2-0.5B)", 256, (99, 1999), 1, 14, 2, 64),
 )
+#: issue 42's decode bandwidth: the table's choice at 256 x 4096 d128 and on the ragged shapes
+DECODE_TBPS = 4.2
 
 
 def _folded(tc, pv, rows: int, q, k_pool, v_pool, H: int, Hkv: int, D: int, stream: int,
@@ -468,8 +474,8 @@ def _against_baseline(ptx: bytes, tensor_core, sm: int, pv, rows: int, q, stride
         old.close()
 
 
-def _attention_case(name: str, n_seq: int, hist: int, new: int, H: int, Hkv: int, D: int,
-                    reps: int, rng, baseline: bytes | None = None) -> dict:
+def _attention_case(name: str, n_seq: int, hist: int | tuple[int, int], new: int, H: int, Hkv: int,
+                    D: int, reps: int, rng, baseline: bytes | None = None) -> dict:
     """One shape, side by side in one run: cellcache CUDA cores, cellcache tensor cores,
     FlashInfer (prefill wrapper fa2 / auto; decode wrappers too for decode shapes), SDPA over
     the dense bool mask. Every column reads the same buffers; differences to the tensor-core
@@ -479,7 +485,9 @@ def _attention_case(name: str, n_seq: int, hist: int, new: int, H: int, Hkv: int
     from cellcache.cuda.tc import TensorCoreAttention
 
     decode = new == 1
-    total = n_seq * (hist + new)
+    hists = ([int(h) for h in rng.integers(hist[0], hist[1] + 1, size=n_seq)] if isinstance(hist, tuple)
+             else [hist] * n_seq)
+    total = sum(hists) + n_seq * new
     cap = total + 64
     cap += (-cap) % 16
     mask_bytes = n_seq * new * cap
@@ -491,10 +499,11 @@ def _attention_case(name: str, n_seq: int, hist: int, new: int, H: int, Hkv: int
     t = cache.table
     seqs = [t.seq_new() for _ in range(n_seq)]
     chunk = 256 if decode else 1024                # interleaved chunks: cells spread out
-    for k in range(0, hist, chunk):
-        for s in rng.permutation(seqs):
-            assert t.declare_step([int(s)] * min(chunk, hist - k))
-            t.place()
+    for k in range(0, max(hists), chunk):
+        for j in rng.permutation(n_seq):
+            if hists[j] > k:
+                assert t.declare_step([int(seqs[j])] * min(chunk, hists[j] - k))
+                t.place()
     ids = [int(s) for s in seqs for _ in range(new)]
     rows = len(ids)
     step, view, k_pool, v_pool, q, out, pv, stream = _one_step(cache, ids, rows, H, D)
@@ -502,7 +511,7 @@ def _attention_case(name: str, n_seq: int, hist: int, new: int, H: int, Hkv: int
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     tc = TensorCoreAttention("bfloat16", sm)
     strides = (H * D, D)
-    res: dict = {"case": name, "rows": rows, "kv_per_seq": hist + new,
+    res: dict = {"case": name, "rows": rows, "kv_per_seq": [min(hists) + new, max(hists) + new],
                  "heads": [H, Hkv, D], "dtype": "bfloat16"}
     kv_bytes = sum(int(x) for x in np.diff(step.kv_indptr)) * Hkv * D * 2 * 2
     flops = 0
@@ -728,8 +737,10 @@ def attention(args) -> dict:
             ok = r["ratio_vs_flashinfer_best"] <= 1.1
             targets[f"{r['case']}: tensor core <= 1.1x FlashInfer best"] = ok
     for r in cases:                                   # (a --case run may not have it)
-        if r["case"] == ATTENTION_CASES[2][0]:
-            targets["decode 256 x 4096 d128: >= 3 TB/s"] = r["tensor_core_TBps"] >= 3.0
+        if r["case"] == ATTENTION_CASES[2][0] or "ragged" in r["case"]:
+            tbps = r["kv_bytes"] / (r["tensor_core_ms"] * 1e-3) / 1e12   # the table's choice
+            name = f"{r['case']}: the table's choice >= {DECODE_TBPS} TB/s ({tbps:.2f})"
+            targets[name] = tbps >= DECODE_TBPS
     print("targets (best variant; the table's own choice in the JSON as table_ratio_vs_*):")
     for name, ok in targets.items():
         print(f"target {'met ' if ok else 'MISSED'}: {name}")
