@@ -331,6 +331,9 @@ class ModelRunner:
         self._staging: torch.Tensor | None = None     # pinned upload buffer (CUDA) and its event
         self._staged: Any = None
         self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        # each bucket's graph without the shared-prefix pass, for steps whose rows cannot
+        # group (cct.may_group); the same tuple where the two would launch the same kernels
+        self._flat: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._graph_generation = view.generation
         self.replays = 0
         self.eager = 0
@@ -381,6 +384,7 @@ class ModelRunner:
         ``Generator.sleep(2)``). The mixed graphs' shared memory pool goes with the last of
         them: the next capture opens a new one (PyTorch refuses a pool whose graphs are gone)."""
         self._graphs.clear()
+        self._flat.clear()
         self._mixed.clear()
         self._mixed_pool = None
 
@@ -711,11 +715,36 @@ class ModelRunner:
             views = self._row_views[key] = (logits, logits[:width], self._replayed_greedy[:width])
         return views[1], views[2]
 
+    def _capture_decode(self, step: Step, T: int) -> None:
+        """Bucket ``T``'s decode graph, captured from ``step`` with the shared-prefix pass
+        (it replays any step), then, where that capture launched the pass, once more without
+        it into the same memory pool (the two never run at once, and their outputs live
+        outside the pool): a step whose rows cannot group replays that one (no empty pass in
+        every layer)."""
+        grouping = cct.Grouping(True)
+        token = cct.GROUPING.set(grouping)
+        try:
+            graphs = self._capture(step, None, T)
+        finally:
+            cct.GROUPING.reset(token)
+        flat = graphs
+        if grouping.used:
+            token = cct.GROUPING.set(cct.Grouping(False))
+            try:
+                flat = self._capture(step, None, T, pool=graphs[0].pool())
+            finally:
+                cct.GROUPING.reset(token)
+        self._graphs[T], self._flat[T] = graphs, flat
+
     def _replay(self, step: Step) -> torch.Tensor:
         T = step.pad_to
         if T not in self._graphs:
-            self._graphs[T] = self._capture(step, None, T)
-        graph, logits, greedy = self._graphs[T]
+            self._capture_decode(step, T)
+        graphs = self._graphs[T]
+        flat = self._flat[T]
+        if flat is not graphs and not cct.may_group(self.view, step):
+            graphs = flat
+        graph, logits, greedy = graphs
         graph.replay()
         self._replayed_greedy = greedy
         return logits

@@ -61,10 +61,10 @@ from .cache import CellCache, Step
 from .config import CacheConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
-__all__ = ["BACKENDS", "CASCADE_MIN_SHARED", "FORWARD", "INVARIANT_CLASS", "INVARIANT_TILE", "AttentionPlan",
-           "Forward", "TorchView",
+__all__ = ["BACKENDS", "CASCADE_MIN_SHARED", "FORWARD", "GROUPING", "INVARIANT_CLASS", "INVARIANT_TILE",
+           "AttentionPlan", "Forward", "Grouping", "TorchView",
            "as_tensor", "attention", "attention_op", "check_qkv", "invariant_paths", "invariant_refusal",
-           "layer_paths", "torch_dtype"]
+           "layer_paths", "may_group", "torch_dtype"]
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                  "float8_e4m3fn": torch.float8_e4m3fn}
@@ -591,6 +591,32 @@ def _check_scale(scale: Any) -> float | None:
 MIXED_CAPTURE: contextvars.ContextVar = contextvars.ContextVar("cellcache_mixed_capture", default=False)
 
 
+class Grouping:
+    """What a runner asks of the decode steps planned while it captures a graph
+    (:data:`GROUPING`): ``on``, whether they launch the shared-prefix pass (their rows may
+    group, whatever their sequences share now: the graph replays other steps); ``used``,
+    set once a layer did (False after the capture: both ways capture the same launches)."""
+
+    __slots__ = ("on", "used")
+
+    def __init__(self, on: bool):
+        self.on, self.used = on, False
+
+
+#: Set (a :class:`Grouping`) while a runner captures a decode graph; unset, each decode step
+#: on the tensor-core path groups its rows only where :func:`may_group` says some can.
+GROUPING: contextvars.ContextVar[Grouping | None] = contextvars.ContextVar("cellcache_grouping", default=None)
+
+
+def may_group(view: TorchView, step: Step) -> bool:
+    """Whether two consecutive rows of ``step`` belong to different sequences holding the
+    same cell at position 0: what the device's grouping of decode rows (``tc_share``: leading
+    kv entries in common with the row before) needs at least. False: no row would group, and
+    the shared-prefix pass would be launched in every layer to find nothing (the runner then
+    replays its bucket's graph captured without it)."""
+    return view.cache.table.leading_cell_shared(step.seq_ids)
+
+
 def _decode_step(step: Step) -> bool:
     """Every real run of the step is one row (a decode step): the decode kernel's case
     (never while a mixed-step graph is captured: :data:`MIXED_CAPTURE`)."""
@@ -702,7 +728,7 @@ class AttentionPlan:
     """
 
     __slots__ = ("view", "step", "backend", "mixed", "decode", "kernels", "cascade", "_routes",
-                 "_flashinfer", "_keys", "_shared", "_planned", "_last_layer")
+                 "_flashinfer", "_keys", "_shared", "_planned", "_last_layer", "_grouping")
 
     def __init__(self, view: TorchView, step: Step, backend: str,
                  routes: dict[tuple[str, int, int], _Route] | None = None):
@@ -718,9 +744,12 @@ class AttentionPlan:
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host "invariant": by window
         #: the tensor-core path's cascade threshold for this step (0: off): decode steps only
         #: (only decode runs group; a prompt chunk's rows would size the grouped rows'
-        #: partials for nothing), whatever their width (a graph captured from a one-row step
-        #: replays wider ones)
+        #: partials for nothing); in a capture as the runner asks (:data:`GROUPING`: a graph
+        #: captured from a one-row step replays wider ones), else where two rows may group
+        grouping = self._grouping = GROUPING.get()
         self.cascade = CASCADE_MIN_SHARED if self.kernels and self.decode else 0
+        if self.cascade and not (grouping.on if grouping is not None else may_group(view, step)):
+            self.cascade = 0
         # the step's shares are found and its tensor-core work list made by the first
         # cascade (tensor-core) layer of each forward; the others reuse them (a forward
         # starts when a layer comes again or an earlier one does: a graph captured from any
@@ -730,7 +759,8 @@ class AttentionPlan:
 
     def matches(self, step: Step, backend: str) -> bool:
         """Whether this plan is the one for ``step`` under ``backend`` now."""
-        return step is self.step and backend == self.backend and MIXED_CAPTURE.get() == self.mixed
+        return (step is self.step and backend == self.backend and MIXED_CAPTURE.get() == self.mixed
+                and GROUPING.get() is self._grouping)
 
     def run(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             scale: float | None, out: torch.Tensor | None, write: bool = True) -> torch.Tensor:
@@ -849,6 +879,8 @@ class AttentionPlan:
                                     share=cascade > 0 and not self._shared, fresh=not self._planned)
             self._shared = self._shared or cascade > 0
             self._planned = True
+            if cascade and self._grouping is not None:
+                self._grouping.used = True
             if view.config.kv8:
                 run = functools.partial(run, kv_scale=view.kv_scales(layer).data_ptr())
         else:

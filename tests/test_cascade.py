@@ -147,3 +147,56 @@ def test_refusals_change_nothing():
     plain = _cache(paged=False)
     with pytest.raises(InvalidArgument, match="paged=True"):
         cascade.cascade_levels(cct.TorchView(plain))
+
+
+def test_may_group_wherever_a_group_forms_and_not_where_no_first_cells_repeat():
+    """``cct.may_group`` (the table's ``leading_cell_shared``): True for every decode step
+    whose rows form a group, and exactly where two consecutive rows are different sequences
+    holding the same first cell; False for unrelated sequences side by side. Refusals of a
+    bad array change nothing."""
+    cache = _cache()
+    rng = np.random.default_rng(5)
+    f = Families(cache.table, rng, chunk=60)
+    roots = [f.new(int(n)) for n in rng.integers(130, 700, size=4)]
+    families = [[r, *f.forks(r, 3, own=(1, 30))] for r in roots]
+    lone = [[f.new(int(n))] for n in rng.integers(1, 400, size=5)]
+    view = cct.TorchView(cache)
+    seen = set()
+    for trial in range(40):
+        if trial % 2:                              # families side by side, in some order
+            blocks = [families[i] for i in rng.permutation(len(families))]
+            blocks += [lone[i] for i in rng.permutation(len(lone))]
+            ids = [int(x) for b in rng.permutation(len(blocks)) for x in blocks[b]]
+        else:                                      # any order
+            ids = [int(x) for x in rng.permutation([x for b in families + lone for x in b])]
+        ids = ids[:int(rng.integers(2, len(ids) + 1))]
+        firsts = [cache.table.seq_cell_at(s, 0) for s in ids]
+        want = any(firsts[i] == firsts[i - 1] for i in range(1, len(ids)))
+        assert cache.declare_step(ids)
+        step = cache.prepare_step(pad_to=len(ids) + 2)
+        lv = cascade.cascade_levels(view, min_shared=128)
+        got = cct.may_group(view, step)
+        assert got is want and (got or not lv.groups)
+        seen.add((bool(lv.groups), got))
+        cache.commit_step()
+    assert {(True, True), (False, False)} <= seen
+    t = cache.table
+    before = t.snapshot()
+    a, b = families[0][:2]
+    for bad in ([a, b], np.array([a, b], dtype=np.int32), np.array([[a, b]], dtype=np.int64),
+                np.array([a, 40], dtype=np.int64), np.array([-1, a], dtype=np.int64), None):
+        with pytest.raises(InvalidArgument, match="seq_ids"):
+            t.leading_cell_shared(bad)
+    assert _same(t.snapshot(), before)
+    assert t.leading_cell_shared(np.array([a, b], dtype=np.int64)) is True
+    assert t.leading_cell_shared(np.array([a, b], dtype=np.int64)[::-1]) is True   # strided
+    assert t.leading_cell_shared(np.array([a, a], dtype=np.int64)) is False        # one sequence
+    assert t.leading_cell_shared(np.zeros(0, dtype=np.int64)) is False
+
+
+def _same(x, y):
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, np.ndarray):
+        return np.array_equal(x, y)
+    return x == y

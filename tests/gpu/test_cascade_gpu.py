@@ -11,6 +11,7 @@ every test is skipped by the conftest, never errored.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ..helpers_cascade import Families
@@ -205,6 +206,76 @@ def test_plan_kept_for_the_step_layers():
             rig.check(st, view, k_pool, v_pool, qj, window, out=out, what=f"call {j} {c}")
     finally:
         sh.close()
+
+
+def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_group():
+    """A runner's decode bucket holds two graphs, captured from one step into one memory
+    pool: with the shared-prefix pass (replays any step) and without it. A step of forks of
+    one 300-token prompt replays the first, and its rows group; a step of unrelated
+    sequences replays the second. Each step's logits equal an eager forward of the same
+    histories (clones), which groups by the same rule. With grouping off the bucket holds
+    one graph."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import cellcache.torch as cct
+    from cellcache.generate import Generator
+
+    cfg = transformers.AutoConfig.for_model("llama", hidden_size=256, intermediate_size=512,
+                                            num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, vocab_size=512)   # head_dim 64
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float16).to("cuda").eval()
+    gen = Generator(model, capacity=8192, max_batch_tokens=512, max_seqs=32, eos=[], prefix_cache=False)
+    cache, runner = gen.cache, gen.runner
+    rng = np.random.default_rng(2)
+
+    def prompt(n):
+        s = cache.seq_new()
+        assert cache.declare_step([s] * n)
+        runner.forward(cache.prepare_step(), rng.integers(0, 512, size=n).tolist(), [n - 1])
+        cache.commit_step()
+        return s
+
+    root = prompt(300)
+    lone = [prompt(int(n)) for n in rng.integers(260, 400, size=6)]
+    sets = {"forks": [root] * 6, "lone": lone}
+    nxt = rng.integers(0, 512, size=6).tolist()
+    tc = runner.view.tensor_cores()
+
+    def step(srcs, graph):
+        seqs = [cache.seq_clone(s) for s in srcs]
+        assert cache.declare_step(seqs)
+        pad_to, decode = runner.padding(True, len(seqs), len(seqs), len(seqs)) if graph else (None, False)
+        st = cache.prepare_step(stream=runner.stream_handle, pad_to=pad_to)
+        out = runner.forward(st, nxt, decode=decode).clone()
+        grouped = tc.plan_header()["grouped"]
+        cache.commit_step()
+        for s in seqs:
+            cache.seq_rm(s)
+        return out, grouped, pad_to
+
+    eagers = {}
+    for name, srcs in sets.items():
+        eager, eager_grouped, _ = eagers[name] = step(srcs, graph=False)
+        replays = runner.replays
+        out, grouped, T = step(srcs, graph=True)
+        assert runner.replays == replays + 1 and T in runner.graphs
+        flat = runner._flat[T]
+        assert flat is not runner._graphs[T]                  # the two captured
+        assert (runner._replayed_greedy is flat[2]) == (name == "lone")
+        assert grouped == eager_grouped == (1 if name == "forks" else 0)
+        assert float((out - eager).abs().max()) <= 2e-2, name
+    cascade = cct.CASCADE_MIN_SHARED
+    try:
+        cct.CASCADE_MIN_SHARED = 0                          # grouping off: one graph a bucket
+        runner.drop_graphs()
+        out, grouped, T = step(sets["forks"], graph=True)
+        assert runner._flat[T] is runner._graphs[T] and grouped == 0
+        assert float((out - eagers["forks"][0]).abs().max()) <= 2e-2
+    finally:
+        cct.CASCADE_MIN_SHARED = cascade
+    cache.check_invariants()
+    cache.close()
 
 
 def test_flashinfer_reads_the_cascade_levels():
