@@ -336,6 +336,9 @@ class ModelRunner:
         self._flat: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._graph_generation = view.generation
         self.replays = 0
+        #: Of :attr:`replays`, the decode steps replayed without the shared-prefix pass
+        #: (rows that cannot group: :attr:`flat_graphs`).
+        self.flat_replays = 0
         self.eager = 0
         #: Whether the last forward replayed a graph.
         self.replayed = False
@@ -373,10 +376,20 @@ class ModelRunner:
     @property
     def graphs(self) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
         """The captured decode graphs by bucket: (``torch.cuda.CUDAGraph``, its logits
-        tensor, its greedy ids tensor). A copy: dropping or adding entries changes nothing in
-        the runner. A replay writes the logits tensor only while :meth:`write_logits` is on
-        (the last forward's setting)."""
+        tensor, its greedy ids tensor), each with the shared-prefix pass (it replays any
+        step). A copy: dropping or adding entries changes nothing in the runner. A replay
+        writes the logits tensor only while :meth:`write_logits` is on (the last forward's
+        setting)."""
         return dict(self._graphs)
+
+    @property
+    def flat_graphs(self) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
+        """The decode graphs without the shared-prefix pass, by bucket (a copy, as
+        :attr:`graphs`): a step whose rows cannot group (:func:`cellcache.torch.may_group`)
+        replays its bucket's from here. Where a bucket's two would launch the same kernels
+        (grouping off, a one-row bucket, layers off the tensor-core path) both hold the same
+        entry."""
+        return dict(self._flat)
 
     def drop_graphs(self) -> None:
         """Lets go of every captured graph (and the memory pool it holds): they are captured
@@ -744,6 +757,7 @@ class ModelRunner:
         flat = self._flat[T]
         if flat is not graphs and not cct.may_group(self.view, step):
             graphs = flat
+            self.flat_replays += 1
         graph, logits, greedy = graphs
         graph.replay()
         self._replayed_greedy = greedy

@@ -610,11 +610,14 @@ GROUPING: contextvars.ContextVar[Grouping | None] = contextvars.ContextVar("cell
 
 def may_group(view: TorchView, step: Step) -> bool:
     """Whether two consecutive rows of ``step`` belong to different sequences holding the
-    same cell at position 0: what the device's grouping of decode rows (``tc_share``: leading
-    kv entries in common with the row before) needs at least. False: no row would group, and
-    the shared-prefix pass would be launched in every layer to find nothing (the runner then
-    replays its bucket's graph captured without it)."""
-    return view.cache.table.leading_cell_shared(step.seq_ids)
+    same cell at position ``CASCADE_MIN_SHARED - 1``: what the device's grouping of decode
+    rows (``tc_share``: a row's leading kv entries in common with the row before, at least
+    that many to group) needs. False: no row would group, and the shared-prefix pass would
+    be launched in every layer to find nothing (the runner then replays its bucket's graph
+    captured without it). A prefix of a token or two that requests share (a BOS, a chat
+    template's opening) leaves it False."""
+    n = CASCADE_MIN_SHARED
+    return n > 0 and view.cache.table.rows_share_cell(step.seq_ids, n - 1)
 
 
 def _decode_step(step: Step) -> bool:
@@ -744,11 +747,13 @@ class AttentionPlan:
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host "invariant": by window
         #: the tensor-core path's cascade threshold for this step (0: off): decode steps only
         #: (only decode runs group; a prompt chunk's rows would size the grouped rows'
-        #: partials for nothing); in a capture as the runner asks (:data:`GROUPING`: a graph
-        #: captured from a one-row step replays wider ones), else where two rows may group
+        #: partials for nothing); in a capture on (a graph captured from a one-row step
+        #: replays wider ones) unless the runner asks otherwise (:data:`GROUPING`), else
+        #: where two rows may group (:func:`may_group`)
         grouping = self._grouping = GROUPING.get()
         self.cascade = CASCADE_MIN_SHARED if self.kernels and self.decode else 0
-        if self.cascade and not (grouping.on if grouping is not None else may_group(view, step)):
+        if self.cascade and not (grouping.on if grouping is not None
+                                 else torch.cuda.is_current_stream_capturing() or may_group(view, step)):
             self.cascade = 0
         # the step's shares are found and its tensor-core work list made by the first
         # cascade (tensor-core) layer of each forward; the others reuse them (a forward
@@ -879,7 +884,7 @@ class AttentionPlan:
                                     share=cascade > 0 and not self._shared, fresh=not self._planned)
             self._shared = self._shared or cascade > 0
             self._planned = True
-            if cascade and self._grouping is not None:
+            if cascade and T > 1 and self._grouping is not None:   # (one row never groups)
                 self._grouping.used = True
             if view.config.kv8:
                 run = functools.partial(run, kv_scale=view.kv_scales(layer).data_ptr())

@@ -480,19 +480,21 @@ cdef class CellTable:
             return -1
         return self.seq_map[s][<int64_t>q]
 
-    def leading_cell_shared(self, seq_ids):
+    def rows_share_cell(self, seq_ids, position):
         """Whether two consecutive entries of ``seq_ids`` (a step's sequence a row: a 1-D
-        int64 array) are different live sequences whose position 0 is the same cell: what
-        any grouping of decode rows by the cells they share first (shared-prefix attention,
-        ``cellcache.torch.may_group``) needs. InvalidArgument for anything but a 1-D int64
-        array of ids in ``[0, max_seqs)``."""
+        int64 array) are different live sequences holding the same cell at ``position`` (an
+        int >= 0): what any grouping of decode rows by at least ``position + 1`` leading
+        cells in common needs (shared-prefix attention, ``cellcache.torch.may_group``).
+        InvalidArgument for anything but a 1-D int64 array of ids in ``[0, max_seqs)``, or a
+        bad position."""
         cdef const int64_t[:] ids
         cdef Py_ssize_t i, n
-        cdef int64_t s, c, prev = -1, prev_cell = -1
+        cdef int64_t s, c, q, prev = -1, prev_cell = -1
         if type(seq_ids) is not _np_ndarray or seq_ids.dtype != _np_int64 or seq_ids.ndim != 1:
             raise InvalidArgument(f"seq_ids must be a 1-D int64 array, not {type(seq_ids).__name__}"
                                   + (f" of {seq_ids.dtype}, {seq_ids.ndim}-D"
                                      if isinstance(seq_ids, _np_ndarray) else ""))
+        q = check_int(position, "position", 0, (1 << 62))
         ids = seq_ids
         n = ids.shape[0]
         for i in range(n):
@@ -500,7 +502,7 @@ cdef class CellTable:
                 raise InvalidArgument(f"seq_ids[{i}] = {ids[i]} is outside [0, {self.max_seqs})")
         for i in range(n):
             s = ids[i]
-            c = self.seq_map[s][0] if self._is_live(s) and self.seq_pos_[s] > 0 else -1
+            c = self.seq_map[s][q] if self._is_live(s) and self.seq_pos_[s] > q else -1
             if c >= 0 and s != prev and c == prev_cell:
                 return True
             prev, prev_cell = s, c

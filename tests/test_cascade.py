@@ -149,17 +149,19 @@ def test_refusals_change_nothing():
         cascade.cascade_levels(cct.TorchView(plain))
 
 
-def test_may_group_wherever_a_group_forms_and_not_where_no_first_cells_repeat():
-    """``cct.may_group`` (the table's ``leading_cell_shared``): True for every decode step
-    whose rows form a group, and exactly where two consecutive rows are different sequences
-    holding the same first cell; False for unrelated sequences side by side. Refusals of a
-    bad array change nothing."""
+def test_may_group_wherever_a_group_forms_and_not_where_rows_cannot():
+    """``cct.may_group`` (the table's ``rows_share_cell`` at ``CASCADE_MIN_SHARED - 1``):
+    True for every decode step whose rows form a group, and exactly where two consecutive
+    rows are different sequences holding the same cell at that position; False for
+    unrelated sequences side by side and for forks of a prompt shorter than the threshold
+    (a shared BOS). Refusals of a bad array or position change nothing."""
     cache = _cache()
     rng = np.random.default_rng(5)
     f = Families(cache.table, rng, chunk=60)
-    roots = [f.new(int(n)) for n in rng.integers(130, 700, size=4)]
+    n = cct.CASCADE_MIN_SHARED
+    roots = [f.new(int(k)) for k in (1, 150, n - 1, n, n + 40, 700)]
     families = [[r, *f.forks(r, 3, own=(1, 30))] for r in roots]
-    lone = [[f.new(int(n))] for n in rng.integers(1, 400, size=5)]
+    lone = [[f.new(int(k))] for k in rng.integers(1, 400, size=5)]
     view = cct.TorchView(cache)
     seen = set()
     for trial in range(40):
@@ -170,11 +172,11 @@ def test_may_group_wherever_a_group_forms_and_not_where_no_first_cells_repeat():
         else:                                      # any order
             ids = [int(x) for x in rng.permutation([x for b in families + lone for x in b])]
         ids = ids[:int(rng.integers(2, len(ids) + 1))]
-        firsts = [cache.table.seq_cell_at(s, 0) for s in ids]
-        want = any(firsts[i] == firsts[i - 1] for i in range(1, len(ids)))
         assert cache.declare_step(ids)
         step = cache.prepare_step(pad_to=len(ids) + 2)
-        lv = cascade.cascade_levels(view, min_shared=128)
+        cells = [cache.table.seq_cell_at(s, n - 1) for s in ids]     # -1: not that long
+        want = any(cells[i] >= 0 and cells[i] == cells[i - 1] for i in range(1, len(ids)))
+        lv = cascade.cascade_levels(view)
         got = cct.may_group(view, step)
         assert got is want and (got or not lv.groups)
         seen.add((bool(lv.groups), got))
@@ -182,16 +184,22 @@ def test_may_group_wherever_a_group_forms_and_not_where_no_first_cells_repeat():
     assert {(True, True), (False, False)} <= seen
     t = cache.table
     before = t.snapshot()
-    a, b = families[0][:2]
-    for bad in ([a, b], np.array([a, b], dtype=np.int32), np.array([[a, b]], dtype=np.int64),
-                np.array([a, 40], dtype=np.int64), np.array([-1, a], dtype=np.int64), None):
-        with pytest.raises(InvalidArgument, match="seq_ids"):
-            t.leading_cell_shared(bad)
+    a, b = families[-1][:2]
+    ab = np.array([a, b], dtype=np.int64)
+    i64 = np.int64
+    for bad, pos in (([a, b], 0), (np.array([a, b], dtype=np.int32), 0), (np.array([[a, b]], dtype=i64), 0),
+                     (np.array([a, 40], dtype=i64), 0), (np.array([-1, a], dtype=i64), 0), (None, 0),
+                     (ab, -1), (ab, 1.5), (ab, "0"), (ab, 1 << 70)):
+        with pytest.raises(InvalidArgument, match="seq_ids|position"):
+            t.rows_share_cell(bad, pos)
     assert _same(t.snapshot(), before)
-    assert t.leading_cell_shared(np.array([a, b], dtype=np.int64)) is True
-    assert t.leading_cell_shared(np.array([a, b], dtype=np.int64)[::-1]) is True   # strided
-    assert t.leading_cell_shared(np.array([a, a], dtype=np.int64)) is False        # one sequence
-    assert t.leading_cell_shared(np.zeros(0, dtype=np.int64)) is False
+    assert t.rows_share_cell(ab, 699) is True and t.rows_share_cell(ab, 10 ** 6) is False
+    assert t.rows_share_cell(ab[::-1], 0) is True                                # strided
+    assert t.rows_share_cell(np.array([a, a], dtype=np.int64), 0) is False       # one sequence
+    assert t.rows_share_cell(np.zeros(0, dtype=np.int64), 0) is False
+    c, d = families[0][:2]                         # forks of a one-token prompt: a shared BOS
+    assert t.rows_share_cell(np.array([c, d], dtype=np.int64), 0) is True
+    assert t.rows_share_cell(np.array([c, d], dtype=np.int64), n - 1) is False
 
 
 def _same(x, y):

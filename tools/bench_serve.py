@@ -188,6 +188,10 @@ def summarize(gen, elapsed: float, reqs) -> dict:
            **{k: lat[k] for k in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")}}
     prof = gen.profile
     res["async_steps"] = gen.async_steps
+    # the generator's graph replays so far (its warm-up's included), and of them the decode
+    # steps replayed without the shared-prefix pass (their rows could not group)
+    res["replays"] = getattr(gen.runner, "replays", 0)
+    res["flat_replays"] = getattr(gen.runner, "flat_replays", 0)
     # steps launched while the one before was on the device (their host time hidden)
     res["ahead_steps"] = {"decode": prof["decode_ahead_steps"], "mixed": prof["mixed_ahead_steps"]}
     res["host_ms"] = {k: round(v, 3) for k, v in prof["host_ms"].items()}        # every step
@@ -433,7 +437,9 @@ def breakdown(gen, model) -> dict:
     import torch
 
     runner, view = gen.runner, gen.runner.view
-    graphs = runner.graphs
+    # the flavor the run's decode steps replayed the most (rows that cannot group: the
+    # graphs without the shared-prefix pass)
+    graphs = runner.flat_graphs if 2 * runner.flat_replays > runner.replays else runner.graphs
     if not graphs:
         return {}
     runner.write_logits(False)
@@ -1658,6 +1664,9 @@ def main(argv=None) -> int:
                   f"{r['mixed_step_ms_median']:.2f}), {r['decode_steps']} decode steps "
                   f"{r['decode_step_ms_total']:.0f} ms (median {r['decode_step_ms_median']:.2f}), "
                   f"prepare_step {r['prepare_step_host_us_median']:.0f} us (median)")
+        if r.get("replays"):
+            print(f"{key}: {r['flat_replays']} of the generator's {r['replays']} graph replays without "
+                  f"the shared-prefix pass (decode steps whose rows could not group)")
         if "host_tier" in r:
             print(f"{key}: host tier: " + _host_tier_line(r["host_tier"]))
         if "decode_host_us_per_step" in r:

@@ -210,13 +210,16 @@ def test_plan_kept_for_the_step_layers():
 
 def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_group():
     """A runner's decode bucket holds two graphs, captured from one step into one memory
-    pool: with the shared-prefix pass (replays any step) and without it. A step of forks of
-    one 300-token prompt replays the first, and its rows group; a step of unrelated
-    sequences replays the second. Each step's logits equal an eager forward of the same
-    histories (clones), which groups by the same rule. With grouping off the bucket holds
-    one graph."""
+    pool: with the shared-prefix pass (``graphs``: it replays any step) and without it
+    (``flat_graphs``: no ``tc_share``, one attention launch a layer). A step of forks of one
+    300-token prompt replays the first, and its rows group; a step of unrelated sequences
+    (or of forks that share only a first token) replays the second. Each step's logits
+    equal an eager forward of the same histories (clones), which groups by the same rule.
+    With grouping off the bucket holds one graph."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    from torch.profiler import ProfilerActivity, profile
+
     import cellcache.torch as cct
     from cellcache.generate import Generator
 
@@ -229,18 +232,28 @@ def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_grou
     cache, runner = gen.cache, gen.runner
     rng = np.random.default_rng(2)
 
-    def prompt(n):
-        s = cache.seq_new()
+    def prompt(n, first=None):
+        s = cache.seq_new() if first is None else cache.seq_clone(first, upto=1)
+        tokens = rng.integers(0, 512, size=n).tolist()
         assert cache.declare_step([s] * n)
-        runner.forward(cache.prepare_step(), rng.integers(0, 512, size=n).tolist(), [n - 1])
+        runner.forward(cache.prepare_step(), tokens, [n - 1])
         cache.commit_step()
         return s
 
     root = prompt(300)
-    lone = [prompt(int(n)) for n in rng.integers(260, 400, size=6)]
-    sets = {"forks": [root] * 6, "lone": lone}
+    bos = prompt(1)
+    sets = {"forks": [root] * 6, "lone": [prompt(int(n)) for n in rng.integers(260, 400, size=6)],
+            "bos": [prompt(300, first=bos) for _ in range(6)]}
     nxt = rng.integers(0, 512, size=6).tolist()
     tc = runner.view.tensor_cores()
+
+    def launches(graph):
+        """Kernel names of one replay of ``graph``."""
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            graph.replay()
+            torch.cuda.synchronize()
+        return [e.name for e in p.events() if e.device_type.name == "CUDA"]
 
     def step(srcs, graph):
         seqs = [cache.seq_clone(s) for s in srcs]
@@ -249,28 +262,35 @@ def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_grou
         st = cache.prepare_step(stream=runner.stream_handle, pad_to=pad_to)
         out = runner.forward(st, nxt, decode=decode).clone()
         grouped = tc.plan_header()["grouped"]
+        kernels = None
+        if graph:                                 # each graph's launches, over this step
+            kernels = {k: launches(g[st.pad_to][0]) for k, g in
+                       (("graphs", runner.graphs), ("flat", runner.flat_graphs))}
         cache.commit_step()
         for s in seqs:
             cache.seq_rm(s)
-        return out, grouped, pad_to
+        return out, grouped, pad_to, kernels
 
     eagers = {}
     for name, srcs in sets.items():
-        eager, eager_grouped, _ = eagers[name] = step(srcs, graph=False)
-        replays = runner.replays
-        out, grouped, T = step(srcs, graph=True)
-        assert runner.replays == replays + 1 and T in runner.graphs
-        flat = runner._flat[T]
-        assert flat is not runner._graphs[T]                  # the two captured
-        assert (runner._replayed_greedy is flat[2]) == (name == "lone")
-        assert grouped == eager_grouped == (1 if name == "forks" else 0)
+        eager, eager_grouped, _, _ = eagers[name] = step(srcs, graph=False)
+        replays, flat_replays = runner.replays, runner.flat_replays
+        out, grouped, T, kernels = step(srcs, graph=True)
+        assert runner.replays == replays + 1 and T in runner.graphs and T in runner.flat_graphs
+        assert runner.flat_replays == flat_replays + (name != "forks")
+        assert grouped == eager_grouped == (1 if name == "forks" else 0), name
         assert float((out - eager).abs().max()) <= 2e-2, name
+        count = {k: (sum(n.startswith("tc_share") for n in v), sum(n.startswith("tc_attend") for n in v))
+                 for k, v in kernels.items()}
+        layers = cfg.num_hidden_layers
+        assert count == {"graphs": (1, 2 * layers), "flat": (0, layers)}, count
     cascade = cct.CASCADE_MIN_SHARED
     try:
         cct.CASCADE_MIN_SHARED = 0                          # grouping off: one graph a bucket
         runner.drop_graphs()
-        out, grouped, T = step(sets["forks"], graph=True)
-        assert runner._flat[T] is runner._graphs[T] and grouped == 0
+        out, grouped, T, kernels = step(sets["forks"], graph=True)
+        assert runner.flat_graphs[T] is runner.graphs[T] and grouped == 0
+        assert sum(n.startswith("tc_share") for n in kernels["graphs"]) == 0
         assert float((out - eagers["forks"][0]).abs().max()) <= 2e-2
     finally:
         cct.CASCADE_MIN_SHARED = cascade
