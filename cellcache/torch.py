@@ -595,7 +595,8 @@ class Grouping:
     """What a runner asks of the decode steps planned while it captures a graph
     (:data:`GROUPING`): ``on``, whether they launch the shared-prefix pass (their rows may
     group, whatever their sequences share now: the graph replays other steps); ``used``,
-    set once a layer did (False after the capture: both ways capture the same launches)."""
+    set once a layer of more than one row did (False after the capture: both ways capture
+    the same launches)."""
 
     __slots__ = ("on", "used")
 
