@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from cellcache import CacheConfig, LayerConfig, build  # noqa: E402
 from cellcache.errors import InvalidArgument, InvalidState  # noqa: E402
 
+from .helpers import snapshot  # noqa: E402
 from .helpers_cascade import Families  # noqa: E402
 
 cascade = pytest.importorskip("cellcache.cascade")
@@ -183,7 +184,7 @@ def test_may_group_wherever_a_group_forms_and_not_where_rows_cannot():
         cache.commit_step()
     assert {(True, True), (False, False)} <= seen
     t = cache.table
-    before = t.snapshot()
+    before = snapshot(t)
     a, b = families[-1][:2]
     ab = np.array([a, b], dtype=np.int64)
     i64 = np.int64
@@ -192,7 +193,7 @@ def test_may_group_wherever_a_group_forms_and_not_where_rows_cannot():
                      (ab, -1), (ab, 1.5), (ab, "0"), (ab, 1 << 70)):
         with pytest.raises(InvalidArgument, match="seq_ids|position"):
             t.rows_share_cell(bad, pos)
-    assert _same(t.snapshot(), before)
+    assert snapshot(t) == before
     assert t.rows_share_cell(ab, 699) is True and t.rows_share_cell(ab, 10 ** 6) is False
     assert t.rows_share_cell(ab[::-1], 0) is True                                # strided
     assert t.rows_share_cell(np.array([a, a], dtype=np.int64), 0) is False       # one sequence
@@ -200,11 +201,3 @@ def test_may_group_wherever_a_group_forms_and_not_where_rows_cannot():
     c, d = families[0][:2]                         # forks of a one-token prompt: a shared BOS
     assert t.rows_share_cell(np.array([c, d], dtype=np.int64), 0) is True
     assert t.rows_share_cell(np.array([c, d], dtype=np.int64), n - 1) is False
-
-
-def _same(x, y):
-    if isinstance(x, dict):
-        return x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
-    if isinstance(x, np.ndarray):
-        return np.array_equal(x, y)
-    return x == y
