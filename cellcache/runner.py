@@ -334,11 +334,18 @@ class ModelRunner:
         # each bucket's graph without the shared-prefix pass, for steps whose rows cannot
         # group (cct.may_group); the same tuple where the two would launch the same kernels
         self._flat: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        # each bucket's graph without the shared-prefix pass and without the merge, for steps
+        # whose rows cannot group and that have at least the bucket's live rows (kept where
+        # 0 < live rows <= bucket), captured at the first such step (_capture_lean)
+        self._lean_rows: dict[int, int] = {}
+        self._lean: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._graph_generation = view.generation
         self.replays = 0
         #: Of :attr:`replays`, the decode steps replayed without the shared-prefix pass
-        #: (rows that cannot group: :attr:`flat_graphs`).
+        #: (rows that cannot group: :attr:`flat_graphs`, :attr:`lean_graphs`).
         self.flat_replays = 0
+        #: Of :attr:`flat_replays`, those also without the merge (:attr:`lean_graphs`).
+        self.lean_replays = 0
         self.eager = 0
         #: Whether the last forward replayed a graph.
         self.replayed = False
@@ -386,10 +393,22 @@ class ModelRunner:
     def flat_graphs(self) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
         """The decode graphs without the shared-prefix pass, by bucket (a copy, as
         :attr:`graphs`): a step whose rows cannot group (:func:`cellcache.torch.may_group`)
-        replays its bucket's from here. Where a bucket's two would launch the same kernels
+        replays its bucket's from here, unless it has the runs to replay
+        :attr:`lean_graphs`' instead. Where a bucket's two would launch the same kernels
         (grouping off, a one-row bucket, layers off the tensor-core path) both hold the same
         entry."""
         return dict(self._flat)
+
+    @property
+    def lean_graphs(self) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
+        """The decode graphs without the shared-prefix pass and without the tensor-core
+        merge, by bucket (a copy, as :attr:`graphs`): a step whose rows cannot group and that
+        has enough runs that none can be split along kv
+        (:meth:`cellcache.cuda.tc.TensorCoreAttention.unsplit_rows`, the most any layer
+        needs) replays its bucket's from here, captured at the first such step. A bucket
+        whose other graphs leave the merge out already (the choice never splits), or whose
+        steps never have enough rows, has none."""
+        return dict(self._lean)
 
     def drop_graphs(self) -> None:
         """Lets go of every captured graph (and the memory pool it holds): they are captured
@@ -398,6 +417,8 @@ class ModelRunner:
         them: the next capture opens a new one (PyTorch refuses a pool whose graphs are gone)."""
         self._graphs.clear()
         self._flat.clear()
+        self._lean.clear()
+        self._lean_rows.clear()
         self._mixed.clear()
         self._mixed_pool = None
 
@@ -733,7 +754,11 @@ class ModelRunner:
         (it replays any step), then, where that capture launched the pass, once more without
         it into the same memory pool (the two never run at once, and their outputs live
         outside the pool): a step whose rows cannot group replays that one (no empty pass in
-        every layer)."""
+        every layer). The first capture's tensor-core layers tell how many runs a step needs
+        so that none can be split (:class:`cellcache.torch.Grouping`'s ``need``); where that
+        is more than 0 (at 0 the second graph leaves the merge out itself) and at most
+        ``T``, the first step with that many runs whose rows cannot group captures a third
+        graph, without the merge (:meth:`_capture_lean`)."""
         grouping = cct.Grouping(True)
         token = cct.GROUPING.set(grouping)
         try:
@@ -748,16 +773,42 @@ class ModelRunner:
             finally:
                 cct.GROUPING.reset(token)
         self._graphs[T], self._flat[T] = graphs, flat
+        if grouping.need is not None and 0 < grouping.need <= T:
+            self._lean_rows[T] = grouping.need
+
+    def _capture_lean(self, step: Step, T: int, live: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Bucket ``T``'s graph without the shared-prefix pass and without the merge, captured
+        from ``step`` into the pool of the bucket's first graph under the promise of ``live``
+        runs with a query in every step it replays (``step`` must keep it too: the capture's
+        warm-up runs it eagerly under the same promise)."""
+        token = cct.GROUPING.set(cct.Grouping(False, live_rows=live))
+        try:
+            lean = self._lean[T] = self._capture(step, None, T, pool=self._graphs[T][0].pool())
+        finally:
+            cct.GROUPING.reset(token)
+        return lean
 
     def _replay(self, step: Step) -> torch.Tensor:
+        """Replays bucket ``step.pad_to``'s decode graph, captured at its first step: the one
+        with the shared-prefix pass, or, where the step's rows cannot group
+        (:func:`cellcache.torch.may_group`), the one without it, or the one without the merge
+        too where the step has the bucket's live rows (captured at the first such step)."""
         T = step.pad_to
         if T not in self._graphs:
             self._capture_decode(step, T)
         graphs = self._graphs[T]
         flat = self._flat[T]
-        if flat is not graphs and not cct.may_group(self.view, step):
-            graphs = flat
-            self.flat_replays += 1
+        live = self._lean_rows.get(T, 0)      # 0: the bucket has no graph without the merge
+        # (grouping off, the first two graphs are one, but a step may still take the third)
+        if (live or flat is not graphs) and not cct.may_group(self.view, step):
+            if live and step.n_runs >= live:
+                lean = self._lean.get(T)
+                graphs = lean if lean is not None else self._capture_lean(step, T, live)
+                self.lean_replays += 1
+                self.flat_replays += 1
+            elif flat is not graphs:
+                graphs = flat
+                self.flat_replays += 1
         graph, logits, greedy = graphs
         graph.replay()
         self._replayed_greedy = greedy

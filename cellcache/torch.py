@@ -593,15 +593,22 @@ MIXED_CAPTURE: contextvars.ContextVar = contextvars.ContextVar("cellcache_mixed_
 
 class Grouping:
     """What a runner asks of the decode steps planned while it captures a graph
-    (:data:`GROUPING`): ``on``, whether they launch the shared-prefix pass (their rows may
-    group, whatever their sequences share now: the graph replays other steps); ``used``,
-    set once a layer of more than one row did (False after the capture: both ways capture
-    the same launches)."""
+    (:data:`GROUPING`), and what their layers tell it back. Asked: ``on``, whether they
+    launch the shared-prefix pass (their rows may group, whatever their sequences share now:
+    the graph replays other steps); ``live_rows``, how many runs with a query the runner
+    promises of every step the graph replays (tensor-core layers without the pass leave
+    the merge out where that many cannot be split:
+    :meth:`~cellcache.cuda.tc.TensorCoreAttention.run`). Told: ``used``, set once a layer
+    of more than one row launched the pass (False after the capture: both ways capture the
+    same launches); ``need``, the most live rows any tensor-core layer of the capture needs
+    to leave its merge out (:meth:`~cellcache.cuda.tc.TensorCoreAttention.unsplit_rows`;
+    None: no tensor-core layer ran)."""
 
-    __slots__ = ("on", "used")
+    __slots__ = ("on", "used", "live_rows", "need")
 
-    def __init__(self, on: bool):
-        self.on, self.used = on, False
+    def __init__(self, on: bool, live_rows: int = 0):
+        self.on, self.used, self.live_rows = on, False, live_rows
+        self.need: int | None = None
 
 
 #: Set (a :class:`Grouping`) while a runner captures a decode graph; unset, each decode step
@@ -731,8 +738,8 @@ class AttentionPlan:
     >>> out = plan.run(layer, q, k, v, scale=None, out=None)    # doctest: +SKIP
     """
 
-    __slots__ = ("view", "step", "backend", "mixed", "decode", "kernels", "cascade", "_routes",
-                 "_flashinfer", "_keys", "_shared", "_planned", "_last_layer", "_grouping")
+    __slots__ = ("view", "step", "backend", "mixed", "decode", "kernels", "cascade", "live_rows",
+                 "_routes", "_flashinfer", "_keys", "_shared", "_planned", "_last_layer", "_grouping")
 
     def __init__(self, view: TorchView, step: Step, backend: str,
                  routes: dict[tuple[str, int, int], _Route] | None = None):
@@ -752,10 +759,17 @@ class AttentionPlan:
         #: replays wider ones) unless the runner asks otherwise (:data:`GROUPING`), else
         #: where two rows may group (:func:`may_group`)
         grouping = self._grouping = GROUPING.get()
+        capturing = bool(self.kernels and grouping is None and torch.cuda.is_current_stream_capturing())
         self.cascade = CASCADE_MIN_SHARED if self.kernels and self.decode else 0
-        if self.cascade and not (grouping.on if grouping is not None
-                                 else torch.cuda.is_current_stream_capturing() or may_group(view, step)):
+        if self.cascade and not (grouping.on if grouping is not None else capturing or may_group(view, step)):
             self.cascade = 0
+        #: how many of the step's runs the tensor-core path may count on having a query (it
+        #: leaves the merge out where they cannot be split): the runner's promise in its
+        #: captures, none in a graph someone else captures (it replays any step), else the
+        #: step's own runs
+        self.live_rows = 0
+        if self.kernels and not capturing:
+            self.live_rows = step.n_runs if grouping is None else grouping.live_rows
         # the step's shares are found and its tensor-core work list made by the first
         # cascade (tensor-core) layer of each forward; the others reuse them (a forward
         # starts when a layer comes again or an earlier one does: a graph captured from any
@@ -881,12 +895,19 @@ class AttentionPlan:
             self._planned = True
         elif path == "tc":
             cascade = self.cascade if window == 0 else 0
-            run = functools.partial(view.tensor_cores().run, decode=self.decode, cascade=cascade,
-                                    share=cascade > 0 and not self._shared, fresh=not self._planned)
+            tc = view.tensor_cores()
+            run = functools.partial(tc.run, decode=self.decode, cascade=cascade,
+                                    share=cascade > 0 and not self._shared, fresh=not self._planned,
+                                    live_rows=self.live_rows)
             self._shared = self._shared or cascade > 0
             self._planned = True
-            if cascade and T > 1 and self._grouping is not None:   # (one row never groups)
-                self._grouping.used = True
+            grouping = self._grouping
+            if grouping is not None:
+                if cascade and T > 1:                               # (one row never groups)
+                    grouping.used = True
+                # (told whatever the capture promises: the runner reads it from its first)
+                need = tc.unsplit_rows(lc.n_kv_heads, D, decode=self.decode)
+                grouping.need = max(grouping.need or 0, need)
             if view.config.kv8:
                 run = functools.partial(run, kv_scale=view.kv_scales(layer).data_ptr())
         else:

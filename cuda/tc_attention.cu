@@ -30,9 +30,12 @@
 //                       (.trans for V, every address a per-lane register plus an immediate),
 //                       online softmax in exp2 with scale * log2(e) folded in (the row sums on
 //                       the tensor cores at d128 m2); masks only on edge tiles.
+//                       Its CTA with the launch's last take from the counter puts it back
+//                       (so a plan serves the step's later layers too); the runs' own launch
+//                       then writes zeros into the padding rows.
 //   tc_merge_T          the splits of each split row and the own and shared parts of each
-//                       grouped row merged; zeros into the padding rows; the counters reset
-//                       (so a plan serves the step's later layers too).
+//                       grouped row merged (the host leaves it out where it can tell that
+//                       nothing is split or grouped).
 //
 // Masks mirror attention.cu: query i of a run of qo_len queries over a list of L entries sees
 // entries (hi - window, hi], hi = L - qo_len + i (window 0: [0, hi]).
@@ -1044,29 +1047,51 @@ __device__ void tc_unit(const TcArgs& a, const int* desc, uint4* smem, Pre&& pre
     }
 }
 
+// Padding rows [width, rows) of out: 16-byte zeros (2-byte elements, head_dim % 8 == 0), over
+// the whole grid.
+__device__ __forceinline__ void zero_padding(const TcArgs& a, int head_dim)
+{
+    const int width = (int)*a.width, H = (int)a.n_heads, chunks = head_dim / 8;
+    const int n = ((int)a.rows - width) * H * chunks;  // (rows x heads x 16-byte chunks: int)
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
+        const int i = width + e / (H * chunks), h = e / chunks % H, c = e % chunks;
+        unsigned short* dst = static_cast<unsigned short*>(a.out) + i * a.o_s_tok + h * a.o_s_head + 8 * c;
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+}
+
 // Persistent: each CTA takes units from the counter the plan reset until the list is done.
 // Thread 0 takes the next unit from the counter as a unit starts and reads its set-up into
 // the other descriptor once the unit's first copies are out (unit_desc), so the chain of
-// dependent loads of a unit's start overlaps the previous unit's tiles.
+// dependent loads of a unit's start overlaps the previous unit's tiles. A CTA stops at its
+// first take past the list, so the takes past it are n_units .. n_units + CTAs - 1, one a
+// CTA, and the CTA that took the last one knows that no take is left in flight: it puts the
+// counter back for the next launch that runs this plan (the step's next layer, when the plan
+// is kept), and no merge launch is needed for that. The runs' own launch (mode 0) zeroes the
+// padding rows for the same reason.
 template <typename T, bool KV8, int D, int MQ, int WKV, int KT, int ST, int KS = 0>
 __device__ void tc_attend(const TcArgs& a)
 {
     extern __shared__ uint4 smem[];
     __shared__ int s_desc[2][TC_DESC];
     const int n_units = a.plan[a.mode ? TC_GUNITS : TC_N_UNITS];
-    if (n_units == 0) return;                          // (a shared pass with no group: at once)
-    cc_i32* counter = a.plan + (a.mode ? TC_GCOUNTER : TC_COUNTER);
-    if (threadIdx.x == 0) unit_desc(a, atomicAdd(counter, 1), n_units, s_desc[0]);
-    __syncthreads();
-    for (int b = 0; s_desc[b][D_UNIT] < n_units; b ^= 1) {
-        int next = 0;
-        if (threadIdx.x == 0) next = atomicAdd(counter, 1);   // in flight while the unit starts
-        int* nd = s_desc[b ^ 1];                        // the previous unit's, free since its barrier
-        tc_unit<T, KV8, D, MQ, WKV, KT, ST, KS>(a, s_desc[b], smem, [&]() {
-            if (threadIdx.x == 0) unit_desc(a, next, n_units, nd);
-        });
-        __syncthreads();                               // the next set-up visible; the buffers free
+    if (n_units > 0) {                                 // (0: a shared pass with no group)
+        cc_i32* counter = a.plan + (a.mode ? TC_GCOUNTER : TC_COUNTER);
+        if (threadIdx.x == 0) unit_desc(a, atomicAdd(counter, 1), n_units, s_desc[0]);
+        __syncthreads();
+        int b = 0;
+        for (; s_desc[b][D_UNIT] < n_units; b ^= 1) {
+            int next = 0;
+            if (threadIdx.x == 0) next = atomicAdd(counter, 1);   // in flight while the unit starts
+            int* nd = s_desc[b ^ 1];                    // the previous unit's, free since its barrier
+            tc_unit<T, KV8, D, MQ, WKV, KT, ST, KS>(a, s_desc[b], smem, [&]() {
+                if (threadIdx.x == 0) unit_desc(a, next, n_units, nd);
+            });
+            __syncthreads();                           // the next set-up visible; the buffers free
+        }
+        if (threadIdx.x == 0 && s_desc[b][D_UNIT] == n_units + (int)gridDim.x - 1) *counter = 0;
     }
+    if (a.mode == 0) zero_padding(a, D);
 }
 
 // -- the plan ----------------------------------------------------------------------------------
@@ -1125,7 +1150,7 @@ __device__ __forceinline__ int block_scan(int x, int* scratch, int* total)
 // the items in the order CTAs take them: order 0 by slot (a run's tiles that see the most
 // keys first, run after run: neighbouring units share K/V in L2); order 1 heaviest first
 // over the whole step (TC_BUCKETS buckets of kv entries, longest first, so the persistent
-// grid ends on the lightest units and has no tail). One block (the merge zeroes the padding
+// grid ends on the lightest units and has no tail). One block (tc_attend zeroes the padding
 // rows). qrows: packed rows a unit; min_chunk: the smallest kv split (a multiple of the tile).
 #define TC_BUCKETS 256
 // Cascade (cmin > 0, a.gcap > 0): before the runs' own items, runs are grouped. Run r joins
@@ -1366,25 +1391,8 @@ __device__ void tc_plan_impl(const TcArgs& a, int qrows, int min_chunk, int head
 template <typename T>
 __device__ void tc_merge(const TcArgs& a, int head_dim, int qrows)
 {
-    // the attend launches are done: their counters go back to 0 for the next launch that
-    // runs this plan (the next layer's, when the plan is kept for the step)
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        a.plan[TC_COUNTER] = 0;
-        a.plan[TC_GCOUNTER] = 0;
-    }
     const cc_i64 width = *a.width;
     const int H = (int)a.n_heads, G = (int)a.group, nkv = (int)a.n_kv_heads, rows = (int)a.rows;
-    {
-        // padding rows [width, rows): 16-byte zeros (2-byte elements, head_dim % 8 == 0)
-        const int chunks = head_dim / 8;
-        const cc_i64 n = (rows - width) * H * chunks;
-        for (cc_i64 e = (cc_i64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (cc_i64)gridDim.x * blockDim.x) {
-            const cc_i64 i = width + e / (H * chunks);
-            const int h = (int)(e / chunks % H), c = (int)(e % chunks);
-            unsigned short* dst = static_cast<unsigned short*>(a.out) + i * a.o_s_tok + h * a.o_s_head + 8 * c;
-            *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-        }
-    }
     const bool split = a.plan[TC_SPLIT] != 0, cascade = a.gcap > 0 && a.plan[TC_CASCADE] != 0;
     if (!split && !cascade) return;
     const int D = head_dim, lane = threadIdx.x & 31;

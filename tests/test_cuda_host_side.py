@@ -236,6 +236,63 @@ def test_launch_before_the_entry_points_is_refused():
         _launch.launch(1, (1, 1, 1), 1, 0, 0, b"", ())
 
 
+def test_tensor_core_run_leaves_the_merge_out_only_where_no_run_can_split(monkeypatch):
+    """``unsplit_rows``: split x CTAs over the kv heads, rounded up (0 where the choice never
+    splits). ``run(live_rows=...)`` launches the merge unless grouping is off and the promised
+    runs reach it, and says whether it did; a live_rows that is not an int in [0, rows] is
+    refused before anything is launched. (No GPU: an instance filled by hand, with its scratch
+    taken as allocated, the table's variants on a grid of 528 CTAs and its launches recorded.)"""
+    import types
+
+    from cellcache import InvalidArgument
+    from cellcache.cuda import tc
+
+    kern = tc.TensorCoreAttention.__new__(tc.TensorCoreAttention)
+    kern.dtype, kern.kv8, kern.table, kern.sm_count, kern.module = "bfloat16", False, tc.TABLE, 132, object()
+    kern.f_plan, kern.f_share, kern.f_merge, attend = 1, 2, 3, 4
+    kern.variants = {d: {} for d in tc.HEAD_DIMS}
+    for (d, _), c in tc.TABLE.items():
+        kern.variants[d][c.variant] = {"qrows": 16, "kv_tile": 64, "smem": 0, "ctas": 528, "f": attend}
+    kern._plan = kern._part = kern._share = kern._cpart = 1 << 20
+    kern._plan_bytes = kern._part_bytes = kern._share_bytes = kern._cpart_bytes = 1 << 40
+    kern._plan_key = None
+    launched: list[int] = []
+    monkeypatch.setattr(tc, "_launch", types.SimpleNamespace(launch=lambda f, *args: launched.append(f)))
+
+    split = tc.TABLE[64, "decode"].split
+    assert split > 0 and kern.unsplit_rows(8, 64, decode=True) == -(-split * 528 // 8)
+    assert kern.unsplit_rows(3, 64, decode=True, split=4) == 704
+    assert kern.unsplit_rows(8, 64, decode=True, split=0) == 0
+    for bad in (dict(n_kv_heads=0, head_dim=64), dict(n_kv_heads=8, head_dim=24),
+                dict(n_kv_heads=8, head_dim=64, variant="m9w9k9s9")):
+        with pytest.raises(InvalidArgument):
+            kern.unsplit_rows(**bad, decode=True)
+    need = kern.unsplit_rows(8, 64, decode=True)
+    view = {"qo_indptr": 16, "kv_indptr": 32, "kv_indices": 48, "width": 64}
+
+    def run(rows, window=0, **kw):
+        launched.clear()
+        merged = kern.run(view, rows, 1024, (1024, 64), 2048, 4096, 8192, (1024, 64), 16, 8, 64,
+                          window, 0, decode=True, **kw)
+        assert (kern.f_merge in launched) is merged and launched[-1:] in ([], [kern.f_merge], [attend])
+        return merged
+
+    assert run(100) is True                                   # (the table's split: the merge)
+    assert run(100, live_rows=need - 1) is True
+    assert run(100, live_rows=need) is False
+    assert run(100, live_rows=need, fresh=False) is False and launched == [attend]   # (plan kept)
+    assert run(100, live_rows=100, cascade=128) is True       # rows may group: the merge folds them
+    assert run(100, window=37, live_rows=100, cascade=128) is False   # (cascade ignored)
+    assert run(100, split=0) is False                         # never split: no merge at any rows
+    assert run(0) is False and launched == []
+    for bad in (-1, 101, True, 1.5, None, "3"):
+        launched.clear()
+        with pytest.raises(InvalidArgument, match="live_rows"):
+            kern.run(view, 100, 1024, (1024, 64), 2048, 4096, 8192, (1024, 64), 16, 8, 64, 0, 0,
+                     decode=True, live_rows=bad)
+        assert launched == []
+
+
 class Owner:
     pass
 

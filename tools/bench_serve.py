@@ -188,10 +188,12 @@ def summarize(gen, elapsed: float, reqs) -> dict:
            **{k: lat[k] for k in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")}}
     prof = gen.profile
     res["async_steps"] = gen.async_steps
-    # the generator's graph replays so far (its warm-up's included), and of them the decode
-    # steps replayed without the shared-prefix pass (their rows could not group)
+    # the generator's graph replays so far (its warm-up's included), of them the decode
+    # steps replayed without the shared-prefix pass (their rows could not group), and of
+    # those the ones without the merge too (enough rows that no run could be split)
     res["replays"] = getattr(gen.runner, "replays", 0)
     res["flat_replays"] = getattr(gen.runner, "flat_replays", 0)
+    res["lean_replays"] = getattr(gen.runner, "lean_replays", 0)
     # steps launched while the one before was on the device (their host time hidden)
     res["ahead_steps"] = {"decode": prof["decode_ahead_steps"], "mixed": prof["mixed_ahead_steps"]}
     res["host_ms"] = {k: round(v, 3) for k, v in prof["host_ms"].items()}        # every step
@@ -438,8 +440,13 @@ def breakdown(gen, model) -> dict:
 
     runner, view = gen.runner, gen.runner.view
     # the flavor the run's decode steps replayed the most (rows that cannot group: the
-    # graphs without the shared-prefix pass)
-    graphs = runner.flat_graphs if 2 * runner.flat_replays > runner.replays else runner.graphs
+    # graphs without the shared-prefix pass; enough of them: without the merge too)
+    if 2 * runner.lean_replays > runner.replays:
+        graphs = runner.lean_graphs
+    elif 2 * runner.flat_replays > runner.replays:
+        graphs = runner.flat_graphs
+    else:
+        graphs = runner.graphs
     if not graphs:
         return {}
     runner.write_logits(False)
@@ -1666,7 +1673,8 @@ def main(argv=None) -> int:
                   f"prepare_step {r['prepare_step_host_us_median']:.0f} us (median)")
         if r.get("replays"):
             print(f"{key}: {r['flat_replays']} of the generator's {r['replays']} graph replays without "
-                  f"the shared-prefix pass (decode steps whose rows could not group)")
+                  f"the shared-prefix pass (decode steps whose rows could not group), "
+                  f"{r['lean_replays']} of them also without the merge")
         if "host_tier" in r:
             print(f"{key}: host tier: " + _host_tier_line(r["host_tier"]))
         if "decode_host_us_per_step" in r:

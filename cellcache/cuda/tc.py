@@ -9,10 +9,12 @@ graph and replayed for any step padded to the same rows::
     tc_plan        qo_indptr, kv_indptr, width (, shares)  ->  work list + kv split size +
                    groups of runs that share leading cells (device; once a step when the
                    caller says the step's later layers plan alike: ``fresh=False``)
-    tc_attend      persistent CTAs take (item, kv head) units from the list (one variant)
+    tc_attend      persistent CTAs take (item, kv head) units from the list (one variant),
+                   zero the padding rows; the last to take puts the counter back
     tc_attend      (cascade) the groups' shared keys, once a group, the prefill variant
     tc_merge       combines the kv splits of split runs and the grouped rows' own and shared
-                   parts, zeroes the padding rows, resets the work counters
+                   parts (left out where the caller shows that no run can be split:
+                   ``live_rows``)
 
 The kernel file instantiates a few variants per head_dim (rows a warp, warps along the rows
 or along the kv tile, kv tile, ring stages; the module lists them in ``tc_variants``). A run
@@ -208,6 +210,22 @@ class TensorCoreAttention:
                                   "0 or 1")
         return c
 
+    def unsplit_rows(self, n_kv_heads: int, head_dim: int, decode: bool = False,
+                     variant: str | None = None, split: int | None = None) -> int:
+        """The fewest runs with a query at which a step of this shape is never split along
+        kv (0: the choice never splits): the plan splits a step only below split x CTAs
+        units, and every run with a query makes at least one unit a kv head. A launch whose
+        ``live_rows`` reach it leaves the merge out (:meth:`run`). InvalidArgument for
+        n_kv_heads < 1 or a head_dim without a kernel."""
+        if n_kv_heads < 1:
+            raise InvalidArgument(f"n_kv_heads={n_kv_heads} must be >= 1")
+        if head_dim not in HEAD_DIMS:
+            raise InvalidArgument(f"head_dim={head_dim} has no tensor-core kernel (one of {HEAD_DIMS})")
+        return self._unsplit(self.choose(head_dim, decode, variant, split), head_dim, n_kv_heads)
+
+    def _unsplit(self, choice: Choice, head_dim: int, n_kv_heads: int) -> int:
+        return -(-choice.split * self.variants[head_dim][choice.variant]["ctas"] // n_kv_heads)
+
     def close(self) -> None:
         for ptr in self._live:
             check(cu.cuMemFree(ptr), "cuMemFree")
@@ -275,7 +293,7 @@ class TensorCoreAttention:
             head_dim: int, window: int, stream: int, scale: float | None = None,
             decode: bool = False, variant: str | None = None, split: int | None = None,
             order: int | None = None, kv_scale: int = 0, cascade: int = 0,
-            share: bool = False, fresh: bool = True) -> None:
+            share: bool = False, fresh: bool = True, live_rows: int = 0) -> bool:
         """Paged attention of query rows ``[0, rows)`` (any mix of decode and prefill rows).
 
         ``view`` holds the device addresses of ``qo_indptr``, ``kv_indptr``, ``kv_indices``
@@ -306,6 +324,12 @@ class TensorCoreAttention:
         other layers of a step whose first layer planned it (``tc_plan`` is a single block;
         once a step instead of once a layer). A caller passes False only for launches of the
         same step, in the same order every time (a captured graph keeps the choice).
+
+        ``live_rows`` is the caller's promise that at least that many of the step's runs have
+        a query (a captured graph: in every step it replays). Without grouping (``cascade``
+        0 or ignored) and at :meth:`unsplit_rows` or more, no run can be split, so the merge
+        is not launched. Returns whether it was. InvalidArgument (nothing launched) unless
+        live_rows is an int in ``[0, rows]``.
         """
         if self.module is None:
             raise InvalidState("the tensor-core kernels are closed")
@@ -328,9 +352,12 @@ class TensorCoreAttention:
         if cascade < 0 or cascade % CASCADE_ALIGN:
             raise InvalidArgument(f"cascade={cascade} must be 0 (off) or a positive multiple of "
                                   f"{CASCADE_ALIGN}")
+        if isinstance(live_rows, bool) or not isinstance(live_rows, int) \
+                or not 0 <= live_rows <= max(rows, 0):
+            raise InvalidArgument(f"live_rows={live_rows!r} must be an int in [0, rows={rows}]")
         choice = self.choose(head_dim, decode, variant, split, order)
         if rows < 1:
-            return
+            return False
         cascade = cascade if window == 0 and rows > 1 else 0
         list_cap, split_cap, plan_bytes, part_bytes, gcap, cpart_bytes = self._sizes(
             rows, n_heads, n_kv_heads, head_dim, choice, cascade > 0)
@@ -373,10 +400,13 @@ class TensorCoreAttention:
         _launch.launch(v["f"], (v["ctas"], 1, 1), THREADS, v["smem"], stream, args, (0,))
         if cascade:
             _launch.launch(vg["f"], (vg["ctas"], 1, 1), THREADS, vg["smem"], stream, pack(1), (0,))
+        if not cascade and live_rows >= self._unsplit(choice, head_dim, n_kv_heads):
+            return False      # no run split, no row grouped: tc_attend wrote every row
         # a warp a (row, head) where the rows allow (the merge waits on loads, not on math)
         merge_ctas = min(16 * self.sm_count, max(4 * self.sm_count, -(-rows * n_heads // (THREADS // 32))))
         _launch.launch(self.f_merge, (merge_ctas, 1, 1), THREADS, 0, stream,
                        args + struct.pack("=ii", head_dim, v["qrows"]), (0, n, n + 4))
+        return True
 
     def plan_header(self) -> dict[str, int]:
         """The last launch's plan as the device left it (waits for the device): units of the

@@ -178,9 +178,9 @@ def test_cascade_refuses_a_bad_threshold():
 
 
 def test_plan_kept_for_the_step_layers():
-    """``fresh=False``: the later layers of a step reuse the first layer's work list (and the
-    merge puts the counters back); a launch whose plan inputs differ (another window, another
-    variant) plans again even so, and every output matches the reference."""
+    """``fresh=False``: the later layers of a step reuse the first layer's work list (each
+    attention launch puts its counter back); a launch whose plan inputs differ (another
+    window, another variant) plans again even so, and every output matches the reference."""
     torch = pytest.importorskip("torch")
     sh = Shared("bfloat16", 128, 4, seed=21)
     rig = sh.rig
@@ -211,11 +211,12 @@ def test_plan_kept_for_the_step_layers():
 def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_group():
     """A runner's decode bucket holds two graphs, captured from one step into one memory
     pool: with the shared-prefix pass (``graphs``: it replays any step) and without it
-    (``flat_graphs``: no ``tc_share``, one attention launch a layer). A step of forks of one
-    300-token prompt replays the first, and its rows group; a step of unrelated sequences
-    (or of forks that share only a first token) replays the second. Each step's logits
-    equal an eager forward of the same histories (clones), which groups by the same rule.
-    With grouping off the bucket holds one graph."""
+    (``flat_graphs``: no ``tc_share``, one attention launch a layer); both merge in every
+    layer (six rows are far fewer than ``unsplit_rows``: no graph without the merge). A step
+    of forks of one 300-token prompt replays the first, and its rows group; a step of
+    unrelated sequences (or of forks that share only a first token) replays the second. Each
+    step's logits equal an eager forward of the same histories (clones), which groups by the
+    same rule. With grouping off the bucket holds one graph."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from torch.profiler import ProfilerActivity, profile
@@ -278,12 +279,13 @@ def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_grou
         out, grouped, T, kernels = step(srcs, graph=True)
         assert runner.replays == replays + 1 and T in runner.graphs and T in runner.flat_graphs
         assert runner.flat_replays == flat_replays + (name != "forks")
+        assert runner.lean_replays == 0 and T not in runner.lean_graphs
         assert grouped == eager_grouped == (1 if name == "forks" else 0), name
         assert float((out - eager).abs().max()) <= 2e-2, name
-        count = {k: (sum(n.startswith("tc_share") for n in v), sum(n.startswith("tc_attend") for n in v))
+        count = {k: tuple(sum(n.startswith(p) for n in v) for p in ("tc_share", "tc_attend", "tc_merge"))
                  for k, v in kernels.items()}
         layers = cfg.num_hidden_layers
-        assert count == {"graphs": (1, 2 * layers), "flat": (0, layers)}, count
+        assert count == {"graphs": (1, 2 * layers, layers), "flat": (0, layers, layers)}, count
     cascade = cct.CASCADE_MIN_SHARED
     try:
         cct.CASCADE_MIN_SHARED = 0                          # grouping off: one graph a bucket
@@ -294,6 +296,117 @@ def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_grou
         assert float((out - eagers["forks"][0]).abs().max()) <= 2e-2
     finally:
         cct.CASCADE_MIN_SHARED = cascade
+    cache.check_invariants()
+    cache.close()
+
+
+def test_runner_leaves_the_merge_out_where_no_run_can_split():
+    """A decode bucket whose steps can have enough runs that none is split along kv (``live``:
+    the layers' ``unsplit_rows``, small at 8 kv heads) gets a third graph, without the
+    shared-prefix pass and without the merge (``lean_graphs``), captured at its first step of
+    at least that many rows that cannot group and replayed by the later ones
+    (``lean_replays``, counted in ``flat_replays`` too); a step of the bucket with fewer rows
+    replays the graph without the pass (which merges), a step of forks the grouped one. Each
+    step's logits equal an eager forward of the same histories (clones) that launches the
+    merge in every layer (a Grouping that promises no live rows)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from torch.profiler import ProfilerActivity, profile
+
+    import cellcache.torch as cct
+    from cellcache.generate import Generator
+
+    cfg = transformers.AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=1024,
+                                            num_hidden_layers=2, num_attention_heads=16,
+                                            num_key_value_heads=8, vocab_size=512)   # head_dim 64
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float16).to("cuda").eval()
+    gen = Generator(model, capacity=65536, max_batch_tokens=512, max_seqs=256, eos=[], prefix_cache=False)
+    cache, runner = gen.cache, gen.runner
+    runner.mixed_buckets = []                   # (the references run eagerly at any width)
+    tc = runner.view.tensor_cores()
+    live = tc.unsplit_rows(8, 64, decode=True)
+    T = runner.bucket(live)
+    # a device whose grid needs more rows than the test has fails here, never skips: lone
+    # sequences and their clones, or forks of one root and theirs, must fit in max_seqs
+    assert 0 < live and 2 * live + 1 <= cache.max_seqs and T == 1 << (live - 1).bit_length(), (live, T)
+    rng = np.random.default_rng(4)
+
+    def prompt(n):
+        s = cache.seq_new()
+        assert cache.declare_step([s] * n)
+        runner.forward(cache.prepare_step(), rng.integers(0, 512, size=n).tolist(), [n - 1])
+        cache.commit_step()
+        return s
+
+    lone = [prompt(int(n)) for n in rng.integers(260, 400, size=live)]
+    root = prompt(300)
+    nxt = rng.integers(0, 512, size=live).tolist()
+    layers = cfg.num_hidden_layers
+
+    def launches(graph):
+        """(tc_share, tc_attend, tc_merge) launches of one replay of ``graph``."""
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            graph.replay()
+            torch.cuda.synchronize()
+        names = [e.name for e in p.events() if e.device_type.name == "CUDA"]
+        return tuple(sum(n.startswith(k) for n in names) for k in ("tc_share", "tc_attend", "tc_merge"))
+
+    def counters():
+        return runner.replays, runner.flat_replays, runner.lean_replays
+
+    def step(srcs, graph, profiled=False):
+        """One decode step of clones of ``srcs``, replayed or eager (with the merge); its
+        logits, bucket, whether its rows grouped and (``profiled``) each graph's launches."""
+        seqs = [cache.seq_clone(s) for s in srcs]
+        n = len(seqs)
+        assert cache.declare_step(seqs)
+        pad_to, decode = runner.padding(True, n, n, n) if graph else (None, False)
+        st = cache.prepare_step(stream=runner.stream_handle, pad_to=pad_to)
+        eager = runner.eager
+        token = None if graph else cct.GROUPING.set(cct.Grouping(False))
+        try:
+            out = runner.forward(st, nxt[:n], decode=decode).clone()
+        finally:
+            if token is not None:
+                cct.GROUPING.reset(token)
+        assert runner.eager == eager + (not graph)
+        grouped = tc.plan_header()["grouped"]
+        kernels = None
+        if profiled:
+            flavors = {"graphs": runner.graphs, "flat": runner.flat_graphs, "lean": runner.lean_graphs}
+            kernels = {k: launches(g[pad_to][0]) for k, g in flavors.items()}
+        cache.commit_step()
+        for s in seqs:
+            cache.seq_rm(s)
+        return out, pad_to, grouped, kernels
+
+    ref = step(lone, graph=False)[0]
+    before = counters()
+    out, pad_to, grouped, kernels = step(lone, graph=True, profiled=True)
+    assert pad_to == T and grouped == 0 and runner.flat_graphs[T] is not runner.graphs[T]
+    assert counters() == (before[0] + 1, before[1] + 1, before[2] + 1)
+    assert float((out - ref).abs().max()) <= 2e-2
+    assert kernels == {"graphs": (1, 2 * layers, layers), "flat": (0, layers, layers),
+                       "lean": (0, layers, 0)}, kernels
+    lean = runner.lean_graphs[T][0]
+    before = counters()
+    out = step(lone, graph=True)[0]                  # the same graph again, not captured anew
+    assert counters() == (before[0] + 1, before[1] + 1, before[2] + 1) and runner.lean_graphs[T][0] is lean
+    assert float((out - ref).abs().max()) <= 2e-2
+    small = T // 2 + 1                               # the bucket's fewest rows
+    if small < live:
+        ref = step(lone[:small], graph=False)[0]
+        before = counters()
+        out, pad_to, _, _ = step(lone[:small], graph=True)
+        assert pad_to == T and counters() == (before[0] + 1, before[1] + 1, before[2])
+        assert float((out - ref).abs().max()) <= 2e-2
+    ref = step([root] * live, graph=False)[0]
+    before = counters()
+    out, pad_to, grouped, _ = step([root] * live, graph=True)
+    assert pad_to == T and grouped == 1 and counters() == (before[0] + 1, before[1], before[2])
+    assert float((out - ref).abs().max()) <= 2e-2
     cache.check_invariants()
     cache.close()
 

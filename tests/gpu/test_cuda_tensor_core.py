@@ -123,14 +123,15 @@ class Rig:
                 "width": int(view.width.reshape(-1)[0].item())}
 
     def run(self, view, rows, q, k_pool, v_pool, out, window, **choice):
-        """One launch; ``choice``: decode / variant / split / order for TensorCoreAttention.run."""
+        """One launch; ``choice``: decode / variant / split / order (and the other keywords) for
+        TensorCoreAttention.run; returns whether it launched the merge."""
         torch = self.torch
         if self.kv8:
             choice.setdefault("kv_scale", self.kv_scale.data_ptr())
-        self.tc.run(view.paged_pointers(), rows, q.data_ptr(), (q.stride(0), q.stride(1)),
-                    k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
-                    (out.stride(0), out.stride(1)), self.H, N_KV, self.D, window,
-                    torch.cuda.current_stream().cuda_stream, **choice)
+        return self.tc.run(view.paged_pointers(), rows, q.data_ptr(), (q.stride(0), q.stride(1)),
+                           k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
+                           (out.stride(0), out.stride(1)), self.H, N_KV, self.D, window,
+                           torch.cuda.current_stream().cuda_stream, **choice)
 
     def choices(self) -> list[dict]:
         """Every variant built for this head_dim, twice: the list run by run without extra
@@ -241,6 +242,61 @@ def test_tensor_core_strided_views_and_refusals():
                               v_pool.data_ptr(), out.data_ptr(), (8, 8))
         assert not tc.supports("bfloat16", 24, 4) and not tc.supports("float32", 128, 4)
         assert not tc.supports("float16", 128, 65) and tc.supports("float16", 80, 7)
+    finally:
+        rig.close()
+
+
+def test_tensor_core_merge_left_out_where_no_run_can_split():
+    """``live_rows``: a decode step of at least ``unsplit_rows`` runs, launched with that
+    promise and without grouping, leaves the merge out (run returns False) and gives the bits
+    of the same launch with the merge (live_rows 0: True), padded or not (the attention launch
+    zeroes the padding rows), windowed or not; the later layers of the step that keep its plan
+    (``fresh=False``) find the counter put back without a merge. A grouped launch keeps the
+    merge whatever it is promised. A live_rows that is not an int in [0, rows] is refused
+    before anything is launched."""
+    torch = pytest.importorskip("torch")
+    from cellcache.cuda.tc import TensorCoreAttention
+    from cellcache.errors import InvalidArgument
+
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    probe = TensorCoreAttention("bfloat16", sm)
+    try:
+        live = probe.unsplit_rows(N_KV, 64, decode=True)     # a run each: one unit a kv head
+    finally:
+        probe.close()
+    assert 0 < live <= 2048, live
+    rig = Rig("bfloat16", 64, 4, n_seqs=live, hist=(1, 300), capacity=live * 300 + 4096,
+              max_write=max(512, live + 8), seed=23)
+    try:
+        ids = [int(s) for s in rig.seqs]
+        for pad in (live, live + 5):
+            st, view, k_pool, v_pool, q = rig.step(ids, pad)
+            for window in (0, WINDOW):
+                tag = f"pad {pad - live} w{window}"
+                merged = torch.full_like(q, float("nan"))
+                assert rig.run(view, pad, q, k_pool, v_pool, merged, window, decode=True) is True
+                assert rig.tc.plan_header()["split"] == 0
+                out = torch.full_like(q, float("nan"))
+                assert not rig.run(view, pad, q, k_pool, v_pool, out, window, decode=True, live_rows=live)
+                torch.cuda.synchronize()
+                assert torch.equal(out, merged), tag
+                rig.check(st, view, k_pool, v_pool, q, window, out=out, what=f"no merge, {tag}")
+            for j in range(3):                                # three "layers" of one plan
+                qj = (q.float() * (1 + 0.1 * j)).to(q.dtype)
+                out = torch.full_like(q, float("nan"))
+                assert rig.run(view, pad, qj, k_pool, v_pool, out, 0, decode=True, live_rows=live,
+                               fresh=j == 0) is False
+                rig.check(st, view, k_pool, v_pool, qj, 0, out=out, what=f"layer {j} without the merge")
+            out = torch.full_like(q, float("nan"))
+            assert rig.run(view, pad, q, k_pool, v_pool, out, 0, decode=True, live_rows=live,
+                           cascade=128, share=True) is True
+            rig.check(st, view, k_pool, v_pool, q, 0, out=out, what="grouping on")
+        out = torch.full_like(q, 7.0)
+        for bad in (-1, pad + 1, True, 1.5, None):
+            with pytest.raises(InvalidArgument, match="live_rows"):
+                rig.run(view, pad, q, k_pool, v_pool, out, 0, decode=True, live_rows=bad)
+        torch.cuda.synchronize()
+        assert bool((out == 7.0).all())
     finally:
         rig.close()
 
