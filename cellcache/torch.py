@@ -753,13 +753,20 @@ class AttentionPlan:
         self._routes = {} if routes is None else routes
         self._flashinfer: dict[tuple, Any] = {}
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host "invariant": by window
-        #: the tensor-core path's cascade threshold for this step (0: off): decode steps only
-        #: (only decode runs group; a prompt chunk's rows would size the grouped rows'
+        self._grouping = GROUPING.get()
+        self._begin()
+
+    def _begin(self) -> None:
+        """What a forward of the step launches by, decided as it starts: a plan serves every
+        forward of its step, and one may run eagerly (a caller's warm-up) and the next in a
+        capture, which must not keep what the eager one could count on."""
+        view, step, grouping = self.view, self.step, self._grouping
+        capturing = bool(self.kernels and grouping is None and torch.cuda.is_current_stream_capturing())
+        #: the tensor-core path's cascade threshold for this forward (0: off): decode steps
+        #: only (only decode runs group; a prompt chunk's rows would size the grouped rows'
         #: partials for nothing); in a capture on (a graph captured from a one-row step
         #: replays wider ones) unless the runner asks otherwise (:data:`GROUPING`), else
         #: where two rows may group (:func:`may_group`)
-        grouping = self._grouping = GROUPING.get()
-        capturing = bool(self.kernels and grouping is None and torch.cuda.is_current_stream_capturing())
         self.cascade = CASCADE_MIN_SHARED if self.kernels and self.decode else 0
         if self.cascade and not (grouping.on if grouping is not None else capturing or may_group(view, step)):
             self.cascade = 0
@@ -788,8 +795,8 @@ class AttentionPlan:
         its path decided (a refusal raises here, before anything is written), K/V written
         at ``cells[:T]`` (unless ``write`` is False: the caller did), then the path run."""
         view = self.view
-        if layer <= self._last_layer:
-            self._shared = self._planned = False
+        if layer <= self._last_layer:              # a new forward of the step
+            self._begin()
         self._last_layer = layer
         k_pool, v_pool, window = view.layer(layer)
         path, qk = self._path(layer, q, k_pool, v_pool, out)

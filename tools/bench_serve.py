@@ -440,10 +440,9 @@ def breakdown(gen, model) -> dict:
 
     runner, view = gen.runner, gen.runner.view
     # the flavor the run's decode steps replayed the most (rows that cannot group: the
-    # graphs without the shared-prefix pass; enough of them: without the merge too)
-    if 2 * runner.lean_replays > runner.replays:
-        graphs = runner.lean_graphs
-    elif 2 * runner.flat_replays > runner.replays:
+    # graphs without the shared-prefix pass), never the one without the merge: it promises
+    # a step's runs, and the buffers hold the run's last step (the profile times it served)
+    if 2 * runner.flat_replays > runner.replays:
         graphs = runner.flat_graphs
     else:
         graphs = runner.graphs

@@ -301,6 +301,60 @@ def test_tensor_core_merge_left_out_where_no_run_can_split():
         rig.close()
 
 
+def test_a_graph_captured_after_an_eager_forward_of_its_step_keeps_the_merge():
+    """A caller's graph captured from the step it has just run eagerly (torch's warm-up, then
+    the capture: one attention plan for both) replays any step of its rows. The eager
+    forward left the merge out (the step's own runs rule a split out); the capture decides
+    again and keeps it, so a replay over two runs, which the device plan splits along kv,
+    gives the reference."""
+    torch = pytest.importorskip("torch")
+    import cellcache.torch as cct
+    from cellcache.cuda.tc import TensorCoreAttention
+
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    probe = TensorCoreAttention("bfloat16", sm)
+    try:
+        live = probe.unsplit_rows(N_KV, 64, decode=True)
+    finally:
+        probe.close()
+    rig = Rig("bfloat16", 64, 4, n_seqs=live, hist=(300, 600), capacity=live * 600 + 4096,
+              max_write=max(512, live + 8), seed=31)
+    c, tv = rig.cache, cct.TorchView(rig.cache)
+    try:
+        ids = [int(s) for s in rig.seqs]
+        assert c.declare_step(ids)
+        st = c.prepare_step(pad_to=live)
+        k_pool, v_pool, _ = tv.layer(0)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        k_pool.copy_(torch.randn(k_pool.shape, generator=gen, device="cuda"))
+        v_pool.copy_(torch.randn(v_pool.shape, generator=gen, device="cuda"))
+        k_pool[c.sink] = float("nan")
+        v_pool[c.sink] = float("nan")
+        q = torch.randn((live, rig.H, 64), generator=gen, device="cuda").to(torch.bfloat16)
+        kv = torch.zeros((live, N_KV, 64), dtype=torch.bfloat16, device="cuda")   # (shape only)
+        out = torch.full_like(q, float("nan"))
+        cct.attention(tv, 0, q, kv, kv, out=out, write=False)
+        plan = tv.plan(st)
+        assert plan.kernels and plan.live_rows == live        # the eager forward: no merge
+        rig.check(st, tv, k_pool, v_pool, q, 0, out=out, what="eager")
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.graph(graph, stream=stream):
+            cct.attention(tv, 0, q, kv, kv, out=out, write=False)
+        assert tv.plan(st) is plan and plan.live_rows == 0     # the capture: the merge kept
+        c.commit_step()
+        assert c.declare_step(ids[:2])
+        st2 = c.prepare_step(pad_to=live)
+        q.copy_(torch.randn(q.shape, generator=gen, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert tv.tensor_cores().plan_header()["split"] == 1   # (the merge had work)
+        rig.check(st2, tv, k_pool, v_pool, q, 0, out=out, what="replay over two runs")
+        c.commit_step()
+        del graph
+    finally:
+        rig.close()
+
+
 def test_tensor_core_kernels_from_given_ptx():
     """A module from PTX bytes (to compare a kernel built from other sources, `bench.py
     --baseline-ptx`): the shipped PTX given as bytes computes the same output bit for bit;
