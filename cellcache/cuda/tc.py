@@ -130,7 +130,9 @@ def aligned(q: int, q_strides: tuple[int, int], k_pool: int, v_pool: int, out: i
 
 
 class TensorCoreAttention:
-    """The tensor-core paged attention kernels for one K/V dtype.
+    """The tensor-core paged attention kernels for one K/V dtype (``ptx``: the module built
+    from other sources, to compare kernels; sources whose merge puts the work counters back
+    need the merge after every launch: ``live_rows=0`` and a split above 0).
 
     Example
     -------
