@@ -72,6 +72,24 @@ def test_the_host_target_reads_the_median_of_repeated_runs():
     assert not host_target({**one, "runs": runs})[0]
 
 
+def test_the_mixed_steps_host_target_reads_their_forwards_gpu_time():
+    """Issue 42's host target for the mixed steps: host time per mixed step against the
+    median of the timing pass's mixed forwards, the median of repeated runs where there are
+    several; none without a GPU time."""
+    target = load_tool("bench_serve").mixed_host_target
+    one = {"cellcache": {"mixed_gpu_ms_median": 15.0, "mixed_gpu_samples": 17,
+                         "mixed_host_us_per_step_total": 2000.0,
+                         "decode_host_us_per_step_total": 1.0}}
+    assert target({"cellcache": {"mixed_host_us_per_step_total": 1.0}}) is None
+    assert target({"cellcache": {"mixed_gpu_ms_median": 15.0, "mixed_gpu_samples": 3}}) is None
+    met, text = target(one)
+    assert not met and "2000 us" in text and "13.3%" in text and "17 mixed forwards" in text
+    runs = [{"run": "cellcache", "mixed_host_us_per_step_total": h} for h in (2000.0, 1400.0, 1200.0)]
+    off = {"run": "cellcache_off", "mixed_host_us_per_step_total": 9e3}
+    met, text = target({**one, "runs": runs + [off]})
+    assert met and "median of 3 runs (2000, 1400, 1200): 1400 us" in text and "9.3%" in text
+
+
 def test_a_run_that_does_not_agree_with_the_model_fails_loudly(tmp_path, monkeypatch, capsys):
     """The served model changed after the reference copies were taken: the run still writes
     its JSON, says where the logits differ, and exits 1."""
