@@ -1266,19 +1266,30 @@ def result_name(args, world: int | None = None) -> str:
     return "-".join(parts)
 
 
+def _host_share(res: dict, kind: str) -> tuple[float, float, str] | None:
+    """(host us, GPU us, how the host figure was read) of a ``kind`` ("decode" or "mixed")
+    step: the host time of the prefix-cache-on run, the median of them with ``--repeat``
+    (the host varies between runs of one tree far more than the GPU does), and the timing
+    pass's median forward; None without both."""
+    r = res["cellcache"]
+    host, gpu = f"{kind}_host_us_per_step_total", f"{kind}_gpu_ms_median"
+    if gpu not in r or host not in r:
+        return None
+    hosts = [e[host] for e in res.get("runs", []) if e["run"] == "cellcache" and host in e]
+    of = f"median of {len(hosts)} runs ({', '.join(f'{h:.0f}' for h in hosts)}): " if len(hosts) > 1 else ""
+    return statistics.median(hosts or [r[host]]), 1e3 * r[gpu], of
+
+
 def mixed_host_target(res: dict) -> tuple[bool, str] | None:
     """Issue 42's host target for the mixed steps (prompt chunks beside decode rows), read as
     :func:`host_target` reads the decode steps': host time per mixed step (every phase but
     the wait) <= 10% of a mixed step's forward on the GPU (the timing pass's median, events
     around the forward). None without a GPU time or without mixed steps."""
-    r = res["cellcache"]
-    if "mixed_gpu_ms_median" not in r or "mixed_host_us_per_step_total" not in r:
+    share = _host_share(res, "mixed")
+    if share is None:
         return None
-    hosts = [e["mixed_host_us_per_step_total"] for e in res.get("runs", [])
-             if e["run"] == "cellcache" and "mixed_host_us_per_step_total" in e]
-    host_us = statistics.median(hosts or [r["mixed_host_us_per_step_total"]])
-    gpu_us = 1e3 * r["mixed_gpu_ms_median"]
-    of = f"median of {len(hosts)} runs ({', '.join(f'{h:.0f}' for h in hosts)}): " if len(hosts) > 1 else ""
+    host_us, gpu_us, of = share
+    r = res["cellcache"]
     return (host_us <= 0.1 * gpu_us,
             f"host time per mixed step <= 10% of its GPU time ({of}{host_us:.0f} us vs the "
             f"{r['mixed_gpu_samples']} mixed forwards of the timing pass, {gpu_us:.0f} us median "
@@ -1290,14 +1301,11 @@ def host_target(res: dict) -> tuple[bool, str] | None:
     the decode step's GPU time (the timing pass's median forward). The host varies between
     runs of one tree far more than the GPU does, so with
     ``--repeat`` it reads the median of the prefix-cache-on runs. None without a GPU time."""
-    r = res["cellcache"]
-    if "decode_gpu_ms_median" not in r or "decode_host_us_per_step_total" not in r:
+    share = _host_share(res, "decode")
+    if share is None:
         return None
-    hosts = [e["decode_host_us_per_step_total"] for e in res.get("runs", [])
-             if e["run"] == "cellcache" and "decode_host_us_per_step_total" in e]
-    host_us = statistics.median(hosts or [r["decode_host_us_per_step_total"]])
-    gpu_us = 1e3 * r["decode_gpu_ms_median"]
-    of = f"median of {len(hosts)} runs ({', '.join(f'{h:.0f}' for h in hosts)}): " if len(hosts) > 1 else ""
+    host_us, gpu_us, of = share
+    r = res["cellcache"]
     flushes = [e["backlog_flush"]["us_per_decode_step"] for e in res.get("runs", [])
                if e["run"] == "cellcache" and "backlog_flush" in e]
     lists = (f"; the steady steps' output lists, appended in the run wherever that fell: "

@@ -208,6 +208,36 @@ def test_plan_kept_for_the_step_layers():
         sh.close()
 
 
+def _tiny_generator(heads: int, kv_heads: int, capacity: int, max_seqs: int):
+    """A 2-layer llama of head_dim 64 (random fp16 weights, vocab 512) on the GPU and a
+    Generator over it (no prefix cache, no stop token): (config, generator)."""
+    import torch
+    import transformers
+
+    from cellcache.generate import Generator
+
+    cfg = transformers.AutoConfig.for_model("llama", hidden_size=64 * heads, intermediate_size=64 * heads,
+                                            num_hidden_layers=2, num_attention_heads=heads,
+                                            num_key_value_heads=kv_heads, vocab_size=512)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float16).to("cuda").eval()
+    return cfg, Generator(model, capacity=capacity, max_batch_tokens=512, max_seqs=max_seqs, eos=[],
+                          prefix_cache=False)
+
+
+def _launches(graph) -> tuple[int, int, int]:
+    """(tc_share, tc_attend, tc_merge) launches of one replay of ``graph``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        graph.replay()
+        torch.cuda.synchronize()
+    names = [e.name for e in p.events() if e.device_type.name == "CUDA"]
+    return tuple(sum(n.startswith(k) for n in names) for k in ("tc_share", "tc_attend", "tc_merge"))
+
+
 def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_group():
     """A runner's decode bucket holds two graphs, captured from one step into one memory
     pool: with the shared-prefix pass (``graphs``: it replays any step) and without it
@@ -217,19 +247,11 @@ def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_grou
     unrelated sequences (or of forks that share only a first token) replays the second. Each
     step's logits equal an eager forward of the same histories (clones), which groups by the
     same rule. With grouping off the bucket holds one graph."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from torch.profiler import ProfilerActivity, profile
-
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     import cellcache.torch as cct
-    from cellcache.generate import Generator
 
-    cfg = transformers.AutoConfig.for_model("llama", hidden_size=256, intermediate_size=512,
-                                            num_hidden_layers=2, num_attention_heads=4,
-                                            num_key_value_heads=2, vocab_size=512)   # head_dim 64
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float16).to("cuda").eval()
-    gen = Generator(model, capacity=8192, max_batch_tokens=512, max_seqs=32, eos=[], prefix_cache=False)
+    cfg, gen = _tiny_generator(4, 2, capacity=8192, max_seqs=32)
     cache, runner = gen.cache, gen.runner
     rng = np.random.default_rng(2)
 
@@ -248,14 +270,6 @@ def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_grou
     nxt = rng.integers(0, 512, size=6).tolist()
     tc = runner.view.tensor_cores()
 
-    def launches(graph):
-        """Kernel names of one replay of ``graph``."""
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            graph.replay()
-            torch.cuda.synchronize()
-        return [e.name for e in p.events() if e.device_type.name == "CUDA"]
-
     def step(srcs, graph):
         seqs = [cache.seq_clone(s) for s in srcs]
         assert cache.declare_step(seqs)
@@ -265,7 +279,7 @@ def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_grou
         grouped = tc.plan_header()["grouped"]
         kernels = None
         if graph:                                 # each graph's launches, over this step
-            kernels = {k: launches(g[st.pad_to][0]) for k, g in
+            kernels = {k: _launches(g[st.pad_to][0]) for k, g in
                        (("graphs", runner.graphs), ("flat", runner.flat_graphs))}
         cache.commit_step()
         for s in seqs:
@@ -282,10 +296,8 @@ def test_runner_replays_the_graph_without_the_shared_pass_where_rows_cannot_grou
         assert runner.lean_replays == 0 and T not in runner.lean_graphs
         assert grouped == eager_grouped == (1 if name == "forks" else 0), name
         assert float((out - eager).abs().max()) <= 2e-2, name
-        count = {k: tuple(sum(n.startswith(p) for n in v) for p in ("tc_share", "tc_attend", "tc_merge"))
-                 for k, v in kernels.items()}
         layers = cfg.num_hidden_layers
-        assert count == {"graphs": (1, 2 * layers, layers), "flat": (0, layers, layers)}, count
+        assert kernels == {"graphs": (1, 2 * layers, layers), "flat": (0, layers, layers)}, kernels
     cascade = cct.CASCADE_MIN_SHARED
     try:
         cct.CASCADE_MIN_SHARED = 0                          # grouping off: one graph a bucket
@@ -309,19 +321,11 @@ def test_runner_leaves_the_merge_out_where_no_run_can_split():
     replays the graph without the pass (which merges), a step of forks the grouped one. Each
     step's logits equal an eager forward of the same histories (clones) that launches the
     merge in every layer (a Grouping that promises no live rows)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from torch.profiler import ProfilerActivity, profile
-
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     import cellcache.torch as cct
-    from cellcache.generate import Generator
 
-    cfg = transformers.AutoConfig.for_model("llama", hidden_size=1024, intermediate_size=1024,
-                                            num_hidden_layers=2, num_attention_heads=16,
-                                            num_key_value_heads=8, vocab_size=512)   # head_dim 64
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float16).to("cuda").eval()
-    gen = Generator(model, capacity=65536, max_batch_tokens=512, max_seqs=256, eos=[], prefix_cache=False)
+    cfg, gen = _tiny_generator(16, 8, capacity=65536, max_seqs=256)
     cache, runner = gen.cache, gen.runner
     runner.mixed_buckets = []                   # (the references run eagerly at any width)
     tc = runner.view.tensor_cores()
@@ -343,15 +347,6 @@ def test_runner_leaves_the_merge_out_where_no_run_can_split():
     root = prompt(300)
     nxt = rng.integers(0, 512, size=live).tolist()
     layers = cfg.num_hidden_layers
-
-    def launches(graph):
-        """(tc_share, tc_attend, tc_merge) launches of one replay of ``graph``."""
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as p:
-            graph.replay()
-            torch.cuda.synchronize()
-        names = [e.name for e in p.events() if e.device_type.name == "CUDA"]
-        return tuple(sum(n.startswith(k) for n in names) for k in ("tc_share", "tc_attend", "tc_merge"))
 
     def counters():
         return runner.replays, runner.flat_replays, runner.lean_replays
@@ -376,7 +371,7 @@ def test_runner_leaves_the_merge_out_where_no_run_can_split():
         kernels = None
         if profiled:
             flavors = {"graphs": runner.graphs, "flat": runner.flat_graphs, "lean": runner.lean_graphs}
-            kernels = {k: launches(g[pad_to][0]) for k, g in flavors.items()}
+            kernels = {k: _launches(g[pad_to][0]) for k, g in flavors.items()}
         cache.commit_step()
         for s in seqs:
             cache.seq_rm(s)
