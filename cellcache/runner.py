@@ -799,14 +799,16 @@ class ModelRunner:
         graphs = self._graphs[T]
         flat = self._flat[T]
         live = self._lean_rows.get(T, 0)      # 0: the bucket has no graph without the merge
-        # (grouping off, the first two graphs are one, but a step may still take the third)
-        if (live or flat is not graphs) and not cct.may_group(self.view, step):
-            if live and step.n_runs >= live:
+        if live or flat is not graphs:
+            # where the first two graphs are one (its capture launched no shared-prefix
+            # pass), a step's rows need not be asked whether they group
+            alone = flat is graphs or not cct.may_group(self.view, step)
+            if alone and live and step.n_runs >= live:
                 lean = self._lean.get(T)
                 graphs = lean if lean is not None else self._capture_lean(step, T, live)
                 self.lean_replays += 1
                 self.flat_replays += 1
-            elif flat is not graphs:
+            elif alone and flat is not graphs:
                 graphs = flat
                 self.flat_replays += 1
         graph, logits, greedy = graphs

@@ -88,9 +88,11 @@ INVARIANT_TILE = 32
 #: Shared-prefix (cascade) attention on the tensor-core path: in decode steps, consecutive
 #: rows whose sequences share at least this many leading cells (a multiple of 128) form a
 #: group whose shared cells are read once for all its rows (docs/design/attention.md); 0
-#: turns it off. Read when a step's plan is made. Never with the ``"invariant"`` backend
+#: turns it off. Read as each forward of a step starts. Never with the ``"invariant"`` backend
 #: (grouping changes a row's order of sums) nor on windowed layers.
 CASCADE_MIN_SHARED = 256
+#: A plan's last layer before its first forward: whatever layer comes first starts one.
+_NO_FORWARD_YET = 1 << 30
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -755,6 +757,9 @@ class AttentionPlan:
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host "invariant": by window
         self._grouping = GROUPING.get()
         self._begin()
+        # the first forward decides again as it starts: a plan made outside a capture may
+        # have its first forward captured
+        self._last_layer = _NO_FORWARD_YET
 
     def _begin(self) -> None:
         """What a forward of the step launches by, decided as it starts: a plan serves every

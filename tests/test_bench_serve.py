@@ -90,6 +90,43 @@ def test_the_mixed_steps_host_target_reads_their_forwards_gpu_time():
     assert met and "median of 3 runs (2000, 1400, 1200): 1400 us" in text and "9.3%" in text
 
 
+def test_the_timing_pass_tells_mixed_forwards_by_their_runs_not_by_graphs(monkeypatch):
+    """The timing pass's events: a step with a run of several rows is a mixed step whether
+    or not the runner pads it as a decode step (without graphs none is), a decode step is
+    timed only where it replayed a graph, and nothing else is recorded."""
+    import types
+
+    import torch
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+
+    class Runner:
+        replays = 0
+
+        def forward(self, step, tokens=None, logit_rows=None, decode=False, **kw):
+            self.replays += bool(decode)
+            return "logits"
+
+    gen = types.SimpleNamespace(runner=Runner())
+    out = load_tool("bench_serve")._time_replays(gen)
+
+    def step(width, n_runs, pad_to):
+        return types.SimpleNamespace(width=width, n_runs=n_runs, pad_to=pad_to)
+
+    assert gen.runner.forward(step(5, 2, 8)) == "logits"            # chunks, no graph
+    gen.runner.forward(step(3, 3, 4), decode=True)                  # a decode replay
+    gen.runner.forward(step(3, 3, 4))                               # decode, graphs off
+    gen.runner.forward(step(6, 3, 8), decode=True)                  # drafts, replayed
+    assert [T for T, _, _ in out] == [None, 4, None]
+
+
 def test_a_run_that_does_not_agree_with_the_model_fails_loudly(tmp_path, monkeypatch, capsys):
     """The served model changed after the reference copies were taken: the run still writes
     its JSON, says where the logits differ, and exits 1."""

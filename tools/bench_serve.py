@@ -416,9 +416,10 @@ def _host_tier_line(t: dict) -> str:
 
 def _time_replays(gen) -> list:
     """Wraps the runner's forward so that each decode step it replays from a graph, and each
-    mixed step's forward (replayed or eager), records a CUDA event pair around it on the
-    stream (events made beforehand: no allocation in the timed steps); returns the list of
-    (bucket, start, end) the run fills, bucket None for a mixed step."""
+    mixed step's forward (a run of several rows; replayed or eager), records a CUDA event
+    pair around it on the stream (events made beforehand: no allocation in the timed
+    steps); returns the list of (bucket, start, end) the run fills, bucket None for a mixed
+    step."""
     import torch
 
     runner = gen.runner
@@ -435,9 +436,9 @@ def _time_replays(gen) -> list:
         a.record()
         logits = real(step, tokens, logit_rows, decode, **kw)
         b.record()
-        if not decode:
-            out.append((None, a, b))
-        elif runner.replays > replays:
+        if step.width > step.n_runs:    # a run of several rows (a prompt chunk, drafts):
+            out.append((None, a, b))       # a mixed step, graphs or not
+        elif decode and runner.replays > replays:
             out.append((step.pad_to, a, b))
         return logits
 
