@@ -756,9 +756,10 @@ class AttentionPlan:
         self._flashinfer: dict[tuple, Any] = {}
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host "invariant": by window
         self._grouping = GROUPING.get()
-        self._begin()
-        # the first forward decides again as it starts: a plan made outside a capture may
-        # have its first forward captured
+        # decided as each forward starts (:meth:`_begin`), the first included: a plan made
+        # outside a capture may have its first forward captured
+        self.cascade = self.live_rows = 0
+        self._shared = self._planned = False
         self._last_layer = _NO_FORWARD_YET
 
     def _begin(self) -> None:
