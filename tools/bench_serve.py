@@ -456,10 +456,7 @@ def breakdown(gen, model) -> dict:
     # the flavor the run's decode steps replayed the most (rows that cannot group: the
     # graphs without the shared-prefix pass), never the one without the merge: it promises
     # a step's runs, and the buffers hold the run's last step (the profile times it served)
-    if 2 * runner.flat_replays > runner.replays:
-        graphs = runner.flat_graphs
-    else:
-        graphs = runner.graphs
+    graphs = runner.flat_graphs if 2 * runner.flat_replays > runner.replays else runner.graphs
     if not graphs:
         return {}
     runner.write_logits(False)
