@@ -285,12 +285,15 @@ def test_tensor_core_run_leaves_the_merge_out_only_where_no_run_can_split(monkey
     assert run(100, window=37, live_rows=100, cascade=128) is False   # (cascade ignored)
     assert run(100, split=0) is False                         # never split: no merge at any rows
     assert run(0) is False and launched == []
+    assert run(100, live_rows=need) is False
+    kept = kern._plan_key
+    assert kept is not None
     for bad in (-1, 101, True, 1.5, None, "3"):
         launched.clear()
         with pytest.raises(InvalidArgument, match="live_rows"):
             kern.run(view, 100, 1024, (1024, 64), 2048, 4096, 8192, (1024, 64), 16, 8, 64, 0, 0,
                      decode=True, live_rows=bad)
-        assert launched == []
+        assert launched == [] and kern._plan_key == kept       # nothing launched, the plan kept
 
 
 class Owner:
