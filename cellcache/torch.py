@@ -909,6 +909,12 @@ class AttentionPlan:
         elif path == "tc":
             cascade = self.cascade if window == 0 else 0
             tc = view.tensor_cores()
+            if not self._planned and self.decode and not self.cascade and CASCADE_MIN_SHARED \
+                    and self._grouping is None:
+                # an eager decode forward whose rows cannot group is what a caller runs to warm
+                # up before capturing the step: the capture turns grouping on, and must find
+                # the grouped rows' scratch allocated (nothing can be allocated in a capture)
+                tc.reserve(T, H, lc.n_kv_heads, D, decode=self.decode, cascade=True)
             run = functools.partial(tc.run, decode=self.decode, cascade=cascade,
                                     share=cascade > 0 and not self._shared, fresh=not self._planned,
                                     live_rows=self.live_rows)
