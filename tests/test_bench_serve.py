@@ -72,6 +72,25 @@ def test_the_host_target_reads_the_median_of_repeated_runs():
     assert not host_target({**one, "runs": runs})[0]
 
 
+def test_the_agreement_copies_wait_on_the_host_only_where_they_would_crowd_the_cache_out():
+    """The float32 and served-dtype copies (6 bytes a parameter) and a cache of ``capacity``
+    cells (layers x kv heads x head_dim x K and V x the dtype's bytes) against nine tenths of
+    the free memory: the copies are parked on the host only past that."""
+    import torch
+
+    from cellcache.generate import random_model
+
+    crowd = load_tool("bench_serve").copies_crowd
+    model = random_model("tiny", torch.bfloat16, "cpu", 0)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cell = cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * 2
+    need = 6 * sum(p.numel() for p in model.parameters()) + 1000 * cell
+    assert not crowd(model, 1000, need * 10 // 9 + 10)
+    assert crowd(model, 1000, need * 10 // 9 - 10)
+    assert crowd(model, 1001, need * 10 // 9 + 1)                  # one cell more: over
+
+
 def test_the_mixed_steps_host_target_reads_their_forwards_gpu_time():
     """Issue 42's host target for the mixed steps: host time per mixed step against the
     median of the timing pass's mixed forwards, the median of repeated runs where there are

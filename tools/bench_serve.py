@@ -584,13 +584,27 @@ def median_run(runs: list[dict]) -> dict:
     return pick
 
 
+def copies_crowd(model, capacity: int, free: int) -> bool:
+    """Whether the agreement check's two copies of ``model`` (float32 and the served dtype:
+    three times its bf16 bytes) and a cache of ``capacity`` cells would not fit together in
+    ``free`` bytes of GPU memory with a tenth of them to spare (an 8B model on an 80 GB card):
+    then the copies wait on the host (:func:`tapped_run`'s ``park``)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    cell = cfg.num_hidden_layers * kv_heads * head_dim * 2 * next(model.parameters()).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * 6            # float32 + bf16
+    return weights + capacity * cell > 0.9 * free
+
+
 def agreement_pass(model, prompts, new_tokens, capacity: int, w: dict, device: str, models: tuple,
-                   sample: int, seed: int) -> dict:
+                   sample: int, seed: int, park: bool = False) -> dict:
     """The end-to-end agreement check of the configuration timed (cellcache.generate.agreement):
     every prompt served once more, all together, by a generator built as the timed ones
-    (prefix cache on), through :func:`tapped_run`."""
+    (prefix cache on), through :func:`tapped_run` (``park``: the copies are on the host)."""
     gen = make_gen(model, w, True, capacity, seqs_of(w, len(prompts)))
-    out = tapped_run(gen, prompts, [sampling_of(w, new_tokens)] * len(prompts), models, sample, seed)
+    out = tapped_run(gen, prompts, [sampling_of(w, new_tokens)] * len(prompts), models, sample, seed,
+                     park=park)
     gen.cache.close()
     return out
 
@@ -1460,13 +1474,6 @@ def main(argv=None) -> int:
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = random_model(args.model, dtype, device, args.seed)
-    # the agreement check's float32 reference and served-dtype noise floor: copies made
-    # before any Generator attaches to the model
-    models = None
-    if not args.no_check:
-        from cellcache.generate.agreement import reference_models
-
-        models = reference_models(model)
     vocab = model.config.vocab_size
     work = build_workload(name, w, vocab, args.seed)
     n, new = w["requests"], w["new_tokens"]
@@ -1476,6 +1483,15 @@ def main(argv=None) -> int:
     else:
         capacity = n * (w["shared_len"] + w["prompt_len"] + w.get("n", 1) * new) + 4096
     capacity = max(int(capacity * args.capacity_share), w["max_batch_tokens"])
+    # the agreement check's float32 reference and served-dtype noise floor: copies made
+    # before any Generator attaches to the model, kept on the host until the check where
+    # they would crowd the cache out of the GPU
+    models, park = None, False
+    if not args.no_check:
+        from cellcache.generate.agreement import reference_models
+
+        park = device == "cuda" and copies_crowd(model, capacity, torch.cuda.mem_get_info()[0])
+        models = reference_models(model, device="cpu" if park else None)
     words = ["python3", "tools/bench_serve.py", *(argv if argv is not None else sys.argv[1:])]
     res: dict = {**run_record(result_name(args), words, device),
                  "workload": {"name": name, "model": args.model, "device": device, **w,
@@ -1603,7 +1619,7 @@ def main(argv=None) -> int:
         log(f"[serve] agreement check: {args.check_requests} requests against HF's forward")
         prompts = work["prompts"] if name != "chat" else work["first"]
         res["agreement"] = agreement_pass(model, prompts, new, capacity, w, device, models,
-                                          args.check_requests, args.seed)
+                                          args.check_requests, args.seed, park=park)
         del models
         log(f"[serve] agreement: {res['agreement']['summary']}")
         save()
