@@ -741,7 +741,8 @@ class AttentionPlan:
     """
 
     __slots__ = ("view", "step", "backend", "mixed", "decode", "kernels", "cascade", "live_rows",
-                 "_routes", "_flashinfer", "_keys", "_shared", "_planned", "_last_layer", "_grouping")
+                 "_routes", "_flashinfer", "_keys", "_shared", "_planned", "_last_layer", "_grouping",
+                 "_reserved")
 
     def __init__(self, view: TorchView, step: Step, backend: str,
                  routes: dict[tuple[str, int, int], _Route] | None = None):
@@ -756,6 +757,7 @@ class AttentionPlan:
         self._flashinfer: dict[tuple, Any] = {}
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host "invariant": by window
         self._grouping = GROUPING.get()
+        self._reserved: set[tuple[int, int, int]] = set()   # layer shapes whose grouped scratch is in
         # decided as each forward starts (:meth:`_begin`), the first included: a plan made
         # outside a capture may have its first forward captured
         self.cascade = self.live_rows = 0
@@ -909,12 +911,14 @@ class AttentionPlan:
         elif path == "tc":
             cascade = self.cascade if window == 0 else 0
             tc = view.tensor_cores()
-            if not self._planned and self.decode and not self.cascade and CASCADE_MIN_SHARED \
-                    and self._grouping is None:
+            if self.decode and not self.cascade and window == 0 and T > 1 and CASCADE_MIN_SHARED \
+                    and self._grouping is None and (H, lc.n_kv_heads, D) not in self._reserved:
                 # an eager decode forward whose rows cannot group is what a caller runs to warm
-                # up before capturing the step: the capture turns grouping on, and must find
-                # the grouped rows' scratch allocated (nothing can be allocated in a capture)
+                # up before capturing the step: the capture turns grouping on, and its windowless
+                # layers must find the grouped rows' scratch allocated (nothing can be allocated
+                # in a capture); once a layer shape a plan
                 tc.reserve(T, H, lc.n_kv_heads, D, decode=self.decode, cascade=True)
+                self._reserved.add((H, lc.n_kv_heads, D))
             run = functools.partial(tc.run, decode=self.decode, cascade=cascade,
                                     share=cascade > 0 and not self._shared, fresh=not self._planned,
                                     live_rows=self.live_rows)

@@ -290,6 +290,73 @@ def test_a_plan_decides_again_at_each_forward_whether_a_graph_is_being_captured(
     assert seen == [(0, n), (0, n), (3, 0), (3, 0), (0, n), (0, n)], seen
 
 
+def test_an_eager_decode_forward_reserves_the_scratch_a_capture_of_its_step_needs(monkeypatch):
+    """A caller warms a step up eagerly, then captures it: the eager forward cannot group
+    (the step's rows share nothing), the capture groups, and nothing can be allocated in a
+    capture. So the eager forward reserves the grouped rows' scratch, once a layer shape a
+    plan, for its windowless layers only (the kernels ignore grouping under a window); a
+    captured forward, a prompt step or the runner's own plans (it reserves before its
+    captures) reserve nothing. (On the host: a stand-in for the tensor-core kernels.)"""
+    layers = (cc.LayerConfig(2, 16, 8), cc.LayerConfig(1, 16, 0))     # windowed first, then not
+    cache = cc.HostCellCache(cc.CacheConfig(capacity=256, layers=layers, max_write=8, dtype="float32",
+                                            paged=True))
+    seqs = [cache.seq_new() for _ in range(3)]
+    for s, n in zip(seqs, (5, 8, 7)):
+        assert cache.declare_step([s] * n)
+        cache.prepare_step()
+        cache.commit_step()
+    view = cct.TorchView(cache)
+    view.cuda = True
+
+    class Kernels:
+        reserved: list = []
+
+        def reserve(self, *a, **k):
+            self.reserved.append((a, k))
+
+        def run(self, *a, **k):
+            return False
+
+        def unsplit_rows(self, *a, **k):
+            return 1 << 20
+
+    kern = Kernels()
+    view._tensor_cores = kern
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0}))
+    monkeypatch.setattr(cct.AttentionPlan, "_path", lambda self, layer, q, k_pool, v_pool, out: ("tc", q))
+    monkeypatch.setattr(cct.TorchView, "paged_pointers", lambda self: {})
+    qkv = [_qkv(4, kv_heads=lc.n_kv_heads) for lc in layers]
+
+    def forwards(step, flags):
+        for flag in flags:
+            capturing[0] = flag
+            for layer in (0, 1):
+                cct.attention(view, layer, *qkv[layer], write=False)
+
+    assert cache.declare_step(seqs)
+    step = cache.prepare_step(pad_to=4)
+    forwards(step, (False, False, True))          # eager twice, then the capture
+    assert kern.reserved == [((4, 4, 1, 16), {"decode": True, "cascade": True})], kern.reserved
+    cache.commit_step()
+    assert cache.declare_step(seqs)
+    step = cache.prepare_step(pad_to=4)
+    forwards(step, (True,))                       # a plan whose first forward is captured
+    token = cct.GROUPING.set(cct.Grouping(False))
+    try:
+        forwards(step, (False,))                  # the runner's plan: it reserves itself
+    finally:
+        cct.GROUPING.reset(token)
+    cache.commit_step()
+    assert len(kern.reserved) == 1
+    assert cache.declare_step([seqs[0]] * 3)      # a prompt chunk: no grouping to prepare for
+    step = cache.prepare_step(pad_to=4)
+    forwards(step, (False,))
+    cache.commit_step()
+    assert len(kern.reserved) == 1
+
+
 def test_layer_paths_name_each_layers_path_as_choose_path_does():
     """What a runner asks before attaching: each layer's path for the model's head count
     (the tensor-core kernels where their module imports and takes the shape)."""
