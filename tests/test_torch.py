@@ -254,6 +254,21 @@ def test_attention_is_planned_once_a_step_and_every_layer_runs_that_plan():
     assert view.plan(nxt) is not plan and view.plan(nxt).step is nxt
 
 
+def _three_sequences(layers):
+    """A paged float32 host cache holding three sequences of 5, 8 and 7 tokens, and a view of
+    it that calls itself CUDA (a plan's decisions only: nothing is launched)."""
+    cache = cc.HostCellCache(cc.CacheConfig(capacity=256, layers=layers, max_write=8, dtype="float32",
+                                            paged=True))
+    seqs = [cache.seq_new() for _ in range(3)]
+    for s, n in zip(seqs, (5, 8, 7)):
+        assert cache.declare_step([s] * n)
+        cache.prepare_step()
+        cache.commit_step()
+    view = cct.TorchView(cache)
+    view.cuda = True
+    return cache, seqs, view
+
+
 def test_a_plan_decides_again_at_each_forward_whether_a_graph_is_being_captured(monkeypatch):
     """One plan serves every forward of its step, and a forward may run eagerly (a caller's
     warm-up) and the next inside a capture (one plan for both), or a plan made outside a
@@ -262,17 +277,9 @@ def test_a_plan_decides_again_at_each_forward_whether_a_graph_is_being_captured(
     rule a split out) and groups only where rows may; captured, it counts on none (the
     graph replays other steps) and launches the shared-prefix pass. (On the host: a CUDA
     view's decisions, every layer run by SDPA.)"""
-    cache = cc.HostCellCache(cc.CacheConfig(capacity=256, layers=LAYERS, max_write=8, dtype="float32",
-                                            paged=True))
-    seqs = [cache.seq_new() for _ in range(3)]
-    for s, n in zip(seqs, (5, 8, 7)):
-        assert cache.declare_step([s] * n)
-        cache.prepare_step()
-        cache.commit_step()
+    cache, seqs, view = _three_sequences(LAYERS)
     assert cache.declare_step(seqs)
     step = cache.prepare_step(pad_to=4)
-    view = cct.TorchView(cache)
-    view.cuda = True                                  # (decisions only: nothing is launched)
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(cct.AttentionPlan, "_path", lambda self, layer, q, k_pool, v_pool, out: ("sdpa", q))
@@ -298,15 +305,7 @@ def test_an_eager_decode_forward_reserves_the_scratch_a_capture_of_its_step_need
     captured forward, a prompt step or the runner's own plans (it reserves before its
     captures) reserve nothing. (On the host: a stand-in for the tensor-core kernels.)"""
     layers = (cc.LayerConfig(2, 16, 8), cc.LayerConfig(1, 16, 0))     # windowed first, then not
-    cache = cc.HostCellCache(cc.CacheConfig(capacity=256, layers=layers, max_write=8, dtype="float32",
-                                            paged=True))
-    seqs = [cache.seq_new() for _ in range(3)]
-    for s, n in zip(seqs, (5, 8, 7)):
-        assert cache.declare_step([s] * n)
-        cache.prepare_step()
-        cache.commit_step()
-    view = cct.TorchView(cache)
-    view.cuda = True
+    cache, seqs, view = _three_sequences(layers)
 
     class Kernels:
         reserved: list = []
