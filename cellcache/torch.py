@@ -185,6 +185,9 @@ class TorchView:
         self.cuda = cache.backend == "cuda"
         self._kernels: Any = None
         self._tensor_cores: Any = None
+        #: by layer shape (heads, kv heads, head_dim): the most rows an eager decode forward
+        #: reserved the tensor-core kernels' grouped scratch for (:meth:`AttentionPlan._kernel`)
+        self._grouped_rows: dict[tuple[int, int, int], int] = {}
         self._pools_generation = -1
         # the prepared step's attention plan (made at its first attention call), and each
         # layer's route by (backend, layer, n_heads): the shape's part, the same every step
@@ -741,8 +744,7 @@ class AttentionPlan:
     """
 
     __slots__ = ("view", "step", "backend", "mixed", "decode", "kernels", "cascade", "live_rows",
-                 "_routes", "_flashinfer", "_keys", "_shared", "_planned", "_last_layer", "_grouping",
-                 "_reserved")
+                 "_routes", "_flashinfer", "_keys", "_shared", "_planned", "_last_layer", "_grouping")
 
     def __init__(self, view: TorchView, step: Step, backend: str,
                  routes: dict[tuple[str, int, int], _Route] | None = None):
@@ -757,7 +759,6 @@ class AttentionPlan:
         self._flashinfer: dict[tuple, Any] = {}
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # host "invariant": by window
         self._grouping = GROUPING.get()
-        self._reserved: set[tuple[int, int, int]] = set()   # layer shapes whose grouped scratch is in
         # decided as each forward starts (:meth:`_begin`), the first included: a plan made
         # outside a capture may have its first forward captured
         self.cascade = self.live_rows = 0
@@ -912,13 +913,13 @@ class AttentionPlan:
             cascade = self.cascade if window == 0 else 0
             tc = view.tensor_cores()
             if self.decode and not self.cascade and window == 0 and T > 1 and CASCADE_MIN_SHARED \
-                    and self._grouping is None and (H, lc.n_kv_heads, D) not in self._reserved:
+                    and self._grouping is None and view._grouped_rows.get((H, lc.n_kv_heads, D), 0) < T:
                 # an eager decode forward whose rows cannot group is what a caller runs to warm
                 # up before capturing the step: the capture turns grouping on, and its windowless
                 # layers must find the grouped rows' scratch allocated (nothing can be allocated
-                # in a capture); once a layer shape a plan
+                # in a capture); once a layer shape and width a cache (scratch only grows)
                 tc.reserve(T, H, lc.n_kv_heads, D, decode=self.decode, cascade=True)
-                self._reserved.add((H, lc.n_kv_heads, D))
+                view._grouped_rows[H, lc.n_kv_heads, D] = T
             run = functools.partial(tc.run, decode=self.decode, cascade=cascade,
                                     share=cascade > 0 and not self._shared, fresh=not self._planned,
                                     live_rows=self.live_rows)

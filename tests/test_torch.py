@@ -300,10 +300,11 @@ def test_a_plan_decides_again_at_each_forward_whether_a_graph_is_being_captured(
 def test_an_eager_decode_forward_reserves_the_scratch_a_capture_of_its_step_needs(monkeypatch):
     """A caller warms a step up eagerly, then captures it: the eager forward cannot group
     (the step's rows share nothing), the capture groups, and nothing can be allocated in a
-    capture. So the eager forward reserves the grouped rows' scratch, once a layer shape a
-    plan, for its windowless layers only (the kernels ignore grouping under a window); a
-    captured forward, a prompt step or the runner's own plans (it reserves before its
-    captures) reserve nothing. (On the host: a stand-in for the tensor-core kernels.)"""
+    capture. So the eager forward reserves the grouped rows' scratch for its windowless
+    layers only (the kernels ignore grouping under a window), once a layer shape and width a
+    cache (scratch only grows: an eager serving loop pays a lookup a layer); a captured
+    forward, a prompt step or a forward under the runner's grouping (its captures, which
+    reserve first) reserve nothing. (On the host: a stand-in for the tensor-core kernels.)"""
     layers = (cc.LayerConfig(2, 16, 8), cc.LayerConfig(1, 16, 0))     # windowed first, then not
     cache, seqs, view = _three_sequences(layers)
 
@@ -326,34 +327,32 @@ def test_an_eager_decode_forward_reserves_the_scratch_a_capture_of_its_step_need
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0}))
     monkeypatch.setattr(cct.AttentionPlan, "_path", lambda self, layer, q, k_pool, v_pool, out: ("tc", q))
     monkeypatch.setattr(cct.TorchView, "paged_pointers", lambda self: {})
-    qkv = [_qkv(4, kv_heads=lc.n_kv_heads) for lc in layers]
 
-    def forwards(step, flags):
+    def forwards(pad_to, flags, ids=seqs):
+        assert cache.declare_step(ids)
+        cache.prepare_step(pad_to=pad_to)
+        qkv = [_qkv(pad_to, kv_heads=lc.n_kv_heads) for lc in layers]
         for flag in flags:
             capturing[0] = flag
             for layer in (0, 1):
                 cct.attention(view, layer, *qkv[layer], write=False)
+        cache.commit_step()
 
-    assert cache.declare_step(seqs)
-    step = cache.prepare_step(pad_to=4)
-    forwards(step, (False, False, True))          # eager twice, then the capture
-    assert kern.reserved == [((4, 4, 1, 16), {"decode": True, "cascade": True})], kern.reserved
-    cache.commit_step()
-    assert cache.declare_step(seqs)
-    step = cache.prepare_step(pad_to=4)
-    forwards(step, (True,))                       # a plan whose first forward is captured
+    forwards(4, (True,))                          # a plan whose first forward is captured
     token = cct.GROUPING.set(cct.Grouping(False))
     try:
-        forwards(step, (False,))                  # the runner's plan: it reserves itself
+        forwards(4, (False,))                     # the runner's capture: it reserves itself
     finally:
         cct.GROUPING.reset(token)
-    cache.commit_step()
-    assert len(kern.reserved) == 1
-    assert cache.declare_step([seqs[0]] * 3)      # a prompt chunk: no grouping to prepare for
-    step = cache.prepare_step(pad_to=4)
-    forwards(step, (False,))
-    cache.commit_step()
-    assert len(kern.reserved) == 1
+    forwards(4, (False,), [seqs[0]] * 3)          # a prompt chunk: no grouping to prepare for
+    assert kern.reserved == []
+    forwards(4, (False, False, True))             # eager twice, then the capture
+    want = [((4, 4, 1, 16), {"decode": True, "cascade": True})]           # the windowless layer's
+    assert kern.reserved == want, kern.reserved
+    forwards(4, (False,))                         # another step of that width: reserved already
+    assert kern.reserved == want
+    forwards(8, (False,))                         # a wider one: reserved again
+    assert kern.reserved == want + [((8, 4, 1, 16), {"decode": True, "cascade": True})]
 
 
 def test_layer_paths_name_each_layers_path_as_choose_path_does():
