@@ -16,6 +16,7 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -27,6 +28,15 @@ NO_GPU_EXIT = 3
 #: Where the current result of each benchmark lives, as ``<benchmark>.json``; its README is
 #: the index ``tools/results_index.py`` generates from them.
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+def cell_bytes(model_config: Any, element_bytes: int) -> int:
+    """Bytes one cell holds for a transformers decoder config: K and V of every layer, at
+    ``element_bytes`` a stored element."""
+    cfg = model_config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * element_bytes
 
 
 def log(msg: str) -> None:

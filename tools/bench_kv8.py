@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import RESULTS, log, require_gpu, run_record
+from _common import RESULTS, cell_bytes, log, require_gpu, run_record
 from bench_workloads import WORKLOADS, build_workload, load_model, serve
 
 from cellcache._cli import Parser, in_range, output_file, run_main
@@ -270,10 +270,7 @@ def serve_sides(args, res: dict) -> None:
     temperature = WORKLOADS[args.workload]["temperature"]
     working = sum(len(x) + k for x, k in zip(prompts, lengths))
     longest = max(len(x) + k for x, k in zip(prompts, lengths))
-    cfg = model.config
-    heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    cell16 = 2 * 2 * cfg.num_hidden_layers * heads * head_dim          # bytes a cell, K and V, bf16
+    cell16 = cell_bytes(model.config, 2)                              # bytes a cell, K and V, bf16
     budget = int(args.kv_gib * (1 << 30)) if args.kv_gib else int(args.share * working) * cell16
     sides = {"bfloat16": None, "fp8": KV8}
     kw: dict[str, Any] = {"max_seqs": len(prompts), "eos": []}

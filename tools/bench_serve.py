@@ -84,7 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import RESULTS, log, require_gpu, run_record
+from _common import RESULTS, cell_bytes, log, require_gpu, run_record
 
 from cellcache._cli import Parser, in_range, output_file, run_main
 
@@ -589,10 +589,7 @@ def copies_crowd(model, capacity: int, free: int) -> bool:
     three times its bf16 bytes) and a cache of ``capacity`` cells would not fit together in
     ``free`` bytes of GPU memory with a tenth of them to spare (an 8B model on an 80 GB card):
     then the copies wait on the host (:func:`tapped_run`'s ``park``)."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    cell = cfg.num_hidden_layers * kv_heads * head_dim * 2 * next(model.parameters()).element_size()
+    cell = cell_bytes(model.config, next(model.parameters()).element_size())
     weights = sum(p.numel() for p in model.parameters()) * 6            # float32 + bf16
     return weights + capacity * cell > 0.9 * free
 

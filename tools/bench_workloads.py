@@ -44,7 +44,7 @@ import time
 from typing import Any
 
 import numpy as np
-from _common import RESULTS, log, require_gpu, run_record
+from _common import RESULTS, cell_bytes, log, require_gpu, run_record
 from bench_serve import not_checked, tapped_run
 
 from cellcache._cli import Parser, in_range, output_file, run_main
@@ -120,10 +120,7 @@ def cells_that_fit(model, device: str, wanted: int, share: float = 0.85, kv_byte
         return wanted
     import torch
 
-    cfg = model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_cell = 2 * cfg.num_hidden_layers * heads * dim * (kv_bytes or model.dtype.itemsize)
+    per_cell = cell_bytes(model.config, kv_bytes or model.dtype.itemsize)
     free, _ = torch.cuda.mem_get_info()
     return max(4096, min(wanted, int(share * free) // per_cell))
 
