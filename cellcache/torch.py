@@ -185,8 +185,8 @@ class TorchView:
         self.cuda = cache.backend == "cuda"
         self._kernels: Any = None
         self._tensor_cores: Any = None
-        #: by layer shape (heads, kv heads, head_dim): the most rows an eager decode forward
-        #: reserved the tensor-core kernels' grouped scratch for (:meth:`AttentionPlan._kernel`)
+        #: by layer shape (heads, kv heads, head_dim): the most rows the tensor-core kernels'
+        #: grouped scratch was reserved for (:meth:`reserve_grouped`)
         self._grouped_rows: dict[tuple[int, int, int], int] = {}
         self._pools_generation = -1
         # the prepared step's attention plan (made at its first attention call), and each
@@ -399,6 +399,16 @@ class TorchView:
                                       "they need a CUDA cache")
             self._kernels = self.cache.attention_kernels()
         return self._kernels
+
+    def reserve_grouped(self, rows: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        """Has the tensor-core kernels hold the scratch a grouped (shared-prefix) decode step
+        of ``rows`` padded rows needs at this layer shape, so that a graph captured later finds
+        it (:meth:`AttentionPlan._kernel`); once a shape and width (scratch only grows), so a
+        call that finds it held is a lookup."""
+        key = (n_heads, n_kv_heads, head_dim)
+        if self._grouped_rows.get(key, 0) < rows:
+            self.tensor_cores().reserve(rows, n_heads, n_kv_heads, head_dim, decode=True, cascade=True)
+            self._grouped_rows[key] = rows
 
     def tensor_cores(self) -> Any:
         """The tensor-core kernels (``cellcache.cuda.tc.TensorCoreAttention``) for this
@@ -913,13 +923,12 @@ class AttentionPlan:
             cascade = self.cascade if window == 0 else 0
             tc = view.tensor_cores()
             if self.decode and not self.cascade and window == 0 and T > 1 and CASCADE_MIN_SHARED \
-                    and self._grouping is None and view._grouped_rows.get((H, lc.n_kv_heads, D), 0) < T:
+                    and self._grouping is None:
                 # an eager decode forward whose rows cannot group is what a caller runs to warm
                 # up before capturing the step: the capture turns grouping on, and its windowless
                 # layers must find the grouped rows' scratch allocated (nothing can be allocated
-                # in a capture); once a layer shape and width a cache (scratch only grows)
-                tc.reserve(T, H, lc.n_kv_heads, D, decode=self.decode, cascade=True)
-                view._grouped_rows[H, lc.n_kv_heads, D] = T
+                # in a capture)
+                view.reserve_grouped(T, H, lc.n_kv_heads, D)
             run = functools.partial(tc.run, decode=self.decode, cascade=cascade,
                                     share=cascade > 0 and not self._shared, fresh=not self._planned,
                                     live_rows=self.live_rows)
