@@ -45,7 +45,9 @@ def test_shipped_ptx_loads_on_every_cuda_12_driver():
     for name in m["kernels"]:
         head = (ROOT / "cellcache" / "ptx" / f"{name}.ptx").read_text()[:2000]
         assert re.search(r"^\.version 8\.0$", head, re.M), name
-        assert re.search(r"^\.target sm_80$", head, re.M), name
+        # Hopper-only kernels (wgmma) in files named *_sm90a.cu; every other file Ampere's
+        target = "sm_90a" if name.endswith("_sm90a") else "sm_80"
+        assert re.search(rf"^\.target {target}$", head, re.M), name
 
 
 def _tree_copy(tmp_path):
@@ -545,7 +547,27 @@ def test_ptx_check_rebuilds_and_notices_a_changed_instruction(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "build_ptx: error: --only ['nope']: the kernel files are ['attention', 'fused', 'step', "
-        "'tc_attention'] (see --help)"]
+        "'tc_attention', 'tc_sm90a'] (see --help)"]
+
+
+def test_ptx_check_holds_each_file_to_its_own_target(tmp_path):
+    """A *_sm90a.cu file's PTX must target sm_90a (its wgmma exists nowhere else), every other
+    file's sm_80: the check refuses the Hopper PTX relabelled for Ampere."""
+    import hashlib
+
+    b = load_build_ptx()
+    assert b.arch_of(Path("cuda/tc_sm90a.cu")) == ("compute_90a", "sm_90a")
+    assert b.arch_of(Path("cuda/step.cu")) == ("compute_80", "sm_80")
+    tree = _tree_copy(tmp_path)
+    ptx = tree / "cellcache" / "ptx" / "tc_sm90a.ptx"
+    text = ptx.read_bytes().replace(b"\n.target sm_90a\n", b"\n.target sm_80\n", 1)
+    ptx.write_bytes(text)
+    manifest = json.loads((tree / "cellcache" / "ptx" / "manifest.json").read_text())
+    manifest["kernels"]["tc_sm90a"]["ptx_sha256"] = hashlib.sha256(text).hexdigest()
+    (tree / "cellcache" / "ptx" / "manifest.json").write_text(json.dumps(manifest))
+    r = subprocess.run([sys.executable, str(tree / "tools" / "build_ptx.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "tc_sm90a.ptx targets sm_80, not sm_90a" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("use", ["copy_to_host", "dlpack", "cuda_array_interface"])

@@ -691,7 +691,8 @@ def kernel_category(name: str) -> str:
     """The profile table's category of a GPU kernel (or, on the CPU, an operator) by name:
     memcpy (copies, memsets), collective (NCCL kernels; gloo/c10d ops on the CPU),
     attention (cellcache's kernels: paged decode/prefill/merge and its plan, store_kv,
-    the tensor-core tc_share/tc_plan/tc_attend/tc_merge; FlashInfer's; on the CPU, SDPA),
+    the tensor-core tc_share/tc_plan/tc_attend/tc_merge and the sm_90a tc90_ prefill;
+    FlashInfer's; on the CPU, SDPA),
     cellcache_step (the step kernels build_step/apply_step), gemm (cuBLAS/cuBLASLt/CUTLASS
     kernels, aten matmuls on the CPU), other (elementwise, norms, rotary, argmax, ...)."""
     n = name.lower()
@@ -701,7 +702,7 @@ def kernel_category(name: str) -> str:
                             "allgather", "reduce_scatter", "broadcast_", "wait_tensor")):
         return "collective"
     if any(k in n for k in ("paged_decode", "paged_prefill", "paged_merge", "prefill_plan",
-                            "store_kv", "tc_attend", "tc_plan", "tc_merge", "tc_share", "attend_",
+                            "store_kv", "tc_attend", "tc_plan", "tc_merge", "tc_share", "tc90_", "attend_",
                             "flashinfer", "batchdecode",
                             "batchprefill", "cellcache::attention", "scaled_dot_product")):
         return "attention"

@@ -3,14 +3,17 @@
 
   python3 tools/build_ptx.py            build (needs the pinned NVRTC, see below)
   python3 tools/build_ptx.py --check    exit 1 unless the shipped PTX matches the sources:
-                                        source and PTX hashes, PTX ISA <= 8.0, target sm_80,
+                                        source and PTX hashes, PTX ISA <= 8.0, the target
+                                        (sm_80; sm_90a for *_sm90a.cu),
                                         and, where the pinned NVRTC is installed, a fresh
                                         build (compared up to register numbering)
 
 The compiler is NVRTC 12.0.140 from the PyPI wheel ``nvidia-cuda-nvrtc-cu12==12.0.140``
 (``pip install -r tools/ptx-requirements.txt``), driven through ctypes: no CUDA toolkit, no
 GPU and no cuda-bindings are needed. NVRTC 12.0 emits PTX ISA 8.0, which every driver from
-CUDA 12.0 (R525) on can load, for target sm_80 (Ampere and newer). The headers the kernels
+CUDA 12.0 (R525) on can load, for target sm_80 (Ampere and newer); a file named
+``*_sm90a.cu`` holds Hopper-only kernels (wgmma, setmaxnreg) and is built for compute_90a
+(target sm_90a, the same ISA 8.0). The headers the kernels
 include (``cuda/*.h``) are handed to NVRTC by name, so no file system path enters the PTX,
 and each file is compiled in a fresh process with address randomisation off (NVRTC 12.0 can
 number virtual registers differently from run to run otherwise). The check compares a
@@ -45,6 +48,20 @@ TARGET = "compute_80"
 OPTIONS = [f"--gpu-architecture={TARGET}", "--std=c++17"]
 MAX_ISA = (8, 0)          # loads on every driver from CUDA 12.0 on
 PTX_TARGET = "sm_80"
+#: files named *<suffix>.cu: (NVRTC architecture, the PTX's .target)
+ARCH_SUFFIXES = {"_sm90a": ("compute_90a", "sm_90a")}
+
+
+def arch_of(src: Path) -> tuple[str, str]:
+    """(NVRTC architecture, PTX target) of a kernel file: sm_80 unless its name says otherwise."""
+    for suffix, arch in ARCH_SUFFIXES.items():
+        if src.stem.endswith(suffix):
+            return arch
+    return TARGET, PTX_TARGET
+
+
+def options_of(src: Path) -> list[str]:
+    return [f"--gpu-architecture={arch_of(src)[0]}", *OPTIONS[1:]]
 
 
 def sha256(data: bytes) -> str:
@@ -138,8 +155,9 @@ class Nvrtc:
                                            src.name.encode(), len(hdrs), texts, names),
                     "nvrtcCreateProgram")
         try:
-            opts = (ctypes.c_char_p * len(OPTIONS))(*[o.encode() for o in OPTIONS])
-            code = lib.nvrtcCompileProgram(prog, len(OPTIONS), opts)
+            options = options_of(src)
+            opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            code = lib.nvrtcCompileProgram(prog, len(options), opts)
             size = ctypes.c_size_t()
             lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
             log = ctypes.create_string_buffer(size.value)
@@ -236,8 +254,8 @@ def check(nvrtc: Nvrtc | None, only: set[str] | None = None) -> list[str]:
         if isa == "unknown" or tuple(map(int, isa.split("."))) > MAX_ISA:
             problems.append(f"{ptx_path.name} is PTX ISA {isa}; at most "
                             f"{MAX_ISA[0]}.{MAX_ISA[1]} loads on every CUDA 12 driver")
-        if ptx_target(ptx) != PTX_TARGET:
-            problems.append(f"{ptx_path.name} targets {ptx_target(ptx)}, not {PTX_TARGET}")
+        if ptx_target(ptx) != arch_of(src)[1]:
+            problems.append(f"{ptx_path.name} targets {ptx_target(ptx)}, not {arch_of(src)[1]}")
     if nvrtc is not None and not problems:
         todo = [src for src in sources() if only is None or src.stem in only]
         # one NVRTC process a file, side by side (tc_attention.cu alone takes ~15 s)

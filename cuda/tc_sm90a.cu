@@ -1,0 +1,696 @@
+// Prefill attention for Hopper (sm_90a): wgmma on paged K/V, warp-specialized as
+// FlashAttention-3 is. Built by tools/build_ptx.py for compute_90a (PTX ISA 8.0, NVRTC 12.0),
+// beside the sm_80 kernels; not yet chosen by the runner: tools/bench_sm90a.py checks it
+// against float32 torch and times it beside the table's choice (tc_attention.cu) and
+// FlashInfer (docs/design/attention.md, "An sm_90a path").
+//
+//   tc90_<overlap|pingpong>_bf16_d<D>   one CTA a unit {run, kv head, first packed row} of a
+//       host-made list: 128 packed rows (row p = query p / G, head p % G of the kv head's group
+//       of G), 384 threads. Warpgroup 0 produces (setmaxnreg 56): it gathers 128-key K/V tiles
+//       through kv_indices with cp.async into ST stages (4 at d64, 3 at d128), each guarded by
+//       a full and an empty mbarrier; lane l of producer warp w holds the cell of the tile's
+//       row 32 w + l, read one tile ahead, and hands it to the lanes copying that row by
+//       shuffle (each lane copies one 16-byte chunk of every row of its warp's 32). Warpgroups
+//       1 and 2 consume (setmaxnreg 224), 64 rows each: S = Q K^T by SS wgmma m64n128k16 (Q and
+//       K in 128-byte-swizzled shared memory), online softmax in registers (exp2, scale *
+//       log2 e folded in), O += P V by RS wgmma with P from the S registers; each tile's P V is
+//       issued behind the next tile's S, so the softmax of one overlaps the other. pingpong:
+//       the two consumers also take turns at the tensor cores (named barriers 3 and 4).
+//       Causal behind each run's history: query i of a run of n over L keys sees keys
+//       [0, L - n + i]; masks only on tiles reaching a row's limit. Out: bf16 [T, H, D].
+// The units are best listed run by run (neighbouring CTAs then share K/V in L2: heaviest
+// first over the step made a long-prompt case DRAM-bound, 1.4x slower).
+typedef unsigned short u16;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo & 0x3FFFF) >> 4) << 16)
+       | ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+// byte offset of 16-byte chunk c (8 bf16) of row r in an R-row tile: 64-column panels of R x 128 B
+__device__ __forceinline__ uint32_t sw128_off(int r, int c, int R) {
+  return (uint32_t)(((c >> 3) * R + r) * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  uint32_t out;   // cvt.rn.bf16x2.f32 d, a, b puts a in the upper half
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+__device__ __forceinline__ void commit_wait() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ float ex2f(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ void bar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint32_t bar, int parity) {
+  asm volatile("{\n.reg .pred P;\nWAIT_%=:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
+               "@!P bra WAIT_%=;\n}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void wg_ss_n128(float* d, uint64_t da, uint64_t db, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+    "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+    : "l"(da), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void wg_rs_n64(float* d, const uint32_t* a, uint64_t db, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+__device__ __forceinline__ void wg_rs_n128(float* d, const uint32_t* a, uint64_t db, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+    "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+tc90_overlap_bf16_d64(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,
+                const int* kv_indices, const int4* units, int H, int Hkv, float scale_log2, u16* O) {
+  extern __shared__ unsigned char dyn[];
+  unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
+  const int QT = 64 * 64 * 2, KT = 128 * 64 * 2;
+#define SK(st) (base + 2 * QT + (st) * 2 * KT)
+#define SV(st) (base + 2 * QT + (st) * 2 * KT + KT)
+  const uint32_t bars = smem_u32(base + 2 * QT + 4 * 2 * KT);   // full[ST], then empty[ST]
+#define FULL(st) (bars + 8 * (st))
+#define EMPTY(st) (bars + 8 * (4 + (st)))
+  const int4 u = units[blockIdx.x];                  // (run, kv head, first row, -)
+  const int run = u.x, kvh = u.y, row0 = u.z, G = H / Hkv;
+  const int q0 = qo_indptr[run], n = qo_indptr[run + 1] - q0;
+  const int k0 = kv_indptr[run], L = kv_indptr[run + 1] - k0, hist = L - n, nrows = n * G;
+  const int last_row = min(row0 + 127, nrows - 1);
+  const int n_keys = hist + last_row / G + 1;
+  const int n_tiles = (n_keys + 127) / 128;
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 4; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == 0) {                                     // the producer: K/V tiles, stage by stage
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    const int lane = tid & 31, pw = tid >> 5;       // warp pw copies rows 32 pw .. 32 pw + 31
+    constexpr int CPR = 64 / 8, RPJ = 32 / CPR;     // 16-byte chunks a row; rows a copy of the warp
+    const int c = lane % CPR, rsub = lane / CPR;    // this lane's chunk of every row it copies
+    const char* kb = (const char*)(Kp + (size_t)kvh * 64 + c * 8);
+    const char* vb = (const char*)(Vp + (size_t)kvh * 64 + c * 8);
+    // the cell of row 32 pw + lane of tile t (clamped: a row past the keys copies zeros)
+    auto cell_of = [&](int t) { return kv_indices[k0 + min(t * 128 + 32 * pw + lane, n_keys - 1)]; };
+    int nxt = cell_of(0);
+    for (int t = 0; t < n_tiles; ++t) {
+      const int s = t % 4;
+      const long long off = (long long)nxt * (Hkv * 64 * 2);   // this lane's row, in bytes
+      if (t + 1 < n_tiles) nxt = cell_of(t + 1);     // in flight while this tile is copied
+      const int left = n_keys - t * 128 - 32 * pw;    // rows of this warp's 32 that are keys
+      const uint32_t sk = smem_u32(SK(s)), sv = smem_u32(SV(s));
+      bar_wait(EMPTY(s), ((t / 4) & 1) ^ 1);
+#pragma unroll
+      for (int j = 0; j < CPR; ++j) {                // D/8 copies of K and of V a lane
+        const int rl = RPJ * j + rsub, r = 32 * pw + rl;
+        const long long o = __shfl_sync(0xffffffff, off, rl);
+        const uint32_t so = sw128_off(r, c, 128), n = rl < left ? 16 : 0;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sk + so), "l"(kb + o), "r"(n));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sv + so), "l"(vb + o), "r"(n));
+      }
+      bar_arrive_cp_async(FULL(s));
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  const int cw = wg - 1;                              // consumer warpgroup 0 or 1: 64 rows each
+  unsigned char* sq = base + cw * QT;
+  for (int idx = tid; idx < 64 * (64 / 8); idx += 128) {
+    int i = idx / (64 / 8), c = idx % (64 / 8), r = row0 + cw * 64 + i;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < nrows) {
+      int tok = r / G, h = kvh * G + r % G;
+      v = *reinterpret_cast<const uint4*>(Q + ((size_t)(q0 + tok) * H + h) * 64 + c * 8);
+    }
+    *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = v;
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");   // this warpgroup's Q is in
+  const int q4 = threadIdx.x & 3, w = tid >> 5, g = (threadIdx.x & 31) >> 2;
+  int lim[2];
+  for (int hh = 0; hh < 2; ++hh) {
+    int r = row0 + cw * 64 + 16 * w + g + 8 * hh;
+    lim[hh] = r < nrows ? hist + r / G : -1;
+  }
+  const int lim_lo = min(lim[0], lim[1]);
+  
+  float o[32], s[64], m[2] = {-1e30f, -1e30f}, lsum[2] = {0.f, 0.f};
+  for (int i = 0; i < 32; ++i) o[i] = 0.f;
+  uint32_t a[8][4];                                  // P of the tile before, for its P V
+  int prev = 0;                                      // that tile's stage
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int st = tile % 4;
+    bar_wait(FULL(st), (tile / 4) & 1);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t oq = (kk >> 2) * (64 * 128) + (kk & 3) * 32, ok = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
+      wg_ss_n128(s, desc_sw128(smem_u32(sq) + oq, 16, 1024), desc_sw128(smem_u32(SK(st)) + ok, 16, 1024), kk > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    if (tile > 0) {                                   // the tile before's P V, behind this S
+      for (int kk = 0; kk < 8; ++kk)
+        wg_rs_n64(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    }
+    if (tile > 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
+    else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    
+    float mx[2] = {m[0], m[1]};
+    const int kb = tile * 128;
+    if (kb + 127 > lim_lo) {
+      for (int i = 0; i < 64; ++i) {
+        int key = kb + 8 * (i / 4) + 2 * q4 + (i & 1);
+        s[i] = key <= lim[(i & 3) >> 1] ? s[i] * scale_log2 : -1e30f;
+        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+      }
+    } else {
+      for (int i = 0; i < 64; ++i) {
+        s[i] *= scale_log2;
+        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+    }
+    float alpha[2] = {ex2f(m[0] - mx[0]), ex2f(m[1] - mx[1])}, rs[2] = {0.f, 0.f};
+    m[0] = mx[0]; m[1] = mx[1];
+    for (int i = 0; i < 64; ++i) { s[i] = ex2f(s[i] - mx[(i & 3) >> 1]); rs[(i & 3) >> 1] += s[i]; }
+    for (int h = 0; h < 2; ++h) {
+      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 1);
+      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 2);
+      lsum[h] = lsum[h] * alpha[h] + rs[h];
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
+    if (tile > 0) bar_arrive(EMPTY(prev));             // and its stage free
+    for (int i = 0; i < 32; ++i) o[i] *= alpha[(i & 3) >> 1];
+    for (int kk = 0; kk < 8; ++kk)
+      for (int r = 0; r < 4; ++r) a[kk][r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+    prev = st;
+  }
+  
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");          // the last tile's P V
+  for (int kk = 0; kk < 8; ++kk)
+    wg_rs_n64(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+  commit_wait();
+#undef SK
+#undef SV
+#undef FULL
+#undef EMPTY
+  for (int hh = 0; hh < 2; ++hh) {
+    if (lim[hh] < 0) continue;
+    int r = row0 + cw * 64 + 16 * w + g + 8 * hh, tok = r / G, h = kvh * G + r % G;
+    u16* dst = O + ((size_t)(q0 + tok) * H + h) * 64;
+    float inv = 1.f / lsum[hh];
+    for (int j = 0; j < 64 / 8; ++j) {
+      int i = 4 * j + 2 * hh;
+      *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * q4) = pack_bf16(o[i] * inv, o[i + 1] * inv);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+tc90_overlap_bf16_d128(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,
+                const int* kv_indices, const int4* units, int H, int Hkv, float scale_log2, u16* O) {
+  extern __shared__ unsigned char dyn[];
+  unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
+  const int QT = 64 * 128 * 2, KT = 128 * 128 * 2;
+#define SK(st) (base + 2 * QT + (st) * 2 * KT)
+#define SV(st) (base + 2 * QT + (st) * 2 * KT + KT)
+  const uint32_t bars = smem_u32(base + 2 * QT + 3 * 2 * KT);   // full[ST], then empty[ST]
+#define FULL(st) (bars + 8 * (st))
+#define EMPTY(st) (bars + 8 * (3 + (st)))
+  const int4 u = units[blockIdx.x];                  // (run, kv head, first row, -)
+  const int run = u.x, kvh = u.y, row0 = u.z, G = H / Hkv;
+  const int q0 = qo_indptr[run], n = qo_indptr[run + 1] - q0;
+  const int k0 = kv_indptr[run], L = kv_indptr[run + 1] - k0, hist = L - n, nrows = n * G;
+  const int last_row = min(row0 + 127, nrows - 1);
+  const int n_keys = hist + last_row / G + 1;
+  const int n_tiles = (n_keys + 127) / 128;
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 3; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == 0) {                                     // the producer: K/V tiles, stage by stage
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    const int lane = tid & 31, pw = tid >> 5;       // warp pw copies rows 32 pw .. 32 pw + 31
+    constexpr int CPR = 128 / 8, RPJ = 32 / CPR;     // 16-byte chunks a row; rows a copy of the warp
+    const int c = lane % CPR, rsub = lane / CPR;    // this lane's chunk of every row it copies
+    const char* kb = (const char*)(Kp + (size_t)kvh * 128 + c * 8);
+    const char* vb = (const char*)(Vp + (size_t)kvh * 128 + c * 8);
+    // the cell of row 32 pw + lane of tile t (clamped: a row past the keys copies zeros)
+    auto cell_of = [&](int t) { return kv_indices[k0 + min(t * 128 + 32 * pw + lane, n_keys - 1)]; };
+    int nxt = cell_of(0);
+    for (int t = 0; t < n_tiles; ++t) {
+      const int s = t % 3;
+      const long long off = (long long)nxt * (Hkv * 128 * 2);   // this lane's row, in bytes
+      if (t + 1 < n_tiles) nxt = cell_of(t + 1);     // in flight while this tile is copied
+      const int left = n_keys - t * 128 - 32 * pw;    // rows of this warp's 32 that are keys
+      const uint32_t sk = smem_u32(SK(s)), sv = smem_u32(SV(s));
+      bar_wait(EMPTY(s), ((t / 3) & 1) ^ 1);
+#pragma unroll
+      for (int j = 0; j < CPR; ++j) {                // D/8 copies of K and of V a lane
+        const int rl = RPJ * j + rsub, r = 32 * pw + rl;
+        const long long o = __shfl_sync(0xffffffff, off, rl);
+        const uint32_t so = sw128_off(r, c, 128), n = rl < left ? 16 : 0;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sk + so), "l"(kb + o), "r"(n));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sv + so), "l"(vb + o), "r"(n));
+      }
+      bar_arrive_cp_async(FULL(s));
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  const int cw = wg - 1;                              // consumer warpgroup 0 or 1: 64 rows each
+  unsigned char* sq = base + cw * QT;
+  for (int idx = tid; idx < 64 * (128 / 8); idx += 128) {
+    int i = idx / (128 / 8), c = idx % (128 / 8), r = row0 + cw * 64 + i;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < nrows) {
+      int tok = r / G, h = kvh * G + r % G;
+      v = *reinterpret_cast<const uint4*>(Q + ((size_t)(q0 + tok) * H + h) * 128 + c * 8);
+    }
+    *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = v;
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");   // this warpgroup's Q is in
+  const int q4 = threadIdx.x & 3, w = tid >> 5, g = (threadIdx.x & 31) >> 2;
+  int lim[2];
+  for (int hh = 0; hh < 2; ++hh) {
+    int r = row0 + cw * 64 + 16 * w + g + 8 * hh;
+    lim[hh] = r < nrows ? hist + r / G : -1;
+  }
+  const int lim_lo = min(lim[0], lim[1]);
+  
+  float o[64], s[64], m[2] = {-1e30f, -1e30f}, lsum[2] = {0.f, 0.f};
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  uint32_t a[8][4];                                  // P of the tile before, for its P V
+  int prev = 0;                                      // that tile's stage
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int st = tile % 3;
+    bar_wait(FULL(st), (tile / 3) & 1);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    for (int kk = 0; kk < 8; ++kk) {
+      uint32_t oq = (kk >> 2) * (64 * 128) + (kk & 3) * 32, ok = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
+      wg_ss_n128(s, desc_sw128(smem_u32(sq) + oq, 16, 1024), desc_sw128(smem_u32(SK(st)) + ok, 16, 1024), kk > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    if (tile > 0) {                                   // the tile before's P V, behind this S
+      for (int kk = 0; kk < 8; ++kk)
+        wg_rs_n128(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    }
+    if (tile > 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
+    else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    
+    float mx[2] = {m[0], m[1]};
+    const int kb = tile * 128;
+    if (kb + 127 > lim_lo) {
+      for (int i = 0; i < 64; ++i) {
+        int key = kb + 8 * (i / 4) + 2 * q4 + (i & 1);
+        s[i] = key <= lim[(i & 3) >> 1] ? s[i] * scale_log2 : -1e30f;
+        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+      }
+    } else {
+      for (int i = 0; i < 64; ++i) {
+        s[i] *= scale_log2;
+        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+    }
+    float alpha[2] = {ex2f(m[0] - mx[0]), ex2f(m[1] - mx[1])}, rs[2] = {0.f, 0.f};
+    m[0] = mx[0]; m[1] = mx[1];
+    for (int i = 0; i < 64; ++i) { s[i] = ex2f(s[i] - mx[(i & 3) >> 1]); rs[(i & 3) >> 1] += s[i]; }
+    for (int h = 0; h < 2; ++h) {
+      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 1);
+      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 2);
+      lsum[h] = lsum[h] * alpha[h] + rs[h];
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
+    if (tile > 0) bar_arrive(EMPTY(prev));             // and its stage free
+    for (int i = 0; i < 64; ++i) o[i] *= alpha[(i & 3) >> 1];
+    for (int kk = 0; kk < 8; ++kk)
+      for (int r = 0; r < 4; ++r) a[kk][r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+    prev = st;
+  }
+  
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");          // the last tile's P V
+  for (int kk = 0; kk < 8; ++kk)
+    wg_rs_n128(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+  commit_wait();
+#undef SK
+#undef SV
+#undef FULL
+#undef EMPTY
+  for (int hh = 0; hh < 2; ++hh) {
+    if (lim[hh] < 0) continue;
+    int r = row0 + cw * 64 + 16 * w + g + 8 * hh, tok = r / G, h = kvh * G + r % G;
+    u16* dst = O + ((size_t)(q0 + tok) * H + h) * 128;
+    float inv = 1.f / lsum[hh];
+    for (int j = 0; j < 128 / 8; ++j) {
+      int i = 4 * j + 2 * hh;
+      *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * q4) = pack_bf16(o[i] * inv, o[i + 1] * inv);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+tc90_pingpong_bf16_d64(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,
+                const int* kv_indices, const int4* units, int H, int Hkv, float scale_log2, u16* O) {
+  extern __shared__ unsigned char dyn[];
+  unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
+  const int QT = 64 * 64 * 2, KT = 128 * 64 * 2;
+#define SK(st) (base + 2 * QT + (st) * 2 * KT)
+#define SV(st) (base + 2 * QT + (st) * 2 * KT + KT)
+  const uint32_t bars = smem_u32(base + 2 * QT + 4 * 2 * KT);   // full[ST], then empty[ST]
+#define FULL(st) (bars + 8 * (st))
+#define EMPTY(st) (bars + 8 * (4 + (st)))
+  const int4 u = units[blockIdx.x];                  // (run, kv head, first row, -)
+  const int run = u.x, kvh = u.y, row0 = u.z, G = H / Hkv;
+  const int q0 = qo_indptr[run], n = qo_indptr[run + 1] - q0;
+  const int k0 = kv_indptr[run], L = kv_indptr[run + 1] - k0, hist = L - n, nrows = n * G;
+  const int last_row = min(row0 + 127, nrows - 1);
+  const int n_keys = hist + last_row / G + 1;
+  const int n_tiles = (n_keys + 127) / 128;
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 4; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == 0) {                                     // the producer: K/V tiles, stage by stage
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    const int lane = tid & 31, pw = tid >> 5;       // warp pw copies rows 32 pw .. 32 pw + 31
+    constexpr int CPR = 64 / 8, RPJ = 32 / CPR;     // 16-byte chunks a row; rows a copy of the warp
+    const int c = lane % CPR, rsub = lane / CPR;    // this lane's chunk of every row it copies
+    const char* kb = (const char*)(Kp + (size_t)kvh * 64 + c * 8);
+    const char* vb = (const char*)(Vp + (size_t)kvh * 64 + c * 8);
+    // the cell of row 32 pw + lane of tile t (clamped: a row past the keys copies zeros)
+    auto cell_of = [&](int t) { return kv_indices[k0 + min(t * 128 + 32 * pw + lane, n_keys - 1)]; };
+    int nxt = cell_of(0);
+    for (int t = 0; t < n_tiles; ++t) {
+      const int s = t % 4;
+      const long long off = (long long)nxt * (Hkv * 64 * 2);   // this lane's row, in bytes
+      if (t + 1 < n_tiles) nxt = cell_of(t + 1);     // in flight while this tile is copied
+      const int left = n_keys - t * 128 - 32 * pw;    // rows of this warp's 32 that are keys
+      const uint32_t sk = smem_u32(SK(s)), sv = smem_u32(SV(s));
+      bar_wait(EMPTY(s), ((t / 4) & 1) ^ 1);
+#pragma unroll
+      for (int j = 0; j < CPR; ++j) {                // D/8 copies of K and of V a lane
+        const int rl = RPJ * j + rsub, r = 32 * pw + rl;
+        const long long o = __shfl_sync(0xffffffff, off, rl);
+        const uint32_t so = sw128_off(r, c, 128), n = rl < left ? 16 : 0;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sk + so), "l"(kb + o), "r"(n));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sv + so), "l"(vb + o), "r"(n));
+      }
+      bar_arrive_cp_async(FULL(s));
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  const int cw = wg - 1;                              // consumer warpgroup 0 or 1: 64 rows each
+  unsigned char* sq = base + cw * QT;
+  for (int idx = tid; idx < 64 * (64 / 8); idx += 128) {
+    int i = idx / (64 / 8), c = idx % (64 / 8), r = row0 + cw * 64 + i;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < nrows) {
+      int tok = r / G, h = kvh * G + r % G;
+      v = *reinterpret_cast<const uint4*>(Q + ((size_t)(q0 + tok) * H + h) * 64 + c * 8);
+    }
+    *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = v;
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");   // this warpgroup's Q is in
+  const int q4 = threadIdx.x & 3, w = tid >> 5, g = (threadIdx.x & 31) >> 2;
+  int lim[2];
+  for (int hh = 0; hh < 2; ++hh) {
+    int r = row0 + cw * 64 + 16 * w + g + 8 * hh;
+    lim[hh] = r < nrows ? hist + r / G : -1;
+  }
+  const int lim_lo = min(lim[0], lim[1]);
+  if (cw == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");   // the first consumer goes first
+  float o[32], s[64], m[2] = {-1e30f, -1e30f}, lsum[2] = {0.f, 0.f};
+  for (int i = 0; i < 32; ++i) o[i] = 0.f;
+  uint32_t a[8][4];                                  // P of the tile before, for its P V
+  int prev = 0;                                      // that tile's stage
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int st = tile % 4;
+    bar_wait(FULL(st), (tile / 4) & 1);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 256;\n" :: "r"(3 + cw) : "memory");   // my turn at the tensor cores
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t oq = (kk >> 2) * (64 * 128) + (kk & 3) * 32, ok = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
+      wg_ss_n128(s, desc_sw128(smem_u32(sq) + oq, 16, 1024), desc_sw128(smem_u32(SK(st)) + ok, 16, 1024), kk > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    if (tile > 0) {                                   // the tile before's P V, behind this S
+      for (int kk = 0; kk < 8; ++kk)
+        wg_rs_n64(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    }
+    if (tile > 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
+    else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    asm volatile("bar.arrive %0, 256;\n" :: "r"(4 - cw) : "memory");   // the other's turn
+    float mx[2] = {m[0], m[1]};
+    const int kb = tile * 128;
+    if (kb + 127 > lim_lo) {
+      for (int i = 0; i < 64; ++i) {
+        int key = kb + 8 * (i / 4) + 2 * q4 + (i & 1);
+        s[i] = key <= lim[(i & 3) >> 1] ? s[i] * scale_log2 : -1e30f;
+        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+      }
+    } else {
+      for (int i = 0; i < 64; ++i) {
+        s[i] *= scale_log2;
+        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+    }
+    float alpha[2] = {ex2f(m[0] - mx[0]), ex2f(m[1] - mx[1])}, rs[2] = {0.f, 0.f};
+    m[0] = mx[0]; m[1] = mx[1];
+    for (int i = 0; i < 64; ++i) { s[i] = ex2f(s[i] - mx[(i & 3) >> 1]); rs[(i & 3) >> 1] += s[i]; }
+    for (int h = 0; h < 2; ++h) {
+      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 1);
+      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 2);
+      lsum[h] = lsum[h] * alpha[h] + rs[h];
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
+    if (tile > 0) bar_arrive(EMPTY(prev));             // and its stage free
+    for (int i = 0; i < 32; ++i) o[i] *= alpha[(i & 3) >> 1];
+    for (int kk = 0; kk < 8; ++kk)
+      for (int r = 0; r < 4; ++r) a[kk][r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+    prev = st;
+  }
+  if (cw == 0) asm volatile("bar.sync 3, 256;\n" ::: "memory");   // the second's last turn given
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");          // the last tile's P V
+  for (int kk = 0; kk < 8; ++kk)
+    wg_rs_n64(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+  commit_wait();
+#undef SK
+#undef SV
+#undef FULL
+#undef EMPTY
+  for (int hh = 0; hh < 2; ++hh) {
+    if (lim[hh] < 0) continue;
+    int r = row0 + cw * 64 + 16 * w + g + 8 * hh, tok = r / G, h = kvh * G + r % G;
+    u16* dst = O + ((size_t)(q0 + tok) * H + h) * 64;
+    float inv = 1.f / lsum[hh];
+    for (int j = 0; j < 64 / 8; ++j) {
+      int i = 4 * j + 2 * hh;
+      *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * q4) = pack_bf16(o[i] * inv, o[i + 1] * inv);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+tc90_pingpong_bf16_d128(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,
+                const int* kv_indices, const int4* units, int H, int Hkv, float scale_log2, u16* O) {
+  extern __shared__ unsigned char dyn[];
+  unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
+  const int QT = 64 * 128 * 2, KT = 128 * 128 * 2;
+#define SK(st) (base + 2 * QT + (st) * 2 * KT)
+#define SV(st) (base + 2 * QT + (st) * 2 * KT + KT)
+  const uint32_t bars = smem_u32(base + 2 * QT + 3 * 2 * KT);   // full[ST], then empty[ST]
+#define FULL(st) (bars + 8 * (st))
+#define EMPTY(st) (bars + 8 * (3 + (st)))
+  const int4 u = units[blockIdx.x];                  // (run, kv head, first row, -)
+  const int run = u.x, kvh = u.y, row0 = u.z, G = H / Hkv;
+  const int q0 = qo_indptr[run], n = qo_indptr[run + 1] - q0;
+  const int k0 = kv_indptr[run], L = kv_indptr[run + 1] - k0, hist = L - n, nrows = n * G;
+  const int last_row = min(row0 + 127, nrows - 1);
+  const int n_keys = hist + last_row / G + 1;
+  const int n_tiles = (n_keys + 127) / 128;
+  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 3; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == 0) {                                     // the producer: K/V tiles, stage by stage
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    const int lane = tid & 31, pw = tid >> 5;       // warp pw copies rows 32 pw .. 32 pw + 31
+    constexpr int CPR = 128 / 8, RPJ = 32 / CPR;     // 16-byte chunks a row; rows a copy of the warp
+    const int c = lane % CPR, rsub = lane / CPR;    // this lane's chunk of every row it copies
+    const char* kb = (const char*)(Kp + (size_t)kvh * 128 + c * 8);
+    const char* vb = (const char*)(Vp + (size_t)kvh * 128 + c * 8);
+    // the cell of row 32 pw + lane of tile t (clamped: a row past the keys copies zeros)
+    auto cell_of = [&](int t) { return kv_indices[k0 + min(t * 128 + 32 * pw + lane, n_keys - 1)]; };
+    int nxt = cell_of(0);
+    for (int t = 0; t < n_tiles; ++t) {
+      const int s = t % 3;
+      const long long off = (long long)nxt * (Hkv * 128 * 2);   // this lane's row, in bytes
+      if (t + 1 < n_tiles) nxt = cell_of(t + 1);     // in flight while this tile is copied
+      const int left = n_keys - t * 128 - 32 * pw;    // rows of this warp's 32 that are keys
+      const uint32_t sk = smem_u32(SK(s)), sv = smem_u32(SV(s));
+      bar_wait(EMPTY(s), ((t / 3) & 1) ^ 1);
+#pragma unroll
+      for (int j = 0; j < CPR; ++j) {                // D/8 copies of K and of V a lane
+        const int rl = RPJ * j + rsub, r = 32 * pw + rl;
+        const long long o = __shfl_sync(0xffffffff, off, rl);
+        const uint32_t so = sw128_off(r, c, 128), n = rl < left ? 16 : 0;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sk + so), "l"(kb + o), "r"(n));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sv + so), "l"(vb + o), "r"(n));
+      }
+      bar_arrive_cp_async(FULL(s));
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  const int cw = wg - 1;                              // consumer warpgroup 0 or 1: 64 rows each
+  unsigned char* sq = base + cw * QT;
+  for (int idx = tid; idx < 64 * (128 / 8); idx += 128) {
+    int i = idx / (128 / 8), c = idx % (128 / 8), r = row0 + cw * 64 + i;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < nrows) {
+      int tok = r / G, h = kvh * G + r % G;
+      v = *reinterpret_cast<const uint4*>(Q + ((size_t)(q0 + tok) * H + h) * 128 + c * 8);
+    }
+    *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = v;
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");   // this warpgroup's Q is in
+  const int q4 = threadIdx.x & 3, w = tid >> 5, g = (threadIdx.x & 31) >> 2;
+  int lim[2];
+  for (int hh = 0; hh < 2; ++hh) {
+    int r = row0 + cw * 64 + 16 * w + g + 8 * hh;
+    lim[hh] = r < nrows ? hist + r / G : -1;
+  }
+  const int lim_lo = min(lim[0], lim[1]);
+  if (cw == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");   // the first consumer goes first
+  float o[64], s[64], m[2] = {-1e30f, -1e30f}, lsum[2] = {0.f, 0.f};
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  uint32_t a[8][4];                                  // P of the tile before, for its P V
+  int prev = 0;                                      // that tile's stage
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int st = tile % 3;
+    bar_wait(FULL(st), (tile / 3) & 1);
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("bar.sync %0, 256;\n" :: "r"(3 + cw) : "memory");   // my turn at the tensor cores
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    for (int kk = 0; kk < 8; ++kk) {
+      uint32_t oq = (kk >> 2) * (64 * 128) + (kk & 3) * 32, ok = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
+      wg_ss_n128(s, desc_sw128(smem_u32(sq) + oq, 16, 1024), desc_sw128(smem_u32(SK(st)) + ok, 16, 1024), kk > 0);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    if (tile > 0) {                                   // the tile before's P V, behind this S
+      for (int kk = 0; kk < 8; ++kk)
+        wg_rs_n128(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    }
+    if (tile > 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
+    else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    asm volatile("bar.arrive %0, 256;\n" :: "r"(4 - cw) : "memory");   // the other's turn
+    float mx[2] = {m[0], m[1]};
+    const int kb = tile * 128;
+    if (kb + 127 > lim_lo) {
+      for (int i = 0; i < 64; ++i) {
+        int key = kb + 8 * (i / 4) + 2 * q4 + (i & 1);
+        s[i] = key <= lim[(i & 3) >> 1] ? s[i] * scale_log2 : -1e30f;
+        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+      }
+    } else {
+      for (int i = 0; i < 64; ++i) {
+        s[i] *= scale_log2;
+        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+    }
+    float alpha[2] = {ex2f(m[0] - mx[0]), ex2f(m[1] - mx[1])}, rs[2] = {0.f, 0.f};
+    m[0] = mx[0]; m[1] = mx[1];
+    for (int i = 0; i < 64; ++i) { s[i] = ex2f(s[i] - mx[(i & 3) >> 1]); rs[(i & 3) >> 1] += s[i]; }
+    for (int h = 0; h < 2; ++h) {
+      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 1);
+      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 2);
+      lsum[h] = lsum[h] * alpha[h] + rs[h];
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
+    if (tile > 0) bar_arrive(EMPTY(prev));             // and its stage free
+    for (int i = 0; i < 64; ++i) o[i] *= alpha[(i & 3) >> 1];
+    for (int kk = 0; kk < 8; ++kk)
+      for (int r = 0; r < 4; ++r) a[kk][r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+    prev = st;
+  }
+  if (cw == 0) asm volatile("bar.sync 3, 256;\n" ::: "memory");   // the second's last turn given
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");          // the last tile's P V
+  for (int kk = 0; kk < 8; ++kk)
+    wg_rs_n128(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+  commit_wait();
+#undef SK
+#undef SV
+#undef FULL
+#undef EMPTY
+  for (int hh = 0; hh < 2; ++hh) {
+    if (lim[hh] < 0) continue;
+    int r = row0 + cw * 64 + 16 * w + g + 8 * hh, tok = r / G, h = kvh * G + r % G;
+    u16* dst = O + ((size_t)(q0 + tok) * H + h) * 128;
+    float inv = 1.f / lsum[hh];
+    for (int j = 0; j < 128 / 8; ++j) {
+      int i = 4 * j + 2 * hh;
+      *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * q4) = pack_bf16(o[i] * inv, o[i + 1] * inv);
+    }
+  }
+}
