@@ -24,6 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import _sm90a
 import numpy as np
 from _common import log
 
@@ -478,6 +479,45 @@ def _against_baseline(ptx: bytes, tensor_core, sm: int, pv, rows: int, q, stride
         old.close()
 
 
+def _sm90a_columns(step, pv, q, k_pool, v_pool, H: int, Hkv: int, D: int, stream: int, ref, flops: int,
+                   reps: int) -> dict:
+    """The sm_90a prefill kernels (tools/_sm90a.py) on the step's buffers: each kernel with its
+    units run by run, the fastest also heaviest first (the order L2 cannot serve); outputs
+    against ``ref``. ``sm90a_ms`` is the fastest run-by-run launch whose output agrees."""
+    import torch
+
+    try:
+        k90 = _sm90a.Sm90aPrefill()
+    except Exception as e:  # noqa: BLE001 - a kernel that does not load loses its columns only
+        return {"sm90a_error": repr(e)[:300]}
+    rows: list[dict] = []
+    try:
+        out = torch.empty_like(q)
+        lists = {order: torch.as_tensor(_sm90a.units(step.qo_indptr, step.kv_indptr, step.n_runs, H // Hkv,
+                                                     Hkv, order), device="cuda")
+                 for order in _sm90a.ORDERS}
+        for kernel, order in [(k, "run") for k in _sm90a.KERNELS] + [("pingpong", "heaviest")]:
+            def launch(kernel=kernel, order=order):
+                k90.run(kernel, q, k_pool, v_pool, pv["qo_indptr"], pv["kv_indptr"], pv["kv_indices"],
+                        lists[order], H, Hkv, out, stream)
+            out.fill_(float("nan"))
+            ms = _timed(launch, reps)
+            rows.append({"kernel": kernel, "order": order, "ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12,
+                         "diff_table": float((out.float() - ref).abs().nan_to_num(float("inf")).max())})
+    except Exception as e:  # noqa: BLE001
+        return {"sm90a": rows, "sm90a_error": repr(e)[:300]}
+    finally:
+        k90.close()
+    res: dict = {"sm90a": rows}
+    ok = [r for r in rows if r["order"] == "run" and r["diff_table"] <= 0.05]
+    if ok:
+        best = min(ok, key=lambda r: r["ms"])
+        res["sm90a_ms"], res["sm90a_kernel"] = best["ms"], best["kernel"]
+    log("[attention] sm_90a: " + ", ".join(f"{r['kernel']} ({r['order']}) {r['ms']:.3f} ms, diff "
+                                            f"{r['diff_table']:.2e}" for r in rows))
+    return res
+
+
 def _attention_case(name: str, n_seq: int, hist: int | tuple[int, int], new: int, H: int, Hkv: int,
                     D: int, reps: int, rng, baseline: bytes | None = None) -> dict:
     """One shape, side by side in one run: cellcache CUDA cores, cellcache tensor cores,
@@ -622,6 +662,8 @@ def _attention_case(name: str, n_seq: int, hist: int | tuple[int, int], new: int
         fi = [v for k, v in res.items() if k.startswith("flashinfer") and k.endswith("_ms")]
         if fi:
             res["flashinfer_best_ms"] = min(fi)
+    if not decode and D in _sm90a.STAGES and torch.cuda.get_device_capability(0) == (9, 0):
+        res.update(_sm90a_columns(step, pv, q, k_pool, v_pool, H, Hkv, D, stream, ref, flops, reps))
     if fmt == "bool":
         rl = step.read_len
         mask = view.masks[0][:rows, :rl]
@@ -655,6 +697,8 @@ def _attention_case(name: str, n_seq: int, hist: int | tuple[int, int], new: int
         if k in res:
             res["ratio_vs_" + k[:-3]] = ms / res[k]
             res["table_ratio_vs_" + k[:-3]] = res["tensor_core_ms"] / res[k]
+            if "sm90a_ms" in res:
+                res["sm90a_ratio_vs_" + k[:-3]] = res["sm90a_ms"] / res[k]
     tc.close()
     cache.close()
     torch.cuda.empty_cache()
@@ -709,7 +753,7 @@ def attention(args) -> dict:
             ("tensor_core_with_plan_ms", "+ plan"), ("tensor_core_best_ms", "tc best"),
             ("flashinfer_fa2_ms", "FI fa2"), ("flashinfer_auto_ms", "FI auto"),
             ("flashinfer_decode_ms", "FI dec"), ("flashinfer_decode_tc_ms", "FI dec tc"),
-            ("flashinfer_best_ms", "FI best"), ("sdpa_ms", "SDPA"))
+            ("flashinfer_best_ms", "FI best"), ("sdpa_ms", "SDPA"), ("sm90a_ms", "sm_90a"))
     print()
     print(f"{'case (ms)':<52}" + "".join(f"{h:>11}" for _, h in cols)
           + f"{'best/fa2':>9}{'best/FIb':>9}{'TFLOP/s':>9}{'TB/s':>7}")
@@ -737,6 +781,9 @@ def attention(args) -> dict:
             targets[f"{r['case']}: tensor core <= 1.3x FlashInfer fa2"] = r["ratio_vs_flashinfer_fa2"] <= 1.3
         if r["case"].startswith("prefill") and "ratio_vs_flashinfer_auto" in r:
             targets[f"{r['case']}: tensor core <= 2x FlashInfer auto"] = r["ratio_vs_flashinfer_auto"] <= 2.0
+        if "sm90a_ratio_vs_flashinfer_auto" in r:       # issue 42: prefill at FlashInfer's sm90 backend
+            ratio = r["sm90a_ratio_vs_flashinfer_auto"]
+            targets[f"{r['case']}: sm_90a kernel <= 1.0x FlashInfer auto ({ratio:.2f}x)"] = ratio <= 1.0
         if r["case"].startswith("decode") and "ratio_vs_flashinfer_best" in r:
             ok = r["ratio_vs_flashinfer_best"] <= 1.1
             targets[f"{r['case']}: tensor core <= 1.1x FlashInfer best"] = ok

@@ -171,7 +171,8 @@ def load_module(name: str, ptx: bytes | None = None) -> Any:
         raise CudaError(
             f"the driver cannot load cellcache's PTX ({name}.ptx, PTX ISA "
             f"{info['kernels'][name]['ptx_isa']}, built by {info['compiler']} for "
-            f"{info['target']}): {errname}. It needs a driver for CUDA "
+            f"{info['kernels'][name].get('ptx_target', info['target'])}): {errname}. "
+            f"It needs a driver for CUDA "
             f"{info['min_driver_cuda']} or newer; this driver supports CUDA "
             f"{have // 1000}.{have % 1000 // 10}.", code=code, name=errname)
     return module

@@ -1,0 +1,83 @@
+"""The sm_90a prefill kernels' host side (tools/_sm90a.py): the work list the attention bench
+launches them over, and that what it launches is what the shipped PTX holds."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from .helpers import TOOLS, load_tool
+
+ROOT = TOOLS.parent
+
+
+@pytest.fixture(scope="module")
+def k90():
+    return load_tool("_sm90a")
+
+
+# (history, new tokens) a run: an empty history, a run shorter than one block, a block's edge
+RUNS = [(0, 512), (8192, 37), (100, 130), (0, 1), (5, 64)]
+
+
+def _indptr(runs):
+    qo, kv = [0], [0]
+    for h, n in runs:
+        qo.append(qo[-1] + n)
+        kv.append(kv[-1] + h + n)
+    return np.array(qo, dtype=np.int32), np.array(kv, dtype=np.int32)
+
+
+@pytest.mark.parametrize("group,n_kv", [(7, 2), (4, 8), (1, 1)])
+@pytest.mark.parametrize("order", ["run", "heaviest"])
+def test_every_packed_row_is_in_one_unit_that_reads_its_keys(k90, group, n_kv, order):
+    qo, kv = _indptr(RUNS)
+    u = k90.units(qo, kv, len(RUNS), group, n_kv, order)
+    assert u.dtype == np.int32 and u.shape[1] == 4 and (u[:, 3] == 0).all()
+    seen = set()
+    for run, kvh, row0, _ in u.tolist():
+        h, n = RUNS[run]
+        assert 0 <= kvh < n_kv and row0 % k90.ROWS == 0 and row0 < n * group
+        for p in range(row0, min(row0 + k90.ROWS, n * group)):
+            assert (run, kvh, p) not in seen
+            seen.add((run, kvh, p))
+    assert len(seen) == sum(n * group for _, n in RUNS) * n_kv
+
+
+def test_run_order_keeps_a_runs_kv_head_together_and_heaviest_sorts_by_keys(k90):
+    qo, kv = _indptr(RUNS)
+    by_run = k90.units(qo, kv, len(RUNS), 4, 8, "run").tolist()
+    pairs = [(r, h) for r, h, _, _ in by_run]
+    # each (run, kv head) one stretch, in run then head order: neighbours read the same K/V
+    stretches = [p for i, p in enumerate(pairs) if i == 0 or pairs[i - 1] != p]
+    assert stretches == sorted(set(pairs))
+
+    def keys(unit):
+        run, _, row0, _ = unit
+        h, n = RUNS[run]
+        return h + min(row0 + k90.ROWS - 1, n * 4 - 1) // 4 + 1
+
+    heavy = k90.units(qo, kv, len(RUNS), 4, 8, "heaviest").tolist()
+    assert sorted(map(tuple, heavy)) == sorted(map(tuple, by_run))
+    w = [keys(x) for x in heavy]
+    assert w == sorted(w, reverse=True) and w[0] == 8192 + 37
+
+
+def test_an_unknown_order_is_refused(k90):
+    qo, kv = _indptr(RUNS)
+    with pytest.raises(ValueError, match="order 'nope'"):
+        k90.units(qo, kv, len(RUNS), 4, 8, "nope")
+
+
+def test_a_cta_fits_the_shared_memory_hopper_gives_one_block(k90):
+    for d in k90.STAGES:
+        assert k90.smem_bytes(d) <= 227 * 1024, d
+
+
+def test_the_kernels_the_bench_launches_are_the_shipped_ptxs(k90):
+    ptx = (ROOT / "cellcache" / "ptx" / "tc_sm90a.ptx").read_text()
+    entries = re.findall(r"\.entry (\w+)\(.*?\.maxntid (\d+), 1, 1", ptx, re.S)
+    assert {name: int(t) for name, t in entries} == {
+        f"tc90_{k}_bf16_d{d}": k90.THREADS for k in k90.KERNELS for d in k90.STAGES}

@@ -1,0 +1,93 @@
+"""The sm_90a prefill kernels (``cuda/tc_sm90a.cu``) for the attention bench: their work list,
+made on the host, and their launch. The runner does not choose them yet (docs/design/attention.md,
+"An sm_90a path"); ``tools/bench.py --section attention`` times them beside the table's choice
+and FlashInfer on Hopper.
+
+A unit is ``(run, kv head, first packed row, 0)``: 128 packed rows of one run (row p = query
+p // G, head p % G of the kv head's group of G), one CTA each. ``order="run"`` lists them run
+by run and kv head by kv head (neighbouring CTAs read the same K/V, which L2 then serves),
+``"heaviest"`` by keys read, most first, over the whole step (no tail; measured DRAM-bound on
+long prompts, 1.4x slower).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+import numpy as np
+
+ROWS = 128                                   # packed rows a unit (two consumer warpgroups of 64)
+THREADS = 384                                # a producer warpgroup and two consumers
+STAGES = {64: 4, 128: 3}                     # K/V stages by head_dim
+KERNELS = ("overlap", "pingpong")
+ORDERS = ("run", "heaviest")
+
+
+def smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of a CTA: both consumers' Q, the K/V stages, 1 KiB of alignment
+    slack for the 128-byte swizzle, a full and an empty mbarrier a stage."""
+    st = STAGES[head_dim]
+    return 2 * 64 * head_dim * 2 + st * 2 * ROWS * head_dim * 2 + 1024 + 2 * st * 8
+
+
+def units(qo_indptr, kv_indptr, n_runs: int, group: int, n_kv_heads: int, order: str = "run") -> np.ndarray:
+    """The launch's work list, int32 ``[n, 4]``: every (run, kv head, 128-row block) of the
+    step's ``n_runs`` runs, in ``order``. A run of n queries over L keys packs n x ``group``
+    rows; its block from row r0 reads the keys up to query ((r0 + 127) // group)'s last."""
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r}: one of {ORDERS}")
+    out = []
+    for r in range(n_runs):
+        n = int(qo_indptr[r + 1]) - int(qo_indptr[r])
+        hist = int(kv_indptr[r + 1]) - int(kv_indptr[r]) - n
+        rows = n * group
+        for kvh in range(n_kv_heads):
+            for row0 in range(0, rows, ROWS):
+                keys = hist + min(row0 + ROWS - 1, rows - 1) // group + 1
+                out.append((keys, r, kvh, row0))
+    if order == "heaviest":
+        out.sort(key=lambda u: -u[0])        # (stable: ties keep the run order)
+    else:
+        out.sort(key=lambda u: (u[1], u[2], -u[0]))
+    return np.array([(r, kvh, row0, 0) for _, r, kvh, row0 in out], dtype=np.int32).reshape(-1, 4)
+
+
+class Sm90aPrefill:
+    """The shipped ``tc_sm90a.ptx`` loaded in the current context; ``run`` launches one kernel
+    over a host-made unit list (a device int32 ``[n, 4]`` tensor). Loading fails (the driver's
+    error) on a GPU other than compute capability 9.0."""
+
+    def __init__(self):
+        from cellcache.cuda.driver import check, cu, load_module
+
+        self._cu, self._check = cu, check
+        self.module = load_module("tc_sm90a")
+        self.functions: dict[tuple[str, int], Any] = {}
+        attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        for kernel in KERNELS:
+            for d in STAGES:
+                f = check(cu.cuModuleGetFunction(self.module, f"tc90_{kernel}_bf16_d{d}".encode()),
+                          "cuModuleGetFunction")
+                check(cu.cuFuncSetAttribute(f, attr, smem_bytes(d)), "cuFuncSetAttribute")
+                self.functions[kernel, d] = f
+
+    def run(self, kernel: str, q, k_pool, v_pool, qo_indptr: int, kv_indptr: int, kv_indices: int,
+            unit_list, n_heads: int, n_kv_heads: int, out, stream: int) -> None:
+        """``q`` / ``out`` bf16 ``[T, H, D]`` contiguous, pools ``[cells, Hkv, D]``; the index
+        arrays as device pointers (int32)."""
+        d = int(q.shape[-1])
+        f = self.functions[kernel, d]
+        scale_log2 = 1.0 / math.sqrt(d) * math.log2(math.e)
+        vals = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), qo_indptr, kv_indptr, kv_indices,
+                unit_list.data_ptr(), n_heads, n_kv_heads, scale_log2, out.data_ptr())
+        types = (ctypes.c_void_p,) * 7 + (ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p)
+        cu = self._cu
+        self._check(cu.cuLaunchKernel(f, int(unit_list.shape[0]), 1, 1, THREADS, 1, 1, smem_bytes(d),
+                                      cu.CUstream(stream), (vals, types), 0), "cuLaunchKernel(tc90)")
+
+    def close(self) -> None:
+        if self.module is not None:
+            self._cu.cuModuleUnload(self.module)
+            self.module = None
