@@ -1,8 +1,9 @@
 // Prefill attention for Hopper (sm_90a): wgmma on paged K/V, warp-specialized as
 // FlashAttention-3 is. Built by tools/build_ptx.py for compute_90a (PTX ISA 8.0, NVRTC 12.0),
-// beside the sm_80 kernels; not yet chosen by the runner: tools/bench_sm90a.py checks it
-// against float32 torch and times it beside the table's choice (tc_attention.cu) and
-// FlashInfer (docs/design/attention.md, "An sm_90a path").
+// beside the sm_80 kernels; not yet chosen by the runner: `tools/bench.py --section attention`
+// times it beside the table's choice (tc_attention.cu) and FlashInfer on the same step
+// (tools/_sm90a.py makes its work list and launches it), tests/gpu/test_sm90a_gpu.py checks
+// it against float32 attention (docs/design/attention.md, "An sm_90a path").
 //
 //   tc90_<overlap|pingpong>_bf16_d<D>   one CTA a unit {run, kv head, first packed row} of a
 //       host-made list: 128 packed rows (row p = query p / G, head p % G of the kv head's group
@@ -18,6 +19,8 @@
 //       the two consumers also take turns at the tensor cores (named barriers 3 and 4).
 //       Causal behind each run's history: query i of a run of n over L keys sees keys
 //       [0, L - n + i]; masks only on tiles reaching a row's limit. Out: bf16 [T, H, D].
+//       A unit must hold at least one row (row0 < n x G): the list is made so, and a unit
+//       of an empty run would read an index outside its run.
 // The units are best listed run by run (neighbouring CTAs then share K/V in L2: heaviest
 // first over the step made a long-prompt case DRAM-bound, 1.4x slower).
 typedef unsigned short u16;

@@ -76,6 +76,44 @@ def test_a_cta_fits_the_shared_memory_hopper_gives_one_block(k90):
         assert k90.smem_bytes(d) <= 227 * 1024, d
 
 
+def test_the_stages_the_bench_sizes_shared_memory_for_are_the_kernels(k90):
+    """smem_bytes counts STAGES[D] K/V stages; each kernel's source says how many it uses
+    (its empty mbarriers follow its full ones: EMPTY(st) = bars + 8 x (stages + st))."""
+    src = (ROOT / "cuda" / "tc_sm90a.cu").read_text()
+    found = re.findall(r"tc90_(\w+)_bf16_d(\d+)\(.*?#define EMPTY\(st\) \(bars \+ 8 \* \((\d+) \+", src, re.S)
+    assert sorted(found) == sorted((k, str(d), str(k90.STAGES[d])) for k in k90.KERNELS for d in k90.STAGES)
+
+
+def test_sections_keep_l2_sized_runs_together_heaviest_first(k90):
+    qo, kv = _indptr(RUNS)
+    keys = [h + n for h, n in RUNS]                  # a run's keys, each kv head
+    span = 9000                                      # holds the 8229-key run alone, the rest together
+    got = k90.units(qo, kv, len(RUNS), 4, 2, "sections", span).tolist()
+    assert sorted(map(tuple, got)) == sorted(map(tuple, k90.units(qo, kv, len(RUNS), 4, 2, "run")))
+    # sections in run order, each at most span keys (a pair larger than span stands alone)
+    sections, cur, total = [], [], 0
+    for r in range(len(RUNS)):
+        for h in range(2):
+            if cur and total + keys[r] > span:
+                sections.append(cur)
+                cur, total = [], 0
+            cur.append((r, h))
+            total += keys[r]
+    sections.append(cur)
+    at = 0
+    for sec in sections:
+        n = sum(1 for u in got if (u[0], u[1]) in sec)
+        part = got[at:at + n]
+        assert {(u[0], u[1]) for u in part} == set(sec)
+        w = [RUNS[u[0]][0] + min(u[2] + 127, RUNS[u[0]][1] * 4 - 1) // 4 + 1 for u in part]
+        assert w == sorted(w, reverse=True)
+        at += n
+    assert at == len(got) and len(sections) > 2
+    with pytest.raises(ValueError, match="section_keys > 0"):
+        k90.units(qo, kv, len(RUNS), 4, 2, "sections")
+    assert k90.section_keys(50 << 20, 128) == (25 << 20) // 512
+
+
 def test_the_kernels_the_bench_launches_are_the_shipped_ptxs(k90):
     ptx = (ROOT / "cellcache" / "ptx" / "tc_sm90a.ptx").read_text()
     entries = re.findall(r"\.entry (\w+)\(.*?\.maxntid (\d+), 1, 1", ptx, re.S)

@@ -550,24 +550,25 @@ def test_ptx_check_rebuilds_and_notices_a_changed_instruction(tmp_path):
         "'tc_attention', 'tc_sm90a'] (see --help)"]
 
 
-def test_ptx_check_holds_each_file_to_its_own_target(tmp_path):
+@pytest.mark.parametrize("stem,was,now", [("tc_sm90a", "sm_90a", "sm_80"), ("step", "sm_80", "sm_90a")])
+def test_ptx_check_holds_each_file_to_its_own_target(tmp_path, stem, was, now):
     """A *_sm90a.cu file's PTX must target sm_90a (its wgmma exists nowhere else), every other
-    file's sm_80: the check refuses the Hopper PTX relabelled for Ampere."""
+    file's sm_80 (loads on every GPU from Ampere on): the check refuses either relabelled."""
     import hashlib
 
     b = load_build_ptx()
     assert b.arch_of(Path("cuda/tc_sm90a.cu")) == ("compute_90a", "sm_90a")
     assert b.arch_of(Path("cuda/step.cu")) == ("compute_80", "sm_80")
     tree = _tree_copy(tmp_path)
-    ptx = tree / "cellcache" / "ptx" / "tc_sm90a.ptx"
-    text = ptx.read_bytes().replace(b"\n.target sm_90a\n", b"\n.target sm_80\n", 1)
+    ptx = tree / "cellcache" / "ptx" / f"{stem}.ptx"
+    text = ptx.read_bytes().replace(f"\n.target {was}\n".encode(), f"\n.target {now}\n".encode(), 1)
     ptx.write_bytes(text)
     manifest = json.loads((tree / "cellcache" / "ptx" / "manifest.json").read_text())
-    manifest["kernels"]["tc_sm90a"]["ptx_sha256"] = hashlib.sha256(text).hexdigest()
+    manifest["kernels"][stem]["ptx_sha256"] = hashlib.sha256(text).hexdigest()
     (tree / "cellcache" / "ptx" / "manifest.json").write_text(json.dumps(manifest))
     r = subprocess.run([sys.executable, str(tree / "tools" / "build_ptx.py"), "--check"],
                        capture_output=True, text=True)
-    assert r.returncode == 1 and "tc_sm90a.ptx targets sm_80, not sm_90a" in r.stderr, r.stderr
+    assert r.returncode == 1 and f"{stem}.ptx targets {now}, not {was}" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("use", ["copy_to_host", "dlpack", "cuda_array_interface"])
@@ -591,3 +592,23 @@ def test_a_buffer_of_a_closed_cache_refuses_without_touching_the_device(use):
             _ = buf.__cuda_array_interface__
     cache.closed = False                      # open: the interface is handed out as before
     assert buf.__cuda_array_interface__["data"] == (0xDEAD000, False)
+
+
+@pytest.mark.parametrize("name,says", [
+    ("tc_sm90a", "built for sm_90a): CUDA_ERROR_NO_BINARY_FOR_GPU. It runs only on GPUs of compute "
+                 "capability 9.0."),
+    ("step", "built by nvrtc 12.0.140 for sm_80): CUDA_ERROR_NO_BINARY_FOR_GPU. It needs a driver for "
+             "CUDA 12.0 or newer; this driver supports CUDA 12.4."),
+])
+def test_a_ptx_the_driver_refuses_is_explained_by_its_own_target(monkeypatch, name, says):
+    """Hopper-only PTX on another GPU is refused for the GPU, not for the driver's age."""
+    from cellcache.cuda import driver as drv
+    from cellcache.errors import CudaError
+
+    refused = int(drv.cu.CUresult.CUDA_ERROR_NO_BINARY_FOR_GPU)
+    monkeypatch.setattr(drv, "driver_version", lambda: 12040)
+    monkeypatch.setattr(drv, "error_name", lambda code: "CUDA_ERROR_NO_BINARY_FOR_GPU")
+    monkeypatch.setattr(drv.cu, "cuModuleLoadData", lambda image: (drv.cu.CUresult(refused), None))
+    with pytest.raises(CudaError) as e:
+        drv.load_module(name)
+    assert says in str(e.value) and e.value.code == refused

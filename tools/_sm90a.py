@@ -7,7 +7,10 @@ A unit is ``(run, kv head, first packed row, 0)``: 128 packed rows of one run (r
 p // G, head p % G of the kv head's group of G), one CTA each. ``order="run"`` lists them run
 by run and kv head by kv head (neighbouring CTAs read the same K/V, which L2 then serves),
 ``"heaviest"`` by keys read, most first, over the whole step (no tail; measured DRAM-bound on
-long prompts, 1.4x slower).
+long prompts, 1.4x slower), ``"sections"`` cuts the run-by-run list into sections of (run, kv
+head) pairs whose keys together stay within ``section_keys`` (what half of L2 holds) and lists
+each section heaviest first (FlashAttention-3's longest-first scheduling within L2's reach: a
+causal step's short units fill the tail of each section, not of the step).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ ROWS = 128                                   # packed rows a unit (two consumer 
 THREADS = 384                                # a producer warpgroup and two consumers
 STAGES = {64: 4, 128: 3}                     # K/V stages by head_dim
 KERNELS = ("overlap", "pingpong")
-ORDERS = ("run", "heaviest")
+ORDERS = ("run", "heaviest", "sections")
 
 
 def smem_bytes(head_dim: int) -> int:
@@ -32,25 +35,43 @@ def smem_bytes(head_dim: int) -> int:
     return 2 * 64 * head_dim * 2 + st * 2 * ROWS * head_dim * 2 + 1024 + 2 * st * 8
 
 
-def units(qo_indptr, kv_indptr, n_runs: int, group: int, n_kv_heads: int, order: str = "run") -> np.ndarray:
+def section_keys(l2_bytes: int, head_dim: int) -> int:
+    """Keys of one kv head whose K and V (bf16) fill half of an L2 of ``l2_bytes``."""
+    return max(1, l2_bytes // 2 // (head_dim * 2 * 2))
+
+
+def units(qo_indptr, kv_indptr, n_runs: int, group: int, n_kv_heads: int, order: str = "run",
+          section_keys: int = 0) -> np.ndarray:
     """The launch's work list, int32 ``[n, 4]``: every (run, kv head, 128-row block) of the
-    step's ``n_runs`` runs, in ``order``. A run of n queries over L keys packs n x ``group``
-    rows; its block from row r0 reads the keys up to query ((r0 + 127) // group)'s last."""
+    step's ``n_runs`` runs, in ``order`` (``"sections"`` needs ``section_keys`` > 0). A run of
+    n queries over L keys packs n x ``group`` rows; its block from row r0 reads the keys up to
+    query ((r0 + 127) // group)'s last."""
     if order not in ORDERS:
         raise ValueError(f"order {order!r}: one of {ORDERS}")
-    out = []
+    if order == "sections" and section_keys <= 0:
+        raise ValueError(f"order 'sections' needs section_keys > 0, not {section_keys}")
+    pairs = []                               # run by run, kv head by kv head
     for r in range(n_runs):
         n = int(qo_indptr[r + 1]) - int(qo_indptr[r])
-        hist = int(kv_indptr[r + 1]) - int(kv_indptr[r]) - n
+        L = int(kv_indptr[r + 1]) - int(kv_indptr[r])
         rows = n * group
         for kvh in range(n_kv_heads):
-            for row0 in range(0, rows, ROWS):
-                keys = hist + min(row0 + ROWS - 1, rows - 1) // group + 1
-                out.append((keys, r, kvh, row0))
+            blocks = [(L - n + min(row0 + ROWS - 1, rows - 1) // group + 1, r, kvh, row0)
+                      for row0 in range(0, rows, ROWS)]
+            pairs.append((L, sorted(blocks, key=lambda u: -u[0])))
     if order == "heaviest":
-        out.sort(key=lambda u: -u[0])        # (stable: ties keep the run order)
+        out = sorted((u for _, blocks in pairs for u in blocks), key=lambda u: -u[0])   # stable
+    elif order == "run":
+        out = [u for _, blocks in pairs for u in blocks]
     else:
-        out.sort(key=lambda u: (u[1], u[2], -u[0]))
+        out, section, keys = [], [], 0
+        for L, blocks in pairs:
+            if section and keys + L > section_keys:
+                out += sorted(section, key=lambda u: -u[0])
+                section, keys = [], 0
+            section += blocks
+            keys += L
+        out += sorted(section, key=lambda u: -u[0])
     return np.array([(r, kvh, row0, 0) for _, r, kvh, row0 in out], dtype=np.int32).reshape(-1, 4)
 
 
@@ -66,18 +87,38 @@ class Sm90aPrefill:
         self.module = load_module("tc_sm90a")
         self.functions: dict[tuple[str, int], Any] = {}
         attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        for kernel in KERNELS:
-            for d in STAGES:
-                f = check(cu.cuModuleGetFunction(self.module, f"tc90_{kernel}_bf16_d{d}".encode()),
-                          "cuModuleGetFunction")
-                check(cu.cuFuncSetAttribute(f, attr, smem_bytes(d)), "cuFuncSetAttribute")
-                self.functions[kernel, d] = f
+        try:
+            for kernel in KERNELS:
+                for d in STAGES:
+                    f = check(cu.cuModuleGetFunction(self.module, f"tc90_{kernel}_bf16_d{d}".encode()),
+                              "cuModuleGetFunction")
+                    check(cu.cuFuncSetAttribute(f, attr, smem_bytes(d)), "cuFuncSetAttribute")
+                    self.functions[kernel, d] = f
+        except BaseException:
+            self.close()
+            raise
 
     def run(self, kernel: str, q, k_pool, v_pool, qo_indptr: int, kv_indptr: int, kv_indices: int,
             unit_list, n_heads: int, n_kv_heads: int, out, stream: int) -> None:
-        """``q`` / ``out`` bf16 ``[T, H, D]`` contiguous, pools ``[cells, Hkv, D]``; the index
-        arrays as device pointers (int32)."""
+        """``q`` / ``out`` bf16 ``[T, H, D]`` contiguous, pools ``[cells, Hkv, D]`` bf16; the
+        index arrays as device pointers (int32); ``unit_list`` from :func:`units`, on the
+        device. A ValueError for anything else (the kernel would read it as these)."""
+        import torch
+
         d = int(q.shape[-1])
+        if (kernel, d) not in self.functions:
+            raise ValueError(f"kernel {kernel!r} at head_dim {d}: built for {KERNELS} x {tuple(STAGES)}")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv_heads} kv heads")
+        for what, t, shape in (("q", q, (n_heads, d)), ("out", out, (n_heads, d)),
+                               ("k_pool", k_pool, (n_kv_heads, d)), ("v_pool", v_pool, (n_kv_heads, d))):
+            if t.dtype != torch.bfloat16 or not t.is_contiguous() or tuple(t.shape[1:]) != shape:
+                raise ValueError(f"{what} must be contiguous bf16 [*, {shape[0]}, {shape[1]}], not "
+                                 f"{t.dtype} {tuple(t.shape)}")
+        if (unit_list.dtype != torch.int32 or not unit_list.is_contiguous() or unit_list.dim() != 2
+                or unit_list.shape[1] != 4):
+            raise ValueError(f"unit_list must be contiguous int32 [n, 4], not {unit_list.dtype} "
+                             f"{tuple(unit_list.shape)}")
         f = self.functions[kernel, d]
         scale_log2 = 1.0 / math.sqrt(d) * math.log2(math.e)
         vals = (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), qo_indptr, kv_indptr, kv_indices,

@@ -213,12 +213,14 @@ def build(nvrtc: Nvrtc) -> dict:
     for src in sources():
         ptx = compile_fresh(nvrtc.path, src)
         (OUT / f"{src.stem}.ptx").write_bytes(ptx)
-        kernels[src.stem] = {"source": f"cuda/{src.name}", "source_sha256": source_hash(src),
+        kernels[src.stem] = {"source": f"cuda/{src.name}", "arch": arch_of(src)[0],
+                             "source_sha256": source_hash(src),
                              "ptx_sha256": sha256(ptx), "ptx_isa": ptx_isa(ptx),
                              "ptx_target": ptx_target(ptx)}
         print(f"build_ptx: {src.name} -> cellcache/ptx/{src.stem}.ptx "
               f"(ISA {kernels[src.stem]['ptx_isa']}, {len(ptx)} bytes)")
     newest = max((k["ptx_isa"] for k in kernels.values()), key=lambda v: tuple(map(int, v.split("."))))
+    # "target" / "options": every file's but those a suffix gives another arch (their "arch")
     manifest = {"compiler": COMPILER,
                 "target": TARGET, "options": OPTIONS, "min_driver_cuda": driver_for_isa(newest),
                 "kernels": kernels}

@@ -168,10 +168,16 @@ def load_module(name: str, ptx: bytes | None = None) -> Any:
         info = manifest()
         have = driver_version()
         errname = error_name(code)
+        target = info["kernels"][name].get("ptx_target", "sm_80")
+        if target.endswith("a"):              # arch-specific PTX (sm_90a): one GPU generation only
+            cc = target[3:-1]
+            raise CudaError(f"the driver cannot load cellcache's PTX ({name}.ptx, built for {target}): "
+                            f"{errname}. It runs only on GPUs of compute capability "
+                            f"{cc[:-1]}.{cc[-1]}.", code=code, name=errname)
         raise CudaError(
             f"the driver cannot load cellcache's PTX ({name}.ptx, PTX ISA "
             f"{info['kernels'][name]['ptx_isa']}, built by {info['compiler']} for "
-            f"{info['kernels'][name].get('ptx_target', info['target'])}): {errname}. "
+            f"{target}): {errname}. "
             f"It needs a driver for CUDA "
             f"{info['min_driver_cuda']} or newer; this driver supports CUDA "
             f"{have // 1000}.{have % 1000 // 10}.", code=code, name=errname)

@@ -44,7 +44,7 @@ def _reference(torch, q, k, v, kvi, qo, kv, G):
     return out
 
 
-@pytest.mark.parametrize("H,Hkv,D", [(16, 4, 128), (14, 2, 64)])
+@pytest.mark.parametrize("H,Hkv,D", [(16, 4, 128), (14, 2, 64), (4, 4, 64)])
 def test_the_sm90a_kernels_equal_float32_attention_on_hopper_and_are_refused_elsewhere(H, Hkv, D):
     torch = pytest.importorskip("torch")
     from cellcache.errors import CudaError
@@ -63,7 +63,7 @@ def test_the_sm90a_kernels_equal_float32_attention_on_hopper_and_are_refused_els
     try:
         stream = torch.cuda.current_stream().cuda_stream
         for order in k90.ORDERS:
-            units = torch.as_tensor(k90.units(qo, kv, len(RUNS), H // Hkv, Hkv, order), device="cuda")
+            units = torch.as_tensor(k90.units(qo, kv, len(RUNS), H // Hkv, Hkv, order, 1500), device="cuda")
             for kernel in k90.KERNELS:
                 out = torch.full_like(q, float("nan"))
                 kern.run(kernel, q, k, v, qo_d.data_ptr(), kv_d.data_ptr(), kvi.data_ptr(), units, H, Hkv,
