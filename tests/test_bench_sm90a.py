@@ -119,3 +119,31 @@ def test_the_kernels_the_bench_launches_are_the_shipped_ptxs(k90):
     entries = re.findall(r"\.entry (\w+)\(.*?\.maxntid (\d+), 1, 1", ptx, re.S)
     assert {name: int(t) for name, t in entries} == {
         f"tc90_{k}_bf16_d{d}": k90.THREADS for k in k90.KERNELS for d in k90.STAGES}
+
+
+def test_the_launcher_refuses_what_the_kernel_would_misread(k90):
+    """Checked before any driver call (so on the CPU too): the head size, the head counts,
+    each tensor's dtype, layout and shape, the unit list's."""
+    torch = pytest.importorskip("torch")
+    k = k90.Sm90aPrefill.__new__(k90.Sm90aPrefill)      # no module: only the checks run
+    k.functions = {(kernel, d): None for kernel in k90.KERNELS for d in k90.STAGES}
+    bf = torch.bfloat16
+    q, pool = torch.zeros((5, 8, 64), dtype=bf), torch.zeros((9, 2, 64), dtype=bf)
+    good = torch.zeros((3, 4), dtype=torch.int32)
+    cases = [
+        (dict(q=torch.zeros((5, 8, 96), dtype=bf)), "head_dim 96"),
+        (dict(n_heads=7), "7 query heads"),
+        (dict(q=q.float()), "q must be contiguous bf16"),
+        (dict(out=q.transpose(0, 1)), "out must be contiguous bf16"),
+        (dict(k_pool=torch.zeros((9, 4, 64), dtype=bf)), "k_pool must be"),
+        (dict(unit_list=good.long()), "unit_list must be contiguous int32"),
+        (dict(unit_list=good[:, :3]), "unit_list must be"),
+    ]
+    for change, says in cases:
+        args = dict(kernel="pingpong", q=q, k_pool=pool, v_pool=pool, qo_indptr=0, kv_indptr=0,
+                    kv_indices=0, unit_list=good, n_heads=8, n_kv_heads=2, out=q.clone(), stream=0)
+        args.update(change)
+        if "q" in change and "out" not in change:
+            args["out"] = torch.zeros_like(args["q"]) if args["q"].dtype == bf else q.clone()
+        with pytest.raises(ValueError, match=says):
+            k.run(**args)
