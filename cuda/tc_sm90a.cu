@@ -86,17 +86,24 @@ __device__ __forceinline__ void wg_rs_n128(float* d, const uint32_t* a, uint64_t
     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1)
-tc90_overlap_bf16_d64(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,
+template <int N>
+__device__ __forceinline__ void wg_rs(float* d, const uint32_t* a, uint64_t db, int scale_d) {
+  if constexpr (N == 64) wg_rs_n64(d, a, db, scale_d);
+  else wg_rs_n128(d, a, db, scale_d);
+}
+
+// D: head_dim; ST: K/V stages; PP: the consumers take turns at the tensor cores
+template <int D, int ST, bool PP>
+__device__ __forceinline__ void tc90_prefill(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,
                 const int* kv_indices, const int4* units, int H, int Hkv, float scale_log2, u16* O) {
   extern __shared__ unsigned char dyn[];
   unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
-  const int QT = 64 * 64 * 2, KT = 128 * 64 * 2;
+  const int QT = 64 * D * 2, KT = 128 * D * 2;
 #define SK(st) (base + 2 * QT + (st) * 2 * KT)
 #define SV(st) (base + 2 * QT + (st) * 2 * KT + KT)
-  const uint32_t bars = smem_u32(base + 2 * QT + 4 * 2 * KT);   // full[ST], then empty[ST]
+  const uint32_t bars = smem_u32(base + 2 * QT + ST * 2 * KT);   // full[ST], then empty[ST]
 #define FULL(st) (bars + 8 * (st))
-#define EMPTY(st) (bars + 8 * (4 + (st)))
+#define EMPTY(st) (bars + 8 * (ST + (st)))
   const int4 u = units[blockIdx.x];                  // (run, kv head, first row, -)
   const int run = u.x, kvh = u.y, row0 = u.z, G = H / Hkv;
   const int q0 = qo_indptr[run], n = qo_indptr[run + 1] - q0;
@@ -106,27 +113,27 @@ tc90_overlap_bf16_d64(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_
   const int n_tiles = (n_keys + 127) / 128;
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < 4; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
+    for (int s = 0; s < ST; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   if (wg == 0) {                                     // the producer: K/V tiles, stage by stage
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
     const int lane = tid & 31, pw = tid >> 5;       // warp pw copies rows 32 pw .. 32 pw + 31
-    constexpr int CPR = 64 / 8, RPJ = 32 / CPR;     // 16-byte chunks a row; rows a copy of the warp
+    constexpr int CPR = D / 8, RPJ = 32 / CPR;     // 16-byte chunks a row; rows a copy of the warp
     const int c = lane % CPR, rsub = lane / CPR;    // this lane's chunk of every row it copies
-    const char* kb = (const char*)(Kp + (size_t)kvh * 64 + c * 8);
-    const char* vb = (const char*)(Vp + (size_t)kvh * 64 + c * 8);
+    const char* kb = (const char*)(Kp + (size_t)kvh * D + c * 8);
+    const char* vb = (const char*)(Vp + (size_t)kvh * D + c * 8);
     // the cell of row 32 pw + lane of tile t (clamped: a row past the keys copies zeros)
     auto cell_of = [&](int t) { return kv_indices[k0 + min(t * 128 + 32 * pw + lane, n_keys - 1)]; };
     int nxt = cell_of(0);
     for (int t = 0; t < n_tiles; ++t) {
-      const int s = t % 4;
-      const long long off = (long long)nxt * (Hkv * 64 * 2);   // this lane's row, in bytes
+      const int s = t % ST;
+      const long long off = (long long)nxt * (Hkv * D * 2);   // this lane's row, in bytes
       if (t + 1 < n_tiles) nxt = cell_of(t + 1);     // in flight while this tile is copied
       const int left = n_keys - t * 128 - 32 * pw;    // rows of this warp's 32 that are keys
       const uint32_t sk = smem_u32(SK(s)), sv = smem_u32(SV(s));
-      bar_wait(EMPTY(s), ((t / 4) & 1) ^ 1);
+      bar_wait(EMPTY(s), ((t / ST) & 1) ^ 1);
 #pragma unroll
       for (int j = 0; j < CPR; ++j) {                // D/8 copies of K and of V a lane
         const int rl = RPJ * j + rsub, r = 32 * pw + rl;
@@ -143,12 +150,12 @@ tc90_overlap_bf16_d64(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
   const int cw = wg - 1;                              // consumer warpgroup 0 or 1: 64 rows each
   unsigned char* sq = base + cw * QT;
-  for (int idx = tid; idx < 64 * (64 / 8); idx += 128) {
-    int i = idx / (64 / 8), c = idx % (64 / 8), r = row0 + cw * 64 + i;
+  for (int idx = tid; idx < 64 * (D / 8); idx += 128) {
+    int i = idx / (D / 8), c = idx % (D / 8), r = row0 + cw * 64 + i;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < nrows) {
       int tok = r / G, h = kvh * G + r % G;
-      v = *reinterpret_cast<const uint4*>(Q + ((size_t)(q0 + tok) * H + h) * 64 + c * 8);
+      v = *reinterpret_cast<const uint4*>(Q + ((size_t)(q0 + tok) * H + h) * D + c * 8);
     }
     *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = v;
   }
@@ -161,30 +168,30 @@ tc90_overlap_bf16_d64(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_
     lim[hh] = r < nrows ? hist + r / G : -1;
   }
   const int lim_lo = min(lim[0], lim[1]);
-  
-  float o[32], s[64], m[2] = {-1e30f, -1e30f}, lsum[2] = {0.f, 0.f};
-  for (int i = 0; i < 32; ++i) o[i] = 0.f;
+  if constexpr (PP) if (cw == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");   // the first consumer goes first
+  float o[D / 2], s[64], m[2] = {-1e30f, -1e30f}, lsum[2] = {0.f, 0.f};
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   uint32_t a[8][4];                                  // P of the tile before, for its P V
   int prev = 0;                                      // that tile's stage
   for (int tile = 0; tile < n_tiles; ++tile) {
-    const int st = tile % 4;
-    bar_wait(FULL(st), (tile / 4) & 1);
+    const int st = tile % ST;
+    bar_wait(FULL(st), (tile / ST) & 1);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    
+    if constexpr (PP) asm volatile("bar.sync %0, 256;\n" :: "r"(3 + cw) : "memory");   // my turn at the tensor cores
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t oq = (kk >> 2) * (64 * 128) + (kk & 3) * 32, ok = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
       wg_ss_n128(s, desc_sw128(smem_u32(sq) + oq, 16, 1024), desc_sw128(smem_u32(SK(st)) + ok, 16, 1024), kk > 0);
     }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     if (tile > 0) {                                   // the tile before's P V, behind this S
       for (int kk = 0; kk < 8; ++kk)
-        wg_rs_n64(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+        wg_rs<D>(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     }
     if (tile > 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
     else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    
+    if constexpr (PP) asm volatile("bar.arrive %0, 256;\n" :: "r"(4 - cw) : "memory");   // the other's turn
     float mx[2] = {m[0], m[1]};
     const int kb = tile * 128;
     if (kb + 127 > lim_lo) {
@@ -213,15 +220,15 @@ tc90_overlap_bf16_d64(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
     if (tile > 0) bar_arrive(EMPTY(prev));             // and its stage free
-    for (int i = 0; i < 32; ++i) o[i] *= alpha[(i & 3) >> 1];
+    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i & 3) >> 1];
     for (int kk = 0; kk < 8; ++kk)
       for (int r = 0; r < 4; ++r) a[kk][r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
     prev = st;
   }
-  
+  if constexpr (PP) if (cw == 0) asm volatile("bar.sync 3, 256;\n" ::: "memory");   // the second's last turn given
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");          // the last tile's P V
   for (int kk = 0; kk < 8; ++kk)
-    wg_rs_n64(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+    wg_rs<D>(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
   commit_wait();
 #undef SK
 #undef SV
@@ -230,470 +237,24 @@ tc90_overlap_bf16_d64(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_
   for (int hh = 0; hh < 2; ++hh) {
     if (lim[hh] < 0) continue;
     int r = row0 + cw * 64 + 16 * w + g + 8 * hh, tok = r / G, h = kvh * G + r % G;
-    u16* dst = O + ((size_t)(q0 + tok) * H + h) * 64;
+    u16* dst = O + ((size_t)(q0 + tok) * H + h) * D;
     float inv = 1.f / lsum[hh];
-    for (int j = 0; j < 64 / 8; ++j) {
+    for (int j = 0; j < D / 8; ++j) {
       int i = 4 * j + 2 * hh;
       *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * q4) = pack_bf16(o[i] * inv, o[i + 1] * inv);
     }
   }
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1)
-tc90_overlap_bf16_d128(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,
-                const int* kv_indices, const int4* units, int H, int Hkv, float scale_log2, u16* O) {
-  extern __shared__ unsigned char dyn[];
-  unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
-  const int QT = 64 * 128 * 2, KT = 128 * 128 * 2;
-#define SK(st) (base + 2 * QT + (st) * 2 * KT)
-#define SV(st) (base + 2 * QT + (st) * 2 * KT + KT)
-  const uint32_t bars = smem_u32(base + 2 * QT + 3 * 2 * KT);   // full[ST], then empty[ST]
-#define FULL(st) (bars + 8 * (st))
-#define EMPTY(st) (bars + 8 * (3 + (st)))
-  const int4 u = units[blockIdx.x];                  // (run, kv head, first row, -)
-  const int run = u.x, kvh = u.y, row0 = u.z, G = H / Hkv;
-  const int q0 = qo_indptr[run], n = qo_indptr[run + 1] - q0;
-  const int k0 = kv_indptr[run], L = kv_indptr[run + 1] - k0, hist = L - n, nrows = n * G;
-  const int last_row = min(row0 + 127, nrows - 1);
-  const int n_keys = hist + last_row / G + 1;
-  const int n_tiles = (n_keys + 127) / 128;
-  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < 3; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#define TC90(NAME, D, ST, PP)                                                                    \
+  extern "C" __global__ void __launch_bounds__(384, 1)                                          \
+  NAME(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,   \
+       const int* kv_indices, const int4* units, int H, int Hkv, float scale_log2, u16* O) {     \
+    tc90_prefill<D, ST, PP>(Q, Kp, Vp, qo_indptr, kv_indptr, kv_indices, units, H, Hkv,         \
+                            scale_log2, O);                                                      \
   }
-  __syncthreads();
-  if (wg == 0) {                                     // the producer: K/V tiles, stage by stage
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    const int lane = tid & 31, pw = tid >> 5;       // warp pw copies rows 32 pw .. 32 pw + 31
-    constexpr int CPR = 128 / 8, RPJ = 32 / CPR;     // 16-byte chunks a row; rows a copy of the warp
-    const int c = lane % CPR, rsub = lane / CPR;    // this lane's chunk of every row it copies
-    const char* kb = (const char*)(Kp + (size_t)kvh * 128 + c * 8);
-    const char* vb = (const char*)(Vp + (size_t)kvh * 128 + c * 8);
-    // the cell of row 32 pw + lane of tile t (clamped: a row past the keys copies zeros)
-    auto cell_of = [&](int t) { return kv_indices[k0 + min(t * 128 + 32 * pw + lane, n_keys - 1)]; };
-    int nxt = cell_of(0);
-    for (int t = 0; t < n_tiles; ++t) {
-      const int s = t % 3;
-      const long long off = (long long)nxt * (Hkv * 128 * 2);   // this lane's row, in bytes
-      if (t + 1 < n_tiles) nxt = cell_of(t + 1);     // in flight while this tile is copied
-      const int left = n_keys - t * 128 - 32 * pw;    // rows of this warp's 32 that are keys
-      const uint32_t sk = smem_u32(SK(s)), sv = smem_u32(SV(s));
-      bar_wait(EMPTY(s), ((t / 3) & 1) ^ 1);
-#pragma unroll
-      for (int j = 0; j < CPR; ++j) {                // D/8 copies of K and of V a lane
-        const int rl = RPJ * j + rsub, r = 32 * pw + rl;
-        const long long o = __shfl_sync(0xffffffff, off, rl);
-        const uint32_t so = sw128_off(r, c, 128), n = rl < left ? 16 : 0;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sk + so), "l"(kb + o), "r"(n));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sv + so), "l"(vb + o), "r"(n));
-      }
-      bar_arrive_cp_async(FULL(s));
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
-  const int cw = wg - 1;                              // consumer warpgroup 0 or 1: 64 rows each
-  unsigned char* sq = base + cw * QT;
-  for (int idx = tid; idx < 64 * (128 / 8); idx += 128) {
-    int i = idx / (128 / 8), c = idx % (128 / 8), r = row0 + cw * 64 + i;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < nrows) {
-      int tok = r / G, h = kvh * G + r % G;
-      v = *reinterpret_cast<const uint4*>(Q + ((size_t)(q0 + tok) * H + h) * 128 + c * 8);
-    }
-    *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = v;
-  }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");   // this warpgroup's Q is in
-  const int q4 = threadIdx.x & 3, w = tid >> 5, g = (threadIdx.x & 31) >> 2;
-  int lim[2];
-  for (int hh = 0; hh < 2; ++hh) {
-    int r = row0 + cw * 64 + 16 * w + g + 8 * hh;
-    lim[hh] = r < nrows ? hist + r / G : -1;
-  }
-  const int lim_lo = min(lim[0], lim[1]);
-  
-  float o[64], s[64], m[2] = {-1e30f, -1e30f}, lsum[2] = {0.f, 0.f};
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
-  uint32_t a[8][4];                                  // P of the tile before, for its P V
-  int prev = 0;                                      // that tile's stage
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    const int st = tile % 3;
-    bar_wait(FULL(st), (tile / 3) & 1);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    for (int kk = 0; kk < 8; ++kk) {
-      uint32_t oq = (kk >> 2) * (64 * 128) + (kk & 3) * 32, ok = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
-      wg_ss_n128(s, desc_sw128(smem_u32(sq) + oq, 16, 1024), desc_sw128(smem_u32(SK(st)) + ok, 16, 1024), kk > 0);
-    }
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    if (tile > 0) {                                   // the tile before's P V, behind this S
-      for (int kk = 0; kk < 8; ++kk)
-        wg_rs_n128(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    }
-    if (tile > 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
-    else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    
-    float mx[2] = {m[0], m[1]};
-    const int kb = tile * 128;
-    if (kb + 127 > lim_lo) {
-      for (int i = 0; i < 64; ++i) {
-        int key = kb + 8 * (i / 4) + 2 * q4 + (i & 1);
-        s[i] = key <= lim[(i & 3) >> 1] ? s[i] * scale_log2 : -1e30f;
-        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
-      }
-    } else {
-      for (int i = 0; i < 64; ++i) {
-        s[i] *= scale_log2;
-        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
-    }
-    float alpha[2] = {ex2f(m[0] - mx[0]), ex2f(m[1] - mx[1])}, rs[2] = {0.f, 0.f};
-    m[0] = mx[0]; m[1] = mx[1];
-    for (int i = 0; i < 64; ++i) { s[i] = ex2f(s[i] - mx[(i & 3) >> 1]); rs[(i & 3) >> 1] += s[i]; }
-    for (int h = 0; h < 2; ++h) {
-      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 1);
-      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 2);
-      lsum[h] = lsum[h] * alpha[h] + rs[h];
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
-    if (tile > 0) bar_arrive(EMPTY(prev));             // and its stage free
-    for (int i = 0; i < 64; ++i) o[i] *= alpha[(i & 3) >> 1];
-    for (int kk = 0; kk < 8; ++kk)
-      for (int r = 0; r < 4; ++r) a[kk][r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-    prev = st;
-  }
-  
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");          // the last tile's P V
-  for (int kk = 0; kk < 8; ++kk)
-    wg_rs_n128(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
-  commit_wait();
-#undef SK
-#undef SV
-#undef FULL
-#undef EMPTY
-  for (int hh = 0; hh < 2; ++hh) {
-    if (lim[hh] < 0) continue;
-    int r = row0 + cw * 64 + 16 * w + g + 8 * hh, tok = r / G, h = kvh * G + r % G;
-    u16* dst = O + ((size_t)(q0 + tok) * H + h) * 128;
-    float inv = 1.f / lsum[hh];
-    for (int j = 0; j < 128 / 8; ++j) {
-      int i = 4 * j + 2 * hh;
-      *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * q4) = pack_bf16(o[i] * inv, o[i + 1] * inv);
-    }
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1)
-tc90_pingpong_bf16_d64(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,
-                const int* kv_indices, const int4* units, int H, int Hkv, float scale_log2, u16* O) {
-  extern __shared__ unsigned char dyn[];
-  unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
-  const int QT = 64 * 64 * 2, KT = 128 * 64 * 2;
-#define SK(st) (base + 2 * QT + (st) * 2 * KT)
-#define SV(st) (base + 2 * QT + (st) * 2 * KT + KT)
-  const uint32_t bars = smem_u32(base + 2 * QT + 4 * 2 * KT);   // full[ST], then empty[ST]
-#define FULL(st) (bars + 8 * (st))
-#define EMPTY(st) (bars + 8 * (4 + (st)))
-  const int4 u = units[blockIdx.x];                  // (run, kv head, first row, -)
-  const int run = u.x, kvh = u.y, row0 = u.z, G = H / Hkv;
-  const int q0 = qo_indptr[run], n = qo_indptr[run + 1] - q0;
-  const int k0 = kv_indptr[run], L = kv_indptr[run + 1] - k0, hist = L - n, nrows = n * G;
-  const int last_row = min(row0 + 127, nrows - 1);
-  const int n_keys = hist + last_row / G + 1;
-  const int n_tiles = (n_keys + 127) / 128;
-  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < 4; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-  if (wg == 0) {                                     // the producer: K/V tiles, stage by stage
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    const int lane = tid & 31, pw = tid >> 5;       // warp pw copies rows 32 pw .. 32 pw + 31
-    constexpr int CPR = 64 / 8, RPJ = 32 / CPR;     // 16-byte chunks a row; rows a copy of the warp
-    const int c = lane % CPR, rsub = lane / CPR;    // this lane's chunk of every row it copies
-    const char* kb = (const char*)(Kp + (size_t)kvh * 64 + c * 8);
-    const char* vb = (const char*)(Vp + (size_t)kvh * 64 + c * 8);
-    // the cell of row 32 pw + lane of tile t (clamped: a row past the keys copies zeros)
-    auto cell_of = [&](int t) { return kv_indices[k0 + min(t * 128 + 32 * pw + lane, n_keys - 1)]; };
-    int nxt = cell_of(0);
-    for (int t = 0; t < n_tiles; ++t) {
-      const int s = t % 4;
-      const long long off = (long long)nxt * (Hkv * 64 * 2);   // this lane's row, in bytes
-      if (t + 1 < n_tiles) nxt = cell_of(t + 1);     // in flight while this tile is copied
-      const int left = n_keys - t * 128 - 32 * pw;    // rows of this warp's 32 that are keys
-      const uint32_t sk = smem_u32(SK(s)), sv = smem_u32(SV(s));
-      bar_wait(EMPTY(s), ((t / 4) & 1) ^ 1);
-#pragma unroll
-      for (int j = 0; j < CPR; ++j) {                // D/8 copies of K and of V a lane
-        const int rl = RPJ * j + rsub, r = 32 * pw + rl;
-        const long long o = __shfl_sync(0xffffffff, off, rl);
-        const uint32_t so = sw128_off(r, c, 128), n = rl < left ? 16 : 0;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sk + so), "l"(kb + o), "r"(n));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sv + so), "l"(vb + o), "r"(n));
-      }
-      bar_arrive_cp_async(FULL(s));
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
-  const int cw = wg - 1;                              // consumer warpgroup 0 or 1: 64 rows each
-  unsigned char* sq = base + cw * QT;
-  for (int idx = tid; idx < 64 * (64 / 8); idx += 128) {
-    int i = idx / (64 / 8), c = idx % (64 / 8), r = row0 + cw * 64 + i;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < nrows) {
-      int tok = r / G, h = kvh * G + r % G;
-      v = *reinterpret_cast<const uint4*>(Q + ((size_t)(q0 + tok) * H + h) * 64 + c * 8);
-    }
-    *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = v;
-  }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");   // this warpgroup's Q is in
-  const int q4 = threadIdx.x & 3, w = tid >> 5, g = (threadIdx.x & 31) >> 2;
-  int lim[2];
-  for (int hh = 0; hh < 2; ++hh) {
-    int r = row0 + cw * 64 + 16 * w + g + 8 * hh;
-    lim[hh] = r < nrows ? hist + r / G : -1;
-  }
-  const int lim_lo = min(lim[0], lim[1]);
-  if (cw == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");   // the first consumer goes first
-  float o[32], s[64], m[2] = {-1e30f, -1e30f}, lsum[2] = {0.f, 0.f};
-  for (int i = 0; i < 32; ++i) o[i] = 0.f;
-  uint32_t a[8][4];                                  // P of the tile before, for its P V
-  int prev = 0;                                      // that tile's stage
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    const int st = tile % 4;
-    bar_wait(FULL(st), (tile / 4) & 1);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("bar.sync %0, 256;\n" :: "r"(3 + cw) : "memory");   // my turn at the tensor cores
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t oq = (kk >> 2) * (64 * 128) + (kk & 3) * 32, ok = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
-      wg_ss_n128(s, desc_sw128(smem_u32(sq) + oq, 16, 1024), desc_sw128(smem_u32(SK(st)) + ok, 16, 1024), kk > 0);
-    }
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    if (tile > 0) {                                   // the tile before's P V, behind this S
-      for (int kk = 0; kk < 8; ++kk)
-        wg_rs_n64(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    }
-    if (tile > 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
-    else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    asm volatile("bar.arrive %0, 256;\n" :: "r"(4 - cw) : "memory");   // the other's turn
-    float mx[2] = {m[0], m[1]};
-    const int kb = tile * 128;
-    if (kb + 127 > lim_lo) {
-      for (int i = 0; i < 64; ++i) {
-        int key = kb + 8 * (i / 4) + 2 * q4 + (i & 1);
-        s[i] = key <= lim[(i & 3) >> 1] ? s[i] * scale_log2 : -1e30f;
-        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
-      }
-    } else {
-      for (int i = 0; i < 64; ++i) {
-        s[i] *= scale_log2;
-        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
-    }
-    float alpha[2] = {ex2f(m[0] - mx[0]), ex2f(m[1] - mx[1])}, rs[2] = {0.f, 0.f};
-    m[0] = mx[0]; m[1] = mx[1];
-    for (int i = 0; i < 64; ++i) { s[i] = ex2f(s[i] - mx[(i & 3) >> 1]); rs[(i & 3) >> 1] += s[i]; }
-    for (int h = 0; h < 2; ++h) {
-      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 1);
-      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 2);
-      lsum[h] = lsum[h] * alpha[h] + rs[h];
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
-    if (tile > 0) bar_arrive(EMPTY(prev));             // and its stage free
-    for (int i = 0; i < 32; ++i) o[i] *= alpha[(i & 3) >> 1];
-    for (int kk = 0; kk < 8; ++kk)
-      for (int r = 0; r < 4; ++r) a[kk][r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-    prev = st;
-  }
-  if (cw == 0) asm volatile("bar.sync 3, 256;\n" ::: "memory");   // the second's last turn given
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");          // the last tile's P V
-  for (int kk = 0; kk < 8; ++kk)
-    wg_rs_n64(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
-  commit_wait();
-#undef SK
-#undef SV
-#undef FULL
-#undef EMPTY
-  for (int hh = 0; hh < 2; ++hh) {
-    if (lim[hh] < 0) continue;
-    int r = row0 + cw * 64 + 16 * w + g + 8 * hh, tok = r / G, h = kvh * G + r % G;
-    u16* dst = O + ((size_t)(q0 + tok) * H + h) * 64;
-    float inv = 1.f / lsum[hh];
-    for (int j = 0; j < 64 / 8; ++j) {
-      int i = 4 * j + 2 * hh;
-      *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * q4) = pack_bf16(o[i] * inv, o[i + 1] * inv);
-    }
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1)
-tc90_pingpong_bf16_d128(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,
-                const int* kv_indices, const int4* units, int H, int Hkv, float scale_log2, u16* O) {
-  extern __shared__ unsigned char dyn[];
-  unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
-  const int QT = 64 * 128 * 2, KT = 128 * 128 * 2;
-#define SK(st) (base + 2 * QT + (st) * 2 * KT)
-#define SV(st) (base + 2 * QT + (st) * 2 * KT + KT)
-  const uint32_t bars = smem_u32(base + 2 * QT + 3 * 2 * KT);   // full[ST], then empty[ST]
-#define FULL(st) (bars + 8 * (st))
-#define EMPTY(st) (bars + 8 * (3 + (st)))
-  const int4 u = units[blockIdx.x];                  // (run, kv head, first row, -)
-  const int run = u.x, kvh = u.y, row0 = u.z, G = H / Hkv;
-  const int q0 = qo_indptr[run], n = qo_indptr[run + 1] - q0;
-  const int k0 = kv_indptr[run], L = kv_indptr[run + 1] - k0, hist = L - n, nrows = n * G;
-  const int last_row = min(row0 + 127, nrows - 1);
-  const int n_keys = hist + last_row / G + 1;
-  const int n_tiles = (n_keys + 127) / 128;
-  const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < 3; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-  if (wg == 0) {                                     // the producer: K/V tiles, stage by stage
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    const int lane = tid & 31, pw = tid >> 5;       // warp pw copies rows 32 pw .. 32 pw + 31
-    constexpr int CPR = 128 / 8, RPJ = 32 / CPR;     // 16-byte chunks a row; rows a copy of the warp
-    const int c = lane % CPR, rsub = lane / CPR;    // this lane's chunk of every row it copies
-    const char* kb = (const char*)(Kp + (size_t)kvh * 128 + c * 8);
-    const char* vb = (const char*)(Vp + (size_t)kvh * 128 + c * 8);
-    // the cell of row 32 pw + lane of tile t (clamped: a row past the keys copies zeros)
-    auto cell_of = [&](int t) { return kv_indices[k0 + min(t * 128 + 32 * pw + lane, n_keys - 1)]; };
-    int nxt = cell_of(0);
-    for (int t = 0; t < n_tiles; ++t) {
-      const int s = t % 3;
-      const long long off = (long long)nxt * (Hkv * 128 * 2);   // this lane's row, in bytes
-      if (t + 1 < n_tiles) nxt = cell_of(t + 1);     // in flight while this tile is copied
-      const int left = n_keys - t * 128 - 32 * pw;    // rows of this warp's 32 that are keys
-      const uint32_t sk = smem_u32(SK(s)), sv = smem_u32(SV(s));
-      bar_wait(EMPTY(s), ((t / 3) & 1) ^ 1);
-#pragma unroll
-      for (int j = 0; j < CPR; ++j) {                // D/8 copies of K and of V a lane
-        const int rl = RPJ * j + rsub, r = 32 * pw + rl;
-        const long long o = __shfl_sync(0xffffffff, off, rl);
-        const uint32_t so = sw128_off(r, c, 128), n = rl < left ? 16 : 0;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sk + so), "l"(kb + o), "r"(n));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sv + so), "l"(vb + o), "r"(n));
-      }
-      bar_arrive_cp_async(FULL(s));
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
-  const int cw = wg - 1;                              // consumer warpgroup 0 or 1: 64 rows each
-  unsigned char* sq = base + cw * QT;
-  for (int idx = tid; idx < 64 * (128 / 8); idx += 128) {
-    int i = idx / (128 / 8), c = idx % (128 / 8), r = row0 + cw * 64 + i;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < nrows) {
-      int tok = r / G, h = kvh * G + r % G;
-      v = *reinterpret_cast<const uint4*>(Q + ((size_t)(q0 + tok) * H + h) * 128 + c * 8);
-    }
-    *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = v;
-  }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");   // this warpgroup's Q is in
-  const int q4 = threadIdx.x & 3, w = tid >> 5, g = (threadIdx.x & 31) >> 2;
-  int lim[2];
-  for (int hh = 0; hh < 2; ++hh) {
-    int r = row0 + cw * 64 + 16 * w + g + 8 * hh;
-    lim[hh] = r < nrows ? hist + r / G : -1;
-  }
-  const int lim_lo = min(lim[0], lim[1]);
-  if (cw == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");   // the first consumer goes first
-  float o[64], s[64], m[2] = {-1e30f, -1e30f}, lsum[2] = {0.f, 0.f};
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
-  uint32_t a[8][4];                                  // P of the tile before, for its P V
-  int prev = 0;                                      // that tile's stage
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    const int st = tile % 3;
-    bar_wait(FULL(st), (tile / 3) & 1);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("bar.sync %0, 256;\n" :: "r"(3 + cw) : "memory");   // my turn at the tensor cores
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    for (int kk = 0; kk < 8; ++kk) {
-      uint32_t oq = (kk >> 2) * (64 * 128) + (kk & 3) * 32, ok = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
-      wg_ss_n128(s, desc_sw128(smem_u32(sq) + oq, 16, 1024), desc_sw128(smem_u32(SK(st)) + ok, 16, 1024), kk > 0);
-    }
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    if (tile > 0) {                                   // the tile before's P V, behind this S
-      for (int kk = 0; kk < 8; ++kk)
-        wg_rs_n128(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    }
-    if (tile > 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
-    else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    asm volatile("bar.arrive %0, 256;\n" :: "r"(4 - cw) : "memory");   // the other's turn
-    float mx[2] = {m[0], m[1]};
-    const int kb = tile * 128;
-    if (kb + 127 > lim_lo) {
-      for (int i = 0; i < 64; ++i) {
-        int key = kb + 8 * (i / 4) + 2 * q4 + (i & 1);
-        s[i] = key <= lim[(i & 3) >> 1] ? s[i] * scale_log2 : -1e30f;
-        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
-      }
-    } else {
-      for (int i = 0; i < 64; ++i) {
-        s[i] *= scale_log2;
-        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
-    }
-    float alpha[2] = {ex2f(m[0] - mx[0]), ex2f(m[1] - mx[1])}, rs[2] = {0.f, 0.f};
-    m[0] = mx[0]; m[1] = mx[1];
-    for (int i = 0; i < 64; ++i) { s[i] = ex2f(s[i] - mx[(i & 3) >> 1]); rs[(i & 3) >> 1] += s[i]; }
-    for (int h = 0; h < 2; ++h) {
-      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 1);
-      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 2);
-      lsum[h] = lsum[h] * alpha[h] + rs[h];
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
-    if (tile > 0) bar_arrive(EMPTY(prev));             // and its stage free
-    for (int i = 0; i < 64; ++i) o[i] *= alpha[(i & 3) >> 1];
-    for (int kk = 0; kk < 8; ++kk)
-      for (int r = 0; r < 4; ++r) a[kk][r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-    prev = st;
-  }
-  if (cw == 0) asm volatile("bar.sync 3, 256;\n" ::: "memory");   // the second's last turn given
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");          // the last tile's P V
-  for (int kk = 0; kk < 8; ++kk)
-    wg_rs_n128(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
-  commit_wait();
-#undef SK
-#undef SV
-#undef FULL
-#undef EMPTY
-  for (int hh = 0; hh < 2; ++hh) {
-    if (lim[hh] < 0) continue;
-    int r = row0 + cw * 64 + 16 * w + g + 8 * hh, tok = r / G, h = kvh * G + r % G;
-    u16* dst = O + ((size_t)(q0 + tok) * H + h) * 128;
-    float inv = 1.f / lsum[hh];
-    for (int j = 0; j < 128 / 8; ++j) {
-      int i = 4 * j + 2 * hh;
-      *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * q4) = pack_bf16(o[i] * inv, o[i + 1] * inv);
-    }
-  }
-}
+// (name, head_dim, stages, ping-pong): tools/_sm90a.py sizes shared memory for these stages
+TC90(tc90_overlap_bf16_d64, 64, 4, false)
+TC90(tc90_overlap_bf16_d128, 128, 3, false)
+TC90(tc90_pingpong_bf16_d64, 64, 4, true)
+TC90(tc90_pingpong_bf16_d128, 128, 3, true)

@@ -77,11 +77,12 @@ def test_a_cta_fits_the_shared_memory_hopper_gives_one_block(k90):
 
 
 def test_the_stages_the_bench_sizes_shared_memory_for_are_the_kernels(k90):
-    """smem_bytes counts STAGES[D] K/V stages; each kernel's source says how many it uses
-    (its empty mbarriers follow its full ones: EMPTY(st) = bars + 8 x (stages + st))."""
+    """smem_bytes counts STAGES[D] K/V stages; each kernel's instantiation in the source says
+    how many it uses (TC90(name, head_dim, stages, ping-pong))."""
     src = (ROOT / "cuda" / "tc_sm90a.cu").read_text()
-    found = re.findall(r"tc90_(\w+)_bf16_d(\d+)\(.*?#define EMPTY\(st\) \(bars \+ 8 \* \((\d+) \+", src, re.S)
-    assert sorted(found) == sorted((k, str(d), str(k90.STAGES[d])) for k in k90.KERNELS for d in k90.STAGES)
+    found = re.findall(r"^TC90\(tc90_(\w+)_bf16_d(\d+), (\d+), (\d+), (true|false)\)", src, re.M)
+    assert sorted(found) == sorted((k, str(d), str(d), str(k90.STAGES[d]), str(k == "pingpong").lower())
+                                   for k in k90.KERNELS for d in k90.STAGES)
 
 
 def test_sections_keep_l2_sized_runs_together_heaviest_first(k90):
