@@ -89,6 +89,10 @@ def test_the_agreement_copies_wait_on_the_host_only_where_they_would_crowd_the_c
     assert not crowd(model, 1000, need * 10 // 9 + 10)
     assert crowd(model, 1000, need * 10 // 9 - 10)
     assert crowd(model, 1001, need * 10 // 9 + 1)                  # one cell more: over
+    # tensor parallel: rank 0 holds half of each cell of two shards, the copies whole
+    half = 6 * sum(p.numel() for p in model.parameters()) + 1000 * cell // 2
+    assert not crowd(model, 1000, half * 10 // 9 + 10, shards=2)
+    assert crowd(model, 1000, half * 10 // 9 - 10, shards=2)
 
 
 def test_the_mixed_steps_host_target_reads_their_forwards_gpu_time():

@@ -584,14 +584,15 @@ def median_run(runs: list[dict]) -> dict:
     return pick
 
 
-def copies_crowd(model, capacity: int, free: int) -> bool:
+def copies_crowd(model, capacity: int, free: int, shards: int = 1) -> bool:
     """Whether the agreement check's two copies of ``model`` (float32 and the served dtype:
     three times its bf16 bytes) and a cache of ``capacity`` cells would not fit together in
     ``free`` bytes of GPU memory with a tenth of them to spare (an 8B model on an 80 GB card):
-    then the copies wait on the host (:func:`tapped_run`'s ``park``)."""
+    then the copies wait on the host (:func:`tapped_run`'s ``park``). ``shards``: the ranks
+    of a tensor-parallel run, whose cache holds a ``1 / shards`` of each cell on rank 0."""
     cell = cell_bytes(model.config, next(model.parameters()).element_size())
     weights = sum(p.numel() for p in model.parameters()) * 6            # float32 + bf16
-    return weights + capacity * cell > 0.9 * free
+    return weights + capacity * cell // shards > 0.9 * free
 
 
 def agreement_pass(model, prompts, new_tokens, capacity: int, w: dict, device: str, models: tuple,
@@ -1099,15 +1100,18 @@ def tp_bench(p, args, argv: list[str]) -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = random_model(args.model, dtype, place, args.seed)
     # the agreement check's float32 reference and served-dtype noise floor, whole models on
-    # rank 0 (which compares): copies made before a Generator shards the model
-    models = None
-    if not args.no_check and rank == 0:
-        from cellcache.generate.agreement import reference_models
-
-        models = reference_models(model)
+    # rank 0 (which compares): copies made before a Generator shards the model; kept on the
+    # host until the check (rank 0's generator asleep meanwhile) where they would crowd the
+    # cache out of rank 0's GPU
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, model.config.vocab_size, size=plen).tolist() for _ in range(n)]
     capacity = n * (plen + new) + 4096
+    models, park = None, False
+    if not args.no_check and rank == 0:
+        from cellcache.generate.agreement import reference_models
+
+        park = device == "cuda" and copies_crowd(model, capacity, torch.cuda.mem_get_info()[0], world)
+        models = reference_models(model, device="cpu" if park else None)
 
     words = ["python3", "tools/bench_serve.py", *argv] if world == 1 else \
         ["torchrun", "--nproc-per-node", str(world), "tools/bench_serve.py", *argv]
@@ -1207,7 +1211,8 @@ def tp_bench(p, args, argv: list[str]) -> int:
         if rank == 0:
             assert models is not None
             res["agreement"] = tapped_run(gen, prompts, [Sampling(max_new_tokens=new)] * len(prompts),
-                                          models, args.check_requests, args.seed)
+                                          models, args.check_requests, args.seed, park=park)
+            res["agreement"]["copies_parked"] = park
             del models
             log(f"[serve-tp] agreement: {res['agreement']['summary']}")
         else:
@@ -1618,6 +1623,7 @@ def main(argv=None) -> int:
         prompts = work["prompts"] if name != "chat" else work["first"]
         res["agreement"] = agreement_pass(model, prompts, new, capacity, w, device, models,
                                           args.check_requests, args.seed, park=park)
+        res["agreement"]["copies_parked"] = park
         del models
         log(f"[serve] agreement: {res['agreement']['summary']}")
         save()
