@@ -19,8 +19,7 @@
 //       the two consumers also take turns at the tensor cores (named barriers 3 and 4).
 //       Causal behind each run's history: query i of a run of n over L keys sees keys
 //       [0, L - n + i]; masks only on tiles reaching a row's limit. Out: bf16 [T, H, D].
-//       A unit must hold at least one row (row0 < n x G): the list is made so, and a unit
-//       of an empty run would read an index outside its run.
+//       A unit without a row (row0 >= n x G, as of an empty run) returns at once.
 // The units are best listed run by run (neighbouring CTAs then share K/V in L2: heaviest
 // first over the step made a long-prompt case DRAM-bound, 1.4x slower).
 typedef unsigned short u16;
@@ -108,6 +107,7 @@ __device__ __forceinline__ void tc90_prefill(const u16* Q, const u16* Kp, const 
   const int run = u.x, kvh = u.y, row0 = u.z, G = H / Hkv;
   const int q0 = qo_indptr[run], n = qo_indptr[run + 1] - q0;
   const int k0 = kv_indptr[run], L = kv_indptr[run + 1] - k0, hist = L - n, nrows = n * G;
+  if (row0 >= nrows) return;                         // no row (an empty run): nothing to read
   const int last_row = min(row0 + 127, nrows - 1);
   const int n_keys = hist + last_row / G + 1;
   const int n_tiles = (n_keys + 127) / 128;

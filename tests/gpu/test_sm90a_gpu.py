@@ -1,18 +1,22 @@
 """The sm_90a prefill kernels (cuda/tc_sm90a.cu, launched by tools/_sm90a.py for the attention
 bench): on Hopper each kernel, in each unit order, equals float32 attention over the same
 paged K/V (ragged runs, a history before the causal part, packed GQA rows, runs shorter than
-a block); on any other GPU the shipped sm_90a PTX is refused with cellcache's CudaError."""
+a block, a unit of a run without queries doing nothing); on any other GPU the shipped sm_90a
+PTX is refused with cellcache's CudaError."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from ..helpers import load_tool
 
-# (history, new tokens) a run
-RUNS = [(0, 1), (7, 5), (100, 130), (1000, 300), (0, 257)]
+# (history, new tokens) a run; (5, 0): a run with no query (no unit of the list; one added
+# by hand must read and write nothing)
+RUNS = [(0, 1), (7, 5), (5, 0), (100, 130), (1000, 300), (0, 257)]
+EMPTY = 2
 
 
 def _case(torch, H, Hkv, D, seed=0):
@@ -33,6 +37,8 @@ def _case(torch, H, Hkv, D, seed=0):
 def _reference(torch, q, k, v, kvi, qo, kv, G):
     out = torch.empty(q.shape, device="cuda")
     for r, (h, n) in enumerate(RUNS):
+        if n == 0:
+            continue
         c = kvi[kv[r]:kv[r + 1]].long()
         kk = k[c].float().repeat_interleave(G, dim=1)
         vv = v[c].float().repeat_interleave(G, dim=1)
@@ -63,7 +69,10 @@ def test_the_sm90a_kernels_equal_float32_attention_on_hopper_and_are_refused_els
     try:
         stream = torch.cuda.current_stream().cuda_stream
         for order in k90.ORDERS:
-            units = torch.as_tensor(k90.units(qo, kv, len(RUNS), H // Hkv, Hkv, order, 1500), device="cuda")
+            listed = k90.units(qo, kv, len(RUNS), H // Hkv, Hkv, order, 1500)
+            assert EMPTY not in listed[:, 0].tolist()
+            listed = np.concatenate([listed, [[EMPTY, 0, 0, 0]]]).astype(np.int32)
+            units = torch.as_tensor(listed, device="cuda")
             for kernel in k90.KERNELS:
                 out = torch.full_like(q, float("nan"))
                 kern.run(kernel, q, k, v, qo_d.data_ptr(), kv_d.data_ptr(), kvi.data_ptr(), units, H, Hkv,
