@@ -356,12 +356,13 @@ def attach(model: Any, cache: CellCache, *, graphs: bool | None = None,
     its runners then refuse to run (InvalidState) until :meth:`ModelRunner.reattach`.
 
     ``native`` (default False): the runner runs :class:`cellcache.native.NativeLM`, cellcache's
-    own forward of a Llama, Mistral, Qwen2 or Qwen3 model over the same weights (q/k/v and
-    gate/up as one GEMM each, the norms, residual adds, rotary embedding and SiLU as one
-    launch each), instead of the model's modules; the model's attention setting is then
-    not switched. Its q/k/v and gate/up weights are re-laid as views of one tensor each
-    (the same values; update them in place). Refused (InvalidArgument, before anything is
-    re-laid) for other architectures, a tensor-parallel shard and the refusals of
+    own forward of a Llama, Mistral, Qwen2, Qwen3, Gemma or Gemma 3 (text) model over the
+    same weights (q/k/v and gate/up as one GEMM each, the norms, residual adds, rotary
+    embedding and SiLU as one launch each; the Gemma family's norms as its modules), instead
+    of the model's modules; the model's attention setting is then not switched. Its q/k/v
+    and gate/up weights are re-laid as views of one tensor each (the same values; update
+    them in place). Refused (InvalidArgument, before anything is re-laid) for other
+    architectures, a tensor-parallel shard and the refusals of
     :func:`cellcache.native.refuse`; a refusal after that (the runner's options, the probe)
     leaves the weights re-laid, with the same values. Attaching a model natively again while a runner keeps
     its :class:`~cellcache.native.NativeLM` reuses it.

@@ -1,5 +1,6 @@
-"""A native forward for Llama-family transformers models (Llama, Mistral, Qwen2, Qwen3) on
-cellcache steps: the model's own weights, fewer and larger launches.
+"""A native forward for Llama-family transformers models (Llama, Mistral, Qwen2, Qwen3) and
+the Gemma family (Gemma, Gemma 3's text model) on cellcache steps: the model's own weights,
+fewer and larger launches.
 
 Per decoder layer transformers' modules launch three q/k/v GEMMs, two gate/up GEMMs and
 five to ten small kernels for each RMSNorm, residual add, rotary embedding and SiLU. The
@@ -19,6 +20,14 @@ modules' own torch ops elsewhere. Each op rounds where the modules' ops round (e
 op's output is a tensor of the model's dtype), so a native forward differs from the
 modules' only by the GEMMs' blocking over the fused weights and the RMS sum's order.
 
+The Gemma family differs in four places, each computed as its modules do: its RMSNorms
+scale by ``1 + weight`` in float32 before rounding (the norm modules are called: no fused
+launch), its MLP gates with tanh-approximated GELU, Gemma 3 normalizes each block's output
+before the residual add (``post_attention_layernorm`` on the attention's output,
+``pre_feedforward_layernorm`` before the MLP, ``post_feedforward_layernorm`` on its output)
+and rotates sliding and full layers with their own frequencies (the rotary module's
+``layer_type``). The embedding's scale is the embedding module's.
+
 The weights are the model's: :class:`NativeLM` concatenates each layer's q/k/v weights (and
 biases) and its gate/up weights into one tensor each and rebinds the modules' parameters to
 views of it (``param.data``), so memory does not grow, the transformers modules still
@@ -27,8 +36,9 @@ weight sync through ``param.data.copy_``) reach both. Replacing a parameter's te
 (``param.data = new``) detaches it from the native forward: :meth:`NativeLM.check` finds
 it (:meth:`NativeAdapter.check` runs it before every forward).
 
-Refused (InvalidArgument, the model unchanged): architectures other than those above,
-activations other than SiLU, partial rotary embeddings, attention logit soft-capping,
+Refused (InvalidArgument, the model unchanged): architectures other than those above (Gemma
+2 soft-caps its attention logits), activations other than SiLU and tanh-approximated GELU,
+partial rotary embeddings, attention or final logit soft-capping,
 quantized or sharded (DTensor) weights. ``cellcache.hf.attach(model, cache, native=True)``
 and ``Generator(model, native=True)`` build it; :class:`NativeAdapter` is its
 :class:`cellcache.runner.ModelAdapter`.
@@ -36,6 +46,7 @@ and ``Generator(model, native=True)`` build it; :class:`NativeAdapter` is its
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -48,11 +59,13 @@ from .cache import Step
 from .config import CacheConfig
 from .errors import CellCacheError, InvalidArgument, InvalidState
 
-__all__ = ["ARCHITECTURES", "NativeAdapter", "NativeLM", "add_rms_norm", "logits_out", "refuse",
-           "rms_norm", "rotary_", "silu_mul"]
+__all__ = ["ARCHITECTURES", "NativeAdapter", "NativeLM", "add_rms_norm", "gelu_tanh_mul", "logits_out",
+           "refuse", "rms_norm", "rotary_", "silu_mul"]
 
 #: ``config.model_type`` values the native forward runs.
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text")
+#: those whose RMSNorms scale by ``1 + weight`` in float32 (run as their modules)
+_OFFSET_NORMS = ("gemma", "gemma3_text")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -260,6 +273,22 @@ def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
     return fused
 
 
+#: the MLP activations the native forward computes, by the names transformers configs give
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _activation(cfg: Any) -> str:
+    name = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    return _ACTIVATIONS[str(name)]
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` of a ``[rows, 2 * inter]`` tensor holding gate
+    then up (the Gemma family's MLP, its modules' torch ops)."""
+    inter = gate_up.shape[-1] // 2
+    return F.gelu(gate_up[..., :inter], approximate="tanh") * gate_up[..., inter:]
+
+
 def refuse(model: Any) -> Any:
     """The text config of a model the native forward runs, after every check; InvalidArgument
     naming what it does not run."""
@@ -269,9 +298,10 @@ def refuse(model: Any) -> Any:
     if kind not in ARCHITECTURES:
         raise InvalidArgument(f"native=True runs {', '.join(ARCHITECTURES)} models; this one is "
                               f"{kind!r} ({type(model).__name__}): serve it without native")
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise InvalidArgument(f"native=True runs SiLU-gated MLPs; this model's activation is {act!r}")
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise InvalidArgument(f"native=True runs SiLU- or tanh-GELU-gated MLPs; this model's "
+                              f"activation is {act!r}")
     rope = getattr(cfg, "rope_parameters", None) or {}
     partial = getattr(cfg, "partial_rotary_factor", None) or (
         rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
@@ -315,6 +345,14 @@ class _Layer:
         self.index = index
         self.attn, self.mlp = attn, mlp
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        # Gemma 3's norms of each block's output: post_norm then normalizes the attention's
+        # output, pre_ff_norm is the MLP's input norm and post_ff_norm its output's
+        self.pre_ff_norm: Any = getattr(layer, "pre_feedforward_layernorm", None)
+        self.post_ff_norm: Any = getattr(layer, "post_feedforward_layernorm", None)
+        self.sandwich = self.pre_ff_norm is not None and self.post_ff_norm is not None
+        self.mlp_norm = self.pre_ff_norm if self.sandwich else self.post_norm
+        types = getattr(cfg, "layer_types", None)
+        self.layer_type = types[index] if types else None
         self.qkv_w, self.qkv_b, self.gate_up_w, self.gate_up_b = qkv_w, qkv_b, gate_up_w, gate_up_b
         self.head_dim = int(getattr(attn, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.n_q = attn.q_proj.out_features // self.head_dim
@@ -379,7 +417,12 @@ class NativeLM(torch.nn.Module):
         self.norm_eps = _eps(base.norm)
         self.rotary = base.rotary_emb
         self.lm_head = model.lm_head
-        self._eps = [(_eps(la.in_norm), _eps(la.post_norm)) for la in layers]
+        self._eps = [(_eps(la.in_norm), _eps(la.mlp_norm)) for la in layers]
+        self._module_norms = cfg.model_type in _OFFSET_NORMS
+        self._act = _activation(cfg)
+        # a rotary module of several layer types (Gemma 3: sliding and full layers' frequencies)
+        self._rotary_types = ("layer_type" in inspect.signature(self.rotary.forward).parameters
+                              and all(la.layer_type is not None for la in layers))
 
     @property
     def config(self) -> Any:
@@ -418,17 +461,24 @@ class NativeLM(torch.nn.Module):
                 logits_to_keep: int | torch.Tensor = 0) -> Any:
         compiling = torch.compiler.is_compiling()
         x = self.embed(input_ids[0])                                      # [T, hidden]
-        cos, sin = self.rotary(x[None], position_ids)                     # [1, T, head_dim]
-        cos, sin = cos[0], sin[0]
+        if self._rotary_types:                                            # [1, T, head_dim] a type
+            rot = {t: self.rotary(x[None], position_ids, t) for t in {la.layer_type for la in self._layers}}
+        else:
+            rot = {None: self.rotary(x[None], position_ids)}
         T = x.shape[0]
         res = x               # the residual stream (eager: updated in place from here on)
-        if compiling:
-            h = torch.ops.cellcache.rms_norm(x, self._layers[0].in_norm.weight, self._eps[0][0])
+        first = self._layers[0]
+        if self._module_norms:
+            h = first.in_norm(x)
+        elif compiling:
+            h = torch.ops.cellcache.rms_norm(x, first.in_norm.weight, self._eps[0][0])
         else:
-            h = rms_norm(x, self._layers[0].in_norm.weight, self._eps[0][0])
+            h = rms_norm(x, first.in_norm.weight, self._eps[0][0])
         for la, (eps_in, eps_post) in zip(self._layers, self._eps):
+            cos, sin = rot[la.layer_type if self._rotary_types else None]
+            cos, sin = cos[0], sin[0]
             if la.index:
-                h, res = self._add_norm(x, res, la.in_norm.weight, eps_in, compiling)
+                h, res = self._add_norm(x, res, la.in_norm, eps_in, compiling)
             qkv = F.linear(h, la.qkv_w, la.qkv_b)
             hq, hk = la.n_q * la.head_dim, la.n_kv * la.head_dim
             if la.q_norm is not None and la.k_norm is not None:
@@ -447,22 +497,36 @@ class NativeLM(torch.nn.Module):
             v = qkv[:, hq + hk:].view(T, la.n_kv, la.head_dim)
             a = _attend(la.index, q, k, v, la.scale, compiling, written)
             x = la.attn.o_proj(a.reshape(T, hq))
-            h, res = self._add_norm(x, res, la.post_norm.weight, eps_post, compiling)
+            if la.sandwich:
+                x = la.post_norm(x)
+            h, res = self._add_norm(x, res, la.mlp_norm, eps_post, compiling)
             gu = F.linear(h, la.gate_up_w, la.gate_up_b)
-            x = la.mlp.down_proj(torch.ops.cellcache.silu_mul(gu) if compiling else silu_mul(gu))
+            if self._act == "gelu_tanh":
+                x = la.mlp.down_proj(gelu_tanh_mul(gu))
+            else:
+                x = la.mlp.down_proj(torch.ops.cellcache.silu_mul(gu) if compiling else silu_mul(gu))
+            if la.sandwich:
+                x = la.post_ff_norm(x)
         if isinstance(logits_to_keep, torch.Tensor):
             x, res = x[logits_to_keep], res[logits_to_keep]
         elif logits_to_keep:
             x, res = x[-logits_to_keep:], res[-logits_to_keep:]
-        h, _ = self._add_norm(x, res, self.norm.weight, self.norm_eps, compiling)
+        h, _ = self._add_norm(x, res, self.norm, self.norm_eps, compiling)
         return _Output(self.lm_head(h)[None])
 
-    @staticmethod
-    def _add_norm(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, eps: float,
+    def _add_norm(self, x: torch.Tensor, res: torch.Tensor, norm: Any, eps: float,
                   compiling: bool, inplace: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(res + x), res + x)``; eager, the sum is written into ``res``. The Gemma
+        family's norms run as their modules."""
+        if self._module_norms:
+            s = res + x
+            if inplace and not compiling:
+                res.copy_(s)
+                s = res
+            return norm(s), s
         if compiling:
-            return torch.ops.cellcache.add_rms_norm(x, res, weight, eps)
-        return add_rms_norm(x, res, weight, eps, inplace=inplace)
+            return torch.ops.cellcache.add_rms_norm(x, res, norm.weight, eps)
+        return add_rms_norm(x, res, norm.weight, eps, inplace=inplace)
 
 
 def _views_of(fused: torch.Tensor, params: list[torch.Tensor], storage: bool) -> bool:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+F = torch.nn.functional
 pytest.importorskip("transformers")
 
 from cellcache import InvalidArgument, InvalidState, build  # noqa: E402
@@ -21,6 +22,7 @@ from cellcache import native as ccn  # noqa: E402
 from cellcache.generate import Generator, Sampling, random_model  # noqa: E402
 
 from .helpers_deterministic import VOCAB, check_same, serve  # noqa: E402
+from .helpers_native import gemma_tiny  # noqa: E402
 
 N_NEW = 12
 
@@ -37,7 +39,11 @@ def qwen3_tiny(seed: int = 3):
 
 
 def make(name: str, seed: int = 3):
-    return qwen3_tiny(seed) if name == "qwen3-tiny" else random_model(name, seed=seed)
+    if name == "qwen3-tiny":
+        return qwen3_tiny(seed)
+    if name in ("gemma-tiny", "gemma3-tiny"):
+        return gemma_tiny(seed, "gemma" if name == "gemma-tiny" else "gemma3_text")
+    return random_model(name, seed=seed)
 
 
 def prompts(seed: int = 11, n: int = 6) -> list[list[int]]:
@@ -109,6 +115,17 @@ def test_ops_are_the_modules_arithmetic_bit_for_bit(dtype):
     assert torch.equal(qkv[:, (heads + kv) * d:], v_before)          # v is not rotated
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_is_the_gemma_mlps_arithmetic_bit_for_bit(dtype):
+    from transformers.activations import ACT2FN
+
+    g = torch.Generator().manual_seed(1)
+    gu = (torch.randn((7, 80), generator=g) * 3).to(dtype)       # [gate | up], as the fused GEMM gives
+    want = ACT2FN["gelu_pytorch_tanh"](gu[:, :40]) * gu[:, 40:]  # (the modules' ops on the same layout)
+    assert torch.equal(ccn.gelu_tanh_mul(gu), want)
+    assert not torch.equal(ccn.gelu_tanh_mul(gu), F.gelu(gu[:, :40]) * gu[:, 40:])     # not erf's GELU
+
+
 def test_logits_out_off_cuda_is_torch_s_copy_and_argmax():
     x = torch.randn(5, 33).to(torch.bfloat16)
     x[2, 4] = float("nan")
@@ -151,7 +168,8 @@ def test_custom_ops_compute_what_the_eager_ops_do():
 
 # -- the model ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["tiny", "llama-tiny", "mistral-tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny", "mistral-tiny", "qwen3-tiny", "gemma-tiny",
+                                  "gemma3-tiny"])
 def test_greedy_equals_hf_generate_with_arrivals_chunks_and_preemption(name):
     model = make(name)
     ps = prompts()
@@ -190,8 +208,9 @@ def _steps(runner, cache, seqs_tokens):
     return out
 
 
-def test_logits_are_the_modules_forwards_on_the_same_steps():
-    model = random_model("tiny", seed=5)
+@pytest.mark.parametrize("name", ["tiny", "gemma3-tiny"])
+def test_logits_are_the_modules_forwards_on_the_same_steps(name):
+    model = make(name, seed=5)
     other = copy.deepcopy(model)
     cfg = cchf.cache_config(model, capacity=128, max_write=32)
     native = cchf.attach(model, build("host", "batched", cfg), native=True)
@@ -279,12 +298,13 @@ def test_deterministic_native_tokens_do_not_depend_on_the_schedule():
 
 # -- refusals ----------------------------------------------------------------------------------
 
-def _gemma_tiny():
+def _granite_tiny():
+    """Granite scales its embeddings, residuals and logits by config multipliers: an
+    architecture cellcache serves through its modules but the native forward does not run."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("gemma", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                  vocab_size=512)
+    config = AutoConfig.for_model("granite", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
@@ -299,7 +319,7 @@ def _gelu_llama():
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("build_model, match", [(_gemma_tiny, "runs llama"), (_gelu_llama, "SiLU")])
+@pytest.mark.parametrize("build_model, match", [(_granite_tiny, "runs llama"), (_gelu_llama, "SiLU")])
 def test_unsupported_models_are_refused_unchanged(build_model, match):
     model = build_model()
     before = weights(model)

@@ -221,7 +221,7 @@ class Generator:
     tokenizer. ``deterministic`` (default False): passed on to :func:`cellcache.hf.attach`
     when True (batch-invariant forwards); the sampler's per-row work never depends on the
     other rows. ``native`` (default False): the runner runs cellcache's own forward of a
-    Llama, Mistral, Qwen2 or Qwen3 model (:mod:`cellcache.native`: fused q/k/v and gate/up
+    Llama, Mistral, Qwen2, Qwen3, Gemma or Gemma 3 model (:mod:`cellcache.native`: fused q/k/v and gate/up
     GEMMs, one launch for each norm, rotary embedding and SiLU) over the model's weights,
     which it re-lays as views (:func:`cellcache.hf.attach`'s ``native``); not under
     tensor parallelism. ``on_logits``: see the property.

@@ -274,13 +274,19 @@ def test_the_kernels_replay_from_a_graph():
 
 
 @pytest.mark.parametrize("name, graphs", [("tiny", True), ("llama-tiny", True), ("mistral-tiny", True),
-                                         ("llama-tiny", False)])
+                                         ("llama-tiny", False), ("gemma3-tiny", True), ("gemma-tiny", False)])
 def test_native_greedy_float32_equals_hf_generate(name, graphs):
     """With graphs and asynchronous steps, and eager (prompt chunks without logit rows: the
-    final norm over no rows)."""
+    final norm over no rows); the Gemma family's norms, GELU, block-output norms and
+    per-layer-type rotary too (tests/test_native.py's tiny Gemma models)."""
     from cellcache.generate import Generator, Sampling, random_model
 
-    model = random_model(name, torch.float32, "cuda", seed=3)
+    if name.startswith("gemma"):
+        from ..helpers_native import gemma_tiny
+
+        model = gemma_tiny(3, "gemma" if name == "gemma-tiny" else "gemma3_text").to("cuda")
+    else:
+        model = random_model(name, torch.float32, "cuda", seed=3)
     torch.manual_seed(0)
     prompts = [torch.randint(0, 512, (int(n),)).tolist() for n in (3, 17, 40, 9, 25, 2)]
     refs = []
