@@ -84,11 +84,18 @@ RANDOM_MODELS = {
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                        max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=False),
+    # Gemma 3 1B's text model (999,885,952 parameters): five layers sliding over 512 keys
+    # (rotary base 10K) for each full one (1M), 4 query heads over one K/V head of 256,
+    # transformers' defaults for the rest (query_pre_attn_scalar 256, tanh-GELU)
+    "gemma-3-1b": dict(arch="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                       max_position_embeddings=32768, sliding_window=512, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True),
 }
 
 
 #: Built-in models initialized directly on their device (too large to fill on the CPU first).
-_INIT_ON_DEVICE = frozenset({"qwen2-7b", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b"})
+_INIT_ON_DEVICE = frozenset({"qwen2-7b", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b", "gemma-3-1b"})
 
 
 def random_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
