@@ -37,8 +37,9 @@ weight sync through ``param.data.copy_``) reach both. Replacing a parameter's te
 it (:meth:`NativeAdapter.check` runs it before every forward).
 
 Refused (InvalidArgument, the model unchanged): architectures other than those above (Gemma
-2 soft-caps its attention logits), activations other than SiLU and tanh-approximated GELU,
-partial rotary embeddings, attention or final logit soft-capping,
+2 soft-caps its attention logits), activations other than SiLU and tanh-approximated GELU
+(by what the MLP module computes), bidirectional attention, partial rotary embeddings,
+attention or final logit soft-capping,
 quantized or sharded (DTensor) weights. ``cellcache.hf.attach(model, cache, native=True)``
 and ``Generator(model, native=True)`` build it; :class:`NativeAdapter` is its
 :class:`cellcache.runner.ModelAdapter`.
@@ -273,13 +274,23 @@ def _fuse(modules: list[Any], name: str) -> torch.Tensor | None:
     return fused
 
 
-#: the MLP activations the native forward computes, by the names transformers configs give
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-
-
-def _activation(cfg: Any) -> str:
-    name = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
-    return _ACTIVATIONS[str(name)]
+def _activation(mlp: Any) -> str | None:
+    """The MLP's activation by what its ``act_fn`` computes ("silu", "gelu_tanh"; None for
+    anything else): the module decides, not a config key (Gemma's MLP reads ``hidden_act``,
+    Gemma 3's ``hidden_activation``, and a config may hold both)."""
+    act = getattr(mlp, "act_fn", None)
+    if not callable(act):
+        return None
+    x = torch.linspace(-8.0, 8.0, 257)
+    with torch.no_grad():
+        y = act(x)
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    if torch.equal(y, F.silu(x)):
+        return "silu"
+    if torch.equal(y, F.gelu(x, approximate="tanh")):
+        return "gelu_tanh"
+    return None
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -298,10 +309,9 @@ def refuse(model: Any) -> Any:
     if kind not in ARCHITECTURES:
         raise InvalidArgument(f"native=True runs {', '.join(ARCHITECTURES)} models; this one is "
                               f"{kind!r} ({type(model).__name__}): serve it without native")
-    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
-    if act not in _ACTIVATIONS:
-        raise InvalidArgument(f"native=True runs SiLU- or tanh-GELU-gated MLPs; this model's "
-                              f"activation is {act!r}")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise InvalidArgument("native=True runs causal attention; this model's "
+                              "use_bidirectional_attention is set")
     rope = getattr(cfg, "rope_parameters", None) or {}
     partial = getattr(cfg, "partial_rotary_factor", None) or (
         rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
@@ -332,6 +342,11 @@ def refuse(model: Any) -> Any:
         if len(dtypes) != 1:
             raise InvalidArgument(f"layer {i} holds parameters of dtypes {sorted(map(str, dtypes))}; "
                                   "native=True runs one dtype")
+    acts = {_activation(layer.mlp) for layer in base.layers}
+    if len(acts) != 1 or None in acts:
+        act = type(getattr(base.layers[0].mlp, "act_fn", None)).__name__
+        raise InvalidArgument(f"native=True runs SiLU- or tanh-GELU-gated MLPs; this model's "
+                              f"activation is {act}")
     return cfg
 
 
@@ -419,7 +434,7 @@ class NativeLM(torch.nn.Module):
         self.lm_head = model.lm_head
         self._eps = [(_eps(la.in_norm), _eps(la.mlp_norm)) for la in layers]
         self._module_norms = cfg.model_type in _OFFSET_NORMS
-        self._act = _activation(cfg)
+        self._act = _activation(base.layers[0].mlp)        # (refuse: the same in every layer)
         # a rotary module of several layer types (Gemma 3: sliding and full layers' frequencies)
         self._rotary_types = ("layer_type" in inspect.signature(self.rotary.forward).parameters
                               and all(la.layer_type is not None for la in layers))
@@ -618,7 +633,8 @@ class NativeAdapter:
     ``base``: the model's :class:`cellcache.hf.HFAdapter`, which answers for the model (its
     vocabulary, attention paths) and says whether forwards run deterministic (inside
     :class:`~cellcache.batch_invariant.BatchInvariant`, attention through ``"invariant"``:
-    the fused kernels work a row at a time, so they are batch-invariant as they are).
+    the fused kernels work a row at a time, so they are batch-invariant as they are; the
+    Gemma family's norms are torch ops that reduce through ``BatchInvariant``).
     """
 
     def __init__(self, native: NativeLM, base: Any):

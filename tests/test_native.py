@@ -208,9 +208,12 @@ def _steps(runner, cache, seqs_tokens):
     return out
 
 
-@pytest.mark.parametrize("name", ["tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("name", ["tiny", "gemma-tiny", "gemma3-tiny"])
 def test_logits_are_the_modules_forwards_on_the_same_steps(name):
-    model = make(name, seed=5)
+    _same_logits_as_the_modules(make(name, seed=5))
+
+
+def _same_logits_as_the_modules(model):
     other = copy.deepcopy(model)
     cfg = cchf.cache_config(model, capacity=128, max_write=32)
     native = cchf.attach(model, build("host", "batched", cfg), native=True)
@@ -309,6 +312,20 @@ def _granite_tiny():
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+def _bidirectional_gemma3():
+    """Gemma 3 as an encoder (EmbeddingGemma): every token sees every other."""
+    return gemma_tiny(3, use_bidirectional_attention=True)
+
+
+def test_the_activation_is_the_mlp_modules_not_a_config_key():
+    """Gemma's MLP reads ``hidden_act``, Gemma 3's ``hidden_activation``: a Gemma config
+    holding both (SiLU and tanh-GELU) runs what its modules run, SiLU."""
+    model = gemma_tiny(3, "gemma", hidden_act="silu", hidden_activation="gelu_pytorch_tanh")
+    x = torch.linspace(-3, 3, 13)
+    assert torch.equal(model.model.layers[0].mlp.act_fn(x), F.silu(x))    # (the premise)
+    _same_logits_as_the_modules(model)
+
+
 def _gelu_llama():
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -319,7 +336,8 @@ def _gelu_llama():
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("build_model, match", [(_granite_tiny, "runs llama"), (_gelu_llama, "SiLU")])
+@pytest.mark.parametrize("build_model, match", [(_granite_tiny, "runs llama"), (_gelu_llama, "SiLU"),
+                                                 (_bidirectional_gemma3, "causal attention")])
 def test_unsupported_models_are_refused_unchanged(build_model, match):
     model = build_model()
     before = weights(model)

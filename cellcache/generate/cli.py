@@ -197,8 +197,9 @@ def build_parser() -> Parser:
                         "(half the memory a cell takes)")
     p.add_argument("--native", action="store_true",
                    help="cellcache's own forward of a Llama, Mistral, Qwen2, Qwen3 or Gemma (1, 3) "
-                        "model (fused q/k/v and gate/up GEMMs, one launch a norm, rotary and SiLU) "
-                        "instead of the model's modules; not with --tp")
+                        "model (fused q/k/v and gate/up GEMMs, one launch a norm, rotary and SiLU; "
+                        "Gemma's norms and GELU as its modules' ops) instead of the model's modules; "
+                        "not with --tp")
     p.add_argument("--admission", choices=list(ADMISSION_POLICIES), default="fifo",
                    help="waiting requests in arrival order, or longest cached prefix first (lpm)")
     p.add_argument("--tp", type=in_range(1, 1 << 12), default=1,

@@ -78,8 +78,9 @@ def build_parser() -> Parser:
     p.add_argument("--attention", choices=["auto", "flashinfer"], default="auto")
     p.add_argument("--native", action="store_true",
                    help="cellcache's own forward of a Llama, Mistral, Qwen2, Qwen3 or Gemma (1, 3) "
-                        "model (fused q/k/v and gate/up GEMMs, one launch a norm, rotary and SiLU) "
-                        "instead of the model's modules; not with --tp")
+                        "model (fused q/k/v and gate/up GEMMs, one launch a norm, rotary and SiLU; "
+                        "Gemma's norms and GELU as its modules' ops) instead of the model's modules; "
+                        "not with --tp")
     p.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                    help="K/V storage: the model's dtype, or 8-bit e4m3 with per-head scales "
                         "(half the memory a cell takes)")

@@ -274,7 +274,8 @@ def test_the_kernels_replay_from_a_graph():
 
 
 @pytest.mark.parametrize("name, graphs", [("tiny", True), ("llama-tiny", True), ("mistral-tiny", True),
-                                         ("llama-tiny", False), ("gemma3-tiny", True), ("gemma-tiny", False)])
+                                         ("llama-tiny", False), ("gemma3-tiny", True), ("gemma3-tiny", False),
+                                         ("gemma-tiny", True)])
 def test_native_greedy_float32_equals_hf_generate(name, graphs):
     """With graphs and asynchronous steps, and eager (prompt chunks without logit rows: the
     final norm over no rows); the Gemma family's norms, GELU, block-output norms and
