@@ -282,9 +282,12 @@ def _activation(mlp: Any) -> str | None:
     if not callable(act):
         return None
     x = torch.linspace(-8.0, 8.0, 257)
-    with torch.no_grad():
-        y = act(x)
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+    try:
+        with torch.no_grad():
+            y = act(x)
+    except Exception:            # noqa: BLE001 - an activation that needs other inputs: not ours
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
         return None
     if torch.equal(y, F.silu(x)):
         return "silu"
