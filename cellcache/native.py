@@ -441,6 +441,7 @@ class NativeLM(torch.nn.Module):
         # a rotary module of several layer types (Gemma 3: sliding and full layers' frequencies)
         self._rotary_types = ("layer_type" in inspect.signature(self.rotary.forward).parameters
                               and all(la.layer_type is not None for la in layers))
+        self._kinds = [la.layer_type if self._rotary_types else None for la in layers]
 
     @property
     def config(self) -> Any:
@@ -479,10 +480,11 @@ class NativeLM(torch.nn.Module):
                 logits_to_keep: int | torch.Tensor = 0) -> Any:
         compiling = torch.compiler.is_compiling()
         x = self.embed(input_ids[0])                                      # [T, hidden]
-        if self._rotary_types:                                            # [1, T, head_dim] a type
-            rot = {t: self.rotary(x[None], position_ids, t) for t in {la.layer_type for la in self._layers}}
+        if self._rotary_types:                                            # [T, head_dim] a type
+            rot = {t: tuple(c[0] for c in self.rotary(x[None], position_ids, t)) for t in set(self._kinds)}
         else:
-            rot = {None: self.rotary(x[None], position_ids)}
+            cos, sin = self.rotary(x[None], position_ids)
+            rot = {None: (cos[0], sin[0])}
         T = x.shape[0]
         res = x               # the residual stream (eager: updated in place from here on)
         first = self._layers[0]
@@ -492,9 +494,8 @@ class NativeLM(torch.nn.Module):
             h = torch.ops.cellcache.rms_norm(x, first.in_norm.weight, self._eps[0][0])
         else:
             h = rms_norm(x, first.in_norm.weight, self._eps[0][0])
-        for la, (eps_in, eps_post) in zip(self._layers, self._eps):
-            cos, sin = rot[la.layer_type if self._rotary_types else None]
-            cos, sin = cos[0], sin[0]
+        for la, (eps_in, eps_post), kind in zip(self._layers, self._eps, self._kinds):
+            cos, sin = rot[kind]
             if la.index:
                 h, res = self._add_norm(x, res, la.in_norm, eps_in, compiling)
             qkv = F.linear(h, la.qkv_w, la.qkv_b)
