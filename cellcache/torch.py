@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import os
 import threading
 import warnings
 import weakref
@@ -64,7 +65,7 @@ from .errors import CellCacheError, InvalidArgument, InvalidState
 __all__ = ["BACKENDS", "CASCADE_MIN_SHARED", "FORWARD", "GROUPING", "INVARIANT_CLASS", "INVARIANT_TILE",
            "AttentionPlan", "Forward", "Grouping", "TorchView",
            "as_tensor", "attention", "attention_op", "check_qkv", "invariant_paths", "invariant_refusal",
-           "layer_paths", "may_group", "torch_dtype"]
+           "layer_paths", "may_group", "sm90a_setting", "torch_dtype"]
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                  "float8_e4m3fn": torch.float8_e4m3fn}
@@ -412,8 +413,9 @@ class TorchView:
 
     def tensor_cores(self) -> Any:
         """The tensor-core kernels (``cellcache.cuda.tc.TensorCoreAttention``) for this
-        cache's dtype, built on first use and closed with the cache; InvalidArgument where
-        the module is absent."""
+        cache's dtype, built on first use and closed with the cache (the sm_90a prefill
+        kernels where the GPU takes them, as :func:`sm90a_setting` says); InvalidArgument
+        where the module is absent."""
         if self._tensor_cores is None:
             from .cuda.kernels import tensor_cores
 
@@ -421,10 +423,21 @@ class TorchView:
             if tc is None:
                 raise InvalidArgument("the tensor-core kernels (cellcache.cuda.tc) are not available")
             kern = tc.TensorCoreAttention(self.config.dtype, self.kernels().sm_count,
-                                          kv_dtype=self.config.kv_dtype)
+                                          kv_dtype=self.config.kv_dtype, hopper=sm90a_setting())
             self.cache.on_close(kern.close)
             self._tensor_cores = kern
         return self._tensor_cores
+
+
+def sm90a_setting() -> bool | None:
+    """``CELLCACHE_SM90A`` read when a cache's tensor-core kernels are built: unset or empty,
+    the sm_90a prefill kernels wherever the GPU takes them (None); ``0``: never (the sm_80
+    kernels everywhere: to compare, or as a way out); ``1``: required (InvalidArgument on
+    another GPU). Anything else is an InvalidArgument."""
+    value = os.environ.get("CELLCACHE_SM90A", "")
+    if value not in ("", "0", "1"):
+        raise InvalidArgument(f"CELLCACHE_SM90A={value!r}: unset, 0 (never) or 1 (required)")
+    return None if value == "" else value == "1"
 
 
 def attention(view: TorchView, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

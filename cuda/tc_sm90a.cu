@@ -1,25 +1,31 @@
 // Prefill attention for Hopper (sm_90a): wgmma on paged K/V, warp-specialized as
 // FlashAttention-3 is. Built by tools/build_ptx.py for compute_90a (PTX ISA 8.0, NVRTC 12.0),
-// beside the sm_80 kernels; not yet chosen by the runner: `tools/bench.py --section attention`
-// times it beside the table's choice (tc_attention.cu) and FlashInfer on the same step
-// (tools/_sm90a.py makes its work list and launches it), tests/gpu/test_sm90a_gpu.py checks
-// it against float32 attention (docs/design/attention.md, "An sm_90a path").
+// beside the sm_80 kernels. cellcache/cuda/tc.py loads it on compute capability 9.0 and runs
+// a windowless bf16 prefill launch at d64 / d128 through tc90_plan + tc90_attend_bf16_d<D>;
+// tools/bench.py --section attention also times the bench's entries (tools/_sm90a.py: a
+// host-made list in other orders, one CTA a unit); tests/gpu/test_sm90a_gpu.py checks both
+// (docs/design/attention.md, "An sm_90a path").
 //
-//   tc90_<overlap|pingpong>_bf16_d<D>   one CTA a unit {run, kv head, first packed row} of a
-//       host-made list: 128 packed rows (row p = query p / G, head p % G of the kv head's group
-//       of G), 384 threads. Warpgroup 0 produces (setmaxnreg 56): it gathers 128-key K/V tiles
-//       through kv_indices with cp.async into ST stages (4 at d64, 3 at d128), each guarded by
-//       a full and an empty mbarrier; lane l of producer warp w holds the cell of the tile's
-//       row 32 w + l, read one tile ahead, and hands it to the lanes copying that row by
-//       shuffle (each lane copies one 16-byte chunk of every row of its warp's 32). Warpgroups
-//       1 and 2 consume (setmaxnreg 224), 64 rows each: S = Q K^T by SS wgmma m64n128k16 (Q and
-//       K in 128-byte-swizzled shared memory), online softmax in registers (exp2, scale *
-//       log2 e folded in), O += P V by RS wgmma with P from the S registers; each tile's P V is
-//       issued behind the next tile's S, so the softmax of one overlaps the other. pingpong:
-//       the two consumers also take turns at the tensor cores (named barriers 3 and 4).
-//       Causal behind each run's history: query i of a run of n over L keys sees keys
-//       [0, L - n + i]; masks only on tiles reaching a row's limit. Out: bf16 [T, H, D].
-//       A unit without a row (row0 >= n x G, as of an empty run) returns at once.
+//   tc90_plan                           one block: the step's units, run by run, kv head by kv
+//       head, each pair's 128-row blocks last (heaviest) first, {run, kv head, first row, 0},
+//       from qo_indptr / kv_indptr cut at width (padding runs make none); plan[0].x the count.
+//   tc90_attend_bf16_d<D>               persistent: one CTA an SM takes units blockIdx.x,
+//       + gridDim.x, ...; zeros in the padding rows. q / out at (token, head) strides.
+//   tc90_<overlap|pingpong>_bf16_d<D>   (the bench's) one CTA a unit of a host-made list.
+//   Both run one body. A unit is 128 packed rows (row p = query p / G, head p % G of the kv
+//   head's group of G); 384 threads. Warpgroup 0 produces (setmaxnreg 56): it gathers 128-key
+//   K/V tiles through kv_indices with cp.async into ST stages (4 at d64, 3 at d128), each
+//   guarded by a full and an empty mbarrier; lane l of producer warp w holds the cell of the
+//   tile's row 32 w + l, read one tile ahead, and hands it to the lanes copying that row by
+//   shuffle (each lane copies one 16-byte chunk of every row of its warp's 32). Warpgroups 1
+//   and 2 consume (setmaxnreg 224), 64 rows each: S = Q K^T by SS wgmma m64n128k16 (Q and K in
+//   128-byte-swizzled shared memory), online softmax in registers (exp2, scale * log2 e folded
+//   in), O += P V by RS wgmma with P from the S registers; each tile's P V is issued behind the
+//   next tile's S, so the softmax of one overlaps the other. pingpong (the runner's too): the
+//   two consumers also take turns at the tensor cores (named barriers 3 and 4). The stage ring
+//   and the turns run on across a CTA's units. Causal behind each run's history: query i of a
+//   run of n over L keys sees keys [0, L - n + i]; masks only on tiles reaching a row's limit.
+//   A unit without a row (row0 >= n x G, as of an empty run) is skipped by every warpgroup.
 // The units are best listed run by run (neighbouring CTAs then share K/V in L2: heaviest
 // first over the step made a long-prompt case DRAM-bound, 1.4x slower).
 typedef unsigned short u16;
@@ -91,10 +97,35 @@ __device__ __forceinline__ void wg_rs(float* d, const uint32_t* a, uint64_t db, 
   else wg_rs_n128(d, a, db, scale_d);
 }
 
-// D: head_dim; ST: K/V stages; PP: the consumers take turns at the tensor cores
+// What the runner's launches take (cellcache/cuda/tc.py, _ARGS90: every field 8 bytes).
+typedef struct {
+  const int* qo_indptr;            // [rows + 1]
+  const int* kv_indptr;            // [rows + 1]
+  const int* kv_indices;
+  const long long* width;          // real rows; rows past it are padding (null: none)
+  const u16* q;                    // [rows, H, D] at (q_s_tok, q_s_head, 1)
+  const u16* k_pool;               // [cells, Hkv, D]
+  const u16* v_pool;
+  u16* out;                        // [rows, H, D] at (o_s_tok, o_s_head, 1)
+  long long q_s_tok, q_s_head, o_s_tok, o_s_head;
+  long long rows, n_heads, n_kv_heads;
+  int4* plan;                      // plan[0].x: units; the units from plan[1]
+  long long cap;                   // units the list holds
+  double sl2;                      // softmax scale * log2(e)
+} Tc90Args;
+
+// Real queries of run r: its rows below width (padding runs and runs past the last have none).
+__device__ __forceinline__ int run_qlen(const Tc90Args& a, int r) {
+  const long long q0 = a.qo_indptr[r], q1 = a.qo_indptr[r + 1];
+  const long long e = a.width ? min(q1, *a.width) : q1;
+  return e > q0 ? (int)(e - q0) : 0;
+}
+
+// D: head_dim; ST: K/V stages; PP: the consumers take turns at the tensor cores. The CTA
+// takes units first, first + step, ... below n_units (one CTA a unit: first = blockIdx.x,
+// step = gridDim.x = n_units); the stage ring and the consumers' turns run on across units.
 template <int D, int ST, bool PP>
-__device__ __forceinline__ void tc90_prefill(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,
-                const int* kv_indices, const int4* units, int H, int Hkv, float scale_log2, u16* O) {
+__device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* units, int n_units) {
   extern __shared__ unsigned char dyn[];
   unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
   const int QT = 64 * D * 2, KT = 128 * D * 2;
@@ -103,46 +134,70 @@ __device__ __forceinline__ void tc90_prefill(const u16* Q, const u16* Kp, const 
   const uint32_t bars = smem_u32(base + 2 * QT + ST * 2 * KT);   // full[ST], then empty[ST]
 #define FULL(st) (bars + 8 * (st))
 #define EMPTY(st) (bars + 8 * (ST + (st)))
-  const int4 u = units[blockIdx.x];                  // (run, kv head, first row, -)
-  const int run = u.x, kvh = u.y, row0 = u.z, G = H / Hkv;
-  const int q0 = qo_indptr[run], n = qo_indptr[run + 1] - q0;
-  const int k0 = kv_indptr[run], L = kv_indptr[run + 1] - k0, hist = L - n, nrows = n * G;
-  if (row0 >= nrows) return;                         // no row (an empty run): nothing to read
-  const int last_row = min(row0 + 127, nrows - 1);
-  const int n_keys = hist + last_row / G + 1;
-  const int n_tiles = (n_keys + 127) / 128;
+  const int H = (int)p.n_heads, Hkv = (int)p.n_kv_heads, G = H / Hkv;
+  const float scale_log2 = (float)p.sl2;
+  const u16 *Q = p.q, *Kp = p.k_pool, *Vp = p.v_pool;
   const int wg = threadIdx.x >> 7, tid = threadIdx.x & 127;
+  if (p.width) {                                     // zeros in the padding rows
+    const long long w0 = *p.width;
+    const long long n = (p.rows - w0) * H * (D / 8);
+    for (long long i = blockIdx.x * 384ll + threadIdx.x; i < n; i += gridDim.x * 384ll) {
+      const long long row = w0 + i / (H * (D / 8)), h = i / (D / 8) % H, c = i % (D / 8);
+      *reinterpret_cast<uint4*>(p.out + row * p.o_s_tok + h * p.o_s_head + c * 8) = make_uint4(0, 0, 0, 0);
+    }
+  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < ST; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  // a unit (run, kv head, first packed row): its queries' place and its keys
+  struct Unit { int kvh, row0, q0, k0, hist, nrows, n_keys, n_tiles; };
+  auto unit_at = [&](int i, Unit& v) {
+    const int4 u = units[i];
+    const int run = u.x;
+    v.kvh = u.y; v.row0 = u.z;
+    v.q0 = p.qo_indptr[run];
+    const int n = p.qo_indptr[run + 1] - v.q0;
+    v.k0 = p.kv_indptr[run];
+    v.hist = p.kv_indptr[run + 1] - v.k0 - n;
+    v.nrows = run_qlen(p, run) * G;
+    if (v.row0 >= v.nrows) return false;             // no row (an empty run): nothing to read
+    v.n_keys = v.hist + min(v.row0 + 127, v.nrows - 1) / G + 1;
+    v.n_tiles = (v.n_keys + 127) / 128;
+    return v.n_keys > 0;                             // (fewer keys than queries: not a step)
+  };
   if (wg == 0) {                                     // the producer: K/V tiles, stage by stage
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
     const int lane = tid & 31, pw = tid >> 5;       // warp pw copies rows 32 pw .. 32 pw + 31
     constexpr int CPR = D / 8, RPJ = 32 / CPR;     // 16-byte chunks a row; rows a copy of the warp
     const int c = lane % CPR, rsub = lane / CPR;    // this lane's chunk of every row it copies
-    const char* kb = (const char*)(Kp + (size_t)kvh * D + c * 8);
-    const char* vb = (const char*)(Vp + (size_t)kvh * D + c * 8);
-    // the cell of row 32 pw + lane of tile t (clamped: a row past the keys copies zeros)
-    auto cell_of = [&](int t) { return kv_indices[k0 + min(t * 128 + 32 * pw + lane, n_keys - 1)]; };
-    int nxt = cell_of(0);
-    for (int t = 0; t < n_tiles; ++t) {
-      const int s = t % ST;
-      const long long off = (long long)nxt * (Hkv * D * 2);   // this lane's row, in bytes
-      if (t + 1 < n_tiles) nxt = cell_of(t + 1);     // in flight while this tile is copied
-      const int left = n_keys - t * 128 - 32 * pw;    // rows of this warp's 32 that are keys
-      const uint32_t sk = smem_u32(SK(s)), sv = smem_u32(SV(s));
-      bar_wait(EMPTY(s), ((t / ST) & 1) ^ 1);
+    int t = 0;                                       // tiles of this CTA so far (its stage ring)
+    for (int i = blockIdx.x; i < n_units; i += gridDim.x) {
+      Unit v;
+      if (!unit_at(i, v)) continue;
+      const char* kb = (const char*)(Kp + (size_t)v.kvh * D + c * 8);
+      const char* vb = (const char*)(Vp + (size_t)v.kvh * D + c * 8);
+      // the cell of row 32 pw + lane of tile j (clamped: a row past the keys copies zeros)
+      auto cell_of = [&](int j) { return p.kv_indices[v.k0 + min(j * 128 + 32 * pw + lane, v.n_keys - 1)]; };
+      int nxt = cell_of(0);
+      for (int j = 0; j < v.n_tiles; ++j, ++t) {
+        const int s = t % ST;
+        const long long off = (long long)nxt * (Hkv * D * 2);   // this lane's row, in bytes
+        if (j + 1 < v.n_tiles) nxt = cell_of(j + 1);   // in flight while this tile is copied
+        const int left = v.n_keys - j * 128 - 32 * pw;  // rows of this warp's 32 that are keys
+        const uint32_t sk = smem_u32(SK(s)), sv = smem_u32(SV(s));
+        bar_wait(EMPTY(s), ((t / ST) & 1) ^ 1);
 #pragma unroll
-      for (int j = 0; j < CPR; ++j) {                // D/8 copies of K and of V a lane
-        const int rl = RPJ * j + rsub, r = 32 * pw + rl;
-        const long long o = __shfl_sync(0xffffffff, off, rl);
-        const uint32_t so = sw128_off(r, c, 128), n = rl < left ? 16 : 0;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sk + so), "l"(kb + o), "r"(n));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sv + so), "l"(vb + o), "r"(n));
+        for (int k = 0; k < CPR; ++k) {                // D/8 copies of K and of V a lane
+          const int rl = RPJ * k + rsub, r = 32 * pw + rl;
+          const long long o = __shfl_sync(0xffffffff, off, rl);
+          const uint32_t so = sw128_off(r, c, 128), nb = rl < left ? 16 : 0;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sk + so), "l"(kb + o), "r"(nb));
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sv + so), "l"(vb + o), "r"(nb));
+        }
+        bar_arrive_cp_async(FULL(s));
       }
-      bar_arrive_cp_async(FULL(s));
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
@@ -150,111 +205,170 @@ __device__ __forceinline__ void tc90_prefill(const u16* Q, const u16* Kp, const 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
   const int cw = wg - 1;                              // consumer warpgroup 0 or 1: 64 rows each
   unsigned char* sq = base + cw * QT;
-  for (int idx = tid; idx < 64 * (D / 8); idx += 128) {
-    int i = idx / (D / 8), c = idx % (D / 8), r = row0 + cw * 64 + i;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < nrows) {
-      int tok = r / G, h = kvh * G + r % G;
-      v = *reinterpret_cast<const uint4*>(Q + ((size_t)(q0 + tok) * H + h) * D + c * 8);
-    }
-    *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = v;
-  }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");   // this warpgroup's Q is in
   const int q4 = threadIdx.x & 3, w = tid >> 5, g = (threadIdx.x & 31) >> 2;
-  int lim[2];
-  for (int hh = 0; hh < 2; ++hh) {
-    int r = row0 + cw * 64 + 16 * w + g + 8 * hh;
-    lim[hh] = r < nrows ? hist + r / G : -1;
-  }
-  const int lim_lo = min(lim[0], lim[1]);
   if constexpr (PP) if (cw == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");   // the first consumer goes first
-  float o[D / 2], s[64], m[2] = {-1e30f, -1e30f}, lsum[2] = {0.f, 0.f};
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  uint32_t a[8][4];                                  // P of the tile before, for its P V
-  int prev = 0;                                      // that tile's stage
-  for (int tile = 0; tile < n_tiles; ++tile) {
-    const int st = tile % ST;
-    bar_wait(FULL(st), (tile / ST) & 1);
+  int t = 0;                                          // tiles of this CTA so far (the stage ring)
+  for (int ui = blockIdx.x; ui < n_units; ui += gridDim.x) {
+    Unit v;
+    if (!unit_at(ui, v)) continue;
+    // every warp of this warpgroup is past its wgmmas of the unit before, which read sq
+    // (a warp's wait covers its own): only then is the next Q written over it
+    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");
+    for (int idx = tid; idx < 64 * (D / 8); idx += 128) {
+      int i = idx / (D / 8), c = idx % (D / 8), r = v.row0 + cw * 64 + i;
+      uint4 x = make_uint4(0, 0, 0, 0);
+      if (r < v.nrows) {
+        int tok = r / G, h = v.kvh * G + r % G;
+        x = *reinterpret_cast<const uint4*>(Q + (v.q0 + tok) * p.q_s_tok + h * p.q_s_head + c * 8);
+      }
+      *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = x;
+    }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    if constexpr (PP) asm volatile("bar.sync %0, 256;\n" :: "r"(3 + cw) : "memory");   // my turn at the tensor cores
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t oq = (kk >> 2) * (64 * 128) + (kk & 3) * 32, ok = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
-      wg_ss_n128(s, desc_sw128(smem_u32(sq) + oq, 16, 1024), desc_sw128(smem_u32(SK(st)) + ok, 16, 1024), kk > 0);
+    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");   // this warpgroup's Q is in
+    int lim[2];
+    for (int hh = 0; hh < 2; ++hh) {
+      int r = v.row0 + cw * 64 + 16 * w + g + 8 * hh;
+      lim[hh] = r < v.nrows ? v.hist + r / G : -1;
     }
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    if (tile > 0) {                                   // the tile before's P V, behind this S
-      for (int kk = 0; kk < 8; ++kk)
-        wg_rs<D>(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+    const int lim_lo = min(lim[0], lim[1]);
+    float o[D / 2], s[64], m[2] = {-1e30f, -1e30f}, lsum[2] = {0.f, 0.f};
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    uint32_t a[8][4];                                  // P of the tile before, for its P V
+    int prev = 0;                                      // that tile's stage
+    for (int tile = 0; tile < v.n_tiles; ++tile, ++t) {
+      const int st = t % ST;
+      bar_wait(FULL(st), (t / ST) & 1);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      if constexpr (PP) asm volatile("bar.sync %0, 256;\n" :: "r"(3 + cw) : "memory");   // my turn at the tensor cores
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t oq = (kk >> 2) * (64 * 128) + (kk & 3) * 32, ok = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
+        wg_ss_n128(s, desc_sw128(smem_u32(sq) + oq, 16, 1024), desc_sw128(smem_u32(SK(st)) + ok, 16, 1024), kk > 0);
+      }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    }
-    if (tile > 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
-    else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    if constexpr (PP) asm volatile("bar.arrive %0, 256;\n" :: "r"(4 - cw) : "memory");   // the other's turn
-    float mx[2] = {m[0], m[1]};
-    const int kb = tile * 128;
-    if (kb + 127 > lim_lo) {
-      for (int i = 0; i < 64; ++i) {
-        int key = kb + 8 * (i / 4) + 2 * q4 + (i & 1);
-        s[i] = key <= lim[(i & 3) >> 1] ? s[i] * scale_log2 : -1e30f;
-        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+      if (tile > 0) {                                   // the tile before's P V, behind this S
+        for (int kk = 0; kk < 8; ++kk)
+          wg_rs<D>(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       }
-    } else {
-      for (int i = 0; i < 64; ++i) {
-        s[i] *= scale_log2;
-        mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+      if (tile > 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
+      else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      if constexpr (PP) asm volatile("bar.arrive %0, 256;\n" :: "r"(4 - cw) : "memory");   // the other's turn
+      float mx[2] = {m[0], m[1]};
+      const int kb = tile * 128;
+      if (kb + 127 > lim_lo) {
+        for (int i = 0; i < 64; ++i) {
+          int key = kb + 8 * (i / 4) + 2 * q4 + (i & 1);
+          s[i] = key <= lim[(i & 3) >> 1] ? s[i] * scale_log2 : -1e30f;
+          mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+        }
+      } else {
+        for (int i = 0; i < 64; ++i) {
+          s[i] *= scale_log2;
+          mx[(i & 3) >> 1] = fmaxf(mx[(i & 3) >> 1], s[i]);
+        }
       }
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+      }
+      float alpha[2] = {ex2f(m[0] - mx[0]), ex2f(m[1] - mx[1])}, rs[2] = {0.f, 0.f};
+      m[0] = mx[0]; m[1] = mx[1];
+      for (int i = 0; i < 64; ++i) { s[i] = ex2f(s[i] - mx[(i & 3) >> 1]); rs[(i & 3) >> 1] += s[i]; }
+      for (int h = 0; h < 2; ++h) {
+        rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 1);
+        rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 2);
+        lsum[h] = lsum[h] * alpha[h] + rs[h];
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
+      if (tile > 0) bar_arrive(EMPTY(prev));             // and its stage free
+      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i & 3) >> 1];
+      for (int kk = 0; kk < 8; ++kk)
+        for (int r = 0; r < 4; ++r) a[kk][r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+      prev = st;
     }
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
-    }
-    float alpha[2] = {ex2f(m[0] - mx[0]), ex2f(m[1] - mx[1])}, rs[2] = {0.f, 0.f};
-    m[0] = mx[0]; m[1] = mx[1];
-    for (int i = 0; i < 64; ++i) { s[i] = ex2f(s[i] - mx[(i & 3) >> 1]); rs[(i & 3) >> 1] += s[i]; }
-    for (int h = 0; h < 2; ++h) {
-      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 1);
-      rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 2);
-      lsum[h] = lsum[h] * alpha[h] + rs[h];
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
-    if (tile > 0) bar_arrive(EMPTY(prev));             // and its stage free
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i & 3) >> 1];
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");          // the last tile's P V
     for (int kk = 0; kk < 8; ++kk)
-      for (int r = 0; r < 4; ++r) a[kk][r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-    prev = st;
+      wg_rs<D>(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
+    commit_wait();
+    bar_arrive(EMPTY(prev));                           // the last tile's stage free too
+    for (int hh = 0; hh < 2; ++hh) {
+      if (lim[hh] < 0) continue;
+      int r = v.row0 + cw * 64 + 16 * w + g + 8 * hh, tok = r / G, h = v.kvh * G + r % G;
+      u16* dst = p.out + (v.q0 + tok) * p.o_s_tok + h * p.o_s_head;
+      float inv = 1.f / lsum[hh];
+      for (int j = 0; j < D / 8; ++j) {
+        int i = 4 * j + 2 * hh;
+        *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * q4) = pack_bf16(o[i] * inv, o[i + 1] * inv);
+      }
+    }
   }
   if constexpr (PP) if (cw == 0) asm volatile("bar.sync 3, 256;\n" ::: "memory");   // the second's last turn given
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");          // the last tile's P V
-  for (int kk = 0; kk < 8; ++kk)
-    wg_rs<D>(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
-  commit_wait();
 #undef SK
 #undef SV
 #undef FULL
 #undef EMPTY
-  for (int hh = 0; hh < 2; ++hh) {
-    if (lim[hh] < 0) continue;
-    int r = row0 + cw * 64 + 16 * w + g + 8 * hh, tok = r / G, h = kvh * G + r % G;
-    u16* dst = O + ((size_t)(q0 + tok) * H + h) * D;
-    float inv = 1.f / lsum[hh];
-    for (int j = 0; j < D / 8; ++j) {
-      int i = 4 * j + 2 * hh;
-      *reinterpret_cast<uint32_t*>(dst + 8 * j + 2 * q4) = pack_bf16(o[i] * inv, o[i + 1] * inv);
-    }
-  }
 }
 
+// The bench's entries: one CTA a unit of a host-made list (tools/_sm90a.py), q and out
+// contiguous [T, H, D], no padding rows.
 #define TC90(NAME, D, ST, PP)                                                                    \
   extern "C" __global__ void __launch_bounds__(384, 1)                                          \
   NAME(const u16* Q, const u16* Kp, const u16* Vp, const int* qo_indptr, const int* kv_indptr,   \
        const int* kv_indices, const int4* units, int H, int Hkv, float scale_log2, u16* O) {     \
-    tc90_prefill<D, ST, PP>(Q, Kp, Vp, qo_indptr, kv_indptr, kv_indices, units, H, Hkv,         \
-                            scale_log2, O);                                                      \
+    const Tc90Args p = {qo_indptr, kv_indptr, kv_indices, nullptr, Q, Kp, Vp, O,                \
+                        (long long)H * D, D, (long long)H * D, D, 0, H, Hkv, nullptr, 0,        \
+                        scale_log2};                                                             \
+    tc90_prefill<D, ST, PP>(p, units, gridDim.x);                                                \
   }
 // (name, head_dim, stages, ping-pong): tools/_sm90a.py sizes shared memory for these stages
 TC90(tc90_overlap_bf16_d64, 64, 4, false)
 TC90(tc90_overlap_bf16_d128, 128, 3, false)
 TC90(tc90_pingpong_bf16_d64, 64, 4, true)
 TC90(tc90_pingpong_bf16_d128, 128, 3, true)
+
+// The runner's entries (cellcache/cuda/tc.py): tc90_plan lists the step's units on the device
+// (one block), tc90_attend_bf16_d<D> runs them on persistent CTAs (one an SM: grid = SMs),
+// each taking every gridDim.x-th unit, and writes zeros into the padding rows.
+#define TC90_PLAN_THREADS 1024
+extern "C" __global__ void __launch_bounds__(TC90_PLAN_THREADS) tc90_plan(const Tc90Args a) {
+  // units run by run, kv head by kv head, each (run, kv head)'s 128-row blocks heaviest
+  // (last) first: neighbouring CTAs read the same K/V, which L2 then serves
+  __shared__ int s_warp[TC90_PLAN_THREADS / 32];
+  __shared__ int s_carry;
+  const int rows = (int)a.rows, Hkv = (int)a.n_kv_heads, G = (int)(a.n_heads / a.n_kv_heads);
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  if (threadIdx.x == 0) s_carry = 0;
+  __syncthreads();
+  for (int b = 0; b < rows; b += TC90_PLAN_THREADS) {
+    const int r = b + threadIdx.x;
+    const int nt = r < rows ? (run_qlen(a, r) * G + 127) / 128 : 0;
+    int x = nt;                                      // inclusive scan: warps, then their sums
+    for (int d = 1; d < 32; d <<= 1) { const int y = __shfl_up_sync(0xffffffff, x, d); if (lane >= d) x += y; }
+    if (lane == 31) s_warp[wid] = x;
+    __syncthreads();
+    if (wid == 0) {
+      int y = s_warp[lane];
+      for (int d = 1; d < 32; d <<= 1) { const int z = __shfl_up_sync(0xffffffff, y, d); if (lane >= d) y += z; }
+      s_warp[lane] = y;
+    }
+    __syncthreads();
+    const int ex = s_carry + (wid > 0 ? s_warp[wid - 1] : 0) + x - nt;
+    for (int h = 0; h < Hkv; ++h)
+      for (int j = 0; j < nt; ++j) {
+        const long long k = (long long)ex * Hkv + (long long)h * nt + j;
+        if (k < a.cap) a.plan[1 + k] = make_int4(r, h, (nt - 1 - j) * 128, 0);
+      }
+    __syncthreads();
+    if (threadIdx.x == 0) s_carry += s_warp[31];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) a.plan[0] = make_int4((int)min((long long)s_carry * Hkv, a.cap), 0, 0, 0);
+}
+
+#define TC90_ATTEND(D, ST)                                                                       \
+  extern "C" __global__ void __launch_bounds__(384, 1) tc90_attend_bf16_d##D(const Tc90Args a) { \
+    tc90_prefill<D, ST, true>(a, a.plan + 1, a.plan[0].x);                                       \
+  }
+TC90_ATTEND(64, 4)
+TC90_ATTEND(128, 3)

@@ -169,3 +169,21 @@ def test_attention_refuses_the_kernel_backends_on_a_host_cache_before_writing():
         cct.attention(view, 0, q, k, v, step=step, backend="fast")
     assert torch.equal(k_pool, before[0]) and torch.equal(v_pool, before[1])
     cache.commit_step()
+
+
+def test_cellcache_sm90a_turns_the_hopper_kernels_on_off_or_auto(monkeypatch):
+    """``CELLCACHE_SM90A``: unset or empty -> None (wherever the GPU takes them), 0 -> never,
+    1 -> required; any other value is refused, naming the variable."""
+    pytest.importorskip("torch")
+    from cellcache import InvalidArgument
+    from cellcache.torch import sm90a_setting
+
+    monkeypatch.delenv("CELLCACHE_SM90A", raising=False)
+    assert sm90a_setting() is None
+    for value, want in (("", None), ("0", False), ("1", True)):
+        monkeypatch.setenv("CELLCACHE_SM90A", value)
+        assert sm90a_setting() is want
+    for bad in ("yes", "2", " 1", "true"):
+        monkeypatch.setenv("CELLCACHE_SM90A", bad)
+        with pytest.raises(InvalidArgument, match="CELLCACHE_SM90A"):
+            sm90a_setting()

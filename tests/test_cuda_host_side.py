@@ -238,6 +238,80 @@ def test_launch_before_the_entry_points_is_refused():
         _launch.launch(1, (1, 1, 1), 1, 0, 0, b"", ())
 
 
+def test_a_hopper_gpu_runs_windowless_bf16_prefill_on_sm90a_and_everything_else_on_sm80(monkeypatch):
+    """Which kernels a launch runs once the sm_90a module is loaded: a prefill launch of a
+    windowless layer at head_dim 64 or 128 with the table's choice runs ``tc90_plan`` then
+    ``tc90_attend`` on one CTA an SM (the plan kept by a later layer's ``fresh=False``, made
+    anew by any ``fresh=True``), never the merge; a decode step, a window, a variant, split
+    or order of the caller's, grouped rows, or another head_dim run the sm_80 kernels. The
+    arguments are Tc90Args' 18 eight-byte fields. (No GPU: an instance filled by hand, its
+    launches recorded.)"""
+    import types
+
+    from cellcache.cuda import tc
+
+    kern = tc.TensorCoreAttention.__new__(tc.TensorCoreAttention)
+    kern.dtype, kern.kv8, kern.table, kern.sm_count, kern.module = "bfloat16", False, tc.TABLE, 132, object()
+    kern.f_plan, kern.f_share, kern.f_merge, attend = 1, 2, 3, 4
+    kern.variants = {d: {} for d in tc.HEAD_DIMS}
+    for (d, _), c in tc.TABLE.items():
+        kern.variants[d][c.variant] = {"qrows": 128, "kv_tile": 64, "smem": 0, "ctas": 132, "f": attend}
+    kern._plan = kern._part = kern._share = kern._cpart = 1 << 20
+    kern._plan_bytes = kern._part_bytes = kern._share_bytes = kern._cpart_bytes = 1 << 40
+    kern._plan_key = None
+    kern.hopper = {"module": object(), "plan": 7, 64: 8, 128: 9}
+    kern._plan90, kern._plan90_bytes, kern._plan90_key = 1 << 30, 1 << 40, None
+    launched: list[tuple] = []
+    monkeypatch.setattr(tc, "_launch", types.SimpleNamespace(
+        launch=lambda f, grid, block, smem, stream, args, offsets: launched.append((f, grid[0], block, smem,
+                                                                                   args))))
+    view = {"qo_indptr": 16, "kv_indptr": 32, "kv_indices": 48, "width": 64}
+
+    def run(head_dim=128, window=0, n_kv=8, **kw):
+        launched.clear()
+        merged = kern.run(view, 100, 1024, (1024, 64), 2048, 4096, 8192, (1024, 64), 16, n_kv, head_dim,
+                          window, 0, **kw)
+        return merged, [x[0] for x in launched]
+
+    assert run() == (False, [7, 9])
+    plan, attend90 = launched
+    assert plan[1:3] == (1, 1024) and attend90[1:4] == (132, 384, tc.hopper_smem(128))
+    assert len(attend90[4]) == tc._ARGS90.size == 18 * 8
+    fields = tc._ARGS90.unpack(attend90[4])
+    assert fields[:8] == (16, 32, 48, 64, 1024, 2048, 4096, 8192) and fields[12:15] == (100, 16, 8)
+    assert fields[15:17] == (1 << 30, tc.hopper_units_cap(100, 16, 8))
+    assert abs(fields[17] - 128 ** -0.5 * 1.4426950408889634) < 1e-12
+    assert run(fresh=False) == (False, [9])                   # a later layer keeps the list
+    assert run(head_dim=64, fresh=False) == (False, [8])      # (the list does not depend on it)
+    assert run(window=37, fresh=False)[1][:2] == [1, attend]  # sm_80 (its own list: a new key)
+    assert run(fresh=False) == (False, [9])                   # the sm_90a list kept beside it
+    assert run(n_kv=4, fresh=False) == (False, [7, 9])        # other heads: another list
+    assert run(fresh=False) == (False, [7, 9])
+    assert run(fresh=True) == (False, [7, 9])                 # a new step
+    for kw in (dict(decode=True), dict(window=37), dict(variant=tc.TABLE[128, "prefill"].variant),
+               dict(split=0), dict(order=0), dict(cascade=128), dict(head_dim=96)):
+        _, fs = run(**kw)
+        assert 7 not in fs and 8 not in fs and 9 not in fs and attend in fs, kw
+    run(window=37)                                            # fresh=True: both lists forgotten
+    assert run(fresh=False) == (False, [7, 9])
+    kern.hopper = None                                        # (no Hopper): the same launch on sm_80
+    assert attend in run()[1]
+
+
+def test_hopper_units_cap_holds_every_list_a_step_can_make():
+    """The sm_90a list's capacity against the largest lists of a step of ``rows`` rows: one
+    run of every row (decode), one run of all rows, and every split between."""
+    from cellcache.cuda import tc
+
+    for rows in (1, 7, 128, 1000, 4096):
+        for H, Hkv in ((16, 8), (14, 2), (64, 1), (4, 4)):
+            G = H // Hkv
+            cap = tc.hopper_units_cap(rows, H, Hkv)
+            for runs in {1, 2, rows // 3 or 1, rows}:
+                lens = [rows // runs + (1 if r < rows % runs else 0) for r in range(runs)]
+                assert sum(-(-n * G // tc.HOPPER_ROWS) for n in lens) * Hkv <= cap, (rows, H, Hkv, runs)
+
+
 def test_tensor_core_run_leaves_the_merge_out_only_where_no_run_can_split(monkeypatch):
     """``unsplit_rows``: split x CTAs over the kv heads, rounded up (0 where the choice never
     splits). ``run(live_rows=...)`` launches the merge unless grouping is off and the promised
@@ -258,6 +332,7 @@ def test_tensor_core_run_leaves_the_merge_out_only_where_no_run_can_split(monkey
     kern._plan = kern._part = kern._share = kern._cpart = 1 << 20
     kern._plan_bytes = kern._part_bytes = kern._share_bytes = kern._cpart_bytes = 1 << 40
     kern._plan_key = None
+    kern.hopper, kern._plan90, kern._plan90_key = None, 0, None      # (an sm_80 GPU)
     launched: list[int] = []
     monkeypatch.setattr(tc, "_launch", types.SimpleNamespace(launch=lambda f, *args: launched.append(f)))
 

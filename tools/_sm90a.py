@@ -1,7 +1,9 @@
-"""The sm_90a prefill kernels (``cuda/tc_sm90a.cu``) for the attention bench: their work list,
-made on the host, and their launch. The runner does not choose them yet (docs/design/attention.md,
-"An sm_90a path"); ``tools/bench.py --section attention`` times them beside the table's choice
-and FlashInfer on Hopper.
+"""The sm_90a prefill kernels' bench entries (``cuda/tc_sm90a.cu``, ``tc90_<overlap|pingpong>``):
+their work list, made on the host in any of three orders, and their launch, one CTA a unit.
+The runner launches the same kernel body through ``cellcache.cuda.tc`` (``tc90_plan`` and
+``tc90_attend``: the list made on the device, run by run, persistent CTAs); ``tools/bench.py
+--section attention`` times both beside the table's choice and FlashInfer on Hopper
+(docs/design/attention.md, "An sm_90a path").
 
 A unit is ``(run, kv head, first packed row, 0)``: 128 packed rows of one run (row p = query
 p // G, head p % G of the kv head's group of G), one CTA each. ``order="run"`` lists them run
@@ -21,18 +23,13 @@ from typing import Any
 
 import numpy as np
 
-ROWS = 128                                   # packed rows a unit (two consumer warpgroups of 64)
-THREADS = 384                                # a producer warpgroup and two consumers
-STAGES = {64: 4, 128: 3}                     # K/V stages by head_dim
+from cellcache.cuda.tc import HOPPER_ROWS as ROWS
+from cellcache.cuda.tc import HOPPER_STAGES as STAGES
+from cellcache.cuda.tc import HOPPER_THREADS as THREADS
+from cellcache.cuda.tc import hopper_smem as smem_bytes
+
 KERNELS = ("overlap", "pingpong")
 ORDERS = ("run", "heaviest", "sections")
-
-
-def smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of a CTA: both consumers' Q, the K/V stages, 1 KiB of alignment
-    slack for the 128-byte swizzle, a full and an empty mbarrier a stage."""
-    st = STAGES[head_dim]
-    return 2 * 64 * head_dim * 2 + st * 2 * ROWS * head_dim * 2 + 1024 + 2 * st * 8
 
 
 def section_keys(l2_bytes: int, head_dim: int) -> int:

@@ -481,10 +481,12 @@ def _against_baseline(ptx: bytes, tensor_core, sm: int, pv, rows: int, q, stride
 
 def _sm90a_columns(step, pv, q, k_pool, v_pool, H: int, Hkv: int, D: int, stream: int, ref, flops: int,
                    reps: int) -> dict:
-    """The sm_90a prefill kernels (tools/_sm90a.py) on the step's buffers: each kernel with its
-    units run by run, ``pingpong`` also in L2-sized sections heaviest first and heaviest first
-    over the step (the order L2 cannot serve); outputs against ``ref``. ``sm90a_ms`` is the
-    fastest run-by-run or sectioned launch whose output agrees."""
+    """The sm_90a prefill kernels on the step's buffers: the bench's entries (tools/_sm90a.py),
+    each kernel with its units run by run, ``pingpong`` also in L2-sized sections heaviest
+    first and heaviest first over the step (the order L2 cannot serve); then the runner's
+    launch (cellcache.cuda.tc: its device-made list, persistent CTAs), with and without its
+    plan; outputs against ``ref``. ``sm90a_ms`` is the runner's launch (the plan made once a
+    step), where its output agrees."""
     import torch
 
     try:
@@ -511,11 +513,39 @@ def _sm90a_columns(step, pv, q, k_pool, v_pool, H: int, Hkv: int, D: int, stream
         return {"sm90a": rows, "sm90a_error": repr(e)[:300]}
     finally:
         k90.close()
+    # what the runner launches: cellcache.cuda.tc's choice on this GPU (tc90_plan once a step,
+    # as the table's columns time it, then the persistent tc90_attend)
+    try:
+        from cellcache.cuda.tc import TensorCoreAttention
+
+        lib = TensorCoreAttention("bfloat16", torch.cuda.get_device_properties(0).multi_processor_count)
+    except Exception as e:  # noqa: BLE001
+        return {"sm90a": rows, "sm90a_error": repr(e)[:300]}
+    try:
+        if lib.hopper is None:
+            return {"sm90a": rows, "sm90a_error": f"the library did not choose sm_90a: {lib.hopper_reason}"}
+        strides = (H * D, D)
+
+        def runner(fresh=False):
+            lib.run(pv, int(q.shape[0]), q.data_ptr(), strides, k_pool.data_ptr(), v_pool.data_ptr(),
+                    out.data_ptr(), strides, H, Hkv, D, 0, stream, fresh=fresh)
+
+        for fresh in (False, True):
+            out.fill_(float("nan"))
+            runner(True)
+            ms = _timed(lambda fresh=fresh: runner(fresh), reps)
+            rows.append({"kernel": "runner" + (" with plan" if fresh else ""), "order": "run (device list)",
+                         "ms": ms, "TFLOPs": flops / (ms * 1e-3) / 1e12,
+                         "diff_table": float((out.float() - ref).abs().nan_to_num(float("inf")).max())})
+    except Exception as e:  # noqa: BLE001
+        return {"sm90a": rows, "sm90a_error": repr(e)[:300]}
+    finally:
+        lib.close()
     res: dict = {"sm90a": rows}
-    ok = [r for r in rows if r["order"] != "heaviest" and r["diff_table"] <= 0.05]
-    if ok:
-        best = min(ok, key=lambda r: r["ms"])
-        res["sm90a_ms"], res["sm90a_kernel"], res["sm90a_order"] = best["ms"], best["kernel"], best["order"]
+    # the target is read on what the runner launches (the bench entries: how the orders compare)
+    ok = [r for r in rows if r["kernel"] == "runner" and r["diff_table"] <= 0.05]
+    for k in ("ms", "kernel", "order") if ok else ():
+        res["sm90a_" + k] = ok[0][k]
     log("[attention] sm_90a: " + ", ".join(f"{r['kernel']} ({r['order']}) {r['ms']:.3f} ms, diff "
                                             f"{r['diff_table']:.2e}" for r in rows))
     return res
@@ -556,7 +586,7 @@ def _attention_case(name: str, n_seq: int, hist: int | tuple[int, int], new: int
     step, view, k_pool, v_pool, q, out, pv, stream = _one_step(cache, ids, rows, H, D)
     kern, p = view.kernels(), view.paged
     sm = torch.cuda.get_device_properties(0).multi_processor_count
-    tc = TensorCoreAttention("bfloat16", sm)
+    tc = TensorCoreAttention("bfloat16", sm, hopper=False)   # the sm_80 table (sm_90a: its own columns)
     strides = (H * D, D)
     res: dict = {"case": name, "rows": rows, "kv_per_seq": [min(hists) + new, max(hists) + new],
                  "heads": [H, Hkv, D], "dtype": "bfloat16"}

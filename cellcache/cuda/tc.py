@@ -61,6 +61,29 @@ _ARGS = struct.Struct("=8Q4q5q2Q3qdQ2q2Q")
 #: cascade: the most kv splits of a group's shared keys (TC_NSH), their alignment (TC_CASCADE_ALIGN)
 _NSH = 4
 CASCADE_ALIGN = 128
+#: Tc90Args in cuda/tc_sm90a.cu: every field 8 bytes
+_ARGS90 = struct.Struct("=8Q4q3qQqd")
+#: the sm_90a prefill kernels (compute capability 9.0, bf16 pools): head dims, K/V stages,
+#: packed rows a unit, threads a CTA (a producer warpgroup and two consumers)
+HOPPER_HEAD_DIMS = (64, 128)
+HOPPER_STAGES = {64: 4, 128: 3}
+HOPPER_ROWS = 128
+HOPPER_THREADS = 384
+
+
+def hopper_smem(head_dim: int) -> int:
+    """Dynamic shared memory of an sm_90a prefill CTA: both consumers' Q, the K/V stages, 1 KiB
+    of alignment slack for the 128-byte swizzle, a full and an empty mbarrier a stage."""
+    st = HOPPER_STAGES[head_dim]
+    return 2 * 64 * head_dim * 2 + st * 2 * HOPPER_ROWS * head_dim * 2 + 1024 + 2 * st * 8
+
+
+def hopper_units_cap(rows: int, n_heads: int, n_kv_heads: int) -> int:
+    """Units an sm_90a plan of ``rows`` padded rows can make: every run with a query makes
+    ceil(queries x group / 128) a kv head, at most rows x group / 128 + rows in all."""
+    return n_kv_heads * (rows + -(-rows * (n_heads // n_kv_heads) // HOPPER_ROWS))
+
+
 #: tc_variants: {D, MQ, WKV, KT, ST, packed rows a unit, shared bytes, B (CTAs an SM asked of
 #: the compiler, 0: none; named ...b<B>), KS (keys scored at once, 0: the default rule; named
 #: ...x<KS>)}
@@ -115,6 +138,16 @@ TABLE_E4M3: dict[tuple[int, str], Choice] = {
 }
 
 
+def compute_capability() -> tuple[int, int]:
+    """(major, minor) of the current context's GPU."""
+    dev = check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
+    attr = cu.CUdevice_attribute
+    major, minor = (int(check(cu.cuDeviceGetAttribute(which, dev), "cuDeviceGetAttribute"))
+                    for which in (attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                                  attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
+    return major, minor
+
+
 def supports(dtype: str, head_dim: int, group: int) -> bool:
     """Whether a tensor-core kernel takes this K/V dtype, head_dim and query heads per kv head."""
     return dtype in DTYPES and head_dim in HEAD_DIMS and 1 <= group <= MAX_GROUP
@@ -143,7 +176,10 @@ class TensorCoreAttention:
     ...        torch.cuda.current_stream().cuda_stream)             # doctest: +SKIP
     """
 
-    def __init__(self, dtype: str, sm_count: int, kv_dtype: str | None = None, *, ptx: bytes | None = None):
+    def __init__(self, dtype: str, sm_count: int, kv_dtype: str | None = None, *, ptx: bytes | None = None,
+                 hopper: bool | None = None):
+        """``hopper``: the sm_90a prefill kernels where the GPU and pools take them (None),
+        never (False), or required (True: InvalidArgument where they cannot run)."""
         if ptx is not None and not isinstance(ptx, (bytes, bytearray)):
             raise InvalidArgument(f"ptx must be bytes (a tc_attention.ptx built elsewhere), not "
                                   f"{type(ptx).__name__}")
@@ -186,6 +222,56 @@ class TensorCoreAttention:
         self._plan = self._part = self._share = self._cpart = 0
         self._plan_bytes = self._part_bytes = self._share_bytes = self._cpart_bytes = 0
         self._plan_key: tuple | None = None    # what the last tc_plan launch planned
+        self._plan90 = self._plan90_bytes = 0
+        self._plan90_key: tuple | None = None
+        self._plan90_made = False               # whether _plan90 holds a list (hopper_units)
+        #: the sm_90a prefill kernels, where this GPU and these pools take them (else None)
+        self.hopper: Any = None
+        #: why not, where not: a line for the logs and the bench
+        self.hopper_reason = ""
+        try:
+            self._load_hopper(hopper, ptx is not None)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load_hopper(self, hopper: bool | None, custom_ptx: bool) -> None:
+        """Loads ``tc_sm90a.ptx`` where the current GPU is compute capability 9.0, the pools
+        bf16 and the module the shipped one (``hopper=None``); ``False``: never; ``True``:
+        InvalidArgument where it cannot (the GPU, the dtype or a given ``ptx``)."""
+        if hopper is not None and not isinstance(hopper, bool):
+            raise InvalidArgument(f"hopper must be None (where the GPU takes it), True or False, "
+                                  f"not {hopper!r}")
+        if hopper is False:
+            self.hopper_reason = "turned off (hopper=False)"
+            return
+        cc = compute_capability()
+        why = ("the GPU is compute capability {}.{}, not 9.0".format(*cc) if cc != (9, 0)
+               else f"the pools are {self.dtype}, not bfloat16" if self.dtype != "bfloat16" or self.kv8
+               else "the tensor-core module is PTX given to compare kernels" if custom_ptx else "")
+        if why:
+            if hopper:
+                raise InvalidArgument(f"hopper=True: the sm_90a prefill kernels do not run here: {why}")
+            self.hopper_reason = why
+            return
+        try:
+            module = drv.load_module("tc_sm90a")
+        except drv.CudaError as e:
+            if hopper:
+                raise
+            self.hopper_reason = f"the driver did not load tc_sm90a.ptx: {e}"
+            return
+        try:
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            fns: dict[Any, int] = {"plan": int(drv.function(module, "tc90_plan"))}
+            for d in HOPPER_HEAD_DIMS:
+                f = drv.function(module, f"tc90_attend_bf16_d{d}")
+                check(cu.cuFuncSetAttribute(f, attr, hopper_smem(d)), "cuFuncSetAttribute")
+                fns[d] = int(f)
+        except BaseException:
+            check(cu.cuModuleUnload(module), "cuModuleUnload")
+            raise
+        self.hopper = {"module": module, **fns}
 
     def _read_variants(self) -> list[tuple[int, ...]]:
         """The module's variant list (one source: the kernel file's TC_VARIANTS)."""
@@ -235,6 +321,12 @@ class TensorCoreAttention:
         self._plan_key = None
         self._plan = self._part = self._share = self._cpart = 0
         self._plan_bytes = self._part_bytes = self._share_bytes = self._cpart_bytes = 0
+        self._plan90 = self._plan90_bytes = 0
+        self._plan90_key = None
+        self._plan90_made = False
+        if self.hopper is not None:
+            check(cu.cuModuleUnload(self.hopper["module"]), "cuModuleUnload")
+            self.hopper = None
         if self.module is not None:
             check(cu.cuModuleUnload(self.module), "cuModuleUnload")
             self.module = None
@@ -283,6 +375,24 @@ class TensorCoreAttention:
         if cpart_bytes > self._cpart_bytes:
             self._cpart = self._alloc(cpart_bytes, "tensor-core grouped partials")
             self._cpart_bytes = cpart_bytes
+        if self._hopper_takes(head_dim, decode, variant, split, None):
+            self._reserve_hopper(rows, n_heads, n_kv_heads)
+
+    def _hopper_takes(self, head_dim: int, decode: bool, variant: str | None, split: int | None,
+                      order: int | None, window: int = 0, cascade: int = 0) -> bool:
+        """Whether a launch with these arguments runs the sm_90a prefill kernels: a prefill
+        step of a windowless bf16 layer at head_dim 64 or 128 with the table's choice (a
+        variant, split or order given, a decode step, a window or grouped rows keep the sm_80
+        kernels)."""
+        return (self.hopper is not None and not decode and variant is None and split is None
+                and order is None and window == 0 and cascade == 0 and head_dim in HOPPER_HEAD_DIMS)
+
+    def _reserve_hopper(self, rows: int, n_heads: int, n_kv_heads: int) -> None:
+        nbytes = 16 * (1 + hopper_units_cap(rows, n_heads, n_kv_heads))
+        if nbytes > self._plan90_bytes:
+            self._plan90 = self._alloc(nbytes, "sm_90a work list")
+            self._plan90_bytes = nbytes
+            self._plan90_made = False
 
     def _alloc(self, nbytes: int, what: str) -> int:
         ptr = int(check(cu.cuMemAlloc(nbytes), f"cuMemAlloc({what})"))
@@ -325,7 +435,14 @@ class TensorCoreAttention:
         inputs are the same (its view, rows, heads, window, variant, split and cascade): the
         other layers of a step whose first layer planned it (``tc_plan`` is a single block;
         once a step instead of once a layer). A caller passes False only for launches of the
-        same step, in the same order every time (a captured graph keeps the choice).
+        same step, in the same order every time (a captured graph keeps the choice); a
+        launch with ``fresh=True`` forgets both kernel families' lists.
+
+        On a GPU of compute capability 9.0 with bf16 pools (``hopper``, chosen at load), a
+        prefill step (``decode=False``) of a windowless layer at head_dim 64 or 128 with the
+        table's choice (no ``variant``, ``split`` or ``order`` given) and no grouped rows runs
+        the sm_90a kernels instead (``cuda/tc_sm90a.cu``: their own work list, ``tc90_plan``,
+        then persistent warp-specialized CTAs; never split, so never a merge).
 
         ``live_rows`` is the caller's promise that at least that many of the step's runs have
         a query (a captured graph: in every step it replays). Without grouping (``cascade``
@@ -360,7 +477,15 @@ class TensorCoreAttention:
         choice = self.choose(head_dim, decode, variant, split, order)
         if rows < 1:
             return False
+        if fresh:
+            # a new step: neither kernel family's last list is this step's, whichever launched
+            # it (a windowed layer's sm_80 list, then a windowless layer's sm_90a one, ...)
+            self._plan_key = self._plan90_key = None
         cascade = cascade if window == 0 and rows > 1 else 0
+        if self._hopper_takes(head_dim, decode, variant, split, order, window, cascade):
+            self._run_hopper(view, rows, q, q_strides, k_pool, v_pool, out, out_strides, n_heads,
+                             n_kv_heads, head_dim, stream, scale, fresh)
+            return False
         list_cap, split_cap, plan_bytes, part_bytes, gcap, cpart_bytes = self._sizes(
             rows, n_heads, n_kv_heads, head_dim, choice, cascade > 0)
         if (plan_bytes > self._plan_bytes or part_bytes > self._part_bytes
@@ -410,6 +535,31 @@ class TensorCoreAttention:
                        args + struct.pack("=ii", head_dim, v["qrows"]), (0, n, n + 4))
         return True
 
+    def _run_hopper(self, view: dict, rows: int, q: int, q_strides: tuple[int, int], k_pool: int,
+                    v_pool: int, out: int, out_strides: tuple[int, int], n_heads: int, n_kv_heads: int,
+                    head_dim: int, stream: int, scale: float | None, fresh: bool) -> None:
+        """tc90_plan (unless ``fresh=False`` finds this step's list made) and the persistent
+        sm_90a launch, one CTA an SM; no split, so no merge."""
+        cap = hopper_units_cap(rows, n_heads, n_kv_heads)
+        if 16 * (1 + cap) > self._plan90_bytes:
+            capturing = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+            if int(capturing) != int(cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
+                raise InvalidState(
+                    f"the sm_90a work list for rows={rows} is not allocated and the stream is "
+                    "being captured; call reserve() with these shapes before the capture")
+            self._reserve_hopper(rows, n_heads, n_kv_heads)
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        args = _ARGS90.pack(view["qo_indptr"], view["kv_indptr"], view["kv_indices"], view["width"], q,
+                            k_pool, v_pool, out, q_strides[0], q_strides[1], out_strides[0], out_strides[1],
+                            rows, n_heads, n_kv_heads, self._plan90, cap, scale * _LOG2E)
+        key = (args[:32], rows, n_heads, n_kv_heads, self._plan90, cap)
+        if fresh or key != self._plan90_key:
+            _launch.launch(self.hopper["plan"], (1, 1, 1), 1024, 0, stream, args, (0,))
+            self._plan90_key = key
+            self._plan90_made = True
+        _launch.launch(self.hopper[head_dim], (self.sm_count, 1, 1), HOPPER_THREADS, hopper_smem(head_dim),
+                       stream, args, (0,))
+
     def plan_header(self) -> dict[str, int]:
         """The last launch's plan as the device left it (waits for the device): units of the
         runs' own pass and of the shared (cascade) pass, the kv split size, and whether some
@@ -421,6 +571,20 @@ class TensorCoreAttention:
         check(cu.cuMemcpyDtoH(hdr.ctypes.data, self._plan, hdr.nbytes), "cuMemcpyDtoH")
         return {"units": int(hdr[0]), "chunk": int(hdr[1]), "split": int(hdr[3]),
                 "shared_units": int(hdr[4]), "grouped": int(hdr[6])}
+
+    def hopper_units(self) -> np.ndarray:
+        """The last sm_90a launch's work list as the device left it (waits for the device):
+        int32 ``[units, 4]`` of (run, kv head, first packed row, 0), run by run, kv head by kv
+        head, each pair's 128-row blocks last (heaviest) first."""
+        if not self._plan90_made:
+            raise InvalidState("no sm_90a launch has made a work list yet")
+        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        n = np.zeros(4, dtype=np.int32)
+        check(cu.cuMemcpyDtoH(n.ctypes.data, self._plan90, n.nbytes), "cuMemcpyDtoH")
+        units = np.zeros((int(n[0]), 4), dtype=np.int32)
+        if units.size:
+            check(cu.cuMemcpyDtoH(units.ctypes.data, self._plan90 + 16, units.nbytes), "cuMemcpyDtoH")
+        return units
 
     def describe(self, head_dim: int, decode: bool = False, variant: str | None = None) -> dict[str, Any]:
         """Tile shape, shared memory and persistent grid of the variant a run would launch."""

@@ -1,8 +1,10 @@
-"""The sm_90a prefill kernels (cuda/tc_sm90a.cu, launched by tools/_sm90a.py for the attention
-bench): on Hopper each kernel, in each unit order, equals float32 attention over the same
-paged K/V (ragged runs, a history before the causal part, packed GQA rows, runs shorter than
-a block, a unit of a run without queries doing nothing); on any other GPU the shipped sm_90a
-PTX is refused with cellcache's CudaError."""
+"""The sm_90a prefill kernels (cuda/tc_sm90a.cu). The bench's entries (tools/_sm90a.py): on
+Hopper each kernel, in each unit order, equals float32 attention over the same paged K/V
+(ragged runs, a history before the causal part, packed GQA rows, runs shorter than a block, a
+unit of a run without queries doing nothing); on any other GPU the shipped sm_90a PTX is
+refused with cellcache's CudaError. The runner's (cellcache.cuda.tc): chosen on Hopper only,
+equal to float64 attention over the cache's own steps, their device-made list the host's,
+captured and replayed over other steps."""
 
 from __future__ import annotations
 
@@ -83,3 +85,106 @@ def test_the_sm90a_kernels_equal_float32_attention_on_hopper_and_are_refused_els
                 assert err < 3e-2, (kernel, order, err)
     finally:
         kern.close()
+
+
+# -- the runner's launch (cellcache.cuda.tc: tc90_plan, persistent tc90_attend) -------------------
+
+@pytest.mark.parametrize("D,G", [(128, 4), (64, 7), (64, 1)])
+def test_the_tensor_core_kernels_run_prefill_on_sm90a_on_hopper_only(D, G):
+    """``TensorCoreAttention`` loads the sm_90a kernels on compute capability 9.0 (bf16 pools)
+    and nowhere else (``hopper=True`` is refused there, naming the GPU). On Hopper a prefill
+    launch with the table's choice runs them: decode-shaped, prefill and mixed steps, padded
+    or not, equal float64 attention and leave zeros in the padding rows; the device's work
+    list is the host's run-by-run list of the step's real runs; a decode step, a window or a
+    variant of the table keep the sm_80 kernels (the list stays the last sm_90a step's)."""
+    torch = pytest.importorskip("torch")
+    from cellcache.cuda.tc import TensorCoreAttention
+    from cellcache.errors import InvalidArgument
+
+    from .test_cuda_tensor_core import N_KV, WINDOW, Rig, _steps
+
+    k90 = load_tool("_sm90a")
+    rig = Rig("bfloat16", D, G, hist=(1, 700), capacity=16384, seed=D + G)
+    try:
+        hopper = torch.cuda.get_device_capability(0) == (9, 0)
+        assert (rig.tc.hopper is not None) == hopper, rig.tc.hopper_reason
+        sm = torch.cuda.get_device_properties(0).multi_processor_count
+        if not hopper:
+            assert "compute capability" in rig.tc.hopper_reason
+            with pytest.raises(InvalidArgument, match="compute capability"):
+                TensorCoreAttention("bfloat16", sm, hopper=True)
+            return
+        with pytest.raises(InvalidArgument, match="float16"):
+            TensorCoreAttention("float16", sm, hopper=True)
+        for kind, ids, pad in _steps(rig.rng, rig.seqs):
+            st, view, k_pool, v_pool, q = rig.step(ids, pad)
+            what = f"d{D} G{G} {kind} pad {pad - len(ids)}"
+            rig.check(st, view, k_pool, v_pool, q, 0, what=what + " sm_90a")
+            hv = rig.host_view(view, pad)
+            runs = int(np.searchsorted(hv["qo_indptr"], hv["width"]))     # the real runs
+            want = k90.units(hv["qo_indptr"][:runs + 1], hv["kv_indptr"][:runs + 1], runs, G, N_KV, "run")
+            got = rig.tc.hopper_units()
+            assert got.tolist() == want.tolist(), what
+            # the sm_80 kernels for what sm_90a does not take: its list stays as it was
+            rig.check(st, view, k_pool, v_pool, q, WINDOW, what=what + " window")
+            rig.check(st, view, k_pool, v_pool, q, 0, what=what + " decode variant",
+                      choices=[{"decode": True}])
+            rig.check(st, view, k_pool, v_pool, q, 0, what=what + " table variant",
+                      choices=[{"variant": rig.tc.choose(D).variant}])
+            assert rig.tc.hopper_units().tolist() == got.tolist(), what
+    finally:
+        rig.close()
+
+
+def test_a_captured_sm90a_launch_replays_over_other_steps_and_other_layers_keep_its_list():
+    """tc90_plan and tc90_attend captured once over a padded 1024-row mixed step replay over
+    two other steps of those rows (other runs, lengths and width); a second launch of the same
+    step with ``fresh=False`` (a later layer) keeps the list, a windowed launch between them
+    (the sm_80 kernels) does not disturb it, and a ``fresh=True`` launch of a new step plans
+    it anew. (On another GPU the same launches run the sm_80 kernels and must pass alike.)"""
+    torch = pytest.importorskip("torch")
+    from .test_cuda_tensor_core import WINDOW, Rig
+
+    G, D, rows = 4, 128, 1024
+    rig = Rig("bfloat16", D, G, n_seqs=16, hist=(1, 1200), capacity=60000, max_write=rows, seed=3)
+    try:
+        rng = rig.rng
+        hopper = rig.tc.hopper is not None
+        assert hopper == (torch.cuda.get_device_capability(0) == (9, 0)), rig.tc.hopper_reason
+
+        def mixed(width):
+            ids, seqs, j = [], [int(s) for s in rng.permutation(rig.seqs)], 0
+            while len(ids) < width:
+                s = seqs[j % len(seqs)]
+                n = 1 if j % 3 else int(rng.integers(50, 400))
+                if not ids or ids[-1] != s:
+                    ids += [s] * min(n, width - len(ids))
+                j += 1
+            return ids
+
+        st, view, k_pool, v_pool, q = rig.step(mixed(1000), rows)
+        out = torch.empty_like(q)
+        rig.run(view, rows, q, k_pool, v_pool, out, 0)                    # eager: allocates the list
+        rig.check(st, view, k_pool, v_pool, q, 0, out=out, what="eager")
+        first = rig.tc.hopper_units() if hopper else None
+        rig.run(view, rows, q, k_pool, v_pool, out, WINDOW, fresh=False)   # a windowed layer: sm_80
+        rig.check(st, view, k_pool, v_pool, q, WINDOW, out=out, what="windowed layer")
+        out.fill_(float("nan"))
+        rig.run(view, rows, q, k_pool, v_pool, out, 0, fresh=False)        # a later layer: the list kept
+        rig.check(st, view, k_pool, v_pool, q, 0, out=out, what="later layer")
+        assert not hopper or rig.tc.hopper_units().tolist() == first.tolist()
+        stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            rig.run(view, rows, q, k_pool, v_pool, out, 0)
+        for width in (700, 1024):
+            st2, view2, k2, v2, q2 = rig.step(mixed(width), rows)
+            assert view2.paged_pointers() == view.paged_pointers() and k2.data_ptr() == k_pool.data_ptr()
+            q.copy_(q2)
+            out.fill_(float("nan"))
+            graph.replay()
+            rig.check(st2, view2, k2, v2, q, 0, out=out, what=f"replay width {width}")
+            assert not hopper or rig.tc.hopper_units().tolist() != first.tolist()
+        del graph
+    finally:
+        rig.close()
