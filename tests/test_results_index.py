@@ -144,6 +144,13 @@ def test_each_kind_of_result_has_its_headline(ri):
     assert ri.headline(grouped) == ("110 tok/s; 1.10x without shared-prefix attention; host 50 µs a "
                                     "decode step = 1.2% of its 4.00 ms on the GPU; decode step 0.80x "
                                     "without shared-prefix attention")
+    attn = {"attention": {"cases": [
+        {"case": "prefill 16 x 512 causal, 14q/2kv d64 (x)", "tensor_core_ms": 0.08,
+         "flashinfer_best_ms": 0.1, "sm90a_ms": 0.05},
+        {"case": "decode 256 x 4096, 32q/8kv d128", "tensor_core_ms": 1.1, "flashinfer_best_ms": 1.0}]}}
+    assert ri.headline(attn) == ("prefill 16 x 512 causal, 14q/2kv d64: 0.080 ms (0.80x FlashInfer's best), "
+                                 "sm_90a 0.050 ms (0.50x); decode 256 x 4096, 32q/8kv d128: 1.100 ms (1.10x "
+                                 "FlashInfer's best)")
     assert ri.headline({"date": "2026-01-01"}) == ri.UNKNOWN
 
 

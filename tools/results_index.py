@@ -166,12 +166,18 @@ def _growth(s: dict) -> list[str]:
 
 
 def _attention(s: dict) -> list[str]:
+    """Each case: the table's choice against FlashInfer's best, and on Hopper the sm_90a
+    launch the runner makes there instead (prefill)."""
     parts = []
     for c in s.get("cases", []):
         ms = c.get("tensor_core_ms", c.get("paged_ms"))
         if "case" in c and isinstance(ms, (int, float)):
             fi = c.get("flashinfer_best_ms")
-            vs = f" ({ms / fi:.2f}x FlashInfer's best)" if isinstance(fi, (int, float)) and fi > 0 else ""
+            ok = isinstance(fi, (int, float)) and fi > 0
+            vs = f" ({ms / fi:.2f}x FlashInfer's best)" if ok else ""
+            m90 = c.get("sm90a_ms")
+            if isinstance(m90, (int, float)):
+                vs += f", sm_90a {m90:.3f} ms" + (f" ({m90 / fi:.2f}x)" if ok else "")
             parts.append(f"{c['case'].split(' (')[0]}: {ms:.3f} ms{vs}")
     return parts
 
