@@ -238,6 +238,24 @@ def test_launch_before_the_entry_points_is_refused():
         _launch.launch(1, (1, 1, 1), 1, 0, 0, b"", ())
 
 
+def _hand_made_tensor_cores(tc, qrows: int, ctas: int, attend: int, hopper):
+    """A TensorCoreAttention without a GPU: the table's variants on ``ctas`` CTAs launching
+    ``attend``, plan 1, share 2, merge 3, every scratch taken as allocated; ``hopper``: the
+    sm_90a module's functions (None: a GPU without them)."""
+    kern = tc.TensorCoreAttention.__new__(tc.TensorCoreAttention)
+    kern.dtype, kern.kv8, kern.table, kern.sm_count, kern.module = "bfloat16", False, tc.TABLE, 132, object()
+    kern.f_plan, kern.f_share, kern.f_merge = 1, 2, 3
+    kern.variants = {d: {} for d in tc.HEAD_DIMS}
+    for (d, _), c in tc.TABLE.items():
+        kern.variants[d][c.variant] = {"qrows": qrows, "kv_tile": 64, "smem": 0, "ctas": ctas, "f": attend}
+    kern._plan = kern._part = kern._share = kern._cpart = 1 << 20
+    kern._plan_bytes = kern._part_bytes = kern._share_bytes = kern._cpart_bytes = 1 << 40
+    kern._plan_key = None
+    kern.hopper = hopper
+    kern._plan90, kern._plan90_bytes, kern._plan90_key = 1 << 30, 1 << 40, None
+    return kern
+
+
 def test_a_hopper_gpu_runs_windowless_bf16_prefill_on_sm90a_and_everything_else_on_sm80(monkeypatch):
     """Which kernels a launch runs once the sm_90a module is loaded: a prefill launch of a
     windowless layer at head_dim 64 or 128 with the table's choice runs ``tc90_plan`` then
@@ -250,17 +268,9 @@ def test_a_hopper_gpu_runs_windowless_bf16_prefill_on_sm90a_and_everything_else_
 
     from cellcache.cuda import tc
 
-    kern = tc.TensorCoreAttention.__new__(tc.TensorCoreAttention)
-    kern.dtype, kern.kv8, kern.table, kern.sm_count, kern.module = "bfloat16", False, tc.TABLE, 132, object()
-    kern.f_plan, kern.f_share, kern.f_merge, attend = 1, 2, 3, 4
-    kern.variants = {d: {} for d in tc.HEAD_DIMS}
-    for (d, _), c in tc.TABLE.items():
-        kern.variants[d][c.variant] = {"qrows": 128, "kv_tile": 64, "smem": 0, "ctas": 132, "f": attend}
-    kern._plan = kern._part = kern._share = kern._cpart = 1 << 20
-    kern._plan_bytes = kern._part_bytes = kern._share_bytes = kern._cpart_bytes = 1 << 40
-    kern._plan_key = None
-    kern.hopper = {"module": object(), "plan": 7, 64: 8, 128: 9}
-    kern._plan90, kern._plan90_bytes, kern._plan90_key = 1 << 30, 1 << 40, None
+    attend = 4
+    kern = _hand_made_tensor_cores(tc, qrows=128, ctas=132, attend=attend,
+                                   hopper={"module": object(), "plan": 7, 64: 8, 128: 9})
     launched: list[tuple] = []
     monkeypatch.setattr(tc, "_launch", types.SimpleNamespace(
         launch=lambda f, grid, block, smem, stream, args, offsets: launched.append((f, grid[0], block, smem,
@@ -323,16 +333,8 @@ def test_tensor_core_run_leaves_the_merge_out_only_where_no_run_can_split(monkey
     from cellcache import InvalidArgument
     from cellcache.cuda import tc
 
-    kern = tc.TensorCoreAttention.__new__(tc.TensorCoreAttention)
-    kern.dtype, kern.kv8, kern.table, kern.sm_count, kern.module = "bfloat16", False, tc.TABLE, 132, object()
-    kern.f_plan, kern.f_share, kern.f_merge, attend = 1, 2, 3, 4
-    kern.variants = {d: {} for d in tc.HEAD_DIMS}
-    for (d, _), c in tc.TABLE.items():
-        kern.variants[d][c.variant] = {"qrows": 16, "kv_tile": 64, "smem": 0, "ctas": 528, "f": attend}
-    kern._plan = kern._part = kern._share = kern._cpart = 1 << 20
-    kern._plan_bytes = kern._part_bytes = kern._share_bytes = kern._cpart_bytes = 1 << 40
-    kern._plan_key = None
-    kern.hopper, kern._plan90, kern._plan90_key = None, 0, None      # (an sm_80 GPU)
+    attend = 4
+    kern = _hand_made_tensor_cores(tc, qrows=16, ctas=528, attend=attend, hopper=None)   # (an sm_80 GPU)
     launched: list[int] = []
     monkeypatch.setattr(tc, "_launch", types.SimpleNamespace(launch=lambda f, *args: launched.append(f)))
 
