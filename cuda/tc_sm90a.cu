@@ -11,8 +11,10 @@
 //       from qo_indptr / kv_indptr cut at width (padding runs make none); plan[0].x the count.
 //   tc90_attend_bf16_d<D>               persistent: one CTA an SM takes units blockIdx.x,
 //       + gridDim.x, ...; zeros in the padding rows. q / out at (token, head) strides.
+//   tc90_pipe_bf16_d<D>                 the same with each unit's first tile peeled off the
+//       loop, so ptxas keeps the wgmmas in flight (see TC90_ATTEND); not chosen until timed.
 //   tc90_<overlap|pingpong>_bf16_d<D>   (the bench's) one CTA a unit of a host-made list.
-//   Both run one body. A unit is 128 packed rows (row p = query p / G, head p % G of the kv
+//   All run one body. A unit is 128 packed rows (row p = query p / G, head p % G of the kv
 //   head's group of G); 384 threads. Warpgroup 0 produces (setmaxnreg 56): it gathers 128-key
 //   K/V tiles through kv_indices with cp.async into ST stages (4 at d64, 3 at d128), each
 //   guarded by a full and an empty mbarrier; lane l of producer warp w holds the cell of the
@@ -124,7 +126,7 @@ __device__ __forceinline__ int run_qlen(const Tc90Args& a, int r) {
 // D: head_dim; ST: K/V stages; PP: the consumers take turns at the tensor cores. The CTA
 // takes units first, first + step, ... below n_units (one CTA a unit: first = blockIdx.x,
 // step = gridDim.x = n_units); the stage ring and the consumers' turns run on across units.
-template <int D, int ST, bool PP>
+template <int D, int ST, bool PP, bool PIPE>
 __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* units, int n_units) {
   extern __shared__ unsigned char dyn[];
   unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
@@ -235,24 +237,32 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     uint32_t a[8][4];                                  // P of the tile before, for its P V
     int prev = 0;                                      // that tile's stage
-    for (int tile = 0; tile < v.n_tiles; ++tile, ++t) {
+    // one tile: S = Q K^T; from the second on, the tile before's P V issued behind it; the
+    // softmax; P of this tile into a. PIPE calls it with a constant FIRST (inlined, the
+    // branch folds away): no branch between a wgmma.fence and the wgmmas after it, which
+    // ptxas would otherwise serialize. (A lambda, not a template: NVRTC takes no generic
+    // device lambda; tests/test_cuda_host_side.py checks ptxas's verdict on the result.)
+    auto one_tile = [&](const bool FIRST, int tile) {
       const int st = t % ST;
       bar_wait(FULL(st), (t / ST) & 1);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       if constexpr (PP) asm volatile("bar.sync %0, 256;\n" :: "r"(3 + cw) : "memory");   // my turn at the tensor cores
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t oq = (kk >> 2) * (64 * 128) + (kk & 3) * 32, ok = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
         wg_ss_n128(s, desc_sw128(smem_u32(sq) + oq, 16, 1024), desc_sw128(smem_u32(SK(st)) + ok, 16, 1024), kk > 0);
       }
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      if (tile > 0) {                                   // the tile before's P V, behind this S
+      if (!FIRST) {                           // the tile before's P V, behind this S
+#pragma unroll
         for (int kk = 0; kk < 8; ++kk)
           wg_rs<D>(o, a[kk], desc_sw128(smem_u32(SV(prev)) + kk * 2048, 128 * 128, 1024), 1);
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
+      } else {
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       }
-      if (tile > 0) asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");   // S is in
-      else asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       if constexpr (PP) asm volatile("bar.arrive %0, 256;\n" :: "r"(4 - cw) : "memory");   // the other's turn
       float mx[2] = {m[0], m[1]};
       const int kb = tile * 128;
@@ -280,12 +290,21 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
         rs[h] += __shfl_xor_sync(0xffffffff, rs[h], 2);
         lsum[h] = lsum[h] * alpha[h] + rs[h];
       }
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
-      if (tile > 0) bar_arrive(EMPTY(prev));             // and its stage free
+      if (!FIRST) {
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");   // the P V before: O is whole
+        bar_arrive(EMPTY(prev));                         // and its stage free
+      }
       for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i & 3) >> 1];
       for (int kk = 0; kk < 8; ++kk)
         for (int r = 0; r < 4; ++r) a[kk][r] = pack_bf16(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
       prev = st;
+      ++t;
+    };
+    if constexpr (PIPE) {
+      one_tile(true, 0);
+      for (int tile = 1; tile < v.n_tiles; ++tile) one_tile(false, tile);
+    } else {
+      for (int tile = 0; tile < v.n_tiles; ++tile) one_tile(tile == 0, tile);
     }
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");          // the last tile's P V
     for (int kk = 0; kk < 8; ++kk)
@@ -319,7 +338,7 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
     const Tc90Args p = {qo_indptr, kv_indptr, kv_indices, nullptr, Q, Kp, Vp, O,                \
                         (long long)H * D, D, (long long)H * D, D, 0, H, Hkv, nullptr, 0,        \
                         scale_log2};                                                             \
-    tc90_prefill<D, ST, PP>(p, units, gridDim.x);                                                \
+    tc90_prefill<D, ST, PP, false>(p, units, gridDim.x);                                                \
   }
 // (name, head_dim, stages, ping-pong): tools/_sm90a.py sizes shared memory for these stages
 TC90(tc90_overlap_bf16_d64, 64, 4, false)
@@ -366,9 +385,15 @@ extern "C" __global__ void __launch_bounds__(TC90_PLAN_THREADS) tc90_plan(const 
   if (threadIdx.x == 0) a.plan[0] = make_int4((int)min((long long)s_carry * Hkv, a.cap), 0, 0, 0);
 }
 
-#define TC90_ATTEND(D, ST)                                                                       \
-  extern "C" __global__ void __launch_bounds__(384, 1) tc90_attend_bf16_d##D(const Tc90Args a) { \
-    tc90_prefill<D, ST, true>(a, a.plan + 1, a.plan[0].x);                                       \
+// tc90_pipe_bf16_d<D>: the same launch with the first tile of each unit peeled off the loop,
+// so no branch sits between a wgmma.fence and the wgmmas after it (with the branch, ptxas
+// serializes every wgmma: C7513, a WARPGROUP.DEPBAR after each HGMMA); bench and tests only
+// until the GPU has timed it beside tc90_attend.
+#define TC90_ATTEND(NAME, D, ST, PIPE)                                                           \
+  extern "C" __global__ void __launch_bounds__(384, 1) NAME(const Tc90Args a) {                 \
+    tc90_prefill<D, ST, true, PIPE>(a, a.plan + 1, a.plan[0].x);                                 \
   }
-TC90_ATTEND(64, 4)
-TC90_ATTEND(128, 3)
+TC90_ATTEND(tc90_attend_bf16_d64, 64, 4, false)
+TC90_ATTEND(tc90_attend_bf16_d128, 128, 3, false)
+TC90_ATTEND(tc90_pipe_bf16_d64, 64, 4, true)
+TC90_ATTEND(tc90_pipe_bf16_d128, 128, 3, true)

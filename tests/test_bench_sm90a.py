@@ -8,6 +8,8 @@ import re
 import numpy as np
 import pytest
 
+from cellcache.cuda.tc import HOPPER_ENTRIES
+
 from .helpers import TOOLS, load_tool
 
 ROOT = TOOLS.parent
@@ -78,13 +80,15 @@ def test_a_cta_fits_the_shared_memory_hopper_gives_one_block(k90):
 
 def test_the_stages_the_bench_sizes_shared_memory_for_are_the_kernels(k90):
     """smem_bytes counts STAGES[D] K/V stages; each kernel's instantiation in the source says
-    how many it uses (TC90(name, head_dim, stages, ping-pong), TC90_ATTEND(head_dim, stages))."""
+    how many it uses (TC90(name, head_dim, stages, ping-pong), TC90_ATTEND(name, head_dim, stages,
+    first tile peeled))."""
     src = (ROOT / "cuda" / "tc_sm90a.cu").read_text()
     found = re.findall(r"^TC90\(tc90_(\w+)_bf16_d(\d+), (\d+), (\d+), (true|false)\)", src, re.M)
     assert sorted(found) == sorted((k, str(d), str(d), str(k90.STAGES[d]), str(k == "pingpong").lower())
                                    for k in k90.KERNELS for d in k90.STAGES)
-    runner = re.findall(r"^TC90_ATTEND\((\d+), (\d+)\)", src, re.M)     # the runner's (cellcache.cuda.tc)
-    assert {int(d): int(st) for d, st in runner} == k90.STAGES
+    runner = re.findall(r"^TC90_ATTEND\(tc90_(\w+)_bf16_d(\d+), (\d+), (\d+), (true|false)\)", src, re.M)
+    assert sorted(runner) == sorted((e, str(d), str(d), str(k90.STAGES[d]), str(e == "pipe").lower())
+                                    for e in HOPPER_ENTRIES for d in k90.STAGES)    # the runner's
 
 
 def test_sections_keep_l2_sized_runs_together_heaviest_first(k90):
@@ -122,7 +126,7 @@ def test_the_kernels_the_bench_and_the_runner_launch_are_the_shipped_ptxs(k90):
     entries = re.findall(r"\.entry (\w+)\(.*?\.maxntid (\d+), 1, 1", ptx, re.S)
     assert {name: int(t) for name, t in entries} == {
         **{f"tc90_{k}_bf16_d{d}": k90.THREADS for k in k90.KERNELS for d in k90.STAGES},
-        **{f"tc90_attend_bf16_d{d}": k90.THREADS for d in k90.STAGES}, "tc90_plan": 1024}
+        **{f"tc90_{e}_bf16_d{d}": k90.THREADS for e in HOPPER_ENTRIES for d in k90.STAGES}, "tc90_plan": 1024}
 
 
 def test_the_launcher_refuses_what_the_kernel_would_misread(k90):

@@ -238,6 +238,49 @@ def test_launch_before_the_entry_points_is_refused():
         _launch.launch(1, (1, 1, 1), 1, 0, 0, b"", ())
 
 
+def _ptxas() -> Path | None:
+    """ptxas of the nvidia-cuda-nvcc-cu12 wheel (the test extra on Linux x86_64), if installed."""
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    except ModuleNotFoundError:               # (no nvidia package at all)
+        return None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        exe = Path(location) / "bin" / "ptxas"
+        if exe.exists():
+            return exe
+    return None
+
+
+def test_ptxas_keeps_the_pipelined_sm90a_entries_wgmmas_in_flight():
+    """ptxas serializes every wgmma of a function (C7513: a WARPGROUP.DEPBAR after each HGMMA)
+    when a non-wgmma instruction may define a wgmma's registers inside a fence's stage, as a
+    branch around the P V wgmmas did. The ``tc90_pipe`` entries peel the first tile instead,
+    and must compile without it; the others (the chosen ``tc90_attend``, the bench's) still
+    carry the branch, and the test says so, so that the day they lose it is seen. (Where the
+    wheel is installed; tools/test.sh sets CELLCACHE_REQUIRE_NVRTC, under which it must be.)"""
+    from cellcache.cuda.tc import HOPPER_ENTRIES, HOPPER_HEAD_DIMS
+
+    exe = _ptxas()
+    if exe is None:
+        assert not os.environ.get("CELLCACHE_REQUIRE_NVRTC"), "the test extra's ptxas is not installed"
+        pytest.skip("ptxas (nvidia-cuda-nvcc-cu12) is not installed")
+    ptx = ROOT / "cellcache" / "ptx" / "tc_sm90a.ptx"
+    r = subprocess.run([str(exe), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    # (whatever ptxas numbers the note: C7513 in 12.8, C7514 in 13.0)
+    serialized = set(re.findall(r"wgmma.mma_async instructions are serialized.*in the function '(\w+)'",
+                                r.stderr))
+    entries = set(re.findall(r"Compiling entry function '(\w+)'", r.stderr))
+    pipe = {f"tc90_pipe_bf16_d{d}" for d in HOPPER_HEAD_DIMS}
+    assert "pipe" in HOPPER_ENTRIES and pipe <= entries
+    assert serialized == entries - pipe - {"tc90_plan"}, sorted(serialized)
+    # no spills either, and no stack (a tile body left as a call would show one)
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                        r.stderr)
+    assert len(frames) == len(entries) and set(frames) == {("0", "0", "0")}, frames
+
+
 def _hand_made_tensor_cores(tc, qrows: int, ctas: int, attend: int, hopper):
     """A TensorCoreAttention without a GPU: the table's variants on ``ctas`` CTAs launching
     ``attend``, plan 1, share 2, merge 3, every scratch taken as allocated; ``hopper``: the
@@ -251,7 +294,7 @@ def _hand_made_tensor_cores(tc, qrows: int, ctas: int, attend: int, hopper):
     kern._plan = kern._part = kern._share = kern._cpart = 1 << 20
     kern._plan_bytes = kern._part_bytes = kern._share_bytes = kern._cpart_bytes = 1 << 40
     kern._plan_key = None
-    kern.hopper = hopper
+    kern.hopper, kern._hopper_entry = hopper, "attend"
     kern._plan90, kern._plan90_bytes, kern._plan90_key = 1 << 30, 1 << 40, None
     return kern
 
@@ -266,11 +309,13 @@ def test_a_hopper_gpu_runs_windowless_bf16_prefill_on_sm90a_and_everything_else_
     launches recorded.)"""
     import types
 
+    from cellcache import InvalidArgument
     from cellcache.cuda import tc
 
     attend = 4
     kern = _hand_made_tensor_cores(tc, qrows=128, ctas=132, attend=attend,
-                                   hopper={"module": object(), "plan": 7, 64: 8, 128: 9})
+                                   hopper={"module": object(), "plan": 7, ("attend", 64): 8,
+                                           ("attend", 128): 9, ("pipe", 64): 10, ("pipe", 128): 11})
     launched: list[tuple] = []
     monkeypatch.setattr(tc, "_launch", types.SimpleNamespace(
         launch=lambda f, grid, block, smem, stream, args, offsets: launched.append((f, grid[0], block, smem,
@@ -304,6 +349,11 @@ def test_a_hopper_gpu_runs_windowless_bf16_prefill_on_sm90a_and_everything_else_
         assert 7 not in fs and 8 not in fs and 9 not in fs and attend in fs, kw
     run(window=37)                                            # fresh=True: both lists forgotten
     assert run(fresh=False) == (False, [7, 9])
+    kern.hopper_entry = "pipe"                                # the other entry, on the same list
+    assert run(fresh=False) == (False, [11]) and run(head_dim=64, fresh=False) == (False, [10])
+    with pytest.raises(InvalidArgument, match="hopper_entry"):
+        kern.hopper_entry = "nope"
+    assert kern.hopper_entry == "pipe"
     kern.hopper = None                                        # (no Hopper): the same launch on sm_80
     assert attend in run()[1]
 

@@ -66,6 +66,9 @@ _ARGS90 = struct.Struct("=8Q4q3qQqd")
 #: the sm_90a prefill kernels (compute capability 9.0, bf16 pools): head dims, K/V stages,
 #: packed rows a unit, threads a CTA (a producer warpgroup and two consumers)
 HOPPER_HEAD_DIMS = (64, 128)
+#: the runner's sm_90a entries (``tc90_<entry>_bf16_d<D>``): "attend" (chosen), "pipe" (the
+#: first tile of a unit peeled off the loop, so ptxas keeps the wgmmas pipelined; until timed)
+HOPPER_ENTRIES = ("attend", "pipe")
 HOPPER_STAGES = {64: 4, 128: 3}
 HOPPER_ROWS = 128
 HOPPER_THREADS = 384
@@ -229,11 +232,24 @@ class TensorCoreAttention:
         self.hopper: Any = None
         #: why not, where not: a line for the logs and the bench
         self.hopper_reason = ""
+        self._hopper_entry = "attend"
         try:
             self._load_hopper(hopper, ptx is not None)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def hopper_entry(self) -> str:
+        """Which sm_90a entry a launch runs, one of :data:`HOPPER_ENTRIES` (the bench and the
+        tests set it to compare them); InvalidArgument for anything else."""
+        return self._hopper_entry
+
+    @hopper_entry.setter
+    def hopper_entry(self, entry: str) -> None:
+        if entry not in HOPPER_ENTRIES:
+            raise InvalidArgument(f"hopper_entry={entry!r} is not one of {HOPPER_ENTRIES}")
+        self._hopper_entry = entry
 
     def _load_hopper(self, hopper: bool | None, custom_ptx: bool) -> None:
         """Loads ``tc_sm90a.ptx`` where the current GPU is compute capability 9.0, the pools
@@ -264,10 +280,11 @@ class TensorCoreAttention:
         try:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             fns: dict[Any, int] = {"plan": int(drv.function(module, "tc90_plan"))}
-            for d in HOPPER_HEAD_DIMS:
-                f = drv.function(module, f"tc90_attend_bf16_d{d}")
-                check(cu.cuFuncSetAttribute(f, attr, hopper_smem(d)), "cuFuncSetAttribute")
-                fns[d] = int(f)
+            for entry in HOPPER_ENTRIES:
+                for d in HOPPER_HEAD_DIMS:
+                    f = drv.function(module, f"tc90_{entry}_bf16_d{d}")
+                    check(cu.cuFuncSetAttribute(f, attr, hopper_smem(d)), "cuFuncSetAttribute")
+                    fns[entry, d] = int(f)
         except BaseException:
             check(cu.cuModuleUnload(module), "cuModuleUnload")
             raise
@@ -557,8 +574,8 @@ class TensorCoreAttention:
             _launch.launch(self.hopper["plan"], (1, 1, 1), 1024, 0, stream, args, (0,))
             self._plan90_key = key
             self._plan90_made = True
-        _launch.launch(self.hopper[head_dim], (self.sm_count, 1, 1), HOPPER_THREADS, hopper_smem(head_dim),
-                       stream, args, (0,))
+        _launch.launch(self.hopper[self._hopper_entry, head_dim], (self.sm_count, 1, 1), HOPPER_THREADS,
+                       hopper_smem(head_dim), stream, args, (0,))
 
     def plan_header(self) -> dict[str, int]:
         """The last launch's plan as the device left it (waits for the device): units of the

@@ -2,9 +2,9 @@
 Hopper each kernel, in each unit order, equals float32 attention over the same paged K/V
 (ragged runs, a history before the causal part, packed GQA rows, runs shorter than a block, a
 unit of a run without queries doing nothing); on any other GPU the shipped sm_90a PTX is
-refused with cellcache's CudaError. The runner's (cellcache.cuda.tc): chosen on Hopper only,
-equal to float64 attention over the cache's own steps, their device-made list the host's,
-captured and replayed over other steps."""
+refused with cellcache's CudaError. The runner's (cellcache.cuda.tc, both entries: ``attend``
+and ``pipe``): chosen on Hopper only, equal to float64 attention over the cache's own steps,
+their device-made list the host's, captured and replayed over other steps."""
 
 from __future__ import annotations
 
@@ -89,8 +89,9 @@ def test_the_sm90a_kernels_equal_float32_attention_on_hopper_and_are_refused_els
 
 # -- the runner's launch (cellcache.cuda.tc: tc90_plan, persistent tc90_attend) -------------------
 
+@pytest.mark.parametrize("entry", ["attend", "pipe"])
 @pytest.mark.parametrize("D,G", [(128, 4), (64, 7), (64, 1)])
-def test_the_tensor_core_kernels_run_prefill_on_sm90a_on_hopper_only(D, G):
+def test_the_tensor_core_kernels_run_prefill_on_sm90a_on_hopper_only(D, G, entry):
     """``TensorCoreAttention`` loads the sm_90a kernels on compute capability 9.0 (bf16 pools)
     and nowhere else (``hopper=True`` is refused there, naming the GPU). On Hopper a prefill
     launch with the table's choice runs them: decode-shaped, prefill and mixed steps, padded
@@ -105,6 +106,7 @@ def test_the_tensor_core_kernels_run_prefill_on_sm90a_on_hopper_only(D, G):
 
     k90 = load_tool("_sm90a")
     rig = Rig("bfloat16", D, G, hist=(1, 700), capacity=16384, seed=D + G)
+    rig.tc.hopper_entry = entry                      # (tc90_<entry>_bf16_d<D>)
     try:
         hopper = torch.cuda.get_device_capability(0) == (9, 0)
         assert (rig.tc.hopper is not None) == hopper, rig.tc.hopper_reason
@@ -136,7 +138,8 @@ def test_the_tensor_core_kernels_run_prefill_on_sm90a_on_hopper_only(D, G):
         rig.close()
 
 
-def test_a_captured_sm90a_launch_replays_over_other_steps_and_other_layers_keep_its_list():
+@pytest.mark.parametrize("entry", ["attend", "pipe"])
+def test_a_captured_sm90a_launch_replays_over_other_steps_and_other_layers_keep_its_list(entry):
     """tc90_plan and tc90_attend captured once over a padded 1024-row mixed step replay over
     two other steps of those rows (other runs, lengths and width); a second launch of the same
     step with ``fresh=False`` (a later layer) keeps the list, a windowed launch between them
@@ -147,6 +150,7 @@ def test_a_captured_sm90a_launch_replays_over_other_steps_and_other_layers_keep_
 
     G, D, rows = 4, 128, 1024
     rig = Rig("bfloat16", D, G, n_seqs=16, hist=(1, 1200), capacity=60000, max_write=rows, seed=3)
+    rig.tc.hopper_entry = entry
     try:
         rng = rig.rng
         hopper = rig.tc.hopper is not None
