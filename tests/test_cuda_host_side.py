@@ -358,6 +358,21 @@ def test_a_hopper_gpu_runs_windowless_bf16_prefill_on_sm90a_and_everything_else_
     assert attend in run()[1]
 
 
+def test_a_hopper_setting_that_is_not_none_or_a_bool_is_refused_before_any_driver_call(monkeypatch):
+    """``TensorCoreAttention(hopper=...)`` takes None, True or False; anything else is refused
+    first, so nothing is loaded (the driver calls are made to fail here: none is reached)."""
+    from cellcache import InvalidArgument
+    from cellcache.cuda import tc
+
+    def no_driver(*args, **kwargs):
+        raise AssertionError("a driver call before the argument checks")
+
+    monkeypatch.setattr(tc.drv, "load_module", no_driver)
+    for bad in ("yes", 1, 0, "auto"):
+        with pytest.raises(InvalidArgument, match="hopper must be None"):
+            tc.TensorCoreAttention("bfloat16", 132, hopper=bad)
+
+
 def test_hopper_units_cap_holds_every_list_a_step_can_make():
     """The sm_90a list's capacity against the largest lists of a step of ``rows`` rows: one
     run of every row (decode), one run of all rows, and every split between."""

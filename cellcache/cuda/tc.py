@@ -183,6 +183,9 @@ class TensorCoreAttention:
                  hopper: bool | None = None):
         """``hopper``: the sm_90a prefill kernels where the GPU and pools take them (None),
         never (False), or required (True: InvalidArgument where they cannot run)."""
+        if hopper is not None and not isinstance(hopper, bool):
+            raise InvalidArgument(f"hopper must be None (where the GPU takes it), True or False, "
+                                  f"not {hopper!r}")
         if ptx is not None and not isinstance(ptx, (bytes, bytearray)):
             raise InvalidArgument(f"ptx must be bytes (a tc_attention.ptx built elsewhere), not "
                                   f"{type(ptx).__name__}")
@@ -255,9 +258,6 @@ class TensorCoreAttention:
         """Loads ``tc_sm90a.ptx`` where the current GPU is compute capability 9.0, the pools
         bf16 and the module the shipped one (``hopper=None``); ``False``: never; ``True``:
         InvalidArgument where it cannot (the GPU, the dtype or a given ``ptx``)."""
-        if hopper is not None and not isinstance(hopper, bool):
-            raise InvalidArgument(f"hopper must be None (where the GPU takes it), True or False, "
-                                  f"not {hopper!r}")
         if hopper is False:
             self.hopper_reason = "turned off (hopper=False)"
             return
