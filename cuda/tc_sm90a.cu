@@ -1,7 +1,7 @@
 // Prefill attention for Hopper (sm_90a): wgmma on paged K/V, warp-specialized as
 // FlashAttention-3 is. Built by tools/build_ptx.py for compute_90a (PTX ISA 8.0, NVRTC 12.0),
 // beside the sm_80 kernels. cellcache/cuda/tc.py loads it on compute capability 9.0 and runs
-// a windowless bf16 prefill launch at d64 / d128 through tc90_plan + tc90_attend_bf16_d<D>;
+// a windowless bf16 prefill launch at d64 / d128 through tc90_plan + tc90_qpre_bf16_d<D>;
 // tools/bench.py --section attention also times the bench's entries (tools/_sm90a.py: a
 // host-made list in other orders, one CTA a unit); tests/gpu/test_sm90a_gpu.py checks both
 // (docs/design/attention.md, "An sm_90a path").
@@ -12,7 +12,12 @@
 //   tc90_attend_bf16_d<D>               persistent: one CTA an SM takes units blockIdx.x,
 //       + gridDim.x, ...; zeros in the padding rows. q / out at (token, head) strides.
 //   tc90_pipe_bf16_d<D>                 the same with each unit's first tile peeled off the
-//       loop, so ptxas keeps the wgmmas in flight (see TC90_ATTEND); not chosen until timed.
+//       loop, so ptxas keeps the wgmmas in flight (see TC90_ATTEND).
+//   tc90_qpre_bf16_d<D>                 (chosen) pipe, and the producer copies each unit's Q
+//       (cp.async, Q full / Q empty mbarriers) once both consumers are past the unit before's
+//       last S, so the copy hides behind that tile's softmax, P V and stores. The three are
+//       kept side by side for the bench (docs/design/attention.md: 0.79x the first's time on
+//       the long case, 0.76x on the 512-token d128 one).
 //   tc90_<overlap|pingpong>_bf16_d<D>   (the bench's) one CTA a unit of a host-made list.
 //   All run one body. A unit is 128 packed rows (row p = query p / G, head p % G of the kv
 //   head's group of G); 384 threads. Warpgroup 0 produces (setmaxnreg 56): it gathers 128-key
@@ -71,6 +76,11 @@ __device__ __forceinline__ void bar_wait(uint32_t bar, int parity) {
 __device__ __forceinline__ void bar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
 }
+// arrives where c is non-zero, without a branch (a predicated instruction)
+__device__ __forceinline__ void bar_arrive_if(uint32_t bar, int c) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
+               :: "r"(bar), "r"(c) : "memory");
+}
 __device__ __forceinline__ void bar_arrive_cp_async(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
 }
@@ -123,19 +133,24 @@ __device__ __forceinline__ int run_qlen(const Tc90Args& a, int r) {
   return e > q0 ? (int)(e - q0) : 0;
 }
 
-// D: head_dim; ST: K/V stages; PP: the consumers take turns at the tensor cores. The CTA
+// D: head_dim; ST: K/V stages; PP: the consumers take turns at the tensor cores; PIPE: each
+// unit's first tile peeled off the loop; QP: the producer copies each unit's Q (cp.async,
+// while the consumers finish the unit before) instead of the consumers after it. The CTA
 // takes units first, first + step, ... below n_units (one CTA a unit: first = blockIdx.x,
 // step = gridDim.x = n_units); the stage ring and the consumers' turns run on across units.
-template <int D, int ST, bool PP, bool PIPE>
+template <int D, int ST, bool PP, bool PIPE, bool QP>
 __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* units, int n_units) {
   extern __shared__ unsigned char dyn[];
   unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
   const int QT = 64 * D * 2, KT = 128 * D * 2;
 #define SK(st) (base + 2 * QT + (st) * 2 * KT)
 #define SV(st) (base + 2 * QT + (st) * 2 * KT + KT)
-  const uint32_t bars = smem_u32(base + 2 * QT + ST * 2 * KT);   // full[ST], then empty[ST]
+  // full[ST], empty[ST], then (QP) Q full and Q empty
+  const uint32_t bars = smem_u32(base + 2 * QT + ST * 2 * KT);
 #define FULL(st) (bars + 8 * (st))
 #define EMPTY(st) (bars + 8 * (ST + (st)))
+#define QFULL (bars + 16 * ST)
+#define QEMPTY (bars + 16 * ST + 8)
   const int H = (int)p.n_heads, Hkv = (int)p.n_kv_heads, G = H / Hkv;
   const float scale_log2 = (float)p.sl2;
   const u16 *Q = p.q, *Kp = p.k_pool, *Vp = p.v_pool;
@@ -150,6 +165,7 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < ST; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
+    if constexpr (QP) { bar_init(QFULL, 128); bar_init(QEMPTY, 256); }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -175,9 +191,24 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
     constexpr int CPR = D / 8, RPJ = 32 / CPR;     // 16-byte chunks a row; rows a copy of the warp
     const int c = lane % CPR, rsub = lane / CPR;    // this lane's chunk of every row it copies
     int t = 0;                                       // tiles of this CTA so far (its stage ring)
+    int u = 0;                                       // (QP) units of this CTA so far
     for (int i = blockIdx.x; i < n_units; i += gridDim.x) {
       Unit v;
       if (!unit_at(i, v)) continue;
+      if constexpr (QP) {                            // both consumers' Q: 128 rows, zeros past nrows
+        bar_wait(QEMPTY, (u & 1) ^ 1);               // both are past the unit before's last S
+        const uint32_t sq0 = smem_u32(base);
+#pragma unroll 1
+        for (int k = 0; k < CPR; ++k) {                // (not unrolled: the producer's 56 registers)
+          const int idx = k * 128 + tid, r = idx / CPR, qc = idx % CPR, row = v.row0 + r;
+          const bool in = row < v.nrows;
+          const u16* src = in ? Q + (v.q0 + row / G) * p.q_s_tok + (v.kvh * G + row % G) * p.q_s_head + qc * 8 : Q;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                       :: "r"(sq0 + (r >> 6) * QT + sw128_off(r & 63, qc, 64)), "l"(src), "r"(in ? 16 : 0));
+        }
+        bar_arrive_cp_async(QFULL);
+        ++u;
+      }
       const char* kb = (const char*)(Kp + (size_t)v.kvh * D + c * 8);
       const char* vb = (const char*)(Vp + (size_t)v.kvh * D + c * 8);
       // the cell of row 32 pw + lane of tile j (clamped: a row past the keys copies zeros)
@@ -210,23 +241,30 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
   const int q4 = threadIdx.x & 3, w = tid >> 5, g = (threadIdx.x & 31) >> 2;
   if constexpr (PP) if (cw == 1) asm volatile("bar.arrive 3, 256;\n" ::: "memory");   // the first consumer goes first
   int t = 0;                                          // tiles of this CTA so far (the stage ring)
+  int u = 0;                                          // (QP) units of this CTA so far
   for (int ui = blockIdx.x; ui < n_units; ui += gridDim.x) {
     Unit v;
     if (!unit_at(ui, v)) continue;
-    // every warp of this warpgroup is past its wgmmas of the unit before, which read sq
-    // (a warp's wait covers its own): only then is the next Q written over it
-    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");
-    for (int idx = tid; idx < 64 * (D / 8); idx += 128) {
-      int i = idx / (D / 8), c = idx % (D / 8), r = v.row0 + cw * 64 + i;
-      uint4 x = make_uint4(0, 0, 0, 0);
-      if (r < v.nrows) {
-        int tok = r / G, h = v.kvh * G + r % G;
-        x = *reinterpret_cast<const uint4*>(Q + (v.q0 + tok) * p.q_s_tok + h * p.q_s_head + c * 8);
+    if constexpr (QP) {                               // the producer's copy of this unit's Q
+      bar_wait(QFULL, u & 1);
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      ++u;
+    } else {
+      // every warp of this warpgroup is past its wgmmas of the unit before, which read sq
+      // (a warp's wait covers its own): only then is the next Q written over it
+      asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");
+      for (int idx = tid; idx < 64 * (D / 8); idx += 128) {
+        int i = idx / (D / 8), c = idx % (D / 8), r = v.row0 + cw * 64 + i;
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (r < v.nrows) {
+          int tok = r / G, h = v.kvh * G + r % G;
+          x = *reinterpret_cast<const uint4*>(Q + (v.q0 + tok) * p.q_s_tok + h * p.q_s_head + c * 8);
+        }
+        *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = x;
       }
-      *reinterpret_cast<uint4*>(sq + sw128_off(i, c, 64)) = x;
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");   // this warpgroup's Q is in
     }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + cw) : "memory");   // this warpgroup's Q is in
     int lim[2];
     for (int hh = 0; hh < 2; ++hh) {
       int r = v.row0 + cw * 64 + 16 * w + g + 8 * hh;
@@ -263,6 +301,7 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
       } else {
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       }
+      if constexpr (QP) bar_arrive_if(QEMPTY, tile == v.n_tiles - 1);   // the unit's last S: Q is free
       if constexpr (PP) asm volatile("bar.arrive %0, 256;\n" :: "r"(4 - cw) : "memory");   // the other's turn
       float mx[2] = {m[0], m[1]};
       const int kb = tile * 128;
@@ -327,6 +366,8 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
 #undef SV
 #undef FULL
 #undef EMPTY
+#undef QFULL
+#undef QEMPTY
 }
 
 // The bench's entries: one CTA a unit of a host-made list (tools/_sm90a.py), q and out
@@ -338,7 +379,7 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
     const Tc90Args p = {qo_indptr, kv_indptr, kv_indices, nullptr, Q, Kp, Vp, O,                \
                         (long long)H * D, D, (long long)H * D, D, 0, H, Hkv, nullptr, 0,        \
                         scale_log2};                                                             \
-    tc90_prefill<D, ST, PP, false>(p, units, gridDim.x);                                                \
+    tc90_prefill<D, ST, PP, false, false>(p, units, gridDim.x);                                                \
   }
 // (name, head_dim, stages, ping-pong): tools/_sm90a.py sizes shared memory for these stages
 TC90(tc90_overlap_bf16_d64, 64, 4, false)
@@ -347,7 +388,7 @@ TC90(tc90_pingpong_bf16_d64, 64, 4, true)
 TC90(tc90_pingpong_bf16_d128, 128, 3, true)
 
 // The runner's entries (cellcache/cuda/tc.py): tc90_plan lists the step's units on the device
-// (one block), tc90_attend_bf16_d<D> runs them on persistent CTAs (one an SM: grid = SMs),
+// (one block), tc90_<entry>_bf16_d<D> runs them on persistent CTAs (one an SM: grid = SMs),
 // each taking every gridDim.x-th unit, and writes zeros into the padding rows.
 #define TC90_PLAN_THREADS 1024
 extern "C" __global__ void __launch_bounds__(TC90_PLAN_THREADS) tc90_plan(const Tc90Args a) {
@@ -387,13 +428,15 @@ extern "C" __global__ void __launch_bounds__(TC90_PLAN_THREADS) tc90_plan(const 
 
 // tc90_pipe_bf16_d<D>: the same launch with the first tile of each unit peeled off the loop,
 // so no branch sits between a wgmma.fence and the wgmmas after it (with the branch, ptxas
-// serializes every wgmma: C7513, a WARPGROUP.DEPBAR after each HGMMA); bench and tests only
-// until the GPU has timed it beside tc90_attend.
-#define TC90_ATTEND(NAME, D, ST, PIPE)                                                           \
+// serializes every wgmma: C7513, a WARPGROUP.DEPBAR after each HGMMA); tc90_qpre_bf16_d<D>
+// also has the producer copy Q (the runner's choice).
+#define TC90_ATTEND(NAME, D, ST, PIPE, QP)                                                       \
   extern "C" __global__ void __launch_bounds__(384, 1) NAME(const Tc90Args a) {                 \
-    tc90_prefill<D, ST, true, PIPE>(a, a.plan + 1, a.plan[0].x);                                 \
+    tc90_prefill<D, ST, true, PIPE, QP>(a, a.plan + 1, a.plan[0].x);                             \
   }
-TC90_ATTEND(tc90_attend_bf16_d64, 64, 4, false)
-TC90_ATTEND(tc90_attend_bf16_d128, 128, 3, false)
-TC90_ATTEND(tc90_pipe_bf16_d64, 64, 4, true)
-TC90_ATTEND(tc90_pipe_bf16_d128, 128, 3, true)
+TC90_ATTEND(tc90_attend_bf16_d64, 64, 4, false, false)
+TC90_ATTEND(tc90_attend_bf16_d128, 128, 3, false, false)
+TC90_ATTEND(tc90_pipe_bf16_d64, 64, 4, true, false)
+TC90_ATTEND(tc90_pipe_bf16_d128, 128, 3, true, false)
+TC90_ATTEND(tc90_qpre_bf16_d64, 64, 4, true, true)
+TC90_ATTEND(tc90_qpre_bf16_d128, 128, 3, true, true)

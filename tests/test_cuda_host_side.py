@@ -254,9 +254,10 @@ def _ptxas() -> Path | None:
 def test_ptxas_keeps_the_pipelined_sm90a_entries_wgmmas_in_flight():
     """ptxas serializes every wgmma of a function (C7513: a WARPGROUP.DEPBAR after each HGMMA)
     when a non-wgmma instruction may define a wgmma's registers inside a fence's stage, as a
-    branch around the P V wgmmas did. The ``tc90_pipe`` entries peel the first tile instead,
-    and must compile without it; the others (the chosen ``tc90_attend``, the bench's) still
-    carry the branch, and the test says so, so that the day they lose it is seen. (Where the
+    branch around the P V wgmmas did. The ``tc90_pipe`` and ``tc90_qpre`` entries peel the
+    first tile instead, and must compile without it; the others (the chosen ``tc90_attend``,
+    the bench's) still carry the branch, and the test says so, so that the day they lose it
+    is seen. (Where the
     wheel is installed; tools/test.sh sets CELLCACHE_REQUIRE_NVRTC, under which it must be.)"""
     from cellcache.cuda.tc import HOPPER_ENTRIES, HOPPER_HEAD_DIMS
 
@@ -272,8 +273,8 @@ def test_ptxas_keeps_the_pipelined_sm90a_entries_wgmmas_in_flight():
     serialized = set(re.findall(r"wgmma.mma_async instructions are serialized.*in the function '(\w+)'",
                                 r.stderr))
     entries = set(re.findall(r"Compiling entry function '(\w+)'", r.stderr))
-    pipe = {f"tc90_pipe_bf16_d{d}" for d in HOPPER_HEAD_DIMS}
-    assert "pipe" in HOPPER_ENTRIES and pipe <= entries
+    pipe = {f"tc90_{e}_bf16_d{d}" for e in ("pipe", "qpre") for d in HOPPER_HEAD_DIMS}
+    assert {"pipe", "qpre"} <= set(HOPPER_ENTRIES) and pipe <= entries
     assert serialized == entries - pipe - {"tc90_plan"}, sorted(serialized)
     # no spills either, and no stack (a tile body left as a call would show one)
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",

@@ -485,7 +485,8 @@ def _sm90a_columns(step, pv, q, k_pool, v_pool, H: int, Hkv: int, D: int, stream
     each kernel with its units run by run, ``pingpong`` also in L2-sized sections heaviest
     first and heaviest first over the step (the order L2 cannot serve); then the runner's
     launch (cellcache.cuda.tc: its device-made list, persistent CTAs), with and without its
-    plan, and its ``pipe`` entry (the first tile peeled: wgmmas left pipelined); outputs
+    plan, its ``pipe`` entry (the first tile peeled: wgmmas left pipelined) and ``qpre`` (pipe
+    with Q copied by the producer); outputs
     against ``ref``. ``sm90a_ms`` is the runner's launch (the plan made once a step), where
     its output agrees."""
     import torch
@@ -531,7 +532,7 @@ def _sm90a_columns(step, pv, q, k_pool, v_pool, H: int, Hkv: int, D: int, stream
             lib.run(pv, int(q.shape[0]), q.data_ptr(), strides, k_pool.data_ptr(), v_pool.data_ptr(),
                     out.data_ptr(), strides, H, Hkv, D, 0, stream, fresh=fresh)
 
-        for entry, fresh in (("attend", False), ("attend", True), ("pipe", False)):
+        for entry, fresh in (("attend", False), ("attend", True), ("pipe", False), ("qpre", False)):
             name = "runner" + ("" if entry == "attend" else f" ({entry})") + (" with plan" if fresh else "")
             try:
                 lib.hopper_entry = entry

@@ -66,9 +66,12 @@ _ARGS90 = struct.Struct("=8Q4q3qQqd")
 #: the sm_90a prefill kernels (compute capability 9.0, bf16 pools): head dims, K/V stages,
 #: packed rows a unit, threads a CTA (a producer warpgroup and two consumers)
 HOPPER_HEAD_DIMS = (64, 128)
-#: the runner's sm_90a entries (``tc90_<entry>_bf16_d<D>``): "attend" (chosen), "pipe" (the
-#: first tile of a unit peeled off the loop, so ptxas keeps the wgmmas pipelined; until timed)
-HOPPER_ENTRIES = ("attend", "pipe")
+#: the runner's sm_90a entries (``tc90_<entry>_bf16_d<D>``): "attend" (a unit's first tile
+#: inside the loop, which ptxas serializes), "pipe" (that tile peeled off the loop: the wgmmas
+#: stay pipelined), "qpre" (pipe with each unit's Q copied by the producer while the consumers
+#: finish the unit before; chosen: 0.62-0.97x FlashInfer's sm90 prefill, docs/design/attention.md)
+HOPPER_ENTRIES = ("attend", "pipe", "qpre")
+HOPPER_ENTRY = "qpre"
 HOPPER_STAGES = {64: 4, 128: 3}
 HOPPER_ROWS = 128
 HOPPER_THREADS = 384
@@ -76,9 +79,10 @@ HOPPER_THREADS = 384
 
 def hopper_smem(head_dim: int) -> int:
     """Dynamic shared memory of an sm_90a prefill CTA: both consumers' Q, the K/V stages, 1 KiB
-    of alignment slack for the 128-byte swizzle, a full and an empty mbarrier a stage."""
+    of alignment slack for the 128-byte swizzle, a full and an empty mbarrier a stage and Q's
+    full and empty mbarriers."""
     st = HOPPER_STAGES[head_dim]
-    return 2 * 64 * head_dim * 2 + st * 2 * HOPPER_ROWS * head_dim * 2 + 1024 + 2 * st * 8
+    return 2 * 64 * head_dim * 2 + st * 2 * HOPPER_ROWS * head_dim * 2 + 1024 + 2 * st * 8 + 2 * 8
 
 
 def hopper_units_cap(rows: int, n_heads: int, n_kv_heads: int) -> int:
@@ -235,7 +239,7 @@ class TensorCoreAttention:
         self.hopper: Any = None
         #: why not, where not: a line for the logs and the bench
         self.hopper_reason = ""
-        self._hopper_entry = "attend"
+        self._hopper_entry = HOPPER_ENTRY
         try:
             self._load_hopper(hopper, ptx is not None)
         except BaseException:

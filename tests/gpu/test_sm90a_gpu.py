@@ -2,8 +2,8 @@
 Hopper each kernel, in each unit order, equals float32 attention over the same paged K/V
 (ragged runs, a history before the causal part, packed GQA rows, runs shorter than a block, a
 unit of a run without queries doing nothing); on any other GPU the shipped sm_90a PTX is
-refused with cellcache's CudaError. The runner's (cellcache.cuda.tc, both entries: ``attend``
-and ``pipe``): chosen on Hopper only, equal to float64 attention over the cache's own steps,
+refused with cellcache's CudaError. The runner's (cellcache.cuda.tc, every entry: ``attend``,
+``pipe`` and ``qpre``): chosen on Hopper only, equal to float64 attention over the cache's own steps,
 their device-made list the host's, captured and replayed over other steps."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 import pytest
+
+from cellcache.cuda.tc import HOPPER_ENTRIES
 
 from ..helpers import load_tool
 
@@ -89,7 +91,7 @@ def test_the_sm90a_kernels_equal_float32_attention_on_hopper_and_are_refused_els
 
 # -- the runner's launch (cellcache.cuda.tc: tc90_plan, persistent tc90_attend) -------------------
 
-@pytest.mark.parametrize("entry", ["attend", "pipe"])
+@pytest.mark.parametrize("entry", HOPPER_ENTRIES)
 @pytest.mark.parametrize("D,G", [(128, 4), (64, 7), (64, 1)])
 def test_the_tensor_core_kernels_run_prefill_on_sm90a_on_hopper_only(D, G, entry):
     """``TensorCoreAttention`` loads the sm_90a kernels on compute capability 9.0 (bf16 pools)
@@ -138,7 +140,7 @@ def test_the_tensor_core_kernels_run_prefill_on_sm90a_on_hopper_only(D, G, entry
         rig.close()
 
 
-@pytest.mark.parametrize("entry", ["attend", "pipe"])
+@pytest.mark.parametrize("entry", HOPPER_ENTRIES)
 def test_a_captured_sm90a_launch_replays_over_other_steps_and_other_layers_keep_its_list(entry):
     """tc90_plan and tc90_attend captured once over a padded 1024-row mixed step replay over
     two other steps of those rows (other runs, lengths and width); a second launch of the same
