@@ -9,15 +9,18 @@
 //   tc90_plan                           one block: the step's units, run by run, kv head by kv
 //       head, each pair's 128-row blocks last (heaviest) first, {run, kv head, first row, 0},
 //       from qo_indptr / kv_indptr cut at width (padding runs make none); plan[0].x the count.
-//   tc90_attend_bf16_d<D>               persistent: one CTA an SM takes units blockIdx.x,
-//       + gridDim.x, ...; zeros in the padding rows. q / out at (token, head) strides.
-//   tc90_pipe_bf16_d<D>                 the same with each unit's first tile peeled off the
-//       loop, so ptxas keeps the wgmmas in flight (see TC90_ATTEND).
+//   tc90_pipe_bf16_d<D>                 persistent: one CTA an SM takes units blockIdx.x,
+//       + gridDim.x, ...; zeros in the padding rows. q / out at (token, head) strides. Each
+//       unit's first tile is peeled off the loop, so ptxas keeps the wgmmas in flight (see
+//       TC90_ATTEND); the consumers copy a unit's Q.
 //   tc90_qpre_bf16_d<D>                 (chosen) pipe, and the producer copies each unit's Q
 //       (cp.async, Q full / Q empty mbarriers) once both consumers are past the unit before's
-//       last S, so the copy hides behind that tile's softmax, P V and stores. The three are
-//       kept side by side for the bench (docs/design/attention.md: 0.79x the first's time on
-//       the long case, 0.76x on the 512-token d128 one).
+//       last S, so the copy hides behind that tile's softmax, P V and stores
+//       (docs/design/attention.md: 0.93x pipe's time on the long case, 0.79x on the
+//       512-token d128 one).
+//   tc90_early_bf16_d<D>                qpre with the unit's first K/V tile copied before its
+//       Q (FlashAttention-3's order), so that tile too lands while the consumers finish the
+//       unit before; kept beside qpre until timed.
 //   tc90_<overlap|pingpong>_bf16_d<D>   (the bench's) one CTA a unit of a host-made list.
 //   All run one body. A unit is 128 packed rows (row p = query p / G, head p % G of the kv
 //   head's group of G); 384 threads. Warpgroup 0 produces (setmaxnreg 56): it gathers 128-key
@@ -134,11 +137,12 @@ __device__ __forceinline__ int run_qlen(const Tc90Args& a, int r) {
 }
 
 // D: head_dim; ST: K/V stages; PP: the consumers take turns at the tensor cores; PIPE: each
-// unit's first tile peeled off the loop; QP: the producer copies each unit's Q (cp.async,
-// while the consumers finish the unit before) instead of the consumers after it. The CTA
+// unit's first tile peeled off the loop; QP: 0, the consumers copy each unit's Q after the
+// unit before; 1, the producer does (cp.async, while the consumers finish the unit before),
+// then the unit's K/V; 2, the producer copies the unit's first K/V tile, then Q. The CTA
 // takes units first, first + step, ... below n_units (one CTA a unit: first = blockIdx.x,
 // step = gridDim.x = n_units); the stage ring and the consumers' turns run on across units.
-template <int D, int ST, bool PP, bool PIPE, bool QP>
+template <int D, int ST, bool PP, bool PIPE, int QP>
 __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* units, int n_units) {
   extern __shared__ unsigned char dyn[];
   unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
@@ -165,7 +169,7 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < ST; ++s) { bar_init(FULL(s), 128); bar_init(EMPTY(s), 256); }
-    if constexpr (QP) { bar_init(QFULL, 128); bar_init(QEMPTY, 256); }
+    if constexpr (QP != 0) { bar_init(QFULL, 128); bar_init(QEMPTY, 256); }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -195,8 +199,10 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
     for (int i = blockIdx.x; i < n_units; i += gridDim.x) {
       Unit v;
       if (!unit_at(i, v)) continue;
-      if constexpr (QP) {                            // both consumers' Q: 128 rows, zeros past nrows
-        bar_wait(QEMPTY, (u & 1) ^ 1);               // both are past the unit before's last S
+      // both consumers' Q (QP): 128 rows, zeros past nrows, once both are past the unit
+      // before's last S
+      auto copy_q = [&]() {
+        bar_wait(QEMPTY, (u & 1) ^ 1);
         const uint32_t sq0 = smem_u32(base);
 #pragma unroll 1
         for (int k = 0; k < CPR; ++k) {                // (not unrolled: the producer's 56 registers)
@@ -208,7 +214,8 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
         }
         bar_arrive_cp_async(QFULL);
         ++u;
-      }
+      };
+      if constexpr (QP == 1) copy_q();
       const char* kb = (const char*)(Kp + (size_t)v.kvh * D + c * 8);
       const char* vb = (const char*)(Vp + (size_t)v.kvh * D + c * 8);
       // the cell of row 32 pw + lane of tile j (clamped: a row past the keys copies zeros)
@@ -230,6 +237,9 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
           asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sv + so), "l"(vb + o), "r"(nb));
         }
         bar_arrive_cp_async(FULL(s));
+        // QP 2: Q behind the unit's first tile (whose stage the unit before's earlier tiles
+        // freed, needing no Q of this one), so that tile lands while the consumers finish
+        if constexpr (QP == 2) if (j == 0) copy_q();
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -245,7 +255,7 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
   for (int ui = blockIdx.x; ui < n_units; ui += gridDim.x) {
     Unit v;
     if (!unit_at(ui, v)) continue;
-    if constexpr (QP) {                               // the producer's copy of this unit's Q
+    if constexpr (QP != 0) {                          // the producer's copy of this unit's Q
       bar_wait(QFULL, u & 1);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       ++u;
@@ -301,7 +311,7 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
       } else {
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       }
-      if constexpr (QP) bar_arrive_if(QEMPTY, tile == v.n_tiles - 1);   // the unit's last S: Q is free
+      if constexpr (QP != 0) bar_arrive_if(QEMPTY, tile == v.n_tiles - 1);   // the unit's last S: Q is free
       if constexpr (PP) asm volatile("bar.arrive %0, 256;\n" :: "r"(4 - cw) : "memory");   // the other's turn
       float mx[2] = {m[0], m[1]};
       const int kb = tile * 128;
@@ -379,7 +389,7 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
     const Tc90Args p = {qo_indptr, kv_indptr, kv_indices, nullptr, Q, Kp, Vp, O,                \
                         (long long)H * D, D, (long long)H * D, D, 0, H, Hkv, nullptr, 0,        \
                         scale_log2};                                                             \
-    tc90_prefill<D, ST, PP, false, false>(p, units, gridDim.x);                                                \
+    tc90_prefill<D, ST, PP, false, 0>(p, units, gridDim.x);                                                \
   }
 // (name, head_dim, stages, ping-pong): tools/_sm90a.py sizes shared memory for these stages
 TC90(tc90_overlap_bf16_d64, 64, 4, false)
@@ -426,17 +436,16 @@ extern "C" __global__ void __launch_bounds__(TC90_PLAN_THREADS) tc90_plan(const 
   if (threadIdx.x == 0) a.plan[0] = make_int4((int)min((long long)s_carry * Hkv, a.cap), 0, 0, 0);
 }
 
-// tc90_pipe_bf16_d<D>: the same launch with the first tile of each unit peeled off the loop,
-// so no branch sits between a wgmma.fence and the wgmmas after it (with the branch, ptxas
-// serializes every wgmma: C7513, a WARPGROUP.DEPBAR after each HGMMA); tc90_qpre_bf16_d<D>
-// also has the producer copy Q (the runner's choice).
+// Each peels the first tile of a unit off the loop, so no branch sits between a wgmma.fence
+// and the wgmmas after it (with the branch, ptxas serializes every wgmma: C7513, a
+// WARPGROUP.DEPBAR after each HGMMA); QP says who copies Q and when (tc90_prefill).
 #define TC90_ATTEND(NAME, D, ST, PIPE, QP)                                                       \
   extern "C" __global__ void __launch_bounds__(384, 1) NAME(const Tc90Args a) {                 \
     tc90_prefill<D, ST, true, PIPE, QP>(a, a.plan + 1, a.plan[0].x);                             \
   }
-TC90_ATTEND(tc90_attend_bf16_d64, 64, 4, false, false)
-TC90_ATTEND(tc90_attend_bf16_d128, 128, 3, false, false)
-TC90_ATTEND(tc90_pipe_bf16_d64, 64, 4, true, false)
-TC90_ATTEND(tc90_pipe_bf16_d128, 128, 3, true, false)
-TC90_ATTEND(tc90_qpre_bf16_d64, 64, 4, true, true)
-TC90_ATTEND(tc90_qpre_bf16_d128, 128, 3, true, true)
+TC90_ATTEND(tc90_pipe_bf16_d64, 64, 4, true, 0)
+TC90_ATTEND(tc90_pipe_bf16_d128, 128, 3, true, 0)
+TC90_ATTEND(tc90_qpre_bf16_d64, 64, 4, true, 1)
+TC90_ATTEND(tc90_qpre_bf16_d128, 128, 3, true, 1)
+TC90_ATTEND(tc90_early_bf16_d64, 64, 4, true, 2)
+TC90_ATTEND(tc90_early_bf16_d128, 128, 3, true, 2)

@@ -81,15 +81,15 @@ def test_a_cta_fits_the_shared_memory_hopper_gives_one_block(k90):
 def test_the_stages_the_bench_sizes_shared_memory_for_are_the_kernels(k90):
     """smem_bytes counts STAGES[D] K/V stages; each kernel's instantiation in the source says
     how many it uses (TC90(name, head_dim, stages, ping-pong), TC90_ATTEND(name, head_dim, stages,
-    first tile peeled, Q copied by the producer))."""
+    first tile peeled, who copies Q))."""
     src = (ROOT / "cuda" / "tc_sm90a.cu").read_text()
     found = re.findall(r"^TC90\(tc90_(\w+)_bf16_d(\d+), (\d+), (\d+), (true|false)\)", src, re.M)
     assert sorted(found) == sorted((k, str(d), str(d), str(k90.STAGES[d]), str(k == "pingpong").lower())
                                    for k in k90.KERNELS for d in k90.STAGES)
-    runner = re.findall(r"^TC90_ATTEND\(tc90_(\w+)_bf16_d(\d+), (\d+), (\d+), (true|false), (true|false)\)",
+    runner = re.findall(r"^TC90_ATTEND\(tc90_(\w+)_bf16_d(\d+), (\d+), (\d+), (true|false), (\d)\)",
                         src, re.M)
-    assert sorted(runner) == sorted((e, str(d), str(d), str(k90.STAGES[d]), str(e != "attend").lower(),
-                                     str(e == "qpre").lower())
+    qp = {"pipe": "0", "qpre": "1", "early": "2"}                      # who copies Q, and when
+    assert sorted(runner) == sorted((e, str(d), str(d), str(k90.STAGES[d]), "true", qp[e])
                                     for e in HOPPER_ENTRIES for d in k90.STAGES)    # the runner's
 
 

@@ -254,10 +254,9 @@ def _ptxas() -> Path | None:
 def test_ptxas_keeps_the_pipelined_sm90a_entries_wgmmas_in_flight():
     """ptxas serializes every wgmma of a function (C7513: a WARPGROUP.DEPBAR after each HGMMA)
     when a non-wgmma instruction may define a wgmma's registers inside a fence's stage, as a
-    branch around the P V wgmmas did. The ``tc90_pipe`` and ``tc90_qpre`` entries peel the
-    first tile instead, and must compile without it; the others (the chosen ``tc90_attend``,
-    the bench's) still carry the branch, and the test says so, so that the day they lose it
-    is seen. (Where the
+    branch around the P V wgmmas did. The runner's entries peel the first tile instead, and
+    must compile without it; the bench's still carry the branch, and the test says so, so
+    that the day they lose it is seen. (Where the
     wheel is installed; tools/test.sh sets CELLCACHE_REQUIRE_NVRTC, under which it must be.)"""
     from cellcache.cuda.tc import HOPPER_ENTRIES, HOPPER_HEAD_DIMS
 
@@ -273,8 +272,8 @@ def test_ptxas_keeps_the_pipelined_sm90a_entries_wgmmas_in_flight():
     serialized = set(re.findall(r"wgmma.mma_async instructions are serialized.*in the function '(\w+)'",
                                 r.stderr))
     entries = set(re.findall(r"Compiling entry function '(\w+)'", r.stderr))
-    pipe = {f"tc90_{e}_bf16_d{d}" for e in ("pipe", "qpre") for d in HOPPER_HEAD_DIMS}
-    assert {"pipe", "qpre"} <= set(HOPPER_ENTRIES) and pipe <= entries
+    pipe = {f"tc90_{e}_bf16_d{d}" for e in HOPPER_ENTRIES for d in HOPPER_HEAD_DIMS}
+    assert pipe <= entries
     assert serialized == entries - pipe - {"tc90_plan"}, sorted(serialized)
     # no spills either, and no stack (a tile body left as a call would show one)
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
@@ -295,7 +294,7 @@ def _hand_made_tensor_cores(tc, qrows: int, ctas: int, attend: int, hopper):
     kern._plan = kern._part = kern._share = kern._cpart = 1 << 20
     kern._plan_bytes = kern._part_bytes = kern._share_bytes = kern._cpart_bytes = 1 << 40
     kern._plan_key = None
-    kern.hopper, kern._hopper_entry = hopper, "attend"
+    kern.hopper, kern._hopper_entry = hopper, "qpre"
     kern._plan90, kern._plan90_bytes, kern._plan90_key = 1 << 30, 1 << 40, None
     return kern
 
@@ -303,7 +302,7 @@ def _hand_made_tensor_cores(tc, qrows: int, ctas: int, attend: int, hopper):
 def test_a_hopper_gpu_runs_windowless_bf16_prefill_on_sm90a_and_everything_else_on_sm80(monkeypatch):
     """Which kernels a launch runs once the sm_90a module is loaded: a prefill launch of a
     windowless layer at head_dim 64 or 128 with the table's choice runs ``tc90_plan`` then
-    ``tc90_attend`` on one CTA an SM (the plan kept by a later layer's ``fresh=False``, made
+    ``tc90_qpre`` on one CTA an SM (the plan kept by a later layer's ``fresh=False``, made
     anew by any ``fresh=True``), never the merge; a decode step, a window, a variant, split
     or order of the caller's, grouped rows, or another head_dim run the sm_80 kernels. The
     arguments are Tc90Args' 18 eight-byte fields. (No GPU: an instance filled by hand, its
@@ -315,8 +314,8 @@ def test_a_hopper_gpu_runs_windowless_bf16_prefill_on_sm90a_and_everything_else_
 
     attend = 4
     kern = _hand_made_tensor_cores(tc, qrows=128, ctas=132, attend=attend,
-                                   hopper={"module": object(), "plan": 7, ("attend", 64): 8,
-                                           ("attend", 128): 9, ("pipe", 64): 10, ("pipe", 128): 11})
+                                   hopper={"module": object(), "plan": 7, ("qpre", 64): 8,
+                                           ("qpre", 128): 9, ("pipe", 64): 10, ("pipe", 128): 11})
     launched: list[tuple] = []
     monkeypatch.setattr(tc, "_launch", types.SimpleNamespace(
         launch=lambda f, grid, block, smem, stream, args, offsets: launched.append((f, grid[0], block, smem,

@@ -1,7 +1,7 @@
 """The sm_90a prefill kernels' bench entries (``cuda/tc_sm90a.cu``, ``tc90_<overlap|pingpong>``):
 their work list, made on the host in any of three orders, and their launch, one CTA a unit.
 The runner launches the same kernel body through ``cellcache.cuda.tc`` (``tc90_plan`` and
-``tc90_attend``: the list made on the device, run by run, persistent CTAs); ``tools/bench.py
+``tc90_<entry>``: the list made on the device, run by run, persistent CTAs); ``tools/bench.py
 --section attention`` times both beside the table's choice and FlashInfer on Hopper
 (docs/design/attention.md, "An sm_90a path").
 

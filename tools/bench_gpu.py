@@ -485,8 +485,8 @@ def _sm90a_columns(step, pv, q, k_pool, v_pool, H: int, Hkv: int, D: int, stream
     each kernel with its units run by run, ``pingpong`` also in L2-sized sections heaviest
     first and heaviest first over the step (the order L2 cannot serve); then the runner's
     launch (cellcache.cuda.tc: its device-made list, persistent CTAs) in each of its entries
-    (``attend``: the first tile in the loop, serialized by ptxas; ``pipe``: peeled; ``qpre``:
-    pipe with Q copied by the producer), the chosen one also with its plan made every launch;
+    (``pipe``: the consumers copy Q; ``qpre``: the producer does; ``early``: qpre with the
+    unit's first K/V tile before its Q), the chosen one also with its plan made every launch;
     outputs against ``ref``. ``sm90a_ms`` is the chosen entry's launch (the plan made once a
     step), where its output agrees."""
     import torch
@@ -516,7 +516,7 @@ def _sm90a_columns(step, pv, q, k_pool, v_pool, H: int, Hkv: int, D: int, stream
     finally:
         k90.close()
     # what the runner launches: cellcache.cuda.tc's choice on this GPU (tc90_plan once a step,
-    # as the table's columns time it, then the persistent tc90_attend)
+    # as the table's columns time it, then the persistent tc90_<entry>)
     try:
         from cellcache.cuda.tc import HOPPER_ENTRIES, HOPPER_ENTRY, TensorCoreAttention
 

@@ -66,11 +66,12 @@ _ARGS90 = struct.Struct("=8Q4q3qQqd")
 #: the sm_90a prefill kernels (compute capability 9.0, bf16 pools): head dims, K/V stages,
 #: packed rows a unit, threads a CTA (a producer warpgroup and two consumers)
 HOPPER_HEAD_DIMS = (64, 128)
-#: the runner's sm_90a entries (``tc90_<entry>_bf16_d<D>``): "attend" (a unit's first tile
-#: inside the loop, which ptxas serializes), "pipe" (that tile peeled off the loop: the wgmmas
-#: stay pipelined), "qpre" (pipe with each unit's Q copied by the producer while the consumers
-#: finish the unit before; chosen: 0.62-0.97x FlashInfer's sm90 prefill, docs/design/attention.md)
-HOPPER_ENTRIES = ("attend", "pipe", "qpre")
+#: the runner's sm_90a entries (``tc90_<entry>_bf16_d<D>``), every one with each unit's first
+#: tile peeled off the loop (so ptxas keeps the wgmmas pipelined): "pipe" (the consumers copy
+#: a unit's Q), "qpre" (the producer copies it while the consumers finish the unit before;
+#: chosen: 0.62-0.97x FlashInfer's sm90 prefill, docs/design/attention.md), "early" (qpre with
+#: the unit's first K/V tile copied before its Q; not chosen until timed)
+HOPPER_ENTRIES = ("pipe", "qpre", "early")
 HOPPER_ENTRY = "qpre"
 HOPPER_STAGES = {64: 4, 128: 3}
 HOPPER_ROWS = 128

@@ -2,9 +2,9 @@
 Hopper each kernel, in each unit order, equals float32 attention over the same paged K/V
 (ragged runs, a history before the causal part, packed GQA rows, runs shorter than a block, a
 unit of a run without queries doing nothing); on any other GPU the shipped sm_90a PTX is
-refused with cellcache's CudaError. The runner's (cellcache.cuda.tc, every entry: ``attend``,
-``pipe`` and ``qpre``): chosen on Hopper only, equal to float64 attention over the cache's own steps,
-their device-made list the host's, captured and replayed over other steps."""
+refused with cellcache's CudaError. The runner's (cellcache.cuda.tc, every entry: ``pipe``,
+``qpre`` and ``early``): chosen on Hopper only, equal to float64 attention over the cache's
+own steps, their device-made list the host's, captured and replayed over other steps."""
 
 from __future__ import annotations
 
