@@ -513,6 +513,17 @@ def test_profile_serve_tool_runs(tmp_path, capsys):
             with pytest.raises(SystemExit) as e:
                 mod["main"]([flag])
             assert e.value.code == 2 and "needs --device cuda" in capsys.readouterr().err
+        # --kind mixed: 24 prompts of 512 read in 8,192-token steps (at least 2, the second
+        # with the first's rows decoding beside the rest), every forward the stub's
+        assert mod["main"](["--kind", "mixed", "--rows", "24", "--mode", "sync",
+                            "--json", str(tmp_path / "x.json")]) == 0
+        mixed = json.loads((tmp_path / "x.json").read_text())[0]
+        assert mixed["kind"] == "mixed" and mixed["prompt_len"] == 512 and mixed["mixed_steps"] >= 2
+        assert mixed["us_per_step"]["schedule"] > 0 and mixed["host_us_median"] > 0
+        assert "us/mixed step" in capsys.readouterr().out
+        with pytest.raises(SystemExit) as e:
+            mod["main"](["--kind", "mixed", "--device", "cuda"])
+        assert e.value.code == 2 and "--kind mixed runs on the CPU only" in capsys.readouterr().err
     finally:
         sys.path[:] = before
 

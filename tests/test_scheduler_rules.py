@@ -52,7 +52,9 @@ def test_a_plans_width_and_token_ids():
     a, b = seq([1, 2], Sampling()), seq([3], Sampling())
     a.sid, b.sid = 4, 7
     plan = StepPlan([(a, [1, 2]), (b, [3])], [], False)
-    assert plan.width == 3 and plan.token_sids() == [4, 4, 7]
+    sids = plan.token_sids()                   # a chunk: an int64 array, as declare_step reads fast
+    assert plan.width == 3 and sids.dtype == np.int64 and sids.tolist() == [4, 4, 7]
+    assert StepPlan([(a, [2]), (b, [3])], [], True).token_sids() == [4, 7]   # a token a row: a list
     lean = StepPlan([], [], True)
     lean.lean_rows([b, a], ahead=True)
     assert lean.lean and lean.ahead and lean.seqs == [b, a] and lean.width == 2

@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
-"""Host time of the generator's decode steps, by phase, with the model's forward taken
-out: the generator runs a tiny random model on the CPU whose ``ModelRunner.forward`` is
-replaced by a stub that returns constant logits over 8 ids for decode steps (greedy draws
-token 0; ``eos=[]``, so every request generates all its tokens; prompt chunks run the
-model). What is left is the host work a step costs the GPU it feeds: scheduling, the
-cache's ``prepare_step`` (the host backend here: the CUDA backend's is timed by
-``tools/bench_serve.py``), the forward's input path, the sampler's launch, deciding and
-applying the outcomes, the callbacks.
+"""Host time of the generator's decode steps (or its mixed steps), by phase, with the model's
+forward taken out: the generator runs a tiny random model on the CPU whose
+``ModelRunner.forward`` is replaced by a stub that returns constant logits over 8 ids for
+decode steps (greedy draws token 0; ``eos=[]``, so every request generates all its tokens;
+prompt chunks run the model, except with ``--kind mixed``, where every forward is the stub
+and the steps timed are those reading prompts: the default serving workload's shape by
+default, 8,192-token steps of 2,048-token chunks, 512-token prompts of random ids, so ~16
+admissions a step beside the rows already decoding, the prefix cache on as in its first
+run; their ``prepare`` is the host backend's, which builds the masks on the host, far more
+than the CUDA backend's). What is left is the host work a step costs the GPU it feeds:
+scheduling, the cache's ``prepare_step`` (the host backend here: the CUDA backend's is
+timed by ``tools/bench_serve.py``), the forward's input path, the sampler's launch,
+deciding and applying the outcomes, the callbacks.
 
 ::
 
@@ -16,8 +21,9 @@ applying the outcomes, the callbacks.
     python3 tools/profile_serve.py --mode async --stream   # every token to an on_token callback
     python3 tools/profile_serve.py --device cuda --compile --mode async   # the GPU's real steps
     python3 tools/profile_serve.py --device cuda --native --mode async    # on the native forward
+    python3 tools/profile_serve.py --kind mixed --cprofile 25   # the default workload's mixed steps
 
-It prints, per mode, the mean host microseconds per decode step for each phase of
+It prints, per mode, the mean host microseconds per decode (or mixed) step for each phase of
 ``Generator.profile`` and their sum (``wait``: blocked on the sampled ids' copy, not host
 work, is shown apart), and ``--json`` writes the same numbers.
 """
@@ -39,7 +45,9 @@ from cellcache.errors import CellCacheError  # noqa: E402
 
 
 def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: str,
-          device: str = "cpu", compile: bool = False, stream: bool = False, native: bool = False):
+          device: str = "cpu", compile: bool = False, stream: bool = False, native: bool = False,
+          kind: str = "decode"):
+    import numpy as np
     import torch
 
     from cellcache.generate import Generator, Sampling, random_model
@@ -63,14 +71,16 @@ def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: st
         return gen
     torch.set_num_threads(1)                  # the stub's argmax: no thread pool wake-ups
     model = random_model(model_name, torch.float32, "cpu", 0)
-    gen = Generator(model, capacity=capacity, max_batch_tokens=max(rows, 512), max_seqs=rows + 8,
-                    prefill_chunk=256, eos=[], prefix_cache=False, async_steps=mode == "async")
+    # mixed: the steps the default workload's mixed steps are on CUDA (Generator's defaults)
+    step_tokens, chunk = (8192, 2048) if kind == "mixed" else (max(rows, 512), 256)
+    gen = Generator(model, capacity=capacity, max_batch_tokens=step_tokens, max_seqs=rows + 8,
+                    prefill_chunk=chunk, eos=[], prefix_cache=kind == "mixed", async_steps=mode == "async")
     vocab = 8                                 # the stub's logits: 8 ids, so its argmax is ~free
     real = gen.runner.forward
     stub_logits: dict[int, torch.Tensor] = {}
 
     def forward(step, tokens=None, logit_rows=None, decode=False, *, device_tokens=None, logits=True):
-        if logit_rows is not None and len(logit_rows) != step.width:   # prompt chunks: the model
+        if kind == "decode" and logit_rows is not None and len(logit_rows) != step.width:
             return real(step, tokens, logit_rows, decode, device_tokens=device_tokens, logits=logits)
         n = step.width if logit_rows is None else len(logit_rows)
         if n not in stub_logits:
@@ -79,10 +89,49 @@ def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: st
 
     gen.runner.forward = forward  # type: ignore[method-assign]
     sampling = Sampling(max_new_tokens=new_tokens)
+    # mixed: prompts of random ids, as the default workload's (no two share a prefix: the
+    # admissions' prefix-cache lookups are each a miss); decode: 8 ids, period 8
+    rng = np.random.default_rng(0)
     for i in range(rows):
-        gen.add([(i * 7 + j) % vocab for j in range(prompt_len)], sampling, on_token=on_token)
+        prompt = (rng.integers(0, model.config.vocab_size, prompt_len).tolist() if kind == "mixed"
+                  else [(i * 7 + j) % vocab for j in range(prompt_len)])
+        gen.add(prompt, sampling, on_token=on_token)
     gen.outbox = outbox
     return gen
+
+
+def profile_mixed(rows: int, mode: str, model_name: str, cprof: int, prompt_len: int,
+                  stream: bool = False) -> dict:
+    """The host phases of the steps that read the prompts (``--kind mixed``), every forward
+    the stub's: from the first step until no prompt is left to read."""
+    import statistics
+
+    gen = build(rows, 32, prompt_len, mode, model_name, "cpu", False, stream, False, kind="mixed")
+    gen.step_log = []
+    prof = cProfile.Profile() if cprof else None
+    t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    while gen.waiting or any(len(s.tokens) - s.in_cache > 1 for s in gen.running):
+        gen.step()
+        gen.outbox.clear()
+    if prof is not None:
+        prof.disable()
+    wall = time.perf_counter() - t0
+    mixed = [ph for kind, _, ph in gen.step_log if kind == "mixed"]
+    gen.step_log = None
+    n = max(len(mixed), 1)
+    phases = {k: 1e6 * sum(ph.get(k, 0.0) for ph in mixed) / n for k in gen.profile["host_ms"]}
+    totals = [1e6 * sum(v for k, v in ph.items() if k != "wait") for ph in mixed]
+    res = {"kind": "mixed", "mode": mode, "stream": stream, "rows": rows, "prompt_len": prompt_len,
+           "mixed_steps": len(mixed), "us_per_step": phases,
+           "host_us_per_step": sum(v for k, v in phases.items() if k != "wait"),
+           "host_us_median": statistics.median(totals) if totals else 0.0,
+           "wall_us_per_step": 1e6 * wall / n}
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(cprof)
+    gen.run()
+    return res
 
 
 def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int,
@@ -131,8 +180,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu (default): the forward stubbed out; cuda: the real bf16 model, "
                         "graphs and all, so 'forward' and 'wait' are the GPU's")
-    p.add_argument("--prompt-len", type=in_range(1, 8192), default=8,
-                   help="prompt tokens a row (default 8)")
+    p.add_argument("--kind", choices=["decode", "mixed"], default="decode",
+                   help="decode (default): steady decode steps; mixed: the steps reading the prompts "
+                        "(CPU only, every forward stubbed out; 8,192-token steps, 2,048-token chunks)")
+    p.add_argument("--prompt-len", type=in_range(1, 8192), default=None,
+                   help="prompt tokens a row (default 8; 512 with --kind mixed)")
     p.add_argument("--compile", action="store_true",
                    help="with --device cuda: the model through torch.compile (Generator(compile=True))")
     p.add_argument("--native", action="store_true",
@@ -145,6 +197,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.compile and args.device != "cuda":
         p.error("--compile needs --device cuda")
+    if args.kind == "mixed" and args.device != "cpu":
+        p.error("--kind mixed runs on the CPU only (on CUDA, bench_serve --profile-kind mixed)")
+    prompt_len = args.prompt_len or (512 if args.kind == "mixed" else 8)
     if args.native and args.device != "cuda":
         p.error("--native needs --device cuda (on the CPU the forward is stubbed out)")
     model = args.model or ("qwen2-0.5b" if args.device == "cuda" else "llama-tiny")
@@ -160,16 +215,24 @@ def main(argv=None) -> int:
     out = []
     for mode in modes:
         try:
-            r = profile(args.rows, args.steps, mode, model, args.cprofile, args.device, args.prompt_len,
-                        args.compile, args.stream, args.native)
+            if args.kind == "mixed":
+                r = profile_mixed(args.rows, mode, model, args.cprofile, prompt_len, args.stream)
+            else:
+                r = profile(args.rows, args.steps, mode, model, args.cprofile, args.device, prompt_len,
+                            args.compile, args.stream, args.native)
         except CellCacheError as e:         # a cache too large for this machine: which flag to lower
             print(f"profile_serve: error: {type(e).__name__}: {e} (lower --rows, --steps or --prompt-len)",
                   file=sys.stderr)
             return 2
         out.append(r)
         parts = ", ".join(f"{k} {v:.1f}" for k, v in r["us_per_step"].items())
-        print(f"{mode}: {r['rows']} rows, host {r['host_us_per_step']:.1f} us/decode step "
-              f"(wall {r['wall_us_per_step']:.1f}): {parts}")
+        if args.kind == "mixed":
+            print(f"{mode}: {r['rows']} rows of {prompt_len}-token prompts, {r['mixed_steps']} mixed "
+                  f"steps, host {r['host_us_per_step']:.1f} us/mixed step "
+                  f"(median {r['host_us_median']:.1f}): {parts}")
+        else:
+            print(f"{mode}: {r['rows']} rows, host {r['host_us_per_step']:.1f} us/decode step "
+                  f"(wall {r['wall_us_per_step']:.1f}): {parts}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n")
