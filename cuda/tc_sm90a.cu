@@ -237,8 +237,9 @@ __device__ __forceinline__ void tc90_prefill(const Tc90Args& p, const int4* unit
           asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sv + so), "l"(vb + o), "r"(nb));
         }
         bar_arrive_cp_async(FULL(s));
-        // QP 2: Q behind the unit's first tile (whose stage the unit before's earlier tiles
-        // freed, needing no Q of this one), so that tile lands while the consumers finish
+        // QP 2: Q behind the unit's first tile (its stage held tile t - ST, of an earlier
+        // unit, freed by that tile's P V: no Q of this unit needed), so that tile lands
+        // while the consumers finish
         if constexpr (QP == 2) if (j == 0) copy_q();
       }
     }
