@@ -256,8 +256,8 @@ def test_ptxas_keeps_the_pipelined_sm90a_entries_wgmmas_in_flight():
     when a non-wgmma instruction may define a wgmma's registers inside a fence's stage, as a
     branch around the P V wgmmas did. The runner's entries peel the first tile instead, and
     must compile without it; the bench's still carry the branch, and the test says so, so
-    that the day they lose it is seen. (Where the
-    wheel is installed; tools/test.sh sets CELLCACHE_REQUIRE_NVRTC, under which it must be.)"""
+    that the day they lose it is seen. (Where the wheel is installed; tools/test.sh sets
+    CELLCACHE_REQUIRE_NVRTC, under which it must be.)"""
     from cellcache.cuda.tc import HOPPER_ENTRIES, HOPPER_HEAD_DIMS
 
     exe = _ptxas()

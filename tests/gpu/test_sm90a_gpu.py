@@ -89,7 +89,7 @@ def test_the_sm90a_kernels_equal_float32_attention_on_hopper_and_are_refused_els
         kern.close()
 
 
-# -- the runner's launch (cellcache.cuda.tc: tc90_plan, persistent tc90_attend) -------------------
+# -- the runner's launch (cellcache.cuda.tc: tc90_plan, persistent tc90_<entry>) ------------------
 
 @pytest.mark.parametrize("entry", HOPPER_ENTRIES)
 @pytest.mark.parametrize("D,G", [(128, 4), (64, 7), (64, 1)])
@@ -142,7 +142,7 @@ def test_the_tensor_core_kernels_run_prefill_on_sm90a_on_hopper_only(D, G, entry
 
 @pytest.mark.parametrize("entry", HOPPER_ENTRIES)
 def test_a_captured_sm90a_launch_replays_over_other_steps_and_other_layers_keep_its_list(entry):
-    """tc90_plan and tc90_attend captured once over a padded 1024-row mixed step replay over
+    """tc90_plan and tc90_<entry> captured once over a padded 1024-row mixed step replay over
     two other steps of those rows (other runs, lengths and width); a second launch of the same
     step with ``fresh=False`` (a later layer) keeps the list, a windowed launch between them
     (the sm_80 kernels) does not disturb it, and a ``fresh=True`` launch of a new step plans
