@@ -31,11 +31,13 @@ work, is shown apart), and ``--json`` writes the same numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import pstats
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -100,6 +102,22 @@ def build(rows: int, new_tokens: int, prompt_len: int, mode: str, model_name: st
     return gen
 
 
+@contextlib.contextmanager
+def _cprofiled(n: int) -> Iterator[None]:
+    """cProfile around the block (nothing when ``n`` is 0); its ``n`` costliest functions by
+    own time printed after it."""
+    if not n:
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(n)
+
+
 def profile_mixed(rows: int, mode: str, model_name: str, cprof: int, prompt_len: int,
                   stream: bool = False) -> dict:
     """The host phases of the steps that read the prompts (``--kind mixed``), every forward
@@ -108,16 +126,12 @@ def profile_mixed(rows: int, mode: str, model_name: str, cprof: int, prompt_len:
 
     gen = build(rows, 32, prompt_len, mode, model_name, "cpu", False, stream, False, kind="mixed")
     gen.step_log = []
-    prof = cProfile.Profile() if cprof else None
-    t0 = time.perf_counter()
-    if prof is not None:
-        prof.enable()
-    while gen.waiting or any(len(s.tokens) - s.in_cache > 1 for s in gen.running):
-        gen.step()
-        gen.outbox.clear()
-    if prof is not None:
-        prof.disable()
-    wall = time.perf_counter() - t0
+    with _cprofiled(cprof):
+        t0 = time.perf_counter()
+        while gen.waiting or any(len(s.tokens) - s.in_cache > 1 for s in gen.running):
+            gen.step()
+            gen.outbox.clear()
+        wall = time.perf_counter() - t0
     mixed = [ph for kind, _, ph in gen.step_log if kind == "mixed"]
     gen.step_log = None
     n = max(len(mixed), 1)
@@ -128,8 +142,6 @@ def profile_mixed(rows: int, mode: str, model_name: str, cprof: int, prompt_len:
            "host_us_per_step": sum(v for k, v in phases.items() if k != "wait"),
            "host_us_median": statistics.median(totals) if totals else 0.0,
            "wall_us_per_step": 1e6 * wall / n}
-    if prof is not None:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(cprof)
     gen.run()
     return res
 
@@ -144,16 +156,12 @@ def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int,
     for _ in range(3):
         gen.step()
     before = {k: dict(v) if isinstance(v, dict) else v for k, v in gen.profile.items()}
-    prof = cProfile.Profile() if cprof else None
-    t0 = time.perf_counter()
-    if prof is not None:
-        prof.enable()
-    for _ in range(steps):
-        gen.step()
-        gen.outbox.clear()                    # (the loop's take, off this thread's clock)
-    if prof is not None:
-        prof.disable()
-    wall = time.perf_counter() - t0
+    with _cprofiled(cprof):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            gen.step()
+            gen.outbox.clear()                # (the loop's take, off this thread's clock)
+        wall = time.perf_counter() - t0
     after = gen.profile
     n = after["decode_steps"] - before["decode_steps"]
     phases = {k: 1e3 * (after["decode_host_ms"][k] - before["decode_host_ms"].get(k, 0.0)) / max(n, 1)
@@ -163,8 +171,6 @@ def profile(rows: int, steps: int, mode: str, model_name: str, cprof: int,
            "decode_steps": n,
            "us_per_step": phases,
            "host_us_per_step": host, "wall_us_per_step": 1e6 * wall / steps}
-    if prof is not None:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(cprof)
     gen.run()
     return res
 

@@ -78,6 +78,12 @@ def check(result: Any, what: str, allowed: tuple[int, ...] = ()) -> Any:
     return (code, value) if allowed else value
 
 
+def capturing(stream: int) -> bool:
+    """Whether ``stream`` is being captured into a graph (so nothing may be allocated for it)."""
+    status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+    return int(status) != int(cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
+
+
 def init() -> None:
     """cuInit, once per process."""
     global _initialised

@@ -366,8 +366,7 @@ class AttentionKernels:
     # A graph captured earlier keeps the address it saw, so outgrown scratch is kept (until
     # close) rather than freed; run each shape once outside a capture first.
     def _grow(self, ptr: int, nbytes: int, what: str, stream: int) -> int:
-        capturing = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
-        if int(capturing) != int(cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
+        if drv.capturing(stream):
             raise InvalidState(f"the attention {what} must grow to {nbytes} bytes while the stream "
                                "is being captured; run this shape once before the capture")
         if ptr:

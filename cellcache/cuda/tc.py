@@ -512,8 +512,7 @@ class TensorCoreAttention:
             rows, n_heads, n_kv_heads, head_dim, choice, cascade > 0)
         if (plan_bytes > self._plan_bytes or part_bytes > self._part_bytes
                 or cpart_bytes > self._cpart_bytes or (cascade and 4 * rows > self._share_bytes)):
-            capturing = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
-            if int(capturing) != int(cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
+            if drv.capturing(stream):
                 raise InvalidState(
                     f"the tensor-core scratch for rows={rows} is not allocated and the stream is "
                     "being captured; call reserve() with these shapes before the capture")
@@ -564,8 +563,7 @@ class TensorCoreAttention:
         sm_90a launch, one CTA an SM; no split, so no merge."""
         cap = hopper_units_cap(rows, n_heads, n_kv_heads)
         if 16 * (1 + cap) > self._plan90_bytes:
-            capturing = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
-            if int(capturing) != int(cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE):
+            if drv.capturing(stream):
                 raise InvalidState(
                     f"the sm_90a work list for rows={rows} is not allocated and the stream is "
                     "being captured; call reserve() with these shapes before the capture")
