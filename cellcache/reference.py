@@ -171,7 +171,7 @@ class ReferenceTable:
         if self.declared is None:
             return 0
         ids = self.declared
-        seen = {s: self.pos(s) for s in ids}
+        seen = {s: self.pos(s) for s in dict.fromkeys(ids)}   # (each sequence once)
         total = 0
         for i, s in enumerate(ids):
             seen[s] += 1
