@@ -6,6 +6,8 @@ test_prefix_machine.py; tests/helpers_prefix.py keeps the truth of which token e
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -421,7 +423,7 @@ def loaded():
     return cache, prefix, w, s
 
 
-@pytest.mark.parametrize("tokens", BAD_TOKENS, ids=repr)
+@pytest.mark.parametrize("tokens", BAD_TOKENS, ids=lambda t: re.sub(r" at 0x[0-9a-f]+", "", repr(t)))
 def test_tokens_that_are_not_int_ids(loaded, tokens):
     cache, prefix, w, s = loaded
     before = state(prefix)
