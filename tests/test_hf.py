@@ -201,8 +201,8 @@ def test_generate_cli(tmp_path):
     (["--model", "/nonexistent/model", "--random-prompts", "1"], "the directory does not exist"),
 ])
 def test_generate_usage_errors(args, fragment, capsys):
-    # in this process (a process of its own pays torch's import, seconds on a small machine:
-    # test_generate_cli runs the command as a process, and so does the first case below)
+    # in this process (a process of its own pays torch's import, seconds on a small machine);
+    # test_generate_cli and the test after this one run the command as a process
     from cellcache.__main__ import main
 
     try:

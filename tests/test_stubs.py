@@ -18,4 +18,3 @@ def test_stubs_match_the_compiled_modules():
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"no issues found in {len(COMPILED)} modules" in result.stdout, result.stdout
