@@ -70,7 +70,8 @@ HOPPER_HEAD_DIMS = (64, 128)
 #: tile peeled off the loop (so ptxas keeps the wgmmas pipelined): "pipe" (the consumers copy
 #: a unit's Q), "qpre" (the producer copies it while the consumers finish the unit before;
 #: chosen: 0.62-0.97x FlashInfer's sm90 prefill, docs/design/attention.md), "early" (qpre with
-#: the unit's first K/V tile copied before its Q; not chosen until timed)
+#: the unit's first K/V tile copied before its Q; correct, and 1.04x qpre's time on the long
+#: prompt in its one timed run, the short prompts not yet timed)
 HOPPER_ENTRIES = ("pipe", "qpre", "early")
 HOPPER_ENTRY = "qpre"
 HOPPER_STAGES = {64: 4, 128: 3}
