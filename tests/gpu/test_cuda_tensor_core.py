@@ -355,6 +355,64 @@ def test_a_graph_captured_after_an_eager_forward_of_its_step_keeps_the_merge():
         rig.close()
 
 
+def test_scratch_that_must_grow_inside_a_capture_is_refused_and_changes_nothing():
+    """A launch whose scratch (work list, partials) outgrows what the kernels hold, on a stream
+    being captured, raises InvalidState (nothing may be allocated there) and leaves every
+    scratch pointer and size as they were: the tensor-core kernels' sm_80 path (a decode
+    launch), the table's prefill choice (on Hopper the sm_90a work list) and the CUDA-core
+    prefill's work list, each on kernels that ran only a 16-row step before. Outside the
+    capture the same launch grows it and gives the reference."""
+    torch = pytest.importorskip("torch")
+    from cellcache.cuda.tc import TensorCoreAttention
+    from cellcache.errors import InvalidState
+
+    rig = Rig("bfloat16", 128, 4, n_seqs=8, seed=41)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    kern = rig.cache.attention_kernels()
+    tc_fields = ("_plan", "_plan_bytes", "_part", "_part_bytes", "_cpart", "_cpart_bytes",
+                 "_plan90", "_plan90_bytes", "_share", "_share_bytes")
+    cc_fields = ("_tiles", "_tiles_bytes", "_workspace", "_workspace_bytes")
+
+    def scratch() -> tuple:
+        return ({f: getattr(rig.tc, f) for f in tc_fields}, list(rig.tc._live),
+                {f: getattr(kern, f) for f in cc_fields}, list(kern._retired))
+
+    def launch(decode, view, rows, q, k_pool, v_pool, out):
+        if decode is not None:                      # the tensor-core kernels
+            rig.run(view, rows, q, k_pool, v_pool, out, 0, decode=decode)
+            return
+        kern.prefill(view.paged_pointers(), rows, q.data_ptr(), (q.stride(0), q.stride(1)),
+                     k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), (out.stride(0), out.stride(1)),
+                     rig.H, N_KV, rig.D, 0, torch.cuda.current_stream().cuda_stream)
+
+    try:
+        ids = [int(s) for s in rig.seqs]
+        rows = 512
+        for what, decode in (("tensor cores, decode", True), ("tensor cores, prefill", False),
+                             ("CUDA cores, prefill", None)):
+            if decode is not None:                  # fresh kernels: scratch for 16 rows only
+                rig.tc.close()
+                rig.tc = TensorCoreAttention("bfloat16", sm)
+            st, view, k_pool, v_pool, q = rig.step(ids, 16)
+            launch(decode, view, 16, q, k_pool, v_pool, torch.empty_like(q))
+            st, view, k_pool, v_pool, q = rig.step([s for s in ids for _ in range(60)], rows)
+            out = torch.full_like(q, float("nan"))
+            torch.cuda.synchronize()
+            before = scratch()
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            with pytest.raises(InvalidState, match="being captured"):
+                with torch.cuda.graph(graph, stream=stream):
+                    launch(decode, view, rows, q, k_pool, v_pool, out)
+            del graph
+            assert scratch() == before, what
+            assert bool(out.isnan().all()), what                    # nothing ran
+            launch(decode, view, rows, q, k_pool, v_pool, out)      # outside a capture: it grows
+            assert scratch() != before, what
+            rig.check(st, view, k_pool, v_pool, q, 0, out=out, what=f"{what} after the refusal")
+    finally:
+        rig.close()
+
+
 def test_tensor_core_kernels_from_given_ptx():
     """A module from PTX bytes (to compare a kernel built from other sources, `bench.py
     --baseline-ptx`): the shipped PTX given as bytes computes the same output bit for bit;
