@@ -1,15 +1,16 @@
 """Processes for the tensor-parallel tests: ranks spawned over gloo (or NCCL), a rank that
 stops or dies on purpose, and ``cellcache generate`` under torchrun.
 
-:func:`run_ranks` spawns ``world`` processes (``torch.multiprocessing``, spawn), joins them in a
-gloo group through a file rendezvous in the test's tmp_path, runs ``fn(rank, world, *args)``
-on each and returns the results by rank. A child's exception fails the test with the
-child's traceback (torch's ``ProcessRaisedException`` carries it); a collective waits at
-most ``COLLECTIVE_TIMEOUT`` seconds; a run past ``timeout`` kills the children and fails.
-A rank is killed with the process that started it (even one that is stopped), so no rank
-outlives its test. Every function a rank runs is a module-level function (here, in
-tests/helpers_tp_cache.py, tests/helpers_tp_generate.py or tests/helpers_tp_gpu.py), so
-spawn can import it.
+:func:`run_ranks` starts ``world`` processes (``torch.multiprocessing``: over gloo forked
+from a forkserver that imported torch once, over NCCL spawned), joins them in a gloo group
+through a file rendezvous in the test's tmp_path, runs ``fn(rank, world, *args)`` on each
+and returns the results by rank. A child's exception fails the test with the child's
+traceback (torch's ``ProcessRaisedException`` carries it); a collective waits at most
+``COLLECTIVE_TIMEOUT`` seconds; a run past ``timeout`` kills the children and fails. A rank
+is killed with the process that started it (even one that is stopped; a forked rank's is
+the forkserver, which ends with the test process), so no rank outlives its test. Every
+function a rank runs is a module-level function (here, in tests/helpers_tp_cache.py,
+tests/helpers_tp_generate.py or tests/helpers_tp_gpu.py), so a rank can import it.
 
 :func:`run_cli` runs ``cellcache generate`` in a subprocess, under torchrun or not;
 ``python -m tests.helpers_tp HOW WHERE generate ARGS...`` is the CLI with rank 1 leaving
@@ -164,16 +165,30 @@ def run_ranks(fn: Any, tmp_path: Path, *args: Any, world: int = WORLD, timeout: 
     return out
 
 
+#: What the forkserver imports once, so that a gloo rank starts in a fork instead of a fresh
+#: interpreter importing torch (~4 s a rank on a 2-core machine, most of a CPU test's time)
+_PRELOAD = ["torch", "torch.distributed", "transformers", "cellcache.generate", "cellcache.hf",
+            "tests.helpers_tp", "tests.helpers_tp_cache", "tests.helpers_tp_generate",
+            "tests.helpers_tp_gpu"]
+
+
 def _spawn(fn: Any, tmp_path: Path, args: tuple, world: int, timeout: float, backend: str,
            lost: int = -1) -> Any:
-    """The ranks of :func:`run_ranks`, started (torch's process context)."""
+    """The ranks of :func:`run_ranks`, started (torch's process context). gloo ranks fork
+    from a forkserver (started once, with this process's sys.path and CUDA_VISIBLE_DEVICES
+    empty, then importing ``_PRELOAD``: it never touches a GPU); NCCL ranks are spawned, so
+    each starts its own CUDA."""
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     # CPU tests: the ranks see no GPU, so transformers' mesh is on the CPU even on a GPU host
+    method = "spawn"
     if backend == "gloo":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if "forkserver" in mp.get_all_start_methods():
+            method = "forkserver"
+            mp.set_forkserver_preload(_PRELOAD)
     try:
         return mp.start_processes(_entry, args=(fn, world, str(tmp_path), args, backend, timeout + 5, lost),
-                                  nprocs=world, join=False, start_method="spawn")
+                                  nprocs=world, join=False, start_method=method)
     finally:
         if saved is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
