@@ -1,4 +1,4 @@
-"""Processes for the tensor-parallel tests: ranks spawned over gloo (or NCCL), a rank that
+"""Processes for the tensor-parallel tests: ranks over gloo (or NCCL), a rank that
 stops or dies on purpose, and ``cellcache generate`` under torchrun.
 
 :func:`run_ranks` starts ``world`` processes (``torch.multiprocessing``: over gloo forked
