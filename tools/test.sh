@@ -11,8 +11,8 @@
 #   4. pytest again, the tests marked ``cython`` (tests/conftest.py: those whose subject is
 #      the compiled code), against a bounds-checked build of the Cython extensions
 #      (CELLCACHE_CYTHON_DEBUG=1: bounds checks and the table's assumption checks).
-# GPU tests skip where there is no cuda-bindings, driver or device. About 10-15 minutes on
-# a 2-core machine, most of it the first pass.
+# GPU tests skip where there is no cuda-bindings, driver or device. 13 to 26 minutes on a
+# 2-core machine (docs/design/testing.md), most of it the first pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
